@@ -1,0 +1,97 @@
+"""Page allocator: hands out whole pages of one pool and nothing else.
+
+Free pages sit on a stack ordered so that a fresh pool allocates ascending runs
+(0, 1, 2, ...): kvtier allocates the destination of its own transfers, and a
+consecutive destination turns a per-page scatter into one gather per buffer.
+Ownership is a bytearray (one byte per page, no per-page objects) so a double
+free or a foreign page is caught in O(1) without garbage-collector load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.errors import DoubleFreeError
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Result of :meth:`PageAllocator.alloc`: all ``requested`` pages, or none (``ok`` False)."""
+
+    pages: list[int]
+    requested: int
+    free_before: int
+
+    @property
+    def ok(self) -> bool:
+        return len(self.pages) == self.requested
+
+    @property
+    def shortfall(self) -> int:
+        return self.requested - len(self.pages)
+
+
+@dataclass
+class PageAllocator:
+    num_pages: int
+    name: str = "pool"
+    #: Page 0 reserved as the padding page (engines write padded tokens there).
+    reserve_padding_page: bool = False
+    _free: list[int] = field(init=False, repr=False)
+    _owned: bytearray = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_pages <= int(self.reserve_padding_page):
+            raise ValueError(f"{self.name}: needs at least {int(self.reserve_padding_page) + 1} pages, got {self.num_pages}")
+        first = 1 if self.reserve_padding_page else 0
+        self._free = list(range(self.num_pages - 1, first - 1, -1))
+        self._owned = bytearray(self.num_pages)
+        if self.reserve_padding_page:
+            self._owned[0] = 1
+
+    @property
+    def capacity(self) -> int:
+        """Allocatable pages (the padding page excluded)."""
+        return self.num_pages - int(self.reserve_padding_page)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.capacity - len(self._free)
+
+    def alloc(self, n: int) -> Allocation:
+        """``n`` pages, or none at all when fewer than ``n`` are free (an expected outcome)."""
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+        free_before = len(self._free)
+        if n > free_before:
+            return Allocation([], n, free_before)
+        pages = self._free[free_before - n :][::-1]
+        del self._free[free_before - n :]
+        for p in pages:
+            self._owned[p] = 1
+        return Allocation(pages, n, free_before)
+
+    def free(self, pages: list[int]) -> None:
+        """Return pages; raises DoubleFreeError (freeing nothing) if any is not allocated."""
+        owned = self._owned
+        for p in pages:
+            if not (0 <= p < self.num_pages) or not owned[p] or (p == 0 and self.reserve_padding_page):
+                raise DoubleFreeError(
+                    f"{self.name}: page {p} is not allocated (freed twice, never allocated, or the padding page); nothing was freed"
+                )
+        if len(set(pages)) != len(pages):
+            raise DoubleFreeError(f"{self.name}: the same page appears twice in one free call; nothing was freed")
+        for p in pages:
+            owned[p] = 0
+        self._free.extend(reversed(pages))
+
+    def is_allocated(self, page: int) -> bool:
+        return bool(self._owned[page])
+
+    def allocated_pages(self) -> set[int]:
+        first = 1 if self.reserve_padding_page else 0
+        return {p for p in range(first, self.num_pages) if self._owned[p]}

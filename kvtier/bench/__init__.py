@@ -1,0 +1,1 @@
+"""Benchmarks: each measures kvtier and its baseline in one run and prints ratios as JSON."""

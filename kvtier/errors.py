@@ -1,0 +1,81 @@
+"""kvtier's typed errors.
+
+Every error kvtier raises at its boundary derives from :class:`KVTierError`, and
+also from the builtin it refines, so ``except ValueError`` keeps working for
+callers that do not know kvtier. Messages say what was wrong and how to fix it.
+"Not enough space" is an expected outcome and is returned as a result, never
+raised; these exceptions are for misuse and for environments that cannot work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVTierError(Exception):
+    """Base of every error raised by kvtier."""
+
+
+class SpecError(KVTierError, ValueError):
+    """A KVSpec (or a preset name) is invalid. The message names the field."""
+
+
+class PageAlignmentError(KVTierError, ValueError):
+    """Token slots handed to a transfer or allocator are not whole pages.
+
+    Raised before any byte moves. The message names the count, the page size,
+    the pool and which side (host/device) is wrong. Fix: pass whole pages only
+    (the partial tail page of a request stays on device, or is padded).
+    """
+
+
+class UnknownNameError(KVTierError, ValueError):
+    """A name (preset, layout, io backend, storage scheme, policy) is unknown."""
+
+    def __init__(self, what: str, name: object, valid: Iterable[str]):
+        self.what, self.name, self.valid = what, name, sorted(valid)
+        super().__init__(f"unknown {what} {name!r}; valid: {', '.join(self.valid)}")
+
+
+class DoubleFreeError(KVTierError, ValueError):
+    """A page was freed that is not currently allocated (freed twice or never owned)."""
+
+
+class HostMemoryBudgetError(KVTierError, MemoryError):
+    """A host pool would not fit in available host memory (minus the reserve)."""
+
+    def __init__(self, requested_bytes: int, available_bytes: int, reserve_bytes: int, max_pages: int):
+        self.requested_bytes = requested_bytes
+        self.available_bytes = available_bytes
+        self.reserve_bytes = reserve_bytes
+        self.max_pages = max_pages
+        gb = 1 << 30
+        super().__init__(
+            f"host pool needs {requested_bytes / gb:.2f} GB but only "
+            f"{max(available_bytes - reserve_bytes, 0) / gb:.2f} GB is available "
+            f"({available_bytes / gb:.2f} GB free minus a {reserve_bytes / gb:.2f} GB reserve); "
+            f"shrink the host pool to at most {max_pages} pages (e.g. --host-gb), "
+            f"or lower the reserve"
+        )
+
+
+class ConfigError(KVTierError, ValueError):
+    """A configuration value is invalid; the message names the field."""
+
+
+class StorageError(KVTierError, OSError):
+    """An L3 backend could not be reached or used.
+
+    Per-key misses and per-key failures are results, not exceptions; this is
+    raised only where an operation cannot proceed at all (bad URL, missing
+    optional dependency). Backend client exceptions are mapped in one place
+    (:func:`kvtier.l3.base.map_storage_errors`).
+    """
+
+
+class InvalidStateError(KVTierError, RuntimeError):
+    """An operation was called in a state that does not allow it (e.g. unlocking an unlocked node)."""
+
+
+class PageIndexError(KVTierError, IndexError):
+    """A page or slot index is outside its pool."""

@@ -1,0 +1,69 @@
+"""L1 device pool: per-layer KV buffers in the engine's own shapes, on ``cpu`` or ``cuda``.
+
+Buffers follow DESIGN.md exactly (``k``/``v`` ``[num_slots, kv_heads, head_dim]``,
+``latent`` ``[num_slots, 1, rank + rope]``, ``indexer`` uint8 ``[num_pages, page_bytes]``).
+The DSA indexer has no allocator of its own: it rides on the same page indices
+as the latent buffer, so one allocation covers every buffer of the spec.
+With ``materialize=False`` the pool accounts pages but allocates no bytes
+(capacity planning at real model sizes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.alloc import PageAllocator
+from kvtier.pools.rows import as_wide_rows
+from kvtier.spec import KVSpec
+
+
+class DevicePool:
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        device: str | torch.device = "cpu",
+        *,
+        reserve_padding_page: bool = False,
+        materialize: bool = True,
+        name: str = "device pool",
+    ):
+        self.spec = spec
+        self.num_pages = num_pages
+        self.device = torch.device(device)
+        self.name = name
+        self.allocator = PageAllocator(num_pages, name, reserve_padding_page)
+        self.materialized = materialize
+        self.buffers: dict[str, list[torch.Tensor]] = {}
+        self._rows: dict[str, list[torch.Tensor]] = {}
+        if not materialize:
+            return
+        for b in spec.buffers:
+            shape = b.device_shape(num_pages, spec.page_size)
+            layers = [torch.zeros(shape, dtype=b.torch_dtype, device=self.device) for _ in range(spec.num_layers)]
+            self.buffers[b.name] = layers
+            self._rows[b.name] = [as_wide_rows(t.view(-1).view(torch.uint8).view(num_pages, b.page_bytes)) for t in layers]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.spec.page_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.spec.page_bytes
+
+    def buffer(self, name: str, layer: int) -> torch.Tensor:
+        """The engine-shaped tensor of one buffer in one layer."""
+        return self.buffers[name][layer]
+
+    def rows(self, name: str, layer: int) -> torch.Tensor:
+        """``[num_pages, page_bytes]`` view (widest dtype) of one buffer in one layer."""
+        return self._rows[name][layer]
+
+    def page_bytes(self, page: int) -> bytes:
+        """All layers and buffers of one page, concatenated (for tests and debugging)."""
+        parts = [self._rows[b.name][layer][page].view(torch.uint8).cpu() for layer in range(self.spec.num_layers) for b in self.spec.buffers]
+        return torch.cat(parts).numpy().tobytes()
+
+    def __repr__(self) -> str:
+        return f"DevicePool({self.spec.name}, pages={self.num_pages}, device={self.device}, free={self.allocator.num_free})"

@@ -1,0 +1,140 @@
+"""L2 host pool: the spec's buffers in host memory, ``layer_first`` or ``page_first``.
+
+Memory is pinned when CUDA is present (so copies to the device are async DMA),
+allocated once and touched once (fresh pages fault on first write and would
+make the first transfers several times slower). Before allocating, the pool
+checks the bytes it needs against available host memory minus a reserve and
+raises :class:`HostMemoryBudgetError` with the numbers and the fix.
+
+The allocator hands out whole pages only; token-unit requests must be
+page-aligned. Transfers in engine terms (token slot indices) are
+:meth:`load_to_device_per_layer` and :meth:`backup_from_device_all_layer`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kvtier.alloc import Allocation, PageAllocator
+from kvtier.errors import HostMemoryBudgetError, PageAlignmentError, SpecError
+from kvtier.layout import HostLayout, LayoutKind, check_layout
+from kvtier.pages import check_page_count, pages_to_slots, slots_to_pages
+from kvtier.pools.device import DevicePool
+from kvtier.pools.rows import as_wide_rows, check_pages_in_range
+from kvtier.spec import KVSpec
+
+DEFAULT_RESERVE_BYTES = 1 << 30
+
+
+def host_memory_available() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class HostPool:
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        layout: LayoutKind | str = "layer_first",
+        *,
+        pin_memory: bool | None = None,
+        reserve_bytes: int = DEFAULT_RESERVE_BYTES,
+        available_bytes: int | None = None,
+        materialize: bool = True,
+        name: str = "host pool",
+    ):
+        self.spec = spec
+        self.num_pages = num_pages
+        self.layout = HostLayout(check_layout(layout), spec.num_layers, num_pages)
+        self.name = name
+        self.materialized = materialize
+        self.allocator = PageAllocator(num_pages, name)
+        self.buffers: dict[str, torch.Tensor] = {}
+        self._rows: dict[str, list[torch.Tensor]] = {}
+        if not materialize:
+            self.pinned = False
+            return
+        requested = num_pages * spec.page_bytes
+        available = host_memory_available() if available_bytes is None else available_bytes
+        if requested > available - reserve_bytes:
+            raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
+        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
+        for b in spec.buffers:
+            t = torch.empty(self.layout.shape(b.page_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+            t.zero_()
+            self.buffers[b.name] = t
+            self._rows[b.name] = [as_wide_rows(self.layout.layer_rows(t, layer)) for layer in range(spec.num_layers)]
+
+    # ---- space ---------------------------------------------------------------
+    @property
+    def nbytes(self) -> int:
+        return self.num_pages * self.spec.page_bytes
+
+    def alloc_pages(self, n: int) -> Allocation:
+        return self.allocator.alloc(n)
+
+    def alloc(self, num_tokens: int) -> torch.Tensor | None:
+        """Token slots for ``num_tokens`` (page-aligned) or ``None`` when the pool is full."""
+        n = check_page_count(num_tokens, self.spec.page_size, what="host pool allocation")
+        got = self.allocator.alloc(n)
+        return pages_to_slots(got.pages, self.spec.page_size) if got.ok else None
+
+    def free(self, slots: torch.Tensor) -> None:
+        self.allocator.free(slots_to_pages(slots, self.spec.page_size, pool=self.name, side="host").tolist())
+
+    # ---- views ---------------------------------------------------------------
+    def rows(self, name: str, layer: int) -> torch.Tensor:
+        """``[num_pages, page_bytes]`` view (widest dtype; strided for page_first)."""
+        return self._rows[name][layer]
+
+    def page_bytes(self, page: int) -> bytes:
+        """All layers and buffers of one page, layer-major then buffer (same order as DevicePool)."""
+        parts = [self._rows[b.name][layer][page].view(torch.uint8) for layer in range(self.spec.num_layers) for b in self.spec.buffers]
+        return torch.cat(parts).numpy().tobytes()
+
+    # ---- transfers in engine terms -----------------------------------------
+    def _pages(self, device_pool: DevicePool, host_indices, device_indices) -> tuple[torch.Tensor, torch.Tensor]:
+        if device_pool.spec != self.spec:
+            raise SpecError(f"{self.name} holds {self.spec.name!r} but the device pool holds {device_pool.spec.name!r}; build both from one KVSpec")
+        ps = self.spec.page_size
+        host_pages = slots_to_pages(host_indices, ps, pool=self.name, side="host")
+        device_pages = slots_to_pages(device_indices, ps, pool=device_pool.name, side="device")
+        if host_pages.numel() != device_pages.numel():
+            raise PageAlignmentError(
+                f"host and device indices differ in length: {host_pages.numel() * ps} host slots vs "
+                f"{device_pages.numel() * ps} device slots (page_size {ps}); pass one device slot per host slot"
+            )
+        check_pages_in_range(host_pages, self.num_pages, pool=self.name, side="host")
+        check_pages_in_range(device_pages, device_pool.num_pages, pool=device_pool.name, side="device")
+        return host_pages, device_pages
+
+    def load_to_device_per_layer(self, device_pool: DevicePool, host_indices, device_indices, layer_id: int, io_backend: str = "direct") -> None:
+        """Copy one layer of every buffer (KV and DSA indexer) host -> device for whole pages."""
+        from kvtier.transfer.ops import load_pages_one_layer
+        from kvtier.transfer.backends import get_io_backend
+
+        backend = get_io_backend(io_backend)
+        host_pages, device_pages = self._pages(device_pool, host_indices, device_indices)
+        load_pages_one_layer(self, device_pool, host_pages, device_pages, layer_id, backend)
+
+    def backup_from_device_all_layer(self, device_pool: DevicePool, host_indices, device_indices, io_backend: str = "direct") -> None:
+        """Copy all layers of every buffer device -> host for whole pages."""
+        from kvtier.transfer.ops import backup_pages_all_layers
+        from kvtier.transfer.backends import get_io_backend
+
+        backend = get_io_backend(io_backend)
+        host_pages, device_pages = self._pages(device_pool, host_indices, device_indices)
+        backup_pages_all_layers(self, device_pool, host_pages, device_pages, backend)
+
+    def __repr__(self) -> str:
+        return f"HostPool({self.spec.name}, pages={self.num_pages}, layout={self.layout.kind}, free={self.allocator.num_free})"

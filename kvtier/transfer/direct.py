@@ -1,0 +1,91 @@
+"""The ``direct`` io backend: page-row copies with plain torch ops.
+
+Cost model (measured on the 2-core CI machine; see ``kvtier bench transfer``):
+a gather into a contiguous destination (``index_select(out=)``) or a scatter
+from a contiguous source (``index_copy_``) runs near memcpy speed; a Python loop
+of per-page copies, or a gather into a fresh temporary, runs at a fraction of
+it (the temporary page-faults). So: walk the side with fewer consecutive runs,
+one op per run; when both sides are scattered, go through a small per-thread
+scratch buffer that stays in cache.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kvtier.pages import runs_of
+
+#: Runs may be at most this fraction of pages before chunked gather+scatter is cheaper.
+_MAX_RUN_FRACTION = 0.25
+#: Bytes of scratch per chunk of a scattered->scattered copy (fits in L2/L3 cache).
+_SCRATCH_BYTES = 2 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class DirectPlan:
+    mode: Literal["gather_into_runs", "scatter_from_runs", "scratch"]
+    src: torch.Tensor
+    dst: torch.Tensor
+    #: (position in the index tensors, first page of the run, run length)
+    runs: list[tuple[int, int, int]]
+
+
+def plan(src_pages: torch.Tensor, dst_pages: torch.Tensor) -> DirectPlan:
+    n = src_pages.numel()
+    limit = max(1, int(n * _MAX_RUN_FRACTION))
+    dst_runs = runs_of(dst_pages)
+    if len(dst_runs) <= limit:
+        src_runs = runs_of(src_pages) if len(dst_runs) > 1 else None
+        if src_runs is None or len(dst_runs) <= len(src_runs):
+            return DirectPlan("gather_into_runs", src_pages, dst_pages, dst_runs)
+        return DirectPlan("scatter_from_runs", src_pages, dst_pages, src_runs)
+    src_runs = runs_of(src_pages)
+    if len(src_runs) <= limit:
+        return DirectPlan("scatter_from_runs", src_pages, dst_pages, src_runs)
+    return DirectPlan("scratch", src_pages, dst_pages, [])
+
+
+_local = threading.local()
+
+
+def _scratch(like: torch.Tensor, rows: int) -> torch.Tensor:
+    key = (like.device, like.dtype, like.shape[-1])
+    cache = _local.__dict__.setdefault("scratch", {})
+    buf = cache.get(key)
+    if buf is None or buf.shape[0] < rows:
+        buf = torch.empty((rows, like.shape[-1]), dtype=like.dtype, device=like.device)
+        buf.zero_()
+        cache[key] = buf
+    return buf
+
+
+def copy(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    if p.src.numel() == 0:
+        return
+    src_idx = p.src if src_rows.device.type == "cpu" else p.src.to(src_rows.device, non_blocking=True)
+    dst_idx = p.dst if dst_rows.device.type == "cpu" else p.dst.to(dst_rows.device, non_blocking=True)
+    cross = src_rows.device != dst_rows.device
+    if p.mode == "gather_into_runs" and not cross:
+        for pos, first, length in p.runs:
+            torch.index_select(src_rows, 0, src_idx[pos : pos + length], out=dst_rows[first : first + length])
+        return
+    if p.mode == "scatter_from_runs":
+        for pos, first, length in p.runs:
+            chunk = src_rows[first : first + length]
+            if cross:
+                chunk = chunk.to(dst_rows.device, non_blocking=True)
+            dst_rows.index_copy_(0, dst_idx[pos : pos + length], chunk)
+        return
+    # scattered -> scattered (or gather across devices): chunk through cached scratch
+    row_bytes = src_rows.shape[-1] * src_rows.element_size()
+    chunk_rows = max(1, _SCRATCH_BYTES // row_bytes)
+    scratch = _scratch(src_rows, min(chunk_rows, p.src.numel()))
+    for s in range(0, p.src.numel(), chunk_rows):
+        k = min(chunk_rows, p.src.numel() - s)
+        part = scratch[:k]
+        torch.index_select(src_rows, 0, src_idx[s : s + k], out=part)
+        dst_rows.index_copy_(0, dst_idx[s : s + k], part if not cross else part.to(dst_rows.device, non_blocking=True))

@@ -1,0 +1,29 @@
+"""Whole-page transfers between a host pool and a device pool, over every buffer of the spec.
+
+These take page indices that are already validated (the pools' engine-facing
+methods and the cache manager validate once). Every buffer of the spec moves
+together — KV and the DSA indexer — so no path can restore one without the
+other. The copy plan is computed once per transfer and reused for every
+buffer and layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtier.transfer.backends import IOBackend
+
+
+def load_pages_one_layer(host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int, backend: IOBackend, plan: Any = None) -> None:
+    plan = backend.plan(host_pages, device_pages) if plan is None else plan
+    for b in host.spec.buffers:
+        backend.copy(plan, host.rows(b.name, layer), device.rows(b.name, layer))
+
+
+def backup_pages_all_layers(host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, backend: IOBackend) -> None:
+    plan = backend.plan(device_pages, host_pages)
+    for layer in range(host.spec.num_layers):
+        for b in host.spec.buffers:
+            backend.copy(plan, device.rows(b.name, layer), host.rows(b.name, layer))

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# kvtier's two entry points on a fresh machine:
+#   ./run.sh        install, then run the main job (`kvtier run` on the built-in workload)
+#   ./run.sh test   install (with test extras and servers), then run the whole test suite
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+
+install() {
+    # torch first, pinned: the CPU wheel; a bare `torch` requirement could pull a CUDA build.
+    "$PY" -m pip install -q "torch==2.13.0"
+    "$PY" -m pip install -q -e ".$1"
+}
+
+servers() {
+    # Real servers for the L3 tests (Redis; libibverbs for Mooncake's transfer engine).
+    if ! command -v redis-server >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1; then
+        if command -v apt-get >/dev/null; then
+            export DEBIAN_FRONTEND=noninteractive
+            apt-get update -qq
+            apt-get install -y -qq redis-server redis-tools libibverbs1 >/dev/null
+        else
+            echo "run.sh: redis-server and libibverbs1 are needed for the test suite; install them" >&2
+            exit 1
+        fi
+    fi
+}
+
+case "${1:-run}" in
+    run)
+        install ""
+        shift || true
+        exec kvtier run "$@"
+        ;;
+    test)
+        install "[test]"
+        servers
+        shift
+        exec "$PY" -m pytest "$@"
+        ;;
+    *)
+        echo "usage: ./run.sh [run [kvtier run options] | test [pytest options]]" >&2
+        exit 2
+        ;;
+esac

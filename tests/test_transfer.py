@@ -1,0 +1,157 @@
+"""Page-aligned transfers: bit-exact round trips, alignment errors that move nothing, property tests."""
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+
+from kvtier import DevicePool, HostPool, KVSpec, PageAlignmentError, PageIndexError, SpecError, UnknownNameError
+from conftest import fill_random, slots, tiny_specs
+
+LAYOUTS = ["layer_first", "page_first"]
+
+
+def snapshot(pool):
+    if isinstance(pool, HostPool):
+        return {k: t.clone() for k, t in pool.buffers.items()}
+    return {k: [t.clone() for t in ls] for k, ls in pool.buffers.items()}
+
+
+def same(a, b):
+    return all(torch.equal(x.view(torch.uint8) if x.dtype != torch.uint8 else x, y.view(torch.uint8) if y.dtype != torch.uint8 else y)
+               for k in a for x, y in (zip(a[k], b[k]) if isinstance(a[k], list) else [(a[k], b[k])]))
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "dsa"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_bit_exact(kind, layout):
+    spec = tiny_specs(page_size=4, num_layers=3)[kind]
+    dev = DevicePool(spec, 12)
+    host = HostPool(spec, 10, layout)
+    fill_random(dev, seed=1)
+    src_pages, host_pages, dst_pages = [7, 2, 9, 3], [5, 0, 8, 1], [10, 11, 4, 0]
+    originals = [dev.page_bytes(p) for p in src_pages]
+    host.backup_from_device_all_layer(dev, slots(host_pages, 4), slots(src_pages, 4))
+    for layers in dev.buffers.values():
+        for t in layers:
+            t.zero_()
+    for layer in range(spec.num_layers):
+        host.load_to_device_per_layer(dev, slots(host_pages, 4), slots(dst_pages, 4), layer)
+    assert [dev.page_bytes(p) for p in dst_pages] == originals
+    assert [host.page_bytes(p) for p in host_pages] == originals
+    # untouched device pages stay zero
+    assert all(set(dev.page_bytes(p)) == {0} for p in range(12) if p not in dst_pages)
+
+
+def test_dsa_scales_region_travels():
+    spec = tiny_specs(page_size=4, num_layers=2)["dsa"]
+    dev, host = DevicePool(spec, 4), HostPool(spec, 4, "page_first")
+    keys_bytes = spec.page_size * spec.index_head_dim
+    idx = dev.buffer("indexer", 1)
+    idx[2, keys_bytes:] = torch.arange(idx.shape[1] - keys_bytes, dtype=torch.uint8) + 1  # scales only
+    scales = idx[2, keys_bytes:].clone()
+    host.backup_from_device_all_layer(dev, slots([3], 4), slots([2], 4))
+    idx.zero_()
+    host.load_to_device_per_layer(dev, slots([3], 4), slots([1], 4), 1)
+    assert torch.equal(idx[1, keys_bytes:], scales) and scales.count_nonzero() == scales.numel()
+
+
+@pytest.mark.parametrize(
+    "host_idx, message",
+    [
+        ([0, 1, 2], "3 token slots is not a multiple of page_size 4"),
+        ([2, 3, 4, 5], "starts at slot 2, which is not on a page boundary"),
+        ([0, 1, 2, 4], "are not consecutive"),
+    ],
+)
+@pytest.mark.parametrize("direction", ["load", "backup"])
+def test_misaligned_indices_raise_and_move_nothing(host_idx, message, direction):
+    spec = tiny_specs(page_size=4, num_layers=2)["dsa"]
+    dev, host = DevicePool(spec, 4), HostPool(spec, 4)
+    fill_random(dev, 2)
+    fill_random(host, 3)
+    before_dev, before_host = snapshot(dev), snapshot(host)
+    dev_idx = torch.arange(len(host_idx))
+    with pytest.raises(PageAlignmentError) as e:
+        if direction == "load":
+            host.load_to_device_per_layer(dev, torch.tensor(host_idx), dev_idx, 0)
+        else:
+            host.backup_from_device_all_layer(dev, torch.tensor(host_idx), dev_idx)
+    assert message in str(e.value) and "host indices for host pool" in str(e.value)
+    assert isinstance(e.value, ValueError)
+    assert same(snapshot(dev), before_dev) and same(snapshot(host), before_host)
+
+
+def test_aligned_eight_slots_succeed_and_device_side_named():
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    dev, host = DevicePool(spec, 4), HostPool(spec, 4)
+    fill_random(dev, 4)
+    host.backup_from_device_all_layer(dev, torch.arange(8), torch.arange(8, 16))
+    assert host.page_bytes(0) == dev.page_bytes(2) and host.page_bytes(1) == dev.page_bytes(3)
+    with pytest.raises(PageAlignmentError, match="device indices for device pool"):
+        host.backup_from_device_all_layer(dev, torch.arange(8), torch.arange(1, 9))
+    with pytest.raises(PageAlignmentError, match="differ in length: 8 host slots vs 4 device slots"):
+        host.backup_from_device_all_layer(dev, torch.arange(8), torch.arange(4))
+
+
+def test_empty_indices_are_a_noop():
+    spec = tiny_specs(page_size=4, num_layers=1)["mha"]
+    dev, host = DevicePool(spec, 2), HostPool(spec, 2)
+    fill_random(dev, 5)
+    before = snapshot(host)
+    host.backup_from_device_all_layer(dev, torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64))
+    host.load_to_device_per_layer(dev, [], [], 0)
+    assert same(snapshot(host), before)
+
+
+def test_out_of_range_unknown_backend_and_spec_mismatch():
+    specs = tiny_specs(page_size=4, num_layers=1)
+    dev, host = DevicePool(specs["mha"], 2), HostPool(specs["mha"], 2)
+    with pytest.raises(PageIndexError, match="page 5 is outside"):
+        host.load_to_device_per_layer(dev, slots([5], 4), slots([0], 4), 0)
+    with pytest.raises(UnknownNameError, match="valid: direct"):
+        host.load_to_device_per_layer(dev, slots([0], 4), slots([0], 4), 0, io_backend="kernel")
+    with pytest.raises(SpecError, match="one KVSpec"):
+        host.load_to_device_per_layer(DevicePool(specs["mla"], 2), slots([0], 4), slots([0], 4), 0)
+
+
+@st.composite
+def transfer_case(draw):
+    page_size = draw(st.sampled_from([1, 2, 4, 8]))
+    kind = draw(st.sampled_from(["mha", "mla", "dsa"]))
+    layers = draw(st.integers(1, 3))
+    spec = tiny_specs(page_size=page_size, num_layers=layers)[kind]
+    dev_pages = draw(st.integers(1, 12))
+    host_pages = draw(st.integers(1, 12))
+    n = draw(st.integers(0, min(dev_pages, host_pages)))
+    dev_sel = draw(st.permutations(range(dev_pages)))[:n]
+    host_sel = draw(st.permutations(range(host_pages)))[:n]
+    if draw(st.booleans()):
+        dev_sel = sorted(dev_sel)  # exercise run-coalescing paths too
+    layout = draw(st.sampled_from(LAYOUTS))
+    return spec, dev_pages, host_pages, dev_sel, host_sel, layout, draw(st.integers(0, 2**16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(transfer_case())
+def test_property_transfers_preserve_bytes_and_touch_only_given_pages(case):
+    spec, n_dev, n_host, dev_sel, host_sel, layout, seed = case
+    ps = spec.page_size
+    dev, host = DevicePool(spec, n_dev), HostPool(spec, n_host, layout)
+    fill_random(dev, seed)
+    fill_random(host, seed + 1)
+    dev_before = [dev.page_bytes(p) for p in range(n_dev)]
+    host_before = [host.page_bytes(p) for p in range(n_host)]
+    host.backup_from_device_all_layer(dev, slots(host_sel, ps), slots(dev_sel, ps))
+    for p in range(n_host):
+        expect = dev_before[dev_sel[host_sel.index(p)]] if p in host_sel else host_before[p]
+        assert host.page_bytes(p) == expect
+    assert [dev.page_bytes(p) for p in range(n_dev)] == dev_before
+    # load back into a reversed destination order
+    targets = list(reversed(dev_sel))
+    host_after = [host.page_bytes(p) for p in range(n_host)]
+    for layer in range(spec.num_layers):
+        host.load_to_device_per_layer(dev, slots(host_sel, ps), slots(targets, ps), layer)
+    for p in range(n_dev):
+        expect = host_after[host_sel[targets.index(p)]] if p in targets else dev_before[p]
+        assert dev.page_bytes(p) == expect
