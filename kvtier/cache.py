@@ -1,0 +1,429 @@
+"""The hierarchical prefix cache engines call: match, load back, insert, evict.
+
+Policy lives here; space is the pools' allocators; movement is the
+:class:`~kvtier.transfer.engine.TransferEngine`. This class never copies a byte.
+
+Threading: one thread (the engine's scheduler) calls every method. Transfers
+run on the engine's worker; their completions are applied by :meth:`poll`,
+which every public method calls first.
+
+Request flow::
+
+    m = cache.match(tokens)          # device pages usable now, host pages that follow
+    cache.lock(m.last_node)          # keep the matched path while the request runs
+    ld = cache.load_back(m)          # async per-layer host->device load of m.host_nodes
+    new = cache.alloc_device(k)      # pages for the tokens to compute (evicts LRU if needed)
+    for i in layers: ld.wait_layer(i); attend(i)
+    ins = cache.insert(tokens, ld.device_pages + new_full_pages)   # the tail page stays the caller's
+    cache.unlock(m.last_node)
+
+Page alignment holds by construction: keys exist only for full pages, the tree
+stores whole pages, and every transfer is a list of page indices.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.alloc import Allocation
+from kvtier.config import CacheConfig
+from kvtier.errors import PageAlignmentError
+from kvtier.hashing import Namespace, PageHash, page_keys
+from kvtier.metrics import CacheStats
+from kvtier.radix import NO_PAGE, PageNode, PrefixTree
+from kvtier.transfer.engine import TransferEngine, TransferJob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Where a request's full-page prefix is cached.
+
+    ``device_pages`` are usable now (after waiting on ``pending`` loads other
+    requests started); ``host_nodes`` follow them and need :meth:`HierarchicalCache.load_back`.
+    """
+
+    keys: list[PageHash]
+    device_pages: list[int]
+    host_nodes: tuple[PageNode, ...]
+    last_node: PageNode | None
+    pending: tuple[TransferJob, ...] = ()
+
+    @property
+    def num_device_pages(self) -> int:
+        return len(self.device_pages)
+
+    @property
+    def num_host_pages(self) -> int:
+        return len(self.host_nodes)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Result of :meth:`HierarchicalCache.load_back`; ``loaded < requested`` when the device was full."""
+
+    job: TransferJob | None
+    device_pages: list[int]
+    loaded: int
+    requested: int
+    pending: tuple[TransferJob, ...] = ()
+
+    def wait_layer(self, layer: int) -> None:
+        for j in self.pending:
+            j.wait_layer(layer)
+        if self.job is not None:
+            self.job.wait_layer(layer)
+
+    def wait(self) -> None:
+        for j in self.pending:
+            j.wait()
+        if self.job is not None:
+            self.job.wait()
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """``device_pages`` are the cache's pages for the inserted keys (use them from now on);
+    ``freed`` are caller pages released because the key was already on device."""
+
+    device_pages: list[int]
+    new_pages: int
+    freed: list[int]
+    last_node: PageNode | None
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    requested: int
+    evicted: int
+    backed_up: int = 0
+    dropped: int = 0
+
+
+class HierarchicalCache:
+    def __init__(self, device_pool, host_pool, config: CacheConfig = CacheConfig(), *, namespace: Namespace | None = None, engine: TransferEngine | None = None, stats: CacheStats | None = None):
+        if device_pool.spec != host_pool.spec:
+            from kvtier.errors import SpecError
+
+            raise SpecError("device and host pools must be built from the same KVSpec")
+        self.spec = device_pool.spec
+        self.device = device_pool
+        self.host = host_pool
+        self.config = config
+        self.namespace = namespace or Namespace("default", self.spec.fingerprint())
+        self.root_key = self.namespace.root(config.hash_algo)
+        self.engine = engine or TransferEngine(host_pool, device_pool, config.io_backend)
+        self.stats = stats or CacheStats()
+        self.tree = PrefixTree()
+        self.dev_alloc = device_pool.allocator
+        self.host_alloc = host_pool.allocator
+        self._page_bytes = self.spec.page_bytes
+
+    # ---- keys ------------------------------------------------------------------
+    def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
+        return page_keys(token_ids, self.spec.page_size, self.root_key, self.config.hash_algo)
+
+    # ---- completions -------------------------------------------------------------
+    def poll(self) -> int:
+        """Apply finished transfers to the bookkeeping. Returns how many jobs finished."""
+        jobs = self.engine.take_finished()
+        for job in jobs:
+            kind, nodes = job.tag
+            if kind == "backup":
+                self._finish_backup(job, nodes)
+            elif kind == "load":
+                self._finish_load(job, nodes)
+        return len(jobs)
+
+    def _finish_backup(self, job: TransferJob, nodes: list[PageNode]) -> None:
+        tree = self.tree
+        if job.error is None:
+            for n in nodes:
+                n.host_ready = True
+            self.stats.backed_up_pages += len(nodes)
+            self.stats.backed_up_bytes += len(nodes) * self._page_bytes
+        else:
+            self.stats.transfer_failures += 1
+            self.host_alloc.free([tree.clear_host(n) for n in nodes])
+        tree.unlock(nodes[-1])
+
+    def _finish_load(self, job: TransferJob, nodes: list[PageNode]) -> None:
+        for n in nodes:
+            if n.loading is job:
+                n.loading = None
+        if job.error is not None:  # the device copies are garbage: drop them, deepest first
+            self.stats.transfer_failures += 1
+            self.tree.unlock(nodes[-1])
+            for n in reversed(nodes):
+                if n.device_page != NO_PAGE and n.device_children == 0 and n.lock_ref == 0:
+                    self.dev_alloc.free([self.tree.clear_device(n)])
+            return
+        self.stats.loaded_pages += len(nodes)
+        self.stats.loaded_bytes += len(nodes) * self._page_bytes
+        self.tree.unlock(nodes[-1])
+
+    # ---- match -------------------------------------------------------------------
+    def match(self, tokens_or_keys: Sequence[int] | list[PageHash]) -> MatchResult:
+        """Longest cached prefix (full pages only); counts hits, may trigger selective backups."""
+        self.poll()
+        keys = self._keys(tokens_or_keys)
+        path = self.tree.walk(keys)
+        self.tree.touch(path)
+        n_dev = 0
+        for node in path:
+            if node.device_page == NO_PAGE:
+                break
+            n_dev += 1
+        host_nodes = []
+        for node in path[n_dev:]:
+            if node.host_page == NO_PAGE or not node.host_ready:
+                break
+            host_nodes.append(node)
+        matched = path[: n_dev + len(host_nodes)]
+        for node in matched:
+            node.hit_count += 1
+        pending = tuple({id(n.loading): n.loading for n in path[:n_dev] if n.loading is not None}.values())
+        st = self.stats
+        st.requests += 1
+        st.lookup_pages += len(keys)
+        st.device_hit_pages += n_dev
+        st.host_hit_pages += len(host_nodes)
+        if self.config.write_policy == "write_through_selective":
+            due = [n for n in path[:n_dev] if n.host_page == NO_PAGE and n.hit_count >= self.config.write_through_threshold]
+            if due:
+                self._backup(due)
+        return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending)
+
+    def _keys(self, tokens_or_keys) -> list[PageHash]:
+        if len(tokens_or_keys) and isinstance(tokens_or_keys[0], bytes):
+            return list(tokens_or_keys)
+        return self.page_keys(tokens_or_keys)
+
+    # ---- locks -------------------------------------------------------------------
+    def lock(self, node: PageNode | None) -> None:
+        """Protect ``node`` and its ancestors from eviction until :meth:`unlock`."""
+        self.tree.lock(node)
+
+    def unlock(self, node: PageNode | None) -> None:
+        self.tree.unlock(node)
+
+    # ---- load back ---------------------------------------------------------------
+    def load_back(self, match: MatchResult) -> LoadResult:
+        """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
+
+        Loads as many leading host pages as the device can hold after eviction;
+        the rest stay on host (``loaded < requested``), nothing is half-assigned.
+        """
+        self.poll()
+        # the match may be stale: keep the leading run that still directly follows the device prefix
+        valid: list[PageNode] = []
+        for n in match.host_nodes:
+            if n.device_page != NO_PAGE or n.host_page == NO_PAGE or not n.host_ready:
+                break
+            if (n.parent is not valid[-1]) if valid else (n.parent is not None and n.parent.device_page == NO_PAGE):
+                break
+            valid.append(n)
+        prefix_pages = list(match.device_pages)
+        if not valid:
+            return LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending)
+        self.tree.lock(valid[-1])  # pins the matched path while we make room
+        got = self.alloc_device(len(valid))
+        if not got.ok:
+            take = min(len(valid), self.dev_alloc.num_free)
+            got = self.dev_alloc.alloc(take)
+            self.stats.load_shortfall_pages += len(valid) - take
+        self.tree.unlock(valid[-1])
+        served = valid[: len(got.pages)]
+        if not served:
+            return LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending)
+        for n, page in zip(served, got.pages):
+            self.tree.set_device(n, page)
+        self.tree.touch(served)  # LRU order must keep descendants older than ancestors
+        self.tree.lock(served[-1])  # released when the load completes (poll)
+        job = self.engine.load([n.host_page for n in served], got.pages, tag=("load", served))
+        for n in served:
+            n.loading = job
+        return LoadResult(job, prefix_pages + got.pages, len(served), len(match.host_nodes), match.pending)
+
+    # ---- space -------------------------------------------------------------------
+    def alloc_device(self, n: int) -> Allocation:
+        """``n`` device pages, evicting LRU device pages if needed; ``ok`` False if impossible."""
+        self.poll()
+        got = self.dev_alloc.alloc(n)
+        if got.ok:
+            return got
+        self.evict_device(n - self.dev_alloc.num_free)
+        return self.dev_alloc.alloc(n)
+
+    def free_device(self, pages: list[int]) -> None:
+        """Return caller-owned device pages (e.g. a request's partial tail page)."""
+        self.dev_alloc.free(pages)
+
+    def _alloc_host(self, n: int) -> Allocation:
+        got = self.host_alloc.alloc(n)
+        if got.ok:
+            return got
+        self.evict_host(n - self.host_alloc.num_free)
+        return self.host_alloc.alloc(n)
+
+    # ---- insert ------------------------------------------------------------------
+    def insert(self, tokens_or_keys, device_pages: Sequence[int]) -> InsertResult:
+        """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
+
+        Ownership of every page in ``device_pages`` passes to the cache. Pages
+        whose key is already on device are freed (``freed``); use
+        ``device_pages`` of the result afterwards.
+        """
+        self.poll()
+        keys = self._keys(tokens_or_keys)
+        device_pages = list(device_pages)
+        if len(device_pages) != len(keys):
+            raise PageAlignmentError(
+                f"insert into {self.device.name}: {len(device_pages)} device pages for {len(keys)} full pages of keys "
+                f"(page_size {self.spec.page_size}); pass exactly one page per full page, keep the partial tail page out"
+            )
+        tree = self.tree
+        nodes = tree.nodes
+        parent: PageNode | None = None
+        freed: list[int] = []
+        canonical: list[int] = []
+        fresh: list[PageNode] = []
+        for key, page in zip(keys, device_pages):
+            node = nodes.get(key)
+            if node is None:
+                node = tree.add(key, parent)
+                tree.set_device(node, page)
+                fresh.append(node)
+            elif node.device_page == NO_PAGE:
+                tree.set_device(node, page)
+            elif node.device_page != page:
+                freed.append(page)
+            canonical.append(node.device_page)
+            parent = node
+        if freed:
+            self.dev_alloc.free(freed)
+        st = self.stats
+        st.inserted_pages += len(fresh)
+        st.duplicate_pages += len(freed)
+        if parent is not None:
+            tree.touch([nodes[k] for k in keys])
+        if self.config.write_policy == "write_through":
+            due = [nodes[k] for k in keys if nodes[k].host_page == NO_PAGE]
+            if due:
+                self._backup(due)
+        return InsertResult(canonical, len(fresh), freed, parent)
+
+    # ---- backup ------------------------------------------------------------------
+    def _backup(self, nodes: list[PageNode]) -> int:
+        """Start async device->host backups of ``nodes`` (one root-to-leaf path). Returns pages started."""
+        got = self._alloc_host(len(nodes))
+        if not got.ok:
+            take = min(len(nodes), self.host_alloc.num_free)
+            self.stats.backup_skipped_pages += len(nodes) - take
+            nodes = nodes[:take]
+            got = self.host_alloc.alloc(take)
+        if not nodes:
+            return 0
+        for n, page in zip(nodes, got.pages):
+            self.tree.set_host(n, page, ready=False)
+        self.tree.touch(nodes)  # LRU order must keep descendants older than ancestors
+        self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
+        self.engine.backup([n.device_page for n in nodes], got.pages, tag=("backup", nodes))
+        return len(nodes)
+
+    # ---- eviction ----------------------------------------------------------------
+    def evict_device(self, n: int) -> EvictResult:
+        """Free at least ``n`` device pages if possible, LRU leaves first; locked pages are never touched.
+
+        Pages with a ready host copy just drop the device copy; device-only
+        pages are backed up first (``on_device_evict="backup"``) or dropped.
+        """
+        victims = self.tree.device_victims(n)
+        backed = dropped = freed = 0
+        unbacked = [v for v in victims if v.host_page == NO_PAGE]
+        if unbacked and self.config.on_device_evict == "backup":
+            backed = self._backup_for_eviction(unbacked)
+        for v in victims:  # descendants before ancestors: each clear keeps residency prefix-closed
+            if v.device_children:  # a descendant could not leave (its backup failed): keep this one too
+                continue
+            if v.host_page != NO_PAGE and v.host_ready:
+                self.dev_alloc.free([self.tree.clear_device(v)])
+                freed += 1
+            elif v.host_page == NO_PAGE and v.num_children == 0:
+                self.dev_alloc.free([self.tree.clear_device(v)])
+                self.tree.remove(v)
+                dropped += 1
+                freed += 1
+        self.stats.device_evicted_pages += freed
+        self.stats.dropped_pages += dropped
+        return EvictResult(n, freed, backed, dropped)
+
+    def _backup_for_eviction(self, victims: list[PageNode]) -> int:
+        """Synchronous backup of eviction victims (write_back): they are freed right after."""
+        got = self._alloc_host(len(victims))
+        if not got.ok:
+            got = self.host_alloc.alloc(min(len(victims), self.host_alloc.num_free))
+        victims = victims[: len(got.pages)]
+        if not victims:
+            return 0
+        for v, page in zip(victims, got.pages):  # victims are LRU-ordered, descendants first
+            self.tree.set_host(v, page, ready=False)
+            self.tree.lock(v)
+        job = self.engine.backup([v.device_page for v in victims], got.pages, tag=("evict-backup", victims))
+        job.finished.wait()
+        for v in victims:
+            self.tree.unlock(v)
+        if job.error is not None:
+            self.stats.transfer_failures += 1
+            self.host_alloc.free([self.tree.clear_host(v) for v in victims])
+            return 0
+        for v in victims:
+            v.host_ready = True
+        self.stats.backed_up_pages += len(victims)
+        self.stats.backed_up_bytes += len(victims) * self._page_bytes
+        return len(victims)
+
+    def evict_host(self, n: int) -> EvictResult:
+        """Free at least ``n`` host pages whose device copy is gone, LRU leaves first."""
+        victims = self.tree.host_victims(n)
+        for node in victims:  # leaves before their parents
+            self.host_alloc.free([self.tree.clear_host(node)])
+            self.tree.remove(node)
+        self.stats.host_evicted_pages += len(victims)
+        return EvictResult(n, len(victims))
+
+    # ---- integrity & lifecycle ------------------------------------------------------
+    def wait_idle(self) -> None:
+        """Wait for every transfer in flight and apply its completion."""
+        self.engine.drain()
+        self.poll()
+
+    def check_integrity(self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset()) -> None:
+        """Prove the accounting: tree + caller-owned + free == total for each pool, no page owned twice."""
+        self.tree.check()
+        dev_owned = [n.device_page for n in self.tree.nodes.values() if n.device_page != NO_PAGE]
+        host_owned = [n.host_page for n in self.tree.nodes.values() if n.host_page != NO_PAGE]
+        assert len(dev_owned) == len(set(dev_owned)), "a device page is owned by two nodes"
+        assert len(host_owned) == len(set(host_owned)), "a host page is owned by two nodes"
+        assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"
+        assert set(dev_owned) | set(caller_device_pages) == self.dev_alloc.allocated_pages() - ({0} if self.dev_alloc.reserve_padding_page else set()), "device allocator and tree disagree (leak or foreign page)"
+        assert set(host_owned) | set(caller_host_pages) == self.host_alloc.allocated_pages(), "host allocator and tree disagree (leak or foreign page)"
+
+    def close(self) -> None:
+        self.engine.close()
+        self.poll()
+
+    def __enter__(self) -> HierarchicalCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

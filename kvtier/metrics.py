@@ -1,0 +1,73 @@
+"""Cache statistics: a plain counters dataclass, snapshots, and an injected Prometheus collector.
+
+Nothing here is global: a cache owns its :class:`CacheStats`; Prometheus export
+is a collector registered in a registry the caller passes in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class CacheStats:
+    requests: int = 0
+    lookup_pages: int = 0
+    device_hit_pages: int = 0
+    host_hit_pages: int = 0
+    storage_hit_pages: int = 0
+    inserted_pages: int = 0
+    duplicate_pages: int = 0
+    device_evicted_pages: int = 0
+    host_evicted_pages: int = 0
+    dropped_pages: int = 0
+    loaded_pages: int = 0
+    loaded_bytes: int = 0
+    backed_up_pages: int = 0
+    backed_up_bytes: int = 0
+    load_shortfall_pages: int = 0
+    backup_skipped_pages: int = 0
+    transfer_failures: int = 0
+    storage_saved_pages: int = 0
+    storage_saved_bytes: int = 0
+    storage_prefetched_pages: int = 0
+    storage_prefetched_bytes: int = 0
+    storage_failures: int = 0
+    storage_corrupt_pages: int = 0
+
+    def snapshot(self) -> CacheStats:
+        return dataclasses.replace(self)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    @property
+    def miss_pages(self) -> int:
+        return self.lookup_pages - self.device_hit_pages - self.host_hit_pages - self.storage_hit_pages
+
+    def hit_ratio(self, tier: str) -> float:
+        hits = getattr(self, f"{tier}_hit_pages")
+        return hits / self.lookup_pages if self.lookup_pages else 0.0
+
+
+class PrometheusCollector:
+    """Exports a stats source as ``kvtier_<field>_total`` counters. Register it in your registry::
+
+        registry = prometheus_client.CollectorRegistry()
+        registry.register(PrometheusCollector(lambda: cache.stats.snapshot(), labels={"instance": "0"}))
+    """
+
+    def __init__(self, source, labels: dict[str, str] | None = None, prefix: str = "kvtier"):
+        self.source = source
+        self.labels = labels or {}
+        self.prefix = prefix
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        stats = self.source()
+        for name, value in stats.as_dict().items():
+            fam = CounterMetricFamily(f"{self.prefix}_{name}", f"kvtier cache counter {name}", labels=list(self.labels))
+            fam.add_metric(list(self.labels.values()), value)
+            yield fam

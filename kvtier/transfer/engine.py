@@ -1,0 +1,212 @@
+"""Asynchronous page movement: one worker, handlers keyed by ``(src_medium, dst_medium)``.
+
+Contract:
+
+* Submitting returns a :class:`TransferJob` at once; the bytes move on a worker
+  thread, in submission order (FIFO), so a load queued after a backup of the
+  same host page reads the finished backup.
+* Loads signal each layer as it lands: ``wait_layer(i)`` returns once every
+  buffer of layer ``i`` is on the device, before layer ``i+1`` is copied, so
+  attention of layer ``i`` overlaps the rest of the load.
+* On CUDA, copies run on a dedicated stream and each layer records a CUDA
+  event; ``wait_layer`` makes the *current stream* wait on it (no host stall)
+  and ``wait`` synchronises. On CPU the worker thread sets a threading event per
+  layer. The API is the same.
+* Finished jobs are collected with :meth:`take_finished` by the one thread
+  that owns the cache bookkeeping; the worker never touches bookkeeping.
+* A job that fails records its exception (``job.error``) and is still finished;
+  nothing is retried here.
+* With unmaterialized pools (capacity planning) jobs complete at submission and
+  move nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from kvtier.transfer.backends import IOBackend, get_io_backend
+from kvtier.transfer.ops import backup_pages_all_layers, load_pages_one_layer
+
+log = logging.getLogger(__name__)
+
+Medium = Literal["device", "host", "storage"]
+
+
+@dataclass(eq=False)
+class TransferJob:
+    job_id: int
+    src: Medium
+    dst: Medium
+    src_pages: torch.Tensor
+    dst_pages: torch.Tensor
+    num_layers: int
+    tag: object = None
+    layer_ready: list[threading.Event] = field(default_factory=list)
+    cuda_events: list = field(default_factory=list)
+    finished: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    @property
+    def num_pages(self) -> int:
+        return self.src_pages.numel()
+
+    def wait_layer(self, layer: int) -> None:
+        """Block until layer ``layer`` of a load is usable (CUDA: ordered on the current stream)."""
+        if self.layer_ready:
+            self.layer_ready[layer].wait()
+            if self.cuda_events:
+                torch.cuda.current_stream().wait_event(self.cuda_events[layer])
+        else:
+            self.finished.wait()
+        if self.error is not None:
+            raise self.error
+
+    def wait(self) -> None:
+        self.finished.wait()
+        if self.cuda_events:
+            self.cuda_events[-1].synchronize()
+        if self.error is not None:
+            raise self.error
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+
+#: handler(engine, job, layer_done) moves a job's bytes; layer_done(i) after each layer for loads.
+Handler = Callable[["TransferEngine", TransferJob, Callable[[int], None]], None]
+
+
+def _device_to_host(engine: TransferEngine, job: TransferJob, layer_done: Callable[[int], None]) -> None:
+    backup_pages_all_layers(engine.host, engine.device, job.dst_pages, job.src_pages, engine.backend)
+
+
+def _host_to_device(engine: TransferEngine, job: TransferJob, layer_done: Callable[[int], None]) -> None:
+    plan = engine.backend.plan(job.src_pages, job.dst_pages)
+    for layer in range(job.num_layers):
+        load_pages_one_layer(engine.host, engine.device, job.src_pages, job.dst_pages, layer, engine.backend, plan)
+        layer_done(layer)
+
+
+class TransferEngine:
+    def __init__(self, host_pool, device_pool, io_backend: str | IOBackend = "direct", *, name: str = "kvtier-transfer"):
+        self.host = host_pool
+        self.device = device_pool
+        self.backend = get_io_backend(io_backend)
+        self.num_layers = host_pool.spec.num_layers
+        self.materialized = host_pool.materialized and device_pool.materialized
+        self.cuda = self.materialized and device_pool.device.type == "cuda"
+        self.stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
+        self.handlers: dict[tuple[Medium, Medium], Handler] = {}
+        self.register_handler("device", "host", _device_to_host)
+        self.register_handler("host", "device", _host_to_device)
+        self._ids = itertools.count(1)
+        self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
+        self._queue: queue.Queue[TransferJob | None] = queue.Queue()
+        self._closed = False
+        self._worker = threading.Thread(target=self._run, name=name, daemon=True) if self.materialized else None
+        if self._worker is not None:
+            self._worker.start()
+
+    def register_handler(self, src: Medium, dst: Medium, handler: Handler) -> None:
+        self.handlers[(src, dst)] = handler
+
+    # ---- submission ----------------------------------------------------------------
+    def submit(self, src: Medium, dst: Medium, src_pages: list[int] | torch.Tensor, dst_pages: list[int] | torch.Tensor, tag: object = None) -> TransferJob:
+        from kvtier.errors import InvalidStateError, UnknownNameError
+
+        if self._closed:
+            raise InvalidStateError("transfer engine is closed")
+        if (src, dst) not in self.handlers:
+            raise UnknownNameError("transfer direction", f"{src}->{dst}", [f"{a}->{b}" for a, b in self.handlers])
+        job = TransferJob(next(self._ids), src, dst, torch.as_tensor(src_pages, dtype=torch.int64), torch.as_tensor(dst_pages, dtype=torch.int64), self.num_layers, tag)
+        if dst == "device":
+            job.layer_ready = [threading.Event() for _ in range(self.num_layers)]
+        if self._worker is None:  # accounting only
+            for ev in job.layer_ready:
+                ev.set()
+            job.finished.set()
+            self._finished.put(job)
+            return job
+        self._queue.put(job)
+        return job
+
+    def load(self, host_pages, device_pages, tag: object = None) -> TransferJob:
+        return self.submit("host", "device", host_pages, device_pages, tag)
+
+    def backup(self, device_pages, host_pages, tag: object = None) -> TransferJob:
+        return self.submit("device", "host", device_pages, host_pages, tag)
+
+    def take_finished(self) -> list[TransferJob]:
+        out = []
+        while True:
+            try:
+                out.append(self._finished.get_nowait())
+            except queue.Empty:
+                return out
+
+    # ---- worker --------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                self._execute(job)
+            finally:
+                self._queue.task_done()
+
+    def _execute(self, job: TransferJob) -> None:
+        def layer_done(i: int) -> None:
+            if self.cuda:
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+                job.cuda_events.append(ev)
+            job.layer_ready[i].set()
+
+        try:
+            if self.cuda:
+                with torch.cuda.stream(self.stream):
+                    self.handlers[(job.src, job.dst)](self, job, layer_done)
+                    if not job.cuda_events:
+                        ev = torch.cuda.Event()
+                        ev.record(self.stream)
+                        job.cuda_events.append(ev)
+                job.cuda_events[-1].synchronize()
+            else:
+                self.handlers[(job.src, job.dst)](self, job, layer_done)
+        except BaseException as e:  # recorded for the owner; the worker keeps serving
+            log.warning("transfer job %s (%s->%s, %s pages) failed: %s", job.job_id, job.src, job.dst, job.num_pages, e)
+            job.error = e
+        finally:
+            for ev in job.layer_ready:
+                ev.set()
+            job.finished.set()
+            self._finished.put(job)
+
+    def drain(self) -> None:
+        """Block until every submitted job has finished."""
+        if self._worker is not None:
+            self._queue.join()
+
+    def close(self) -> None:
+        """Finish queued jobs, then stop the worker. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,67 @@
+"""A tiny engine stand-in that drives HierarchicalCache exactly as an engine would, with real bytes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier import DevicePool, HostPool
+from kvtier.cache import HierarchicalCache
+from kvtier.config import CacheConfig
+
+
+def page_payload(spec, tokens: list[int], page_index: int, layer: int, buffer: str, row_bytes: int) -> torch.Tensor:
+    """Deterministic bytes for one page: a function of the page's prefix (as real KV is)."""
+    seed = hash((tuple(tokens[: (page_index + 1) * spec.page_size]), layer, buffer)) & 0x7FFFFFFF
+    return torch.randint(0, 256, (row_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def write_page(dev: DevicePool, page: int, tokens: list[int], page_index: int) -> None:
+    for layer in range(dev.spec.num_layers):
+        for b in dev.spec.buffers:
+            row = dev.rows(b.name, layer)[page].view(torch.uint8)
+            row.copy_(page_payload(dev.spec, tokens, page_index, layer, b.name, b.page_bytes))
+
+
+def expected_page(dev: DevicePool, tokens: list[int], page_index: int) -> bytes:
+    parts = [page_payload(dev.spec, tokens, page_index, layer, b.name, b.page_bytes) for layer in range(dev.spec.num_layers) for b in dev.spec.buffers]
+    return torch.cat(parts).numpy().tobytes()
+
+
+@dataclass
+class Served:
+    device_hit: int
+    host_hit: int
+    computed: int
+    pages: list[int]
+
+
+def serve(cache: HierarchicalCache, tokens: list[int], check_bytes: bool = True) -> Served:
+    """match -> lock -> load_back -> compute the rest -> verify every page's bytes -> insert -> unlock."""
+    spec = cache.spec
+    m = cache.match(tokens)
+    cache.lock(m.last_node)
+    ld = cache.load_back(m)
+    have = len(ld.device_pages)
+    full = len(tokens) // spec.page_size
+    tail = 1 if len(tokens) % spec.page_size else 0
+    new = cache.alloc_device(full - have + tail)
+    assert new.ok, "test pools are sized so a single request fits"
+    for i, page in enumerate(new.pages[: full - have]):
+        write_page(cache.device, page, tokens, have + i)
+    for layer in range(spec.num_layers):
+        ld.wait_layer(layer)
+    pages = ld.device_pages + new.pages[: full - have]
+    if check_bytes:
+        for i, page in enumerate(pages):
+            assert cache.device.page_bytes(page) == expected_page(cache.device, tokens, i), f"page {i} (device page {page}) has wrong bytes"
+    ins = cache.insert(tokens, pages)
+    if tail:
+        cache.free_device(new.pages[-1:])
+    cache.unlock(m.last_node)
+    return Served(m.num_device_pages, ld.loaded, full - have, ins.device_pages)
+
+
+def make_cache(spec, dev_pages: int, host_pages: int, layout: str = "layer_first", **config) -> HierarchicalCache:
+    return HierarchicalCache(DevicePool(spec, dev_pages), HostPool(spec, host_pages, layout), CacheConfig(**config))
