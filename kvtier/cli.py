@@ -57,6 +57,19 @@ def bench_transfer(
     _emit(as_json_rows(run_transfer_bench(pages_per_transfer=pages, layers=layers, reps=reps)), as_json)
 
 
+@bench_app.command("cache")
+def bench_cache(
+    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the shipped shared/traces one"),
+    limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Prefix bookkeeping throughput (keys + match + insert) on a trace, and its share of a 16k-token load."""
+    from kvtier.bench.cache import as_json as to_json, run_cache_bench
+    from kvtier.workloads.mooncake import default_trace_path
+
+    _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit)), as_json)
+
+
 def main() -> None:
     try:
         app()

@@ -160,3 +160,19 @@ def test_device_eviction_drop_policy_removes_unbacked_pages():
     assert (r.evicted, r.dropped, r.backed_up) == (3, 3, 0) and len(cache.tree) == 0
     cache.check_integrity()
     cache.close()
+
+
+def test_locked_host_pages_are_never_evicted():
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_back")
+    req = tokens(0, 16)
+    serve(cache, req)
+    cache.evict_device(4)  # all 4 pages host-only now
+    m = cache.match(req)
+    assert m.num_host_pages == 4
+    cache.lock(m.last_node)
+    assert cache.evict_host(4).evicted == 0 and cache.host_alloc.num_used == 4
+    cache.unlock(m.last_node)
+    assert cache.evict_host(4).evicted == 4 and len(cache.tree) == 0
+    cache.check_integrity()
+    cache.close()
