@@ -30,11 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.alloc import Allocation
-from kvtier.config import CacheConfig
+from kvtier.config import CacheConfig, StorageConfig
 from kvtier.errors import PageAlignmentError
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
-from kvtier.radix import NO_PAGE, PageNode, PrefixTree
+from kvtier.l3.base import KeyStatus
+from kvtier.l3.tier import StorageJob, StorageTier
+from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, PrefixTree
 from kvtier.transfer.engine import TransferEngine, TransferJob
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,8 @@ class MatchResult:
     host_nodes: tuple[PageNode, ...]
     last_node: PageNode | None
     pending: tuple[TransferJob, ...] = ()
+    #: pages after the host run that the L3 store holds (prefetch them with :meth:`HierarchicalCache.prefetch`)
+    num_storage_pages: int = 0
 
     @property
     def num_device_pages(self) -> int:
@@ -101,6 +105,19 @@ class InsertResult:
     last_node: PageNode | None
 
 
+@dataclass(eq=False)
+class PrefetchHandle:
+    """An L3 -> host prefetch in flight; resolve it with :meth:`HierarchicalCache.resolve_prefetch`."""
+
+    job: StorageJob
+    nodes: list[PageNode]
+    applied: int = 0
+
+    @property
+    def requested(self) -> int:
+        return len(self.nodes)
+
+
 @dataclass(frozen=True)
 class EvictResult:
     requested: int
@@ -110,7 +127,8 @@ class EvictResult:
 
 
 class HierarchicalCache:
-    def __init__(self, device_pool, host_pool, config: CacheConfig = CacheConfig(), *, namespace: Namespace | None = None, engine: TransferEngine | None = None, stats: CacheStats | None = None):
+    def __init__(self, device_pool, host_pool, config: CacheConfig = CacheConfig(), *, namespace: Namespace | None = None, engine: TransferEngine | None = None,
+                 stats: CacheStats | None = None, storage: StorageTier | None = None, storage_config: StorageConfig = StorageConfig()):
         if device_pool.spec != host_pool.spec:
             from kvtier.errors import SpecError
 
@@ -127,6 +145,8 @@ class HierarchicalCache:
         self.dev_alloc = device_pool.allocator
         self.host_alloc = host_pool.allocator
         self._page_bytes = self.spec.page_bytes
+        self.storage = storage
+        self.storage_config = storage_config
 
     # ---- keys ------------------------------------------------------------------
     def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
@@ -142,7 +162,16 @@ class HierarchicalCache:
                 self._finish_backup(job, nodes)
             elif kind == "load":
                 self._finish_load(job, nodes)
-        return len(jobs)
+        if self.storage is None:
+            return len(jobs)
+        sjobs = self.storage.take_finished()
+        for sjob in sjobs:
+            if sjob.kind == "save":
+                if sjob.tag is not None:  # eviction saves (tag None) are applied where they were waited on
+                    self._finish_save(sjob)
+            else:
+                self._finish_prefetch(sjob.tag)
+        return len(jobs) + len(sjobs)
 
     def _finish_backup(self, job: TransferJob, nodes: list[PageNode]) -> None:
         tree = self.tree
@@ -155,6 +184,8 @@ class HierarchicalCache:
             self.stats.transfer_failures += 1
             self.host_alloc.free([tree.clear_host(n) for n in nodes])
         tree.unlock(nodes[-1])
+        if job.error is None and self.storage is not None and self.storage_config.write_policy == "write_through":
+            self._save([n for n in nodes if n.stored == NOT_STORED])
 
     def _finish_load(self, job: TransferJob, nodes: list[PageNode]) -> None:
         for n in nodes:
@@ -201,7 +232,11 @@ class HierarchicalCache:
             due = [n for n in path[:n_dev] if n.host_page == NO_PAGE and n.hit_count >= self.config.write_through_threshold]
             if due:
                 self._backup(due)
-        return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending)
+        n_storage = 0
+        if self.storage is not None and len(matched) == len(path) < len(keys):
+            n_storage = self.storage.stored_prefix(keys[len(path) :])
+            st.storage_hit_pages += n_storage
+        return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending, n_storage)
 
     def _keys(self, tokens_or_keys) -> list[PageHash]:
         if len(tokens_or_keys) and isinstance(tokens_or_keys[0], bytes):
@@ -340,6 +375,110 @@ class HierarchicalCache:
         self.engine.backup([n.device_page for n in nodes], got.pages, tag=("backup", nodes))
         return len(nodes)
 
+    # ---- L3 -------------------------------------------------------------------------
+    def prefetch(self, match: MatchResult) -> PrefetchHandle | None:
+        """Start bringing ``match``'s storage pages into host pages; ``None`` when skipped.
+
+        New tree nodes are created at once with host pages in flight (not yet
+        readable, locked); :meth:`resolve_prefetch` makes the arrived ones usable.
+        """
+        self.poll()
+        n = match.num_storage_pages
+        if self.storage is None or n == 0:
+            return None
+        if n < self.storage_config.min_prefetch_pages:
+            return None
+        parent = match.last_node
+        keys = match.keys[match.num_device_pages + match.num_host_pages :][:n]
+        if (parent is not None and self.tree.nodes.get(parent.key) is not parent) or any(k in self.tree.nodes for k in keys[:1]):
+            return None  # stale match: the tree changed under it
+        if parent is not None:
+            self.tree.lock(parent)
+        got = self._alloc_host(n)
+        if not got.ok:
+            got = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
+        if parent is not None:
+            self.tree.unlock(parent)
+        keys = keys[: len(got.pages)]
+        if not keys:
+            return None
+        nodes = []
+        for key, page in zip(keys, got.pages):
+            node = self.tree.add(key, parent)
+            self.tree.set_host(node, page, ready=False)
+            node.stored = STORED
+            nodes.append(node)
+            parent = node
+        self.tree.touch(nodes)
+        self.tree.lock(nodes[-1])  # released when the job finishes
+        handle = PrefetchHandle(None, nodes)  # type: ignore[arg-type]
+        handle.job = self.storage.submit("prefetch", keys, got.pages, tag=handle)
+        return handle
+
+    def resolve_prefetch(self, handle: PrefetchHandle | None, policy: str | None = None) -> int:
+        """Wait per ``policy`` (default: the storage config's), make arrived pages readable; returns pages usable."""
+        if handle is None:
+            return 0
+        policy = policy or self.storage_config.prefetch_policy
+        if policy == "wait_complete":
+            handle.job.wait()
+        elif policy == "timeout":
+            handle.job.wait(self.storage_config.prefetch_budget_s(handle.requested))
+        if not handle.job.finished.is_set():
+            handle.job.cancel()  # stop after the chunk in flight; the rest is freed when it finishes
+        self._apply_arrived(handle)
+        self.poll()
+        return handle.applied
+
+    def _apply_arrived(self, handle: PrefetchHandle) -> None:
+        arrived = handle.job.arrived
+        for node in handle.nodes[handle.applied : arrived]:
+            node.host_ready = True
+        if arrived > handle.applied:
+            self.stats.storage_prefetched_pages += arrived - handle.applied
+            self.stats.storage_prefetched_bytes += (arrived - handle.applied) * self._page_bytes
+            handle.applied = arrived
+
+    def _finish_prefetch(self, handle: PrefetchHandle) -> None:
+        job = handle.job
+        self._apply_arrived(handle)
+        self.stats.storage_corrupt_pages += job.corrupt
+        if any(s is KeyStatus.ERROR for s in job.statuses):
+            self.stats.storage_failures += 1
+        self.tree.unlock(handle.nodes[-1])
+        for node in reversed(handle.nodes[handle.applied :]):  # never arrived: free, deepest first
+            if node.num_children or node.lock_ref or node.device_page != NO_PAGE:
+                continue  # someone built on it meanwhile (cannot happen for unready pages, kept for safety)
+            self.host_alloc.free([self.tree.clear_host(node)])
+            self.tree.remove(node)
+
+    def _save(self, nodes: list[PageNode]) -> StorageJob | None:
+        """Queue an L3 save of ready host pages on one root-to-leaf path."""
+        if self.storage is None or not nodes:
+            return None
+        for n in nodes:
+            n.stored = SAVING
+        self.tree.lock(nodes[-1])
+        job = self.storage.submit("save", [n.key for n in nodes], [n.host_page for n in nodes], tag=nodes)
+        if job is None:  # back-pressure: skipped
+            for n in nodes:
+                n.stored = NOT_STORED
+            self.tree.unlock(nodes[-1])
+        return job
+
+    def _finish_save(self, job: StorageJob) -> None:
+        nodes: list[PageNode] = job.tag  # type: ignore[assignment]
+        ok = 0
+        for n, status in zip(nodes, job.statuses + [KeyStatus.ERROR] * (len(nodes) - len(job.statuses))):
+            n.stored = STORED if status is KeyStatus.OK else NOT_STORED
+            ok += status is KeyStatus.OK
+        saved = ok - job.skipped_existing
+        self.stats.storage_saved_pages += saved
+        self.stats.storage_saved_bytes += saved * self._page_bytes
+        if ok < len(nodes):
+            self.stats.storage_failures += 1
+        self.tree.unlock(nodes[-1])
+
     # ---- eviction ----------------------------------------------------------------
     def evict_device(self, n: int) -> EvictResult:
         """Free at least ``n`` device pages if possible, LRU leaves first; locked pages are never touched.
@@ -395,17 +534,48 @@ class HierarchicalCache:
     def evict_host(self, n: int) -> EvictResult:
         """Free at least ``n`` host pages whose device copy is gone, LRU leaves first."""
         victims = self.tree.host_victims(n)
+        if self.storage is not None and self.storage_config.write_policy == "write_back":
+            unsaved = [v for v in victims if v.stored == NOT_STORED]
+            if unsaved:
+                self._save_for_eviction(unsaved)
         for node in victims:  # leaves before their parents
             self.host_alloc.free([self.tree.clear_host(node)])
             self.tree.remove(node)
         self.stats.host_evicted_pages += len(victims)
         return EvictResult(n, len(victims))
 
+    def _save_for_eviction(self, victims: list[PageNode]) -> None:
+        """write_back to L3: save victims synchronously before their host pages are freed.
+
+        Victims are leaves of possibly different paths, so each is saved as its own key list."""
+        for v in victims:
+            v.stored = SAVING
+            self.tree.lock(v)
+        job = self.storage.submit("save", [v.key for v in victims], [v.host_page for v in victims], tag=None)
+        if job is not None:
+            job.wait()
+        for v in victims:
+            self.tree.unlock(v)
+        if job is None:
+            for v in victims:
+                v.stored = NOT_STORED
+            return
+        ok = sum(st is KeyStatus.OK for st in job.statuses)
+        for v, st in zip(victims, job.statuses):
+            v.stored = STORED if st is KeyStatus.OK else NOT_STORED
+        self.stats.storage_saved_pages += ok - job.skipped_existing
+        self.stats.storage_saved_bytes += (ok - job.skipped_existing) * self._page_bytes
+
     # ---- integrity & lifecycle ------------------------------------------------------
     def wait_idle(self) -> None:
-        """Wait for every transfer in flight and apply its completion."""
+        """Wait for every transfer in flight (device/host and L3) and apply its completion."""
         self.engine.drain()
         self.poll()
+        if self.storage is not None:
+            self.storage.drain()
+            self.poll()
+            self.engine.drain()
+            self.poll()
 
     def check_integrity(self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset()) -> None:
         """Prove the accounting: tree + caller-owned + free == total for each pool, no page owned twice."""
@@ -420,7 +590,11 @@ class HierarchicalCache:
 
     def close(self) -> None:
         self.engine.close()
+        if self.storage is not None:
+            self.storage.drain()
         self.poll()
+        if self.storage is not None:
+            self.storage.close()
 
     def __enter__(self) -> HierarchicalCache:
         return self

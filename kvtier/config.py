@@ -43,5 +43,29 @@ class CacheConfig:
             raise ConfigError(f"CacheConfig.write_through_threshold must be >= 1; got {self.write_through_threshold}")
 
 
+@dataclass(frozen=True)
+class StorageConfig:
+    """The L3 tier: where pages go when they leave host memory, and how they come back."""
+
+    url: str | None = _help("L3 backend URL: file:///dir, redis://host:port/db, redis+cluster://host:port, mooncake://host:port; None disables L3", None)
+    write_policy: Literal["write_through", "write_back"] = _help("save host pages to L3 as soon as they are on host (write_through) or only when host evicts them (write_back)", "write_through")
+    prefetch_policy: PrefetchPolicy = _help("when a request is scheduled: use what arrived (best_effort), wait for all (wait_complete), or wait up to a budget (timeout)", "wait_complete")
+    prefetch_timeout_base_s: float = _help("timeout policy: fixed part of the budget", 0.05)
+    prefetch_timeout_per_page_s: float = _help("timeout policy: budget added per page to prefetch", 0.005)
+    min_prefetch_pages: int = _help("skip prefetch for fewer stored pages than this (recompute is cheaper)", 1)
+    batch_pages: int = _help("pages per backend call", 8)
+    queue_depth: int = _help("storage jobs queued before saves apply back-pressure", 64)
+
+    def __post_init__(self) -> None:
+        _choice(self, "write_policy", ("write_through", "write_back"))
+        _choice(self, "prefetch_policy", ("best_effort", "wait_complete", "timeout"))
+        for name in ("min_prefetch_pages", "batch_pages", "queue_depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"StorageConfig.{name} must be >= 1; got {getattr(self, name)}")
+
+    def prefetch_budget_s(self, pages: int) -> float:
+        return self.prefetch_timeout_base_s + self.prefetch_timeout_per_page_s * pages
+
+
 def field_help(cls) -> dict[str, str]:
     return {f.name: f.metadata.get("help", "") for f in fields(cls)}

@@ -38,12 +38,13 @@ from kvtier.hashing import PageHash
 
 #: ``PageNode.device_page`` / ``host_page`` when the page has no copy in that tier.
 NO_PAGE = -1
+NOT_STORED, SAVING, STORED = 0, 1, 2
 
 
 class PageNode:
     """One cached page. ``__slots__``: hundreds of thousands exist at once, no per-node dict."""
 
-    __slots__ = ("key", "parent", "depth", "num_children", "device_children", "device_page", "host_page", "host_ready", "lock_ref", "hit_count", "last_access", "loading")
+    __slots__ = ("key", "parent", "depth", "num_children", "device_children", "device_page", "host_page", "host_ready", "lock_ref", "hit_count", "last_access", "loading", "stored")
 
     def __init__(self, key: PageHash, parent: PageNode | None, depth: int):
         self.key = key
@@ -60,6 +61,8 @@ class PageNode:
         self.last_access = 0
         #: the in-flight load filling this node's device page, if any
         self.loading = None
+        #: L3 state: NOT_STORED, SAVING or STORED
+        self.stored = NOT_STORED
 
     @property
     def on_device(self) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import xxhash
 
 from kvtier import DevicePool, HostPool
 from kvtier.cache import HierarchicalCache
@@ -13,7 +14,8 @@ from kvtier.config import CacheConfig
 
 def page_payload(spec, tokens: list[int], page_index: int, layer: int, buffer: str, row_bytes: int) -> torch.Tensor:
     """Deterministic bytes for one page: a function of the page's prefix (as real KV is)."""
-    seed = hash((tuple(tokens[: (page_index + 1) * spec.page_size]), layer, buffer)) & 0x7FFFFFFF
+    prefix = tokens[: (page_index + 1) * spec.page_size]
+    seed = xxhash.xxh64_intdigest(repr((list(prefix), layer, buffer)).encode()) & 0x7FFFFFFF  # same in every process
     return torch.randint(0, 256, (row_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
 
 
@@ -65,3 +67,33 @@ def serve(cache: HierarchicalCache, tokens: list[int], check_bytes: bool = True)
 
 def make_cache(spec, dev_pages: int, host_pages: int, layout: str = "layer_first", **config) -> HierarchicalCache:
     return HierarchicalCache(DevicePool(spec, dev_pages), HostPool(spec, host_pages, layout), CacheConfig(**config))
+
+
+def make_tiered_cache(spec, dev_pages: int, host_pages: int, url: str, layout: str = "page_first", model: str = "m", storage_cfg: dict | None = None, **config) -> HierarchicalCache:
+    """A device+host+L3 cache over a real backend URL."""
+    from kvtier.config import StorageConfig
+    from kvtier.hashing import Namespace
+    from kvtier.l3 import open_backend
+    from kvtier.l3.tier import StorageTier
+
+    dev, host = DevicePool(spec, dev_pages), HostPool(spec, host_pages, layout)
+    ns = Namespace(model, spec.fingerprint())
+    scfg = StorageConfig(url=url, **(storage_cfg or {}))
+    tier = StorageTier(open_backend(url), host, ns, batch_pages=scfg.batch_pages, queue_depth=scfg.queue_depth)
+    return HierarchicalCache(dev, host, CacheConfig(**config), namespace=ns, storage=tier, storage_config=scfg)
+
+
+def serve_tiered(cache: HierarchicalCache, tokens: list[int], policy: str | None = None) -> tuple[int, int, int, int]:
+    """Like :func:`serve`, with an L3 prefetch first. Returns (device, host, storage, computed) pages."""
+    m = cache.match(tokens)
+    cache.lock(m.last_node)
+    h = cache.prefetch(m)
+    got = cache.resolve_prefetch(h, policy)
+    if h is not None:
+        m2 = cache.match(tokens)
+        cache.lock(m2.last_node)
+        cache.unlock(m.last_node)
+        m = m2
+    cache.unlock(m.last_node)
+    s = serve(cache, tokens)
+    return s.device_hit, s.host_hit - got if s.host_hit >= got else s.host_hit, got, s.computed

@@ -1,0 +1,84 @@
+"""The L3 page object: one page, every buffer and layer of the spec, with a header and a checksum.
+
+Layout (little-endian)::
+
+    offset  size  field
+    0       4     magic b"KVTP"
+    4       2     format version (1)
+    6       2     header size (72)
+    8       4     valid token count (== page_size for shared pages)
+    12      4     reserved (0)
+    16      16    spec fingerprint (ASCII hex, binds dims, dtypes, page size, layout version)
+    32      16    page key (the chained page hash the object is stored under)
+    48      8     payload size
+    56      16    xxh3_128 of header bytes 0..55 and the payload
+    72      ...   payload: for each buffer in spec order, its ``[num_layers, page_bytes]``
+                  (page_first bytes: one contiguous run per buffer)
+
+A reader rejects an object whose magic, version, fingerprint, key, size or
+checksum does not match; the tier treats it as a miss and counts it.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+import xxhash
+
+from kvtier.hashing import PageHash
+from kvtier.spec import KVSpec
+
+MAGIC = b"KVTP"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sHHII16s16sQ")
+HEADER_BYTES = _HEAD.size + 16  # 72
+
+Verdict = Literal["ok", "magic", "version", "fingerprint", "key", "size", "checksum"]
+
+
+@dataclass(frozen=True)
+class PageCodec:
+    """Encodes and checks page objects for one spec."""
+
+    spec: KVSpec
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.spec.page_bytes
+
+    @property
+    def object_bytes(self) -> int:
+        return HEADER_BYTES + self.payload_bytes
+
+    def header(self, key: PageHash, payload: memoryview, valid_tokens: int | None = None) -> bytes:
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.spec.page_size if valid_tokens is None else valid_tokens, 0,
+                          self.spec.fingerprint().encode(), bytes(key), len(payload))
+        h = xxhash.xxh3_128()
+        h.update(head)
+        h.update(payload)
+        return head + h.digest()
+
+    def encode_into(self, out: memoryview, key: PageHash) -> None:
+        """``out`` holds the payload at ``[HEADER_BYTES:]``; write the header in front of it."""
+        out[:HEADER_BYTES] = self.header(key, out[HEADER_BYTES:])
+
+    def check(self, obj: memoryview, key: PageHash) -> Verdict:
+        if len(obj) != self.object_bytes:
+            return "size"
+        magic, version, hsize, _valid, _r, fp, k, size = _HEAD.unpack_from(obj, 0)
+        if magic != MAGIC:
+            return "magic"
+        if version != FORMAT_VERSION or hsize != HEADER_BYTES:
+            return "version"
+        if fp != self.spec.fingerprint().encode():
+            return "fingerprint"
+        if k != bytes(key):
+            return "key"
+        if size != self.payload_bytes:
+            return "size"
+        h = xxhash.xxh3_128()
+        h.update(obj[: _HEAD.size])
+        h.update(obj[HEADER_BYTES:])
+        return "ok" if h.digest() == bytes(obj[_HEAD.size : HEADER_BYTES]) else "checksum"

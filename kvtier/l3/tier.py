@@ -1,0 +1,194 @@
+"""The storage tier: moves whole host pages to and from an L3 backend on its own worker.
+
+L3 I/O has its own worker (not the device<->host transfer engine's): storage
+latency must never queue PCIe copies behind it. Jobs:
+
+* ``save``: host pages -> page objects -> ``backend.set``; keys the store
+  already has (longest stored prefix, one ``exists`` call) are skipped.
+* ``prefetch``: ``backend.get`` into staging -> integrity check -> host pages.
+  Pages land in order; ``job.arrived`` is the count of leading pages that are
+  complete and verified, so a scheduler can use what arrived (best_effort).
+  A page that is missing, corrupt or fails stops the run: later pages of a
+  chained prefix are useless without it.
+
+Nothing here raises into the cache for a storage fault: statuses are per page,
+faults are counted, and the cache turns them into misses. The save queue is
+bounded; a full queue makes the submitter wait up to ``backpressure_s`` and then
+skip (counted), so a slow store slows saves, never requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from kvtier.hashing import Namespace, PageHash
+from kvtier.l3.base import KeyStatus, StorageBackend, map_storage_errors
+from kvtier.l3.page import HEADER_BYTES, PageCodec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class StorageJob:
+    kind: Literal["save", "prefetch"]
+    keys: list[PageHash]
+    host_pages: list[int]
+    tag: object = None
+    statuses: list[KeyStatus] = field(default_factory=list)
+    arrived: int = 0
+    corrupt: int = 0
+    skipped_existing: int = 0
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.finished.wait(timeout)
+
+
+class StorageTier:
+    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, queue_depth: int = 64, backpressure_s: float = 1.0):
+        self.backend = backend
+        self.host = host_pool
+        self.spec = host_pool.spec
+        self.namespace = namespace
+        self.prefix = str(namespace)
+        self.codec = PageCodec(self.spec)
+        self.batch_pages = batch_pages
+        self.backpressure_s = backpressure_s
+        self.materialized = host_pool.materialized
+        self._staging = np.zeros((batch_pages, self.codec.object_bytes), dtype=np.uint8) if self.materialized else None
+        self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
+        self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
+        self.skipped_saves = 0
+        self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
+        self._worker.start()
+
+    def key(self, page: PageHash) -> str:
+        return f"{self.prefix}/{page.hex()}"
+
+    # ---- synchronous queries (owner thread) ----------------------------------------
+    def stored_prefix(self, keys: list[PageHash]) -> int:
+        """Leading ``keys`` present in the store (a fault counts as absent)."""
+        if not keys:
+            return 0
+        found = [0]
+
+        def failed(_e: BaseException) -> None:
+            found[0] = 0
+
+        with map_storage_errors(self.backend.stats, "exists", failed):
+            found[0] = self.backend.exists([self.key(k) for k in keys])
+        return found[0]
+
+    # ---- submission ------------------------------------------------------------------
+    def submit(self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None) -> StorageJob | None:
+        job = StorageJob(kind, list(keys), list(host_pages), tag)
+        try:
+            self._queue.put(job, timeout=self.backpressure_s if kind == "save" else None)
+        except queue.Full:
+            self.skipped_saves += len(keys)
+            log.info("L3 save queue full: skipped %d pages", len(keys))
+            return None
+        return job
+
+    def take_finished(self) -> list[StorageJob]:
+        out = []
+        while True:
+            try:
+                out.append(self._finished.get_nowait())
+            except queue.Empty:
+                return out
+
+    # ---- worker ----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                try:
+                    (self._save if job.kind == "save" else self._prefetch)(job)
+                except Exception as e:  # never kill the worker; the job reports failure
+                    log.warning("L3 %s job failed: %s", job.kind, e)
+                    job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+                job.finished.set()
+                self._finished.put(job)
+            finally:
+                self._queue.task_done()
+
+    def _payload_views(self, slot: int) -> list[torch.Tensor]:
+        """Byte views into staging slot ``slot``: one ``[layers, page_bytes]`` per buffer."""
+        buf = torch.from_numpy(self._staging[slot])
+        views, off = [], HEADER_BYTES
+        for b in self.spec.buffers:
+            n = b.page_bytes * self.spec.num_layers
+            views.append(buf[off : off + n].view(self.spec.num_layers, b.page_bytes))
+            off += n
+        return views
+
+    def _host_page_layers(self, page: int) -> list[torch.Tensor]:
+        return [self.host.layout.page_layers(self.host.buffers[b.name], page) for b in self.spec.buffers]
+
+    def _save(self, job: StorageJob) -> None:
+        have = self.stored_prefix(job.keys)
+        job.skipped_existing = have
+        job.statuses = [KeyStatus.OK] * have
+        for start in range(have, len(job.keys), self.batch_pages):
+            keys = job.keys[start : start + self.batch_pages]
+            pages = job.host_pages[start : start + self.batch_pages]
+            if not self.materialized:
+                job.statuses += [KeyStatus.OK] * len(keys)
+                continue
+            values = []
+            for slot, (k, p) in enumerate(zip(keys, pages)):
+                for dst, src in zip(self._payload_views(slot), self._host_page_layers(p)):
+                    dst.copy_(src)
+                mv = memoryview(self._staging[slot])
+                self.codec.encode_into(mv, k)
+                values.append(mv)
+            job.statuses += self.backend.set([self.key(k) for k in keys], values)
+
+    def _prefetch(self, job: StorageJob) -> None:
+        for start in range(0, len(job.keys), self.batch_pages):
+            if job.cancelled.is_set():
+                break
+            keys = job.keys[start : start + self.batch_pages]
+            pages = job.host_pages[start : start + self.batch_pages]
+            if not self.materialized:
+                job.statuses += [KeyStatus.OK] * len(keys)
+                job.arrived = len(job.statuses)
+                continue
+            outs = [memoryview(self._staging[slot]) for slot in range(len(keys))]
+            statuses = self.backend.get([self.key(k) for k in keys], outs)
+            for slot, (k, p, st) in enumerate(zip(keys, pages, statuses)):
+                if st is KeyStatus.OK:
+                    verdict = self.codec.check(outs[slot], k)
+                    if verdict != "ok":
+                        job.corrupt += 1
+                        log.warning("L3 page %s rejected (%s): treated as a miss", self.key(k), verdict)
+                        st = KeyStatus.ERROR
+                if st is not KeyStatus.OK:
+                    job.statuses.append(st)
+                    return  # the chained prefix ends here
+                for dst, src in zip(self._host_page_layers(p), self._payload_views(slot)):
+                    dst.copy_(src)
+                job.statuses.append(st)
+                job.arrived += 1
+
+    def drain(self) -> None:
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._worker.join()
+        self.backend.close()

@@ -1,0 +1,93 @@
+"""L3 file backend: the embedded default, real files in a temp directory."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvtier.l3 import open_backend
+from kvtier.l3.base import KeyStatus
+from kvtier.errors import StorageError, UnknownNameError
+import l3_scenarios as sc
+
+
+def flip_file_byte(backend, key, offset):
+    path = backend._path(key)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("spec_name", ["deepseek-v3.2", "llama-3.1-8b"])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_round_trip_bit_exact(tmp_path, spec_name, layout):
+    sc.round_trip(f"file://{tmp_path}", sc.real_specs()[spec_name], layout)
+
+
+def test_namespace_isolation(tmp_path):
+    sc.namespace_isolation(f"file://{tmp_path}")
+
+
+def test_corrupted_page_is_a_miss(tmp_path):
+    sc.corrupted_page_is_a_miss(f"file://{tmp_path}", flip_file_byte)
+
+
+def test_wrong_header_is_a_miss(tmp_path):
+    sc.wrong_header_is_a_miss(f"file://{tmp_path}", flip_file_byte)
+
+
+def test_write_back_saves_on_host_eviction(tmp_path):
+    sc.write_back_saves_on_host_eviction(f"file://{tmp_path}")
+
+
+def test_backend_contract_and_size_cap(tmp_path):
+    b = open_backend(f"file://{tmp_path}?max_bytes=1000")
+    vals = [memoryview(bytes([i]) * 300) for i in range(5)]
+    keys = [f"ns/{i:032x}" for i in range(5)]
+    assert b.set(keys[:3], vals[:3]) == [KeyStatus.OK] * 3
+    assert b.exists(keys) == 3
+    out = [memoryview(bytearray(300)) for _ in range(2)]
+    assert b.get([keys[1], keys[4]], out) == [KeyStatus.OK, KeyStatus.MISS]
+    assert bytes(out[0]) == bytes([1]) * 300
+    wrong = memoryview(bytearray(10))
+    assert b.get([keys[0]], [wrong]) == [KeyStatus.ERROR]  # size mismatch is reported, not raised
+    b.set(keys[3:], vals[3:])  # 1500 bytes > cap: LRU files are deleted down to 90% of the cap
+    assert b.usage_bytes() <= 900 and b.exists([keys[4]]) == 1
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.rglob("*"))
+    b.delete(keys)
+    assert b.exists(keys) == 0
+
+
+def test_bad_urls():
+    with pytest.raises(UnknownNameError, match="file, mooncake, redis"):
+        open_backend("s3://bucket/x")
+    with pytest.raises(StorageError, match="no scheme"):
+        open_backend("/just/a/path")
+
+
+def test_two_processes_share_one_file_store(tmp_path):
+    """Process 1 computes a prefix and exits; process 2 gets L3 hits for it."""
+    script = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from cache_helpers import make_tiered_cache, serve, serve_tiered
+        import l3_scenarios as sc
+        c = make_tiered_cache(sc.tiny(), 8, 8, "file://{tmp_path}", model="shared")
+        toks = list(range(20))
+        if sys.argv[1] == "first":
+            s = serve(c, toks); c.wait_idle(); print(s.computed, c.stats.storage_saved_pages)
+        else:
+            print(*serve_tiered(c, toks))
+        c.close()
+        """
+    )
+    first = subprocess.run([sys.executable, "-c", script, "first"], capture_output=True, text=True, timeout=120)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.split() == ["5", "5"]
+    second = subprocess.run([sys.executable, "-c", script, "second"], capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr
+    device, host, storage, computed = map(int, second.stdout.split())
+    assert (storage, computed) == (5, 0)
