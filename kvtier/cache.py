@@ -297,7 +297,17 @@ class HierarchicalCache:
         if got.ok:
             return got
         self.evict_device(n - self.dev_alloc.num_free)
-        return self.dev_alloc.alloc(n)
+        got = self.dev_alloc.alloc(n)
+        if not got.ok and self.poll_inflight():
+            # pages pinned only by transfers in flight: wait for them, then try once more
+            self.evict_device(n - self.dev_alloc.num_free)
+            got = self.dev_alloc.alloc(n)
+        return got
+
+    def poll_inflight(self) -> bool:
+        """Wait for device<->host transfers in flight and apply them; True if any finished."""
+        self.engine.drain()
+        return self.poll() > 0
 
     def free_device(self, pages: list[int]) -> None:
         """Return caller-owned device pages (e.g. a request's partial tail page)."""
@@ -308,7 +318,12 @@ class HierarchicalCache:
         if got.ok:
             return got
         self.evict_host(n - self.host_alloc.num_free)
-        return self.host_alloc.alloc(n)
+        got = self.host_alloc.alloc(n)
+        if not got.ok and self.storage is not None and self.poll() > 0:
+            # pages pinned by L3 saves that just finished are evictable now
+            self.evict_host(n - self.host_alloc.num_free)
+            got = self.host_alloc.alloc(n)
+        return got
 
     # ---- insert ------------------------------------------------------------------
     def insert(self, tokens_or_keys, device_pages: Sequence[int]) -> InsertResult:
@@ -453,17 +468,18 @@ class HierarchicalCache:
             self.tree.remove(node)
 
     def _save(self, nodes: list[PageNode]) -> StorageJob | None:
-        """Queue an L3 save of ready host pages on one root-to-leaf path."""
+        """Queue an L3 save of ready host pages on one root-to-leaf path.
+
+        No lock: ``SAVING`` keeps the host pages from being evicted while the
+        worker reads them, and the device copies stay free to go."""
         if self.storage is None or not nodes:
             return None
         for n in nodes:
             n.stored = SAVING
-        self.tree.lock(nodes[-1])
         job = self.storage.submit("save", [n.key for n in nodes], [n.host_page for n in nodes], tag=nodes)
         if job is None:  # back-pressure: skipped
             for n in nodes:
                 n.stored = NOT_STORED
-            self.tree.unlock(nodes[-1])
         return job
 
     def _finish_save(self, job: StorageJob) -> None:
@@ -477,7 +493,6 @@ class HierarchicalCache:
         self.stats.storage_saved_bytes += saved * self._page_bytes
         if ok < len(nodes):
             self.stats.storage_failures += 1
-        self.tree.unlock(nodes[-1])
 
     # ---- eviction ----------------------------------------------------------------
     def evict_device(self, n: int) -> EvictResult:
@@ -550,12 +565,9 @@ class HierarchicalCache:
         Victims are leaves of possibly different paths, so each is saved as its own key list."""
         for v in victims:
             v.stored = SAVING
-            self.tree.lock(v)
         job = self.storage.submit("save", [v.key for v in victims], [v.host_page for v in victims], tag=None)
         if job is not None:
             job.wait()
-        for v in victims:
-            self.tree.unlock(v)
         if job is None:
             for v in victims:
                 v.stored = NOT_STORED

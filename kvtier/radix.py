@@ -199,13 +199,15 @@ class PrefixTree:
         return chosen
 
     def host_victims(self, limit: int) -> list[PageNode]:
-        """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too."""
+        """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too.
+
+        Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
         chosen: list[PageNode] = []
         taken: dict[int, int] = {}
         for node in self.host_lru:
             if len(chosen) >= limit:
                 break
-            if node.lock_ref == 0 and node.device_page == NO_PAGE and node.host_ready and node.num_children == taken.get(id(node), 0):
+            if node.lock_ref == 0 and node.device_page == NO_PAGE and node.host_ready and node.stored != SAVING and node.num_children == taken.get(id(node), 0):
                 chosen.append(node)
                 if node.parent is not None:
                     taken[id(node.parent)] = taken.get(id(node.parent), 0) + 1

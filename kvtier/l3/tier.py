@@ -15,6 +15,10 @@ Nothing here raises into the cache for a storage fault: statuses are per page,
 faults are counted, and the cache turns them into misses. The save queue is
 bounded; a full queue makes the submitter wait up to ``backpressure_s`` and then
 skip (counted), so a slow store slows saves, never requests.
+
+Circuit breaker: after a backend fault the tier treats the store as down for
+``cooldown_s`` (lookups answer "absent", jobs fail at once), then tries again,
+so a dead server costs one timeout, not one per request.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,7 +61,7 @@ class StorageJob:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, queue_depth: int = 64, backpressure_s: float = 1.0):
+    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, queue_depth: int = 64, backpressure_s: float = 1.0, cooldown_s: float = 0.5):
         self.backend = backend
         self.host = host_pool
         self.spec = host_pool.spec
@@ -70,16 +75,31 @@ class StorageTier:
         self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
         self.skipped_saves = 0
+        self.cooldown_s = cooldown_s
+        self._down_until = 0.0
         self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
         self._worker.start()
 
     def key(self, page: PageHash) -> str:
         return f"{self.prefix}/{page.hex()}"
 
+    # ---- health ------------------------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _call(self, fn, *args):
+        """Run a backend call; a new fault opens the circuit breaker for ``cooldown_s``."""
+        errors = self.backend.stats.errors
+        result = fn(*args)
+        if self.backend.stats.errors != errors:
+            self._down_until = time.monotonic() + self.cooldown_s
+        return result
+
     # ---- synchronous queries (owner thread) ----------------------------------------
     def stored_prefix(self, keys: list[PageHash]) -> int:
-        """Leading ``keys`` present in the store (a fault counts as absent)."""
-        if not keys:
+        """Leading ``keys`` present in the store (a fault, or a store marked down, counts as absent)."""
+        if not keys or not self.available:
             return 0
         found = [0]
 
@@ -87,7 +107,7 @@ class StorageTier:
             found[0] = 0
 
         with map_storage_errors(self.backend.stats, "exists", failed):
-            found[0] = self.backend.exists([self.key(k) for k in keys])
+            found[0] = self._call(self.backend.exists, [self.key(k) for k in keys])
         return found[0]
 
     # ---- submission ------------------------------------------------------------------
@@ -117,7 +137,10 @@ class StorageTier:
                 if job is None:
                     return
                 try:
-                    (self._save if job.kind == "save" else self._prefetch)(job)
+                    if not self.available:
+                        job.statuses += [KeyStatus.ERROR] * len(job.keys)
+                    else:
+                        (self._save if job.kind == "save" else self._prefetch)(job)
                 except Exception as e:  # never kill the worker; the job reports failure
                     log.warning("L3 %s job failed: %s", job.kind, e)
                     job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
@@ -156,7 +179,11 @@ class StorageTier:
                 mv = memoryview(self._staging[slot])
                 self.codec.encode_into(mv, k)
                 values.append(mv)
-            job.statuses += self.backend.set([self.key(k) for k in keys], values)
+            statuses = self._call(self.backend.set, [self.key(k) for k in keys], values)
+            job.statuses += statuses
+            if KeyStatus.ERROR in statuses:
+                job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+                return
 
     def _prefetch(self, job: StorageJob) -> None:
         for start in range(0, len(job.keys), self.batch_pages):
@@ -169,7 +196,7 @@ class StorageTier:
                 job.arrived = len(job.statuses)
                 continue
             outs = [memoryview(self._staging[slot]) for slot in range(len(keys))]
-            statuses = self.backend.get([self.key(k) for k in keys], outs)
+            statuses = self._call(self.backend.get, [self.key(k) for k in keys], outs)
             for slot, (k, p, st) in enumerate(zip(keys, pages, statuses)):
                 if st is KeyStatus.OK:
                     verdict = self.codec.check(outs[slot], k)

@@ -1,0 +1,101 @@
+"""Real servers on 127.0.0.1 for the L3 tests: started by fixtures, stopped after. Bounded waits only."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is free and valid too."""
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 30000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    raise RuntimeError("no free port pair for a redis cluster node in 20000-40000")
+
+
+def wait_until(pred, timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def port_open(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class RedisServer:
+    """One redis-server process on 127.0.0.1 (no persistence)."""
+
+    workdir: Path
+    port: int = field(default_factory=free_port)
+    extra: tuple[str, ...] = ()
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0?timeout=1"
+
+    def start(self) -> RedisServer:
+        exe = shutil.which("redis-server") or shutil.which("valkey-server")
+        assert exe, "redis-server not installed: run ./run.sh test (it apt-get installs redis-server)"
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no", *self.extra],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_until(lambda: port_open(self.port), what=f"redis on port {self.port}")
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+
+
+def start_redis_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
+    servers = [RedisServer(workdir / f"n{i}", port=free_cluster_port(), extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000")).start() for i in range(nodes)]
+    cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
+    assert cli, "redis-cli not installed (Debian redis-tools)"
+    subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers), "--cluster-replicas", "0", "--cluster-yes"],
+                   check=True, capture_output=True, timeout=60)
+
+    def ok() -> bool:
+        out = subprocess.run([cli, "-p", str(servers[0].port), "cluster", "info"], capture_output=True, text=True, timeout=10).stdout
+        return "cluster_state:ok" in out
+
+    wait_until(ok, timeout=30, what="redis cluster_state:ok")
+    return servers
