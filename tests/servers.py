@@ -99,3 +99,60 @@ def start_redis_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
 
     wait_until(ok, timeout=30, what="redis cluster_state:ok")
     return servers
+
+
+@dataclass
+class MooncakeMaster:
+    """``mooncake_master`` on 127.0.0.1 with its HTTP metadata server (the wheel ships the binary)."""
+
+    rpc_port: int = field(default_factory=free_port)
+    http_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    node_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    node: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        # kvtier's clients contribute no memory: the storage node below holds the pages,
+        # so they outlive any one engine instance (as in a real deployment)
+        return (f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
+                f"&local=127.0.0.1&protocol=tcp&segment_mb=0&buffer_mb=64")
+
+    def start_node(self) -> None:
+        """A ``mooncake_client`` process that mounts 512 MB into the store."""
+        exe = shutil.which("mooncake_client")
+        assert exe, "mooncake_client not found: pip install 'kvtier[mooncake]'"
+        self.node = subprocess.Popen(
+            [exe, "--host", "127.0.0.1", "--port", str(self.node_port), "--global_segment_size", "512MB", "--protocol", "tcp",
+             "--master_server_address", f"127.0.0.1:{self.rpc_port}", "--metadata_server", f"http://127.0.0.1:{self.http_port}/metadata"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_until(lambda: port_open(self.node_port), what="mooncake storage node")
+
+    def start(self) -> MooncakeMaster:
+        exe = shutil.which("mooncake_master")
+        assert exe, "mooncake_master not found: pip install 'kvtier[mooncake]'"
+        self.proc = subprocess.Popen(
+            [exe, "--rpc_port", str(self.rpc_port), "--rpc_address", "127.0.0.1", "--enable_http_metadata_server=true",
+             "--http_metadata_server_port", str(self.http_port), "--metrics_port", str(self.metrics_port), "--default_kv_lease_ttl", "200"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_until(lambda: port_open(self.rpc_port) and port_open(self.http_port), what="mooncake_master")
+        if self.node is None:
+            self.start_node()
+        return self
+
+    def kill(self) -> None:
+        """Kill the master only (the fault the tests inject); the storage node stays."""
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def stop(self) -> None:
+        self.kill()
+        if self.node is not None:
+            self.node.kill()
+            self.node.wait(timeout=10)
+            self.node = None

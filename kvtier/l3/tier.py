@@ -72,6 +72,8 @@ class StorageTier:
         self.backpressure_s = backpressure_s
         self.materialized = host_pool.materialized
         self._staging = np.zeros((batch_pages, self.codec.object_bytes), dtype=np.uint8) if self.materialized else None
+        if self._staging is not None and hasattr(backend, "register_buffer"):
+            backend.register_buffer(memoryview(self._staging).cast("B"))  # zero-copy I/O where the backend supports it
         self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
         self.skipped_saves = 0
@@ -176,7 +178,7 @@ class StorageTier:
             for slot, (k, p) in enumerate(zip(keys, pages)):
                 for dst, src in zip(self._payload_views(slot), self._host_page_layers(p)):
                     dst.copy_(src)
-                mv = memoryview(self._staging[slot])
+                mv = memoryview(self._staging[slot]).cast("B")
                 self.codec.encode_into(mv, k)
                 values.append(mv)
             statuses = self._call(self.backend.set, [self.key(k) for k in keys], values)
@@ -195,7 +197,7 @@ class StorageTier:
                 job.statuses += [KeyStatus.OK] * len(keys)
                 job.arrived = len(job.statuses)
                 continue
-            outs = [memoryview(self._staging[slot]) for slot in range(len(keys))]
+            outs = [memoryview(self._staging[slot]).cast("B") for slot in range(len(keys))]
             statuses = self._call(self.backend.get, [self.key(k) for k in keys], outs)
             for slot, (k, p, st) in enumerate(zip(keys, pages, statuses)):
                 if st is KeyStatus.OK:
