@@ -70,6 +70,19 @@ def bench_cache(
     _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit)), as_json)
 
 
+@bench_app.command("storage")
+def bench_storage(
+    backends: str = typer.Option("file,redis,mooncake", help="comma-separated backends to measure (servers are started on 127.0.0.1)"),
+    pages: int = typer.Option(24, help="deepseek-v3.2 pages per batch (about 5 MB each)"),
+    reps: int = typer.Option(3, help="repetitions (best reported)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+) -> None:
+    """L3 put/get throughput per backend, as a ratio to the backend's own client on the same server."""
+    from kvtier.bench.storage import as_json_rows, run_storage_bench
+
+    _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps)), as_json)
+
+
 def main() -> None:
     try:
         app()

@@ -1,4 +1,6 @@
-"""Real servers on 127.0.0.1 for the L3 tests: started by fixtures, stopped after. Bounded waits only."""
+"""Local servers on 127.0.0.1 for tests and benchmarks (redis-server, a Redis Cluster, mooncake_master + a storage node).
+
+Each launcher starts real processes bound to loopback, waits with bounded loops, and stops them. Nothing here is used by the cache itself."""
 
 from __future__ import annotations
 
@@ -109,6 +111,7 @@ class MooncakeMaster:
     http_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     node_port: int = field(default_factory=free_port)
+    node_segment: str = "512MB"
     proc: subprocess.Popen | None = None
     node: subprocess.Popen | None = None
 
@@ -120,11 +123,11 @@ class MooncakeMaster:
                 f"&local=127.0.0.1&protocol=tcp&segment_mb=0&buffer_mb=64")
 
     def start_node(self) -> None:
-        """A ``mooncake_client`` process that mounts 512 MB into the store."""
+        """A ``mooncake_client`` process that mounts ``node_segment`` of memory into the store."""
         exe = shutil.which("mooncake_client")
         assert exe, "mooncake_client not found: pip install 'kvtier[mooncake]'"
         self.node = subprocess.Popen(
-            [exe, "--host", "127.0.0.1", "--port", str(self.node_port), "--global_segment_size", "512MB", "--protocol", "tcp",
+            [exe, "--host", "127.0.0.1", "--port", str(self.node_port), "--global_segment_size", self.node_segment, "--protocol", "tcp",
              "--master_server_address", f"127.0.0.1:{self.rpc_port}", "--metadata_server", f"http://127.0.0.1:{self.http_port}/metadata"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
