@@ -203,8 +203,11 @@ class HierarchicalCache:
         self.tree.unlock(nodes[-1])
 
     # ---- match -------------------------------------------------------------------
-    def match(self, tokens_or_keys: Sequence[int] | list[PageHash]) -> MatchResult:
-        """Longest cached prefix (full pages only); counts hits, may trigger selective backups."""
+    def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True) -> MatchResult:
+        """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
+
+        ``count=False`` re-matches a request already counted (e.g. after its prefetch) without
+        touching hit counts or stats."""
         self.poll()
         keys = self._keys(tokens_or_keys)
         path = self.tree.walk(keys)
@@ -220,9 +223,11 @@ class HierarchicalCache:
                 break
             host_nodes.append(node)
         matched = path[: n_dev + len(host_nodes)]
+        pending = tuple({id(n.loading): n.loading for n in path[:n_dev] if n.loading is not None}.values())
+        if not count:
+            return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending)
         for node in matched:
             node.hit_count += 1
-        pending = tuple({id(n.loading): n.loading for n in path[:n_dev] if n.loading is not None}.values())
         st = self.stats
         st.requests += 1
         st.lookup_pages += len(keys)
@@ -319,10 +324,12 @@ class HierarchicalCache:
             return got
         self.evict_host(n - self.host_alloc.num_free)
         got = self.host_alloc.alloc(n)
-        if not got.ok and self.storage is not None and self.poll() > 0:
-            # pages pinned by L3 saves that just finished are evictable now
-            self.evict_host(n - self.host_alloc.num_free)
-            got = self.host_alloc.alloc(n)
+        if not got.ok and self.storage is not None:
+            # host pages being saved to L3 cannot go yet: wait for the saves, then try once more
+            self.storage.drain()
+            if self.poll() > 0:
+                self.evict_host(n - self.host_alloc.num_free)
+                got = self.host_alloc.alloc(n)
         return got
 
     # ---- insert ------------------------------------------------------------------
@@ -498,25 +505,35 @@ class HierarchicalCache:
     def evict_device(self, n: int) -> EvictResult:
         """Free at least ``n`` device pages if possible, LRU leaves first; locked pages are never touched.
 
-        Pages with a ready host copy just drop the device copy; device-only
-        pages are backed up first (``on_device_evict="backup"``) or dropped.
+        Rounds until enough is free or nothing moves: first pages whose host
+        copy is ready (dropping the device copy costs nothing), then device-only
+        pages, backed up to host first (``on_device_evict="backup"``) or dropped.
         """
-        victims = self.tree.device_victims(n)
-        backed = dropped = freed = 0
-        unbacked = [v for v in victims if v.host_page == NO_PAGE]
-        if unbacked and self.config.on_device_evict == "backup":
-            backed = self._backup_for_eviction(unbacked)
-        for v in victims:  # descendants before ancestors: each clear keeps residency prefix-closed
-            if v.device_children:  # a descendant could not leave (its backup failed): keep this one too
-                continue
-            if v.host_page != NO_PAGE and v.host_ready:
-                self.dev_alloc.free([self.tree.clear_device(v)])
+        freed = backed = dropped = 0
+        tree = self.tree
+        while freed < n:
+            before = freed
+            for v in tree._victims(tree.device_lru, n - freed, lambda x: x.lock_ref == 0 and x.host_ready, lambda x: x.device_children):
+                self.dev_alloc.free([tree.clear_device(v)])
                 freed += 1
-            elif v.host_page == NO_PAGE and v.num_children == 0:
-                self.dev_alloc.free([self.tree.clear_device(v)])
-                self.tree.remove(v)
-                dropped += 1
-                freed += 1
+            if freed < n:
+                victims = tree.device_victims(n - freed)
+                unbacked = [v for v in victims if v.host_page == NO_PAGE]
+                if unbacked and self.config.on_device_evict == "backup":
+                    backed += self._backup_for_eviction(unbacked)
+                for v in victims:  # descendants before ancestors: each clear keeps residency prefix-closed
+                    if v.device_children:  # a descendant could not leave (its backup failed): keep this one too
+                        continue
+                    if v.host_page != NO_PAGE and v.host_ready:
+                        self.dev_alloc.free([tree.clear_device(v)])
+                        freed += 1
+                    elif v.host_page == NO_PAGE and v.num_children == 0:
+                        self.dev_alloc.free([tree.clear_device(v)])
+                        tree.remove(v)
+                        dropped += 1
+                        freed += 1
+            if freed == before:
+                break
         self.stats.device_evicted_pages += freed
         self.stats.dropped_pages += dropped
         return EvictResult(n, freed, backed, dropped)
@@ -544,6 +561,8 @@ class HierarchicalCache:
             v.host_ready = True
         self.stats.backed_up_pages += len(victims)
         self.stats.backed_up_bytes += len(victims) * self._page_bytes
+        if self.storage is not None and self.storage_config.write_policy == "write_through":
+            self._save([v for v in victims if v.stored == NOT_STORED])  # every new host copy goes to L3
         return len(victims)
 
     def evict_host(self, n: int) -> EvictResult:

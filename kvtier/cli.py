@@ -83,6 +83,74 @@ def bench_storage(
     _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps)), as_json)
 
 
+def _run_sections() -> dict[str, type]:
+    from kvtier.build import TierConfig
+    from kvtier.config import CacheConfig, StorageConfig
+    from kvtier.runner import WorkloadConfig
+
+    return {"workload": WorkloadConfig, "tiers": TierConfig, "cache": CacheConfig, "storage": StorageConfig}
+
+
+def run(
+    config: Optional[str] = typer.Option(None, "--config", help="JSON or TOML file with one table per section: workload, tiers, cache, storage"),
+    as_json: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this path ('-' for stdout)"),
+    plot: Optional[str] = typer.Option(None, "--plot", help="draw hit ratio and TTFT over the run to this PNG"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    **flags,
+) -> None:
+    """Replay a workload through the reference MLA+DSA model with kvtier and with recompute; report hits, bytes, TTFT, equality."""
+    from kvtier.cli_options import build_sections, load_config_file
+    from kvtier.runner import RunConfig, plot_report, run_workload
+
+    sections = build_sections(_run_sections(), load_config_file(config), flags)
+    report = run_workload(RunConfig(**sections), progress=progress)
+    if as_json == "-":
+        json.dump(report.as_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        if as_json:
+            with open(as_json, "w") as f:
+                json.dump(report.as_dict(), f, indent=1)
+        _print_run_report(report)
+    if plot:
+        plot_report(report, plot)
+
+
+def _print_run_report(r) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    c = Console()
+    t = Table(title=f"kvtier run: {r.requests} requests, {r.tokens} prompt tokens")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for tier, v in r.hit_ratio.items():
+        t.add_row(f"prefix hit ratio ({tier})", f"{v:.1%}")
+    t.add_row("tokens loaded / recomputed", f"{r.tokens_loaded} / {r.tokens_recomputed}")
+    for k, v in r.bytes_moved.items():
+        t.add_row(f"bytes {k.replace('_', ' ')}", f"{v / 1e6:.2f} MB at {r.gbps[k]:.2f} GB/s")
+    for run_name, p in r.ttft_s.items():
+        t.add_row(f"TTFT {run_name} p50/p90/p99", f"{p['p50'] * 1e3:.1f} / {p['p90'] * 1e3:.1f} / {p['p99'] * 1e3:.1f} ms")
+    t.add_row("TTFT p50 kvtier / recompute", f"{r.ttft_ratio_p50:.3f}")
+    t.add_row("logits equal to recompute", f"{r.logits_equal} (bit-exact: {r.logits_bit_exact}, max |diff| {r.max_abs_logit_diff:g}, tol {r.logit_tolerance:g})")
+    t.add_row("DSA indexer top-k equal", str(r.indexer_topk_equal))
+    c.print(t)
+
+
+def _register_run() -> None:
+    import inspect
+
+    from kvtier.cli_options import section_parameters
+
+    sig = inspect.signature(run)
+    params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + section_parameters(_run_sections())
+    run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    app.command("run")(run)
+
+
+_register_run()
+
+
 def main() -> None:
     try:
         app()

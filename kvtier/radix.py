@@ -183,32 +183,40 @@ class PrefixTree:
     def device_victims(self, limit: int) -> list[PageNode]:
         """Up to ``limit`` unlocked device-resident nodes, LRU first, that can all leave together.
 
-        A node qualifies when all its device-resident children are already
-        chosen; LRU order puts descendants before ancestors, so one pass
-        takes whole cold subtrees.
+        A node qualifies once all its device-resident children are chosen. LRU
+        order usually puts descendants before ancestors, so the first pass takes
+        whole cold subtrees; further passes pick up ancestors whose younger
+        branches were chosen later in the scan. Descendants always precede
+        their ancestors in the result.
         """
-        chosen: list[PageNode] = []
-        taken: dict[int, int] = {}
-        for node in self.device_lru:
-            if len(chosen) >= limit:
-                break
-            if node.lock_ref == 0 and node.device_children == taken.get(id(node), 0):
-                chosen.append(node)
-                if node.parent is not None:
-                    taken[id(node.parent)] = taken.get(id(node.parent), 0) + 1
-        return chosen
+        return self._victims(self.device_lru, limit, lambda n: n.lock_ref == 0, lambda n: n.device_children)
 
     def host_victims(self, limit: int) -> list[PageNode]:
         """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too.
 
         Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
+        return self._victims(
+            self.host_lru, limit,
+            lambda n: n.lock_ref == 0 and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING,
+            lambda n: n.num_children,
+        )
+
+    @staticmethod
+    def _victims(lru, limit: int, eligible, children) -> list[PageNode]:
         chosen: list[PageNode] = []
+        picked: set[int] = set()
         taken: dict[int, int] = {}
-        for node in self.host_lru:
-            if len(chosen) >= limit:
-                break
-            if node.lock_ref == 0 and node.device_page == NO_PAGE and node.host_ready and node.stored != SAVING and node.num_children == taken.get(id(node), 0):
+        progress = True
+        while progress and len(chosen) < limit:
+            progress = False
+            for node in lru:
+                if len(chosen) >= limit:
+                    break
+                if id(node) in picked or not eligible(node) or children(node) != taken.get(id(node), 0):
+                    continue
                 chosen.append(node)
+                picked.add(id(node))
+                progress = True
                 if node.parent is not None:
                     taken[id(node.parent)] = taken.get(id(node.parent), 0) + 1
         return chosen

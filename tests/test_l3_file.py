@@ -91,3 +91,18 @@ def test_two_processes_share_one_file_store(tmp_path):
     assert second.returncode == 0, second.stderr
     device, host, storage, computed = map(int, second.stdout.split())
     assert (storage, computed) == (5, 0)
+
+
+def test_eviction_backups_are_written_through_to_l3(tmp_path):
+    """Host copies made by a device eviction (write_back on device) still reach L3 under L3 write_through."""
+    from cache_helpers import make_tiered_cache, serve
+
+    c = make_tiered_cache(sc.tiny(), 4, 8, f"file://{tmp_path}", model="evict-wt", write_policy="write_back")
+    serve(c, list(range(16)))
+    c.wait_idle()
+    assert c.stats.storage_saved_pages == 0
+    assert c.evict_device(4).backed_up == 4
+    c.wait_idle()
+    assert c.stats.storage_saved_pages == 4
+    c.check_integrity()
+    c.close()

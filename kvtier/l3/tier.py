@@ -79,6 +79,8 @@ class StorageTier:
         self.skipped_saves = 0
         self.cooldown_s = cooldown_s
         self._down_until = 0.0
+        #: seconds the worker spent per job kind ("save" / "prefetch")
+        self.busy_s: dict[str, float] = {}
         self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
         self._worker.start()
 
@@ -138,6 +140,7 @@ class StorageTier:
             try:
                 if job is None:
                     return
+                t0 = time.monotonic()
                 try:
                     if not self.available:
                         job.statuses += [KeyStatus.ERROR] * len(job.keys)
@@ -146,8 +149,9 @@ class StorageTier:
                 except Exception as e:  # never kill the worker; the job reports failure
                     log.warning("L3 %s job failed: %s", job.kind, e)
                     job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+                self.busy_s[job.kind] = self.busy_s.get(job.kind, 0.0) + time.monotonic() - t0
+                self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
                 job.finished.set()
-                self._finished.put(job)
             finally:
                 self._queue.task_done()
 

@@ -58,16 +58,17 @@ class HostPool:
         self.layout = HostLayout(check_layout(layout), spec.num_layers, num_pages)
         self.name = name
         self.materialized = materialize
+        if materialize:  # before anything else is allocated, the allocator's bookkeeping included
+            requested = num_pages * spec.page_bytes
+            available = host_memory_available() if available_bytes is None else available_bytes
+            if requested > available - reserve_bytes:
+                raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
         self.allocator = PageAllocator(num_pages, name)
         self.buffers: dict[str, torch.Tensor] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
         if not materialize:
             self.pinned = False
             return
-        requested = num_pages * spec.page_bytes
-        available = host_memory_available() if available_bytes is None else available_bytes
-        if requested > available - reserve_bytes:
-            raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
         self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
         for b in spec.buffers:
             t = torch.empty(self.layout.shape(b.page_bytes), dtype=torch.uint8, pin_memory=self.pinned)

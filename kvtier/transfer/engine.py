@@ -26,6 +26,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
@@ -111,6 +112,8 @@ class TransferEngine:
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
         self._queue: queue.Queue[TransferJob | None] = queue.Queue()
         self._closed = False
+        #: seconds the worker spent moving bytes, per (src, dst): bytes / busy = achieved GB/s
+        self.busy_s: dict[tuple[Medium, Medium], float] = {}
         self._worker = threading.Thread(target=self._run, name=name, daemon=True) if self.materialized else None
         if self._worker is not None:
             self._worker.start()
@@ -132,8 +135,8 @@ class TransferEngine:
         if self._worker is None:  # accounting only
             for ev in job.layer_ready:
                 ev.set()
+            self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
             job.finished.set()
-            self._finished.put(job)
             return job
         self._queue.put(job)
         return job
@@ -171,6 +174,7 @@ class TransferEngine:
                 job.cuda_events.append(ev)
             job.layer_ready[i].set()
 
+        t0 = time.perf_counter()
         try:
             if self.cuda:
                 with torch.cuda.stream(self.stream):
@@ -186,10 +190,12 @@ class TransferEngine:
             log.warning("transfer job %s (%s->%s, %s pages) failed: %s", job.job_id, job.src, job.dst, job.num_pages, e)
             job.error = e
         finally:
+            key = (job.src, job.dst)
+            self.busy_s[key] = self.busy_s.get(key, 0.0) + time.perf_counter() - t0
             for ev in job.layer_ready:
                 ev.set()
+            self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
             job.finished.set()
-            self._finished.put(job)
 
     def drain(self) -> None:
         """Block until every submitted job has finished."""

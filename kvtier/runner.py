@@ -1,0 +1,207 @@
+"""``kvtier run``: replay a workload through the reference model twice — with kvtier, and with
+nothing cached (recompute) — in one invocation, and report hits, bytes moved, TTFT and
+whether every request's logits agree.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from dataclasses import asdict, dataclass, field, replace
+from typing import Literal
+
+import torch
+
+from kvtier.build import TierConfig, build_cache
+from kvtier.config import CacheConfig, ConfigError, StorageConfig, _help
+from kvtier.engine import ReferenceEngine, RequestResult
+from kvtier.model import ModelConfig, ReferenceModel
+from kvtier.nullcache import NullCache
+from kvtier.pools import DevicePool
+from kvtier.workloads.synthetic import ChatWorkload
+
+#: logits may differ by at most this much (absolute) for the check to pass; the
+#: reference model is built so cached and recomputed runs are bit-identical (0.0)
+LOGIT_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    """What to replay."""
+
+    kind: Literal["chat", "trace"] = _help("chat (built-in multi-turn generator) or trace (Mooncake format)", "chat")
+    trace: str | None = _help("trace path (kind=trace); default: the shipped shared/traces trace", None)
+    limit: int = _help("trace: replay the first N requests", 24)
+    scale: float = _help("trace: scale lengths by this factor for the small model", 0.05)
+    sessions: int = _help("chat: concurrent sessions", 8)
+    turns: int = _help("chat: turns per session", 4)
+    system_prompts: int = _help("chat: distinct system prompts shared by sessions", 2)
+    system_tokens: int = _help("chat: system prompt length", 512)
+    user_tokens: int = _help("chat: mean user turn length", 96)
+    reply_tokens: int = _help("chat: mean assistant reply length", 64)
+    seed: int = _help("workload seed", 0)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("chat", "trace"):
+            raise ConfigError(f"WorkloadConfig.kind must be chat or trace; got {self.kind!r}")
+
+    def requests(self, vocab: int) -> list[list[int]]:
+        if self.kind == "chat":
+            return ChatWorkload(self.sessions, self.turns, self.system_prompts, self.system_tokens, self.user_tokens, self.reply_tokens, vocab, self.seed).requests()
+        from kvtier.workloads.mooncake import default_trace_path, load_mooncake_trace, trace_tokens
+
+        reqs = load_mooncake_trace(self.trace or default_trace_path(), self.limit)
+        # equal hash ids -> equal tokens; fold the large ids into the model's vocabulary
+        return [((trace_tokens(r, self.scale) * 2654435761) % vocab).tolist() for r in reqs]
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    tiers: TierConfig = field(default_factory=TierConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+
+
+@dataclass
+class RunReport:
+    requests: int
+    tokens: int
+    hit_ratio: dict[str, float]
+    tokens_loaded: int
+    tokens_recomputed: int
+    bytes_moved: dict[str, int]
+    gbps: dict[str, float]
+    ttft_s: dict[str, dict[str, float]]
+    ttft_ratio_p50: float
+    logits_equal: bool
+    logits_bit_exact: bool
+    max_abs_logit_diff: float
+    logit_tolerance: float
+    indexer_topk_equal: bool
+    storage_url: str | None
+    stats: dict[str, int]
+    per_request: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _pcts(xs: list[float]) -> dict[str, float]:
+    qs = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else [xs[0]] * 99
+    return {"p50": round(statistics.median(xs), 5), "p90": round(qs[89], 5), "p99": round(qs[98], 5), "mean": round(statistics.fmean(xs), 5)}
+
+
+def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
+    model = ReferenceModel(cfg.model)
+    spec = cfg.model.kv_spec()
+    requests = cfg.workload.requests(cfg.model.vocab_size)
+    tmp = None
+    storage = cfg.storage
+    if storage.url is None:
+        tmp = tempfile.TemporaryDirectory(prefix="kvtier-run-")
+        storage = replace(storage, url=f"file://{tmp.name}")
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=2 * len(requests), desc="kvtier run", unit="req")
+    cache = None
+    try:
+        cache = build_cache(spec, cfg.tiers, cfg.cache, storage)  # first: a bad size fails before any work
+        base_pages = max(cfg.tiers.device_pages, max(-(-len(r) // spec.page_size) for r in requests) + 1)
+        baseline = ReferenceEngine(model, NullCache(DevicePool(spec, base_pages)))
+        baseline.prefill(requests[0][: spec.page_size * 2])  # warm-up, not measured
+        base: list[RequestResult] = []
+        for r in requests:
+            base.append(baseline.prefill(r))
+            if bar:
+                bar.update()
+        engine = ReferenceEngine(model, cache)
+        ours: list[RequestResult] = []
+        for r in requests:
+            ours.append(engine.prefill(r))
+            if bar:
+                bar.update()
+        cache.wait_idle()
+        cache.check_integrity()
+        stats = cache.stats.snapshot()
+        busy = dict(cache.engine.busy_s)
+        sbusy = dict(cache.storage.busy_s) if cache.storage else {}
+    finally:
+        if cache is not None:
+            cache.close()
+        if bar:
+            bar.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return _report(requests, base, ours, stats, busy, sbusy, storage.url if cfg.storage.url else None)
+
+
+def _report(requests, base, ours, stats, busy, sbusy, url) -> RunReport:
+    tokens = sum(len(r) for r in requests)
+    diffs = [float((a.logits - b.logits).abs().max()) for a, b in zip(base, ours)]
+    bit_exact = all(torch.equal(a.logits, b.logits) for a, b in zip(base, ours))
+    # top-k of the pages both runs computed (the cached run computes a suffix of the recompute run's pages)
+    topk_equal = all(all(torch.equal(x, y) for x, y in zip(sa, sb)) for a, b in zip(base, ours) for sa, sb in zip(a.selections[len(a.selections) - len(b.selections):], b.selections))
+    dev = sum(r.device_hit_tokens for r in ours)
+    host = sum(r.host_hit_tokens for r in ours)
+    sto = sum(r.storage_hit_tokens for r in ours)
+    moved = {
+        "host_to_device": stats.loaded_bytes,
+        "device_to_host": stats.backed_up_bytes,
+        "host_to_storage": stats.storage_saved_bytes,
+        "storage_to_host": stats.storage_prefetched_bytes,
+    }
+    secs = {
+        "host_to_device": busy.get(("host", "device"), 0.0),
+        "device_to_host": busy.get(("device", "host"), 0.0),
+        "host_to_storage": sbusy.get("save", 0.0),
+        "storage_to_host": sbusy.get("prefetch", 0.0),
+    }
+    t_base = [r.ttft_s for r in base]
+    t_ours = [r.ttft_s for r in ours]
+    return RunReport(
+        requests=len(requests), tokens=tokens,
+        hit_ratio={"device": round(dev / tokens, 4), "host": round(host / tokens, 4), "storage": round(sto / tokens, 4), "total": round((dev + host + sto) / tokens, 4)},
+        tokens_loaded=host + sto, tokens_recomputed=sum(r.computed_tokens for r in ours),
+        bytes_moved=moved, gbps={k: round(moved[k] / secs[k] / 1e9, 3) if secs[k] > 0 else 0.0 for k in moved},
+        ttft_s={"kvtier": _pcts(t_ours), "recompute": _pcts(t_base)},
+        ttft_ratio_p50=round(statistics.median(t_ours) / statistics.median(t_base), 4),
+        logits_equal=max(diffs) <= LOGIT_TOLERANCE, logits_bit_exact=bit_exact, max_abs_logit_diff=max(diffs), logit_tolerance=LOGIT_TOLERANCE,
+        indexer_topk_equal=topk_equal, storage_url=url, stats=stats.as_dict(),
+        per_request=[{"tokens": len(r), "device_hit": o.device_hit_tokens, "host_hit": o.host_hit_tokens, "storage_hit": o.storage_hit_tokens,
+                      "ttft_kvtier_s": round(o.ttft_s, 5), "ttft_recompute_s": round(b.ttft_s, 5)} for r, o, b in zip(requests, ours, base)],
+    )
+
+
+def plot_report(report: RunReport, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report.per_request
+    xs = list(range(1, len(rows) + 1))
+    fig, (a, b) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    cum = {k: 0 for k in ("device", "host", "storage")}
+    seen = 0
+    series = {k: [] for k in cum}
+    for r in rows:
+        seen += r["tokens"]
+        for k in cum:
+            cum[k] += r[f"{k}_hit"]
+            series[k].append(cum[k] / seen)
+    a.stackplot(xs, *(series[k] for k in ("device", "host", "storage")), labels=["device", "host", "storage"])
+    a.set_ylabel("cumulative prefix hit ratio")
+    a.legend(loc="upper left")
+    b.plot(xs, [r["ttft_recompute_s"] * 1e3 for r in rows], label="recompute")
+    b.plot(xs, [r["ttft_kvtier_s"] * 1e3 for r in rows], label="kvtier")
+    b.set_ylabel("TTFT (ms)")
+    b.set_xlabel("request")
+    b.legend(loc="upper left")
+    fig.suptitle(f"kvtier run: {report.requests} requests, TTFT p50 ratio {report.ttft_ratio_p50}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
