@@ -513,9 +513,9 @@ class HierarchicalCache:
         tree = self.tree
         while freed < n:
             before = freed
-            for v in tree._victims(tree.device_lru, n - freed, lambda x: x.lock_ref == 0 and x.host_ready, lambda x: x.device_children):
-                self.dev_alloc.free([tree.clear_device(v)])
-                freed += 1
+            cheap = tree._victims(tree.device_lru, n - freed, lambda x: x.lock_ref == 0 and x.host_ready, lambda x: x.device_children)
+            self.dev_alloc.free([tree.clear_device(v) for v in cheap])
+            freed += len(cheap)
             if freed < n:
                 victims = tree.device_victims(n - freed)
                 unbacked = [v for v in victims if v.host_page == NO_PAGE]
@@ -572,9 +572,11 @@ class HierarchicalCache:
             unsaved = [v for v in victims if v.stored == NOT_STORED]
             if unsaved:
                 self._save_for_eviction(unsaved)
+        pages = []
         for node in victims:  # leaves before their parents
-            self.host_alloc.free([self.tree.clear_host(node)])
+            pages.append(self.tree.clear_host(node))
             self.tree.remove(node)
+        self.host_alloc.free(pages)
         self.stats.host_evicted_pages += len(victims)
         return EvictResult(n, len(victims))
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from kvtier.errors import KVTierError
+from kvtier.errors import ConfigError, KVTierError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvtier: a tiered, paged KV cache for LLM inference.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured ratios as JSON.")
@@ -137,6 +137,43 @@ def _print_run_report(r) -> None:
     c.print(t)
 
 
+def plan(
+    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the shipped shared/traces one"),
+    limit: Optional[int] = typer.Option(None, help="plan only the first N requests"),
+    sweep_host_tb: Optional[str] = typer.Option(None, "--sweep-host-tb", help="comma-separated host sizes (TB per node): print hit ratio for each"),
+    as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    **flags,
+) -> None:
+    """Replay a trace through the cache logic at real model sizes (no tensors): hit ratio per tier, link load, load vs recompute."""
+    from kvtier.cli_options import build_sections
+    from kvtier.config import CacheConfig
+    from kvtier.plan import PlanConfig, run_plan, sweep_host
+    from kvtier.workloads.mooncake import default_trace_path, load_mooncake_trace
+
+    sections = build_sections({"plan": PlanConfig, "cache": CacheConfig}, {}, flags)
+    requests = load_mooncake_trace(trace or default_trace_path(), limit)
+    report = run_plan(requests, sections["plan"], sections["cache"])
+    if sweep_host_tb:
+        try:
+            sizes = [float(x) for x in sweep_host_tb.split(",") if x]
+        except ValueError:
+            raise ConfigError(f"--sweep-host-tb takes numbers separated by commas, e.g. 0.25,0.5,1; got {sweep_host_tb!r}") from None
+        report.sweep = sweep_host(requests, sections["plan"], sizes, sections["cache"])
+    if as_json:
+        json.dump(report.as_dict(), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+    from rich.console import Console
+
+    d = report.as_dict()
+    sweep = d.pop("sweep")
+    _emit([{"metric": k, "value": json.dumps(v) if isinstance(v, dict) else v} for k, v in d.items()], False)
+    if sweep:
+        _emit(sweep, False)
+    Console().print(f"hit ratio {report.hit_ratio['total']:.1%} of an infinite-cache bound {report.infinite_cache_hit_ratio:.1%}; "
+                    f"a host hit loads {report.load_vs_recompute['host_hit_speedup']}x faster than recomputing it")
+
+
 def _register_run() -> None:
     import inspect
 
@@ -146,6 +183,13 @@ def _register_run() -> None:
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + section_parameters(_run_sections())
     run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     app.command("run")(run)
+    from kvtier.config import CacheConfig
+    from kvtier.plan import PlanConfig
+
+    psig = inspect.signature(plan)
+    pparams = [p for p in psig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + section_parameters({"plan": PlanConfig, "cache": CacheConfig})
+    plan.__signature__ = psig.replace(parameters=pparams)  # type: ignore[attr-defined]
+    app.command("plan")(plan)
 
 
 _register_run()

@@ -61,7 +61,7 @@ def test_backend_contract_and_size_cap(tmp_path):
 
 
 def test_bad_urls():
-    with pytest.raises(UnknownNameError, match="file, mooncake, redis"):
+    with pytest.raises(UnknownNameError, match="file, memory, mooncake, redis"):
         open_backend("s3://bucket/x")
     with pytest.raises(StorageError, match="no scheme"):
         open_backend("/just/a/path")

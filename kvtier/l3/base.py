@@ -97,6 +97,12 @@ def _open_file(u: StorageURL) -> StorageBackend:
     return FileBackend.from_url(u)
 
 
+def _open_memory(u: StorageURL) -> StorageBackend:
+    from kvtier.l3.memory import MemoryBackend
+
+    return MemoryBackend.from_url(u)
+
+
 def _open_redis(u: StorageURL) -> StorageBackend:
     from kvtier.l3.redis import RedisBackend
 
@@ -112,6 +118,7 @@ def _open_mooncake(u: StorageURL) -> StorageBackend:
 #: scheme -> opener; heavy clients are imported only when their scheme is used.
 _OPENERS: dict[str, Callable[[StorageURL], StorageBackend]] = {
     "file": _open_file,
+    "memory": _open_memory,
     "redis": _open_redis,
     "rediss": _open_redis,
     "redis+cluster": _open_redis,

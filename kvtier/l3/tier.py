@@ -39,6 +39,9 @@ from kvtier.l3.page import HEADER_BYTES, PageCodec
 
 log = logging.getLogger(__name__)
 
+#: the (writable, empty) value of a planning page: keys are accounted, no bytes move
+_EMPTY = memoryview(bytearray())
+
 
 @dataclass(eq=False)
 class StorageJob:
@@ -50,11 +53,12 @@ class StorageJob:
     arrived: int = 0
     corrupt: int = 0
     skipped_existing: int = 0
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    #: read by the worker between chunks (a bool: set once, by the owner)
+    cancelled: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
-        self.cancelled.set()
+        self.cancelled = True
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.finished.wait(timeout)
@@ -81,8 +85,10 @@ class StorageTier:
         self._down_until = 0.0
         #: seconds the worker spent per job kind ("save" / "prefetch")
         self.busy_s: dict[str, float] = {}
-        self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
-        self._worker.start()
+        #: without bytes (capacity planning) jobs run inline, deterministically, in the caller's thread
+        self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True) if self.materialized else None
+        if self._worker is not None:
+            self._worker.start()
 
     def key(self, page: PageHash) -> str:
         return f"{self.prefix}/{page.hex()}"
@@ -116,6 +122,12 @@ class StorageTier:
 
     # ---- submission ------------------------------------------------------------------
     def submit(self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None) -> StorageJob | None:
+        if self._worker is None:
+            from kvtier.transfer.engine import DONE
+
+            job = StorageJob(kind, list(keys), list(host_pages), tag, finished=DONE)
+            self._process(job)
+            return job
         job = StorageJob(kind, list(keys), list(host_pages), tag)
         try:
             self._queue.put(job, timeout=self.backpressure_s if kind == "save" else None)
@@ -140,20 +152,24 @@ class StorageTier:
             try:
                 if job is None:
                     return
-                t0 = time.monotonic()
-                try:
-                    if not self.available:
-                        job.statuses += [KeyStatus.ERROR] * len(job.keys)
-                    else:
-                        (self._save if job.kind == "save" else self._prefetch)(job)
-                except Exception as e:  # never kill the worker; the job reports failure
-                    log.warning("L3 %s job failed: %s", job.kind, e)
-                    job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
-                self.busy_s[job.kind] = self.busy_s.get(job.kind, 0.0) + time.monotonic() - t0
-                self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
-                job.finished.set()
+                self._process(job)
             finally:
                 self._queue.task_done()
+
+    def _process(self, job: StorageJob) -> None:
+        t0 = time.monotonic()
+        try:
+            if not self.available:
+                job.statuses += [KeyStatus.ERROR] * len(job.keys)
+            else:
+                (self._save if job.kind == "save" else self._prefetch)(job)
+        except Exception as e:  # never kill the worker; the job reports failure
+            log.warning("L3 %s job failed: %s", job.kind, e)
+            job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+        self.busy_s[job.kind] = self.busy_s.get(job.kind, 0.0) + time.monotonic() - t0
+        self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
+        if self._worker is not None:
+            job.finished.set()
 
     def _payload_views(self, slot: int) -> list[torch.Tensor]:
         """Byte views into staging slot ``slot``: one ``[layers, page_bytes]`` per buffer."""
@@ -175,8 +191,8 @@ class StorageTier:
         for start in range(have, len(job.keys), self.batch_pages):
             keys = job.keys[start : start + self.batch_pages]
             pages = job.host_pages[start : start + self.batch_pages]
-            if not self.materialized:
-                job.statuses += [KeyStatus.OK] * len(keys)
+            if not self.materialized:  # planning: account the keys, move no bytes
+                job.statuses += self._call(self.backend.set, [self.key(k) for k in keys], [_EMPTY] * len(keys))
                 continue
             values = []
             for slot, (k, p) in enumerate(zip(keys, pages)):
@@ -193,13 +209,18 @@ class StorageTier:
 
     def _prefetch(self, job: StorageJob) -> None:
         for start in range(0, len(job.keys), self.batch_pages):
-            if job.cancelled.is_set():
+            if job.cancelled:
                 break
             keys = job.keys[start : start + self.batch_pages]
             pages = job.host_pages[start : start + self.batch_pages]
-            if not self.materialized:
-                job.statuses += [KeyStatus.OK] * len(keys)
-                job.arrived = len(job.statuses)
+            if not self.materialized:  # planning: a key present counts as arrived
+                statuses = self._call(self.backend.get, [self.key(k) for k in keys], [_EMPTY] * len(keys))
+                for st in statuses:
+                    if st is not KeyStatus.OK:
+                        job.statuses.append(st)
+                        return
+                    job.statuses.append(st)
+                    job.arrived += 1
                 continue
             outs = [memoryview(self._staging[slot]).cast("B") for slot in range(len(keys))]
             statuses = self._call(self.backend.get, [self.key(k) for k in keys], outs)
@@ -219,9 +240,11 @@ class StorageTier:
                 job.arrived += 1
 
     def drain(self) -> None:
-        self._queue.join()
+        if self._worker is not None:
+            self._queue.join()
 
     def close(self) -> None:
-        self._queue.put(None)
-        self._worker.join()
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
         self.backend.close()
