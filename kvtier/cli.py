@@ -62,12 +62,13 @@ def bench_cache(
     trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the shipped shared/traces one"),
     limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    vllm: Optional[bool] = typer.Option(None, "--vllm/--no-vllm", help="replay through vLLM's KVCacheManager too (default: when vLLM is installed)"),
 ) -> None:
     """Prefix bookkeeping throughput (keys + match + insert) on a trace, and its share of a 16k-token load."""
     from kvtier.bench.cache import as_json as to_json, run_cache_bench
     from kvtier.workloads.mooncake import default_trace_path
 
-    _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit)), as_json)
+    _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm)), as_json)
 
 
 @bench_app.command("storage")

@@ -34,6 +34,7 @@ class CacheConfig:
     on_device_evict: DeviceEvictAction = _help("a device-only page being evicted is backed up to host first (backup) or dropped (drop)", "backup")
     hash_algo: Literal["xxh3_128", "blake3"] = _help("page key hash (128-bit, chained)", "xxh3_128")
     io_backend: str = _help("page copy backend (see kvtier.transfer.backends)", "direct")
+    preallocate_nodes: bool = _help("build one tree node per device+host page at startup, so serving creates no GC-tracked objects", True)
 
     def __post_init__(self) -> None:
         _choice(self, "write_policy", ("write_through", "write_through_selective", "write_back"))

@@ -22,47 +22,74 @@ Invariants (checked by :meth:`PrefixTree.check`):
 * device residency is prefix-closed: a node on device has its parent on device;
 * every node holds a device page, a host page, or both;
 * ``lock_ref`` of a node is >= the sum over locks taken on it and its descendants
-  (locks walk to the root), so a locked path is never evicted.
+  (locks walk to the root), so a locked path is never evicted;
+* every leaf of a tier has an entry with its current stamp in that tier's heap.
 
-LRU order is one ``OrderedDict`` per tier. Matches touch nodes leaf-to-root, so
-within a path descendants are always older than ancestors and the LRU end of a
-list is where evictable leaves are.
+Why lookups and touches cost O(log n), not O(n), per request: prefix closure
+makes "key ``i`` is cached" monotone along a request's keys, so the longest
+cached prefix (and its device-resident part) is a binary search. Recency is
+kept lazily: a use stamps only the deepest node of the path (and the deepest
+device-resident one). A node's true last use is the newest stamp in its
+subtree; since eviction takes leaves only, each leaving node hands its stamp to
+its parent (``max``), and a parent is always exactly as recent as it must be by
+the time it becomes a leaf. Per tier, a heap of ``(stamp, seq, node)`` over
+leaves gives LRU victims; stale entries (node touched, no longer a leaf, or
+gone) are dropped when popped and the heap is rebuilt when it outgrows the tree.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+import heapq
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 
+from kvtier.errors import InvalidStateError
 from kvtier.hashing import PageHash
 
 #: ``PageNode.device_page`` / ``host_page`` when the page has no copy in that tier.
 NO_PAGE = -1
 NOT_STORED, SAVING, STORED = 0, 1, 2
 
+_HOST_READY = 1  # flags bit 0; bits 1-2 hold the L3 state
+
 
 class PageNode:
-    """One cached page. ``__slots__``: hundreds of thousands exist at once, no per-node dict."""
+    """One cached page. ``__slots__`` and few of them: hundreds of thousands exist at once."""
 
-    __slots__ = ("key", "parent", "depth", "num_children", "device_children", "device_page", "host_page", "host_ready", "lock_ref", "hit_count", "last_access", "loading", "stored")
+    __slots__ = ("key", "parent", "num_children", "device_children", "device_page", "host_page", "lock_ref", "hit_count", "last_access", "flags")
 
-    def __init__(self, key: PageHash, parent: PageNode | None, depth: int):
+    def __init__(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0):
+        self.reset(key, parent, stamp, device_page, children)
+
+    def reset(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0) -> None:
         self.key = key
         self.parent = parent
-        self.depth = depth
-        self.num_children = 0
-        self.device_children = 0
-        self.device_page = NO_PAGE
+        self.num_children = children
+        self.device_children = children if device_page != NO_PAGE else 0
+        self.device_page = device_page
         self.host_page = NO_PAGE
-        #: host copy is complete and readable (False while its backup is in flight)
-        self.host_ready = False
         self.lock_ref = 0
         self.hit_count = 0
-        self.last_access = 0
-        #: the in-flight load filling this node's device page, if any
-        self.loading = None
-        #: L3 state: NOT_STORED, SAVING or STORED
-        self.stored = NOT_STORED
+        self.last_access = stamp
+        self.flags = 0
+
+    @property
+    def host_ready(self) -> bool:
+        """The host copy is complete and readable (False while its backup or prefetch is in flight)."""
+        return bool(self.flags & _HOST_READY)
+
+    @host_ready.setter
+    def host_ready(self, ready: bool) -> None:
+        self.flags = (self.flags | _HOST_READY) if ready else (self.flags & ~_HOST_READY)
+
+    @property
+    def stored(self) -> int:
+        """L3 state: NOT_STORED, SAVING or STORED."""
+        return self.flags >> 1
+
+    @stored.setter
+    def stored(self, state: int) -> None:
+        self.flags = (self.flags & _HOST_READY) | (state << 1)
 
     @property
     def on_device(self) -> bool:
@@ -79,90 +106,222 @@ class PageNode:
             node = node.parent
 
     def __repr__(self) -> str:
-        return f"PageNode(depth={self.depth}, dev={self.device_page}, host={self.host_page}{'' if self.host_ready else '*'}, lock={self.lock_ref})"
+        return f"PageNode(dev={self.device_page}, host={self.host_page}{'' if self.host_ready else '*'}, lock={self.lock_ref}, t={self.last_access})"
+
+
+def _device_leaf(n: PageNode) -> bool:
+    return n.device_page != NO_PAGE and n.device_children == 0
+
+
+def _host_leaf(n: PageNode) -> bool:
+    return n.host_page != NO_PAGE and n.num_children == 0
+
+
+class _LeafHeap:
+    """Lazy min-heap of one tier's leaves by stamp (see the module docstring)."""
+
+    __slots__ = ("entries", "is_leaf", "seq")
+
+    def __init__(self, is_leaf: Callable[[PageNode], bool], seq: itertools.count):
+        self.entries: list[tuple[int, int, PageNode]] = []
+        self.is_leaf = is_leaf
+        self.seq = seq
+
+    def push(self, node: PageNode) -> None:
+        heapq.heappush(self.entries, (node.last_access, next(self.seq), node))
+
+    def valid(self, entry: tuple[int, int, PageNode]) -> bool:
+        stamp, _, node = entry
+        return stamp == node.last_access and self.is_leaf(node)
+
+    def rebuild(self, nodes) -> None:
+        seq = self.seq
+        self.entries = [(n.last_access, next(seq), n) for n in nodes if self.is_leaf(n)]
+        heapq.heapify(self.entries)
 
 
 class PrefixTree:
     """Space-free bookkeeping: which page keys exist and where their bytes are. Touches no bytes."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: int = 0) -> None:
         self.nodes: dict[PageHash, PageNode] = {}
-        self.device_lru: OrderedDict[PageNode, None] = OrderedDict()
-        self.host_lru: OrderedDict[PageNode, None] = OrderedDict()
+        #: recycled and preallocated nodes (see :meth:`reserve`)
+        self._spare: list[PageNode] = []
+        self.reserve(reserve)
+        seq = itertools.count()
+        self.device_heap = _LeafHeap(_device_leaf, seq)
+        self.host_heap = _LeafHeap(_host_leaf, seq)
         self._clock = 0
 
     def __len__(self) -> int:
         return len(self.nodes)
+
+    def reserve(self, n: int) -> None:
+        """Preallocate nodes so that up to ``n`` cached pages need no new Python objects.
+
+        Why: nodes are long-lived, GC-tracked objects; creating them while
+        serving makes CPython's full collections scan the whole tree again and
+        again (~35% of bookkeeping time on the Mooncake replay). Nodes made up
+        front, and recycled when pages leave the tree, keep the collector idle
+        in steady state -- the same reason vLLM builds its block objects at startup.
+        """
+        new = PageNode.__new__
+        spare = self._spare
+        missing = n - len(self.nodes) - len(spare)
+        if missing > 0:
+            spare.extend(new(PageNode) for _ in range(missing))
+
+    def _node(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0) -> PageNode:
+        if self._spare:
+            node = self._spare.pop()
+            node.reset(key, parent, stamp, device_page, children)
+            return node
+        return PageNode(key, parent, stamp, device_page, children)
 
     def tick(self) -> int:
         self._clock += 1
         return self._clock
 
     # ---- lookup ----------------------------------------------------------------
+    def cached_prefix(self, keys: Sequence[PageHash]) -> int:
+        """How many leading ``keys`` are in the tree (binary search: presence is prefix-closed)."""
+        nodes = self.nodes
+        lo, hi = 0, len(keys)
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if keys[mid - 1] in nodes:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def walk(self, keys: Sequence[PageHash]) -> list[PageNode]:
         """Nodes of the longest cached prefix of ``keys``."""
         nodes = self.nodes
-        path: list[PageNode] = []
-        for k in keys:
-            node = nodes.get(k)
-            if node is None:
-                break
-            path.append(node)
-        return path
+        return [nodes[k] for k in keys[: self.cached_prefix(keys)]]
+
+    @staticmethod
+    def device_prefix(path: Sequence[PageNode]) -> int:
+        """How many leading nodes of a root-anchored ``path`` are on device (binary search)."""
+        lo, hi = 0, len(path)
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if path[mid - 1].device_page != NO_PAGE:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def touch(self, path: Sequence[PageNode]) -> None:
-        """Mark a matched path as used now: leaf first, so ancestors end up more recent."""
+        """Mark a root-anchored path as used now: O(log n), see the module docstring."""
+        if not path:
+            return
         now = self.tick()
-        dev, host = self.device_lru, self.host_lru
-        for node in reversed(path):
-            node.last_access = now
-            if node.device_page != NO_PAGE:
-                dev.move_to_end(node)
-            if node.host_page != NO_PAGE:
-                host.move_to_end(node)
+        self._stamp(path[-1], now)
+        if path[-1].device_page == NO_PAGE:
+            n_dev = self.device_prefix(path)
+            if n_dev:
+                self._stamp(path[n_dev - 1], now)
+
+    def _stamp(self, node: PageNode, now: int) -> None:
+        node.last_access = now
+        if node.device_page != NO_PAGE and node.device_children == 0:
+            self.device_heap.push(node)
+        if node.host_page != NO_PAGE and node.num_children == 0:
+            self.host_heap.push(node)
+
+    def _child_left(self, parent: PageNode, child: PageNode) -> None:
+        """``child`` left a tier (or the tree): hand its recency to ``parent`` and re-index the parent.
+
+        Called after the parent's child counts are updated. A parent whose stamp
+        changed needs a fresh heap entry in every tier it is a leaf of (its old
+        entries are stale now), and one that just became a leaf needs its first."""
+        if child.last_access > parent.last_access:
+            parent.last_access = child.last_access
+        self._stamp(parent, parent.last_access)
 
     # ---- structure ---------------------------------------------------------------
     def add(self, key: PageHash, parent: PageNode | None) -> PageNode:
-        node = PageNode(key, parent, 0 if parent is None else parent.depth + 1)
-        node.last_access = self._clock
+        """A new leaf with no copy yet; give it one with :meth:`set_device` or :meth:`set_host`."""
+        node = self._node(key, parent, self._clock)
         self.nodes[key] = node
         if parent is not None:
             parent.num_children += 1
         return node
 
+    def add_device_chain(self, keys: Sequence[PageHash], pages: Sequence[int], parent: PageNode | None) -> list[PageNode]:
+        """New nodes for ``keys`` (none cached yet), each a child of the previous, on device ``pages``."""
+        assert parent is None or parent.device_page != NO_PAGE, parent
+        nodes = self.nodes
+        stamp = self._clock
+        chain: list[PageNode] = []
+        last = len(keys) - 1
+        prev = parent
+        spare = self._spare
+        for i, (key, page) in enumerate(zip(keys, pages)):
+            if spare:
+                node = spare.pop()
+                node.reset(key, prev, stamp, page, 0 if i == last else 1)
+            else:
+                node = PageNode(key, prev, stamp, page, 0 if i == last else 1)
+            nodes[key] = node
+            chain.append(node)
+            prev = node
+        if chain:
+            if parent is not None:
+                parent.num_children += 1
+                parent.device_children += 1
+            self.device_heap.push(chain[-1])
+        return chain
+
     def remove(self, node: PageNode) -> None:
         assert node.num_children == 0 and node.device_page == NO_PAGE and node.host_page == NO_PAGE and node.lock_ref == 0, node
         del self.nodes[node.key]
-        if node.parent is not None:
-            node.parent.num_children -= 1
+        parent = node.parent
+        if parent is not None:
+            parent.num_children -= 1
+            self._child_left(parent, node)
+        node.parent = None  # a recycled node must not keep its old ancestors alive
+        self._spare.append(node)
+        self._maybe_compact()
 
     # ---- residency -------------------------------------------------------------
     def set_device(self, node: PageNode, page: int) -> None:
-        assert node.device_page == NO_PAGE and (node.parent is None or node.parent.device_page != NO_PAGE), node
+        parent = node.parent
+        assert node.device_page == NO_PAGE and (parent is None or parent.device_page != NO_PAGE), node
         node.device_page = page
-        self.device_lru[node] = None
-        if node.parent is not None:
-            node.parent.device_children += 1
+        if node.device_children == 0:
+            self.device_heap.push(node)
+        if parent is not None:
+            parent.device_children += 1
 
     def clear_device(self, node: PageNode) -> int:
         assert node.device_children == 0 and node.device_page != NO_PAGE, node
         page, node.device_page = node.device_page, NO_PAGE
-        del self.device_lru[node]
-        if node.parent is not None:
-            node.parent.device_children -= 1
+        parent = node.parent
+        if parent is not None:
+            parent.device_children -= 1
+            self._child_left(parent, node)
+        self._maybe_compact()
         return page
 
     def set_host(self, node: PageNode, page: int, ready: bool) -> None:
         assert node.host_page == NO_PAGE, node
         node.host_page = page
         node.host_ready = ready
-        self.host_lru[node] = None
+        if node.num_children == 0:
+            self.host_heap.push(node)
 
     def clear_host(self, node: PageNode) -> int:
         page, node.host_page = node.host_page, NO_PAGE
         node.host_ready = False
-        del self.host_lru[node]
         return page
+
+    def _maybe_compact(self) -> None:
+        limit = 2 * len(self.nodes) + 4096
+        for heap in (self.device_heap, self.host_heap):
+            if len(heap.entries) > limit:
+                heap.rebuild(self.nodes.values())
 
     # ---- locks -----------------------------------------------------------------
     def lock(self, node: PageNode | None) -> None:
@@ -171,8 +330,6 @@ class PrefixTree:
             node = node.parent
 
     def unlock(self, node: PageNode | None) -> None:
-        from kvtier.errors import InvalidStateError
-
         if node is not None and node.lock_ref <= 0:
             raise InvalidStateError(f"unlock of an unlocked node {node!r}: every unlock needs a matching lock")
         while node is not None:
@@ -180,45 +337,61 @@ class PrefixTree:
             node = node.parent
 
     # ---- eviction candidates ---------------------------------------------------
-    def device_victims(self, limit: int) -> list[PageNode]:
-        """Up to ``limit`` unlocked device-resident nodes, LRU first, that can all leave together.
+    def device_victims(self, limit: int, *, require_host_copy: bool = False) -> list[PageNode]:
+        """Up to ``limit`` unlocked device-resident nodes, LRU leaves first, that can all leave together.
 
-        A node qualifies once all its device-resident children are chosen. LRU
-        order usually puts descendants before ancestors, so the first pass takes
-        whole cold subtrees; further passes pick up ancestors whose younger
-        branches were chosen later in the scan. Descendants always precede
-        their ancestors in the result.
+        A node qualifies once all its device-resident children are chosen, so
+        descendants always precede their ancestors in the result.
+        ``require_host_copy`` keeps to pages whose ready host copy makes dropping free.
         """
-        return self._victims(self.device_lru, limit, lambda n: n.lock_ref == 0, lambda n: n.device_children)
+        if require_host_copy:
+            eligible = lambda n: n.lock_ref == 0 and n.flags & _HOST_READY and n.host_page != NO_PAGE  # noqa: E731
+        else:
+            eligible = lambda n: n.lock_ref == 0  # noqa: E731
+        return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children)
 
     def host_victims(self, limit: int) -> list[PageNode]:
         """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too.
 
         Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
         return self._victims(
-            self.host_lru, limit,
-            lambda n: n.lock_ref == 0 and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING,
+            self.host_heap, limit,
+            lambda n: n.lock_ref == 0 and n.device_page == NO_PAGE and n.flags & _HOST_READY and n.stored != SAVING,
             lambda n: n.num_children,
         )
 
     @staticmethod
-    def _victims(lru, limit: int, eligible, children) -> list[PageNode]:
+    def _victims(heap: _LeafHeap, limit: int, eligible, children) -> list[PageNode]:
+        """Pop leaves oldest first; a parent joins (with its inherited stamp) once all its children are chosen.
+
+        Popped entries that are still valid go back on the heap: the caller may not evict them all."""
         chosen: list[PageNode] = []
         picked: set[int] = set()
         taken: dict[int, int] = {}
-        progress = True
-        while progress and len(chosen) < limit:
-            progress = False
-            for node in lru:
-                if len(chosen) >= limit:
-                    break
-                if id(node) in picked or not eligible(node) or children(node) != taken.get(id(node), 0):
+        virtual: list[tuple[int, int, PageNode]] = []  # parents that become leaves if the chosen ones leave
+        keep: list[tuple[int, int, PageNode]] = []
+        entries = heap.entries
+        while len(chosen) < limit and (entries or virtual):
+            if virtual and (not entries or virtual[0] < entries[0]):
+                entry = heapq.heappop(virtual)
+            else:
+                entry = heapq.heappop(entries)
+                if not heap.valid(entry):
                     continue
-                chosen.append(node)
-                picked.add(id(node))
-                progress = True
-                if node.parent is not None:
-                    taken[id(node.parent)] = taken.get(id(node.parent), 0) + 1
+                keep.append(entry)
+            node = entry[2]
+            if id(node) in picked or not eligible(node):
+                continue
+            chosen.append(node)
+            picked.add(id(node))
+            parent = node.parent
+            if parent is not None:
+                t = taken.get(id(parent), 0) + 1
+                taken[id(parent)] = t
+                if t == children(parent) and _in_tier(heap, parent):
+                    heapq.heappush(virtual, (max(parent.last_access, entry[0]), next(heap.seq), parent))
+        for entry in keep:
+            heapq.heappush(entries, entry)
         return chosen
 
     # ---- integrity -------------------------------------------------------------
@@ -235,10 +408,15 @@ class PrefixTree:
                     assert node.parent.on_device, f"device residency not prefix-closed at {node!r}"
                     dchildren[id(node.parent)] = dchildren.get(id(node.parent), 0) + 1
             assert node.lock_ref >= 0
-            assert (node in self.device_lru) == node.on_device
-            assert (node in self.host_lru) == node.on_host
         for node in self.nodes.values():
             assert node.num_children == children.get(id(node), 0), f"child count drift at {node!r}"
             assert node.device_children == dchildren.get(id(node), 0), f"device child count drift at {node!r}"
-        assert len(self.device_lru) == sum(n.on_device for n in self.nodes.values())
-        assert len(self.host_lru) == sum(n.on_host for n in self.nodes.values())
+        for heap in (self.device_heap, self.host_heap):
+            indexed = {id(e[2]) for e in heap.entries if heap.valid(e)}
+            for node in self.nodes.values():
+                if heap.is_leaf(node):
+                    assert id(node) in indexed, f"leaf missing from its tier's LRU heap: {node!r}"
+
+
+def _in_tier(heap: _LeafHeap, node: PageNode) -> bool:
+    return node.device_page != NO_PAGE if heap.is_leaf is _device_leaf else node.host_page != NO_PAGE

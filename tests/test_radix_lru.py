@@ -1,0 +1,110 @@
+"""The prefix tree's lazy LRU against a brute-force oracle.
+
+The tree stamps only the deepest node of a used path and hands stamps to
+parents as children leave (see kvtier/radix.py). The oracle stamps every node
+of every used path. Whatever the tree picks as a victim must be an eligible
+leaf of that tier that is least recently used by the oracle's clock, and the
+tree's index must never lose a leaf.
+"""
+
+import random
+
+import pytest
+
+from kvtier.radix import PrefixTree
+
+
+class Oracle:
+    def __init__(self):
+        self.tree = PrefixTree()
+        self.used: dict[int, int] = {}  # id(node) -> last tick a path through it was used
+        self.next_key = 0
+        self.next_page = 0
+
+    def path(self, node):
+        return list(reversed(list(node.path_to_root()))) if node is not None else []
+
+    def use(self, path):
+        self.tree.touch(path)
+        for n in path:
+            self.used[id(n)] = self.tree._clock
+
+    def insert(self, parent, length):
+        keys = [self.next_key + i for i in range(length)]
+        pages = [self.next_page + i for i in range(length)]
+        self.next_key += length
+        self.next_page += length
+        chain = self.tree.add_device_chain([k.to_bytes(8, "little") for k in keys], pages, parent)
+        self.tree.touch((chain[-1],))  # what HierarchicalCache.insert does
+        for n in self.path(chain[-1]):
+            self.used[id(n)] = self.tree._clock
+
+    def device_leaves(self):
+        return [n for n in self.tree.nodes.values() if n.on_device and n.device_children == 0 and n.lock_ref == 0]
+
+    def host_leaves(self):
+        return [n for n in self.tree.nodes.values()
+                if n.on_host and n.num_children == 0 and not n.on_device and n.host_ready and n.lock_ref == 0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_victims_are_least_recently_used_leaves(seed):
+    rng = random.Random(seed)
+    o = Oracle()
+    t = o.tree
+    for _ in range(600):
+        nodes = list(t.nodes.values())
+        op = rng.random()
+        if op < 0.25 or not nodes:
+            dev = [n for n in nodes if n.on_device]
+            o.insert(rng.choice(dev) if dev and rng.random() < 0.8 else None, rng.randint(1, 4))
+        elif op < 0.45:
+            o.use(o.path(rng.choice(nodes)))
+        elif op < 0.6:
+            for n in nodes:  # back up a random device page (descendants may stay device-only)
+                if n.on_device and not n.on_host and rng.random() < 0.3:
+                    t.set_host(n, 10_000 + id(n) % 10_000, ready=True)
+        elif op < 0.75:
+            loadable = [n for n in nodes if not n.on_device and (n.parent is None or n.parent.on_device)]
+            if loadable:
+                n = rng.choice(loadable)
+                t.set_device(n, o.next_page)
+                o.next_page += 1
+                o.use(o.path(n))  # what load_back does
+        elif op < 0.9:
+            cands = o.device_leaves()
+            victims = t.device_victims(1)
+            assert bool(victims) == bool(cands)
+            if victims:
+                v = victims[0]
+                assert v in cands
+                assert o.used[id(v)] == min(o.used[id(n)] for n in cands), "device victim is not the LRU leaf"
+                if not v.on_host:  # give a device-only page a host copy first, as write_back would
+                    t.set_host(v, 20_000 + o.next_page, ready=True)
+                    o.next_page += 1
+                t.clear_device(v)
+        else:
+            cands = o.host_leaves()
+            victims = t.host_victims(1)
+            assert bool(victims) == bool(cands)
+            if victims:
+                v = victims[0]
+                assert v in cands
+                assert o.used[id(v)] == min(o.used[id(n)] for n in cands), "host victim is not the LRU leaf"
+                t.clear_host(v)
+                t.remove(v)
+                del o.used[id(v)]
+        t.check()
+
+
+def test_multi_victim_batches_take_subtrees_in_lru_order():
+    o = Oracle()
+    t = o.tree
+    o.insert(None, 3)          # a-b-c
+    a = t.nodes[(0).to_bytes(8, "little")]
+    o.insert(a, 2)             # a-d-e
+    o.use(o.path(t.nodes[(2).to_bytes(8, "little")]))  # c newer than e
+    order = t.device_victims(5)
+    keys = [int.from_bytes(n.key, "little") for n in order]
+    assert keys == [4, 3, 2, 1, 0]  # e, d (its branch done), then c, b, and a once both branches are chosen
+    assert t.device_victims(2) == order[:2]  # a batch that stops early takes the oldest
