@@ -95,11 +95,11 @@ def start_redis_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
     subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers), "--cluster-replicas", "0", "--cluster-yes"],
                    check=True, capture_output=True, timeout=60)
 
-    def ok() -> bool:
-        out = subprocess.run([cli, "-p", str(servers[0].port), "cluster", "info"], capture_output=True, text=True, timeout=10).stdout
-        return "cluster_state:ok" in out
+    def ok() -> bool:  # every node, not just the first: until gossip converges, the others still say "down"
+        return all("cluster_state:ok" in subprocess.run([cli, "-p", str(s.port), "cluster", "info"], capture_output=True, text=True, timeout=10).stdout
+                   for s in servers)
 
-    wait_until(ok, timeout=30, what="redis cluster_state:ok")
+    wait_until(ok, timeout=30, what="redis cluster_state:ok on every node")
     return servers
 
 

@@ -106,3 +106,17 @@ def test_eviction_backups_are_written_through_to_l3(tmp_path):
     assert c.stats.storage_saved_pages == 4
     c.check_integrity()
     c.close()
+
+
+def test_file_get_scattered_reads_into_pieces_and_rejects_wrong_sizes(tmp_path):
+    from kvtier.l3.base import KeyStatus
+    from kvtier.l3.file import FileBackend
+
+    be = FileBackend(tmp_path / "store")
+    data = bytes(range(10))
+    assert be.set(["k"], [memoryview(data)]) == [KeyStatus.OK]
+    a, b = bytearray(4), bytearray(6)
+    assert be.get_scattered(["k"], [[memoryview(a), memoryview(b)]]) == [KeyStatus.OK]
+    assert bytes(a + b) == data
+    short = [memoryview(bytearray(4)), memoryview(bytearray(4))]
+    assert be.get_scattered(["k", "absent"], [short, [memoryview(bytearray(10))]]) == [KeyStatus.ERROR, KeyStatus.MISS]

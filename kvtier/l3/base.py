@@ -56,6 +56,9 @@ class StorageBackend(Protocol):
 
     def exists(self, keys: Sequence[str]) -> int: ...
     def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[KeyStatus]: ...
+    # Optional: ``get_scattered(keys, outs: Sequence[Sequence[memoryview]])`` reads each object
+    # into several buffers in order (header, then each buffer of a host page), so the tier
+    # can skip its staging copy. Backends without it are read through staging.
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]: ...
     def delete(self, keys: Sequence[str]) -> None: ...
     def close(self) -> None: ...
@@ -133,3 +136,15 @@ def open_backend(url: str) -> StorageBackend:
     except KeyError:
         raise UnknownNameError("storage scheme", u.scheme, _OPENERS) from None
     return opener(u)
+
+
+def scatter_into(value, parts: Sequence[memoryview]) -> bool:
+    """Copy ``value`` into ``parts`` back to back; False (nothing meaningful written) when sizes differ."""
+    if len(value) != sum(len(p) for p in parts):
+        return False
+    src = memoryview(value)
+    off = 0
+    for p in parts:
+        p[:] = src[off : off + len(p)]
+        off += len(p)
+    return True

@@ -51,8 +51,12 @@ class FileBackend:
         return n
 
     def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[KeyStatus]:
+        return self.get_scattered(keys, [(o,) for o in outs])
+
+    def get_scattered(self, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
+        """One ``preadv`` per object, straight into its buffers (header, then each buffer of a host page)."""
         result = []
-        for key, out in zip(keys, outs):
+        for key, parts in zip(keys, outs):
             status = [KeyStatus.MISS]
             self.stats.gets += 1
             path = self._path(key)
@@ -61,19 +65,24 @@ class FileBackend:
                 status[0] = KeyStatus.ERROR
 
             with map_storage_errors(self.stats, f"file get {key}", failed):
+                want = sum(len(p) for p in parts)
                 try:
-                    with open(path, "rb") as f:
-                        got = f.readinto(out)
-                        extra = f.read(1)
+                    fd = os.open(path, os.O_RDONLY)
                 except FileNotFoundError:
-                    got = -1
-                if got == len(out) and not extra:
-                    status[0] = KeyStatus.OK
-                    self.stats.get_hits += 1
-                    self.stats.bytes_read += got
-                    os.utime(path)  # LRU: a hit is a use
-                elif got >= 0:
-                    status[0] = KeyStatus.ERROR  # wrong size: reported, the tier treats it as a miss
+                    fd = -1
+                if fd >= 0:
+                    try:
+                        size = os.fstat(fd).st_size
+                        got = os.preadv(fd, parts, 0) if size == want else -1
+                    finally:
+                        os.close(fd)
+                    if got == want:
+                        status[0] = KeyStatus.OK
+                        self.stats.get_hits += 1
+                        self.stats.bytes_read += got
+                        os.utime(path)  # LRU: a hit is a use
+                    else:
+                        status[0] = KeyStatus.ERROR  # wrong size: reported, the tier treats it as a miss
             result.append(status[0])
         return result
 

@@ -22,6 +22,7 @@ checksum does not match; the tier treats it as a miss and counts it.
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,7 +68,13 @@ class PageCodec:
     def check(self, obj: memoryview, key: PageHash) -> Verdict:
         if len(obj) != self.object_bytes:
             return "size"
-        magic, version, hsize, _valid, _r, fp, k, size = _HEAD.unpack_from(obj, 0)
+        return self.check_parts(obj[:HEADER_BYTES], (obj[HEADER_BYTES:],), key)
+
+    def check_parts(self, head: memoryview, payload: Sequence[memoryview], key: PageHash) -> Verdict:
+        """Check an object read scattered: its header, then its payload in pieces (e.g. straight into host pages)."""
+        if len(head) != HEADER_BYTES or sum(len(p) for p in payload) != self.payload_bytes:
+            return "size"
+        magic, version, hsize, _valid, _r, fp, k, size = _HEAD.unpack_from(head, 0)
         if magic != MAGIC:
             return "magic"
         if version != FORMAT_VERSION or hsize != HEADER_BYTES:
@@ -79,6 +86,7 @@ class PageCodec:
         if size != self.payload_bytes:
             return "size"
         h = xxhash.xxh3_128()
-        h.update(obj[: _HEAD.size])
-        h.update(obj[HEADER_BYTES:])
-        return "ok" if h.digest() == bytes(obj[_HEAD.size : HEADER_BYTES]) else "checksum"
+        h.update(head[: _HEAD.size])
+        for part in payload:
+            h.update(part)
+        return "ok" if h.digest() == bytes(head[_HEAD.size : HEADER_BYTES]) else "checksum"

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors
+from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors, scatter_into
 
 
 class RedisBackend:
@@ -83,6 +83,10 @@ class RedisBackend:
         return found[0]
 
     def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[KeyStatus]:
+        return self.get_scattered(keys, [(o,) for o in outs])
+
+    def get_scattered(self, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
+        """Like :meth:`get`, each value copied once, straight into its list of buffers."""
         statuses = [KeyStatus.ERROR] * len(keys)
 
         def failed(_e: BaseException) -> None:
@@ -93,13 +97,10 @@ class RedisBackend:
             pipe = self._pipeline()
             for k in keys:
                 pipe.get(k)
-            for i, (value, out) in enumerate(zip(pipe.execute(), outs)):
+            for i, (value, parts) in enumerate(zip(pipe.execute(), outs)):
                 if value is None:
                     statuses[i] = KeyStatus.MISS
-                elif len(value) != len(out):
-                    statuses[i] = KeyStatus.ERROR
-                else:
-                    out[:] = value
+                elif scatter_into(value, parts):
                     statuses[i] = KeyStatus.OK
                     self.stats.get_hits += 1
                     self.stats.bytes_read += len(value)

@@ -181,6 +181,10 @@ class StorageTier:
             off += n
         return views
 
+    def _host_page_bytes(self, page: int) -> list[memoryview]:
+        """Writable byte views of one host page, buffer by buffer (page_first: each is contiguous)."""
+        return [memoryview(t.numpy()).cast("B") for t in self._host_page_layers(page)]
+
     def _host_page_layers(self, page: int) -> list[torch.Tensor]:
         return [self.host.layout.page_layers(self.host.buffers[b.name], page) for b in self.spec.buffers]
 
@@ -222,20 +226,29 @@ class StorageTier:
                     job.statuses.append(st)
                     job.arrived += 1
                 continue
-            outs = [memoryview(self._staging[slot]).cast("B") for slot in range(len(keys))]
-            statuses = self._call(self.backend.get, [self.key(k) for k in keys], outs)
+            scattered = getattr(self.backend, "get_scattered", None) if self.host.layout.page_is_contiguous() else None
+            if scattered is not None:  # one copy: the backend reads payloads straight into the (not yet ready) host pages
+                heads = [memoryview(self._staging[slot, :HEADER_BYTES]) for slot in range(len(keys))]
+                parts = [[heads[slot], *self._host_page_bytes(p)] for slot, p in enumerate(pages)]
+                statuses = self._call(scattered, [self.key(k) for k in keys], parts)
+                check = lambda slot, k: self.codec.check_parts(heads[slot], parts[slot][1:], k)  # noqa: E731
+            else:  # through staging, then into the host page
+                outs = [memoryview(self._staging[slot]).cast("B") for slot in range(len(keys))]
+                statuses = self._call(self.backend.get, [self.key(k) for k in keys], outs)
+                check = lambda slot, k: self.codec.check(outs[slot], k)  # noqa: E731
             for slot, (k, p, st) in enumerate(zip(keys, pages, statuses)):
                 if st is KeyStatus.OK:
-                    verdict = self.codec.check(outs[slot], k)
+                    verdict = check(slot, k)
                     if verdict != "ok":
                         job.corrupt += 1
                         log.warning("L3 page %s rejected (%s): treated as a miss", self.key(k), verdict)
                         st = KeyStatus.ERROR
-                if st is not KeyStatus.OK:
+                if st is not KeyStatus.OK:  # the host page may hold partial bytes: it never becomes ready
                     job.statuses.append(st)
                     return  # the chained prefix ends here
-                for dst, src in zip(self._host_page_layers(p), self._payload_views(slot)):
-                    dst.copy_(src)
+                if scattered is None:
+                    for dst, src in zip(self._host_page_layers(p), self._payload_views(slot)):
+                        dst.copy_(src)
                 job.statuses.append(st)
                 job.arrived += 1
 
