@@ -23,6 +23,7 @@ stores whole pages, and every transfer is a list of page indices.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -372,8 +373,7 @@ class HierarchicalCache:
         if last is not None:
             tree.touch((last,))
         if self.config.write_policy == "write_through":
-            nodes = tree.nodes
-            due = [nodes[k] for k in keys if nodes[k].host_page == NO_PAGE]
+            due = [n for n in itertools.chain(path, fresh) if n.host_page == NO_PAGE]
             if due:
                 self._backup(due)
         return InsertResult(canonical, len(fresh), freed, last)

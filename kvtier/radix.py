@@ -120,11 +120,12 @@ def _host_leaf(n: PageNode) -> bool:
 class _LeafHeap:
     """Lazy min-heap of one tier's leaves by stamp (see the module docstring)."""
 
-    __slots__ = ("entries", "is_leaf", "seq")
+    __slots__ = ("entries", "is_leaf", "in_tier", "seq")
 
-    def __init__(self, is_leaf: Callable[[PageNode], bool], seq: itertools.count):
+    def __init__(self, is_leaf: Callable[[PageNode], bool], in_tier: Callable[[PageNode], bool], seq: itertools.count):
         self.entries: list[tuple[int, int, PageNode]] = []
         self.is_leaf = is_leaf
+        self.in_tier = in_tier
         self.seq = seq
 
     def push(self, node: PageNode) -> None:
@@ -149,8 +150,8 @@ class PrefixTree:
         self._spare: list[PageNode] = []
         self.reserve(reserve)
         seq = itertools.count()
-        self.device_heap = _LeafHeap(_device_leaf, seq)
-        self.host_heap = _LeafHeap(_host_leaf, seq)
+        self.device_heap = _LeafHeap(_device_leaf, PageNode.on_device.fget, seq)
+        self.host_heap = _LeafHeap(_host_leaf, PageNode.on_host.fget, seq)
         self._clock = 0
 
     def __len__(self) -> int:
@@ -257,13 +258,9 @@ class PrefixTree:
         chain: list[PageNode] = []
         last = len(keys) - 1
         prev = parent
-        spare = self._spare
+        make = self._node
         for i, (key, page) in enumerate(zip(keys, pages)):
-            if spare:
-                node = spare.pop()
-                node.reset(key, prev, stamp, page, 0 if i == last else 1)
-            else:
-                node = PageNode(key, prev, stamp, page, 0 if i == last else 1)
+            node = make(key, prev, stamp, page, 0 if i == last else 1)
             nodes[key] = node
             chain.append(node)
             prev = node
@@ -388,7 +385,7 @@ class PrefixTree:
             if parent is not None:
                 t = taken.get(id(parent), 0) + 1
                 taken[id(parent)] = t
-                if t == children(parent) and _in_tier(heap, parent):
+                if t == children(parent) and heap.in_tier(parent):
                     heapq.heappush(virtual, (max(parent.last_access, entry[0]), next(heap.seq), parent))
         for entry in keep:
             heapq.heappush(entries, entry)
@@ -417,6 +414,3 @@ class PrefixTree:
                 if heap.is_leaf(node):
                     assert id(node) in indexed, f"leaf missing from its tier's LRU heap: {node!r}"
 
-
-def _in_tier(heap: _LeafHeap, node: PageNode) -> bool:
-    return node.device_page != NO_PAGE if heap.is_leaf is _device_leaf else node.host_page != NO_PAGE

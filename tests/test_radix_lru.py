@@ -42,6 +42,16 @@ class Oracle:
     def device_leaves(self):
         return [n for n in self.tree.nodes.values() if n.on_device and n.device_children == 0 and n.lock_ref == 0]
 
+    def lru_victim(self, victims, cands, tier):
+        """The tree's one victim, checked: there is one exactly when the tier has a candidate, and it is least recently used."""
+        assert bool(victims) == bool(cands)
+        if not victims:
+            return None
+        v = victims[0]
+        assert v in cands
+        assert self.used[id(v)] == min(self.used[id(n)] for n in cands), f"{tier} victim is not the LRU leaf"
+        return v
+
     def host_leaves(self):
         return [n for n in self.tree.nodes.values()
                 if n.on_host and n.num_children == 0 and not n.on_device and n.host_ready and n.lock_ref == 0]
@@ -72,25 +82,15 @@ def test_victims_are_least_recently_used_leaves(seed):
                 o.next_page += 1
                 o.use(o.path(n))  # what load_back does
         elif op < 0.9:
-            cands = o.device_leaves()
-            victims = t.device_victims(1)
-            assert bool(victims) == bool(cands)
-            if victims:
-                v = victims[0]
-                assert v in cands
-                assert o.used[id(v)] == min(o.used[id(n)] for n in cands), "device victim is not the LRU leaf"
+            v = o.lru_victim(t.device_victims(1), o.device_leaves(), "device")
+            if v is not None:
                 if not v.on_host:  # give a device-only page a host copy first, as write_back would
                     t.set_host(v, 20_000 + o.next_page, ready=True)
                     o.next_page += 1
                 t.clear_device(v)
         else:
-            cands = o.host_leaves()
-            victims = t.host_victims(1)
-            assert bool(victims) == bool(cands)
-            if victims:
-                v = victims[0]
-                assert v in cands
-                assert o.used[id(v)] == min(o.used[id(n)] for n in cands), "host victim is not the LRU leaf"
+            v = o.lru_victim(t.host_victims(1), o.host_leaves(), "host")
+            if v is not None:
                 t.clear_host(v)
                 t.remove(v)
                 del o.used[id(v)]

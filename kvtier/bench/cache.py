@@ -26,6 +26,7 @@ import torch
 from kvtier.bench.timing import median_seconds
 from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 from kvtier.workloads import load_mooncake_trace, trace_tokens
@@ -140,9 +141,9 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     """``vllm``: None runs the vLLM comparison when vLLM is importable, True insists on it, False skips it."""
     from kvtier.bench.vllm_replay import replay_vllm, vllm_available
 
-    if vllm and not vllm_available():
-        from kvtier.errors import ConfigError
-
+    if vllm is None:
+        vllm = vllm_available()
+    elif vllm and not vllm_available():
         raise ConfigError("the vLLM comparison needs vLLM: pip install 'kvtier[vllm]' (CPU build: install torch==2.13.0 first)")
     requests = load_mooncake_trace(trace_path, limit)
     spec = KVSpec.preset("deepseek-v3.2")
@@ -161,7 +162,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     t_book = median_seconds(lambda _: replay(cache, [r16], spec.page_size), 5)
     t_xfer = _transfer_16k_ms() if transfer else float("nan")
     cache.close()
-    theirs = replay_vllm(requests, spec.page_size) if (vllm or (vllm is None and vllm_available())) else None
+    theirs = replay_vllm(requests, spec.page_size) if vllm else None
     ours = pages / (t_hash + t_tree)
     return CacheBenchResult(
         trace=str(trace_path), requests=len(requests), pages=pages, distinct_pages=distinct,
