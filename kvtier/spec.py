@@ -26,6 +26,12 @@ from kvtier.errors import SpecError, UnknownNameError
 
 AttentionKind = Literal["mha", "mla", "dsa"]
 BufferGranularity = Literal["token", "page"]
+#: How an MHA/GQA page is laid out in memory. ``nhd``: DESIGN.md's ``k`` and ``v`` buffers,
+#: token-major ``[slots, kv_heads, head_dim]`` (vLLM's GPU flash layout). ``hnd_paired``: one
+#: ``kv`` page buffer per layer holding ``[kv_heads, 2 (K then V), page_size, head_dim]``
+#: (vLLM's CPU backend block), moved as raw whole pages with no re-layout.
+KVLayout = Literal["nhd", "hnd_paired"]
+KV_LAYOUTS: tuple[KVLayout, ...] = ("nhd", "hnd_paired")
 
 #: Bumped whenever a byte format changes; part of every spec fingerprint (and so every L3 key).
 LAYOUT_VERSION = 1
@@ -93,6 +99,8 @@ class KVSpec:
     #: DSA: indexer key dimension and FP8 quantisation block (one fp32 scale per block).
     index_head_dim: int = 0
     quant_block_size: int = 0
+    #: MHA/GQA page layout (see :data:`KVLayout`); part of the fingerprint when not ``nhd``.
+    kv_layout: KVLayout = "nhd"
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:
@@ -107,7 +115,9 @@ class KVSpec:
         if self.attention == "mha":
             need(self.kv_heads > 0, "kv_heads", f"must be positive for mha, got {self.kv_heads}")
             need(self.head_dim > 0, "head_dim", f"must be positive for mha, got {self.head_dim}")
+            need(self.kv_layout in KV_LAYOUTS, "kv_layout", f"must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         else:
+            need(self.kv_layout == "nhd", "kv_layout", f"applies to mha only; {self.attention} specs use 'nhd', got {self.kv_layout!r}")
             need(self.kv_lora_rank > 0, "kv_lora_rank", f"must be positive for {self.attention}, got {self.kv_lora_rank}")
             need(self.qk_rope_dim >= 0, "qk_rope_dim", f"must be >= 0, got {self.qk_rope_dim}")
         if self.attention == "dsa":
@@ -127,6 +137,8 @@ class KVSpec:
         if self.attention == "mha":
             shape = (self.kv_heads, self.head_dim)
             bpt = self.kv_heads * self.head_dim * item
+            if self.kv_layout == "hnd_paired":
+                return (BufferSpec("kv", "page", "uint8", (2 * bpt,), 2 * bpt, 2 * bpt * ps),)
             return (
                 BufferSpec("k", "token", self.dtype, shape, bpt, bpt * ps),
                 BufferSpec("v", "token", self.dtype, shape, bpt, bpt * ps),
@@ -171,13 +183,24 @@ class KVSpec:
 
     # ---- identity ----------------------------------------------------------------
     def fingerprint(self) -> str:
-        """Stable hex digest of every field that changes bytes (not the display name)."""
+        """Stable hex digest of every field that changes bytes (not the display name).
+
+        Computed once per spec (specs are immutable; L3 header checks call this per page).
+        The default ``kv_layout`` is left out so fingerprints from before the field existed hold.
+        """
+        cached = self.__dict__.get("_fingerprint")
+        if cached is not None:
+            return cached
         import blake3
 
         fields = dataclasses.asdict(self)
         fields.pop("name")
+        if fields["kv_layout"] == "nhd":
+            fields.pop("kv_layout")
         fields["layout_version"] = LAYOUT_VERSION
-        return blake3.blake3(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        fp = blake3.blake3(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+        object.__setattr__(self, "_fingerprint", fp)
+        return fp
 
     def with_(self, **changes: object) -> KVSpec:
         return dataclasses.replace(self, **changes)

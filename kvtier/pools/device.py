@@ -5,7 +5,9 @@ Buffers follow DESIGN.md exactly (``k``/``v`` ``[num_slots, kv_heads, head_dim]`
 The DSA indexer has no allocator of its own: it rides on the same page indices
 as the latent buffer, so one allocation covers every buffer of the spec.
 With ``materialize=False`` the pool accounts pages but allocates no bytes
-(capacity planning at real model sizes).
+(capacity planning at real model sizes). :meth:`DevicePool.wrap` adopts memory an
+engine already owns (vLLM's KV tensors): the engine allocates its blocks, kvtier
+only moves whole pages in and out of them.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.alloc import PageAllocator
+from kvtier.errors import SpecError
 from kvtier.pools.rows import as_wide_rows
 from kvtier.spec import KVSpec
 
@@ -43,6 +46,37 @@ class DevicePool:
             layers = [torch.zeros(shape, dtype=b.torch_dtype, device=self.device) for _ in range(spec.num_layers)]
             self.buffers[b.name] = layers
             self._rows[b.name] = [as_wide_rows(t.view(-1).view(torch.uint8).view(num_pages, b.page_bytes)) for t in layers]
+
+    @classmethod
+    def wrap(cls, spec: KVSpec, buffers: dict[str, list[torch.Tensor]], *, name: str = "engine device pool") -> DevicePool:
+        """A pool over engine-owned tensors: ``buffers[name][layer]`` per spec buffer.
+
+        Every tensor must be contiguous and hold exactly ``num_pages * page_bytes``
+        bytes with page ``p`` at byte offset ``p * page_bytes`` (the layout the spec
+        describes). The allocator is unused: the engine decides which pages hold what.
+        """
+        names = [b.name for b in spec.buffers]
+        if sorted(buffers) != sorted(names):
+            raise SpecError(f"{name}: spec {spec.name!r} has buffers {names}, got tensors for {sorted(buffers)}")
+        first = buffers[names[0]][0]
+        num_pages = first.numel() * first.element_size() // spec.buffers[0].page_bytes
+        pool = cls(spec, num_pages, first.device, materialize=False, name=name)
+        pool.materialized = True
+        for b in spec.buffers:
+            layers = buffers[b.name]
+            if len(layers) != spec.num_layers:
+                raise SpecError(f"{name}: buffer {b.name!r} has {len(layers)} layer tensors; spec {spec.name!r} has {spec.num_layers} layers")
+            for i, t in enumerate(layers):
+                nbytes = t.numel() * t.element_size()
+                if not t.is_contiguous() or nbytes != num_pages * b.page_bytes:
+                    raise SpecError(
+                        f"{name}: buffer {b.name!r} layer {i} is {tuple(t.shape)} {t.dtype} "
+                        f"({'contiguous' if t.is_contiguous() else 'strided'}, {nbytes} bytes); expected a contiguous "
+                        f"{num_pages} x {b.page_bytes}-byte page array for spec {spec.name!r}"
+                    )
+            pool.buffers[b.name] = list(layers)
+            pool._rows[b.name] = [as_wide_rows(t.view(-1).view(torch.uint8).view(num_pages, b.page_bytes)) for t in layers]
+        return pool
 
     @property
     def num_slots(self) -> int:

@@ -1,0 +1,51 @@
+"""TTFT of a fresh vLLM engine whose prompt prefix is in kvtier's L3, vs recompute, in one run.
+
+Three engine processes, one after another: (1) kvtier on, stores the prompt's
+blocks in a file store; (2) a new engine with kvtier on the same store: its
+TTFT includes L3 -> host -> vLLM block loads; (3) vLLM without kvtier. Each
+engine runs one unrelated warm-up prompt first. Prints JSON.
+
+``python -m kvtier.bench.vllm_ttft --prompt-tokens 2048``
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import typer
+
+
+def _session(*args: str) -> dict:
+    cmd = [sys.executable, "-m", "kvtier.integrations.vllm.session", "--warmup", "--max-tokens", "1", *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
+    if out.returncode != 0:
+        raise SystemExit(f"engine session failed:\n{out.stderr[-3000:]}")
+    return json.loads(next(l for l in out.stdout.splitlines() if l.startswith("KVTIER_SESSION ")).split(" ", 1)[1])
+
+
+def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens"),
+         storage_url: str = typer.Option(None, help="L3 URL (default: a fresh temporary file store)")) -> None:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
+        url = storage_url or f"file://{tmp}/store"
+        common = [f"--prompt-tokens={prompt_tokens}", "--seed=7"]
+        _session(f"--storage-url={url}", *common)
+        hit = _session(f"--storage-url={url}", *common)["results"][0]
+        base = _session("--no-kvtier", *common)["results"][0]
+    print(json.dumps({
+        "prompt_tokens": prompt_tokens,
+        "storage_url": "file (temporary)" if storage_url is None else storage_url,
+        "external_hit_tokens": hit["external_hit_tokens"],
+        "storage_hit_pages": hit["storage_hit_pages"],
+        "ttft_kvtier_s": round(hit["ttft_s"], 4),
+        "ttft_recompute_s": round(base["ttft_s"], 4),
+        "ttft_ratio": round(hit["ttft_s"] / base["ttft_s"], 4),
+        "same_first_token": hit["output_token_ids"] == base["output_token_ids"],
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    typer.run(main)

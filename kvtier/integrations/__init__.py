@@ -1,0 +1,1 @@
+"""Adapters that plug kvtier into serving engines (optional dependencies)."""
