@@ -97,12 +97,14 @@ def check_restart(url, baseline, stored_pages):
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)  # three engine processes (the first run also converts the model once)
 def test_restart_with_file_store_hits_and_matches(tmp_path, baseline):
     store = tmp_path / "store"
     check_restart(f"file://{store}", baseline, lambda: sum(1 for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")))
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(900)
 def test_restart_with_redis_store_hits_and_matches(tmp_path, baseline):
     from kvtier.devservers import RedisServer
     from kvtier.l3 import open_backend
