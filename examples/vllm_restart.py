@@ -8,19 +8,15 @@ Each engine runs in its own process (a real restart); the second one starts with
 empty host tier, so its hit can only come from the L3 store.
 """
 
-import json
-import subprocess
-import sys
 import tempfile
 
 import typer
 
+from kvtier.integrations.vllm.session import run_in_subprocess
+
 
 def engine(*args: str) -> dict:
-    out = subprocess.run([sys.executable, "-m", "kvtier.integrations.vllm.session", "--warmup", *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(out.stderr[-3000:])
-    return json.loads(next(l for l in out.stdout.splitlines() if l.startswith("KVTIER_SESSION ")).split(" ", 1)[1])
+    return run_in_subprocess("--warmup", *args)
 
 
 def main(storage_url: str = typer.Option(None, help="L3 URL; default a temporary file store"), prompt_tokens: int = 1024) -> None:

@@ -29,15 +29,20 @@ class TierConfig:
         return self.host_pages if self.host_gb is None else max(1, int(self.host_gb * (1 << 30)) // spec.page_bytes)
 
 
+def open_storage_tier(storage: StorageConfig, host: HostPool, namespace: Namespace):
+    """The L3 tier over ``host`` for ``storage.url`` (None when L3 is off)."""
+    if not storage.url:
+        return None
+    from kvtier.l3 import open_backend
+    from kvtier.l3.tier import StorageTier
+
+    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, queue_depth=storage.queue_depth)
+
+
 def build_cache(spec: KVSpec, tiers: TierConfig = TierConfig(), cache: CacheConfig = CacheConfig(), storage: StorageConfig = StorageConfig(),
                 namespace: Namespace | None = None) -> HierarchicalCache:
     namespace = namespace or Namespace(spec.name, spec.fingerprint())
     device = DevicePool(spec, tiers.device_pages, tiers.device)
     host = HostPool(spec, tiers.host_pages_for(spec), tiers.host_layout)
-    tier = None
-    if storage.url:
-        from kvtier.l3 import open_backend
-        from kvtier.l3.tier import StorageTier
-
-        tier = StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, queue_depth=storage.queue_depth)
+    tier = open_storage_tier(storage, host, namespace)
     return HierarchicalCache(device, host, cache, namespace=namespace, storage=tier, storage_config=storage)

@@ -440,12 +440,7 @@ class HierarchicalCache:
         if handle is None:
             return 0
         policy = policy or self.storage_config.prefetch_policy
-        if policy == "wait_complete":
-            handle.job.wait()
-        elif policy == "timeout":
-            handle.job.wait(self.storage_config.prefetch_budget_s(handle.requested))
-        if not handle.job.finished.is_set():
-            handle.job.cancel()  # stop after the chunk in flight; the rest is freed when it finishes
+        handle.job.settle(policy, self.storage_config.prefetch_budget_s(handle.requested))  # unarrived pages are freed when it finishes
         self._apply_arrived(handle)
         self.poll()
         return handle.applied

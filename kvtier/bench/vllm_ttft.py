@@ -11,20 +11,15 @@ engine runs one unrelated warm-up prompt first. Prints JSON.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 
 import typer
 
+from kvtier.integrations.vllm.session import run_in_subprocess
+
 
 def _session(*args: str) -> dict:
-    cmd = [sys.executable, "-m", "kvtier.integrations.vllm.session", "--warmup", "--max-tokens", "1", *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=os.environ.copy())
-    if out.returncode != 0:
-        raise SystemExit(f"engine session failed:\n{out.stderr[-3000:]}")
-    return json.loads(next(l for l in out.stdout.splitlines() if l.startswith("KVTIER_SESSION ")).split(" ", 1)[1])
+    return run_in_subprocess("--warmup", "--max-tokens", "1", *args)
 
 
 def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens"),

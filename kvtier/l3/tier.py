@@ -63,6 +63,18 @@ class StorageJob:
     def wait(self, timeout: float | None = None) -> bool:
         return self.finished.wait(timeout)
 
+    def settle(self, policy: str, budget_s: float) -> bool:
+        """Wait as a prefetch policy says (wait_complete: until done; timeout: up to ``budget_s``;
+        best_effort: not at all), then cancel what is left. True when the job finished."""
+        if policy == "wait_complete":
+            self.wait()
+        elif policy == "timeout":
+            self.wait(budget_s)
+        if self.finished.is_set():
+            return True
+        self.cancel()  # stop after the chunk in flight
+        return False
+
 
 class StorageTier:
     def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, queue_depth: int = 64, backpressure_s: float = 1.0, cooldown_s: float = 0.5):

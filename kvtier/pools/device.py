@@ -20,6 +20,10 @@ from kvtier.pools.rows import as_wide_rows
 from kvtier.spec import KVSpec
 
 
+def _page_rows(t: torch.Tensor, num_pages: int, page_bytes: int) -> torch.Tensor:
+    return as_wide_rows(t.view(-1).view(torch.uint8).view(num_pages, page_bytes))
+
+
 class DevicePool:
     def __init__(
         self,
@@ -45,7 +49,7 @@ class DevicePool:
             shape = b.device_shape(num_pages, spec.page_size)
             layers = [torch.zeros(shape, dtype=b.torch_dtype, device=self.device) for _ in range(spec.num_layers)]
             self.buffers[b.name] = layers
-            self._rows[b.name] = [as_wide_rows(t.view(-1).view(torch.uint8).view(num_pages, b.page_bytes)) for t in layers]
+            self._rows[b.name] = [_page_rows(t, num_pages, b.page_bytes) for t in layers]
 
     @classmethod
     def wrap(cls, spec: KVSpec, buffers: dict[str, list[torch.Tensor]], *, name: str = "engine device pool") -> DevicePool:
@@ -75,7 +79,7 @@ class DevicePool:
                         f"{num_pages} x {b.page_bytes}-byte page array for spec {spec.name!r}"
                     )
             pool.buffers[b.name] = list(layers)
-            pool._rows[b.name] = [as_wide_rows(t.view(-1).view(torch.uint8).view(num_pages, b.page_bytes)) for t in layers]
+            pool._rows[b.name] = [_page_rows(t, num_pages, b.page_bytes) for t in layers]
         return pool
 
     @property

@@ -32,12 +32,14 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
+from kvtier.build import open_storage_tier
 from kvtier.errors import ConfigError
 from kvtier.hashing import Namespace, PageHash, hasher, page_keys
 from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches
@@ -141,7 +143,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._failed_blocks: set[int] = set()
         # scheduler side
         self._requests: dict[str, _RequestState] = {}
-        self.hits: list[HitRecord] = []
+        #: the latest lookups (bounded: a server runs for weeks)
+        self.hits: deque[HitRecord] = deque(maxlen=1024)
         if role == KVConnectorRole.SCHEDULER:
             if vllm_config.parallel_config.world_size != 1:
                 raise ConfigError("kvtier connector: tensor/pipeline parallel size must be 1 (scheduler and worker share one kvtier cache in one process)")
@@ -151,8 +154,7 @@ class KVTierConnector(KVConnectorBase_V1):
                     "scheduler's process (UniProc executor, tensor_parallel_size=1)"
                 )
             self._cache, self._namespace, _ = _CACHES[self.engine_id]
-            root = self._namespace.root(self.options.hash_algo)
-            self._root = root
+            self._root = self._namespace.root(self.options.hash_algo)
             self._hash = hasher(self.options.hash_algo)
 
     # ==== worker side ===================================================================
@@ -160,13 +162,7 @@ class KVTierConnector(KVConnectorBase_V1):
         spec, device, self._layer_index = map_kv_caches(kv_caches, self._model_shape)
         host = HostPool(spec, self.options.host_pages_for(spec.page_bytes), self.options.host_layout)
         namespace = Namespace(self.model_name, spec.fingerprint(), self.tp_rank, self.options.salt)
-        storage = None
-        if self.options.storage.url:
-            from kvtier.l3 import open_backend
-            from kvtier.l3.tier import StorageTier
-
-            s = self.options.storage
-            storage = StorageTier(open_backend(s.url), host, namespace, batch_pages=s.batch_pages, queue_depth=s.queue_depth)
+        storage = open_storage_tier(self.options.storage, host, namespace)
         self._cache = OffloadCache(device, host, storage, self.options.storage, io_backend=self.options.io_backend)
         _CACHES[self.engine_id] = (self._cache, namespace, self.options)
         log.info("kvtier connector: %s, %d host pages (%s), L3 %s", spec.name, host.num_pages, host.layout.kind, self.options.storage.url or "off")

@@ -19,11 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ConfigError, SpecError
+from kvtier.errors import ConfigError, SpecError, UnknownNameError
 from kvtier.pools import DevicePool
-from kvtier.spec import _DTYPES, KVSpec
-
-_NAMES = {dt: name for name, dt in _DTYPES.items()}
+from kvtier.spec import KVSpec, dtype_name
 
 
 @dataclass(frozen=True)
@@ -41,9 +39,9 @@ class ModelShape:
 
 def _dtype_name(t: torch.Tensor) -> str:
     try:
-        return _NAMES[t.dtype]
-    except KeyError:
-        raise ConfigError(f"kvtier connector: KV cache dtype {t.dtype} is not supported; use one of {', '.join(_DTYPES)}") from None
+        return dtype_name(t.dtype)
+    except UnknownNameError as e:
+        raise ConfigError(f"kvtier connector: KV cache dtype not supported ({e})") from None
 
 
 def map_kv_caches(kv_caches: dict[str, torch.Tensor], model: ModelShape) -> tuple[KVSpec, DevicePool, dict[str, int]]:

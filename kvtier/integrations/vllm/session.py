@@ -74,11 +74,12 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         llm.generate([TokensPrompt(prompt_token_ids=prompt_ids(64, seed=10_000))], first, use_tqdm=False)
         llm.reset_prefix_cache()
     for ids in prompts:
-        n_hits = len(scheduler.hits) if scheduler else 0
+        if scheduler:
+            scheduler.hits.clear()
         t = time.perf_counter()
         llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)  # TTFT: prefill + first token
         ttft = time.perf_counter() - t
-        hit = scheduler.hits[n_hits] if scheduler and len(scheduler.hits) > n_hits else None
+        hit = scheduler.hits[0] if scheduler and scheduler.hits else None
         llm.reset_prefix_cache()  # the full run below must not be served by vLLM's own cache of the TTFT run
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0]
         llm.reset_prefix_cache()  # so the next prompt's hits can only come from kvtier
@@ -91,6 +92,20 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         report.cache_stats = caches[-1].stats.as_dict() if caches else {}
     llm.llm_engine.engine_core.shutdown()  # the worker connector drains its L3 writes here
     return report
+
+
+MARKER = "KVTIER_SESSION "
+
+
+def run_in_subprocess(*args: str, timeout: float | None = None) -> dict:
+    """Run ``python -m kvtier.integrations.vllm.session *args`` (a fresh engine process) and return its report."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "kvtier.integrations.vllm.session", *args], capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+    if out.returncode != 0:
+        raise RuntimeError(f"engine session {' '.join(args)} exited {out.returncode}:\n{out.stderr[-4000:]}")
+    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
 
 
 def _scheduler_connector(llm):
@@ -109,7 +124,7 @@ def main(
 ) -> None:
     prompts = [prompt_ids(n, seed + i) for i, n in enumerate(prompt_tokens) for _ in range(repeat)]
     report = run_session(prompts, kvtier=not no_kvtier, storage_url=storage_url, max_tokens=max_tokens, warmup=warmup)
-    print("KVTIER_SESSION " + json.dumps(asdict(report)))
+    print(MARKER + json.dumps(asdict(report)))
 
 
 if __name__ == "__main__":
