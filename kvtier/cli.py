@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``run``, ``plan``, ``bench {transfer,cache,storage}``, ``spec``."""
+"""The ``kvtier`` command line: ``run``, ``plan``, ``bench {transfer,cache,storage,plan}``, ``spec``."""
 
 from __future__ import annotations
 
@@ -82,6 +82,20 @@ def bench_storage(
     from kvtier.bench.storage import as_json_rows, run_storage_bench
 
     _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps)), as_json)
+
+
+@bench_app.command("plan")
+def bench_plan(
+    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the shipped shared/traces one"),
+    limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
+    reps: int = typer.Option(5, help="timed repetitions of the fast replay (median reported; the cache replay gets half)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """kvtier plan's replay speed: the fast LRU model vs HierarchicalCache on the same trace, and that both agree."""
+    from kvtier.bench.plan import as_json as to_json, run_plan_bench
+    from kvtier.workloads.mooncake import default_trace_path
+
+    _emit(to_json(run_plan_bench(trace or str(default_trace_path()), limit, reps=reps)), as_json)
 
 
 def _run_sections() -> dict[str, type]:

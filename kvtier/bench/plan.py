@@ -1,0 +1,56 @@
+"""``kvtier bench plan``: how fast ``kvtier plan`` replays a Mooncake trace, with both replays in one run.
+
+The fast LRU model (:mod:`kvtier.plan.replay_lru`) and the HierarchicalCache
+replay (:mod:`kvtier.plan.replay_cache`) run on the same trace and
+configuration; the benchmark reports each one's requests per second (median of
+``reps``), their ratio, and whether they served every request from the same
+tiers (they must: the fast model is only used where it is exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from kvtier.bench.timing import median_seconds
+from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
+from kvtier.plan import PlanConfig, capacity, planning_spec, replay
+from kvtier.plan.replay_lru import lru_model_gap
+from kvtier.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, load_mooncake_trace
+
+
+@dataclass(frozen=True)
+class PlanBenchResult:
+    trace: str
+    requests: int
+    lru_requests_per_s: float
+    cache_requests_per_s: float
+    lru_over_cache: float
+    #: every request served from the same tiers by both replays
+    identical: bool
+    hit_blocks: dict[str, int]
+
+
+def run_plan_bench(trace: str, limit: int | None = None, cfg: PlanConfig = PlanConfig(), reps: int = 5) -> PlanBenchResult:
+    requests = load_mooncake_trace(trace, limit)
+    spec = planning_spec(cfg)
+    longest = max((r.input_length // MOONCAKE_BLOCK_TOKENS + 1 for r in requests), default=0)
+    gap = lru_model_gap(CacheConfig(), capacity(cfg, spec.page_bytes), longest)
+    if gap is not None:
+        raise ConfigError(f"bench plan compares the fast model with the cache, but the model does not cover this configuration: {gap}")
+    fast = replay(requests, cfg, engine="lru", per_request=True)
+    ref = replay(requests, cfg, engine="cache", per_request=True)
+    t_lru = median_seconds(lambda _: replay(requests, cfg, engine="lru"), reps)
+    t_cache = median_seconds(lambda _: replay(requests, cfg, engine="cache"), max(1, reps // 2), warmup=0)
+    return PlanBenchResult(
+        trace=trace, requests=len(requests),
+        lru_requests_per_s=round(len(requests) / t_lru, 1), cache_requests_per_s=round(len(requests) / t_cache, 1),
+        lru_over_cache=round(t_cache / t_lru, 2),
+        identical=fast.per_request == ref.per_request and fast.backed_up_blocks == ref.backed_up_blocks
+        and fast.storage_saved_blocks == ref.storage_saved_blocks,
+        hit_blocks=fast.hit_blocks,
+    )
+
+
+def as_json(result: PlanBenchResult) -> dict:
+    return asdict(result)

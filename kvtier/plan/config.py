@@ -1,0 +1,108 @@
+"""What ``kvtier plan`` takes (cluster shape, link speeds) and what a replay counts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+from kvtier.config import ConfigError, _help
+from kvtier.workloads.mooncake import TraceRequest
+
+GB = 1e9
+TB = 1e12
+#: pages per L3 backend call in both replays (an L3 save evicts after each such batch)
+L3_BATCH_PAGES = 8
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """Cluster shape and link speeds; sizes are per node."""
+
+    spec: str = _help("model preset (KVSpec)", "deepseek-v3.2")
+    nodes: int = _help("engine nodes; requests are routed to them", 1)
+    device_gb: float = _help("KV cache memory on the GPUs of one node (L1), GB", 40.0)
+    host_tb: float = _help("pinned host memory for KV per node (L2), TB", 1.0)
+    storage_tb: float = _help("L3 capacity contributed per node (shared by all nodes), TB", 20.0)
+    routing: Literal["affinity", "round_robin"] = _help("route by the first block's hash (affinity) or round robin", "affinity")
+    pcie_gbps: float = _help("host<->device bandwidth per node and direction, GB/s (PCIe Gen5 x16 ~ 55)", 55.0)
+    network_gbps: float = _help("storage network bandwidth per node, GB/s", 25.0)
+    prefill_tflops: float = _help("effective prefill compute of one node, TFLOP/s (e.g. 8 GPUs x 400 at ~50% MFU)", 3200.0)
+    flops_per_token: float = _help("prefill FLOPs per token (2 x active parameters; DeepSeek-V3.2: 37e9 active)", 74e9)
+    replay: Literal["auto", "cache"] = _help(
+        "auto: the LRU model of the cache where it is exact (write_through, host >= device + 2 requests), else the cache itself; "
+        "cache: always replay through HierarchicalCache", "auto")
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise ConfigError(f"PlanConfig.nodes must be >= 1; got {self.nodes}")
+        if self.routing not in ("affinity", "round_robin"):
+            raise ConfigError(f"PlanConfig.routing must be affinity or round_robin; got {self.routing!r}")
+        if self.replay not in ("auto", "cache"):
+            raise ConfigError(f"PlanConfig.replay must be auto or cache; got {self.replay!r}")
+        for name in ("device_gb", "host_tb", "storage_tb"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"PlanConfig.{name} must be >= 0; got {getattr(self, name)}")
+
+    def node_of(self, index: int, request: TraceRequest) -> int:
+        """The node a request goes to: by its first block (affinity) or its position (round robin)."""
+        if self.routing == "affinity" and request.hash_ids:
+            return request.hash_ids[0] % self.nodes
+        return index % self.nodes
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Tier sizes of one planning run, in blocks (one block = one trace block of every layer and buffer)."""
+
+    device: int
+    host: int
+    #: the shared L3 of all nodes; None when there is no storage tier
+    storage: int | None
+
+
+@dataclass
+class ReplayCounts:
+    """What one replay of a trace produced (summed over nodes); the report is derived from it."""
+
+    engine: str
+    hit_blocks: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    input_tokens: int = 0
+    backed_up_blocks: int = 0
+    storage_saved_blocks: int = 0
+    #: (device, host, storage) blocks served per request, when asked for (equivalence tests)
+    per_request: list[tuple[int, int, int]] | None = None
+
+
+def attribute_hits(usable: int, on_device: int, on_host: int) -> tuple[int, int, int]:
+    """Split a request's ``usable`` leading blocks by the tier that served them.
+
+    The prefix is the device run, then the host run, then what came from L3, so a
+    request that may use fewer blocks than it matched (its last token is always
+    computed, or the device was short) loses them from the deepest tier first."""
+    dev = min(on_device, usable)
+    host = min(on_host, usable - dev)
+    return dev, host, usable - dev - host
+
+
+@dataclass
+class PlanReport:
+    requests: int
+    input_tokens: int
+    trace_seconds: float
+    nodes: int
+    block_tokens: int
+    block_bytes: int
+    capacity_blocks: dict[str, int]
+    hit_ratio: dict[str, float]
+    infinite_cache_hit_ratio: float
+    fraction_of_bound: float
+    bytes_per_second_per_node: dict[str, float]
+    link_utilization: dict[str, float]
+    load_vs_recompute: dict[str, float]
+    replay_engine: str
+    replay_seconds: float
+    requests_per_second: float
+    sweep: list[dict] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
