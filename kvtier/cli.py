@@ -75,7 +75,7 @@ def bench_cache(
 def bench_storage(
     backends: str = typer.Option("file,redis,mooncake", help="comma-separated backends to measure (servers are started on 127.0.0.1)"),
     pages: int = typer.Option(24, help="deepseek-v3.2 pages per batch (about 5 MB each)"),
-    reps: int = typer.Option(3, help="repetitions (best reported)"),
+    reps: int = typer.Option(5, help="repetitions, kvtier and the plain client taking turns (best of each reported)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """L3 put/get throughput per backend, as a ratio to the backend's own client on the same server."""

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ import l3_scenarios as sc
 
 
 def flip_file_byte(backend, key, offset):
-    path = backend._path(key)
+    path = Path(backend._path(key))
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))

@@ -37,8 +37,9 @@ def flip_redis_byte(backend, key, offset):
 
 
 @pytest.mark.parametrize("spec_name", ["deepseek-v3.2", "llama-3.1-8b"])
-def test_round_trip_bit_exact(redis_server, spec_name):
-    sc.round_trip(redis_server.url, sc.real_specs()[spec_name])
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])  # direct SET + staged GET, and staged SET + direct GET
+def test_round_trip_bit_exact(redis_server, spec_name, layout):
+    sc.round_trip(redis_server.url, sc.real_specs()[spec_name], layout)
 
 
 def test_round_trip_cluster(redis_cluster):
@@ -116,3 +117,61 @@ def test_two_processes_share_one_redis(redis_server):
     second = subprocess.run([sys.executable, "-c", script, "second"], capture_output=True, text=True, timeout=120)
     assert second.returncode == 0, second.stderr
     assert second.stdout.split()[2:] == ["5", "0"]
+
+
+def test_direct_get_statuses_and_stream_stays_in_step(redis_server):
+    """One pipelined batch mixing a hit, a miss, a wrong-size value and a wrong type: each gets its
+    status, and every value after them still lands bit-exact (the reply stream never drifts)."""
+    from kvtier.l3 import open_backend
+    from kvtier.l3.base import KeyStatus
+
+    b = open_backend(redis_server.url)
+    size = 200_000  # several socket reads per value
+    good = [os.urandom(size) for _ in range(2)]
+    b.client.set("k/good0", good[0])
+    b.client.set("k/short", b"x" * 100)
+    b.client.rpush("k/list", "a")
+    b.client.set("k/good1", good[1])
+    keys = ["k/good0", "k/missing", "k/short", "k/list", "k/good1"]
+    outs = [[memoryview(bytearray(72)), memoryview(bytearray(size - 72))] for _ in keys]
+    assert b.get_scattered(keys, outs) == [KeyStatus.OK, KeyStatus.MISS, KeyStatus.ERROR, KeyStatus.ERROR, KeyStatus.OK]
+    for i, want in ((0, good[0]), (4, good[1])):
+        assert bytes(outs[i][0]) + bytes(outs[i][1]) == want
+    assert b.stats.get_hits == 2 and b.stats.errors == 0
+    assert b.client.ping()  # the pooled connection is still in step for redis-py's own commands
+    b.close()
+
+
+def test_direct_get_after_server_restart_reconnects(redis_server):
+    from kvtier.l3 import open_backend
+    from kvtier.l3.base import KeyStatus
+
+    b = open_backend(redis_server.url)
+    b.client.set("k/v", b"abc")
+    out = [[memoryview(bytearray(3))]]
+    assert b.get_scattered(["k/v"], out) == [KeyStatus.OK]
+    redis_server.stop()
+    assert b.get_scattered(["k/v"], out) == [KeyStatus.ERROR] and b.stats.errors == 1
+    redis_server.start()
+    b.client.set("k/v", b"xyz")
+    assert b.get_scattered(["k/v"], out) == [KeyStatus.OK] and bytes(out[0][0]) == b"xyz"
+    b.close()
+
+
+def test_direct_set_error_reply_is_a_status_and_stream_stays_in_step(redis_server):
+    """A server out of memory answers each SET with -OOM (the pipelined batch itself fills the query
+    buffer): every key is ERROR, no exception, and the same pooled connection then stores again."""
+    from kvtier.l3 import open_backend
+    from kvtier.l3.base import KeyStatus
+
+    b = open_backend(redis_server.url)
+    used = b.client.info("memory")["used_memory"]
+    b.client.config_set("maxmemory-policy", "noeviction")
+    b.client.config_set("maxmemory", used + 1_500_000)
+    blob = os.urandom(1_000_000)
+    parts = [[memoryview(blob[:72]), memoryview(blob[72:])] for _ in range(3)]
+    assert b.set_scattered(["k/a", "k/b", "k/c"], parts) == [KeyStatus.ERROR] * 3
+    assert b.client.exists("k/a", "k/b", "k/c") == 0 and b.stats.errors == 0
+    b.client.config_set("maxmemory", 0)
+    assert b.set_scattered(["k/d"], parts[:1]) == [KeyStatus.OK] and b.client.get("k/d") == blob
+    b.close()

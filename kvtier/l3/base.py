@@ -59,6 +59,10 @@ class StorageBackend(Protocol):
     # Optional: ``get_scattered(keys, outs: Sequence[Sequence[memoryview]])`` reads each object
     # into several buffers in order (header, then each buffer of a host page), so the tier
     # can skip its staging copy. Backends without it are read through staging.
+    # Optional: ``set_scattered(keys, parts: Sequence[Sequence[memoryview]])`` stores each object
+    # given as buffers back to back (header, then a host page's buffers): no staging copy.
+    # Optional: ``preferred_batch`` (int), pages per scattered read; the tier verifies one batch
+    # while the next is read, so a backend without round trips to amortize (file) says 1.
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]: ...
     def delete(self, keys: Sequence[str]) -> None: ...
     def close(self) -> None: ...

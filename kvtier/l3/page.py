@@ -54,11 +54,16 @@ class PageCodec:
         return HEADER_BYTES + self.payload_bytes
 
     def header(self, key: PageHash, payload: memoryview, valid_tokens: int | None = None) -> bytes:
+        return self.header_for_parts(key, (payload,), valid_tokens)
+
+    def header_for_parts(self, key: PageHash, payload: Sequence[memoryview], valid_tokens: int | None = None) -> bytes:
+        """The header of an object whose payload is ``payload``'s buffers back to back (e.g. a host page's)."""
         head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.spec.page_size if valid_tokens is None else valid_tokens, 0,
-                          self.spec.fingerprint().encode(), bytes(key), len(payload))
+                          self.spec.fingerprint().encode(), bytes(key), sum(len(p) for p in payload))
         h = xxhash.xxh3_128()
         h.update(head)
-        h.update(payload)
+        for part in payload:
+            h.update(part)
         return head + h.digest()
 
     def encode_into(self, out: memoryview, key: PageHash) -> None:
