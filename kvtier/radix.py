@@ -53,6 +53,20 @@ NOT_STORED, SAVING, STORED = 0, 1, 2
 _HOST_READY = 1  # flags bit 0; bits 1-2 hold the L3 state
 
 
+def leading_present(present, keys: Sequence, hi: int | None = None) -> int:
+    """How many of ``keys[:hi]`` lead in ``present`` (anything with ``in``), by binary search.
+
+    Only valid where presence is prefix-closed: key ``i`` present implies every key before it is."""
+    lo, hi = 0, len(keys) if hi is None else hi
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if keys[mid - 1] in present:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class PageNode:
     """One cached page. ``__slots__`` and few of them: hundreds of thousands exist at once."""
 
@@ -186,15 +200,7 @@ class PrefixTree:
     # ---- lookup ----------------------------------------------------------------
     def cached_prefix(self, keys: Sequence[PageHash]) -> int:
         """How many leading ``keys`` are in the tree (binary search: presence is prefix-closed)."""
-        nodes = self.nodes
-        lo, hi = 0, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) >> 1
-            if keys[mid - 1] in nodes:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return leading_present(self.nodes, keys)
 
     def walk(self, keys: Sequence[PageHash]) -> list[PageNode]:
         """Nodes of the longest cached prefix of ``keys``."""

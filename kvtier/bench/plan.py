@@ -14,9 +14,8 @@ from dataclasses import asdict, dataclass
 from kvtier.bench.timing import median_seconds
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
-from kvtier.plan import PlanConfig, capacity, planning_spec, replay
-from kvtier.plan.replay_lru import lru_model_gap
-from kvtier.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, load_mooncake_trace
+from kvtier.plan import PlanConfig, fast_model_gap, replay
+from kvtier.workloads.mooncake import load_mooncake_trace
 
 
 @dataclass(frozen=True)
@@ -33,9 +32,7 @@ class PlanBenchResult:
 
 def run_plan_bench(trace: str, limit: int | None = None, cfg: PlanConfig = PlanConfig(), reps: int = 5) -> PlanBenchResult:
     requests = load_mooncake_trace(trace, limit)
-    spec = planning_spec(cfg)
-    longest = max((r.input_length // MOONCAKE_BLOCK_TOKENS + 1 for r in requests), default=0)
-    gap = lru_model_gap(CacheConfig(), capacity(cfg, spec.page_bytes), longest)
+    gap = fast_model_gap(requests, cfg, CacheConfig())
     if gap is not None:
         raise ConfigError(f"bench plan compares the fast model with the cache, but the model does not cover this configuration: {gap}")
     fast = replay(requests, cfg, engine="lru", per_request=True)

@@ -20,6 +20,7 @@ URLs::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import contextmanager
 
 from kvtier.errors import StorageError
 from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors, scatter_into
@@ -178,18 +179,26 @@ class RedisBackend:
                     self.stats.bytes_read += len(value)
         return statuses
 
-    def _get_direct(self, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
+    @contextmanager
+    def _direct(self, pack):
+        """Send ``pack(connection)`` on a pooled connection and yield a reader of its replies.
+
+        The caller reads every reply inside the block; on any error the connection is
+        dropped, since a half-read reply must never meet the next command."""
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(conn.pack_commands([("GET", k) for k in keys]))
-            reader = _BulkReader(conn._sock)
-            statuses = [reader.get_into(parts) for parts in outs]
+            conn.send_packed_command(pack(conn))
+            yield _BulkReader(conn._sock)
         except BaseException:
-            conn.disconnect()  # a half-read reply must never meet the next command
+            conn.disconnect()
             raise
         finally:
             pool.release(conn)
+
+    def _get_direct(self, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
+        with self._direct(lambda conn: conn.pack_commands([("GET", k) for k in keys])) as reader:
+            statuses = [reader.get_into(parts) for parts in outs]
         for st, parts in zip(statuses, outs):
             if st is KeyStatus.OK:
                 self.stats.get_hits += 1
@@ -213,20 +222,11 @@ class RedisBackend:
             chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(kb), kb, sum(len(p) for p in ps)))
             chunks.extend(ps)
             chunks.append(b"\r\n")
-        pool = self.client.connection_pool
-        conn = pool.get_connection()
-        try:
-            conn.send_packed_command(chunks)
-            reader = _BulkReader(conn._sock)
+        with self._direct(lambda _conn: chunks) as reader:  # framed here: redis-py would copy each value
             replies = [reader.line() for _ in keys]
             for reply in replies:
                 if reply[:1] not in (b"+", b"-"):
                     raise ConnectionError(f"unexpected redis reply to SET: {reply[:40]!r}")
-        except BaseException:
-            conn.disconnect()  # a half-read reply must never meet the next command
-            raise
-        finally:
-            pool.release(conn)
         self.stats.bytes_written += sum(len(p) for ps, r in zip(parts, replies) if r == b"+OK" for p in ps)
         return [KeyStatus.OK if r == b"+OK" else KeyStatus.ERROR for r in replies]
 

@@ -278,7 +278,7 @@ class StorageTier:
             statuses = self._call(scattered, [self.key(k) for k in keys], parts)
             if check is not None and not self._apply_checked(job, check.result()):
                 return  # an earlier page failed: the chained prefix ends there (this chunk stays unready)
-            check = self._verifier.submit(self._verify, keys, statuses, lambda i, parts=parts: (parts[i][0], parts[i][1:]))
+            check = self._verifier.submit(self._verify, keys, statuses, lambda i, k, parts=parts: self.codec.check_parts(parts[i][0], parts[i][1:], k))
         if check is not None:
             self._apply_checked(job, check.result())
 
@@ -291,7 +291,7 @@ class StorageTier:
             pages = job.host_pages[start : start + self.batch_pages]
             outs = [memoryview(self._staging[slot]).cast("B") for slot in range(len(keys))]
             statuses = self._call(self.backend.get, [self.key(k) for k in keys], outs)
-            verdicts = self._verify(keys, statuses, lambda i: (outs[i][:HEADER_BYTES], (outs[i][HEADER_BYTES:],)))
+            verdicts = self._verify(keys, statuses, lambda i, k: self.codec.check(outs[i], k))
             for slot, (p, (st, _why)) in enumerate(zip(pages, verdicts)):
                 if st is KeyStatus.OK:
                     for dst, src in zip(self._host_page_layers(p), self._payload_views(slot)):
@@ -299,14 +299,13 @@ class StorageTier:
             if not self._apply_checked(job, verdicts):
                 return
 
-    def _verify(self, keys: list[PageHash], statuses: list[KeyStatus], views) -> list[tuple[KeyStatus, str]]:
-        """Check each read page (``views(i)`` -> header, payload parts) up to the first that fails."""
+    def _verify(self, keys: list[PageHash], statuses: list[KeyStatus], check) -> list[tuple[KeyStatus, str]]:
+        """Check each read page (``check(i, key)`` -> the codec's verdict) up to the first that fails."""
         out: list[tuple[KeyStatus, str]] = []
         for i, (k, st) in enumerate(zip(keys, statuses)):
             why = ""
             if st is KeyStatus.OK:
-                head, payload = views(i)
-                verdict = self.codec.check_parts(head, payload, k)
+                verdict = check(i, k)
                 if verdict != "ok":
                     st, why = KeyStatus.ERROR, f"{self.key(k)} rejected ({verdict})"
             out.append((st, why))

@@ -32,7 +32,7 @@ from kvtier.plan.replay_lru import lru_model_gap, replay_lru
 from kvtier.spec import KVSpec
 from kvtier.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "infinite_cache_hit_ratio", "planning_spec", "replay", "run_plan", "sweep_host"]
+__all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "fast_model_gap", "infinite_cache_hit_ratio", "planning_spec", "replay", "run_plan", "sweep_host"]
 
 
 def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE_BLOCK_TOKENS) -> float:
@@ -68,14 +68,19 @@ def capacity(cfg: PlanConfig, block_bytes: int) -> Capacity:
     )
 
 
+def fast_model_gap(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig) -> str | None:
+    """Why the fast LRU model would not be exact for this trace and configuration; None when it is."""
+    longest = max((r.input_length // MOONCAKE_BLOCK_TOKENS + 1 for r in requests), default=0)  # blocks, tail included
+    return lru_model_gap(cache_cfg, capacity(cfg, planning_spec(cfg).page_bytes), longest)
+
+
 def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
            engine: str | None = None, per_request: bool = False) -> ReplayCounts:
     """Replay ``requests`` through one engine: ``"lru"``, ``"cache"``, or (None) as ``cfg.replay`` and the model's gap say."""
     spec = planning_spec(cfg)
     cap = capacity(cfg, spec.page_bytes)
     if engine is None:
-        longest = max((r.input_length // MOONCAKE_BLOCK_TOKENS + 1 for r in requests), default=0)
-        engine = "lru" if cfg.replay == "auto" and lru_model_gap(cache_cfg, cap, longest) is None else "cache"
+        engine = "lru" if cfg.replay == "auto" and fast_model_gap(requests, cfg, cache_cfg) is None else "cache"
     run = replay_lru if engine == "lru" else replay_cache
     return run(requests, cfg, cache_cfg, spec, cap, per_request=per_request)
 

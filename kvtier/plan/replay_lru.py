@@ -37,6 +37,7 @@ from itertools import islice, repeat
 
 from kvtier.config import CacheConfig
 from kvtier.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts, attribute_hits
+from kvtier.radix import leading_present
 from kvtier.spec import KVSpec
 from kvtier.workloads.mooncake import TraceRequest
 
@@ -52,18 +53,6 @@ def lru_model_gap(cache_cfg: CacheConfig, cap: Capacity, max_request_blocks: int
 
 
 _consume = deque(maxlen=0).extend
-
-
-def _prefix(d, keys: Sequence[int], hi: int) -> int:
-    """How many of ``keys[:hi]`` lead in ``d``; membership is prefix-closed, so binary search."""
-    lo = 0
-    while lo < hi:
-        mid = (lo + hi + 1) >> 1
-        if keys[mid - 1] in d:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def _run(d, keys: Sequence[int], start: int) -> int:
@@ -158,8 +147,8 @@ def replay_lru(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheCo
                 saved += _save(store, sto_cap, node.pending)
             node.pending = ()
         # match: the cached prefix, its device part, then what L3 holds after it
-        n_path = _prefix(host, keys, n_keys)
-        n_dev = _prefix(dev, keys, n_path)
+        n_path = leading_present(host, keys, n_keys)
+        n_dev = leading_present(dev, keys, n_path)
         if n_path:
             _consume(map(host.move_to_end, keys[:n_path][::-1]))
             if n_dev:
