@@ -36,7 +36,7 @@ def open_storage_tier(storage: StorageConfig, host: HostPool, namespace: Namespa
     from kvtier.l3 import open_backend
     from kvtier.l3.tier import StorageTier
 
-    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, queue_depth=storage.queue_depth)
+    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads, queue_depth=storage.queue_depth)
 
 
 def build_cache(spec: KVSpec, tiers: TierConfig = TierConfig(), cache: CacheConfig = CacheConfig(), storage: StorageConfig = StorageConfig(),

@@ -74,14 +74,15 @@ def bench_cache(
 @bench_app.command("storage")
 def bench_storage(
     backends: str = typer.Option("file,redis,mooncake", help="comma-separated backends to measure (servers are started on 127.0.0.1)"),
-    pages: int = typer.Option(24, help="deepseek-v3.2 pages per batch (about 5 MB each)"),
+    pages: int = typer.Option(24, help="deepseek-v3.2 pages per batch (about 5 MB each at 64 tokens a page)"),
     reps: int = typer.Option(5, help="repetitions, kvtier and the plain client taking turns (best of each reported)"),
+    page_size: Optional[int] = typer.Option(None, help="tokens per page (default: the preset's 64; 16 gives ~1.2 MB page objects)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """L3 put/get throughput per backend, as a ratio to the backend's own client on the same server."""
     from kvtier.bench.storage import as_json_rows, run_storage_bench
 
-    _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps)), as_json)
+    _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps, page_size)), as_json)
 
 
 @bench_app.command("plan")

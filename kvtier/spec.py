@@ -16,6 +16,7 @@ Byte formats (see DESIGN.md):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from dataclasses import dataclass
 from typing import Literal
@@ -138,7 +139,7 @@ class KVSpec:
             )
 
     # ---- buffers -----------------------------------------------------------------
-    @property
+    @functools.cached_property  # specs are immutable; the L3 path asks per page
     def buffers(self) -> tuple[BufferSpec, ...]:
         item = dtype_of(self.dtype).itemsize
         ps = self.page_size

@@ -71,15 +71,14 @@ def make_cache(spec, dev_pages: int, host_pages: int, layout: str = "layer_first
 
 def make_tiered_cache(spec, dev_pages: int, host_pages: int, url: str, layout: str = "page_first", model: str = "m", storage_cfg: dict | None = None, **config) -> HierarchicalCache:
     """A device+host+L3 cache over a real backend URL."""
+    from kvtier.build import open_storage_tier
     from kvtier.config import StorageConfig
     from kvtier.hashing import Namespace
-    from kvtier.l3 import open_backend
-    from kvtier.l3.tier import StorageTier
 
     dev, host = DevicePool(spec, dev_pages), HostPool(spec, host_pages, layout)
     ns = Namespace(model, spec.fingerprint())
     scfg = StorageConfig(url=url, **(storage_cfg or {}))
-    tier = StorageTier(open_backend(url), host, ns, batch_pages=scfg.batch_pages, queue_depth=scfg.queue_depth)
+    tier = open_storage_tier(scfg, host, ns)
     return HierarchicalCache(dev, host, CacheConfig(**config), namespace=ns, storage=tier, storage_config=scfg)
 
 

@@ -96,3 +96,14 @@ def test_host_layout_shapes(layout):
     assert host.buffers["latent"].shape == ((3, 6, pb) if layout == "layer_first" else (6, 3, pb))
     if layout == "page_first":  # one contiguous run per page and buffer
         assert host.buffers["latent"][2].is_contiguous()
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_host_buffers_start_on_a_4k_boundary(layout):
+    """L3 file writes from a buffer 64 bytes past a 4 KiB boundary hit 4K aliasing (see page_aligned_empty)."""
+    for spec in (KVSpec.preset("deepseek-v3.2", page_size=16), KVSpec.preset("llama-3.1-8b", page_size=16)):
+        host = HostPool(spec, 3, layout)
+        for name, t in host.buffers.items():
+            assert t.data_ptr() % 4096 == 0, (spec.name, name, t.data_ptr() % 4096)
+            assert t.is_contiguous() and t.numel() == 3 * spec.buffer(name).page_bytes * spec.num_layers
+            assert int(t.count_nonzero()) == 0  # touched and zeroed, like before

@@ -57,3 +57,28 @@ def test_bench_transfer_json_fields():
     assert {(x["spec"], x["layout"], x["direction"]) for x in rows} >= {("deepseek-v3.2", "page_first", "load_per_layer"), ("llama-3.1-8b", "layer_first", "backup_all_layers")}
     for x in rows:
         assert set(x) >= {"layout", "direction", "spec", "page_bytes", "gbps", "memcpy_gbps", "ratio"} and x["gbps"] > 0 and x["ratio"] > 0
+
+
+def test_bench_storage_json_rows(tmp_path):
+    """Small run of ``kvtier bench storage`` on file and a real Redis: one put and one get row per
+    backend, throughputs measured (not made up: the ratio is their quotient), and nothing left behind."""
+    import os
+    import shutil
+
+    if not shutil.which("redis-server"):
+        raise AssertionError("redis-server must be installed (.ci/run installs it)")
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "storage", "--backends", "file,redis", "--pages", "4", "--reps", "2",
+                        "--page-size", "16", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(r.stdout)
+    assert [(row["backend"], row["op"]) for row in rows] == [("file", "put"), ("file", "get"), ("redis", "put"), ("redis", "get")]
+    from kvtier.l3.page import PageCodec
+    from kvtier.spec import KVSpec
+
+    obj = PageCodec(KVSpec.preset("deepseek-v3.2", page_size=16)).object_bytes
+    for row in rows:
+        assert row["object_bytes"] == obj and row["pages"] == 4
+        assert row["gbps"] > 0 and row["raw_gbps"] > 0
+        assert abs(row["ratio"] - row["gbps"] / row["raw_gbps"]) < 0.01
+    assert list(tmp_path.iterdir()) == []  # stores and servers' directories removed

@@ -121,3 +121,32 @@ def test_file_get_scattered_reads_into_pieces_and_rejects_wrong_sizes(tmp_path):
     assert bytes(a + b) == data
     short = [memoryview(bytearray(4)), memoryview(bytearray(4))]
     assert be.get_scattered(["k", "absent"], [short, [memoryview(bytearray(10))]]) == [KeyStatus.ERROR, KeyStatus.MISS]
+
+
+def test_file_set_from_two_threads_remakes_a_removed_directory_and_leaves_no_temp_files(tmp_path):
+    import shutil
+    import threading
+
+    from kvtier.l3.base import KeyStatus
+    from kvtier.l3.file import FileBackend
+
+    be = FileBackend(tmp_path / "store")
+    keys = [[f"ns/{t:02x}{i:030x}" for i in range(40)] for t in range(2)]  # thread t writes under directory ns/0t
+    values = {k: memoryview(os.urandom(64 + i)) for t in range(2) for i, k in enumerate(keys[t])}
+    results: list[list[KeyStatus]] = []
+
+    def write(t: int) -> None:
+        results.append(be.set_scattered(keys[t], [[values[k][:10], values[k][10:]] for k in keys[t]]))
+
+    threads = [threading.Thread(target=write, args=(t,)) for t in range(2)]
+    [th.start() for th in threads]
+    [th.join() for th in threads]
+    assert results == [[KeyStatus.OK] * 40] * 2
+    for k, v in values.items():
+        out = memoryview(bytearray(len(v)))
+        assert be.get([k], [out]) == [KeyStatus.OK] and bytes(out) == bytes(v)
+    # another process (or an operator) removed a directory this backend has written to before
+    shutil.rmtree(os.path.dirname(be._path(keys[0][0])))
+    assert be.set([keys[0][0]], [values[keys[0][0]]]) == [KeyStatus.OK]
+    assert be.exists([keys[0][0]]) == 1
+    assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "store").rglob("*"))

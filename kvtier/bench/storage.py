@@ -4,9 +4,10 @@ kvtier's path is the storage tier end to end: host pages -> page objects
 (header + xxh3 checksum) -> ``set``, and ``get`` -> integrity check -> host
 pages. The baseline is the same server driven by its own client with
 equal-sized byte strings and the same batch size: redis-py pipelined SET/GET,
-Mooncake ``put``/``get``, plain file ``write``/``read``. The two take turns
-within each repetition, and the best time of each is reported. Servers are
-started on 127.0.0.1 for the run and stopped after.
+Mooncake ``put``/``get``, plain file ``write``/``readinto`` (into page-aligned
+memory, as the host pool is). The two take turns within each repetition, each
+put round's objects are deleted (untimed) before the next, and the best time of
+each is reported. Servers are started on 127.0.0.1 for the run and stopped after.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvtier.hashing import Namespace, PageHash
 from kvtier.l3 import open_backend
 from kvtier.l3.tier import StorageTier
 from kvtier.pools import HostPool
+from kvtier.pools.host import page_aligned_empty
 from kvtier.spec import KVSpec
 
 
@@ -37,38 +39,56 @@ class StorageCase:
     ratio: float
 
 
-def _best_interleaved(fns: dict[str, object], reps: int) -> dict[str, float]:
+def _best_interleaved(fns: dict[str, object], reps: int, after=None) -> dict[str, float]:
     """Best time of each ``fn(i)`` over ``reps`` rounds, the functions taking turns within a round.
 
     Taking turns puts kvtier's path and the plain client under the same machine
     conditions (on 2 shared cores the server, page cache and CPU clock drift
-    within seconds); separate blocks of repetitions turned drift into ratio noise."""
+    within seconds); separate blocks of repetitions turned drift into ratio noise.
+    ``after(name, i)``, untimed, runs after each call (puts delete what they wrote)."""
     best = {name: float("inf") for name in fns}
     for i in range(reps):
         for name, fn in fns.items():
             t0 = time.perf_counter()
             fn(i)  # type: ignore[operator]
             best[name] = min(best[name], time.perf_counter() - t0)
+            if after is not None:
+                after(name, i)
     return best
 
 
-def _raw_ops(kind: str, target, keys: list[str], blobs: list[bytes], batch: int):
+@dataclass
+class _PlainClient:
+    """The baseline: the backend's own client, ``put(i)`` storing round ``i``'s objects, ``get()``
+    reading round 0's into ``dests``, ``drop(i)`` deleting round ``i``'s."""
+
+    put: object
+    get: object
+    drop: object
+
+
+def _plain_client(kind: str, target, keys: list[str], blobs: list[bytes], dests: list[memoryview], batch: int) -> _PlainClient:
     if kind == "file":
         root = target
 
+        def path(i: int, k: str) -> str:
+            return os.path.join(root, f"{i}-{k}")
+
         def put(i: int) -> None:
             for k, b in zip(keys, blobs):
-                with open(os.path.join(root, f"{i}-{k}"), "wb") as f:
+                with open(path(i, k), "wb") as f:
                     f.write(b)
-
-        dests = [memoryview(bytearray(len(b))) for b in blobs]  # distinct destinations, as host pages are
 
         def get(i: int) -> None:
             for k, d in zip(keys, dests):
-                with open(os.path.join(root, f"0-{k}"), "rb") as f:
+                with open(path(0, k), "rb") as f:
                     f.readinto(d)
 
-        return put, get
+        def drop(i: int) -> None:
+            for k in keys:
+                os.unlink(path(i, k))
+
+        return _PlainClient(put, get, drop)
     if kind == "redis":
         client = target
 
@@ -86,7 +106,10 @@ def _raw_ops(kind: str, target, keys: list[str], blobs: list[bytes], batch: int)
                     pipe.get(f"raw0-{k}")
                 pipe.execute()
 
-        return put, get
+        def drop(i: int) -> None:
+            client.delete(*[f"raw{i}-{k}" for k in keys])
+
+        return _PlainClient(put, get, drop)
     store = target
 
     def put(i: int) -> None:
@@ -97,13 +120,18 @@ def _raw_ops(kind: str, target, keys: list[str], blobs: list[bytes], batch: int)
         for k in keys:
             store.get(f"raw0-{k}")
 
-    return put, get
+    def drop(i: int) -> None:
+        store.batch_remove([f"raw{i}-{k}" for k in keys], True)
+
+    return _PlainClient(put, get, drop)
 
 
-def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "mooncake"), pages: int = 24, reps: int = 5) -> list[StorageCase]:
+def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "mooncake"), pages: int = 24, reps: int = 5, page_size: int | None = None) -> list[StorageCase]:
+    """Put and get ratios per backend. ``page_size`` (tokens) overrides the preset's 64, whose
+    page object is ~5 MB; 16 gives ~1.2 MB objects."""
     from kvtier import devservers
 
-    spec = KVSpec.preset("deepseek-v3.2")
+    spec = KVSpec.preset("deepseek-v3.2", **({"page_size": page_size} if page_size else {}))
     host = HostPool(spec, pages, "page_first")
     for t in host.buffers.values():
         t.copy_(torch_randint(t.shape))
@@ -146,9 +174,22 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "mooncake"),
                 assert job.arrived == pages, f"{name}: only {job.arrived}/{pages} pages came back"
 
             blobs = [os.urandom(obj) for _ in range(pages)]
-            raw_put, raw_get = _raw_ops(name, raw_target, [k.hex() for k in keysets[0]], blobs, 8)
-            puts = _best_interleaved({"kvtier": put, "raw": raw_put}, reps)  # also stores what the gets read
-            gets = _best_interleaved({"kvtier": get, "raw": raw_get}, 2 * reps)  # gets add no data: twice the rounds
+            # the plain client reads into page-aligned, touched memory, as the host pool is
+            raw_dests = [page_aligned_empty(obj).zero_() for _ in range(pages)]
+            plain = _plain_client(name, raw_target, [k.hex() for k in keysets[0]], blobs, [memoryview(r.numpy()) for r in raw_dests], 8)
+
+            def drop(who: str, i: int) -> None:
+                """Delete a put round's objects (untimed): each round then writes into a store (page
+                cache, server memory) in the same state, not one that grew by every earlier round."""
+                if who == "kvtier":
+                    backend.delete([tier.key(k) for k in keysets[i]])
+                else:
+                    plain.drop(i)
+
+            puts = _best_interleaved({"kvtier": put, "raw": plain.put}, reps, after=drop)
+            put(0)  # what the gets read
+            plain.put(0)
+            gets = _best_interleaved({"kvtier": get, "raw": plain.get}, 4 * reps)  # gets add no data: more rounds, steadier bests
             for op, t, r in (("put", puts["kvtier"], puts["raw"]), ("get", gets["kvtier"], gets["raw"])):
                 g, rg = nbytes / t / 1e9, nbytes / r / 1e9
                 cases.append(StorageCase(name, op, obj, pages, round(g, 3), round(rg, 3), round(g / rg, 3)))

@@ -61,8 +61,9 @@ class StorageBackend(Protocol):
     # can skip its staging copy. Backends without it are read through staging.
     # Optional: ``set_scattered(keys, parts: Sequence[Sequence[memoryview]])`` stores each object
     # given as buffers back to back (header, then a host page's buffers): no staging copy.
-    # Optional: ``preferred_batch`` (int), pages per scattered read; the tier verifies one batch
-    # while the next is read, so a backend without round trips to amortize (file) says 1.
+    # Optional: ``preferred_batch_bytes`` (int), bytes per scattered call (default: the tier's
+    # ``batch_pages``). The tier runs several calls at once, one per I/O thread, so both
+    # scattered methods must be thread-safe.
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]: ...
     def delete(self, keys: Sequence[str]) -> None: ...
     def close(self) -> None: ...

@@ -21,6 +21,7 @@ checksum does not match; the tier treats it as a miss and counts it.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,13 +46,17 @@ class PageCodec:
 
     spec: KVSpec
 
-    @property
+    @functools.cached_property
     def payload_bytes(self) -> int:
         return self.spec.page_bytes
 
-    @property
+    @functools.cached_property
     def object_bytes(self) -> int:
         return HEADER_BYTES + self.payload_bytes
+
+    @functools.cached_property
+    def _fingerprint(self) -> bytes:
+        return self.spec.fingerprint().encode()
 
     def header(self, key: PageHash, payload: memoryview, valid_tokens: int | None = None) -> bytes:
         return self.header_for_parts(key, (payload,), valid_tokens)
@@ -59,7 +64,7 @@ class PageCodec:
     def header_for_parts(self, key: PageHash, payload: Sequence[memoryview], valid_tokens: int | None = None) -> bytes:
         """The header of an object whose payload is ``payload``'s buffers back to back (e.g. a host page's)."""
         head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.spec.page_size if valid_tokens is None else valid_tokens, 0,
-                          self.spec.fingerprint().encode(), bytes(key), sum(len(p) for p in payload))
+                          self._fingerprint, bytes(key), sum(len(p) for p in payload))
         h = xxhash.xxh3_128()
         h.update(head)
         for part in payload:
@@ -84,7 +89,7 @@ class PageCodec:
             return "magic"
         if version != FORMAT_VERSION or hsize != HEADER_BYTES:
             return "version"
-        if fp != self.spec.fingerprint().encode():
+        if fp != self._fingerprint:
             return "fingerprint"
         if k != bytes(key):
             return "key"

@@ -5,11 +5,20 @@ latency must never queue PCIe copies behind it. Jobs:
 
 * ``save``: host pages -> page objects -> ``backend.set``; keys the store
   already has (longest stored prefix, one ``exists`` call) are skipped.
-* ``prefetch``: ``backend.get`` into staging -> integrity check -> host pages.
-  Pages land in order; ``job.arrived`` is the count of leading pages that are
-  complete and verified, so a scheduler can use what arrived (best_effort).
-  A page that is missing, corrupt or fails stops the run: later pages of a
-  chained prefix are useless without it.
+* ``prefetch``: ``backend.get`` -> integrity check -> host pages.
+  ``job.arrived`` is the count of leading pages that are complete and
+  verified, so a scheduler can use what arrived (best_effort). A page that is
+  missing, corrupt or fails stops the run: later pages of a chained prefix are
+  useless without it.
+
+Backends that read and write scattered buffers (file, Redis, Mooncake) move
+pages straight between the store and page_first host pages on ``io_threads``
+threads, up to twice that many batches in flight: each I/O thread reads a batch
+and checks it (or hashes a batch and writes it) while the data is fresh in its
+cache, and results are applied in batch order. On 2 cores this is what lets a checked read keep up with a plain one: a
+single thread reading and checksumming in turn pays for both, and a separate
+checker thread re-reads each page from memory. Other backends go through a
+staging buffer on the worker, one batch at a time.
 
 Nothing here raises into the cache for a storage fault: statuses are per page,
 faults are counted, and the cache turns them into misses. The save queue is
@@ -27,7 +36,10 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -78,7 +90,7 @@ class StorageJob:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, queue_depth: int = 64, backpressure_s: float = 1.0, cooldown_s: float = 0.5):
+    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int = 2, queue_depth: int = 64, backpressure_s: float = 1.0, cooldown_s: float = 0.5):
         self.backend = backend
         self.host = host_pool
         self.spec = host_pool.spec
@@ -92,8 +104,6 @@ class StorageTier:
         self._pool_bytes = [(memoryview(host_pool.buffers[b.name].numpy()).cast("B"), b.page_bytes * self.spec.num_layers)
                             for b in self.spec.buffers] if self.materialized and host_pool.layout.page_is_contiguous() else []
         self._staging = np.zeros((batch_pages, self.codec.object_bytes), dtype=np.uint8) if self.materialized else None
-        if self._staging is not None and hasattr(backend, "register_buffer"):
-            backend.register_buffer(memoryview(self._staging).cast("B"))  # zero-copy I/O where the backend supports it
         self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
         self.skipped_saves = 0
@@ -103,8 +113,23 @@ class StorageTier:
         self.busy_s: dict[str, float] = {}
         #: without bytes (capacity planning) jobs run inline, deterministically, in the caller's thread
         self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True) if self.materialized else None
-        #: checks pages (xxh3 over ~MBs) while the worker reads the next ones
-        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="kvtier-verify") if self.materialized else None
+        self.io_threads = io_threads
+        #: batches submitted ahead: twice the threads, so a thread that finishes finds its next
+        #: batch queued instead of waiting for the worker to wake up and submit one
+        self._in_flight = 2 * io_threads
+        #: scattered batches in flight: each thread reads + checks (or hashes + writes) one batch
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="kvtier-l3-io") if self.materialized else None
+        #: page headers of the scattered batches in flight: one slab of ``[batch, HEADER_BYTES]`` each
+        self._heads = np.zeros((self._in_flight, self._scattered_batch(), HEADER_BYTES), dtype=np.uint8) if self.materialized else None
+        self._free_heads: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slab in range(self._in_flight):
+            self._free_heads.put(slab)
+        register = getattr(backend, "register_buffer", None)
+        if register is not None and self.materialized:  # zero-copy I/O where the backend needs memory registered
+            for buf in (self._staging, self._heads):
+                register(memoryview(buf).cast("B"))
+            for pool_bytes, _n in self._pool_bytes:
+                register(pool_bytes)
         if self._worker is not None:
             self._worker.start()
 
@@ -213,24 +238,81 @@ class StorageTier:
         job.skipped_existing = have
         job.statuses = [KeyStatus.OK] * have
         scattered = getattr(self.backend, "set_scattered", None) if self.host.layout.page_is_contiguous() else None
-        for start in range(have, len(job.keys), self.batch_pages):
-            keys = job.keys[start : start + self.batch_pages]
-            pages = job.host_pages[start : start + self.batch_pages]
-            names = [self.key(k) for k in keys]
-            if not self.materialized:  # planning: account the keys, move no bytes
-                statuses = self._call(self.backend.set, names, [_EMPTY] * len(keys))
-            elif scattered is not None:  # no staging copy: header + the host page's own buffers go out as they are
+        if self.materialized and scattered is not None:
+            self._save_scattered(job, have, scattered)
+        else:
+            for start in range(have, len(job.keys), self.batch_pages):
+                keys = job.keys[start : start + self.batch_pages]
+                names = [self.key(k) for k in keys]
+                if self.materialized:
+                    values = self._staged_objects(keys, job.host_pages[start : start + self.batch_pages])
+                else:  # planning: account the keys, move no bytes
+                    values = [_EMPTY] * len(keys)
+                if not self._record_saved(job, self._call(self.backend.set, names, values)):
+                    break
+        job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+
+    def _save_scattered(self, job: StorageJob, have: int, scattered) -> None:
+        """No staging copy: each I/O thread hashes a batch's header over the host pages' own
+        buffers and stores header + buffers as they are."""
+
+        def hash_and_write(start: int) -> list[KeyStatus]:
+            keys = job.keys[start : start + step]
+            with self._header_slab() as heads:
                 parts = []
-                for k, p in zip(keys, pages):
+                for j, (k, p) in enumerate(zip(keys, job.host_pages[start : start + step])):
                     payload = self._host_page_bytes(p)
-                    parts.append([memoryview(self.codec.header_for_parts(k, payload)), *payload])
-                statuses = self._call(scattered, names, parts)
-            else:
-                statuses = self._call(self.backend.set, names, self._staged_objects(keys, pages))
-            job.statuses += statuses
-            if KeyStatus.ERROR in statuses:
-                job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
-                return
+                    heads[j] = np.frombuffer(self.codec.header_for_parts(k, payload), dtype=np.uint8)
+                    parts.append([memoryview(heads[j]), *payload])
+                return self._call(scattered, [self.key(k) for k in keys], parts)
+
+        step = self._scattered_batch()
+        self._in_order(job, range(have, len(job.keys), step), hash_and_write, lambda statuses: self._record_saved(job, statuses))
+
+    @staticmethod
+    def _record_saved(job: StorageJob, statuses: list[KeyStatus]) -> bool:
+        """Append a batch's statuses; False after a failure (the rest of the job is not attempted)."""
+        job.statuses += statuses
+        return KeyStatus.ERROR not in statuses
+
+    @contextmanager
+    def _header_slab(self):
+        """Header buffers for one scattered batch (never waits: one slab per batch in flight)."""
+        slab = self._free_heads.get()
+        try:
+            yield self._heads[slab]
+        finally:
+            self._free_heads.put(slab)
+
+    def _scattered_batch(self) -> int:
+        """Pages per scattered call: about the backend's ``preferred_batch_bytes`` (file: a few MB,
+        so each I/O thread checks what it just read while it is still in cache), else ``batch_pages``."""
+        per_call = getattr(self.backend, "preferred_batch_bytes", None)
+        return max(1, per_call // self.codec.object_bytes) if per_call else self.batch_pages
+
+    def _in_order(self, job: StorageJob, starts: Iterable[int], work: Callable[[int], object], apply: Callable[[object], bool]) -> None:
+        """Run ``work(start)`` for each batch on the I/O threads, at most ``2 * io_threads`` in flight,
+        and ``apply`` the results in batch order until one returns False.
+
+        Nothing is submitted after a failure or a cancel, and every batch in flight is waited
+        for before this returns, also on an exception: the caller may release its host pages."""
+        pending: deque[Future] = deque()
+        starts = iter(starts)
+        going = True
+        try:
+            while True:
+                while going and not job.cancelled and len(pending) < self._in_flight:
+                    start = next(starts, None)
+                    if start is None:
+                        break
+                    pending.append(self._io.submit(work, start))
+                if not pending:
+                    return
+                result = pending.popleft().result()
+                going = going and apply(result)
+        finally:
+            for f in pending:
+                f.exception()  # wait for it; its result no longer counts
 
     def _staged_objects(self, keys: list[PageHash], pages: list[int]) -> list[memoryview]:
         """Whole page objects in staging (for backends that take one contiguous value per key)."""
@@ -265,22 +347,19 @@ class StorageTier:
                 job.arrived += 1
 
     def _prefetch_scattered(self, job: StorageJob, scattered) -> None:
-        """One copy, pipelined: the backend reads chunk ``k+1`` straight into its (not yet ready) host
-        pages while the verifier thread checks chunk ``k``; ``arrived`` counts verified pages, in order."""
-        heads = np.empty((len(job.keys), HEADER_BYTES), dtype=np.uint8)
-        step = getattr(self.backend, "preferred_batch", None) or self.batch_pages
-        check = None
-        for start in range(0, len(job.keys), step):
-            if job.cancelled:
-                break
+        """One copy: each I/O thread reads a batch straight into its (not yet ready) host pages
+        and checks it; ``arrived`` counts verified pages, in order."""
+
+        def read_and_check(start: int) -> list[tuple[KeyStatus, str]]:
             keys = job.keys[start : start + step]
-            parts = [[memoryview(heads[start + j]), *self._host_page_bytes(p)] for j, p in enumerate(job.host_pages[start : start + step])]
-            statuses = self._call(scattered, [self.key(k) for k in keys], parts)
-            if check is not None and not self._apply_checked(job, check.result()):
-                return  # an earlier page failed: the chained prefix ends there (this chunk stays unready)
-            check = self._verifier.submit(self._verify, keys, statuses, lambda i, k, parts=parts: self.codec.check_parts(parts[i][0], parts[i][1:], k))
-        if check is not None:
-            self._apply_checked(job, check.result())
+            with self._header_slab() as heads:
+                parts = [[memoryview(heads[j]), *self._host_page_bytes(p)] for j, p in enumerate(job.host_pages[start : start + step])]
+                statuses = self._call(scattered, [self.key(k) for k in keys], parts)
+                return self._verify(keys, statuses, lambda i, k: self.codec.check_parts(parts[i][0], parts[i][1:], k))
+
+        step = self._scattered_batch()
+        # a failed page ends the chained prefix there; later batches stay unready
+        self._in_order(job, range(0, len(job.keys), step), read_and_check, lambda verdicts: self._apply_checked(job, verdicts))
 
     def _prefetch_staged(self, job: StorageJob) -> None:
         """Through staging (backends without scattered reads, or host pages that are not contiguous)."""
@@ -333,5 +412,5 @@ class StorageTier:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join()
-            self._verifier.shutdown()
+            self._io.shutdown()
         self.backend.close()

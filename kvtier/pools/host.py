@@ -13,6 +13,7 @@ page-aligned. Transfers in engine terms (token slot indices) are
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -26,6 +27,24 @@ from kvtier.pools.rows import as_wide_rows, check_pages_in_range
 from kvtier.spec import KVSpec
 
 DEFAULT_RESERVE_BYTES = 1 << 30
+#: host buffers start on a 4 KiB boundary (see :func:`page_aligned_empty`)
+ALIGN_BYTES = 4096
+
+
+def page_aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
+    """A flat uint8 tensor of ``nbytes`` whose first byte is 4 KiB-aligned.
+
+    The kernel copies page objects between the page cache and host pages at the
+    same offset within a 4 KiB page as the object's file offset. torch's
+    allocator returns 64-byte-aligned memory (an address 64 past a 4 KiB
+    boundary here); against the 72-byte page header that put every write's
+    destination 8 bytes ahead of its source modulo 4 KiB, and the copy loop's
+    loads stalled on the stores just made to the same low address bits (4K
+    aliasing): parallel L3 file writes ran at 0.6x their aligned speed.
+    Page-aligned buffers also suit pinning and DMA registration."""
+    raw = torch.empty(nbytes + ALIGN_BYTES - 1, dtype=torch.uint8, pin_memory=pin_memory)
+    start = -raw.data_ptr() % ALIGN_BYTES
+    return raw[start : start + nbytes]
 
 
 def host_memory_available() -> int:
@@ -71,7 +90,8 @@ class HostPool:
             return
         self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
         for b in spec.buffers:
-            t = torch.empty(self.layout.shape(b.page_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+            shape = self.layout.shape(b.page_bytes)
+            t = page_aligned_empty(math.prod(shape), pin_memory=self.pinned).view(shape)
             t.zero_()
             self.buffers[b.name] = t
             self._rows[b.name] = [as_wide_rows(self.layout.layer_rows(t, layer)) for layer in range(spec.num_layers)]

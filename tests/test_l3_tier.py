@@ -1,0 +1,212 @@
+"""The storage tier's parallel scattered I/O: batches run on several threads, results land in order.
+
+The store is the real file backend; :class:`Injecting` wraps it to delay, fail or
+hold individual calls (a fault injector around the real thing, not a stand-in),
+one page per call, so a job of ten pages is ten batches with up to
+``2 * io_threads`` in flight.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier.config import StorageConfig
+from kvtier.errors import ConfigError
+from kvtier.hashing import Namespace, PageHash
+from kvtier.l3 import open_backend
+from kvtier.l3.base import KeyStatus
+from kvtier.l3.page import HEADER_BYTES
+from kvtier.l3.tier import StorageTier
+from kvtier.pools import HostPool
+from l3_scenarios import tiny
+
+PAGES = 10
+
+
+class Injecting:
+    """A real backend with hooks: ``before_get(call_index)`` / ``before_set(call_index)`` run
+    before the call is passed on and may sleep, block or raise; ``set_status`` overrides results."""
+
+    def __init__(self, inner, object_bytes: int):
+        self.inner = inner
+        self.name, self.stats = inner.name, inner.stats
+        self.preferred_batch_bytes = object_bytes  # one page per call
+        self.before_get = self.before_set = lambda i: None
+        self.set_status = None
+        self.finished: list[int] = []  # get calls in the order they returned
+        self._calls = {"get": 0, "set": 0}
+        self._lock = threading.Lock()
+
+    def _next(self, op: str) -> int:
+        with self._lock:
+            self._calls[op] += 1
+            return self._calls[op] - 1
+
+    def calls(self, op: str) -> int:
+        return self._calls[op]
+
+    def exists(self, keys):
+        return self.inner.exists(keys)
+
+    def get(self, keys, outs):
+        return self.inner.get(keys, outs)
+
+    def set(self, keys, values):
+        return self.inner.set(keys, values)
+
+    def get_scattered(self, keys, outs):
+        i = self._next("get")
+        self.before_get(i)
+        out = self.inner.get_scattered(keys, outs)
+        with self._lock:
+            self.finished.append(i)
+        return out
+
+    def set_scattered(self, keys, parts):
+        i = self._next("set")
+        self.before_set(i)
+        out = self.inner.set_scattered(keys, parts)
+        return self.set_status(i, out) if self.set_status else out
+
+    def delete(self, keys):
+        self.inner.delete(keys)
+
+    def close(self):
+        self.inner.close()
+
+
+def filled_pool(seed: int) -> HostPool:
+    pool = HostPool(tiny(), PAGES, "page_first")
+    g = torch.Generator().manual_seed(seed)
+    for t in pool.buffers.values():
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    return pool
+
+
+def page_bytes(pool: HostPool, page: int) -> bytes:
+    return b"".join(bytes(t[page].numpy()) for t in pool.buffers.values())
+
+
+@pytest.fixture
+def store(tmp_path):
+    """(a tier that saved PAGES random pages, its keys, a fresh tier over an empty pool and an injecting backend)."""
+    spec = tiny()
+    ns = Namespace("tier-test", spec.fingerprint())
+    src = filled_pool(1)
+    keys = [PageHash(os.urandom(16)) for _ in range(PAGES)]
+    writer = StorageTier(open_backend(f"file://{tmp_path}"), src, ns)
+    job = writer.submit("save", keys, list(range(PAGES)))
+    assert job.wait(10) and job.statuses == [KeyStatus.OK] * PAGES
+    writer.close()
+    dst = HostPool(spec, PAGES, "page_first")
+    backend = Injecting(open_backend(f"file://{tmp_path}"), writer.codec.object_bytes)
+    tier = StorageTier(backend, dst, ns, io_threads=2)
+    yield src, keys, tier, backend
+    tier.close()
+
+
+def idle(tier: StorageTier) -> bool:
+    """No scattered batch is in flight (each holds a header slab until it returns)."""
+    return tier._free_heads.qsize() == tier._in_flight
+
+
+def test_batches_finishing_out_of_order_land_in_order(store):
+    src, keys, tier, backend = store
+    backend.before_get = lambda i: time.sleep(0.03 if i % 2 == 0 else 0.0)  # even calls finish after odd ones
+    job = tier.submit("prefetch", keys, list(range(PAGES)))
+    assert job.wait(10)
+    assert backend.finished != sorted(backend.finished), "the batches must really finish out of order for this test to mean anything"
+    assert job.arrived == PAGES and job.statuses == [KeyStatus.OK] * PAGES and job.corrupt == 0
+    assert all(page_bytes(tier.host, p) == page_bytes(src, p) for p in range(PAGES))
+    assert idle(tier)
+
+
+def test_a_corrupt_page_ends_the_prefix_and_later_batches_are_not_counted(store):
+    src, keys, tier, backend = store
+    path = backend.inner._path(tier.key(keys[4]))
+    data = bytearray(open(path, "rb").read())
+    data[HEADER_BYTES + 3] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    job = tier.submit("prefetch", keys, list(range(PAGES)))
+    assert job.wait(10)
+    assert job.arrived == 4 and job.corrupt == 1
+    assert job.statuses == [KeyStatus.OK] * 4 + [KeyStatus.ERROR]  # pages after 4 read in flight, not counted
+    assert all(page_bytes(tier.host, p) == page_bytes(src, p) for p in range(4))
+    assert backend.calls("get") <= 5 + tier._in_flight  # nothing submitted after the failure was seen
+    assert idle(tier)
+
+
+def test_cancel_stops_submitting_and_the_job_waits_for_batches_in_flight(store):
+    _src, keys, tier, backend = store
+    release = threading.Event()
+    backend.before_get = lambda i: release.wait(5) if i == 0 else None
+    job = tier.submit("prefetch", keys, list(range(PAGES)))
+    deadline = time.monotonic() + 5
+    while backend.calls("get") < min(tier._in_flight, tier.io_threads) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    job.cancel()
+    assert not job.wait(0.1), "the job must not finish while its first batch is still reading"
+    release.set()
+    assert job.wait(10)
+    assert job.arrived < PAGES and backend.calls("get") <= tier._in_flight
+    assert idle(tier)
+
+
+def test_a_batch_that_raises_fails_the_job_and_the_worker_keeps_going(store):
+    src, keys, tier, backend = store
+
+    def boom(i):
+        if i == 3:
+            raise RuntimeError("injected")
+
+    backend.before_get = boom
+    job = tier.submit("prefetch", keys, list(range(PAGES)))
+    assert job.wait(10)
+    assert len(job.statuses) == PAGES and KeyStatus.ERROR in job.statuses
+    assert job.arrived <= 3
+    assert idle(tier)
+    backend.before_get = lambda i: None
+    again = tier.submit("prefetch", keys, list(range(PAGES)))
+    assert again.wait(10) and again.arrived == PAGES
+    assert all(page_bytes(tier.host, p) == page_bytes(src, p) for p in range(PAGES))
+
+
+def test_parallel_saves_store_every_page_and_a_failed_batch_ends_the_job(tmp_path):
+    spec = tiny()
+    ns = Namespace("tier-save", spec.fingerprint())
+    src = filled_pool(2)
+    probe = StorageTier(open_backend(f"file://{tmp_path}"), src, ns)
+    backend = Injecting(open_backend(f"file://{tmp_path}"), probe.codec.object_bytes)
+    probe.close()
+    tier = StorageTier(backend, src, ns, io_threads=2)
+    backend.before_set = lambda i: time.sleep(0.02 if i % 3 == 0 else 0.0)
+    keys = [PageHash(os.urandom(16)) for _ in range(PAGES)]
+    job = tier.submit("save", keys, list(range(PAGES)))
+    assert job.wait(10) and job.statuses == [KeyStatus.OK] * PAGES
+    assert backend.exists([tier.key(k) for k in keys]) == PAGES
+    # a store that fails page 6: earlier pages OK, the rest recorded as failed, nothing raised
+    first = backend.calls("set")
+    backend.set_status = lambda i, out: [KeyStatus.ERROR] * len(out) if i == first + 6 else out
+    more = [PageHash(os.urandom(16)) for _ in range(PAGES)]
+    job = tier.submit("save", more, list(range(PAGES)))
+    assert job.wait(10)
+    assert job.statuses == [KeyStatus.OK] * 6 + [KeyStatus.ERROR] * 4
+    assert idle(tier)
+    tier.close()
+    # what was saved reads back bit-exact into another pool
+    dst = HostPool(spec, PAGES, "page_first")
+    reader = StorageTier(open_backend(f"file://{tmp_path}"), dst, ns)
+    job = reader.submit("prefetch", keys, list(range(PAGES)))
+    assert job.wait(10) and job.arrived == PAGES
+    assert all(page_bytes(dst, p) == page_bytes(src, p) for p in range(PAGES))
+    reader.close()
+
+
+def test_io_threads_is_validated():
+    with pytest.raises(ConfigError, match="io_threads must be >= 1"):
+        StorageConfig(url="file:///tmp/x", io_threads=0)
