@@ -6,8 +6,8 @@ pages. The baseline is the same server driven by its own client with
 equal-sized byte strings and the same batch size: redis-py pipelined SET/GET,
 Mooncake ``put``/``get``, plain file ``write``/``readinto`` (into page-aligned
 memory, as the host pool is). The two take turns within each repetition, each
-put round's objects are deleted (untimed) before the next, and the best time of
-each is reported. Servers are started on 127.0.0.1 for the run and stopped after.
+put round's objects are deleted (untimed) before the next, an untimed warm-up
+round comes first, and the best time of each is reported. Servers are started on 127.0.0.1 for the run and stopped after.
 """
 
 from __future__ import annotations
@@ -45,10 +45,17 @@ def _best_interleaved(fns: dict[str, object], reps: int, after=None) -> dict[str
     Taking turns puts kvtier's path and the plain client under the same machine
     conditions (on 2 shared cores the server, page cache and CPU clock drift
     within seconds); separate blocks of repetitions turned drift into ratio noise.
-    ``after(name, i)``, untimed, runs after each call (puts delete what they wrote)."""
+    ``after(name, i)``, untimed, runs after each call (puts delete what they wrote). An untimed
+    warm-up round comes first: the first writes of a run fault fresh memory into the page cache
+    (or the server), which on a VM made whichever side went first look slow."""
     best = {name: float("inf") for name in fns}
+    for name, fn in fns.items():
+        fn(0)  # type: ignore[operator]
+        if after is not None:
+            after(name, 0)
+    order = list(fns.items())
     for i in range(reps):
-        for name, fn in fns.items():
+        for name, fn in order[i % 2 :] + order[: i % 2]:  # who goes first alternates
             t0 = time.perf_counter()
             fn(i)  # type: ignore[operator]
             best[name] = min(best[name], time.perf_counter() - t0)
