@@ -115,16 +115,16 @@ class MooncakeBackend:
         totals = [sum(s) for s in sizes]
         ptrs = [self._direct(parts) for parts in outs]
         if all(p is not None for p in ptrs):
-            return self._got(keys, self.store.batch_get_into_multi_buffers(list(keys), ptrs, sizes), totals)
+            return self._got(self.store.batch_get_into_multi_buffers(list(keys), ptrs, sizes), totals)
         with self._bounce_lock:
             offs = self._bounce_offsets(totals, "get")
-            statuses = self._got(keys, self.store.batch_get_into(list(keys), [self._bounce.ctypes.data + o for o in offs], totals), totals)
+            statuses = self._got(self.store.batch_get_into(list(keys), [self._bounce.ctypes.data + o for o in offs], totals), totals)
             for st, parts, o, n in zip(statuses, outs, offs, totals):
                 if st is KeyStatus.OK:
                     scatter_into(self._bounce[o : o + n].data, parts)
         return statuses
 
-    def _got(self, keys: Sequence[str], codes: Sequence[int], totals: Sequence[int]) -> list[KeyStatus]:
+    def _got(self, codes: Sequence[int], totals: Sequence[int]) -> list[KeyStatus]:
         """Per-key statuses of a batch get (a code is the bytes read, or an error)."""
         out: list[KeyStatus] = []
         for c, size in zip(codes, totals):
