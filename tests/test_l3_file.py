@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -59,6 +60,23 @@ def test_backend_contract_and_size_cap(tmp_path):
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.rglob("*"))
     b.delete(keys)
     assert b.exists(keys) == 0
+
+
+def test_size_cap_scan_removes_stale_temp_files_and_keeps_fresh_ones(tmp_path):
+    """A writer that died between create and rename leaves a temp file; the cap's scan deletes it
+    once it is older than ``stale_temp_s``, never one a live writer may still be filling."""
+    b = open_backend(f"file://{tmp_path}?max_bytes=1000")
+    keys = [f"ns/{i:032x}" for i in range(4)]
+    b.set(keys[:1], [memoryview(bytes(300))])
+    shard = Path(b._path(keys[0])).parent
+    stale, fresh = shard / ".tmp-999999-1-0", shard / ".tmp-999999-1-1"
+    stale.write_bytes(bytes(5000))
+    fresh.write_bytes(bytes(5000))
+    hour_ago = time.time() - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    b.set(keys[1:], [memoryview(bytes(300))] * 3)  # 1200 bytes > cap: the scan runs
+    assert not stale.exists() and fresh.exists() and b.stale_temps_removed == 1
+    assert b.usage_bytes() <= 900  # temp files are not counted as stored pages
 
 
 def test_bad_urls():

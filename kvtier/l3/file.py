@@ -5,7 +5,9 @@
   across processes sharing the directory.
 * Bounded: ``?max_bytes=`` (or ``max_gb=``) caps the directory; when a write
   passes the cap, the least recently used files (by mtime, refreshed on every
-  hit) are deleted until usage is 90% of the cap.
+  hit) are deleted until usage is 90% of the cap. The same scan deletes temp
+  files older than ``stale_temp_s`` (10 minutes): a writer that died between
+  create and rename leaves one, and it would otherwise hold its disk forever.
 * Zero-copy reads: ``readinto`` the caller's buffer.
 
 URL: ``file:///abs/path?max_gb=100``.
@@ -16,6 +18,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -42,9 +45,12 @@ class FileBackend:
     #: no round trips to amortize: calls of a few MB (one 5 MB deepseek page, three 1.2 MB ones),
     #: so each I/O thread checks pages it just read, and small pages do not pay per-call overhead
     preferred_batch_bytes = 4 << 20
+    #: the kernel copies in the calling thread, so two threads keep two cores copying
+    preferred_io_threads = 2
 
-    def __init__(self, root: str | Path, max_bytes: int | None = None):
+    def __init__(self, root: str | Path, max_bytes: int | None = None, stale_temp_s: float = 600.0):
         self.root = Path(root)
+        self.stale_temp_s = stale_temp_s  # far above any write's lifetime (ms), so never a live one
         self.root.mkdir(parents=True, exist_ok=True)
         self._root = str(self.root)
         self.max_bytes = max_bytes
@@ -52,6 +58,7 @@ class FileBackend:
         self._approx_bytes: int | None = None
         self._dirs: set[str] = set()
         self._tmp_ids = itertools.count()  # with pid and thread: unique temp names, no retry loop
+        self.stale_temps_removed = 0
 
     @classmethod
     def from_url(cls, u: StorageURL) -> FileBackend:
@@ -166,18 +173,30 @@ class FileBackend:
     def usage_bytes(self) -> int:
         return sum(p.stat().st_size for p in self._files())
 
-    def _files(self):
+    def _files(self, sweep_temps: bool = False):
+        """Committed page files; with ``sweep_temps``, stale temp files met on the way are deleted."""
+        stale_before = time.time_ns() - int(self.stale_temp_s * 1e9)
         for dirpath, _dirs, files in os.walk(self.root):
             for name in files:
                 if not name.startswith(".tmp-"):
                     yield Path(dirpath) / name
+                elif sweep_temps:
+                    self._remove_if_stale(os.path.join(dirpath, name), stale_before)
+
+    def _remove_if_stale(self, tmp: str, stale_before_ns: int) -> None:
+        try:
+            if os.stat(tmp).st_mtime_ns < stale_before_ns:
+                os.unlink(tmp)
+                self.stale_temps_removed += 1
+        except FileNotFoundError:
+            pass  # renamed into place or swept by another process meanwhile
 
     def _enforce_cap(self) -> None:
         if self.max_bytes is None:
             return
         if self._approx_bytes is None or self._approx_bytes > self.max_bytes:
             entries = []
-            for p in self._files():
+            for p in self._files(sweep_temps=True):
                 try:
                     st = p.stat()
                 except FileNotFoundError:
