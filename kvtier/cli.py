@@ -73,10 +73,10 @@ def bench_cache(
 
 @bench_app.command("storage")
 def bench_storage(
-    backends: str = typer.Option("file,redis,mooncake", help="comma-separated backends to measure (servers are started on 127.0.0.1)"),
-    pages: int = typer.Option(24, help="deepseek-v3.2 pages per batch (about 5 MB each at 64 tokens a page)"),
-    reps: int = typer.Option(5, help="repetitions, kvtier and the plain client taking turns (best of each reported)"),
-    page_size: Optional[int] = typer.Option(None, help="tokens per page (default: the preset's 64; 16 gives ~1.2 MB page objects)"),
+    backends: str = typer.Option("file,redis,redis-cluster,mooncake", help="comma-separated backends to measure: file, redis, redis-cluster (3 nodes), mooncake; servers are started on 127.0.0.1"),
+    pages: int = typer.Option(96, help="deepseek-v3.2 pages per round (1.25 MB each at 16 tokens a page)"),
+    reps: int = typer.Option(20, help="rounds per op, kvtier and the plain client taking turns (best and median reported)"),
+    page_size: int = typer.Option(16, help="tokens per page: 16 gives the 1 MiB-class page objects (1.25 MB), the preset's 64 gives 5.0 MB"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """L3 put/get throughput per backend, as a ratio to the backend's own client on the same server."""

@@ -55,14 +55,14 @@ class StorageConfig:
     prefetch_timeout_per_page_s: float = _help("timeout policy: budget added per page to prefetch", 0.005)
     min_prefetch_pages: int = _help("skip prefetch for fewer stored pages than this (recompute is cheaper)", 1)
     batch_pages: int = _help("pages per backend call", 8)
-    io_threads: int = _help("batches moved to or from file and Redis stores at once, each read and checked (or hashed and written) by its own thread", 2)
+    io_threads: int | None = _help("batches moved to or from the store at once, each read and checked (or hashed and written) by its own thread; unset: the backend's choice (file and Redis Cluster 2, one Redis node and Mooncake 1)", None)
     queue_depth: int = _help("storage jobs queued before saves apply back-pressure", 64)
 
     def __post_init__(self) -> None:
         _choice(self, "write_policy", ("write_through", "write_back"))
         _choice(self, "prefetch_policy", ("best_effort", "wait_complete", "timeout"))
         for name in ("min_prefetch_pages", "batch_pages", "io_threads", "queue_depth"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(f"StorageConfig.{name} must be >= 1; got {getattr(self, name)}")
 
     def prefetch_budget_s(self, pages: int) -> float:

@@ -88,8 +88,13 @@ class RedisServer:
         self.kill()
 
 
-def start_redis_cluster(workdir: Path, nodes: int = 3) -> list[RedisServer]:
-    servers = [RedisServer(workdir / f"n{i}", port=free_cluster_port(), extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000")).start() for i in range(nodes)]
+def start_redis_cluster(workdir: Path, nodes: int = 3, require_full_coverage: bool = True) -> list[RedisServer]:
+    """``nodes`` primaries, no replicas. ``require_full_coverage=False``: while one node is down the
+    others keep serving their own slots (Redis's default answers CLUSTERDOWN for every key)."""
+    coverage = () if require_full_coverage else ("--cluster-require-full-coverage", "no")
+    servers = [RedisServer(workdir / f"n{i}", port=free_cluster_port(),
+                           extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000", *coverage)).start()
+               for i in range(nodes)]
     cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
     assert cli, "redis-cli not installed (Debian redis-tools)"
     subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers), "--cluster-replicas", "0", "--cluster-yes"],

@@ -59,8 +59,17 @@ def test_bench_transfer_json_fields():
         assert set(x) >= {"layout", "direction", "spec", "page_bytes", "gbps", "memcpy_gbps", "ratio"} and x["gbps"] > 0 and x["ratio"] > 0
 
 
+def test_storage_bench_summary_best_and_median():
+    """Best rounds give GB/s and ratio; the median is of each round's own ratio, not of the bests."""
+    from kvtier.bench.storage import summarize
+
+    row = summarize("file", "put", 1_000_000, 4, {"kvtier": [0.002, 0.001, 0.004], "raw": [0.001, 0.002, 0.002]})
+    assert (row.gbps, row.raw_gbps, row.ratio) == (4.0, 4.0, 1.0)
+    assert row.median_ratio == 0.5  # rounds: 0.5, 2.0, 0.5
+
+
 def test_bench_storage_json_rows(tmp_path):
-    """Small run of ``kvtier bench storage`` on file and a real Redis: one put and one get row per
+    """Small run of ``kvtier bench storage`` on file, a real Redis and a 3-node cluster: one put and one get row per
     backend, throughputs measured (not made up: the ratio is their quotient), and nothing left behind."""
     import os
     import shutil
@@ -68,11 +77,11 @@ def test_bench_storage_json_rows(tmp_path):
     if not shutil.which("redis-server"):
         raise AssertionError("redis-server must be installed (.ci/run installs it)")
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "storage", "--backends", "file,redis", "--pages", "4", "--reps", "2",
+    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "storage", "--backends", "file,redis,redis-cluster", "--pages", "4", "--reps", "2",
                         "--page-size", "16", "--json"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert [(row["backend"], row["op"]) for row in rows] == [("file", "put"), ("file", "get"), ("redis", "put"), ("redis", "get")]
+    assert [(row["backend"], row["op"]) for row in rows] == [(b, op) for b in ("file", "redis", "redis-cluster") for op in ("put", "get")]
     from kvtier.l3.page import PageCodec
     from kvtier.spec import KVSpec
 
@@ -81,4 +90,5 @@ def test_bench_storage_json_rows(tmp_path):
         assert row["object_bytes"] == obj and row["pages"] == 4
         assert row["gbps"] > 0 and row["raw_gbps"] > 0
         assert abs(row["ratio"] - row["gbps"] / row["raw_gbps"]) < 0.01
+        assert row["median_ratio"] > 0
     assert list(tmp_path.iterdir()) == []  # stores and servers' directories removed

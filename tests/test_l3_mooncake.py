@@ -119,3 +119,37 @@ def test_scattered_get_and_set_registered_and_through_the_bounce_buffer(master):
     finally:
         be.delete([f"scatter/{i}" for i in range(3)])
         be.close()
+
+
+def test_one_io_thread_by_default_and_registering_a_pool_twice_is_harmless(master):
+    """Mooncake runs a batch's transfers in parallel itself: the tier uses one I/O thread unless told
+    otherwise. A second tier over the same host pool registers memory already registered: no error,
+    and its pages still move straight to and from the store, bit-exact."""
+    import torch
+
+    from kvtier.hashing import Namespace, PageHash
+    from kvtier.l3 import open_backend
+    from kvtier.l3.tier import StorageTier
+    from kvtier.pools import HostPool
+
+    spec = sc.tiny()
+    host = HostPool(spec, 4, "page_first")
+    for t in host.buffers.values():
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    want = [t.clone() for t in host.buffers.values()]
+    backend = open_backend(master.url)
+    ns = Namespace("twice", spec.fingerprint())
+    first = StorageTier(backend, host, ns)
+    assert first.io_threads == 1
+    second = StorageTier(backend, host, ns, io_threads=2)  # registers its own staging and headers, not the pool again
+    assert second.io_threads == 2
+    bases = [base for base, _size in backend._regions]
+    assert all(bases.count(t.data_ptr()) == 1 for t in host.buffers.values())
+    keys = [PageHash(os.urandom(16)) for _ in range(4)]
+    assert second.submit("save", keys, [0, 1, 2, 3]).wait(10)
+    for t in host.buffers.values():
+        t.zero_()
+    job = second.submit("prefetch", keys, [0, 1, 2, 3])
+    assert job.wait(10) and job.arrived == 4
+    assert all(torch.equal(t, w) for t, w in zip(host.buffers.values(), want))
+    first.close()  # closes the shared backend too: the second is done with it

@@ -37,7 +37,7 @@ def flip_redis_byte(backend, key, offset):
 
 
 @pytest.mark.parametrize("spec_name", ["deepseek-v3.2", "llama-3.1-8b"])
-@pytest.mark.parametrize("layout", ["page_first", "layer_first"])  # direct SET + staged GET, and staged SET + direct GET
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])  # scattered from host pages, and whole objects from staging
 def test_round_trip_bit_exact(redis_server, spec_name, layout):
     sc.round_trip(redis_server.url, sc.real_specs()[spec_name], layout)
 
@@ -175,3 +175,126 @@ def test_direct_set_error_reply_is_a_status_and_stream_stays_in_step(redis_serve
     b.client.config_set("maxmemory", 0)
     assert b.set_scattered(["k/d"], parts[:1]) == [KeyStatus.OK] and b.client.get("k/d") == blob
     b.close()
+
+
+def _record_fallbacks(backend) -> list[tuple[str, list[str]]]:
+    """Which keys a cluster backend sent through redis-py's pipeline instead of its direct path."""
+    seen: list[tuple[str, list[str]]] = []
+    for name in ("_get_via_client", "_set_via_client"):
+        real = getattr(backend, name)
+
+        def spy(keys, bufs, real=real, name=name):
+            seen.append((name, list(keys)))
+            return real(keys, bufs)
+
+        setattr(backend, name, spy)
+    return seen
+
+
+def _cluster_backend(servers):
+    from kvtier.l3 import open_backend
+
+    return open_backend(f"redis+cluster://127.0.0.1:{servers[0].port}?timeout=2")
+
+
+def test_cluster_reads_and_writes_go_direct_to_every_node(redis_cluster):
+    """Keys grouped by owning node: each group is written from and read into the caller's buffers
+    on that node's own connection, bit-exact, with nothing falling back to redis-py."""
+    from kvtier.l3.base import KeyStatus
+
+    b = _cluster_backend(redis_cluster)
+    fallbacks = _record_fallbacks(b)
+    keys = [f"direct/{i:032x}" for i in range(24)]
+    blobs = [os.urandom(300_000) for _ in keys]
+    assert b.set_scattered(keys, [[memoryview(v)[:72], memoryview(v)[72:]] for v in blobs]) == [KeyStatus.OK] * 24
+    assert len({b.client.get_node_from_key(k).name for k in keys}) == 3  # the batch spans every node
+    for k, v in zip(keys, blobs):  # each value on the node that owns its slot
+        node = b.client.get_node_from_key(k)
+        assert redis.Redis(port=node.port).get(k) == v
+    outs = [[memoryview(bytearray(72)), memoryview(bytearray(300_000 - 72))] for _ in keys] + [[memoryview(bytearray(8))]]
+    assert b.get_scattered([*keys, "direct/missing"], outs) == [KeyStatus.OK] * 24 + [KeyStatus.MISS]
+    for o, v in zip(outs, blobs):
+        assert bytes(o[0]) + bytes(o[1]) == v
+    assert fallbacks == [] and b.stats.get_hits == 24 and b.stats.errors == 0
+    b.delete(keys)
+    b.close()
+
+
+def test_cluster_key_whose_slot_moved_is_followed_then_read_direct_again(redis_cluster):
+    """A slot migrated behind the client's back: the old owner answers MOVED, that key goes through
+    redis-py (which follows it and refreshes its slot map), and the next calls go direct to the new owner."""
+    from kvtier.l3.base import KeyStatus
+
+    b = _cluster_backend(redis_cluster)
+    key = "moved/" + "ab" * 16
+    blob = os.urandom(100_000)
+    assert b.set_scattered([key], [[memoryview(blob)]]) == [KeyStatus.OK]
+    slot = b.client.keyslot(key)
+    src = b.client.get_node_from_key(key)
+    dst = next(s for s in redis_cluster if s.port != src.port)
+    src_r, dst_r = redis.Redis(port=src.port), redis.Redis(port=dst.port)
+    src_id, dst_id = src_r.execute_command("CLUSTER", "MYID"), dst_r.execute_command("CLUSTER", "MYID")
+    dst_r.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src_r.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    for k in src_r.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000):
+        src_r.execute_command("MIGRATE", "127.0.0.1", dst.port, k, 0, 5000)
+    for s in redis_cluster:
+        redis.Redis(port=s.port).execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+    fallbacks = _record_fallbacks(b)
+    out = [[memoryview(bytearray(len(blob)))]]
+    assert b.get_scattered([key], out) == [KeyStatus.OK] and bytes(out[0][0]) == blob
+    assert fallbacks == [("_get_via_client", [key])]
+    assert b.client.get_node_from_key(key).port == dst.port  # redis-py's map now names the new owner
+    blob2 = os.urandom(100_000)
+    assert b.set_scattered([key], [[memoryview(blob2)]]) == [KeyStatus.OK]
+    assert b.get_scattered([key], out) == [KeyStatus.OK] and bytes(out[0][0]) == blob2
+    assert dst_r.get(key) == blob2 and len(fallbacks) == 1  # both went direct
+    b.delete([key])
+    b.close()
+
+
+def test_cluster_node_killed_fails_only_its_keys_then_resumes(tmp_path):
+    """One node of a fresh cluster dies: its keys are errors (counted), the other nodes' keys still
+    hit, bit-exact; once it is back, its keys hit again."""
+    from kvtier.l3.base import KeyStatus
+
+    servers = start_redis_cluster(tmp_path, require_full_coverage=False)  # the live nodes keep serving their slots
+    try:
+        b = _cluster_backend(servers)
+        keys = [f"kill/{i:032x}" for i in range(18)]
+        blobs = [os.urandom(50_000) for _ in keys]
+        assert b.set_scattered(keys, [[memoryview(v)] for v in blobs]) == [KeyStatus.OK] * 18
+        victim = servers[1]
+        on_victim = [b.client.get_node_from_key(k).port == victim.port for k in keys]
+        assert 0 < sum(on_victim) < 18
+        redis.Redis(port=victim.port).save()  # its keys survive the restart (dump.rdb in its data dir)
+        victim.kill()
+        outs = [[memoryview(bytearray(50_000))] for _ in keys]
+        got = b.get_scattered(keys, outs)
+        assert got == [KeyStatus.ERROR if dead else KeyStatus.OK for dead in on_victim]
+        assert all(bytes(o[0]) == v for o, v, dead in zip(outs, blobs, on_victim) if not dead)
+        assert b.stats.errors >= 1
+        victim.start()  # same port and data dir: it rejoins with its slots and keys
+        wait_until(lambda: b.get_scattered(keys, outs) == [KeyStatus.OK] * 18, timeout=30, what="the restarted node serving again")
+        assert all(bytes(o[0]) == v for o, v in zip(outs, blobs))
+        b.close()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_io_threads_one_per_single_node_two_over_a_cluster(redis_server, redis_cluster):
+    """One Redis node runs one command at a time: the tier uses one I/O thread there unless told otherwise."""
+    from kvtier.build import open_storage_tier
+    from kvtier.config import StorageConfig
+    from kvtier.hashing import Namespace
+    from kvtier.pools import HostPool
+
+    spec = sc.tiny()
+    host = HostPool(spec, 4, "page_first")
+    ns = Namespace("threads", spec.fingerprint())
+    cluster_url = f"redis+cluster://127.0.0.1:{redis_cluster[0].port}?timeout=2"
+    for url, io_threads, want in ((redis_server.url, None, 1), (redis_server.url, 2, 2), (cluster_url, None, 2)):
+        tier = open_storage_tier(StorageConfig(url=url, io_threads=io_threads), host, ns)
+        assert tier.io_threads == want and tier._io._max_workers == want
+        tier.close()

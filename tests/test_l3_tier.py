@@ -210,3 +210,15 @@ def test_parallel_saves_store_every_page_and_a_failed_batch_ends_the_job(tmp_pat
 def test_io_threads_is_validated():
     with pytest.raises(ConfigError, match="io_threads must be >= 1"):
         StorageConfig(url="file:///tmp/x", io_threads=0)
+
+
+def test_io_threads_default_to_the_backends_choice_and_config_overrides(tmp_path):
+    from kvtier.build import open_storage_tier
+
+    spec = tiny()
+    host = HostPool(spec, 4, "page_first")
+    ns = Namespace("threads", spec.fingerprint())
+    for io_threads, want in ((None, 2), (3, 3)):  # file: two threads copying on two cores
+        tier = open_storage_tier(StorageConfig(url=f"file://{tmp_path}", io_threads=io_threads), host, ns)
+        assert tier.io_threads == want and tier._io._max_workers == want and tier._in_flight == 2 * want
+        tier.close()

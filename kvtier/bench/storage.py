@@ -3,20 +3,31 @@
 kvtier's path is the storage tier end to end: host pages -> page objects
 (header + xxh3 checksum) -> ``set``, and ``get`` -> integrity check -> host
 pages. The baseline is the same server driven by its own client with
-equal-sized byte strings and the same batch size: redis-py pipelined SET/GET,
+equal-sized byte strings and the same batch size: redis-py pipelined SET/GET
+(``RedisCluster``'s pipeline on a 3-node cluster for ``redis-cluster``),
 Mooncake ``put``/``get``, plain file ``write``/``readinto`` (into page-aligned
-memory, as the host pool is). The two take turns within each repetition, each
-put round's objects are deleted (untimed) before the next, an untimed warm-up
-round comes first, and the best time of each is reported. Servers are started on 127.0.0.1 for the run and stopped after.
+memory, as the host pool is). The two take turns within each round, each put
+round's objects are deleted (untimed) before the next, an untimed warm-up round
+comes first. Reported per op: the ratio of the best times (what each path can
+do) and the median of the per-round ratios (what a typical round did). Servers
+are started on 127.0.0.1 for the run and stopped after.
+
+Why 20 rounds: on a 2-core VM put rounds come in slow and fast streaks several
+rounds long (a 120 MB file put round took 41-81 ms on kvtier's two threads,
+45-83 ms in the plain write), so a best of 5 often saw only a slow streak: the
+5 MB file put's ratio ranged 0.70-1.35 over seven runs with 5 rounds, 1.20-1.32
+over three with 20.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -37,10 +48,11 @@ class StorageCase:
     gbps: float
     raw_gbps: float
     ratio: float
+    median_ratio: float
 
 
-def _best_interleaved(fns: dict[str, object], reps: int, after=None) -> dict[str, float]:
-    """Best time of each ``fn(i)`` over ``reps`` rounds, the functions taking turns within a round.
+def _interleaved_times(fns: dict[str, object], rounds: int, after=None) -> dict[str, list[float]]:
+    """Seconds of each ``fn(i)`` in each of ``rounds`` rounds, the functions taking turns within a round.
 
     Taking turns puts kvtier's path and the plain client under the same machine
     conditions (on 2 shared cores the server, page cache and CPU clock drift
@@ -48,20 +60,20 @@ def _best_interleaved(fns: dict[str, object], reps: int, after=None) -> dict[str
     ``after(name, i)``, untimed, runs after each call (puts delete what they wrote). An untimed
     warm-up round comes first: the first writes of a run fault fresh memory into the page cache
     (or the server), which on a VM made whichever side went first look slow."""
-    best = {name: float("inf") for name in fns}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for name, fn in fns.items():
         fn(0)  # type: ignore[operator]
         if after is not None:
             after(name, 0)
     order = list(fns.items())
-    for i in range(reps):
+    for i in range(rounds):
         for name, fn in order[i % 2 :] + order[: i % 2]:  # who goes first alternates
             t0 = time.perf_counter()
             fn(i)  # type: ignore[operator]
-            best[name] = min(best[name], time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
             if after is not None:
                 after(name, i)
-    return best
+    return times
 
 
 @dataclass
@@ -96,7 +108,7 @@ def _plain_client(kind: str, target, keys: list[str], blobs: list[bytes], dests:
                 os.unlink(path(i, k))
 
         return _PlainClient(put, get, drop)
-    if kind == "redis":
+    if kind in ("redis", "redis-cluster"):
         client = target
 
         def put(i: int) -> None:
@@ -133,9 +145,20 @@ def _plain_client(kind: str, target, keys: list[str], blobs: list[bytes], dests:
     return _PlainClient(put, get, drop)
 
 
-def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "mooncake"), pages: int = 24, reps: int = 5, page_size: int | None = None) -> list[StorageCase]:
-    """Put and get ratios per backend. ``page_size`` (tokens) overrides the preset's 64, whose
-    page object is ~5 MB; 16 gives ~1.2 MB objects."""
+@dataclass
+class _Servers:
+    """Several servers stopped as one (a cluster's nodes)."""
+
+    servers: list
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+
+def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "redis-cluster", "mooncake"), pages: int = 96, reps: int = 20, page_size: int | None = 16) -> list[StorageCase]:
+    """Put and get ratios per backend over ``reps`` rounds each. ``page_size`` 16 (tokens) gives
+    the 1 MiB-class deepseek-v3.2 page objects (1.25 MB); None keeps the preset's 64 (5.0 MB)."""
     from kvtier import devservers
 
     spec = KVSpec.preset("deepseek-v3.2", **({"page_size": page_size} if page_size else {}))
@@ -153,11 +176,20 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "mooncake"),
             elif name == "redis":
                 if not shutil.which("redis-server"):
                     continue
-                server = devservers.RedisServer(__import__("pathlib").Path(tmp) / "redis", extra=("--maxmemory", "0")).start()
+                server = devservers.RedisServer(Path(tmp) / "redis", extra=("--maxmemory", "0")).start()
                 url = server.url.replace("timeout=1", "timeout=10")
                 import redis
 
                 raw_target = redis.Redis(port=server.port, socket_timeout=10)
+            elif name == "redis-cluster":
+                if not shutil.which("redis-server"):
+                    continue
+                servers = devservers.start_redis_cluster(Path(tmp) / "cluster")
+                server = _Servers(servers)
+                url = f"redis+cluster://127.0.0.1:{servers[0].port}?timeout=10"
+                from redis.cluster import RedisCluster
+
+                raw_target = RedisCluster(host="127.0.0.1", port=servers[0].port, socket_timeout=10)
             else:
                 if not shutil.which("mooncake_master"):
                     continue
@@ -169,8 +201,7 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "mooncake"),
                 raw_target = backend.store
             tier = StorageTier(backend, host, Namespace("bench", spec.fingerprint()), batch_pages=8)
             obj = tier.codec.object_bytes
-            nbytes = obj * pages
-            keysets = [[PageHash(os.urandom(16)) for _ in range(pages)] for _ in range(reps)]
+            keysets = [[PageHash(os.urandom(16)) for _ in range(pages)] for _ in range(reps)]  # round i's keys
 
             def put(i: int) -> None:
                 tier.submit("save", keysets[i], list(range(pages))).wait()
@@ -193,19 +224,26 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "mooncake"),
                 else:
                     plain.drop(i)
 
-            puts = _best_interleaved({"kvtier": put, "raw": plain.put}, reps, after=drop)
+            puts = _interleaved_times({"kvtier": put, "raw": plain.put}, reps, after=drop)
             put(0)  # what the gets read
             plain.put(0)
-            gets = _best_interleaved({"kvtier": get, "raw": plain.get}, 4 * reps)  # gets add no data: more rounds, steadier bests
-            for op, t, r in (("put", puts["kvtier"], puts["raw"]), ("get", gets["kvtier"], gets["raw"])):
-                g, rg = nbytes / t / 1e9, nbytes / r / 1e9
-                cases.append(StorageCase(name, op, obj, pages, round(g, 3), round(rg, 3), round(g / rg, 3)))
+            gets = _interleaved_times({"kvtier": get, "raw": plain.get}, reps)
+            cases += [summarize(name, "put", obj, pages, puts), summarize(name, "get", obj, pages, gets)]
             tier.close()
         finally:
             if server is not None:
                 server.stop()
             shutil.rmtree(tmp, ignore_errors=True)
     return cases
+
+
+def summarize(backend: str, op: str, object_bytes: int, pages: int, times: dict[str, list[float]]) -> StorageCase:
+    """One row from per-round seconds: GB/s and ratio of the best rounds, and the median of the
+    rounds' own ratios (round ``i`` of kvtier against round ``i`` of the plain client)."""
+    nbytes = object_bytes * pages
+    g, rg = nbytes / min(times["kvtier"]) / 1e9, nbytes / min(times["raw"]) / 1e9
+    per_round = statistics.median(r / t for t, r in zip(times["kvtier"], times["raw"], strict=True))
+    return StorageCase(backend, op, object_bytes, pages, round(g, 3), round(rg, 3), round(g / rg, 3), round(per_round, 3))
 
 
 def torch_randint(shape):

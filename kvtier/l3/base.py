@@ -62,8 +62,9 @@ class StorageBackend(Protocol):
     # Optional: ``set_scattered(keys, parts: Sequence[Sequence[memoryview]])`` stores each object
     # given as buffers back to back (header, then a host page's buffers): no staging copy.
     # Optional: ``preferred_batch_bytes`` (int), bytes per scattered call (default: the tier's
-    # ``batch_pages``). The tier runs several calls at once, one per I/O thread, so both
-    # scattered methods must be thread-safe.
+    # ``batch_pages``), and ``preferred_io_threads`` (int), the tier's I/O threads when
+    # ``StorageConfig.io_threads`` is unset (default 2). The tier may run several calls at
+    # once, one per I/O thread, so both scattered methods must be thread-safe.
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]: ...
     def delete(self, keys: Sequence[str]) -> None: ...
     def close(self) -> None: ...

@@ -90,7 +90,7 @@ class StorageJob:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int = 2, queue_depth: int = 64, backpressure_s: float = 1.0, cooldown_s: float = 0.5):
+    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int | None = None, queue_depth: int = 64, backpressure_s: float = 1.0, cooldown_s: float = 0.5):
         self.backend = backend
         self.host = host_pool
         self.spec = host_pool.spec
@@ -113,6 +113,9 @@ class StorageTier:
         self.busy_s: dict[str, float] = {}
         #: without bytes (capacity planning) jobs run inline, deterministically, in the caller's thread
         self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True) if self.materialized else None
+        #: None: the backend's choice (file 2; one Redis node or Mooncake 1: see their modules)
+        if io_threads is None:
+            io_threads = getattr(backend, "preferred_io_threads", 2)
         self.io_threads = io_threads
         #: batches submitted ahead: twice the threads, so a thread that finishes finds its next
         #: batch queued instead of waiting for the worker to wake up and submit one
