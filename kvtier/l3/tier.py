@@ -13,12 +13,14 @@ latency must never queue PCIe copies behind it. Jobs:
 
 Backends that read and write scattered buffers (file, Redis, Mooncake) move
 pages straight between the store and page_first host pages on ``io_threads``
-threads, up to twice that many batches in flight: each I/O thread reads a batch
-and checks it (or hashes a batch and writes it) while the data is fresh in its
-cache, and results are applied in batch order. On 2 cores this is what lets a checked read keep up with a plain one: a
-single thread reading and checksumming in turn pays for both, and a separate
-checker thread re-reads each page from memory. Other backends go through a
-staging buffer on the worker, one batch at a time.
+threads (unset: the backend's ``preferred_io_threads``), up to twice that many
+batches in flight: each I/O thread reads a batch and checks it (or hashes a
+batch and writes it) while the data is fresh in its cache, and results are
+applied in batch order. For the file backend on 2 cores this is what lets a
+checked read keep up with a plain one: a single thread reading and checksumming
+in turn pays for both, and a separate checker thread re-reads each page from
+memory. Other backends go through a staging buffer on the worker, one batch at
+a time.
 
 Nothing here raises into the cache for a storage fault: statuses are per page,
 faults are counted, and the cache turns them into misses. The save queue is
