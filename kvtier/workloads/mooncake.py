@@ -9,8 +9,11 @@ tokens, and a trace replays the same way in every process.
 
 from __future__ import annotations
 
+import gzip
 import json
+import os
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
@@ -28,38 +31,78 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
 
 
+#: the FAST'25 Mooncake synthetic trace (3,993 requests, Apache-2.0), shipped inside the package
+SHIPPED_TRACE = "mooncake_synthetic_trace.jsonl.gz"
+
+#: hash ids become token ids ``h * 512 + i`` in int64: larger ids would overflow
+_MAX_HASH_ID = (2**63 - 1) // MOONCAKE_BLOCK_TOKENS - MOONCAKE_BLOCK_TOKENS
+
+
+def _open_text(path: Path):
+    if path.suffix == ".gz":
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def _parse(r: object) -> TraceRequest:
+    """One record, every field checked: a trace is user input."""
+    if not isinstance(r, dict):
+        raise ValueError(f"a record is a JSON object, got {type(r).__name__}")
+    missing = [k for k in ("timestamp", "input_length", "output_length", "hash_ids") if k not in r]
+    if missing:
+        raise ValueError(f"missing field(s) {', '.join(missing)}")
+    ints = {}
+    for k in ("timestamp", "input_length", "output_length"):
+        v = r[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (float("inf"), float("-inf")) or int(v) != v:
+            raise ValueError(f"{k} must be a whole number, got {v!r}")
+        ints[k] = int(v)
+    if ints["input_length"] < 1:
+        raise ValueError(f"input_length must be >= 1, got {ints['input_length']}")
+    if ints["output_length"] < 0 or ints["timestamp"] < 0:
+        raise ValueError(f"timestamp and output_length must be >= 0, got {ints['timestamp']} and {ints['output_length']}")
+    ids = r["hash_ids"]
+    if not isinstance(ids, list) or not all(type(h) is int and 0 <= h <= _MAX_HASH_ID for h in ids):
+        bad = ids if not isinstance(ids, list) else next(h for h in ids if not (type(h) is int and 0 <= h <= _MAX_HASH_ID))
+        raise ValueError(f"hash_ids must be a list of integers in [0, {_MAX_HASH_ID}], got {bad!r}")
+    if len(ids) * MOONCAKE_BLOCK_TOKENS < ints["input_length"]:
+        raise ValueError(f"{len(ids)} hash_ids cover fewer than input_length={ints['input_length']} tokens")
+    return TraceRequest(ints["timestamp"], ints["input_length"], ints["output_length"], tuple(ids))
+
+
 def load_mooncake_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
+    """Requests of a Mooncake-format JSONL trace (``.gz`` read as gzip). Any bad record, a missing
+    file or a trace with no request is a :class:`ConfigError` naming the file and line."""
+    path = Path(path)
+    if limit is not None and limit < 1:
+        raise ConfigError(f"the request limit must be >= 1, got {limit}")
     out: list[TraceRequest] = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                req = TraceRequest(int(r["timestamp"]), int(r["input_length"]), int(r["output_length"]), tuple(r["hash_ids"]))
-            except (KeyError, ValueError, TypeError) as e:
-                raise ConfigError(f"{path}:{lineno}: not a Mooncake trace record ({e}); expected timestamp, input_length, output_length, hash_ids") from None
-            if len(req.hash_ids) * MOONCAKE_BLOCK_TOKENS < req.input_length:
-                raise ConfigError(f"{path}:{lineno}: {len(req.hash_ids)} hash_ids cover fewer than input_length={req.input_length} tokens")
-            out.append(req)
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if limit is not None and len(out) >= limit:
+                    break
+                if not line.strip():
+                    continue
+                try:
+                    out.append(_parse(json.loads(line)))
+                except (ValueError, TypeError) as e:
+                    raise ConfigError(f"{path}:{lineno}: not a Mooncake trace record: {e} "
+                                      "(expected timestamp, input_length, output_length, hash_ids)") from None
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise ConfigError(f"cannot read trace {path}: {reason}; pass --trace PATH to a Mooncake-format JSONL file") from None
+    if not out:
+        raise ConfigError(f"trace {path} has no requests; a Mooncake trace has one JSON object per line")
     return out
 
 
 def default_trace_path() -> Path:
-    """``$KVTIER_TRACE``, else the shipped trace in ``shared/traces`` beside (or inside) the checkout."""
-    import os
-
+    """``$KVTIER_TRACE``, else the trace shipped inside the package (nothing outside it is read)."""
     env = os.environ.get("KVTIER_TRACE")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    for base in (repo / "shared", repo.parent / "shared", Path.cwd() / "shared", Path.cwd().parent / "shared"):
-        candidate = base / "traces" / "mooncake_synthetic_trace.jsonl"
-        if candidate.exists():
-            return candidate
-    raise ConfigError("no Mooncake trace found: pass --trace PATH or set KVTIER_TRACE (the shipped one lives in shared/traces/)")
+    return Path(str(files("kvtier.workloads") / "data" / SHIPPED_TRACE))
 
 
 _OFFSETS = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.int64)

