@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvtier.cache import HierarchicalCache
-from kvtier.config import CacheConfig, ConfigError, StorageConfig, _help
+from kvtier.config import CacheConfig, ConfigError, StorageConfig, _help, check_number
 from kvtier.hashing import Namespace
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
@@ -22,8 +22,11 @@ class TierConfig:
     device: str = _help("where the device pool lives: cpu or cuda", "cpu")
 
     def __post_init__(self) -> None:
-        if self.device_pages < 1 or self.host_pages < 1:
-            raise ConfigError(f"TierConfig: device_pages and host_pages must be >= 1; got {self.device_pages}, {self.host_pages}")
+        check_number(self, "device_pages", at_least=1, integer=True)
+        check_number(self, "host_pages", at_least=1, integer=True)
+        check_number(self, "host_gb", above=0)
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"TierConfig.device must be cpu or cuda; got {self.device!r}")
 
     def host_pages_for(self, spec: KVSpec) -> int:
         return self.host_pages if self.host_gb is None else max(1, int(self.host_gb * (1 << 30)) // spec.page_bytes)

@@ -119,6 +119,8 @@ def run(
     from kvtier.runner import RunConfig, plot_report, run_workload
 
     sections = build_sections(_run_sections(), load_config_file(config), flags)
+    for what, path in (("--json", as_json if as_json != "-" else None), ("--plot", plot)):
+        check_output_path(what, path)  # before the run: minutes of work must not end in "cannot write"
     report = run_workload(RunConfig(**sections), progress=progress)
     if as_json == "-":
         json.dump(report.as_dict(), sys.stdout, indent=1)
@@ -130,6 +132,21 @@ def run(
         _print_run_report(report)
     if plot:
         plot_report(report, plot)
+
+
+def check_output_path(what: str, path: str | None) -> None:
+    """``path`` can be written: its directory exists and is writable, and it is not a directory."""
+    import os
+
+    if not path:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"{what} {path!r} is a directory; give a file path")
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{what} {path!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{what} {path!r} is not writable; choose another path")
 
 
 def _print_run_report(r) -> None:
@@ -212,12 +229,43 @@ def _register_run() -> None:
 _register_run()
 
 
+def _fail(message: str) -> None:
+    """The command line's one way to fail: one line on stderr, exit 2, no traceback."""
+    typer.secho(f"kvtier: error: {message}", err=True, fg="red")
+    raise SystemExit(2)
+
+
+def _given_value(param) -> str | None:
+    """What the user typed for ``param`` (``--flag value`` or ``--flag=value``), to name it in the error."""
+    opts = getattr(param, "opts", None) or []
+    argv = sys.argv[1:]
+    for i, arg in enumerate(argv):
+        for opt in opts:
+            if arg == opt and i + 1 < len(argv):
+                return argv[i + 1]
+            if arg.startswith(opt + "="):
+                return arg[len(opt) + 1 :]
+    return None
+
+
 def main() -> None:
+    from typer.exceptions import TyperException  # base of typer's (vendored click's) usage errors
+
     try:
-        app()
+        result = app(standalone_mode=False)
     except KVTierError as e:
-        typer.secho(f"kvtier: error: {e}", err=True, fg="red")
-        raise SystemExit(2) from None
+        _fail(str(e).replace("\n", " "))
+    except TyperException as e:  # a flag's value is not of its type, an unknown flag, no command, ...
+        if type(e).__name__ == "NoArgsIsHelpError" and getattr(e, "ctx", None) is not None:
+            typer.echo(e.ctx.get_help())
+            raise SystemExit(0) from None
+        message = " ".join((e.format_message() if hasattr(e, "format_message") else str(e)).split())
+        given = _given_value(getattr(e, "param", None))
+        _fail(message + (f" (got {given!r})" if given is not None else "") + "; see --help")
+    except (typer.Abort, KeyboardInterrupt):
+        _fail("aborted")
+    if isinstance(result, int) and result:  # typer.Exit(code) in non-standalone mode
+        raise SystemExit(result)
 
 
 if __name__ == "__main__":

@@ -63,12 +63,32 @@ def load_config_file(path: str | None) -> dict[str, dict[str, Any]]:
     return data
 
 
+def _check_file_types(section: str, cls: type, values: dict[str, Any]) -> None:
+    """A config file's values must have their field's type (flags are converted by the CLI itself)."""
+    hints = typing.get_type_hints(cls)
+    for name, v in values.items():
+        if name not in hints:
+            continue  # reported as unknown below
+        typ, choices = _base_type(hints[name])
+        optional = get_origin(hints[name]) in (Union, types.UnionType) and type(None) in get_args(hints[name])
+        if v is None and optional:
+            continue
+        ok = {bool: isinstance(v, bool), int: isinstance(v, int) and not isinstance(v, bool),
+              float: isinstance(v, (int, float)) and not isinstance(v, bool), str: isinstance(v, str)}.get(typ, True)
+        if not ok:
+            raise ConfigError(f"config [{section}] {name} = {v!r}: expected {'one of ' + ', '.join(choices) if choices else typ.__name__}")
+
+
 def build_sections(sections: dict[str, type], file_values: dict[str, dict[str, Any]], flags: dict[str, Any]) -> dict[str, Any]:
     """Dataclass defaults < config file < flags; unknown keys are errors."""
     out = {}
     for section, cls in sections.items():
         names = {f.name for f in dataclasses.fields(cls)}
-        values = dict(file_values.get(section, {}))
+        table = file_values.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"config section [{section}] must be a table of settings, got {type(table).__name__} {table!r}")
+        values = dict(table)
+        _check_file_types(section, cls, values)
         unknown = set(values) - names
         if unknown:
             raise ConfigError(f"config section [{section}] has unknown keys {sorted(unknown)}; valid: {sorted(names)}")

@@ -20,6 +20,23 @@ def _help(text: str, default, **kw):
     return field(default=default, metadata={"help": text}, **kw)
 
 
+def check_number(obj, name: str, *, at_least: float | None = None, above: float | None = None, integer: bool = False) -> None:
+    """``obj.name`` is a finite number (an int if ``integer``) in range, or None for optional fields;
+    else a :class:`ConfigError` naming the field, the value and the allowed range."""
+    v = getattr(obj, name)
+    if v is None:
+        return
+    kind = "an integer" if integer else "a number"
+    ok = not isinstance(v, bool) and isinstance(v, int if integer else (int, float)) and v == v and v not in (float("inf"), float("-inf"))
+    if ok and at_least is not None and v < at_least:
+        ok = False
+    if ok and above is not None and v <= above:
+        ok = False
+    if not ok:
+        bound = f" >= {at_least:g}" if at_least is not None else f" > {above:g}" if above is not None else ""
+        raise ConfigError(f"{type(obj).__name__}.{name} must be {kind}{bound}; got {v!r}")
+
+
 def _choice(obj, name: str, choices: tuple[str, ...]) -> None:
     if getattr(obj, name) not in choices:
         raise ConfigError(f"{type(obj).__name__}.{name} must be one of {', '.join(choices)}; got {getattr(obj, name)!r}")
@@ -40,8 +57,7 @@ class CacheConfig:
         _choice(self, "write_policy", ("write_through", "write_through_selective", "write_back"))
         _choice(self, "on_device_evict", ("backup", "drop"))
         _choice(self, "hash_algo", ("xxh3_128", "blake3"))
-        if self.write_through_threshold < 1:
-            raise ConfigError(f"CacheConfig.write_through_threshold must be >= 1; got {self.write_through_threshold}")
+        check_number(self, "write_through_threshold", at_least=1, integer=True)
 
 
 @dataclass(frozen=True)
@@ -62,8 +78,11 @@ class StorageConfig:
         _choice(self, "write_policy", ("write_through", "write_back"))
         _choice(self, "prefetch_policy", ("best_effort", "wait_complete", "timeout"))
         for name in ("min_prefetch_pages", "batch_pages", "io_threads", "queue_depth"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"StorageConfig.{name} must be >= 1; got {getattr(self, name)}")
+            check_number(self, name, at_least=1, integer=True)
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s"):
+            check_number(self, name, at_least=0)
+        if self.url is not None and not isinstance(self.url, str):
+            raise ConfigError(f"StorageConfig.url must be a URL string, got {type(self.url).__name__}")
 
     def prefetch_budget_s(self, pages: int) -> float:
         return self.prefetch_timeout_base_s + self.prefetch_timeout_per_page_s * pages

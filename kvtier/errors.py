@@ -41,22 +41,31 @@ class DoubleFreeError(KVTierError, ValueError):
     """A page was freed that is not currently allocated (freed twice or never owned)."""
 
 
-class HostMemoryBudgetError(KVTierError, MemoryError):
-    """A host pool would not fit in available host memory (minus the reserve)."""
+class MemoryBudgetError(KVTierError, MemoryError):
+    """A pool would not fit in the memory where it lives (minus the reserve). Raised before any
+    allocation, the allocator's bookkeeping included."""
 
-    def __init__(self, requested_bytes: int, available_bytes: int, reserve_bytes: int, max_pages: int):
+    def __init__(self, requested_bytes: int, available_bytes: int, reserve_bytes: int, max_pages: int, *,
+                 pool: str = "host pool", hint: str = "(e.g. --host-gb), or lower the reserve"):
         self.requested_bytes = requested_bytes
         self.available_bytes = available_bytes
         self.reserve_bytes = reserve_bytes
         self.max_pages = max_pages
         gb = 1 << 30
         super().__init__(
-            f"host pool needs {requested_bytes / gb:.2f} GB but only "
+            f"{pool} needs {requested_bytes / gb:.2f} GB but only "
             f"{max(available_bytes - reserve_bytes, 0) / gb:.2f} GB is available "
             f"({available_bytes / gb:.2f} GB free minus a {reserve_bytes / gb:.2f} GB reserve); "
-            f"shrink the host pool to at most {max_pages} pages (e.g. --host-gb), "
-            f"or lower the reserve"
+            f"shrink the {pool} to at most {max_pages} pages {hint}"
         )
+
+
+class HostMemoryBudgetError(MemoryBudgetError):
+    """A host pool would not fit in available host memory (minus the reserve)."""
+
+
+class DeviceMemoryBudgetError(MemoryBudgetError):
+    """A device pool would not fit in the device's free memory (host memory for a CPU device pool)."""
 
 
 class ConfigError(KVTierError, ValueError):
@@ -78,4 +87,10 @@ class InvalidStateError(KVTierError, RuntimeError):
 
 
 class PageIndexError(KVTierError, IndexError):
-    """A page or slot index is outside its pool."""
+    """A page or slot index is outside its pool, or a layer index outside the model."""
+
+
+class IndexTypeError(KVTierError, TypeError):
+    """Indices handed to a transfer are not a flat sequence of integers (floats, 2-D, None, strings).
+
+    Raised before any byte moves: a float index would otherwise be truncated and move a page."""

@@ -1,6 +1,7 @@
 """Page keys: one 128-bit hash per full page, chained over the previous page's key.
 
 ``key[i] = H(key[i-1] || tokens[i*page_size:(i+1)*page_size] as little-endian int32)``
+(int64 for a page holding an id outside int32: ids are hashed at full width, never wrapped)
 with ``key[-1]`` the namespace root. Equal keys therefore mean equal prefixes
 in the same namespace (model, spec fingerprint, TP rank, salt). The partial
 tail page of a request never gets a key. Hashes are computed once per request
@@ -13,10 +14,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NewType
 
+from urllib.parse import quote
+
 import numpy as np
 import xxhash
 
-from kvtier.errors import UnknownNameError
+from kvtier.errors import ConfigError, UnknownNameError
 
 PageHash = NewType("PageHash", bytes)
 HashAlgo = Literal["xxh3_128", "blake3"]
@@ -43,36 +46,112 @@ def hasher(algo: str) -> Callable[[bytes], bytes]:
         raise UnknownNameError("hash algorithm", algo, _HASHERS) from None
 
 
+#: bytes of UTF-8 a namespace field may take (a file store keeps the whole namespace in one name)
+MAX_FIELD_BYTES = 200
+
+
+def _check_field(what: str, value: object) -> None:
+    if not isinstance(value, str):
+        raise ConfigError(f"namespace {what} must be a string, got {type(value).__name__}")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"namespace {what} {value!r} is not valid Unicode ({e.reason} at {e.start}); pass a plain text name") from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ConfigError(f"namespace {what} {value!r} contains a control character (NUL, newline, ...); pass a plain text name")
+    if len(raw) > MAX_FIELD_BYTES:
+        raise ConfigError(f"namespace {what} is {len(raw)} bytes of UTF-8; at most {MAX_FIELD_BYTES} are allowed (shorten it)")
+
+
+def _escape(field: str) -> str:
+    """Percent-encode everything but ``[A-Za-z0-9_.~]``: ``-`` (the separator), ``/`` and ``%`` included."""
+    return quote(field, safe="").replace("-", "%2D")
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """What must match for two pages to share bytes. Part of every page key and L3 key."""
+    """What must match for two pages to share bytes. Part of every page key and L3 key.
+
+    ``str()`` is an unambiguous encoding: each text field is percent-encoded (``-``,
+    ``/`` and ``%`` included) before the fields are joined with ``-``, so no choice of
+    model name and salt can produce another namespace's string. It is still only a
+    key prefix: backends that map it to a path encode it again (see :mod:`kvtier.l3.file`)."""
 
     model: str
     spec_fingerprint: str
     tp_rank: int = 0
     salt: str = ""
 
+    def __post_init__(self) -> None:
+        _check_field("model name", self.model)
+        _check_field("spec fingerprint", self.spec_fingerprint)
+        _check_field("salt", self.salt)
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or self.tp_rank < 0:
+            raise ConfigError(f"namespace tp_rank must be an integer >= 0, got {self.tp_rank!r}")
+
     def __str__(self) -> str:
-        tail = f"-{self.salt}" if self.salt else ""
-        return f"{self.model}-{self.spec_fingerprint}-tp{self.tp_rank}{tail}"
+        tail = f"-{_escape(self.salt)}" if self.salt else ""
+        return f"{_escape(self.model)}-{_escape(self.spec_fingerprint)}-tp{self.tp_rank}{tail}"
 
     def root(self, algo: str = "xxh3_128") -> PageHash:
         return PageHash(hasher(algo)(b"kvtier/v1|" + str(self).encode()))
 
 
-def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
-    return np.ascontiguousarray(token_ids, dtype="<i4").tobytes()
+_I32 = np.iinfo(np.int32)
+
+
+def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a flat int64 array, or :class:`ConfigError` for anything else: floats (which
+    would be truncated), nested lists, strings, or ids that do not fit in int64."""
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    else:
+        try:
+            arr = np.asarray(token_ids)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ConfigError(f"token ids must be a flat sequence of integers: {e}") from None
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise ConfigError(f"token ids must be one flat sequence, got an array of shape {tuple(arr.shape)}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ConfigError(f"token id {int(arr.max())} does not fit in int64")
+    if arr.dtype.kind not in "iu":
+        if arr.dtype.kind == "O" and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr.tolist()):
+            raise ConfigError(f"token ids must fit in int64; got {max(arr.tolist(), key=abs)}")
+        raise ConfigError(f"token ids must be integers, got {arr.dtype} values (e.g. {arr.reshape(-1)[0]!r})")
+    return arr.astype(np.int64, copy=False)
+
+
+def page_bytes_of(pages: np.ndarray) -> list[bytes] | bytes:
+    """Hash input of each page: int32 little-endian when every id of the page fits (the common
+    case, one buffer for all pages), else that page as int64. Every id is hashed at its full
+    width, so ``2**32 + 1`` never aliases ``1``; the two widths differ in length, so they never
+    alias each other either."""
+    if not pages.size:
+        return b""
+    wide = (pages.max(axis=1) > _I32.max) | (pages.min(axis=1) < _I32.min)
+    if not wide.any():
+        return pages.astype("<i4").tobytes()
+    return [row.astype("<i8").tobytes() if w else row.astype("<i4").tobytes() for row, w in zip(pages, wide.tolist())]
 
 
 def page_keys(token_ids: Sequence[int] | np.ndarray, page_size: int, root: PageHash, algo: str = "xxh3_128") -> list[PageHash]:
     """Chained keys of the full pages of ``token_ids`` (the tail page is left out)."""
     h = hasher(algo)
-    buf = memoryview(token_bytes(token_ids))
-    step = page_size * 4
-    full = len(buf) // step
+    arr = token_array(token_ids)
+    full = len(arr) // page_size
+    data = page_bytes_of(arr[: full * page_size].reshape(full, page_size))
     keys: list[PageHash] = []
     prev = root
-    for i in range(full):
-        prev = h(prev + buf[i * step : (i + 1) * step])
-        keys.append(prev)
+    if isinstance(data, bytes):
+        buf = memoryview(data)
+        step = page_size * 4
+        for i in range(full):
+            prev = h(prev + buf[i * step : (i + 1) * step])
+            keys.append(prev)
+    else:
+        for page in data:
+            prev = h(prev + page)
+            keys.append(prev)
     return keys  # type: ignore[return-value]

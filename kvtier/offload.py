@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from kvtier.config import StorageConfig
 from kvtier.errors import ConfigError
 from kvtier.hashing import PageHash
+from kvtier.pages import checked_pages
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.pools import DevicePool, HostPool
 from kvtier.transfer.engine import TransferEngine, TransferJob
@@ -160,6 +161,7 @@ class OffloadCache:
         """
         if len(keys) != len(device_pages):
             raise ConfigError(f"save: {len(keys)} page keys but {len(device_pages)} device pages; pass one device page per key")
+        device_pages = checked_pages(device_pages, self.device.num_pages, pool=self.device.name, side="device").tolist()  # before any lock or copy
         with self._mutex:
             self._poll()
             new = [i for i, k in enumerate(keys) if k not in self._index]
@@ -204,6 +206,7 @@ class OffloadCache:
         """Bring the leading available pages of ``keys`` into ``device_pages``, layer by layer."""
         if len(keys) != len(device_pages):
             raise ConfigError(f"load: {len(keys)} page keys but {len(device_pages)} device pages; pass one device page per key")
+        device_pages = checked_pages(device_pages, self.device.num_pages, pool=self.device.name, side="device").tolist()  # before any lock or copy
         with self._mutex:
             self._poll()
             host = self._host_prefix(keys)

@@ -11,20 +11,68 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvtier.errors import PageAlignmentError
+from kvtier.errors import IndexTypeError, PageAlignmentError, PageIndexError
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
-def as_index_tensor(indices: torch.Tensor | list[int] | range) -> torch.Tensor:
-    if isinstance(indices, torch.Tensor):
-        return indices.reshape(-1).to(device="cpu", dtype=torch.int64)
-    return torch.as_tensor(list(indices), dtype=torch.int64)
+def as_index_tensor(indices: torch.Tensor | np.ndarray | list[int] | range, *, what: str = "indices") -> torch.Tensor:
+    """A flat int64 CPU tensor of ``indices``, or :class:`IndexTypeError` (a ``TypeError``) for
+    anything that is not a flat sequence of integers: floats would be truncated, 2-D would be
+    flattened, and ``None`` or strings are a caller's bug. Values too large for int64 are a
+    :class:`PageIndexError`."""
+    if isinstance(indices, range):
+        return torch.arange(indices.start, indices.stop, indices.step, dtype=torch.int64)
+    if isinstance(indices, (str, bytes)) or indices is None:
+        raise IndexTypeError(f"{what} must be a 1-D integer tensor or a list of ints, got {type(indices).__name__}")
+    if isinstance(indices, np.ndarray):
+        indices = torch.from_numpy(np.ascontiguousarray(indices)) if indices.dtype.kind in "iu" and indices.dtype != np.uint64 else indices
+    if not isinstance(indices, torch.Tensor):
+        try:
+            items = list(indices)
+        except TypeError:
+            raise IndexTypeError(f"{what} must be a 1-D integer tensor or a list of ints, got {type(indices).__name__}") from None
+        bad = next((x for x in items if isinstance(x, bool) or not isinstance(x, (int, np.integer))), None)
+        if bad is not None or (items and not isinstance(items[0], (int, np.integer))):
+            raise IndexTypeError(f"{what} must be integers; got {bad!r} ({type(bad).__name__}); pass whole slot numbers")
+        try:
+            return torch.tensor(items, dtype=torch.int64)
+        except (OverflowError, RuntimeError):
+            raise PageIndexError(f"{what}: a value does not fit in int64 (max {max(items)}); indices are slots of a pool") from None
+    if indices.dtype not in _INT_DTYPES:
+        raise IndexTypeError(f"{what} must have an integer dtype, got {indices.dtype}; floats would be truncated")
+    if indices.dim() != 1:
+        raise IndexTypeError(f"{what} must be 1-D, got shape {tuple(indices.shape)}; pass one flat run of slots")
+    return indices.to(device="cpu", dtype=torch.int64)
+
+
+def check_pages_in_range(pages: torch.Tensor, num_pages: int, *, pool: str, side: str) -> None:
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        bad = pages[(pages < 0) | (pages >= num_pages)][0]
+        raise PageIndexError(f"{side} pages for {pool}: page {int(bad)} is outside the pool's {num_pages} pages")
+
+
+def checked_pages(pages, num_pages: int, *, pool: str, side: str) -> torch.Tensor:
+    """Page ids as a flat int64 tensor, each in ``[0, num_pages)``, checked before anything moves."""
+    t = as_index_tensor(pages, what=f"{side} pages for {pool}")
+    check_pages_in_range(t, num_pages, pool=pool, side=side)
+    return t
+
+
+def check_layer(layer: object, num_layers: int, *, pool: str) -> int:
+    """A layer index in ``[0, num_layers)``: ``-1`` is not "the last layer" here."""
+    if isinstance(layer, bool) or not isinstance(layer, (int, np.integer)):
+        raise IndexTypeError(f"layer_id for {pool} must be an int, got {layer!r}")
+    if not 0 <= layer < num_layers:
+        raise PageIndexError(f"layer_id {layer} is outside {pool}'s {num_layers} layers (0..{num_layers - 1})")
+    return int(layer)
 
 
 def slots_to_pages(slots: torch.Tensor | list[int], page_size: int, *, pool: str, side: str) -> torch.Tensor:
     """Validate token slots as whole pages and return their page indices (int64, CPU)."""
-    slots = as_index_tensor(slots)
-    n = slots.numel()
     where = f"{side} indices for {pool}"
+    slots = as_index_tensor(slots, what=where)
+    n = slots.numel()
     if n % page_size:
         raise PageAlignmentError(
             f"{where}: {n} token slots is not a multiple of page_size {page_size} "

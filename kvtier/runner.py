@@ -13,8 +13,9 @@ from typing import Literal
 import torch
 
 from kvtier.build import TierConfig, build_cache
-from kvtier.config import CacheConfig, ConfigError, StorageConfig, _help
+from kvtier.config import CacheConfig, ConfigError, StorageConfig, _help, check_number
 from kvtier.engine import ReferenceEngine, RequestResult
+from kvtier.l3.base import redact_url
 from kvtier.model import ModelConfig, ReferenceModel
 from kvtier.nullcache import NullCache
 from kvtier.pools import DevicePool
@@ -44,6 +45,12 @@ class WorkloadConfig:
     def __post_init__(self) -> None:
         if self.kind not in ("chat", "trace"):
             raise ConfigError(f"WorkloadConfig.kind must be chat or trace; got {self.kind!r}")
+        for name in ("limit", "sessions", "turns", "system_prompts", "system_tokens", "user_tokens", "reply_tokens"):
+            check_number(self, name, at_least=1, integer=True)
+        check_number(self, "seed", at_least=0, integer=True)
+        check_number(self, "scale", above=0)
+        if self.scale > 1:
+            raise ConfigError(f"WorkloadConfig.scale shrinks trace lengths for the small model: it must be in (0, 1]; got {self.scale}")
 
     def requests(self, vocab: int) -> list[list[int]]:
         if self.kind == "chat":
@@ -185,7 +192,7 @@ def _report(requests, base, ours, stats, busy, sbusy, url) -> RunReport:
         ttft_ratio_p50=round(statistics.median(t_ours) / statistics.median(t_base), 4),
         ttft_ratio_spread=_ratio_spread(t_ours, t_base),
         logits_equal=max(diffs) <= LOGIT_TOLERANCE, logits_bit_exact=bit_exact, max_abs_logit_diff=max(diffs), logit_tolerance=LOGIT_TOLERANCE,
-        indexer_topk_equal=topk_equal, storage_url=url, stats=stats.as_dict(),
+        indexer_topk_equal=topk_equal, storage_url=redact_url(url), stats=stats.as_dict(),
         per_request=[{"tokens": len(r), "device_hit": o.device_hit_tokens, "host_hit": o.host_hit_tokens, "storage_hit": o.storage_hit_tokens,
                       "ttft_kvtier_s": round(o.ttft_s, 5), "ttft_recompute_s": round(b.ttft_s, 5)} for r, o, b in zip(requests, ours, base)],
     )

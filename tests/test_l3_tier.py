@@ -208,7 +208,7 @@ def test_parallel_saves_store_every_page_and_a_failed_batch_ends_the_job(tmp_pat
 
 
 def test_io_threads_is_validated():
-    with pytest.raises(ConfigError, match="io_threads must be >= 1"):
+    with pytest.raises(ConfigError, match="io_threads must be an integer >= 1"):
         StorageConfig(url="file:///tmp/x", io_threads=0)
 
 

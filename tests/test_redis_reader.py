@@ -3,6 +3,7 @@
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -34,7 +35,7 @@ def test_values_land_in_parts_across_arbitrary_splits():
     stream = b"".join(bulk(v) for v in vals) + b"$-1\r\n_\r\n-WRONGTYPE no\r\n"
     chunks = [stream[i : i + 997] for i in range(0, len(stream), 997)]  # splits headers, bodies and CRLFs
     sock, t = feed(chunks)
-    r = _BulkReader(sock)
+    r = _BulkReader(sock, time.monotonic() + 30)
     for v in vals:
         parts = [memoryview(bytearray(len(v) // 3)), memoryview(bytearray(len(v) - len(v) // 3))]
         assert r.get_into(parts) is KeyStatus.OK
@@ -46,7 +47,7 @@ def test_values_land_in_parts_across_arbitrary_splits():
 
 def test_wrong_size_is_an_error_and_skipped_whole():
     sock, t = feed([bulk(b"0123456789"), bulk(b"ok")])
-    r = _BulkReader(sock)
+    r = _BulkReader(sock, time.monotonic() + 30)
     assert r.get_into([memoryview(bytearray(4))]) is KeyStatus.ERROR
     out = memoryview(bytearray(2))
     assert r.get_into([out]) is KeyStatus.OK and bytes(out) == b"ok"
@@ -58,6 +59,6 @@ def test_wrong_size_is_an_error_and_skipped_whole():
 def test_truncated_or_foreign_reply_raises(stream):
     sock, t = feed([stream])
     with pytest.raises(ConnectionError):
-        _BulkReader(sock).get_into([memoryview(bytearray(10 if stream.startswith(b"$10") else 3))])
+        _BulkReader(sock, time.monotonic() + 30).get_into([memoryview(bytearray(10 if stream.startswith(b"$10") else 3))])
     t.join()
     sock.close()

@@ -92,12 +92,47 @@ class StorageURL:
     query: dict[str, str] = field(default_factory=dict)
 
 
+def redact_url(url: str | None) -> str | None:
+    """``url`` with any password replaced by ``***``: the form for reports, logs and errors."""
+    if not url or "@" not in url:
+        return url
+    try:
+        u = urlparse(url)
+    except ValueError:
+        return "<unparseable storage URL>"
+    if u.password is None:
+        return url
+    user = u.username or ""
+    host = u.netloc.rsplit("@", 1)[1]
+    return u._replace(netloc=f"{user}:***@{host}").geturl()
+
+
 def parse_url(url: str) -> StorageURL:
-    u = urlparse(url)
+    shown = redact_url(url)
+    try:
+        u = urlparse(url)
+        port = u.port
+    except ValueError as e:
+        raise StorageError(f"storage URL {shown!r} is malformed ({e}); e.g. redis://127.0.0.1:6379/0") from None
     if not u.scheme:
-        raise StorageError(f"storage URL {url!r} has no scheme; use one of {', '.join(sorted(_OPENERS))} (e.g. file:///var/cache/kvtier)")
+        raise StorageError(f"storage URL {shown!r} has no scheme; use one of {', '.join(sorted(_OPENERS))} (e.g. file:///var/cache/kvtier)")
     query = dict(p.split("=", 1) if "=" in p else (p, "1") for p in u.query.split("&") if p)
-    return StorageURL(u.scheme, url, u.hostname, u.port, u.path, query)
+    return StorageURL(u.scheme, url, u.hostname, port, u.path, query)
+
+
+def query_number(u: StorageURL, name: str, default: float, *, integer: bool = False, minimum: float = 0.0) -> float:
+    """A numeric URL option (``?timeout=2``), or a :class:`StorageError` naming it and the fix."""
+    raw = u.query.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw) if integer else float(raw)
+    except ValueError:
+        value = None
+    if value is None or value != value or value in (float("inf"), float("-inf")) or value < minimum:
+        kind = "an integer" if integer else "a number"
+        raise StorageError(f"storage URL option {name}={raw!r} must be {kind} >= {minimum:g} (in {redact_url(u.url)!r})")
+    return value
 
 
 def _open_file(u: StorageURL) -> StorageBackend:

@@ -9,6 +9,16 @@
   files older than ``stale_temp_s`` (10 minutes): a writer that died between
   create and rename leaves one, and it would otherwise hold its disk forever.
 * Zero-copy reads: ``readinto`` the caller's buffer.
+* Confined: a key's namespace never becomes a path as given. It maps to one
+  directory name strictly under the root: a readable prefix of its safe
+  characters plus the xxh3-128 of the whole namespace (``../../x``, an
+  absolute path or a NUL cannot escape, and two namespaces never share a
+  directory). Writes and deletes go through directory file descriptors opened
+  with ``O_NOFOLLOW`` from the root, so a symlink planted in place of a
+  namespace or shard directory is refused, never followed.
+* Several writers on one capped store: each process re-scans the directory
+  after writing ``rescan_fraction`` (5%) of the cap since its last scan, so the
+  store stays within ``cap * (1 + rescan_fraction * writers)`` plus one object.
 
 URL: ``file:///abs/path?max_gb=100``.
 """
@@ -17,12 +27,31 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import xxhash
+
+from kvtier.errors import StorageError
 from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
+_HEX_NAME = re.compile(r"[0-9a-f]{2,64}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def dir_name(namespace: str) -> str:
+    """The one directory name under the root that holds ``namespace``'s pages (see the module docstring)."""
+    readable = _UNSAFE.sub("_", namespace).lstrip(".")[:48]
+    return f"{readable}-{xxhash.xxh3_128_hexdigest(namespace.encode('utf-8', 'surrogatepass'))}"
+
+
+def file_name(page: str) -> str:
+    """A page's file name: its hex hash as is; anything else hashed (keys may come from a caller)."""
+    return page if _HEX_NAME.fullmatch(page) else "x" + xxhash.xxh3_128_hexdigest(page.encode("utf-8", "surrogatepass"))
 
 
 def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
@@ -48,28 +77,98 @@ class FileBackend:
     #: the kernel copies in the calling thread, so two threads keep two cores copying
     preferred_io_threads = 2
 
-    def __init__(self, root: str | Path, max_bytes: int | None = None, stale_temp_s: float = 600.0):
+    def __init__(self, root: str | Path, max_bytes: int | None = None, stale_temp_s: float = 600.0, rescan_fraction: float = 0.05):
         self.root = Path(root)
         self.stale_temp_s = stale_temp_s  # far above any write's lifetime (ms), so never a live one
-        self.root.mkdir(parents=True, exist_ok=True)
+        if max_bytes is not None and max_bytes <= 0:
+            raise StorageError(f"file store cap must be > 0 bytes, got {max_bytes}; leave max_gb out for no cap")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        except OSError as e:
+            raise StorageError(f"file store root {str(self.root)!r} is not a usable directory ({e.strerror}); "
+                               "pass file:///absolute/path/to/a/directory") from None
         self._root = str(self.root)
         self.max_bytes = max_bytes
         self.stats = BackendStats()
         self._approx_bytes: int | None = None
-        self._dirs: set[str] = set()
+        #: bytes this process wrote since its last scan; past ``rescan_fraction`` of the cap it scans again,
+        #: so other processes' writes are seen before the store overshoots by more than that
+        self.rescan_fraction = rescan_fraction
+        self._written_since_scan = 0
+        #: namespace -> its directory's fd (O_NOFOLLOW from the root), opened on first write
+        self._ns_fds: dict[str, int] = {}
+        self._ns_names: dict[str, str] = {}
+        self._fd_lock = threading.Lock()
         self._tmp_ids = itertools.count()  # with pid and thread: unique temp names, no retry loop
         self.stale_temps_removed = 0
 
     @classmethod
     def from_url(cls, u: StorageURL) -> FileBackend:
-        cap = u.query.get("max_bytes")
-        if cap is None and "max_gb" in u.query:
-            cap = float(u.query["max_gb"]) * (1 << 30)
-        return cls(u.path or ".", int(cap) if cap is not None else None)
+        netloc = u.url.split("://", 1)[1].split("/", 1)[0] if "://" in u.url else ""
+        if netloc not in ("", "localhost"):
+            raise StorageError(f"file URL {u.url!r} names host {netloc!r}: a file store takes an absolute path, "
+                               f"file:///absolute/path (three slashes), e.g. file:///var/cache/kvtier")
+        if not u.path.startswith("/"):
+            raise StorageError(f"file URL {u.url!r} has no absolute path; use file:///absolute/path")
+        cap = None
+        for name, scale in (("max_bytes", 1), ("max_gb", 1 << 30)):
+            if name in u.query:
+                try:
+                    value = float(u.query[name]) * scale
+                except ValueError:
+                    value = float("nan")
+                if not value > 0 or value == float("inf"):
+                    raise StorageError(f"file URL option {name}={u.query[name]!r} must be a number > 0 (e.g. max_gb=100)")
+                cap = int(value)
+                break
+        return cls(u.path, cap)
+
+    def _names(self, key: str) -> tuple[str, str, str]:
+        """(namespace directory, shard directory, file name) of a key: never the raw strings."""
+        ns, _, h = key.rpartition("/")
+        d = self._ns_names.get(ns)
+        if d is None:
+            d = self._ns_names.setdefault(ns, dir_name(ns))
+        name = file_name(h)
+        return d, name[:2], name
 
     def _path(self, key: str) -> str:
-        ns, _, h = key.rpartition("/")
-        return os.path.join(self._root, ns, h[:2], h)  # str, not Path: this runs once per page read
+        d, shard, name = self._names(key)
+        return os.path.join(self._root, d, shard, name)  # str, not Path: this runs once per page read
+
+    def _open_dir(self, parent_fd: int, name: str, create: bool) -> int:
+        """``name`` under ``parent_fd`` as a directory fd, never through a symlink (ELOOP/ENOTDIR)."""
+        try:
+            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            try:
+                os.mkdir(name, 0o700, dir_fd=parent_fd)
+            except FileExistsError:
+                pass
+            return os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+
+    def _shard_fd(self, key: str, create: bool) -> tuple[int, str]:
+        """An fd of the key's shard directory (the caller closes it) and the file name in it."""
+        d, shard, name = self._names(key)
+        ns_fd = self._ns_fds.get(d)
+        if ns_fd is None:
+            with self._fd_lock:
+                ns_fd = self._ns_fds.get(d)
+                if ns_fd is None:
+                    ns_fd = self._ns_fds[d] = self._open_dir(self._root_fd, d, create)
+        try:
+            return self._open_dir(ns_fd, shard, create), name
+        except FileNotFoundError:
+            if not create:
+                raise
+            # the namespace directory was removed under us (store wiped): open it again
+            with self._fd_lock:
+                os.close(self._ns_fds.pop(d))
+                ns_fd = self._ns_fds[d] = self._open_dir(self._root_fd, d, create)
+            return self._open_dir(ns_fd, shard, create), name
 
     def exists(self, keys: Sequence[str]) -> int:
         n = 0
@@ -96,7 +195,7 @@ class FileBackend:
             with map_storage_errors(self.stats, f"file get {key}", failed):
                 want = sum(len(p) for p in parts)
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
                 except FileNotFoundError:
                     fd = -1
                 if fd >= 0:
@@ -125,50 +224,52 @@ class FileBackend:
         for key, bufs in zip(keys, parts):
             status = [KeyStatus.ERROR]
             self.stats.sets += 1
-            path = self._path(key)
 
             def failed(_e: BaseException) -> None:
                 pass
 
             with map_storage_errors(self.stats, f"file set {key}", failed):
-                tmp = os.path.join(os.path.dirname(path), f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}")
-                fd = self._create(tmp)
+                dir_fd, name = self._shard_fd(key, create=True)
                 try:
+                    tmp = f".tmp-{os.getpid()}-{threading.get_ident()}-{next(self._tmp_ids)}"
+                    fd = os.open(tmp, _CREATE, 0o600, dir_fd=dir_fd)
                     try:
-                        _write_all(fd, bufs)
-                    finally:
-                        os.close(fd)
-                    os.replace(tmp, path)
-                except BaseException:
-                    Path(tmp).unlink(missing_ok=True)
-                    raise
+                        try:
+                            _write_all(fd, bufs)
+                        finally:
+                            os.close(fd)
+                        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                    except BaseException:
+                        try:
+                            os.unlink(tmp, dir_fd=dir_fd)
+                        except FileNotFoundError:
+                            pass
+                        raise
+                finally:
+                    os.close(dir_fd)
                 status[0] = KeyStatus.OK
                 size = sum(len(p) for p in bufs)
                 self.stats.bytes_written += size
+                self._written_since_scan += size
                 if self._approx_bytes is not None:
                     self._approx_bytes += size
             result.append(status[0])
         self._enforce_cap()
         return result
 
-    def _create(self, tmp: str) -> int:
-        """Open a new temp file, making its directory the first time this process writes there.
-
-        Known directories are cached: ``makedirs`` per page cost ~0.2 ms, most of it waiting for
-        the GIL behind the other I/O thread. A directory removed by someone else is made again."""
-        parent = os.path.dirname(tmp)
-        if parent not in self._dirs:
-            os.makedirs(parent, exist_ok=True)
-            self._dirs.add(parent)
-        try:
-            return os.open(tmp, _CREATE, 0o600)
-        except FileNotFoundError:
-            os.makedirs(parent, exist_ok=True)
-            return os.open(tmp, _CREATE, 0o600)
-
     def delete(self, keys: Sequence[str]) -> None:
         for k in keys:
-            Path(self._path(k)).unlink(missing_ok=True)
+            with map_storage_errors(self.stats, f"file delete {k}", lambda _e: None):
+                try:
+                    dir_fd, name = self._shard_fd(k, create=False)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.unlink(name, dir_fd=dir_fd)
+                except FileNotFoundError:
+                    pass
+                finally:
+                    os.close(dir_fd)
 
     def usage_bytes(self) -> int:
         return sum(p.stat().st_size for p in self._files())
@@ -194,7 +295,9 @@ class FileBackend:
     def _enforce_cap(self) -> None:
         if self.max_bytes is None:
             return
-        if self._approx_bytes is None or self._approx_bytes > self.max_bytes:
+        rescan = self._written_since_scan > self.rescan_fraction * self.max_bytes
+        if self._approx_bytes is None or self._approx_bytes > self.max_bytes or rescan:
+            self._written_since_scan = 0
             entries = []
             for p in self._files(sweep_temps=True):
                 try:
@@ -213,4 +316,10 @@ class FileBackend:
             self._approx_bytes = total
 
     def close(self) -> None:
-        pass
+        with self._fd_lock:
+            for fd in self._ns_fds.values():
+                os.close(fd)
+            self._ns_fds.clear()
+        if self._root_fd >= 0:
+            os.close(self._root_fd)
+            self._root_fd = -1

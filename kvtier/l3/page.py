@@ -15,8 +15,10 @@ Layout (little-endian)::
     72      ...   payload: for each buffer in spec order, its ``[num_layers, page_bytes]``
                   (page_first bytes: one contiguous run per buffer)
 
-A reader rejects an object whose magic, version, fingerprint, key, size or
-checksum does not match; the tier treats it as a miss and counts it.
+A reader rejects an object whose magic, version, fingerprint, key, size,
+valid token count (shared pages are whole: ``page_size``) or checksum does not
+match; the tier treats it as a miss, counts it, and deletes the object so the
+next save of that key writes it again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ FORMAT_VERSION = 1
 _HEAD = struct.Struct("<4sHHII16s16sQ")
 HEADER_BYTES = _HEAD.size + 16  # 72
 
-Verdict = Literal["ok", "magic", "version", "fingerprint", "key", "size", "checksum"]
+Verdict = Literal["ok", "magic", "version", "fingerprint", "key", "size", "valid_tokens", "checksum"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ class PageCodec:
         """Check an object read scattered: its header, then its payload in pieces (e.g. straight into host pages)."""
         if len(head) != HEADER_BYTES or sum(len(p) for p in payload) != self.payload_bytes:
             return "size"
-        magic, version, hsize, _valid, _r, fp, k, size = _HEAD.unpack_from(head, 0)
+        magic, version, hsize, valid, _r, fp, k, size = _HEAD.unpack_from(head, 0)
         if magic != MAGIC:
             return "magic"
         if version != FORMAT_VERSION or hsize != HEADER_BYTES:
@@ -95,6 +97,8 @@ class PageCodec:
             return "key"
         if size != self.payload_bytes:
             return "size"
+        if valid != self.spec.page_size:  # only whole pages are shared; a partial one is never stored
+            return "valid_tokens"
         h = xxhash.xxh3_128()
         h.update(head[: _HEAD.size])
         for part in payload:

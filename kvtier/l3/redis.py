@@ -25,11 +25,12 @@ URLs::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from contextlib import contextmanager
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors, scatter_into
+from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors, query_number, redact_url, scatter_into
 
 log = logging.getLogger(__name__)
 
@@ -39,19 +40,38 @@ log = logging.getLogger(__name__)
 _REDIRECTS = (b"-MOVED ", b"-ASK ", b"-TRYAGAIN", b"-CLUSTERDOWN")
 
 
+def _key_commands(cmd: bytes, keys: Sequence[str]) -> list[bytes]:
+    """``cmd key`` for each key, framed in RESP and joined: one send for the whole batch."""
+    return [b"".join(b"*2\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(cmd), cmd, len(kb), kb) for kb in (k.encode() for k in keys))]
+
+
+def _settimeout_left(sock, deadline: float) -> None:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("redis call passed its deadline (the URL's timeout bounds each whole call)")
+    sock.settimeout(left)
+
+
 class _BulkReader:
     """Reads RESP replies to GET from a socket, each value straight into the caller's buffers.
 
     Only what the reply header promises is received into a buffer, so the stream
     never runs ahead into the next reply's bytes."""
 
-    def __init__(self, sock):
+    def __init__(self, sock, deadline: float):
         self.sock = sock
+        self.deadline = deadline
         self.buf = bytearray()
         self.scratch = memoryview(bytearray(1 << 16))
 
+    def _recv_into(self, out: memoryview) -> int:
+        """One receive, bounded by what is left of the call's deadline (not a fresh timeout each time:
+        a server that drips a byte at a time must still fail the call on time)."""
+        _settimeout_left(self.sock, self.deadline)
+        return self.sock.recv_into(out)
+
     def _fill(self) -> None:
-        n = self.sock.recv_into(self.scratch)
+        n = self._recv_into(self.scratch)
         if n == 0:
             raise ConnectionError("redis closed the connection mid-reply")
         self.buf += self.scratch[:n]
@@ -71,7 +91,7 @@ class _BulkReader:
             del self.buf[:have]
             off = have
             while off < len(part):
-                n = self.sock.recv_into(part[off:])
+                n = self._recv_into(part[off:])
                 if n == 0:
                     raise ConnectionError("redis closed the connection mid-reply")
                 off += n
@@ -103,13 +123,24 @@ class _BulkReader:
             return None if head.startswith(_REDIRECTS) else KeyStatus.ERROR
         raise ConnectionError(f"unexpected redis reply to GET: {head[:40]!r}")
 
+    def integer(self) -> int | None:
+        """One integer reply (EXISTS, DEL); None for a cluster redirect."""
+        head = self.line()
+        if head[:1] == b":":
+            return int(head[1:])
+        if head.startswith(_REDIRECTS):
+            return None
+        raise ConnectionError(f"unexpected redis reply: {head[:40]!r}")
+
 
 class RedisBackend:
     name = "redis"
 
-    def __init__(self, client, *, cluster: bool = False):
+    def __init__(self, client, *, cluster: bool = False, timeout: float = 2.0):
         self.client = client
         self.cluster = cluster
+        #: seconds each whole call may take (connect, send and every reply): not per receive
+        self.timeout = timeout
         self.stats = BackendStats()
         #: the storage tier's I/O threads unless ``StorageConfig.io_threads`` says otherwise. A single
         #: node runs one command at a time: a second connection only takes turns with the first and,
@@ -128,10 +159,10 @@ class RedisBackend:
         from redis.backoff import ConstantBackoff
         from redis.retry import Retry
 
-        timeout = float(u.query.get("timeout", 2.0))
+        timeout = query_number(u, "timeout", 2.0, minimum=0.001)
         # one quick retry, not redis-py's default exponential backoff (seconds per failed call):
         # a dead store must turn into fast misses, the tier's circuit breaker does the rest
-        retry = Retry(ConstantBackoff(0.01), int(u.query.get("retries", 1)))
+        retry = Retry(ConstantBackoff(0.01), int(query_number(u, "retries", 1, integer=True)))
         common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=retry)
         from urllib.parse import urlparse
 
@@ -144,32 +175,53 @@ class RedisBackend:
             common["ssl"] = True
             if "ssl_ca_certs" in u.query:
                 common["ssl_ca_certs"] = u.query["ssl_ca_certs"]
-        if u.scheme == "redis+cluster":
-            client = RedisCluster(host=u.host or "127.0.0.1", port=u.port or 6379, **common)
-            return cls(client, cluster=True)
-        db = int(u.path.strip("/") or 0)
-        return cls(redis.Redis(host=u.host or "127.0.0.1", port=u.port or 6379, db=db, **common))
+        host, port = u.host or "127.0.0.1", u.port or 6379
+        try:
+            if u.scheme == "redis+cluster":
+                backend = cls(RedisCluster(host=host, port=port, **common), cluster=True, timeout=timeout)
+            else:
+                db_text = u.path.strip("/") or "0"
+                if not db_text.isdigit():
+                    raise StorageError(f"redis URL {redact_url(u.url)!r}: the database must be a number (redis://host:6379/0), got {db_text!r}")
+                backend = cls(redis.Redis(host=host, port=port, db=int(db_text), **common), timeout=timeout)
+            backend.client.ping()  # at start-up: a wrong password or a dead server is an error now, not silent misses
+        except redis.AuthenticationError:
+            raise StorageError(f"redis at {host}:{port} refused the credentials in the storage URL "
+                               "(wrong password or user); fix the URL's user:password") from None
+        except redis.ResponseError as e:
+            if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
+                raise StorageError(f"redis at {host}:{port} needs a password: redis://:PASSWORD@{host}:{port}/0") from None
+            raise StorageError(f"redis at {host}:{port} rejected the connection: {e}") from None
+        except (redis.RedisError, OSError) as e:
+            raise StorageError(f"cannot reach redis at {host}:{port} ({type(e).__name__}: {e}); start it or fix the storage URL") from None
+        return backend
 
     def _pipeline(self):
         return self.client.pipeline(transaction=False) if not self.cluster else self.client.pipeline()
 
     def exists(self, keys: Sequence[str]) -> int:
-        found = [0]
+        """Leading keys present: EXISTS pipelined on the node's connection under the call's deadline."""
+        if not keys:
+            return 0
 
-        def failed(_e: BaseException) -> None:
-            found[0] = 0
-
-        with map_storage_errors(self.stats, "redis exists", failed):
+        def via_client(ks: Sequence[str], _b) -> list[KeyStatus]:
             pipe = self._pipeline()
-            for k in keys:
+            for k in ks:
                 pipe.exists(k)
-            n = 0
-            for present in pipe.execute():
-                if not present:
-                    break
-                n += 1
-            found[0] = n
-        return found[0]
+            return [KeyStatus.OK if present else KeyStatus.MISS for present in pipe.execute()]
+
+        statuses = self._by_node(keys, [None] * len(keys), "exists", self._exists_direct, via_client)
+        n = 0
+        for st in statuses:
+            if st is not KeyStatus.OK:
+                break
+            n += 1
+        return n
+
+    def _exists_direct(self, pool, keys: Sequence[str], _bufs) -> list[KeyStatus | None]:
+        with self._direct(pool, _key_commands(b"EXISTS", keys)) as reader:
+            replies = [reader.integer() for _ in keys]
+        return [None if r is None else KeyStatus.OK if r else KeyStatus.MISS for r in replies]
 
     def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[KeyStatus]:
         return self.get_scattered(keys, [(o,) for o in outs])
@@ -243,15 +295,22 @@ class RedisBackend:
         return statuses
 
     @contextmanager
-    def _direct(self, pool, pack):
-        """Send ``pack(connection)`` on a connection of ``pool`` and yield a reader of its replies.
+    def _direct(self, pool, chunks: Sequence):
+        """Send ``chunks`` (framed commands) on a connection of ``pool`` and yield a reader of its replies.
 
-        The caller reads every reply inside the block; on any error the connection is
+        The whole call -- connect, send, every reply -- runs under one deadline of ``timeout``
+        seconds. The caller reads every reply inside the block; on any error the connection is
         dropped, since a half-read reply must never meet the next command."""
+        deadline = time.monotonic() + self.timeout
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(pack(conn))
-            yield _BulkReader(conn._sock)
+            conn.connect()  # no-op when connected; else bounded by the connect and socket timeouts
+            sock = conn._sock
+            for chunk in chunks:
+                _settimeout_left(sock, deadline)
+                sock.sendall(chunk)  # the timeout bounds the whole sendall (Python >= 3.5)
+            yield _BulkReader(sock, deadline)
+            sock.settimeout(conn.socket_timeout)  # as redis-py expects it for the next user
         except BaseException:
             conn.disconnect()
             raise
@@ -259,7 +318,7 @@ class RedisBackend:
             pool.release(conn)
 
     def _get_direct(self, pool, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus | None]:
-        with self._direct(pool, lambda conn: conn.pack_commands([("GET", k) for k in keys])) as reader:
+        with self._direct(pool, _key_commands(b"GET", keys)) as reader:
             statuses = [reader.get_into(parts) for parts in outs]
         for st, parts in zip(statuses, outs):
             if st is KeyStatus.OK:
@@ -274,7 +333,7 @@ class RedisBackend:
             chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(kb), kb, sum(len(p) for p in ps)))
             chunks.extend(ps)
             chunks.append(b"\r\n")
-        with self._direct(pool, lambda _conn: chunks) as reader:  # framed here: redis-py would copy each value
+        with self._direct(pool, chunks) as reader:  # framed here: redis-py would copy each value
             replies = [reader.line() for _ in keys]
             for reply in replies:
                 if reply[:1] not in (b"+", b"-"):
@@ -295,11 +354,21 @@ class RedisBackend:
         return statuses
 
     def delete(self, keys: Sequence[str]) -> None:
-        with map_storage_errors(self.stats, "redis delete", lambda _e: None):
+        if not keys:
+            return
+
+        def direct(pool, ks: Sequence[str], _b) -> list[KeyStatus | None]:
+            with self._direct(pool, _key_commands(b"DEL", ks)) as reader:
+                return [None if reader.integer() is None else KeyStatus.OK for _ in ks]
+
+        def via_client(ks: Sequence[str], _b) -> list[KeyStatus]:
             pipe = self._pipeline()
-            for k in keys:
+            for k in ks:
                 pipe.delete(k)
             pipe.execute()
+            return [KeyStatus.OK] * len(ks)
+
+        self._by_node(keys, [None] * len(keys), "delete", direct, via_client)
 
     def close(self) -> None:
         try:

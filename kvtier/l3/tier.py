@@ -23,9 +23,13 @@ memory. Other backends go through a staging buffer on the worker, one batch at
 a time.
 
 Nothing here raises into the cache for a storage fault: statuses are per page,
-faults are counted, and the cache turns them into misses. The save queue is
-bounded; a full queue makes the submitter wait up to ``backpressure_s`` and then
-skip (counted), so a slow store slows saves, never requests.
+faults are counted, and the cache turns them into misses. A page that fails its
+check is deleted from the store, so the next save of its key repairs it (saves
+skip keys the store already has, and a corrupt object would otherwise stay
+forever). The job queue is bounded and the submitting (engine) thread never
+waits on it: a full queue skips the save or misses the prefetch, counted
+(``backpressure_s`` > 0 lets a save wait that long first). Every backend call
+has a whole-call deadline, so ``drain`` and ``close`` return within a bound.
 
 Circuit breaker: after a backend fault the tier treats the store as down for
 ``cooldown_s`` (lookups answer "absent", jobs fail at once), then tries again,
@@ -92,7 +96,7 @@ class StorageJob:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int | None = None, queue_depth: int = 64, backpressure_s: float = 1.0, cooldown_s: float = 0.5):
+    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int | None = None, queue_depth: int = 64, backpressure_s: float = 0.0, cooldown_s: float = 0.5):
         self.backend = backend
         self.host = host_pool
         self.spec = host_pool.spec
@@ -109,6 +113,11 @@ class StorageTier:
         self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
         self.skipped_saves = 0
+        #: prefetches not started because the queue was full (each a miss for its request)
+        self.skipped_prefetches = 0
+        #: objects that failed their check on read and were deleted from the store
+        self.discarded_corrupt = 0
+        self._closed = False
         self.cooldown_s = cooldown_s
         self._down_until = 0.0
         #: seconds the worker spent per job kind ("save" / "prefetch")
@@ -177,11 +186,19 @@ class StorageTier:
             self._process(job)
             return job
         job = StorageJob(kind, list(keys), list(host_pages), tag)
+        if self._closed:
+            return None
         try:
-            self._queue.put(job, timeout=self.backpressure_s if kind == "save" else None)
+            if kind == "save" and self.backpressure_s > 0:
+                self._queue.put(job, timeout=self.backpressure_s)
+            else:
+                self._queue.put_nowait(job)
         except queue.Full:
-            self.skipped_saves += len(keys)
-            log.info("L3 save queue full: skipped %d pages", len(keys))
+            if kind == "save":
+                self.skipped_saves += len(keys)
+            else:
+                self.skipped_prefetches += len(keys)
+            log.info("L3 queue full: %s of %d pages skipped", kind, len(keys))
             return None
         return job
 
@@ -392,10 +409,17 @@ class StorageTier:
                 verdict = check(i, k)
                 if verdict != "ok":
                     st, why = KeyStatus.ERROR, f"{self.key(k)} rejected ({verdict})"
+                    self._discard(k)
             out.append((st, why))
             if st is not KeyStatus.OK:
                 break
         return out
+
+    def _discard(self, key: PageHash) -> None:
+        """Delete an object that failed its check, so the next save of its key writes it again."""
+        with map_storage_errors(self.backend.stats, "delete corrupt", lambda _e: None):
+            self.backend.delete([self.key(key)])
+            self.discarded_corrupt += 1
 
     def _apply_checked(self, job: StorageJob, verdicts: list[tuple[KeyStatus, str]]) -> bool:
         """Record verified pages on the job in order; False once one failed (its host page never becomes ready)."""
@@ -409,13 +433,42 @@ class StorageTier:
             job.arrived += 1
         return True
 
-    def drain(self) -> None:
-        if self._worker is not None:
-            self._queue.join()
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted job finished (at most ``timeout_s``); True when idle."""
+        if self._worker is None:
+            return True
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._queue.all_tasks_done:
+            while self._queue.unfinished_tasks:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._queue.all_tasks_done.wait(left)
+        return True
 
-    def close(self) -> None:
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
-            self._io.shutdown()
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Finish queued jobs for up to ``timeout_s``, then fail what is left and stop the worker.
+
+        Returns within about ``timeout_s`` plus one backend call's deadline, whatever the store does."""
+        if self._worker is not None and not self._closed:
+            self._closed = True
+            if not self.drain(timeout_s):
+                log.warning("L3 tier closing with jobs unfinished after %.1f s; the rest are dropped", timeout_s)
+                while True:
+                    try:
+                        job = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                    if job is not None:
+                        job.cancel()
+                        job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+                        self._finished.put(job)
+                        job.finished.set()
+                    self._queue.task_done()
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                pass
+            self._worker.join(timeout_s)
+            self._io.shutdown(wait=False, cancel_futures=True)
         self.backend.close()

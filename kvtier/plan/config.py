@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from kvtier.config import ConfigError, _help
+from kvtier.config import ConfigError, _help, check_number
 from kvtier.workloads.mooncake import TraceRequest
 
 GB = 1e9
@@ -39,9 +39,11 @@ class PlanConfig:
             raise ConfigError(f"PlanConfig.routing must be affinity or round_robin; got {self.routing!r}")
         if self.replay not in ("auto", "cache"):
             raise ConfigError(f"PlanConfig.replay must be auto or cache; got {self.replay!r}")
-        for name in ("device_gb", "host_tb", "storage_tb"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"PlanConfig.{name} must be >= 0; got {getattr(self, name)}")
+        check_number(self, "nodes", at_least=1, integer=True)
+        for name in ("host_tb", "storage_tb"):
+            check_number(self, name, at_least=0)
+        for name in ("device_gb", "pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token"):
+            check_number(self, name, above=0)
 
     def node_of(self, index: int, request: TraceRequest) -> int:
         """The node a request goes to: by its first block (affinity) or its position (round robin)."""

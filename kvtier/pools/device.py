@@ -15,9 +15,32 @@ from __future__ import annotations
 import torch
 
 from kvtier.alloc import PageAllocator
-from kvtier.errors import SpecError
+from kvtier.errors import ConfigError, DeviceMemoryBudgetError, SpecError
 from kvtier.pools.rows import as_wide_rows
 from kvtier.spec import KVSpec
+
+
+def _checked_device(device: str | torch.device) -> torch.device:
+    """``cpu`` or an available ``cuda`` device; anything else is a :class:`ConfigError` with the fix."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"unknown device {device!r}; use cpu or cuda") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {device!r} is not supported; use cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} asked for, but CUDA is not available on this machine; use cpu")
+    return dev
+
+
+def _device_memory_available(device: torch.device) -> tuple[int, int]:
+    """(free bytes where the pool lives, reserve to leave): the GPU's free memory, or host memory."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free, 256 << 20
+    from kvtier.pools.host import DEFAULT_RESERVE_BYTES, host_memory_available
+
+    return host_memory_available(), DEFAULT_RESERVE_BYTES
 
 
 def _page_rows(t: torch.Tensor, num_pages: int, page_bytes: int) -> torch.Tensor:
@@ -36,9 +59,17 @@ class DevicePool:
         name: str = "device pool",
     ):
         self.spec = spec
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
+            raise ConfigError(f"{name}: num_pages must be an integer >= 1, got {num_pages!r}")
         self.num_pages = num_pages
-        self.device = torch.device(device)
+        self.device = _checked_device(device)
         self.name = name
+        if materialize:  # before the allocator: its free list alone could exhaust memory
+            requested = num_pages * spec.page_bytes
+            available, reserve = _device_memory_available(self.device)
+            if requested > available - reserve:
+                raise DeviceMemoryBudgetError(requested, available, reserve, max(available - reserve, 0) // spec.page_bytes,
+                                              pool=name, hint="(e.g. --tiers-device-pages)")
         self.allocator = PageAllocator(num_pages, name, reserve_padding_page)
         self.materialized = materialize
         self.buffers: dict[str, list[torch.Tensor]] = {}

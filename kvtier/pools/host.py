@@ -21,9 +21,9 @@ import torch
 from kvtier.alloc import Allocation, PageAllocator
 from kvtier.errors import HostMemoryBudgetError, PageAlignmentError, SpecError
 from kvtier.layout import HostLayout, LayoutKind, check_layout
-from kvtier.pages import check_page_count, pages_to_slots, slots_to_pages
+from kvtier.pages import check_layer, check_page_count, check_pages_in_range, pages_to_slots, slots_to_pages
 from kvtier.pools.device import DevicePool
-from kvtier.pools.rows import as_wide_rows, check_pages_in_range
+from kvtier.pools.rows import as_wide_rows
 from kvtier.spec import KVSpec
 
 DEFAULT_RESERVE_BYTES = 1 << 30
@@ -146,6 +146,7 @@ class HostPool:
 
         backend = get_io_backend(io_backend)
         host_pages, device_pages = self._pages(device_pool, host_indices, device_indices)
+        layer_id = check_layer(layer_id, self.spec.num_layers, pool=self.name)
         load_pages_one_layer(self, device_pool, host_pages, device_pages, layer_id, backend)
 
     def backup_from_device_all_layer(self, device_pool: DevicePool, host_indices, device_indices, io_backend: str = "direct") -> None:

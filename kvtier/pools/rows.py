@@ -19,11 +19,3 @@ def wide_dtype(page_bytes: int) -> torch.dtype:
 def as_wide_rows(byte_rows: torch.Tensor) -> torch.Tensor:
     """``[pages, page_bytes]`` uint8 (last dim contiguous) -> same memory, widest dtype."""
     return byte_rows.view(wide_dtype(byte_rows.shape[-1]))
-
-
-def check_pages_in_range(pages: torch.Tensor, num_pages: int, *, pool: str, side: str) -> None:
-    from kvtier.errors import PageIndexError
-
-    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
-        bad = pages[(pages < 0) | (pages >= num_pages)][0]
-        raise PageIndexError(f"{side} indices for {pool}: page {int(bad)} is outside the pool's {num_pages} pages")

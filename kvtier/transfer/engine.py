@@ -66,6 +66,10 @@ class TransferJob:
     def wait_layer(self, layer: int) -> None:
         """Block until layer ``layer`` of a load is usable (CUDA: ordered on the current stream)."""
         if self.layer_ready:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(self.layer_ready):
+                from kvtier.errors import PageIndexError
+
+                raise PageIndexError(f"wait_layer({layer!r}): a load has layers 0..{len(self.layer_ready) - 1}")
             self.layer_ready[layer].wait()
             if self.cuda_events:
                 torch.cuda.current_stream().wait_event(self.cuda_events[layer])
@@ -137,11 +141,23 @@ class TransferEngine:
             job = TransferJob(next(self._ids), src, dst, src_pages, dst_pages, self.num_layers, tag, finished=DONE)  # type: ignore[arg-type]
             self._finished.put(job)
             return job
-        job = TransferJob(next(self._ids), src, dst, torch.as_tensor(src_pages, dtype=torch.int64), torch.as_tensor(dst_pages, dtype=torch.int64), self.num_layers, tag)
+        src_t, dst_t = self._checked(src, src_pages), self._checked(dst, dst_pages)
+        if src_t.numel() != dst_t.numel():
+            from kvtier.errors import PageAlignmentError
+
+            raise PageAlignmentError(f"{src}->{dst} transfer: {src_t.numel()} source pages but {dst_t.numel()} destination pages; pass one destination page per source page")
+        job = TransferJob(next(self._ids), src, dst, src_t, dst_t, self.num_layers, tag)
         if dst == "device":
             job.layer_ready = [threading.Event() for _ in range(self.num_layers)]
         self._queue.put(job)
         return job
+
+    def _checked(self, medium: Medium, pages) -> torch.Tensor:
+        """Whole request validated before it is queued: a bad page must not fail after others moved."""
+        from kvtier.pages import checked_pages
+
+        pool = self.host if medium == "host" else self.device
+        return checked_pages(pages, pool.num_pages, pool=pool.name, side=medium)
 
     def load(self, host_pages, device_pages, tag: object = None) -> TransferJob:
         return self.submit("host", "device", host_pages, device_pages, tag)

@@ -44,6 +44,7 @@ from kvtier.errors import ConfigError
 from kvtier.hashing import Namespace, PageHash, hasher, page_keys
 from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches
 from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.l3.base import redact_url
 from kvtier.offload import OffloadCache, OffloadLoad
 from kvtier.pools import HostPool
 
@@ -165,7 +166,7 @@ class KVTierConnector(KVConnectorBase_V1):
         storage = open_storage_tier(self.options.storage, host, namespace)
         self._cache = OffloadCache(device, host, storage, self.options.storage, io_backend=self.options.io_backend)
         _CACHES[self.engine_id] = (self._cache, namespace, self.options)
-        log.info("kvtier connector: %s, %d host pages (%s), L3 %s", spec.name, host.num_pages, host.layout.kind, self.options.storage.url or "off")
+        log.info("kvtier connector: %s, %d host pages (%s), L3 %s", spec.name, host.num_pages, host.layout.kind, redact_url(self.options.storage.url) or "off")
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
