@@ -37,7 +37,7 @@ def as_index_tensor(indices: torch.Tensor | np.ndarray | list[int] | range, *, w
             raise IndexTypeError(f"{what} must be integers; got {bad!r} ({type(bad).__name__}); pass whole slot numbers")
         try:
             return torch.tensor(items, dtype=torch.int64)
-        except (OverflowError, RuntimeError):
+        except (OverflowError, RuntimeError, ValueError):
             raise PageIndexError(f"{what}: a value does not fit in int64 (max {max(items)}); indices are slots of a pool") from None
     if indices.dtype not in _INT_DTYPES:
         raise IndexTypeError(f"{what} must have an integer dtype, got {indices.dtype}; floats would be truncated")

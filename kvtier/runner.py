@@ -120,13 +120,13 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
         tmp = tempfile.TemporaryDirectory(prefix="kvtier-run-")
         storage = replace(storage, url=f"file://{tmp.name}")
     bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=2 * len(requests), desc="kvtier run", unit="req")
     cache = None
     try:
         cache = build_cache(spec, cfg.tiers, cfg.cache, storage)  # first: a bad size fails before any work
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=2 * len(requests), desc="kvtier run", unit="req")
         base_pages = max(cfg.tiers.device_pages, max(-(-len(r) // spec.page_size) for r in requests) + 1)
         baseline = ReferenceEngine(model, NullCache(DevicePool(spec, base_pages)))
         baseline.prefill(requests[0][: spec.page_size * 2])  # warm-up, not measured

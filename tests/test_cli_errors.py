@@ -1,0 +1,93 @@
+"""Every bad input a careless user types gives one readable line on stderr naming the bad value,
+exit 2, no traceback, and creates nothing outside the paths given (hardening issue, items 12-14)."""
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+from kvtier.devservers import free_port
+
+RUN = ["run", "--no-progress"]
+RECORD = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}
+
+
+def _trace(tmp: Path, name: str, records: list) -> str:
+    path = tmp / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
+    """(id, argv, text the one error line must contain). Paths live under ``tmp``."""
+    afile = tmp / "a-file"
+    afile.write_text("not a directory")
+    string_section = tmp / "string-section.json"
+    string_section.write_text(json.dumps({"tiers": "big"}))
+    dead = free_port()
+    trace = lambda name, recs: ["--workload-kind", "trace", "--workload-trace", _trace(tmp, name, recs)]  # noqa: E731
+    return [
+        # 12: tracebacks before
+        ("file-max-gb", [*RUN, "--storage-url", f"file://{tmp}/store?max_gb=lots"], "max_gb='lots'"),
+        ("redis-port", [*RUN, "--storage-url", "redis://127.0.0.1:notaport/0"], "notaport"),
+        ("redis-db", [*RUN, "--storage-url", f"redis://127.0.0.1:{dead}/abc"], "'abc'"),
+        ("redis-timeout", [*RUN, "--storage-url", f"redis://127.0.0.1:{dead}/0?timeout=fast"], "timeout='fast'"),
+        ("missing-trace", [*RUN, "--workload-kind", "trace", "--workload-trace", f"{tmp}/absent.jsonl"], "absent.jsonl"),
+        ("hash-ids-strings", [*RUN, *trace("s.jsonl", [{**RECORD, "hash_ids": ["a", "b"]}])], "hash_ids"),
+        ("hash-ids-huge", [*RUN, *trace("h.jsonl", [{**RECORD, "hash_ids": [2**70, 1]}])], str(2**70)),
+        ("input-length-negative", [*RUN, *trace("n.jsonl", [{**RECORD, "input_length": -5}])], "-5"),
+        ("empty-trace", [*RUN, *trace("e.jsonl", [])], "no requests"),
+        ("sessions-0", [*RUN, "--workload-sessions", "0"], "sessions"),
+        ("device-cuda", [*RUN, "--tiers-device", "cuda"], "'cuda'"),
+        ("device-tpu", [*RUN, "--tiers-device", "tpu"], "'tpu'"),
+        ("host-gb-nan", [*RUN, "--tiers-host-gb", "nan"], "nan"),
+        ("host-gb-inf", [*RUN, "--tiers-host-gb", "inf"], "inf"),
+        ("host-gb-string", [*RUN, "--tiers-host-gb", "lots"], "'lots'"),
+        ("store-root-is-a-file", [*RUN, "--storage-url", f"file://{afile}"], str(afile)),
+        ("config-section-string", [*RUN, "--config", str(string_section)], "'big'"),
+        ("json-unwritable", [*RUN, "--json", f"{tmp}/no/such/dir/out.json"], "out.json"),
+        ("plan-pcie-0", ["plan", "--json", "--limit", "20", "--plan-pcie-gbps", "0"], "pcie_gbps"),
+        ("plan-tflops-0", ["plan", "--json", "--limit", "20", "--plan-prefill-tflops", "0"], "prefill_tflops"),
+        ("plan-missing-trace", ["plan", "--trace", f"{tmp}/absent.jsonl"], "absent.jsonl"),
+        # 13: accepted though wrong before
+        ("host-gb-negative", [*RUN, "--tiers-host-gb", "-1"], "-1"),
+        ("file-relative", [*RUN, "--storage-url", "file://relative/dir"], "'relative'"),
+        ("redis-unreachable", [*RUN, "--storage-url", f"redis://127.0.0.1:{dead}/0?timeout=0.5"], f"127.0.0.1:{dead}"),
+        ("plan-device-0", ["plan", "--json", "--limit", "20", "--plan-device-gb", "0"], "device_gb"),
+        ("plan-network-negative", ["plan", "--json", "--limit", "20", "--plan-network-gbps", "-3"], "-3"),
+        ("plan-flops-negative", ["plan", "--json", "--limit", "20", "--plan-prefill-tflops", "-5"], "-5"),
+        ("plan-limit-0", ["plan", "--json", "--limit", "0"], "0"),
+        ("plan-limit-negative", ["plan", "--json", "--limit", "-1"], "-1"),
+        # 14: a device pool larger than memory
+        ("device-pages-huge", [*RUN, "--tiers-device-pages", "1000000000"], "device pool needs"),
+    ]
+
+
+
+
+def test_every_bad_input_is_one_line_exit_2(tmp_path):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    inputs = tmp_path / "inputs"
+    inputs.mkdir()
+    table = cases(inputs)
+    root_before = set(os.listdir("/"))
+    inputs_before = {p.name for p in inputs.iterdir()}
+    def check(case) -> str | None:
+        name, argv, needle = case
+        r = subprocess.run([sys.executable, "-m", "kvtier.cli", *argv], cwd=work, capture_output=True, text=True, timeout=120)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        ok = r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr and not r.stdout.strip()
+        return None if ok else f"{name}: rc={r.returncode} stderr={r.stderr[-400:]!r} stdout={r.stdout[-200:]!r}"
+
+    with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
+        failures = [f for f in pool.map(check, table) if f]
+    assert not failures, "\n".join(failures)
+    assert len(table) == 30
+    # nothing created outside the paths given: not in the working directory, not at the filesystem root
+    assert list(work.iterdir()) == []
+    assert set(os.listdir("/")) == root_before and not Path("/relative").exists()
+    assert {p.name for p in inputs.iterdir()} == inputs_before  # no store created beside the bad inputs
