@@ -461,11 +461,20 @@ class HierarchicalCache:
         if any(s is KeyStatus.ERROR for s in job.statuses):
             self.stats.storage_failures += 1
         self.tree.unlock(handle.nodes[-1])
-        for node in reversed(handle.nodes[handle.applied :]):  # never arrived: free, deepest first
-            if node.num_children or node.lock_ref or node.device_page != NO_PAGE:
-                continue  # someone built on it meanwhile (cannot happen for unready pages, kept for safety)
-            self.host_alloc.free([self.tree.clear_host(node)])
-            self.tree.remove(node)
+        # Pages that never arrived: their host page will never be readable, so it goes back now.
+        # A node a request computed meanwhile (insert gave it a device page while the prefetch
+        # was in flight) stays as a device page with no host copy -- evictable like any other,
+        # and backed up under write_through; a node nobody built on is removed.
+        computed: list[PageNode] = []
+        for node in reversed(handle.nodes[handle.applied :]):  # deepest first
+            if node.host_page != NO_PAGE and not node.host_ready:
+                self.host_alloc.free([self.tree.clear_host(node)])
+            if node.device_page != NO_PAGE:
+                computed.append(node)
+            elif not node.num_children and not node.lock_ref and node.host_page == NO_PAGE:
+                self.tree.remove(node)
+        if computed and self.config.write_policy == "write_through":
+            self._backup(computed[::-1])  # a contiguous run of one path, root side first
 
     def _save(self, nodes: list[PageNode]) -> StorageJob | None:
         """Queue an L3 save of ready host pages on one root-to-leaf path.
@@ -603,9 +612,19 @@ class HierarchicalCache:
             self.engine.drain()
             self.poll()
 
-    def check_integrity(self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset()) -> None:
-        """Prove the accounting: tree + caller-owned + free == total for each pool, no page owned twice."""
+    def check_integrity(self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset(), *, idle: bool = False) -> None:
+        """Prove the accounting: tree + caller-owned + free == total for each pool, no page owned twice.
+
+        ``idle=True`` (no request holds a lock, :meth:`wait_idle` returned) also proves liveness:
+        every cached page is evictable -- nothing locked, no host page that is not readable,
+        no L3 save still marked in flight -- so the pools can never silently shrink."""
         self.tree.check()
+        if idle:
+            assert not self._loading, "idle, yet host->device loads are recorded in flight"
+            for n in self.tree.nodes.values():
+                assert n.lock_ref == 0, f"idle, yet a node is locked ({n.lock_ref}): a lock or transfer completion was lost"
+                assert n.host_page == NO_PAGE or n.host_ready, "idle, yet a host page is not readable: it could never be evicted or used"
+                assert n.stored != SAVING, "idle, yet an L3 save is marked in flight: its host page could never be evicted"
         dev_owned = [n.device_page for n in self.tree.nodes.values() if n.device_page != NO_PAGE]
         host_owned = [n.host_page for n in self.tree.nodes.values() if n.host_page != NO_PAGE]
         assert len(dev_owned) == len(set(dev_owned)), "a device page is owned by two nodes"

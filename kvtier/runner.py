@@ -146,7 +146,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
                 if bar:
                     bar.update()
         cache.wait_idle()
-        cache.check_integrity()
+        cache.check_integrity(idle=True)
         stats = cache.stats.snapshot()
         busy = dict(cache.engine.busy_s)
         sbusy = dict(cache.storage.busy_s) if cache.storage else {}

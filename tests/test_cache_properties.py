@@ -70,7 +70,7 @@ class CacheMachine(RuleBasedStateMachine):
         if self.cache is None:
             return
         self.cache.wait_idle()
-        self.cache.check_integrity()
+        self.cache.check_integrity(idle=not self.locked)  # nothing locked: everything must be evictable
         for m, toks in self.locked:  # locked device pages stay resident and untouched
             path = list(m.last_node.path_to_root())[::-1] if m.last_node is not None else []
             assert [n.device_page for n in path[: len(m.device_pages)]] == m.device_pages

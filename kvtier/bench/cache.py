@@ -12,7 +12,11 @@ trace's published figures use); ``page_hit_ratio`` counts full pages.
 ``hash_seconds + tree_seconds``); ``wall_pages_per_s`` also counts building
 each request's token array. When vLLM is installed the same replay runs
 through vLLM's ``KVCacheManager`` in the same process (``vllm``), and
-``vs_vllm`` is kvtier's ``pages_per_s`` over vLLM's, on the same scope.
+``vs_vllm`` is kvtier's ``pages_per_s`` over vLLM's, on the same scope. When
+SGLang's wheel is at hand (``--sglang-wheel``, ``$KVTIER_SGLANG_WHEEL`` or
+``.kvtier/wheels/``, where ``./run.sh test`` puts it) the replay also runs
+through SGLang's ``RadixCache`` (``sglang``, see :mod:`kvtier.bench.sglang_replay`)
+and ``vs_sglang`` is the same ratio against it.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class CacheBenchResult:
     bookkeeping_over_transfer: float
     vllm: dict | None = None
     vs_vllm: float | None = None
+    sglang: dict | None = None
+    vs_sglang: float | None = None
 
 
 def replay(cache: HierarchicalCache, requests, page_size: int) -> tuple[int, int, int, float, float]:
@@ -137,14 +143,20 @@ def _transfer_16k_ms(reps: int = 3) -> float:
 
 
 def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = True, memory: bool = True,
-                    vllm: bool | None = None) -> CacheBenchResult:
-    """``vllm``: None runs the vLLM comparison when vLLM is importable, True insists on it, False skips it."""
+                    vllm: bool | None = None, sglang: bool | None = None, sglang_wheel: str | None = None) -> CacheBenchResult:
+    """``vllm`` / ``sglang``: None runs that comparison when it is available (vLLM importable; SGLang's
+    wheel found), True insists on it, False skips it."""
+    from kvtier.bench.sglang_replay import SGLANG_VERSION, find_sglang_wheel, replay_sglang
     from kvtier.bench.vllm_replay import replay_vllm, vllm_available
 
     if vllm is None:
         vllm = vllm_available()
     elif vllm and not vllm_available():
         raise ConfigError("the vLLM comparison needs vLLM: pip install 'kvtier[vllm]' (CPU build: install torch==2.13.0 first)")
+    wheel = find_sglang_wheel(sglang_wheel) if sglang is not False else None
+    if sglang and wheel is None:
+        raise ConfigError(f"the SGLang comparison needs its wheel: pip download --no-deps sglang=={SGLANG_VERSION} -d .kvtier/wheels "
+                          "(or pass --sglang-wheel PATH)")
     requests = load_mooncake_trace(trace_path, limit)
     spec = KVSpec.preset("deepseek-v3.2")
     cache = _bookkeeping_cache(requests, spec)
@@ -163,6 +175,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     t_xfer = _transfer_16k_ms() if transfer else float("nan")
     cache.close()
     theirs = replay_vllm(requests, spec.page_size) if vllm else None
+    sgl = replay_sglang(requests, spec.page_size, wheel) if wheel is not None else None
     ours = pages / (t_hash + t_tree)
     return CacheBenchResult(
         trace=str(trace_path), requests=len(requests), pages=pages, distinct_pages=distinct,
@@ -174,6 +187,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         request_16k_bookkeeping_ms=round(t_book * 1e3, 3), request_16k_transfer_ms=round(t_xfer, 3),
         bookkeeping_over_transfer=round(t_book * 1e3 / t_xfer, 4),
         vllm=asdict(theirs) if theirs else None, vs_vllm=round(ours / theirs.pages_per_s, 2) if theirs else None,
+        sglang=asdict(sgl) if sgl else None, vs_sglang=round(ours / sgl.pages_per_s, 2) if sgl else None,
     )
 
 
