@@ -32,12 +32,14 @@ import torch
 
 from kvtier.alloc import Allocation
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.errors import PageAlignmentError
+from kvtier.errors import PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
+from kvtier.pages import checked_pages
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, PrefixTree
+from kvtier.request import CacheRequest
 from kvtier.transfer.engine import TransferEngine, TransferJob
 
 log = logging.getLogger(__name__)
@@ -142,7 +144,7 @@ class HierarchicalCache:
         self.root_key = self.namespace.root(config.hash_algo)
         self.engine = engine or TransferEngine(host_pool, device_pool, config.io_backend)
         self.stats = stats or CacheStats()
-        self.tree = PrefixTree(reserve=device_pool.num_pages + host_pool.num_pages if config.preallocate_nodes else 0)
+        self.tree = PrefixTree(reserve=device_pool.num_pages + host_pool.num_pages if config.preallocate_nodes else 0, device_pages=device_pool.num_pages)
         self.dev_alloc = device_pool.allocator
         self.host_alloc = host_pool.allocator
         self._page_bytes = self.spec.page_bytes
@@ -252,6 +254,29 @@ class HierarchicalCache:
             return list(tokens_or_keys)
         return self.page_keys(tokens_or_keys)
 
+    # ---- the request protocol --------------------------------------------------------
+    def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
+              prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
+        """Start a request (see :mod:`kvtier.request`): match (counted once), lock, prefetch from L3
+        when it can add pages the request will use (``usable_pages``, default all its full pages;
+        ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
+        keys = self._keys(tokens_or_keys)
+        want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
+        m = self.match(keys)
+        self.lock(m.last_node)
+        host_before = m.num_host_pages
+        if prefetch and m.num_storage_pages and m.num_device_pages + m.num_host_pages < want:
+            handle = self.prefetch(m)
+            if handle is not None:
+                self.resolve_prefetch(handle, prefetch_policy)
+                again = self.match(keys, count=False)
+                self.lock(again.last_node)
+                self.unlock(m.last_node)
+                m = again
+        ld = self.load_back(m)
+        host_hit = min(ld.loaded, host_before)
+        return CacheRequest(self, keys, m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld, m.last_node)
+
     # ---- locks -------------------------------------------------------------------
     def lock(self, node: PageNode | None) -> None:
         """Protect ``node`` and its ancestors from eviction until :meth:`unlock`."""
@@ -346,7 +371,7 @@ class HierarchicalCache:
         """
         self.poll()
         keys = self._keys(tokens_or_keys)
-        device_pages = list(device_pages)
+        device_pages = checked_pages(device_pages, self.device.num_pages, pool=self.device.name, side="device").tolist()
         if len(device_pages) != len(keys):
             raise PageAlignmentError(
                 f"insert into {self.device.name}: {len(device_pages)} device pages for {len(keys)} full pages of keys "
@@ -357,6 +382,7 @@ class HierarchicalCache:
         n_have = len(path)
         n_dev = tree.device_prefix(path)
         canonical = [n.device_page for n in path[:n_dev]]
+        self._check_caller_pages(device_pages, canonical)  # before anything changes
         freed: list[int] = []
         if canonical != device_pages[:n_dev]:  # the caller computed pages the cache already has
             freed = [p for p, c in zip(device_pages, canonical) if p != c]
@@ -377,6 +403,24 @@ class HierarchicalCache:
             if due:
                 self._backup(due)
         return InsertResult(canonical, len(fresh), freed, last)
+
+    def _check_caller_pages(self, pages: list[int], canonical: list[int]) -> None:
+        """Every page handed to :meth:`insert` is the caller's: allocated, not held by the tree
+        (except ``canonical[i]`` itself at place ``i``, the cached page the caller was given),
+        and listed once. Raises :class:`PageOwnershipError` with nothing changed."""
+        if len(set(pages)) != len(pages):
+            dup = next(p for i, p in enumerate(pages) if p in pages[:i])
+            raise PageOwnershipError(f"insert into {self.device.name}: device page {dup} is listed twice; each page holds one page of the request")
+        owned, alloc = self.tree.device_owned, self.dev_alloc
+        for i, p in enumerate(pages):
+            if i < len(canonical) and p == canonical[i]:
+                continue
+            if owned[p]:
+                raise PageOwnershipError(f"insert into {self.device.name}: device page {p} (place {i}) belongs to the cache, not the caller; "
+                                         "pass the pages the match or load gave you, in order, and pages you allocated")
+            if not alloc.is_allocated(p):
+                raise PageOwnershipError(f"insert into {self.device.name}: device page {p} (place {i}) was never allocated; "
+                                         "allocate pages with alloc_device before inserting them")
 
     # ---- backup ------------------------------------------------------------------
     def _backup(self, nodes: list[PageNode]) -> int:

@@ -1,10 +1,10 @@
 """A minimal paged engine around :class:`~kvtier.model.ReferenceModel`: it drives a prefix
 cache exactly as a serving engine would, one request at a time.
 
-Per request: match -> lock -> (L3 prefetch -> re-match) -> load_back -> allocate
-the rest -> prefill page by page, waiting for layer ``i``'s restored pages
-before attending layer ``i`` -> insert the full pages -> free the tail page ->
-unlock. The last token is always computed (its logits are the output), so at
+Per request (:mod:`kvtier.request`): begin (match, lock, L3 prefetch, load back)
+-> allocate the rest -> prefill page by page, waiting for layer ``i``'s restored
+pages before attending layer ``i`` -> commit (insert the full pages, free the
+tail page, unlock). The last token is always computed (its logits are the output), so at
 most ``(len - 1) // page_size`` cached pages are used.
 """
 
@@ -44,37 +44,20 @@ class ReferenceEngine:
         ps = self.ps
         cache = self.cache
         t0 = time.perf_counter()
-        m = cache.match(tokens.tolist())
-        cache.lock(m.last_node)
-        prefetched = 0
-        handle = cache.prefetch(m)
-        if handle is not None:
-            prefetched = cache.resolve_prefetch(handle)
-            m2 = cache.match(tokens.tolist(), count=False)
-            cache.lock(m2.last_node)
-            cache.unlock(m.last_node)
-            m = m2
-        on_device = m.num_device_pages
-        ld = cache.load_back(m)
-        usable = min(len(ld.device_pages), (n - 1) // ps)
+        req = cache.begin(tokens.tolist(), usable_pages=(n - 1) // ps)
+        usable = req.usable((n - 1) // ps)
         total_pages = -(-n // ps)
-        new = cache.alloc_device(total_pages - usable)
+        new = req.alloc(total_pages - usable)
         if not new.ok:
-            cache.unlock(m.last_node)
+            req.abort()
             raise ConfigError(f"device pool too small: a {n}-token request needs {total_pages - usable} free pages after eviction; raise the device pool size")
-        pages = torch.tensor(ld.device_pages[:usable] + new.pages, dtype=torch.int64)
+        pages = torch.tensor(req.cached_pages[:usable] + new.pages, dtype=torch.int64)
         logits, selections = None, []
         for p in range(usable, total_pages):
             end = min(n, (p + 1) * ps)
-            logits, sel = self.model.prefill_page(self.device, tokens[p * ps : end], p * ps, pages[: p + 1], ld.wait_layer, want_logits=end == n)
+            logits, sel = self.model.prefill_page(self.device, tokens[p * ps : end], p * ps, pages[: p + 1], req.wait_layer, want_logits=end == n)
             selections.append(sel)
         ttft = time.perf_counter() - t0
-        full = n // ps
-        cache.insert(tokens.tolist()[: full * ps], pages[:full].tolist())
-        if total_pages > full:
-            cache.free_device(pages[full:].tolist())
-        cache.unlock(m.last_node)
-        dev_hit = min(on_device, usable)
-        from_storage = max(0, min(prefetched, usable - dev_hit))
-        host_hit = usable - dev_hit - from_storage
+        req.commit(pages.tolist())
+        dev_hit, host_hit, from_storage = req.served(usable)
         return RequestResult(n, dev_hit * ps, host_hit * ps, from_storage * ps, n - usable * ps, ttft, logits, selections)

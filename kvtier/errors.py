@@ -90,6 +90,11 @@ class PageIndexError(KVTierError, IndexError):
     """A page or slot index is outside its pool, or a layer index outside the model."""
 
 
+class PageOwnershipError(KVTierError, ValueError):
+    """Pages handed to the cache are not the caller's to give: held by the cache, never allocated,
+    or listed twice. Raised before anything changes."""
+
+
 class IndexTypeError(KVTierError, TypeError):
     """Indices handed to a transfer are not a flat sequence of integers (floats, 2-D, None, strings).
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from kvtier.alloc import Allocation
 from kvtier.cache import InsertResult, LoadResult, MatchResult
 from kvtier.metrics import CacheStats
+from kvtier.request import CacheRequest
 
 
 class NullCache:
@@ -26,6 +27,13 @@ class NullCache:
             self.stats.requests += 1
             self.stats.lookup_pages += len(tokens_or_keys) // self.spec.page_size
         return MatchResult([], [], (), None)
+
+    def begin(self, tokens_or_keys: Sequence[int], *, usable_pages: int | None = None, prefetch: bool = True,
+              prefetch_policy: str | None = None) -> CacheRequest:
+        """A request with nothing cached: every page is computed, committed pages are freed."""
+        m = self.match(tokens_or_keys)
+        full = len(tokens_or_keys) // self.spec.page_size
+        return CacheRequest(self, [None] * full, 0, 0, 0, [], self.load_back(m), None)  # keys are never looked at
 
     def lock(self, node) -> None:
         pass

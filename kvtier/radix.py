@@ -158,8 +158,11 @@ class _LeafHeap:
 class PrefixTree:
     """Space-free bookkeeping: which page keys exist and where their bytes are. Touches no bytes."""
 
-    def __init__(self, reserve: int = 0) -> None:
+    def __init__(self, reserve: int = 0, device_pages: int = 0) -> None:
         self.nodes: dict[PageHash, PageNode] = {}
+        #: one byte per device page, 1 while a node holds it: lets ``insert`` refuse a caller's
+        #: page that the tree owns in O(1) (sized by ``device_pages``; empty: not tracked)
+        self.device_owned = bytearray(device_pages)
         #: recycled and preallocated nodes (see :meth:`reserve`)
         self._spare: list[PageNode] = []
         self.reserve(reserve)
@@ -265,7 +268,10 @@ class PrefixTree:
         last = len(keys) - 1
         prev = parent
         make = self._node
+        owned = self.device_owned
         for i, (key, page) in enumerate(zip(keys, pages)):
+            if owned:
+                owned[page] = 1
             node = make(key, prev, stamp, page, 0 if i == last else 1)
             nodes[key] = node
             chain.append(node)
@@ -293,6 +299,8 @@ class PrefixTree:
         parent = node.parent
         assert node.device_page == NO_PAGE and (parent is None or parent.device_page != NO_PAGE), node
         node.device_page = page
+        if self.device_owned:
+            self.device_owned[page] = 1
         if node.device_children == 0:
             self.device_heap.push(node)
         if parent is not None:
@@ -301,6 +309,8 @@ class PrefixTree:
     def clear_device(self, node: PageNode) -> int:
         assert node.device_children == 0 and node.device_page != NO_PAGE, node
         page, node.device_page = node.device_page, NO_PAGE
+        if self.device_owned:
+            self.device_owned[page] = 0
         parent = node.parent
         if parent is not None:
             parent.device_children -= 1

@@ -34,35 +34,33 @@ def expected_page(dev: DevicePool, tokens: list[int], page_index: int) -> bytes:
 @dataclass
 class Served:
     device_hit: int
+    #: pages loaded from host, the ones a prefetch just brought from L3 included
     host_hit: int
     computed: int
     pages: list[int]
+    #: of ``host_hit``, pages that came from L3
+    storage_hit: int = 0
 
 
-def serve(cache: HierarchicalCache, tokens: list[int], check_bytes: bool = True) -> Served:
-    """match -> lock -> load_back -> compute the rest -> verify every page's bytes -> insert -> unlock."""
+def serve(cache: HierarchicalCache, tokens: list[int], check_bytes: bool = True, *, prefetch: bool = False, policy: str | None = None) -> Served:
+    """begin -> compute the rest -> verify every page's bytes -> commit (kvtier's request protocol)."""
     spec = cache.spec
-    m = cache.match(tokens)
-    cache.lock(m.last_node)
-    ld = cache.load_back(m)
-    have = len(ld.device_pages)
+    req = cache.begin(tokens, prefetch=prefetch, prefetch_policy=policy)
+    have = req.num_cached
     full = len(tokens) // spec.page_size
     tail = 1 if len(tokens) % spec.page_size else 0
-    new = cache.alloc_device(full - have + tail)
+    new = req.alloc(full - have + tail)
     assert new.ok, "test pools are sized so a single request fits"
     for i, page in enumerate(new.pages[: full - have]):
         write_page(cache.device, page, tokens, have + i)
     for layer in range(spec.num_layers):
-        ld.wait_layer(layer)
-    pages = ld.device_pages + new.pages[: full - have]
+        req.wait_layer(layer)
+    pages = req.cached_pages + new.pages[: full - have]
     if check_bytes:
         for i, page in enumerate(pages):
             assert cache.device.page_bytes(page) == expected_page(cache.device, tokens, i), f"page {i} (device page {page}) has wrong bytes"
-    ins = cache.insert(tokens, pages)
-    if tail:
-        cache.free_device(new.pages[-1:])
-    cache.unlock(m.last_node)
-    return Served(m.num_device_pages, ld.loaded, full - have, ins.device_pages)
+    ins = req.commit(pages + new.pages[full - have :])
+    return Served(req.device_hit, req.host_hit + req.storage_hit, full - have, ins.device_pages, req.storage_hit)
 
 
 def make_cache(spec, dev_pages: int, host_pages: int, layout: str = "layer_first", **config) -> HierarchicalCache:
@@ -84,15 +82,5 @@ def make_tiered_cache(spec, dev_pages: int, host_pages: int, url: str, layout: s
 
 def serve_tiered(cache: HierarchicalCache, tokens: list[int], policy: str | None = None) -> tuple[int, int, int, int]:
     """Like :func:`serve`, with an L3 prefetch first. Returns (device, host, storage, computed) pages."""
-    m = cache.match(tokens)
-    cache.lock(m.last_node)
-    h = cache.prefetch(m)
-    got = cache.resolve_prefetch(h, policy)
-    if h is not None:
-        m2 = cache.match(tokens)
-        cache.lock(m2.last_node)
-        cache.unlock(m.last_node)
-        m = m2
-    cache.unlock(m.last_node)
-    s = serve(cache, tokens)
-    return s.device_hit, s.host_hit - got if s.host_hit >= got else s.host_hit, got, s.computed
+    s = serve(cache, tokens, prefetch=True, policy=policy)
+    return s.device_hit, s.host_hit - s.storage_hit, s.storage_hit, s.computed

@@ -62,7 +62,8 @@ class CacheBenchResult:
 
 
 def replay(cache: HierarchicalCache, requests, page_size: int) -> tuple[int, int, int, float, float]:
-    """Match + lock + insert + unlock for each request. Returns (pages, hit pages, hit tokens, hash s, tree s)."""
+    """begin (match + lock) + alloc + commit (insert + unlock) for each request.
+    Returns (pages, hit pages, hit tokens, hash s, tree s)."""
     pages = hit_pages = hit_tokens = 0
     t_hash = t_tree = 0.0
     for req in requests:
@@ -70,12 +71,10 @@ def replay(cache: HierarchicalCache, requests, page_size: int) -> tuple[int, int
         t0 = time.perf_counter()
         keys = cache.page_keys(toks)
         t1 = time.perf_counter()
-        m = cache.match(keys)
-        cache.lock(m.last_node)
-        have = m.num_device_pages
-        new = cache.alloc_device(len(keys) - have)
-        ins = cache.insert(keys, m.device_pages + new.pages)
-        cache.unlock(m.last_node)
+        req = cache.begin(keys)
+        have = req.num_cached
+        new = req.alloc(len(keys) - have)
+        ins = req.commit(req.cached_pages + new.pages)
         t2 = time.perf_counter()
         assert ins.new_pages == len(keys) - have
         t_hash += t1 - t0

@@ -14,7 +14,7 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3.memory import MemoryBackend
 from kvtier.l3.tier import StorageTier
-from kvtier.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts, attribute_hits
+from kvtier.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 from kvtier.workloads.mooncake import TraceRequest
@@ -43,30 +43,15 @@ def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Cache
         node = caches[cfg.node_of(i, r)]
         keys = [_block_key(h) for h in r.hash_ids[: r.input_length // block]]
         usable_max = (r.input_length - 1) // block
-        m = node.match(keys)
-        node.lock(m.last_node)
-        on_host = m.num_host_pages
-        if m.num_storage_pages and m.num_device_pages + m.num_host_pages < usable_max:
-            h = node.prefetch(m)
-            node.resolve_prefetch(h, "wait_complete")
-            if h is not None:
-                m2 = node.match(keys, count=False)
-                node.lock(m2.last_node)
-                node.unlock(m.last_node)
-                m = m2
-        on_device = m.num_device_pages
-        ld = node.load_back(m)
-        usable = min(len(ld.device_pages), usable_max)
+        req = node.begin(keys, usable_pages=usable_max, prefetch_policy="wait_complete")
+        usable = req.usable(usable_max)
         total = -(-r.input_length // block)
-        new = node.alloc_device(total - usable)
+        new = req.alloc(total - usable)
         if new.ok:
-            pages = ld.device_pages[:usable] + new.pages
-            full = len(keys)
-            node.insert(keys, pages[:full])
-            if total > full:
-                node.free_device(pages[full:])
-        node.unlock(m.last_node)
-        served = attribute_hits(usable, on_device, on_host)
+            req.commit(req.cached_pages[:usable] + new.pages)
+        else:
+            req.abort()
+        served = req.served(usable)
         for tier, n in zip(("device", "host", "storage"), served):
             hits[tier] += n
         if out.per_request is not None:

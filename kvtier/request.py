@@ -1,0 +1,143 @@
+"""One request's pass through the cache: the request protocol, written once.
+
+Engines used to spell it out by hand -- match, lock, prefetch, resolve, re-match
+without counting, lock the new match, unlock the old one, load back, allocate,
+insert, free the tail, unlock -- and each copy could get a step wrong (count a
+request twice, leak a lock, free a page the tree maps). Here it is::
+
+    req = cache.begin(tokens)                # hashes once; locks the prefix; L3 prefetch per policy;
+                                             # starts the host->device load of what is on host
+    use = req.usable(max_pages)              # cached pages the engine will use (<= req.num_cached)
+    new = req.alloc(pages_needed)            # device pages for the rest (OOM is a result: new.ok)
+    for layer in ...: req.wait_layer(layer)  # layer i of the loaded pages is in place
+    req.commit(pages)                        # all the request's pages in order: full ones are
+                                             # inserted, the partial tail is freed, locks released
+
+Lifecycle (enforced; a second ``commit`` or ``abort`` is an :class:`InvalidStateError`)::
+
+    begin() --> OPEN --commit(pages)--> COMMITTED
+                  \\---abort()--------> ABORTED   (allocated pages freed, lock released)
+
+Pages handed to ``commit`` are checked before anything changes: the cached
+pages the request was given (at their own places) and pages it allocated, each
+once. A page the cache holds elsewhere, a foreign page, a duplicate or an
+out-of-range page is a typed error and the request stays open.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from kvtier.alloc import Allocation
+from kvtier.errors import InvalidStateError, PageOwnershipError
+from kvtier.pages import checked_pages
+
+if TYPE_CHECKING:
+    from kvtier.cache import HierarchicalCache, InsertResult, LoadResult
+    from kvtier.hashing import PageHash
+    from kvtier.radix import PageNode
+
+
+class RequestState(Enum):
+    OPEN = "open"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+@dataclass(eq=False)
+class CacheRequest:
+    """Made by :meth:`HierarchicalCache.begin`; see the module docstring for the protocol."""
+
+    cache: HierarchicalCache
+    keys: list[PageHash]
+    #: pages of the prefix that were on device when the request began (usable at once)
+    device_hit: int
+    #: pages that were in host memory and are being loaded back (layer by layer; see :meth:`wait_layer`)
+    host_hit: int
+    #: pages this request's prefetch brought from L3 to host, loaded back after the host ones
+    storage_hit: int
+    #: device pages holding the cached prefix, in order: ``device_hit + host_hit`` of them
+    cached_pages: list[int]
+    load: LoadResult
+    _locked: PageNode | None
+    _allocated: list[int] = field(default_factory=list)
+    state: RequestState = RequestState.OPEN
+
+    @property
+    def num_cached(self) -> int:
+        return len(self.cached_pages)
+
+    def usable(self, max_pages: int) -> int:
+        """Cached pages a request that may use at most ``max_pages`` of them will use."""
+        return max(0, min(self.num_cached, max_pages))
+
+    def served(self, used: int) -> tuple[int, int, int]:
+        """Where the first ``used`` cached pages came from, in prefix order: (device, host, storage)."""
+        d = min(self.device_hit, used)
+        h = min(self.host_hit, used - d)
+        return d, h, min(self.storage_hit, used - d - h)
+
+    def wait_layer(self, layer: int) -> None:
+        self.load.wait_layer(layer)
+
+    def wait(self) -> None:
+        self.load.wait()
+
+    def alloc(self, n: int) -> Allocation:
+        """``n`` device pages for this request (evicting unlocked LRU pages if needed); owned by the
+        request until :meth:`commit` hands them over or :meth:`abort` frees them."""
+        self._check_open("alloc")
+        got = self.cache.alloc_device(n)
+        self._allocated += got.pages
+        return got
+
+    def commit(self, pages: Sequence[int]) -> InsertResult:
+        """Hand the request's pages to the cache, in order: one per page of the request, the
+        full pages first (inserted) and at most one partial tail page (freed). Pages the
+        request allocated but did not pass are freed too. Unlocks the prefix."""
+        self._check_open("commit")
+        cache = self.cache
+        pages = checked_pages(pages, cache.device.num_pages, pool=cache.device.name, side="device").tolist()
+        full = len(self.keys)
+        if not full <= len(pages) <= full + 1:
+            raise PageOwnershipError(f"commit: {len(pages)} pages for a request of {full} full pages; pass its {full} full pages "
+                                     f"in order, then its partial tail page if it has one")
+        self._check_pages(pages)
+        result = cache.insert(self.keys, pages[:full])
+        handed = set(pages[:full])
+        rest = [p for p in self._allocated if p not in handed]
+        if rest:
+            cache.free_device(rest)
+        self._finish(RequestState.COMMITTED)
+        return result
+
+    def abort(self) -> None:
+        """Give up the request: free the pages it allocated, release its lock."""
+        self._check_open("abort")
+        if self._allocated:
+            self.cache.free_device(list(self._allocated))
+        self._finish(RequestState.ABORTED)
+
+    # ---- internals -----------------------------------------------------------------
+    def _check_open(self, what: str) -> None:
+        if self.state is not RequestState.OPEN:
+            raise InvalidStateError(f"{what} on a request that is already {self.state.value}; begin a new request")
+
+    def _check_pages(self, pages: list[int]) -> None:
+        if len(set(pages)) != len(pages):
+            dup = next(p for i, p in enumerate(pages) if p in pages[:i])
+            raise PageOwnershipError(f"commit: device page {dup} is listed twice")
+        mine = set(self._allocated)
+        for i, p in enumerate(pages):
+            if not (i < self.num_cached and p == self.cached_pages[i]) and p not in mine:
+                raise PageOwnershipError(f"commit: device page {p} (place {i}) is not this request's: pass the cached pages it was "
+                                         "given, at their places, and pages it allocated")
+
+    def _finish(self, state: RequestState) -> None:
+        self.cache.unlock(self._locked)
+        self._locked = None
+        self._allocated = []
+        self.state = state
