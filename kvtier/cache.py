@@ -121,6 +121,42 @@ class PrefetchHandle:
         return len(self.nodes)
 
 
+# ---- what each transfer or storage job is for: its tag, typed (completions dispatch on the type) ----
+@dataclass(frozen=True, slots=True)
+class Backup:
+    """device -> host copies of one path's nodes (write policies); applied by :meth:`HierarchicalCache.poll`."""
+
+    nodes: list[PageNode]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadBack:
+    """host -> device copies of a request's host run; applied by :meth:`HierarchicalCache.poll`."""
+
+    nodes: list[PageNode]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionBackup:
+    """device -> host copies of eviction victims, waited for where they are made (poll ignores them)."""
+
+    nodes: list[PageNode]
+
+
+@dataclass(frozen=True, slots=True)
+class Save:
+    """host -> L3 writes of one path's ready host pages; applied by :meth:`HierarchicalCache.poll`."""
+
+    nodes: list[PageNode]
+
+
+@dataclass(frozen=True, slots=True)
+class EvictionSave:
+    """host -> L3 writes of host eviction victims (write_back), waited for where they are made."""
+
+    nodes: list[PageNode]
+
+
 @dataclass(frozen=True)
 class EvictResult:
     requested: int
@@ -152,6 +188,9 @@ class HierarchicalCache:
         self.storage_config = storage_config
         #: device pages whose host->device load is still in flight, by node
         self._loading: dict[PageNode, TransferJob] = {}
+        #: completion handlers, by the type of the job's tag
+        self._on_transfer = {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited}
+        self._on_storage = {Save: self._finish_save, EvictionSave: self._applied_where_waited, PrefetchHandle: self._finish_prefetch}
 
     # ---- keys ------------------------------------------------------------------
     def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
@@ -162,23 +201,20 @@ class HierarchicalCache:
         """Apply finished transfers to the bookkeeping. Returns how many jobs finished."""
         jobs = self.engine.take_finished()
         for job in jobs:
-            kind, nodes = job.tag
-            if kind == "backup":
-                self._finish_backup(job, nodes)
-            elif kind == "load":
-                self._finish_load(job, nodes)
+            self._on_transfer[type(job.tag)](job, job.tag)
         if self.storage is None:
             return len(jobs)
         sjobs = self.storage.take_finished()
         for sjob in sjobs:
-            if sjob.kind == "save":
-                if sjob.tag is not None:  # eviction saves (tag None) are applied where they were waited on
-                    self._finish_save(sjob)
-            else:
-                self._finish_prefetch(sjob.tag)
+            self._on_storage[type(sjob.tag)](sjob, sjob.tag)
         return len(jobs) + len(sjobs)
 
-    def _finish_backup(self, job: TransferJob, nodes: list[PageNode]) -> None:
+    @staticmethod
+    def _applied_where_waited(_job, _tag) -> None:
+        """Eviction copies and saves: the evicting call waited for them and applied them itself."""
+
+    def _finish_backup(self, job: TransferJob, tag: Backup) -> None:
+        nodes = tag.nodes
         tree = self.tree
         if job.error is None:
             for n in nodes:
@@ -192,7 +228,8 @@ class HierarchicalCache:
         if job.error is None and self.storage is not None and self.storage_config.write_policy == "write_through":
             self._save([n for n in nodes if n.stored == NOT_STORED])
 
-    def _finish_load(self, job: TransferJob, nodes: list[PageNode]) -> None:
+    def _finish_load(self, job: TransferJob, tag: LoadBack) -> None:
+        nodes = tag.nodes
         loading = self._loading
         for n in nodes:
             if loading.get(n) is job:
@@ -318,7 +355,7 @@ class HierarchicalCache:
             self.tree.set_device(n, page)
         self.tree.touch(served)
         self.tree.lock(served[-1])  # released when the load completes (poll)
-        job = self.engine.load([n.host_page for n in served], got.pages, tag=("load", served))
+        job = self.engine.load([n.host_page for n in served], got.pages, tag=LoadBack(served))
         for n in served:
             self._loading[n] = job
         return LoadResult(job, prefix_pages + got.pages, len(served), len(match.host_nodes), match.pending)
@@ -436,7 +473,7 @@ class HierarchicalCache:
         for n, page in zip(nodes, got.pages):
             self.tree.set_host(n, page, ready=False)
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
-        self.engine.backup([n.device_page for n in nodes], got.pages, tag=("backup", nodes))
+        self.engine.backup([n.device_page for n in nodes], got.pages, tag=Backup(nodes))
         return len(nodes)
 
     # ---- L3 -------------------------------------------------------------------------
@@ -498,8 +535,7 @@ class HierarchicalCache:
             self.stats.storage_prefetched_bytes += (arrived - handle.applied) * self._page_bytes
             handle.applied = arrived
 
-    def _finish_prefetch(self, handle: PrefetchHandle) -> None:
-        job = handle.job
+    def _finish_prefetch(self, job: StorageJob, handle: PrefetchHandle) -> None:
         self._apply_arrived(handle)
         self.stats.storage_corrupt_pages += job.corrupt
         if any(s is KeyStatus.ERROR for s in job.statuses):
@@ -529,14 +565,14 @@ class HierarchicalCache:
             return None
         for n in nodes:
             n.stored = SAVING
-        job = self.storage.submit("save", [n.key for n in nodes], [n.host_page for n in nodes], tag=nodes)
+        job = self.storage.submit("save", [n.key for n in nodes], [n.host_page for n in nodes], tag=Save(nodes))
         if job is None:  # back-pressure: skipped
             for n in nodes:
                 n.stored = NOT_STORED
         return job
 
-    def _finish_save(self, job: StorageJob) -> None:
-        nodes: list[PageNode] = job.tag  # type: ignore[assignment]
+    def _finish_save(self, job: StorageJob, tag: Save) -> None:
+        nodes = tag.nodes
         ok = 0
         for n, status in zip(nodes, job.statuses + [KeyStatus.ERROR] * (len(nodes) - len(job.statuses))):
             n.stored = STORED if status is KeyStatus.OK else NOT_STORED
@@ -595,7 +631,7 @@ class HierarchicalCache:
         for v, page in zip(victims, got.pages):  # victims are LRU-ordered, descendants first
             self.tree.set_host(v, page, ready=False)
             self.tree.lock(v)
-        job = self.engine.backup([v.device_page for v in victims], got.pages, tag=("evict-backup", victims))
+        job = self.engine.backup([v.device_page for v in victims], got.pages, tag=EvictionBackup(victims))
         job.finished.wait()
         for v in victims:
             self.tree.unlock(v)
@@ -632,7 +668,7 @@ class HierarchicalCache:
         Victims are leaves of possibly different paths, so each is saved as its own key list."""
         for v in victims:
             v.stored = SAVING
-        job = self.storage.submit("save", [v.key for v in victims], [v.host_page for v in victims], tag=None)
+        job = self.storage.submit("save", [v.key for v in victims], [v.host_page for v in victims], tag=EvictionSave(victims))
         if job is not None:
             job.wait()
         if job is None:

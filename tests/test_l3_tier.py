@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -35,7 +36,7 @@ class Injecting:
     def __init__(self, inner, object_bytes: int):
         self.inner = inner
         self.name, self.stats = inner.name, inner.stats
-        self.preferred_batch_bytes = object_bytes  # one page per call
+        self.capabilities = replace(inner.capabilities, batch_bytes=object_bytes)  # one page per call
         self.before_get = self.before_set = lambda i: None
         self.set_status = None
         self.finished: list[int] = []  # get calls in the order they returned

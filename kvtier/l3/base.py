@@ -14,8 +14,18 @@ Contract of a :class:`StorageBackend` (every method is batched):
 * Misses and per-key failures are results, never exceptions; an exception
   escapes only for a broken configuration. Client exceptions are mapped to
   results in one place (:func:`map_storage_errors`).
-* Every network call has a timeout. Methods are called from one storage worker
-  thread at a time; ``close()`` releases connections and child processes.
+* Every network call has a deadline for the whole call. ``close()`` releases
+  connections and child processes.
+* What a backend can do beyond that is declared, not probed: its
+  :class:`Capabilities` (``backend.capabilities``). With ``scattered``, it has
+  ``get_scattered`` / ``set_scattered`` (each object read into, or written from,
+  several buffers back to back: header, then each buffer of a host page), and the
+  tier may run several such calls at once, one per I/O thread, so they must be
+  thread-safe. With ``registers_buffers``, memory must be registered with
+  ``register_buffer(memoryview)`` before those calls move it without a copy.
+
+URLs are parsed and dispatched to backends in :mod:`kvtier.l3.registry`; this
+module imports no backend.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ from enum import Enum
 from typing import Protocol
 from urllib.parse import urlparse
 
-from kvtier.errors import StorageError, UnknownNameError
+from kvtier.errors import StorageError
 
 log = logging.getLogger(__name__)
 
@@ -50,21 +60,27 @@ class BackendStats:
     last_error: str = ""
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend offers beyond the batched get/set/exists/delete contract."""
+
+    #: ``get_scattered`` / ``set_scattered``: page objects straight to and from host pages (no staging copy)
+    scattered: bool = False
+    #: ``register_buffer(memoryview)``: memory is registered before scattered calls move it (Mooncake)
+    registers_buffers: bool = False
+    #: bytes per scattered call the backend moves best (None: the tier's ``batch_pages``)
+    batch_bytes: int | None = None
+    #: the tier's I/O threads when ``StorageConfig.io_threads`` is unset
+    io_threads: int = 2
+
+
 class StorageBackend(Protocol):
     name: str
     stats: BackendStats
+    capabilities: Capabilities
 
     def exists(self, keys: Sequence[str]) -> int: ...
     def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[KeyStatus]: ...
-    # Optional: ``get_scattered(keys, outs: Sequence[Sequence[memoryview]])`` reads each object
-    # into several buffers in order (header, then each buffer of a host page), so the tier
-    # can skip its staging copy. Backends without it are read through staging.
-    # Optional: ``set_scattered(keys, parts: Sequence[Sequence[memoryview]])`` stores each object
-    # given as buffers back to back (header, then a host page's buffers): no staging copy.
-    # Optional: ``preferred_batch_bytes`` (int), bytes per scattered call (default: the tier's
-    # ``batch_pages``), and ``preferred_io_threads`` (int), the tier's I/O threads when
-    # ``StorageConfig.io_threads`` is unset (default 2). The tier may run several calls at
-    # once, one per I/O thread, so both scattered methods must be thread-safe.
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]: ...
     def delete(self, keys: Sequence[str]) -> None: ...
     def close(self) -> None: ...
@@ -92,6 +108,18 @@ class StorageURL:
     query: dict[str, str] = field(default_factory=dict)
 
 
+def scatter_into(value, parts: Sequence[memoryview]) -> bool:
+    """Copy ``value`` into ``parts`` back to back; False (nothing meaningful written) when sizes differ."""
+    if len(value) != sum(len(p) for p in parts):
+        return False
+    src = memoryview(value)
+    off = 0
+    for p in parts:
+        p[:] = src[off : off + len(p)]
+        off += len(p)
+    return True
+
+
 def redact_url(url: str | None) -> str | None:
     """``url`` with any password replaced by ``***``: the form for reports, logs and errors."""
     if not url or "@" not in url:
@@ -107,19 +135,6 @@ def redact_url(url: str | None) -> str | None:
     return u._replace(netloc=f"{user}:***@{host}").geturl()
 
 
-def parse_url(url: str) -> StorageURL:
-    shown = redact_url(url)
-    try:
-        u = urlparse(url)
-        port = u.port
-    except ValueError as e:
-        raise StorageError(f"storage URL {shown!r} is malformed ({e}); e.g. redis://127.0.0.1:6379/0") from None
-    if not u.scheme:
-        raise StorageError(f"storage URL {shown!r} has no scheme; use one of {', '.join(sorted(_OPENERS))} (e.g. file:///var/cache/kvtier)")
-    query = dict(p.split("=", 1) if "=" in p else (p, "1") for p in u.query.split("&") if p)
-    return StorageURL(u.scheme, url, u.hostname, port, u.path, query)
-
-
 def query_number(u: StorageURL, name: str, default: float, *, integer: bool = False, minimum: float = 0.0) -> float:
     """A numeric URL option (``?timeout=2``), or a :class:`StorageError` naming it and the fix."""
     raw = u.query.get(name)
@@ -133,59 +148,3 @@ def query_number(u: StorageURL, name: str, default: float, *, integer: bool = Fa
         kind = "an integer" if integer else "a number"
         raise StorageError(f"storage URL option {name}={raw!r} must be {kind} >= {minimum:g} (in {redact_url(u.url)!r})")
     return value
-
-
-def _open_file(u: StorageURL) -> StorageBackend:
-    from kvtier.l3.file import FileBackend
-
-    return FileBackend.from_url(u)
-
-
-def _open_memory(u: StorageURL) -> StorageBackend:
-    from kvtier.l3.memory import MemoryBackend
-
-    return MemoryBackend.from_url(u)
-
-
-def _open_redis(u: StorageURL) -> StorageBackend:
-    from kvtier.l3.redis import RedisBackend
-
-    return RedisBackend.from_url(u)
-
-
-def _open_mooncake(u: StorageURL) -> StorageBackend:
-    from kvtier.l3.mooncake import MooncakeBackend
-
-    return MooncakeBackend.from_url(u)
-
-
-#: scheme -> opener; heavy clients are imported only when their scheme is used.
-_OPENERS: dict[str, Callable[[StorageURL], StorageBackend]] = {
-    "file": _open_file,
-    "memory": _open_memory,
-    "redis": _open_redis,
-    "rediss": _open_redis,
-    "redis+cluster": _open_redis,
-    "mooncake": _open_mooncake,
-}
-
-
-def open_backend(url: str) -> StorageBackend:
-    u = parse_url(url)
-    try:
-        opener = _OPENERS[u.scheme]
-    except KeyError:
-        raise UnknownNameError("storage scheme", u.scheme, _OPENERS) from None
-    return opener(u)
-
-
-def scatter_into(value, parts: Sequence[memoryview]) -> bool:
-    """Copy ``value`` into ``parts`` back to back; False (nothing meaningful written) when sizes differ."""
-    if len(value) != sum(len(p) for p in parts):
-        return False
-    src = memoryview(value)
-    off = 0
-    for p in parts:
-        p[:] = src[off : off + len(p)]
-        off += len(p)
-    return True

@@ -36,7 +36,7 @@ from pathlib import Path
 import xxhash
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors
+from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 _HEX_NAME = re.compile(r"[0-9a-f]{2,64}")
@@ -71,11 +71,10 @@ _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
 
 class FileBackend:
     name = "file"
-    #: no round trips to amortize: calls of a few MB (one 5 MB deepseek page, three 1.2 MB ones),
-    #: so each I/O thread checks pages it just read, and small pages do not pay per-call overhead
-    preferred_batch_bytes = 4 << 20
-    #: the kernel copies in the calling thread, so two threads keep two cores copying
-    preferred_io_threads = 2
+    #: batches: no round trips to amortize, so calls of a few MB (one 5 MB deepseek page, three
+    #: 1.2 MB ones): each I/O thread checks pages it just read, and small pages do not pay per-call
+    #: overhead. Threads: the kernel copies in the calling thread, so two keep two cores copying
+    capabilities = Capabilities(scattered=True, batch_bytes=4 << 20, io_threads=2)
 
     def __init__(self, root: str | Path, max_bytes: int | None = None, stale_temp_s: float = 600.0, rescan_fraction: float = 0.05):
         self.root = Path(root)

@@ -11,11 +11,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from kvtier.l3.base import BackendStats, KeyStatus, StorageURL
+from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL
 
 
 class MemoryBackend:
     name = "memory"
+    capabilities = Capabilities()  # whole objects only, through the tier's staging buffer
 
     def __init__(self, max_objects: int | None = None):
         self.max_objects = max_objects

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, scatter_into
+from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, scatter_into
 
 #: Mooncake's OBJECT_NOT_FOUND error code: a plain miss.
 _NOT_FOUND = -704
@@ -36,13 +36,12 @@ def _address(mv: memoryview) -> int:
 
 class MooncakeBackend:
     name = "mooncake"
-    #: a transfer per batch: ~32 MB batches (6 deepseek pages of 5 MB, 25 of 1.2 MB) amortize
-    #: its setup; the tier keeps two per I/O thread in flight
-    preferred_batch_bytes = 32 << 20
-    #: one call at a time: a batch call already runs its transfers in parallel in the transfer
-    #: engine, and a second thread only competes with it for CPU (loopback, 2 cores, 96 pages
-    #: of 1.25 MB, median GB/s one vs two threads: gets 1.06 / 0.88, puts 1.07 / 0.84)
-    preferred_io_threads = 1
+    #: batches: a transfer per batch, ~32 MB (6 deepseek pages of 5 MB, 25 of 1.2 MB) amortize its
+    #: setup; the tier keeps two per I/O thread in flight. Threads: one call at a time -- a batch
+    #: call already runs its transfers in parallel in the transfer engine, and a second thread only
+    #: competes with it for CPU (loopback, 2 cores, 96 pages of 1.25 MB, median GB/s one vs two
+    #: threads: gets 1.06 / 0.88, puts 1.07 / 0.84). Zero-copy needs registered memory.
+    capabilities = Capabilities(scattered=True, registers_buffers=True, batch_bytes=32 << 20, io_threads=1)
 
     def __init__(self, store, bounce_bytes: int):
         self.store = store

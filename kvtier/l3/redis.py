@@ -32,7 +32,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, KeyStatus, StorageURL, map_storage_errors, query_number, redact_url, scatter_into
+from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors, query_number, redact_url, scatter_into
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +144,11 @@ class RedisBackend:
         #: seconds each whole call may take (connect, send and every reply): not per receive
         self.timeout = timeout
         self.stats = BackendStats()
-        #: the storage tier's I/O threads unless ``StorageConfig.io_threads`` says otherwise. A single
-        #: node runs one command at a time: a second connection only takes turns with the first and,
-        #: on a shared host, competes with it for CPU (loopback, 2 cores, 96 pages of 1.25 MB: gets
-        #: 1.55 GB/s median on one thread vs 1.03 on two, puts 1.19 vs 1.23). A cluster's calls
-        #: spread over its nodes.
-        self.preferred_io_threads = 2 if cluster else 1
+        #: I/O threads: a single node runs one command at a time, so a second connection only takes
+        #: turns with the first and, on a shared host, competes with it for CPU (loopback, 2 cores,
+        #: 96 pages of 1.25 MB: gets 1.55 GB/s median on one thread vs 1.03 on two, puts 1.19 vs
+        #: 1.23). A cluster's calls spread over its nodes. Batches: the tier's ``batch_pages``.
+        self.capabilities = Capabilities(scattered=True, io_threads=2 if cluster else 1)
         #: (re)connects run here, so a call can stop waiting for one at its deadline
         self._connector = ThreadPoolExecutor(2, thread_name_prefix="kvtier-redis-connect")
 

@@ -13,7 +13,7 @@ latency must never queue PCIe copies behind it. Jobs:
 
 Backends that read and write scattered buffers (file, Redis, Mooncake) move
 pages straight between the store and page_first host pages on ``io_threads``
-threads (unset: the backend's ``preferred_io_threads``), up to twice that many
+threads (unset: the backend's ``capabilities.io_threads``), up to twice that many
 batches in flight: each I/O thread reads a batch and checks it (or hashes a
 batch and writes it) while the data is fresh in its cache, and results are
 applied in batch order. For the file backend on 2 cores this is what lets a
@@ -124,10 +124,13 @@ class StorageTier:
         self.busy_s: dict[str, float] = {}
         #: without bytes (capacity planning) jobs run inline, deterministically, in the caller's thread
         self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True) if self.materialized else None
+        caps = backend.capabilities
         #: None: the backend's choice (file 2; one Redis node or Mooncake 1: see their modules)
         if io_threads is None:
-            io_threads = getattr(backend, "preferred_io_threads", 2)
+            io_threads = caps.io_threads
         self.io_threads = io_threads
+        #: page objects move straight between the store and host pages (no staging copy)
+        self._scattered = caps.scattered and host_pool.layout.page_is_contiguous()
         #: batches submitted ahead: twice the threads, so a thread that finishes finds its next
         #: batch queued instead of waiting for the worker to wake up and submit one
         self._in_flight = 2 * io_threads
@@ -138,8 +141,8 @@ class StorageTier:
         self._free_heads: queue.SimpleQueue[int] = queue.SimpleQueue()
         for slab in range(self._in_flight):
             self._free_heads.put(slab)
-        register = getattr(backend, "register_buffer", None)
-        if register is not None and self.materialized:  # zero-copy I/O where the backend needs memory registered
+        if caps.registers_buffers and self.materialized:  # zero-copy I/O where the backend needs memory registered
+            register = backend.register_buffer
             for buf in (self._staging, self._heads):
                 register(memoryview(buf).cast("B"))
             for pool_bytes, _n in self._pool_bytes:
@@ -259,7 +262,7 @@ class StorageTier:
         have = self.stored_prefix(job.keys)
         job.skipped_existing = have
         job.statuses = [KeyStatus.OK] * have
-        scattered = getattr(self.backend, "set_scattered", None) if self.host.layout.page_is_contiguous() else None
+        scattered = self.backend.set_scattered if self._scattered else None
         if self.materialized and scattered is not None:
             self._save_scattered(job, have, scattered)
         else:
@@ -307,9 +310,9 @@ class StorageTier:
             self._free_heads.put(slab)
 
     def _scattered_batch(self) -> int:
-        """Pages per scattered call: about the backend's ``preferred_batch_bytes`` (file: a few MB,
+        """Pages per scattered call: about the backend's ``capabilities.batch_bytes`` (file: a few MB,
         so each I/O thread checks what it just read while it is still in cache), else ``batch_pages``."""
-        per_call = getattr(self.backend, "preferred_batch_bytes", None)
+        per_call = self.backend.capabilities.batch_bytes
         return max(1, per_call // self.codec.object_bytes) if per_call else self.batch_pages
 
     def _in_order(self, job: StorageJob, starts: Iterable[int], work: Callable[[int], object], apply: Callable[[object], bool]) -> None:
@@ -348,7 +351,7 @@ class StorageTier:
         return values
 
     def _prefetch(self, job: StorageJob) -> None:
-        scattered = getattr(self.backend, "get_scattered", None) if self.host.layout.page_is_contiguous() else None
+        scattered = self.backend.get_scattered if self._scattered else None
         if not self.materialized:
             self._prefetch_accounted(job)
         elif scattered is None:
