@@ -352,9 +352,19 @@ for i in range(int(sys.argv[3])):
 def test_two_writers_keep_a_capped_store_within_its_bound(tmp_path):
     cap, obj, writers = 400_000, 10_000, 2
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(cap), "300", f"{w:02x}"]) for w in range(writers)]
+    def stored_bytes() -> int:
+        total = 0
+        for f in tmp_path.rglob("*"):
+            try:  # the writers evict files while this walks
+                if f.is_file() and not f.name.startswith(".tmp-"):
+                    total += f.stat().st_size
+            except FileNotFoundError:
+                pass
+        return total
+
     peak = 0
     while any(p.poll() is None for p in procs):
-        peak = max(peak, sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file() and not f.name.startswith(".tmp-")))
+        peak = max(peak, stored_bytes())
         time.sleep(0.02)
     assert all(p.wait(60) == 0 for p in procs)
     final = FileBackend(tmp_path).usage_bytes()
