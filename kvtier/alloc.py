@@ -92,6 +92,12 @@ class PageAllocator:
     def is_allocated(self, page: int) -> bool:
         return bool(self._owned[page])
 
+    def allocated_view(self):
+        """A live numpy ``uint8`` view of the ownership bytes (1 = allocated), for vectorized checks."""
+        import numpy as np
+
+        return np.frombuffer(self._owned, dtype=np.uint8)
+
     def allocated_pages(self) -> set[int]:
         first = 1 if self.reserve_padding_page else 0
         return {p for p in range(first, self.num_pages) if self._owned[p]}

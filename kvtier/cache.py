@@ -28,6 +28,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.alloc import Allocation
@@ -35,7 +36,7 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.errors import PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
-from kvtier.pages import checked_pages
+from kvtier.pages import at_own_place, checked_page_list, first_duplicate
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, PrefixTree
@@ -188,6 +189,9 @@ class HierarchicalCache:
         self.storage_config = storage_config
         #: device pages whose host->device load is still in flight, by node
         self._loading: dict[PageNode, TransferJob] = {}
+        #: live views of who holds each device page (tree / allocator), for insert's ownership check
+        self._tree_owned = np.frombuffer(self.tree.device_owned, dtype=np.uint8)
+        self._allocated = self.dev_alloc.allocated_view()
         #: completion handlers, by the type of the job's tag
         self._on_transfer = {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited}
         self._on_storage = {Save: self._finish_save, EvictionSave: self._applied_where_waited, PrefetchHandle: self._finish_prefetch}
@@ -310,7 +314,7 @@ class HierarchicalCache:
                 self.lock(again.last_node)
                 self.unlock(m.last_node)
                 m = again
-        ld = self.load_back(m)
+        ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending)
         host_hit = min(ld.loaded, host_before)
         return CacheRequest(self, keys, m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld, m.last_node)
 
@@ -404,11 +408,16 @@ class HierarchicalCache:
 
         Ownership of every page in ``device_pages`` passes to the cache. Pages
         whose key is already on device are freed (``freed``); use
-        ``device_pages`` of the result afterwards.
+        ``device_pages`` of the result afterwards. Pages that are not the caller's
+        to give (see :meth:`_check_caller_pages`) are refused, nothing changed.
         """
         self.poll()
         keys = self._keys(tokens_or_keys)
-        device_pages = checked_pages(device_pages, self.device.num_pages, pool=self.device.name, side="device").tolist()
+        device_pages = checked_page_list(device_pages, self.device.num_pages, pool=self.device.name, side="device")
+        return self._insert(keys, device_pages, check=True)
+
+    def _insert(self, keys: list[PageHash], device_pages: list[int], *, check: bool) -> InsertResult:
+        """``check=False``: the caller (a :class:`CacheRequest`) has proven the pages are its own."""
         if len(device_pages) != len(keys):
             raise PageAlignmentError(
                 f"insert into {self.device.name}: {len(device_pages)} device pages for {len(keys)} full pages of keys "
@@ -419,7 +428,8 @@ class HierarchicalCache:
         n_have = len(path)
         n_dev = tree.device_prefix(path)
         canonical = [n.device_page for n in path[:n_dev]]
-        self._check_caller_pages(device_pages, canonical)  # before anything changes
+        if check:
+            self._check_caller_pages(device_pages, canonical)  # before anything changes
         freed: list[int] = []
         if canonical != device_pages[:n_dev]:  # the caller computed pages the cache already has
             freed = [p for p, c in zip(device_pages, canonical) if p != c]
@@ -444,20 +454,23 @@ class HierarchicalCache:
     def _check_caller_pages(self, pages: list[int], canonical: list[int]) -> None:
         """Every page handed to :meth:`insert` is the caller's: allocated, not held by the tree
         (except ``canonical[i]`` itself at place ``i``, the cached page the caller was given),
-        and listed once. Raises :class:`PageOwnershipError` with nothing changed."""
-        if len(set(pages)) != len(pages):
-            dup = next(p for i, p in enumerate(pages) if p in pages[:i])
-            raise PageOwnershipError(f"insert into {self.device.name}: device page {dup} is listed twice; each page holds one page of the request")
-        owned, alloc = self.tree.device_owned, self.dev_alloc
-        for i, p in enumerate(pages):
-            if i < len(canonical) and p == canonical[i]:
-                continue
-            if owned[p]:
-                raise PageOwnershipError(f"insert into {self.device.name}: device page {p} (place {i}) belongs to the cache, not the caller; "
-                                         "pass the pages the match or load gave you, in order, and pages you allocated")
-            if not alloc.is_allocated(p):
-                raise PageOwnershipError(f"insert into {self.device.name}: device page {p} (place {i}) was never allocated; "
-                                         "allocate pages with alloc_device before inserting them")
+        and listed once. Raises :class:`PageOwnershipError` with nothing changed. Vectorized:
+        this runs on every insert."""
+        where = f"insert into {self.device.name}"
+        arr = np.asarray(pages, dtype=np.int64)
+        if np.unique(arr).size != arr.size:
+            raise PageOwnershipError(f"{where}: device page {first_duplicate(pages)} is listed twice; each page holds one page of the request")
+        given = at_own_place(arr, canonical)
+        held = (self._tree_owned[arr] != 0) & ~given
+        if held.any():
+            i = int(np.argmax(held))
+            raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) belongs to the cache, not the caller; "
+                                     "pass the pages the match or load gave you, in order, and pages you allocated")
+        foreign = (self._allocated[arr] == 0) & ~given
+        if foreign.any():
+            i = int(np.argmax(foreign))
+            raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) was never allocated; "
+                                     "allocate pages with alloc_device before inserting them")
 
     # ---- backup ------------------------------------------------------------------
     def _backup(self, nodes: list[PageNode]) -> int:

@@ -123,35 +123,31 @@ def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def page_bytes_of(pages: np.ndarray) -> list[bytes] | bytes:
-    """Hash input of each page: int32 little-endian when every id of the page fits (the common
-    case, one buffer for all pages), else that page as int64. Every id is hashed at its full
-    width, so ``2**32 + 1`` never aliases ``1``; the two widths differ in length, so they never
-    alias each other either."""
-    if not pages.size:
-        return b""
-    wide = (pages.max(axis=1) > _I32.max) | (pages.min(axis=1) < _I32.min)
-    if not wide.any():
-        return pages.astype("<i4").tobytes()
-    return [row.astype("<i8").tobytes() if w else row.astype("<i4").tobytes() for row, w in zip(pages, wide.tolist())]
-
-
 def page_keys(token_ids: Sequence[int] | np.ndarray, page_size: int, root: PageHash, algo: str = "xxh3_128") -> list[PageHash]:
-    """Chained keys of the full pages of ``token_ids`` (the tail page is left out)."""
+    """Chained keys of the full pages of ``token_ids`` (the tail page is left out).
+
+    A page is hashed as int32 little-endian when every id in it fits (the key format for real
+    vocabularies), else as int64: every id at its full width, so ``2**32 + 1`` never aliases
+    ``1``, and the two widths differ in length, so they never alias each other either."""
     h = hasher(algo)
     arr = token_array(token_ids)
     full = len(arr) // page_size
-    data = page_bytes_of(arr[: full * page_size].reshape(full, page_size))
+    pages = arr[: full * page_size]
     keys: list[PageHash] = []
     prev = root
-    if isinstance(data, bytes):
-        buf = memoryview(data)
-        step = page_size * 4
+    if not full:
+        return keys
+    if pages.max() <= _I32.max and pages.min() >= _I32.min:  # one check for the whole request: the common case
+        b4, s4 = pages.astype("<i4").tobytes(), page_size * 4
         for i in range(full):
-            prev = h(prev + buf[i * step : (i + 1) * step])
+            prev = h(prev + b4[i * s4 : (i + 1) * s4])
             keys.append(prev)
-    else:
-        for page in data:
-            prev = h(prev + page)
-            keys.append(prev)
+        return keys  # type: ignore[return-value]
+    rows = pages.reshape(full, page_size)
+    wide = ((rows.max(axis=1) > _I32.max) | (rows.min(axis=1) < _I32.min)).tolist()
+    b8, s8 = rows.astype("<i8").tobytes(), page_size * 8
+    b4, s4 = rows.astype("<i4").tobytes(), page_size * 4  # only narrow rows are read from it
+    for i, w in enumerate(wide):
+        prev = h(prev + (b8[i * s8 : (i + 1) * s8] if w else b4[i * s4 : (i + 1) * s4]))
+        keys.append(prev)
     return keys  # type: ignore[return-value]

@@ -59,6 +59,9 @@ class NullCache:
         self.dev_alloc.free(list(device_pages))
         return InsertResult([], 0, list(device_pages), None)
 
+    def _insert(self, keys, device_pages: Sequence[int], *, check: bool) -> InsertResult:
+        return self.insert(keys, device_pages)
+
     def wait_idle(self) -> None:
         pass
 

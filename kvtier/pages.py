@@ -8,11 +8,14 @@ length is a multiple of ``page_size``, and every group of ``page_size`` slots is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
 from kvtier.errors import IndexTypeError, PageAlignmentError, PageIndexError
 
+_ALL_INTS = object()
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
@@ -29,16 +32,24 @@ def as_index_tensor(indices: torch.Tensor | np.ndarray | list[int] | range, *, w
         indices = torch.from_numpy(np.ascontiguousarray(indices)) if indices.dtype.kind in "iu" and indices.dtype != np.uint64 else indices
     if not isinstance(indices, torch.Tensor):
         try:
-            items = list(indices)
-        except TypeError:
+            arr = np.asarray(indices if isinstance(indices, (list, tuple)) else list(indices))
+        except (TypeError, ValueError):  # not iterable, or ragged nesting
             raise IndexTypeError(f"{what} must be a 1-D integer tensor or a list of ints, got {type(indices).__name__}") from None
-        bad = next((x for x in items if isinstance(x, bool) or not isinstance(x, (int, np.integer))), None)
-        if bad is not None or (items and not isinstance(items[0], (int, np.integer))):
+        except OverflowError:
+            raise PageIndexError(f"{what}: a value does not fit in int64; indices are slots of a pool") from None
+        if arr.size == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        if arr.dtype.kind in "iu" and any(x is True or x is False for x in indices):  # numpy made bools ints
+            raise IndexTypeError(f"{what} must be integers; got a bool; pass whole slot numbers")
+        if arr.dtype.kind not in "iu" or arr.dtype == np.uint64:  # the slow path: only to name what is wrong
+            items = list(indices) if arr.ndim == 1 else []
+            bad = next((x for x in items if isinstance(x, bool) or not isinstance(x, (int, np.integer))), _ALL_INTS)
+            if arr.ndim == 1 and bad is _ALL_INTS:
+                raise PageIndexError(f"{what}: a value does not fit in int64 (max {max(items)}); indices are slots of a pool")
+            if arr.ndim != 1:
+                raise IndexTypeError(f"{what} must be 1-D, got shape {tuple(arr.shape)}; pass one flat run of slots")
             raise IndexTypeError(f"{what} must be integers; got {bad!r} ({type(bad).__name__}); pass whole slot numbers")
-        try:
-            return torch.tensor(items, dtype=torch.int64)
-        except (OverflowError, RuntimeError, ValueError):
-            raise PageIndexError(f"{what}: a value does not fit in int64 (max {max(items)}); indices are slots of a pool") from None
+        indices = torch.from_numpy(arr.astype(np.int64, copy=False))
     if indices.dtype not in _INT_DTYPES:
         raise IndexTypeError(f"{what} must have an integer dtype, got {indices.dtype}; floats would be truncated")
     if indices.dim() != 1:
@@ -57,6 +68,17 @@ def checked_pages(pages, num_pages: int, *, pool: str, side: str) -> torch.Tenso
     t = as_index_tensor(pages, what=f"{side} pages for {pool}")
     check_pages_in_range(t, num_pages, pool=pool, side=side)
     return t
+
+
+def checked_page_list(pages, num_pages: int, *, pool: str, side: str) -> list[int]:
+    """:func:`checked_pages` as a list of ints, with a fast path for the usual input (a list of
+    plain ints): this runs on every request's commit."""
+    if isinstance(pages, list) and all(type(p) is int for p in pages):
+        if pages and (min(pages) < 0 or max(pages) >= num_pages):
+            bad = next(p for p in pages if not 0 <= p < num_pages)
+            raise PageIndexError(f"{side} pages for {pool}: page {bad} is outside the pool's {num_pages} pages")
+        return list(pages)
+    return checked_pages(pages, num_pages, pool=pool, side=side).tolist()
 
 
 def check_layer(layer: object, num_layers: int, *, pool: str) -> int:
@@ -130,3 +152,19 @@ def runs_of(pages: torch.Tensor) -> list[tuple[int, int, int]]:
     starts = np.concatenate(([0], starts))
     lengths = np.diff(np.concatenate((starts, [n])))
     return list(zip(starts.tolist(), arr[starts].tolist(), lengths.tolist()))
+
+
+def first_duplicate(pages: Sequence[int]) -> int | None:
+    """The first page listed a second time in ``pages`` (None if all differ)."""
+    seen: set[int] = set()
+    return next((p for p in pages if p in seen or seen.add(p)), None)
+
+
+def at_own_place(pages: np.ndarray, given: Sequence[int]) -> np.ndarray:
+    """Mask of ``pages[i] == given[i]`` (False past the end of ``given``): pages a caller hands back
+    exactly where it was given them."""
+    mask = np.zeros(pages.size, dtype=bool)
+    n = min(pages.size, len(given))
+    if n:
+        mask[:n] = pages[:n] == np.asarray(given[:n], dtype=np.int64)
+    return mask

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING
 
 from kvtier.alloc import Allocation
 from kvtier.errors import InvalidStateError, PageOwnershipError
-from kvtier.pages import checked_pages
+from kvtier.pages import checked_page_list, first_duplicate
+
 
 if TYPE_CHECKING:
     from kvtier.cache import HierarchicalCache, InsertResult, LoadResult
@@ -47,9 +48,10 @@ class RequestState(Enum):
     ABORTED = "aborted"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class CacheRequest:
-    """Made by :meth:`HierarchicalCache.begin`; see the module docstring for the protocol."""
+    """Made by :meth:`HierarchicalCache.begin`; see the module docstring for the protocol.
+    ``slots``: one is made per request, on the scheduler's hot path."""
 
     cache: HierarchicalCache
     keys: list[PageHash]
@@ -100,15 +102,21 @@ class CacheRequest:
         request allocated but did not pass are freed too. Unlocks the prefix."""
         self._check_open("commit")
         cache = self.cache
-        pages = checked_pages(pages, cache.device.num_pages, pool=cache.device.name, side="device").tolist()
         full = len(self.keys)
         if not full <= len(pages) <= full + 1:
             raise PageOwnershipError(f"commit: {len(pages)} pages for a request of {full} full pages; pass its {full} full pages "
                                      f"in order, then its partial tail page if it has one")
-        self._check_pages(pages)
-        result = cache.insert(self.keys, pages[:full])
-        handed = set(pages[:full])
-        rest = [p for p in self._allocated if p not in handed]
+        alloc = self._allocated
+        k = len(pages) - len(alloc)
+        if isinstance(pages, list) and k >= 0 and pages[k:] == alloc and pages[:k] == self.cached_pages[:k] and set(map(type, pages)) <= {int}:
+            # the usual shape, the cached prefix then every page it allocated: list comparisons in C
+            rest = pages[full:]
+        else:
+            pages = checked_page_list(pages, cache.device.num_pages, pool=cache.device.name, side="device")  # typed errors
+            self._check_pages(pages)
+            handed = set(pages[:full])
+            rest = [p for p in alloc if p not in handed]
+        result = cache._insert(self.keys, pages[:full], check=False)  # ownership proven above, more strictly than insert's
         if rest:
             cache.free_device(rest)
         self._finish(RequestState.COMMITTED)
@@ -127,12 +135,18 @@ class CacheRequest:
             raise InvalidStateError(f"{what} on a request that is already {self.state.value}; begin a new request")
 
     def _check_pages(self, pages: list[int]) -> None:
+        """Each page is a cached page the request was given, at its place, or one it allocated; once.
+        (The general case; :meth:`commit` recognises the usual shape with two list comparisons.)"""
         if len(set(pages)) != len(pages):
-            dup = next(p for i, p in enumerate(pages) if p in pages[:i])
-            raise PageOwnershipError(f"commit: device page {dup} is listed twice")
+            raise PageOwnershipError(f"commit: device page {first_duplicate(pages)} is listed twice")
+        cached = self.cached_pages
+        n, lim = 0, min(len(cached), len(pages))
+        while n < lim and pages[n] == cached[n]:  # the usual shape: the cached prefix, then new pages
+            n += 1
         mine = set(self._allocated)
-        for i, p in enumerate(pages):
-            if not (i < self.num_cached and p == self.cached_pages[i]) and p not in mine:
+        for i in range(n, len(pages)):
+            p = pages[i]
+            if p not in mine and not (i < len(cached) and p == cached[i]):
                 raise PageOwnershipError(f"commit: device page {p} (place {i}) is not this request's: pass the cached pages it was "
                                          "given, at their places, and pages it allocated")
 
