@@ -59,6 +59,7 @@ case "${1:-}" in
         ls .kvtier/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 ||
             "$PY" -m pip download -q --no-deps "sglang==0.5.23" -d .kvtier/wheels
         servers
+        export PATH="$(dirname "$PY"):$PATH"  # console scripts of the venv (mooncake_master, kvtier), as activation would
         exec "$PY" -m pytest "$@"
         ;;
     -h|--help|help)

@@ -4,7 +4,9 @@ Each launcher starts real processes bound to loopback, waits with bounded loops,
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import socket
 import subprocess
 import time
@@ -139,7 +141,8 @@ class MooncakeMaster:
         wait_until(lambda: port_open(self.node_port), what="mooncake storage node")
 
     def start(self) -> MooncakeMaster:
-        exe = shutil.which("mooncake_master")
+        # the wheel installs it beside this interpreter: found there too when the venv is not activated
+        exe = shutil.which("mooncake_master") or shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
         assert exe, "mooncake_master not found: pip install 'kvtier[mooncake]'"
         self.proc = subprocess.Popen(
             [exe, "--rpc_port", str(self.rpc_port), "--rpc_address", "127.0.0.1", "--enable_http_metadata_server=true",

@@ -30,9 +30,9 @@ import sys
 import time
 import types
 import zipfile
-from dataclasses import dataclass
 from pathlib import Path
 
+from kvtier.bench.peer_result import PeerReplayResult
 from kvtier.errors import ConfigError
 from kvtier.workloads import trace_tokens
 
@@ -46,17 +46,6 @@ _STAND_IN_PACKAGES = (
 )
 #: what is unpacked from the wheel: sglang/srt's top-level modules and these packages
 _UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/")
-
-
-@dataclass(frozen=True)
-class SglangReplayResult:
-    version: str
-    hit_ratio: float
-    hash_seconds: float
-    tree_seconds: float
-    pages_per_s: float
-    tree_pages_per_s: float
-    stand_ins: tuple[str, ...] = _STAND_IN_PACKAGES
 
 
 class _StandIn(types.ModuleType):
@@ -135,7 +124,7 @@ def load_radix_cache(wheel: Path):
     return radix_cache, base_prefix_cache
 
 
-def replay_sglang(requests, page_size: int, wheel: Path) -> SglangReplayResult:
+def replay_sglang(requests, page_size: int, wheel: Path) -> PeerReplayResult:
     from array import array
 
     import torch
@@ -159,7 +148,8 @@ def replay_sglang(requests, page_size: int, wheel: Path) -> SglangReplayResult:
         next_slot += full - have
         hit_tokens += have
     pages = sum(r.input_length // page_size for r in requests)
-    return SglangReplayResult(
+    return PeerReplayResult(
         version=SGLANG_VERSION, hit_ratio=round(hit_tokens / sum(r.input_length for r in requests), 4),
         hash_seconds=0.0, tree_seconds=round(t_tree, 3), pages_per_s=round(pages / t_tree), tree_pages_per_s=round(pages / t_tree),
+        stand_ins=_STAND_IN_PACKAGES,
     )

@@ -11,19 +11,8 @@ trace that changes nothing at four decimals.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
+from kvtier.bench.peer_result import PeerReplayResult
 from kvtier.workloads import trace_tokens
-
-
-@dataclass(frozen=True)
-class VllmReplayResult:
-    version: str
-    hit_ratio: float
-    hash_seconds: float
-    tree_seconds: float
-    pages_per_s: float
-    tree_pages_per_s: float
 
 
 def vllm_available() -> bool:
@@ -34,7 +23,7 @@ def vllm_available() -> bool:
     return True
 
 
-def replay_vllm(requests, block_size: int = 64) -> VllmReplayResult:
+def replay_vllm(requests, block_size: int = 64) -> PeerReplayResult:
     import torch
     import vllm
     from vllm import SamplingParams
@@ -67,7 +56,7 @@ def replay_vllm(requests, block_size: int = 64) -> VllmReplayResult:
         t_tree += t2 - t1
         hit_tokens += n_cached
     pages = sum(r.input_length // block_size for r in requests)
-    return VllmReplayResult(
+    return PeerReplayResult(
         version=vllm.__version__, hit_ratio=round(hit_tokens / sum(r.input_length for r in requests), 4),
         hash_seconds=round(t_hash, 3), tree_seconds=round(t_tree, 3),
         pages_per_s=round(pages / (t_hash + t_tree)), tree_pages_per_s=round(pages / t_tree),
