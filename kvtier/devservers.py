@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def venv_script(name: str) -> str | None:
+    """A console script on PATH, or installed beside this interpreter (a venv that is not activated)."""
+    return shutil.which(name) or shutil.which(name, path=os.path.dirname(sys.executable))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,7 +136,7 @@ class MooncakeMaster:
 
     def start_node(self) -> None:
         """A ``mooncake_client`` process that mounts ``node_segment`` of memory into the store."""
-        exe = shutil.which("mooncake_client")
+        exe = venv_script("mooncake_client")
         assert exe, "mooncake_client not found: pip install 'kvtier[mooncake]'"
         self.node = subprocess.Popen(
             [exe, "--host", "127.0.0.1", "--port", str(self.node_port), "--global_segment_size", self.node_segment, "--protocol", "tcp",
@@ -141,8 +146,7 @@ class MooncakeMaster:
         wait_until(lambda: port_open(self.node_port), what="mooncake storage node")
 
     def start(self) -> MooncakeMaster:
-        # the wheel installs it beside this interpreter: found there too when the venv is not activated
-        exe = shutil.which("mooncake_master") or shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
+        exe = venv_script("mooncake_master")
         assert exe, "mooncake_master not found: pip install 'kvtier[mooncake]'"
         self.proc = subprocess.Popen(
             [exe, "--rpc_port", str(self.rpc_port), "--rpc_address", "127.0.0.1", "--enable_http_metadata_server=true",

@@ -191,7 +191,7 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "redis-clust
 
                 raw_target = RedisCluster(host="127.0.0.1", port=servers[0].port, socket_timeout=10)
             else:
-                if not shutil.which("mooncake_master"):
+                if not devservers.venv_script("mooncake_master"):
                     continue
                 server = devservers.MooncakeMaster(node_segment="2GB").start()
                 url = server.url.replace("buffer_mb=64", "buffer_mb=256")
