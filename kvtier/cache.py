@@ -29,7 +29,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvtier.alloc import Allocation
 from kvtier.config import CacheConfig, StorageConfig

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from kvtier import KVSpec
 from kvtier.l3.page import HEADER_BYTES

@@ -6,7 +6,7 @@ import torch
 from kvtier import PageAlignmentError
 from kvtier.errors import InvalidStateError
 from conftest import tiny_specs
-from cache_helpers import expected_page, make_cache, serve, write_page
+from cache_helpers import expected_page, make_cache, serve
 
 
 def tokens(start: int, n: int) -> list[int]:

@@ -18,8 +18,8 @@ import torch
 import l3_scenarios as sc
 from cache_helpers import make_tiered_cache, serve, serve_tiered
 from conftest import slots
-from kvtier import DevicePool, HostPool, KVSpec
-from kvtier.devservers import RedisServer, free_port, wait_until
+from kvtier import DevicePool, HostPool
+from kvtier.devservers import RedisServer, free_port
 from kvtier.errors import ConfigError, IndexTypeError, PageIndexError, StorageError
 from kvtier.hashing import Namespace, page_keys
 from kvtier.l3 import open_backend
@@ -319,7 +319,7 @@ def test_bad_layer_ids_are_typed_errors(layer):
 
 # ---- 11. whole requests validated before the first copy ------------------------------------------
 def test_offload_load_and_save_validate_every_page_first():
-    from test_offload import SPEC, engine_tensors, keys, make
+    from test_offload import engine_tensors, keys, make
 
     src = engine_tensors(seed=3)
     cache = make(src)

@@ -1,9 +1,6 @@
 """L3 over a real Mooncake Store: a mooncake_master started on 127.0.0.1, clients pinned to loopback over TCP."""
 
 import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest

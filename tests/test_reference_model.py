@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvtier import DevicePool, HostPool
+from kvtier import DevicePool
 from kvtier.build import TierConfig, build_cache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.dsa import quantize, read_pages, write_tokens

@@ -5,7 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from kvtier import DevicePool, HostPool, KVSpec, PageAlignmentError, PageIndexError, SpecError, UnknownNameError
+from kvtier import DevicePool, HostPool, PageAlignmentError, PageIndexError, SpecError, UnknownNameError
 from conftest import fill_random, slots, tiny_specs
 
 LAYOUTS = ["layer_first", "page_first"]

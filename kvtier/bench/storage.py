@@ -29,7 +29,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3 import open_backend
