@@ -328,7 +328,7 @@ class RedisBackend:
         timeout (and may retry), so a server that drips bytes could hold a reconnect for minutes.
         When the pool has no connected idle connection, the connect runs on a helper thread and
         this call stops waiting at the deadline; a connection that arrives late is dropped."""
-        idle = pool._available_connections
+        idle = getattr(pool, "_available_connections", None)  # redis-py's pool internals; absent: always guarded
         if idle and idle[-1]._sock is not None:  # the common case: a live connection, no connect
             return pool.get_connection()
         future = self._connector.submit(pool.get_connection)
