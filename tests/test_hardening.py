@@ -104,6 +104,9 @@ def test_password_is_never_in_the_report_or_output(redis_with_password, tmp_path
     assert "s3cret-pw" not in text + r.stdout + r.stderr
     assert f"redis://:***@127.0.0.1:{redis_with_password.port}/0" in text  # the URL is still reported, redacted
     assert redact_url("redis://user:pw@h:1/0") == "redis://user:***@h:1/0" and redact_url("file:///x") == "file:///x"
+    with pytest.raises(StorageError) as err:  # error messages carry the redacted form too
+        open_backend("file://:s3cret-pw@somehost/x")
+    assert "s3cret-pw" not in str(err.value) and ":***@" in str(err.value)
 
 
 @pytest.mark.integration

@@ -16,6 +16,7 @@ import tempfile
 import typer
 
 from kvtier.integrations.vllm.session import run_in_subprocess
+from kvtier.l3.base import redact_url
 
 
 def _session(*args: str) -> dict:
@@ -32,7 +33,7 @@ def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens")
         base = _session("--no-kvtier", *common)["results"][0]
     print(json.dumps({
         "prompt_tokens": prompt_tokens,
-        "storage_url": "file (temporary)" if storage_url is None else storage_url,
+        "storage_url": "file (temporary)" if storage_url is None else redact_url(storage_url),
         "external_hit_tokens": hit["external_hit_tokens"],
         "storage_hit_pages": hit["storage_hit_pages"],
         "ttft_kvtier_s": round(hit["ttft_s"], 4),

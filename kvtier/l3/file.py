@@ -36,7 +36,7 @@ from pathlib import Path
 import xxhash
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors
+from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors, redact_url
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 _HEX_NAME = re.compile(r"[0-9a-f]{2,64}")
@@ -106,10 +106,11 @@ class FileBackend:
     def from_url(cls, u: StorageURL) -> FileBackend:
         netloc = u.url.split("://", 1)[1].split("/", 1)[0] if "://" in u.url else ""
         if netloc not in ("", "localhost"):
-            raise StorageError(f"file URL {u.url!r} names host {netloc!r}: a file store takes an absolute path, "
+            shown = redact_url(u.url)
+            raise StorageError(f"file URL {shown!r} names host {redact_url('file://' + netloc)[7:]!r}: a file store takes an absolute path, "
                                f"file:///absolute/path (three slashes), e.g. file:///var/cache/kvtier")
         if not u.path.startswith("/"):
-            raise StorageError(f"file URL {u.url!r} has no absolute path; use file:///absolute/path")
+            raise StorageError(f"file URL {redact_url(u.url)!r} has no absolute path; use file:///absolute/path")
         cap = None
         for name, scale in (("max_bytes", 1), ("max_gb", 1 << 30)):
             if name in u.query:
