@@ -123,38 +123,40 @@ class PrefetchHandle:
 
 # ---- what each transfer or storage job is for: its tag, typed (completions dispatch on the type) ----
 @dataclass(frozen=True, slots=True)
-class Backup:
+class JobTag:
+    """The nodes a transfer or storage job moves; the subclass says what for."""
+
+    nodes: list[PageNode]
+
+
+class Backup(JobTag):
     """device -> host copies of one path's nodes (write policies); applied by :meth:`HierarchicalCache.poll`."""
 
-    nodes: list[PageNode]
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class LoadBack:
+class LoadBack(JobTag):
     """host -> device copies of a request's host run; applied by :meth:`HierarchicalCache.poll`."""
 
-    nodes: list[PageNode]
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class EvictionBackup:
+class EvictionBackup(JobTag):
     """device -> host copies of eviction victims, waited for where they are made (poll ignores them)."""
 
-    nodes: list[PageNode]
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class Save:
+class Save(JobTag):
     """host -> L3 writes of one path's ready host pages; applied by :meth:`HierarchicalCache.poll`."""
 
-    nodes: list[PageNode]
+    __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
-class EvictionSave:
+class EvictionSave(JobTag):
     """host -> L3 writes of host eviction victims (write_back), waited for where they are made."""
 
-    nodes: list[PageNode]
+    __slots__ = ()
 
 
 @dataclass(frozen=True)

@@ -103,7 +103,7 @@ def test_two_processes_share_one_redis(redis_server):
         sys.path.insert(0, {os.path.dirname(__file__)!r})
         from cache_helpers import make_tiered_cache, serve, serve_tiered
         import l3_scenarios as sc
-        c = make_tiered_cache(sc.tiny(), 8, 8, {redis_server.url!r}, model="shared")
+        c = make_tiered_cache(sc.tiny(), 8, 8, {redis_server.url!r}, model="two-processes")
         toks = list(range(20))
         if sys.argv[1] == "first":
             s = serve(c, toks); c.wait_idle(); print(s.computed, c.stats.storage_saved_pages)
