@@ -82,6 +82,12 @@ class StorageError(KVTierError, OSError):
     """
 
 
+class ExecutorError(KVTierError, RuntimeError):
+    """An executor in another process cannot be reached: it exited, closed its pipe, or did not
+    answer a query within its deadline. Its plans in flight are lost; the core's view of them is
+    not trusted after this (close it and start again)."""
+
+
 class InvalidStateError(KVTierError, RuntimeError):
     """An operation was called in a state that does not allow it (e.g. unlocking an unlocked node)."""
 

@@ -294,6 +294,18 @@ class PrefixTree:
         self._spare.append(node)
         self._maybe_compact()
 
+    def descendants(self, node: PageNode) -> list[PageNode]:
+        """Every node below ``node``, deepest first. O(tree): the tree keeps no child lists, and
+        this serves only the rare case where a page must leave before what hangs from it."""
+        below: dict[int, int] = {}  # id -> depth under node
+        for n in self.nodes.values():
+            depth, p = 1, n.parent
+            while p is not None and p is not node:
+                p, depth = p.parent, depth + 1
+            if p is node:
+                below[id(n)] = depth
+        return sorted((n for n in self.nodes.values() if id(n) in below), key=lambda n: -below[id(n)])
+
     # ---- residency -------------------------------------------------------------
     def set_device(self, node: PageNode, page: int) -> None:
         parent = node.parent

@@ -37,7 +37,7 @@ from kvtier.pages import checked_page_list, first_duplicate
 
 
 if TYPE_CHECKING:
-    from kvtier.cache import HierarchicalCache, InsertResult, LoadResult
+    from kvtier.core.policy import CacheCore, InsertResult, LoadResult
     from kvtier.hashing import PageHash
     from kvtier.radix import PageNode
 
@@ -50,10 +50,10 @@ class RequestState(Enum):
 
 @dataclass(eq=False, slots=True)
 class CacheRequest:
-    """Made by :meth:`HierarchicalCache.begin`; see the module docstring for the protocol.
+    """Made by :meth:`CacheCore.begin`; see the module docstring for the protocol.
     ``slots``: one is made per request, on the scheduler's hot path."""
 
-    cache: HierarchicalCache
+    cache: CacheCore
     keys: list[PageHash]
     #: pages of the prefix that were on device when the request began (usable at once)
     device_hit: int
@@ -112,7 +112,7 @@ class CacheRequest:
             # the usual shape, the cached prefix then every page it allocated: list comparisons in C
             rest = pages[full:]
         else:
-            pages = checked_page_list(pages, cache.device.num_pages, pool=cache.device.name, side="device")  # typed errors
+            pages = checked_page_list(pages, cache.dev_alloc.num_pages, pool=cache.dev_alloc.name, side="device")  # typed errors
             self._check_pages(pages)
             handed = set(pages[:full])
             rest = [p for p in alloc if p not in handed]

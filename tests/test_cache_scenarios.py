@@ -1,12 +1,15 @@
-"""Scenario tests with real tensors: each step narrated, exact counts asserted, integrity checked after each."""
+"""Scenario tests with real tensors: each step narrated, exact counts asserted, integrity checked after each.
+
+Each runs twice (``mode``): the core and its executor in this process, and the core here with the
+executor in a spawned process (plans and completions pickled across a pipe); bytes are read back
+where they are and compared bit-exact."""
 
 import pytest
-import torch
 
 from kvtier import PageAlignmentError
 from kvtier.errors import InvalidStateError
 from conftest import tiny_specs
-from cache_helpers import expected_page, make_cache, serve
+from cache_helpers import MODES, device_bytes, expected_page, fill_device, indexer_nonzero, make_cache, serve
 
 
 def tokens(start: int, n: int) -> list[int]:
@@ -15,24 +18,23 @@ def tokens(start: int, n: int) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["mla", "dsa"])
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
-def test_prefill_evict_to_host_match_load_bit_exact(kind, layout):
+@pytest.mark.parametrize("mode", MODES)
+def test_prefill_evict_to_host_match_load_bit_exact(kind, layout, mode):
     spec = tiny_specs(page_size=4, num_layers=3)[kind]
-    cache = make_cache(spec, dev_pages=8, host_pages=16, layout=layout, write_policy="write_back")
+    cache = make_cache(spec, dev_pages=8, host_pages=16, layout=layout, write_policy="write_back", mode=mode)
     req = tokens(100, 18)  # 4 full pages + a 2-token tail
     # 1. prefill: nothing cached, 4 pages computed and inserted, the tail page freed
     s = serve(cache, req)
     assert (s.device_hit, s.host_hit, s.computed) == (0, 0, 4)
     cache.check_integrity()
-    originals = [cache.device.page_bytes(p) for p in s.pages]
+    originals = device_bytes(cache, s.pages)
     # 2. memory pressure: evict all 4 device pages; write_back backs them up first
     r = cache.evict_device(4)
     assert (r.evicted, r.backed_up, r.dropped) == (4, 4, 0)
     assert cache.dev_alloc.num_free == 8 and cache.host_alloc.num_used == 4
     cache.check_integrity()
     # scribble over the whole device pool: restored bytes must come from host
-    for layers in cache.device.buffers.values():
-        for t in layers:
-            t.view(-1).view(torch.uint8).fill_(0xAB)
+    fill_device(cache, 0xAB)
     # 3. the same request again: 4 host hits, loaded per layer, bytes identical (latent AND indexer)
     m = cache.match(req)
     assert (m.num_device_pages, m.num_host_pages) == (0, 4)
@@ -40,13 +42,9 @@ def test_prefill_evict_to_host_match_load_bit_exact(kind, layout):
     ld = cache.load_back(m)
     for layer in range(spec.num_layers):
         ld.wait_layer(layer)
-    assert ld.loaded == 4 and [cache.device.page_bytes(p) for p in ld.device_pages] == originals
-    if kind == "dsa":
-        for i, p in enumerate(ld.device_pages):
-            for layer in range(spec.num_layers):
-                expect = expected_page(cache.device, req, i)
-                got = cache.device.buffer("indexer", layer)[p]
-                assert got.any()
+    assert ld.loaded == 4 and device_bytes(cache, ld.device_pages) == originals == [expected_page(spec, req, i) for i in range(4)]
+    if kind == "dsa":  # the indexer's own buffer came back (not left zero behind equal latent bytes)
+        assert indexer_nonzero(cache, ld.device_pages)
     cache.unlock(m.last_node)
     cache.wait_idle()
     cache.check_integrity()
@@ -54,9 +52,10 @@ def test_prefill_evict_to_host_match_load_bit_exact(kind, layout):
     cache.close()
 
 
-def test_shared_prefix_device_hit_and_duplicate_insert():
+@pytest.mark.parametrize("mode", MODES)
+def test_shared_prefix_device_hit_and_duplicate_insert(mode):
     spec = tiny_specs(page_size=4, num_layers=2)["mha"]
-    cache = make_cache(spec, dev_pages=12, host_pages=12)
+    cache = make_cache(spec, dev_pages=12, host_pages=12, mode=mode)
     system = tokens(0, 8)
     a = serve(cache, system + tokens(1000, 8))
     b = serve(cache, system + tokens(2000, 8))
@@ -72,9 +71,10 @@ def test_shared_prefix_device_hit_and_duplicate_insert():
     cache.close()
 
 
-def test_partial_tail_never_inserted_and_insert_count_checked():
+@pytest.mark.parametrize("mode", MODES)
+def test_partial_tail_never_inserted_and_insert_count_checked(mode):
     spec = tiny_specs(page_size=4, num_layers=1)["mla"]
-    cache = make_cache(spec, dev_pages=8, host_pages=8)
+    cache = make_cache(spec, dev_pages=8, host_pages=8, mode=mode)
     s = serve(cache, tokens(0, 7))  # one full page + 3 tail tokens
     assert s.computed == 1 and len(cache.tree) == 1
     assert cache.match(tokens(0, 7)).num_device_pages == 1
@@ -85,9 +85,10 @@ def test_partial_tail_never_inserted_and_insert_count_checked():
     cache.close()
 
 
-def test_locked_pages_are_never_evicted_and_oom_is_a_result():
+@pytest.mark.parametrize("mode", MODES)
+def test_locked_pages_are_never_evicted_and_oom_is_a_result(mode):
     spec = tiny_specs(page_size=4, num_layers=1)["mla"]
-    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_back")
+    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_back", mode=mode)
     req = tokens(0, 16)
     serve(cache, req)
     m = cache.match(req)
@@ -96,7 +97,7 @@ def test_locked_pages_are_never_evicted_and_oom_is_a_result():
     assert cache.evict_device(4).evicted == 0
     got = cache.alloc_device(1)
     assert not got.ok and got.shortfall == 1
-    assert [cache.device.page_bytes(p) for p in m.device_pages] == [expected_page(cache.device, req, i) for i in range(4)]
+    assert device_bytes(cache, m.device_pages) == [expected_page(spec, req, i) for i in range(4)]
     cache.unlock(m.last_node)
     # unlocked: the LRU leaf (the last page) is backed up and its device page handed out
     got = cache.alloc_device(1)
@@ -107,9 +108,10 @@ def test_locked_pages_are_never_evicted_and_oom_is_a_result():
     cache.close()
 
 
-def test_load_back_serves_what_fits():
+@pytest.mark.parametrize("mode", MODES)
+def test_load_back_serves_what_fits(mode):
     spec = tiny_specs(page_size=4, num_layers=2)["dsa"]
-    cache = make_cache(spec, dev_pages=6, host_pages=8, write_policy="write_back")
+    cache = make_cache(spec, dev_pages=6, host_pages=8, write_policy="write_back", mode=mode)
     req = tokens(0, 24)  # 6 pages
     serve(cache, req)
     cache.evict_device(6)
@@ -121,7 +123,7 @@ def test_load_back_serves_what_fits():
     ld.wait()
     # only 3 pages fit: the first 3 are loaded, the rest stay on host, nothing half-assigned
     assert (ld.loaded, ld.requested) == (3, 6)
-    assert [cache.device.page_bytes(p) for p in ld.device_pages] == [expected_page(cache.device, req, i) for i in range(3)]
+    assert device_bytes(cache, ld.device_pages) == [expected_page(spec, req, i) for i in range(3)]
     cache.unlock(m.last_node)
     cache.wait_idle()
     cache.check_integrity(caller_device_pages=set(hold.pages))
@@ -131,9 +133,10 @@ def test_load_back_serves_what_fits():
     cache.close()
 
 
-def test_host_eviction_frees_only_pages_without_device_copy():
+@pytest.mark.parametrize("mode", MODES)
+def test_host_eviction_frees_only_pages_without_device_copy(mode):
     spec = tiny_specs(page_size=4, num_layers=1)["mla"]
-    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_through")
+    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_through", mode=mode)
     a, b = tokens(0, 8), tokens(500, 8)
     serve(cache, a)
     cache.wait_idle()
@@ -152,9 +155,10 @@ def test_host_eviction_frees_only_pages_without_device_copy():
     cache.close()
 
 
-def test_device_eviction_drop_policy_removes_unbacked_pages():
+@pytest.mark.parametrize("mode", MODES)
+def test_device_eviction_drop_policy_removes_unbacked_pages(mode):
     spec = tiny_specs(page_size=4, num_layers=1)["mla"]
-    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_back", on_device_evict="drop")
+    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_back", on_device_evict="drop", mode=mode)
     serve(cache, tokens(0, 12))
     r = cache.evict_device(3)
     assert (r.evicted, r.dropped, r.backed_up) == (3, 3, 0) and len(cache.tree) == 0
@@ -162,9 +166,10 @@ def test_device_eviction_drop_policy_removes_unbacked_pages():
     cache.close()
 
 
-def test_locked_host_pages_are_never_evicted():
+@pytest.mark.parametrize("mode", MODES)
+def test_locked_host_pages_are_never_evicted(mode):
     spec = tiny_specs(page_size=4, num_layers=1)["mla"]
-    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_back")
+    cache = make_cache(spec, dev_pages=4, host_pages=4, write_policy="write_back", mode=mode)
     req = tokens(0, 16)
     serve(cache, req)
     cache.evict_device(4)  # all 4 pages host-only now

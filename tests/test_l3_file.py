@@ -13,6 +13,7 @@ from kvtier.l3 import open_backend
 from kvtier.l3.base import KeyStatus
 from kvtier.errors import StorageError, UnknownNameError
 import l3_scenarios as sc
+from cache_helpers import MODES
 
 
 def flip_file_byte(backend, key, offset):
@@ -24,24 +25,29 @@ def flip_file_byte(backend, key, offset):
 
 @pytest.mark.parametrize("spec_name", ["deepseek-v3.2", "llama-3.1-8b"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
-def test_round_trip_bit_exact(tmp_path, spec_name, layout):
-    sc.round_trip(f"file://{tmp_path}", sc.real_specs()[spec_name], layout)
+@pytest.mark.parametrize("mode", MODES)
+def test_round_trip_bit_exact(tmp_path, spec_name, layout, mode):
+    sc.round_trip(f"file://{tmp_path}", sc.real_specs()[spec_name], layout, mode)
 
 
-def test_namespace_isolation(tmp_path):
-    sc.namespace_isolation(f"file://{tmp_path}")
+@pytest.mark.parametrize("mode", MODES)
+def test_namespace_isolation(tmp_path, mode):
+    sc.namespace_isolation(f"file://{tmp_path}", mode)
 
 
-def test_corrupted_page_is_a_miss(tmp_path):
-    sc.corrupted_page_is_a_miss(f"file://{tmp_path}", flip_file_byte)
+@pytest.mark.parametrize("mode", MODES)
+def test_corrupted_page_is_a_miss(tmp_path, mode):
+    sc.corrupted_page_is_a_miss(f"file://{tmp_path}", flip_file_byte, mode)
 
 
-def test_wrong_header_is_a_miss(tmp_path):
-    sc.wrong_header_is_a_miss(f"file://{tmp_path}", flip_file_byte)
+@pytest.mark.parametrize("mode", MODES)
+def test_wrong_header_is_a_miss(tmp_path, mode):
+    sc.wrong_header_is_a_miss(f"file://{tmp_path}", flip_file_byte, mode)
 
 
-def test_write_back_saves_on_host_eviction(tmp_path):
-    sc.write_back_saves_on_host_eviction(f"file://{tmp_path}")
+@pytest.mark.parametrize("mode", MODES)
+def test_write_back_saves_on_host_eviction(tmp_path, mode):
+    sc.write_back_saves_on_host_eviction(f"file://{tmp_path}", mode)
 
 
 def test_backend_contract_and_size_cap(tmp_path):

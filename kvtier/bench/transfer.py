@@ -78,7 +78,7 @@ def run_transfer_bench(
                             # source: host pages (scattered); destination: device pages
                             dst_pages = runs if pattern == "kvtier" else rand[1:] + rand[:1]
 
-                            def op(i: int, b=b, dst_pages=dst_pages) -> None:
+                            def op(i: int, b=b, dst_pages=dst_pages, host=host) -> None:
                                 plan = backend.plan(rand[i], dst_pages[i])
                                 backend.copy(plan, host.rows(b.name, i % layers), dev.rows(b.name, i % layers))
 
@@ -87,7 +87,7 @@ def run_transfer_bench(
                             # source: device pages written by the engine (scattered); destination: host pages
                             dst_pages = runs if pattern == "kvtier" else rand[1:] + rand[:1]
 
-                            def op(i: int, b=b, dst_pages=dst_pages) -> None:
+                            def op(i: int, b=b, dst_pages=dst_pages, host=host) -> None:
                                 plan = backend.plan(rand[i], dst_pages[i])
                                 for layer in range(layers):
                                     backend.copy(plan, dev.rows(b.name, layer), host.rows(b.name, layer))

@@ -1,21 +1,22 @@
-"""Replay a trace through :class:`HierarchicalCache` itself, over pools that hold no bytes.
+"""Replay a trace through the policy core itself, on executors that move no bytes.
 
-This is the reference: the real policy code (LRU per tier, write_through
-backups, L3 saves and wait_complete prefetch) with accounting-only pools, one
-cache per node and one shared ``memory://`` L3. Every configuration runs here;
-:mod:`kvtier.plan.replay_lru` is the fast model of the same policy for the
-configurations where it is exact.
+This is the reference: the real policy (:class:`~kvtier.core.policy.CacheCore`:
+LRU per tier, write policies, L3 saves and wait_complete prefetch) over page
+ids alone, one core per node, each on an
+:class:`~kvtier.executors.accounting.AccountingExecutor`, all sharing one
+:class:`~kvtier.executors.accounting.AccountingStore` as their L3. Every
+configuration runs here; :mod:`kvtier.plan.replay_lru` is the fast model of
+the same policy for the configurations where it is exact.
 """
 
 from __future__ import annotations
 
-from kvtier.cache import HierarchicalCache
+from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core.policy import CacheCore
+from kvtier.executors.accounting import AccountingExecutor, AccountingStore
 from kvtier.hashing import Namespace, PageHash
-from kvtier.l3.memory import MemoryBackend
-from kvtier.l3.tier import StorageTier
 from kvtier.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts
-from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 from kvtier.workloads.mooncake import TraceRequest
 
@@ -24,18 +25,15 @@ def _block_key(h: int) -> PageHash:
     return PageHash(h.to_bytes(16, "little", signed=False))
 
 
-def _node_cache(spec: KVSpec, cap: Capacity, storage: MemoryBackend | None, cache_cfg: CacheConfig) -> HierarchicalCache:
-    dev = DevicePool(spec, cap.device, materialize=False)
-    host = HostPool(spec, cap.host, materialize=False)
-    ns = Namespace(spec.name, spec.fingerprint())
-    tier = StorageTier(storage, host, ns, batch_pages=L3_BATCH_PAGES) if storage is not None else None
-    return HierarchicalCache(dev, host, cache_cfg, namespace=ns, storage=tier, storage_config=StorageConfig(url="memory://"))
+def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, cache_cfg: CacheConfig) -> CacheCore:
+    return CacheCore(spec, PageAllocator(cap.device, "device"), PageAllocator(cap.host, "host"), AccountingExecutor(storage), cache_cfg,
+                     StorageConfig(url="memory://"), namespace=Namespace(spec.name, spec.fingerprint()))
 
 
 def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig, spec: KVSpec, cap: Capacity,
                  *, per_request: bool = False) -> ReplayCounts:
     block = spec.page_size
-    storage = MemoryBackend(max_objects=cap.storage) if cap.storage is not None else None
+    storage = AccountingStore(cap.storage, L3_BATCH_PAGES) if cap.storage is not None else None
     caches = [_node_cache(spec, cap, storage, cache_cfg) for _ in range(cfg.nodes)]
     out = ReplayCounts("cache", per_request=[] if per_request else None)
     hits = out.hit_blocks

@@ -1,0 +1,175 @@
+"""An executor in another process, driven over a pipe: the core's plans and completions pickled.
+
+The process that owns the policy core holds a :class:`PipeExecutor`; the
+process that holds the bytes runs :func:`serve` with a :class:`WorkerSpec`,
+builds its own pools, transfer engine and L3 tier there (a
+:class:`~kvtier.executors.local.LocalExecutor`) and answers. Nothing but
+plans, completions and the answers of the port's queries crosses the pipe.
+
+Plans are one-way (``submit`` does not wait for the other side); queries wait
+for their answer under a deadline, and a worker that died is a
+:class:`~kvtier.errors.ExecutorError`, never a hang. :meth:`PipeExecutor.run`
+runs a picklable function next to the worker's executor (an engine's own
+worker-side step; the tests fill and read pages with it).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from kvtier.config import StorageConfig
+from kvtier.core.plans import Completion, Failed, Reason, Transfer
+from kvtier.errors import ExecutorError
+from kvtier.hashing import Namespace
+from kvtier.spec import KVSpec
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker process builds: its pools (page ids as the core allocates them) and L3."""
+
+    spec: KVSpec
+    device_pages: int
+    host_pages: int
+    host_layout: str = "layer_first"
+    device: str = "cpu"
+    io_backend: str = "direct"
+    storage: StorageConfig = StorageConfig()
+    namespace: Namespace | None = None
+
+    def build(self):
+        """The worker's :class:`LocalExecutor` (called in the worker's process)."""
+        from kvtier.build import open_storage_tier
+        from kvtier.executors.local import LocalExecutor
+        from kvtier.pools import DevicePool, HostPool
+        from kvtier.transfer.engine import TransferEngine
+
+        device = DevicePool(self.spec, self.device_pages, self.device)
+        host = HostPool(self.spec, self.host_pages, self.host_layout)
+        namespace = self.namespace or Namespace(self.spec.name, self.spec.fingerprint())
+        return LocalExecutor(TransferEngine(host, device, self.io_backend), open_storage_tier(self.storage, host, namespace))
+
+
+def serve(conn, worker: WorkerSpec) -> None:
+    """The worker process's loop: build the executor, then answer until ``close``."""
+    executor = None
+    try:
+        executor = worker.build()
+        conn.send(("ok", executor.has_storage))
+    except BaseException as e:  # the owner gets the reason, typed, instead of a dead pipe
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    refused: list[Completion] = []
+    while True:
+        try:
+            name, args = conn.recv()
+        except EOFError:  # the owner is gone
+            executor.close()
+            return
+        if name == "submit":
+            try:
+                executor.submit(*args)
+            except Exception as e:  # a plan that cannot start is a failed plan, reported like any other
+                refused.append(Failed(args[0].op, Reason.ERROR, f"{type(e).__name__}: {e}"))
+            continue
+        try:
+            if name == "run":
+                fn, fargs = args
+                result = fn(executor, *fargs)
+            else:
+                result = getattr(executor, name)(*args)
+            if name in ("poll", "wait") and refused:
+                result, refused = refused + result, []
+            conn.send(("ok", result))
+        except BaseException as e:
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+        if name == "close":
+            return
+
+
+class PipeExecutor:
+    """The core's side: an :class:`~kvtier.executors.port.ExecutorPort` whose executor runs in a
+    spawned process. ``deadline_s`` bounds every query that does not wait on bytes; waits are
+    bounded by the worker being alive."""
+
+    def __init__(self, worker: WorkerSpec, *, deadline_s: float = 60.0, start_timeout_s: float = 120.0):
+        ctx = mp.get_context("spawn")  # the worker imports torch afresh: no forked threads or CUDA state
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=serve, args=(child, worker), name="kvtier-executor", daemon=True)
+        self._proc.start()
+        child.close()
+        self.deadline_s = deadline_s
+        self._closed = False
+        self.has_storage = bool(self._answer("start", start_timeout_s))
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    # ---- the wire --------------------------------------------------------------------
+    def _answer(self, what: str, timeout_s: float | None):
+        start = time.monotonic()
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive():
+                raise ExecutorError(f"executor process {self._proc.pid} exited (code {self._proc.exitcode}) during {what}")
+            if timeout_s is not None and time.monotonic() - start > timeout_s:
+                raise ExecutorError(f"executor process {self._proc.pid}: no answer to {what} within {timeout_s:g} s")
+        try:
+            status, value = self._conn.recv()
+        except EOFError:
+            raise ExecutorError(f"executor process {self._proc.pid} closed the pipe during {what}") from None
+        if status != "ok":
+            raise ExecutorError(f"executor process {self._proc.pid}: {what} failed: {value}")
+        return value
+
+    def _call(self, name: str, *args, timeout_s: float | None = -1.0):
+        if self._closed:
+            raise ExecutorError(f"executor port is closed: cannot {name}")
+        try:
+            self._conn.send((name, args))
+        except (BrokenPipeError, OSError) as e:
+            raise ExecutorError(f"executor process {self._proc.pid} is gone ({e}); cannot {name}") from None
+        return self._answer(name, self.deadline_s if timeout_s == -1.0 else timeout_s)
+
+    # ---- the port --------------------------------------------------------------------
+    def submit(self, plan: Transfer) -> None:
+        try:
+            self._conn.send(("submit", (plan,)))
+        except (BrokenPipeError, OSError) as e:
+            raise ExecutorError(f"executor process {self._proc.pid} is gone ({e}); cannot submit plan {plan.op}") from None
+
+    def poll(self) -> list[Completion]:
+        return self._call("poll")
+
+    def wait(self, ops: Collection[int]) -> list[Completion]:
+        return self._call("wait", list(ops), timeout_s=None)
+
+    def settle(self, op: int, policy: str, budget_s: float) -> int:
+        return self._call("settle", op, policy, budget_s, timeout_s=None if policy == "wait_complete" else self.deadline_s + budget_s)
+
+    def wait_layer(self, op: int, layer: int) -> None:
+        self._call("wait_layer", op, layer, timeout_s=None)
+
+    def stored_prefix(self, keys: Sequence[bytes]) -> int:
+        return self._call("stored_prefix", list(keys))
+
+    def run(self, fn: Callable, *args):
+        """``fn(executor, *args)`` in the worker's process (``fn`` and its result pickle)."""
+        return self._call("run", fn, args, timeout_s=None)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._proc.is_alive():
+                self._call("close")
+        finally:
+            self._closed = True
+            self._conn.close()
+            self._proc.join(10.0)
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5.0)

@@ -1,0 +1,258 @@
+"""The policy core alone, driven by hypothesis: >= 10,000 steps over pool sizes and write policies.
+
+No tensors, no threads. :class:`ScriptedExecutor` holds every plan the core
+sends out until the machine decides its fate -- done, failed, cut short at a
+random page, skipped at submission -- and answers the core's waits and
+settles with random (but consistent) outcomes. Requests share a few prefixes,
+pools are tiny so every step evicts, L3 keys vanish at random. Misuse is mixed
+in and must be a typed error that changes nothing.
+
+After every step: the tree's invariants, no page owned twice, every
+allocated page held by the tree or an open request, free + used = capacity
+per tier. When no request is open and no plan in flight, the whole device and
+the whole host must be evictable (the liveness invariant).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvtier.alloc import PageAllocator
+from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core.plans import CutShort, Done, Failed, Reason, Tier, Transfer
+from kvtier.core.policy import CacheCore
+from kvtier.errors import InvalidStateError, KVTierError
+from kvtier.radix import NO_PAGE
+from kvtier.request import RequestState
+from conftest import tiny_specs
+
+PAGE = 4
+PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
+STEPS = {"total": 0}
+
+
+class ScriptedExecutor:
+    """Plans wait here until the machine (or a blocking wait of the core) completes them."""
+
+    has_storage = True
+
+    def __init__(self, rnd: random.Random):
+        self.rnd = rnd
+        self.inflight: dict[int, Transfer] = {}
+        self.done: list = []
+        self.store: set[bytes] = set()
+        #: fetches a settle answered: op -> pages reported arrived (the final answer may not be less)
+        self.settled: dict[int, int] = {}
+
+    def present(self, keys) -> int:
+        n = 0
+        for k in keys:
+            if k not in self.store:
+                break
+            n += 1
+        return n
+
+    def submit(self, plan: Transfer) -> None:
+        if Tier.STORAGE in (plan.src, plan.dst) and self.rnd.random() < 0.05:
+            self.done.append(Failed(plan.op, Reason.SKIPPED))  # queue full
+            return
+        self.inflight[plan.op] = plan
+
+    def finish(self, op: int, outcome: str, cut: float = 0.5) -> None:
+        plan = self.inflight.pop(op)
+        n = plan.num_pages
+        if plan.src is Tier.STORAGE:  # a fetch: never more than the store holds, never less than settled
+            floor, ceiling = self.settled.pop(op, 0), max(self.present(plan.keys), self.settled.get(op, 0))
+            k = ceiling if outcome == "done" else floor if outcome == "fail" else floor + int(cut * (ceiling - floor))
+            self.done.append(Done(op) if k == n else CutShort(op, k, Reason.MISS if outcome != "fail" else Reason.ERROR))
+            return
+        if outcome == "done":
+            c = Done(op, existing=self.present(plan.keys) if plan.dst is Tier.STORAGE else 0)
+        elif outcome == "cut" and plan.dst is Tier.STORAGE:
+            c = CutShort(op, int(cut * n), Reason.ERROR)
+        else:
+            c = Failed(op, Reason.ERROR)
+        if plan.dst is Tier.STORAGE:
+            self.store.update(plan.keys[: n if type(c) is Done else c.pages if type(c) is CutShort else 0])
+        self.done.append(c)
+
+    def poll(self):
+        out, self.done = self.done, []
+        return out
+
+    def wait(self, ops):
+        for op in ops:
+            if op in self.inflight:
+                self.finish(op, self.rnd.choice(["done", "done", "cut", "fail"]), self.rnd.random())
+        return self.poll()
+
+    def settle(self, op: int, policy: str, budget_s: float) -> int:
+        plan = self.inflight[op]
+        if policy == "wait_complete":
+            self.finish(op, "done")
+            return self.present(plan.keys)
+        k = self.rnd.randint(0, self.present(plan.keys))
+        self.settled[op] = k
+        return k
+
+    def wait_layer(self, op: int, layer: int) -> None:
+        pass
+
+    def stored_prefix(self, keys) -> int:
+        return self.present(keys)
+
+    def close(self) -> None:
+        pass
+
+
+class CoreMachine(RuleBasedStateMachine):
+    dev_pages = 6
+    host_pages = 8
+    write_policy = "write_through"
+    on_device_evict = "backup"
+
+    def __init__(self):
+        super().__init__()
+        self.rnd = random.Random(0)
+        self.port = ScriptedExecutor(self.rnd)
+        spec = tiny_specs(page_size=PAGE, num_layers=1)["mla"]
+        self.core = CacheCore(spec, PageAllocator(self.dev_pages, "device pool"), PageAllocator(self.host_pages, "host pool"), self.port,
+                              CacheConfig(write_policy=self.write_policy, on_device_evict=self.on_device_evict, write_through_threshold=2),
+                              StorageConfig(url="memory://", write_policy="write_through", min_prefetch_pages=1))
+        self.open: list = []
+
+    # ---- requests ------------------------------------------------------------------------------
+    @precondition(lambda self: len(self.open) < 2)
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), tail=st.integers(0, PAGE - 1), extra=st.integers(0, 3),
+          prefetch=st.booleans(), policy=st.sampled_from(["best_effort", "timeout", "wait_complete"]))
+    def begin(self, prefix, pages, tail, extra, prefetch, policy):
+        toks = PREFIXES[prefix][: pages * PAGE] + [50_000 + extra] * tail
+        req = self.core.begin(toks, prefetch=prefetch, prefetch_policy=policy)
+        assert req.num_cached <= len(req.keys)
+        self.open.append((req, toks))
+
+    @precondition(lambda self: self.open)
+    @rule(i=st.integers(0, 1), use=st.floats(0, 1))
+    def commit(self, i, use):
+        req, toks = self.open.pop(i % len(self.open))
+        full, tail = len(req.keys), int(len(toks) % PAGE > 0)
+        usable = int(use * req.num_cached)
+        new = req.alloc(full - usable + tail)
+        if not new.ok:
+            req.abort()
+            return
+        req.commit(req.cached_pages[:usable] + new.pages)
+        assert req.state is RequestState.COMMITTED
+
+    @precondition(lambda self: self.open)
+    @rule(i=st.integers(0, 1))
+    def abort(self, i):
+        req, _ = self.open.pop(i % len(self.open))
+        req.alloc(1)
+        req.abort()
+
+    # ---- the executor's side ---------------------------------------------------------------------
+    @precondition(lambda self: self.port.inflight)
+    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
+    def complete(self, pick, outcome, cut):
+        ops = sorted(self.port.inflight)
+        self.port.finish(ops[pick % len(ops)], outcome, cut)
+        self.core.poll()
+
+    @precondition(lambda self: self.port.store)
+    @rule(pick=st.integers(0, 10**6))
+    def storage_loses_a_key(self, pick):
+        keys = sorted(self.port.store)
+        self.port.store.discard(keys[pick % len(keys)])
+
+    @rule(n=st.integers(1, 8))
+    def evict_device(self, n):
+        self.core.evict_device(n)
+
+    @rule(n=st.integers(1, 8))
+    def evict_host(self, n):
+        self.core.evict_host(n)
+
+    # ---- misuse: a typed error, nothing changed ---------------------------------------------------
+    def _snapshot(self):
+        c = self.core
+        return (len(c.tree), c.dev_alloc.num_free, c.host_alloc.num_free, sorted(self.port.inflight),
+                sorted((n.device_page, n.host_page, n.lock_ref) for n in c.tree.nodes.values()))
+
+    @rule(which=st.sampled_from(["out of range", "negative", "duplicate", "foreign", "count", "unlock unlocked", "closed request"]),
+          prefix=st.integers(0, len(PREFIXES) - 1))
+    def misuse(self, which, prefix):
+        before = self._snapshot()
+        toks = PREFIXES[prefix][: 2 * PAGE]
+        free = [p for p in range(self.dev_pages) if not self.core.dev_alloc.is_allocated(p)]
+        bad = {"out of range": [self.dev_pages + 3, 0], "negative": [-1, 0], "duplicate": [1, 1],
+               "foreign": free[:2] if len(free) >= 2 else [self.dev_pages, 0], "count": [0, 1, 2]}
+        with pytest.raises(KVTierError):
+            if which in bad:
+                self.core.insert(toks, bad[which])
+            elif which == "unlock unlocked":
+                node = next((n for n in self.core.tree.nodes.values() if n.lock_ref == 0 and n.num_children == 0), None)
+                if node is None:
+                    raise InvalidStateError("no unlocked leaf to misuse")
+                self.core.unlock(node)
+            else:
+                req = self.core.begin(toks, prefetch=False)
+                req.abort()
+                before = self._snapshot()
+                req.commit([])
+        assert self._snapshot() == before, f"{which}: the index changed"
+
+    # ---- liveness: nothing open, nothing in flight => everything evictable -------------------------
+    @precondition(lambda self: not self.open)
+    @rule()
+    def drain_then_evict_everything(self):
+        core = self.core
+        core.wait_idle()
+        core.check_integrity(idle=True)
+        core.evict_device(self.dev_pages)
+        assert core.dev_alloc.num_used == 0, f"idle and unlocked, yet {core.dev_alloc.num_used} device pages could not be evicted"
+        core.wait_idle()
+        core.evict_host(self.host_pages)
+        assert core.host_alloc.num_used == 0, f"idle and unlocked, yet {core.host_alloc.num_used} host pages could not be evicted"
+        assert len(core.tree) == 0
+        core.check_integrity(idle=True)
+
+    @invariant()
+    def accounting(self):
+        STEPS["total"] += 1
+        core = self.core
+        mine = {p for req, _ in self.open for p in req._allocated}
+        core.check_integrity(caller_device_pages=mine)
+        dev_tree = sum(n.device_page != NO_PAGE for n in core.tree.nodes.values())
+        host_tree = sum(n.host_page != NO_PAGE for n in core.tree.nodes.values())
+        assert core.dev_alloc.num_free + dev_tree + len(mine) == self.dev_pages
+        assert core.host_alloc.num_free + host_tree == self.host_pages
+        if not self.open and not core._inflight:
+            core.check_integrity(idle=True)
+
+    def teardown(self):
+        for req, _ in self.open:
+            req.abort()
+        self.core.close()
+
+
+CONFIGS = [
+    (4, 4, "write_through", "backup"),
+    (6, 12, "write_back", "backup"),
+    (8, 6, "write_through_selective", "backup"),
+    (5, 9, "write_through", "drop"),
+    (6, 7, "write_back", "drop"),
+]
+
+
+def test_core_state_machine_ten_thousand_steps():
+    STEPS["total"] = 0
+    for dev, host, wp, evict in CONFIGS:
+        machine = type(f"Core_{dev}_{host}_{wp}_{evict}", (CoreMachine,), {"dev_pages": dev, "host_pages": host, "write_policy": wp, "on_device_evict": evict})
+        run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=80, derandomize=True, deadline=None,
+                                                             database=None, suppress_health_check=list(HealthCheck)))
+    assert STEPS["total"] >= 10_000, STEPS
