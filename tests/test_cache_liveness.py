@@ -93,3 +93,33 @@ def test_random_driver_nothing_locked_means_everything_evictable(tmp_path, seed)
     assert cache.dev_alloc.num_used == 0 and cache.host_alloc.num_used == 0, (cache.dev_alloc.num_used, cache.host_alloc.num_used)
     cache.check_integrity(idle=True)
     cache.close()
+
+
+@pytest.mark.parametrize("on_device_evict", ["drop", "backup"])
+def test_device_page_with_prefetched_host_pages_below_it_is_evictable(tmp_path, on_device_evict):
+    """Found by the core's state machine: a prefetch hangs host-only pages under a device page that
+    has no host copy (write_back never made one). Under ``drop`` -- or when its backup copy fails --
+    that device page could not be dropped (it has children) nor freed (no host copy): it stayed
+    forever. Now it leaves together with the host pages that hang from it. (``backup``: the host
+    pages below it are evicted to make room for its copy; the same end state.)"""
+    url = f"file://{tmp_path}"
+    toks = list(range(4 * 4))
+    fill_store(url, toks)
+    # host of 2 pages: both hold the prefetched pages
+    cache = make_tiered_cache(tiny(), 8, 2, url, model="live", write_policy="write_back", on_device_evict=on_device_evict)
+    serve(cache, toks[:8])  # pages 0-1 computed: on device, no host copy (write_back)
+    d, h, s, c = serve_tiered(cache, toks, policy="wait_complete")  # pages 2-3 from the store, loaded back
+    assert (d, s, c) == (2, 2, 0), (d, h, s, c)
+    cache.wait_idle()
+    assert cache.evict_device(2).evicted == 2  # pages 2-3 leave the device (their host copies stay)
+    m = cache.match(toks)
+    assert (m.num_device_pages, m.num_host_pages) == (2, 2)
+    cache.wait_idle()
+    cache.check_integrity(idle=True)
+    cache.evict_device(8)
+    assert cache.dev_alloc.num_used == 0  # old code: 2 device pages stuck
+    cache.wait_idle()
+    cache.evict_host(2)
+    assert cache.host_alloc.num_used == 0 and len(cache.tree) == 0
+    cache.check_integrity(idle=True)
+    cache.close()
