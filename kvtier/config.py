@@ -1,7 +1,11 @@
-"""One frozen config dataclass per component, composed at the top (:class:`KVTierConfig`).
+"""Every config of the library, here and only here: one frozen dataclass per component.
 
-Each field carries its help text in ``metadata["help"]``; the CLI derives its
-flags from these fields (``kvtier.cli_options``), so defaults live in one place.
+:class:`TierConfig` (pool sizes), :class:`CacheConfig` (the policy core),
+:class:`StorageConfig` (L3). Applications and integrations compose them
+(``kvtier run``'s ``RunConfig``, the vLLM connector's ``ConnectorOptions``)
+rather than re-declare their fields. Each field carries its help text in
+``metadata["help"]``; the CLI derives its flags from these fields
+(``kvtier.app.cli_options``), so names, types and defaults live in one place.
 """
 
 from __future__ import annotations
@@ -40,6 +44,37 @@ def check_number(obj, name: str, *, at_least: float | None = None, above: float 
 def _choice(obj, name: str, choices: tuple[str, ...]) -> None:
     if getattr(obj, name) not in choices:
         raise ConfigError(f"{type(obj).__name__}.{name} must be one of {', '.join(choices)}; got {getattr(obj, name)!r}")
+
+
+HostLayoutKind = Literal["page_first", "layer_first"]
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """Sizes and placement of the device (L1) and host (L2) pools."""
+
+    device_pages: int = _help("device (L1) pool size in pages", 64)
+    host_pages: int = _help("host (L2) pool size in pages (ignored when host_gb is set)", 96)
+    host_gb: float | None = _help("host (L2) pool size in GB; checked against available memory", None)
+    host_layout: HostLayoutKind = _help("host layout: page_first (one run per page: cheap L3 I/O) or layer_first", "page_first")
+    device: str = _help("where the device pool lives: cpu or cuda", "cpu")
+
+    def __post_init__(self) -> None:
+        check_number(self, "device_pages", at_least=1, integer=True)
+        check_number(self, "host_pages", at_least=1, integer=True)
+        check_number(self, "host_gb", above=0)
+        _choice(self, "host_layout", ("page_first", "layer_first"))
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise ConfigError(f"TierConfig.device must be cpu or cuda; got {self.device!r}")
+
+    def host_pages_for(self, page_bytes: int) -> int:
+        """Host pool pages: ``host_pages``, or as many whole pages as ``host_gb`` holds."""
+        if self.host_gb is None:
+            return self.host_pages
+        pages = int(self.host_gb * (1 << 30)) // page_bytes
+        if pages < 1:
+            raise ConfigError(f"TierConfig.host_gb={self.host_gb} holds no {page_bytes}-byte page; raise host_gb or set host_pages")
+        return pages
 
 
 @dataclass(frozen=True)

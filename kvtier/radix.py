@@ -207,8 +207,7 @@ class PrefixTree:
 
     def walk(self, keys: Sequence[PageHash]) -> list[PageNode]:
         """Nodes of the longest cached prefix of ``keys``."""
-        nodes = self.nodes
-        return [nodes[k] for k in keys[: self.cached_prefix(keys)]]
+        return list(map(self.nodes.__getitem__, keys[: self.cached_prefix(keys)]))
 
     @staticmethod
     def device_prefix(path: Sequence[PageNode]) -> int:
@@ -260,27 +259,43 @@ class PrefixTree:
         return node
 
     def add_device_chain(self, keys: Sequence[PageHash], pages: Sequence[int], parent: PageNode | None) -> list[PageNode]:
-        """New nodes for ``keys`` (none cached yet), each a child of the previous, on device ``pages``."""
+        """New nodes for ``keys`` (none cached yet), each a child of the previous, on device ``pages``.
+
+        The hot path of every insert: nodes come from the spare list in one slice and are
+        initialised inline (the fields :meth:`PageNode.reset` sets), with no call per page."""
         assert parent is None or parent.device_page != NO_PAGE, parent
-        nodes = self.nodes
+        n = len(keys)
+        assert len(pages) == n, (n, len(pages))
+        if not n:
+            return []
+        spare = self._spare
+        take = min(n, len(spare))
+        chain = spare[len(spare) - take :]
+        del spare[len(spare) - take :]
+        if take < n:
+            new = PageNode.__new__
+            chain += [new(PageNode) for _ in range(n - take)]
         stamp = self._clock
-        chain: list[PageNode] = []
-        last = len(keys) - 1
         prev = parent
-        make = self._node
-        owned = self.device_owned
-        for i, (key, page) in enumerate(zip(keys, pages)):
-            if owned:
-                owned[page] = 1
-            node = make(key, prev, stamp, page, 0 if i == last else 1)
-            nodes[key] = node
-            chain.append(node)
+        for node, key, page in zip(chain, keys, pages):
+            node.key = key
+            node.parent = prev
+            node.num_children = node.device_children = 1
+            node.device_page = page
+            node.host_page = NO_PAGE
+            node.lock_ref = node.hit_count = node.flags = 0
+            node.last_access = stamp
             prev = node
-        if chain:
-            if parent is not None:
-                parent.num_children += 1
-                parent.device_children += 1
-            self.device_heap.push(chain[-1])
+        prev.num_children = prev.device_children = 0
+        self.nodes.update(zip(keys, chain))
+        owned = self.device_owned
+        if owned:
+            for page in pages:
+                owned[page] = 1
+        if parent is not None:
+            parent.num_children += 1
+            parent.device_children += 1
+        self.device_heap.push(prev)
         return chain
 
     def remove(self, node: PageNode) -> None:

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from kvtier.hashing import Namespace, page_keys
-from kvtier.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, default_trace_path, load_mooncake_trace
+from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, default_trace_path, load_mooncake_trace
 
 PAGE = 64  # deepseek-v3.2's page size, the bench's spec
 
@@ -34,7 +34,7 @@ def independent_hit_ratio(requests) -> float:
 
 
 def test_bench_cache_hit_ratio_equals_independent_replay():
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "cache", "--json"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     requests = load_mooncake_trace(str(default_trace_path()))
@@ -86,7 +86,7 @@ def test_page_keys_differ_across_namespaces():
 def test_bench_cache_replays_through_vllm_in_the_same_run():
     """The vllm extra is part of the test install (run.sh test); without it this fails with the install hint."""
     n = 400
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "cache", "--json", "--vllm", "--limit", str(n)],
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--vllm", "--limit", str(n)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
@@ -104,7 +104,7 @@ def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_pat
     """SGLang's own RadixCache, imported from its wheel (run.sh test downloads it into .kvtier/wheels),
     serves the same trace with the same hits; kvtier's ratio against it is computed in the same run."""
     n = 400
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", str(n)],
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", str(n)],
                        capture_output=True, text=True, timeout=600, env={**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)})
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
@@ -114,7 +114,7 @@ def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_pat
     assert theirs["pages_per_s"] > 0 and theirs["tree_seconds"] > 0 and theirs["hash_seconds"] == 0
     assert report["vs_sglang"] == round(report["pages_per_s"] / theirs["pages_per_s"], 2)
     # the tree code that ran is SGLang's, unpacked from the wheel (not a stand-in)
-    probe = subprocess.run([sys.executable, "-c", "from pathlib import Path; from kvtier.bench.sglang_replay import find_sglang_wheel, load_radix_cache; "
+    probe = subprocess.run([sys.executable, "-c", "from pathlib import Path; from kvtier.app.bench.sglang_replay import find_sglang_wheel, load_radix_cache; "
                             "m, _ = load_radix_cache(find_sglang_wheel()); print(m.__file__, type(m.RadixCache.match_prefix).__name__)"],
                            capture_output=True, text=True, timeout=120, env={**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)})
     assert probe.returncode == 0, probe.stderr[-2000:]
@@ -123,6 +123,6 @@ def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_pat
 
 
 def test_bench_cache_without_the_sglang_wheel_says_how_to_get_it(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", "5"],
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", "5"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "KVTIER_SGLANG_WHEEL"})
     assert r.returncode == 2 and "pip download --no-deps sglang==0.5.23" in r.stderr and "Traceback" not in r.stderr

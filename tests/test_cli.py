@@ -11,7 +11,7 @@ SMALL = ["--workload-sessions", "4", "--workload-turns", "3", "--workload-system
 
 
 def kvtier(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "kvtier.app.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_run_end_to_end_small_workload(tmp_path):
@@ -61,7 +61,7 @@ def test_bench_transfer_json_fields():
 
 def test_storage_bench_summary_best_and_median():
     """Best rounds give GB/s and ratio; the median is of each round's own ratio, not of the bests."""
-    from kvtier.bench.storage import summarize
+    from kvtier.app.bench.storage import summarize
 
     row = summarize("file", "put", 1_000_000, 4, {"kvtier": [0.002, 0.001, 0.004], "raw": [0.001, 0.002, 0.002]})
     assert (row.gbps, row.raw_gbps, row.ratio) == (4.0, 4.0, 1.0)
@@ -77,7 +77,7 @@ def test_bench_storage_json_rows(tmp_path):
     if not shutil.which("redis-server"):
         raise AssertionError("redis-server must be installed (.ci/run installs it)")
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "storage", "--backends", "file,redis,redis-cluster", "--pages", "4", "--reps", "2",
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "storage", "--backends", "file,redis,redis-cluster", "--pages", "4", "--reps", "2",
                         "--page-size", "16", "--json"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)

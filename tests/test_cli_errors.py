@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
-from kvtier.devservers import free_port
+from kvtier.app.devservers import free_port
 
 RUN = ["run", "--no-progress"]
 RECORD = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}
@@ -78,7 +78,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     inputs_before = {p.name for p in inputs.iterdir()}
     def check(case) -> str | None:
         name, argv, needle = case
-        r = subprocess.run([sys.executable, "-m", "kvtier.cli", *argv], cwd=work, capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", *argv], cwd=work, capture_output=True, text=True, timeout=120)
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         ok = r.returncode == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in r.stderr and not r.stdout.strip()
         return None if ok else f"{name}: rc={r.returncode} stderr={r.stderr[-400:]!r} stdout={r.stdout[-200:]!r}"

@@ -27,17 +27,17 @@ def _kvtier_from(clone: Path, *args: str) -> subprocess.CompletedProcess:
     """Run the clone's own package (PYTHONPATH), from inside the clone, with no trace override."""
     env = {k: v for k, v in os.environ.items() if k != "KVTIER_TRACE"}
     env["PYTHONPATH"] = str(clone)
-    return subprocess.run([sys.executable, "-m", "kvtier.cli", *args], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, "-m", "kvtier.app.cli", *args], cwd=clone, env=env, capture_output=True, text=True, timeout=600)
 
 
 def test_clone_ships_its_trace_and_reads_nothing_outside(clone):
     shipped = clone / "kvtier" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
     assert shipped.is_file()
-    probe = subprocess.run([sys.executable, "-c", "import kvtier.workloads.mooncake as m; print(m.default_trace_path())"],
+    probe = subprocess.run([sys.executable, "-c", "import kvtier.app.workloads.mooncake as m; print(m.default_trace_path())"],
                            cwd=clone, env={**os.environ, "PYTHONPATH": str(clone), "KVTIER_TRACE": ""}, capture_output=True, text=True, timeout=60)
     assert probe.returncode == 0, probe.stderr
     assert Path(probe.stdout.strip()) == shipped  # the clone's own copy, not the installed one's or a shared/ one
-    from kvtier.workloads.mooncake import load_mooncake_trace
+    from kvtier.app.workloads.mooncake import load_mooncake_trace
 
     reqs = load_mooncake_trace(shipped)
     assert len(reqs) == 3993 and reqs[0].input_length == 40160 and reqs[0].hash_ids[:3] == (0, 1, 2)

@@ -5,13 +5,13 @@ import json
 import subprocess
 import sys
 
-import kvtier.bench.gpu_check as gpu_check
+import kvtier.app.bench.gpu_check as gpu_check
 from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
 
 
 def test_gpu_check_on_cpu_round_trips_bit_exact_and_measures():
-    r = subprocess.run([sys.executable, "-m", "kvtier.bench.gpu_check", "--device", "cpu", "--pages", "16", "--layers", "2",
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.bench.gpu_check", "--device", "cpu", "--pages", "16", "--layers", "2",
                         "--work", "128", "--reps", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
@@ -43,7 +43,7 @@ def test_gpu_check_catches_a_load_that_skips_a_layer(monkeypatch):
 
 def test_gpu_check_default_device():
     """Where CUDA is, the default run is the check itself; elsewhere one line and exit 2 saying what to do."""
-    r = subprocess.run([sys.executable, "-m", "kvtier.bench.gpu_check", "--pages", "16", "--layers", "2", "--work", "128", "--reps", "2"],
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.bench.gpu_check", "--pages", "16", "--layers", "2", "--work", "128", "--reps", "2"],
                        capture_output=True, text=True, timeout=300)
     if gpu_check.torch.cuda.is_available():
         assert r.returncode == 0 and json.loads(r.stdout)["bit_exact"] is True, r.stderr[-2000:]

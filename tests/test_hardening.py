@@ -19,7 +19,7 @@ import l3_scenarios as sc
 from cache_helpers import make_tiered_cache, serve, serve_tiered
 from conftest import slots
 from kvtier import DevicePool, HostPool
-from kvtier.devservers import RedisServer, free_port
+from kvtier.app.devservers import RedisServer, free_port
 from kvtier.errors import ConfigError, IndexTypeError, PageIndexError, StorageError
 from kvtier.hashing import Namespace, page_keys
 from kvtier.l3 import open_backend
@@ -97,7 +97,7 @@ SMALL_RUN = ["run", "--no-progress", "--workload-sessions", "2", "--workload-tur
 def test_password_is_never_in_the_report_or_output(redis_with_password, tmp_path):
     url = f"redis://:s3cret-pw@127.0.0.1:{redis_with_password.port}/0?timeout=2"
     out = tmp_path / "report.json"
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", *SMALL_RUN, "--storage-url", url, "--json", str(out)],
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", *SMALL_RUN, "--storage-url", url, "--json", str(out)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     text = out.read_text()
@@ -115,7 +115,7 @@ def test_wrong_password_is_a_clear_error_at_start_up(redis_with_password):
                         (f"redis://127.0.0.1:{redis_with_password.port}/0", "needs a password")):
         with pytest.raises(StorageError, match=expect):
             open_backend(url)
-        r = subprocess.run([sys.executable, "-m", "kvtier.cli", *SMALL_RUN, "--storage-url", url], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", *SMALL_RUN, "--storage-url", url], capture_output=True, text=True, timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and expect in lines[0] and "wrong-pw" not in r.stderr, r.stderr
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from cache_helpers import make_tiered_cache, serve, serve_tiered
-from kvtier.devservers import MooncakeMaster, wait_until
+from kvtier.app.devservers import MooncakeMaster, wait_until
 import l3_scenarios as sc
 
 pytestmark = pytest.mark.integration

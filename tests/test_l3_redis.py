@@ -9,7 +9,7 @@ import pytest
 import redis
 
 from cache_helpers import make_tiered_cache, serve, serve_tiered
-from kvtier.devservers import RedisServer, start_redis_cluster, wait_until
+from kvtier.app.devservers import RedisServer, start_redis_cluster, wait_until
 import l3_scenarios as sc
 
 pytestmark = pytest.mark.integration

@@ -11,10 +11,10 @@ import pytest
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.memory import MemoryBackend
 from kvtier.config import CacheConfig
-from kvtier.plan import PlanConfig, capacity, infinite_cache_hit_ratio, planning_spec, replay, run_plan, sweep_host
-from kvtier.plan.config import attribute_hits
-from kvtier.plan.replay_lru import lru_model_gap
-from kvtier.workloads.mooncake import default_trace_path, load_mooncake_trace
+from kvtier.app.plan import PlanConfig, capacity, infinite_cache_hit_ratio, planning_spec, replay, run_plan, sweep_host
+from kvtier.app.plan.config import attribute_hits
+from kvtier.app.plan.replay_lru import lru_model_gap
+from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +120,7 @@ def test_hits_attributed_device_then_host_then_storage():
 
 
 def test_bench_plan_cli_json():
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "bench", "plan", "--limit", "400", "--reps", "1", "--json"],
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "plan", "--limit", "400", "--reps", "1", "--json"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
@@ -140,7 +140,7 @@ def test_memory_backend_contract_and_lru():
 
 
 def test_plan_cli_json():
-    r = subprocess.run([sys.executable, "-m", "kvtier.cli", "plan", "--limit", "300", "--json", "--plan-nodes", "2", "--sweep-host-tb", "0.1,1"],
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "plan", "--limit", "300", "--json", "--plan-nodes", "2", "--sweep-host-tb", "0.1,1"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)

@@ -52,7 +52,14 @@ def test_mismatched_caches_are_config_errors(shape, model, match):
 
 def test_extra_config_keys():
     opts = ConnectorOptions.from_extra_config({"host_gb": 0.5, "storage_url": "file:///tmp/x", "storage_batch_pages": 4})
-    assert (opts.host_gb, opts.storage.url, opts.storage.batch_pages) == (0.5, "file:///tmp/x", 4)
+    assert (opts.tiers.host_gb, opts.storage.url, opts.storage.batch_pages) == (0.5, "file:///tmp/x", 4)
+    # the library's own configs, not copies: their fields, types and checks
+    assert ConnectorOptions.from_extra_config({"host_pages": 64}).tiers.host_pages_for(1 << 20) == 64
+    assert ConnectorOptions.from_extra_config({}).tiers.host_pages_for(1 << 20) == 1024  # default 1 GB of 1 MiB pages
+    with pytest.raises(ConfigError, match="TierConfig.host_layout"):
+        ConnectorOptions.from_extra_config({"host_layout": "sideways"})
+    with pytest.raises(ConfigError, match="CacheConfig.hash_algo"):
+        ConnectorOptions.from_extra_config({"hash_algo": "md5"})
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key.*host_gigabytes.*valid:.*host_gb"):
         ConnectorOptions.from_extra_config({"host_gigabytes": 1})
 
@@ -99,7 +106,7 @@ def test_restart_with_file_store_hits_and_matches(tmp_path, baseline):
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_restart_with_redis_store_hits_and_matches(tmp_path, baseline):
-    from kvtier.devservers import RedisServer
+    from kvtier.app.devservers import RedisServer
     from kvtier.l3 import open_backend
 
     server = RedisServer(tmp_path / "redis").start()

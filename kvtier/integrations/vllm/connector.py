@@ -155,16 +155,16 @@ class KVTierConnector(KVConnectorBase_V1):
                     "scheduler's process (UniProc executor, tensor_parallel_size=1)"
                 )
             self._cache, self._namespace, _ = _CACHES[self.engine_id]
-            self._root = self._namespace.root(self.options.hash_algo)
-            self._hash = hasher(self.options.hash_algo)
+            self._root = self._namespace.root(self.options.cache.hash_algo)
+            self._hash = hasher(self.options.cache.hash_algo)
 
     # ==== worker side ===================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         spec, device, self._layer_index = map_kv_caches(kv_caches, self._model_shape)
-        host = HostPool(spec, self.options.host_pages_for(spec.page_bytes), self.options.host_layout)
+        host = HostPool(spec, self.options.tiers.host_pages_for(spec.page_bytes), self.options.tiers.host_layout)
         namespace = Namespace(self.model_name, spec.fingerprint(), self.tp_rank, self.options.salt)
         storage = open_storage_tier(self.options.storage, host, namespace)
-        self._cache = OffloadCache(device, host, storage, self.options.storage, io_backend=self.options.io_backend)
+        self._cache = OffloadCache(device, host, storage, self.options.storage, io_backend=self.options.cache.io_backend)
         _CACHES[self.engine_id] = (self._cache, namespace, self.options)
         log.info("kvtier connector: %s, %d host pages (%s), L3 %s", spec.name, host.num_pages, host.layout.kind, redact_url(self.options.storage.url) or "off")
 
@@ -220,7 +220,7 @@ class KVTierConnector(KVConnectorBase_V1):
         extra = "|".join(x for x in (getattr(request, "cache_salt", None) or "", request.lora_request.lora_name if request.lora_request else "") if x)
         if extra:
             root = PageHash(self._hash(root + extra.encode()))
-        return page_keys(request.prompt_token_ids or [], self.block_size, root, self.options.hash_algo)
+        return page_keys(request.prompt_token_ids or [], self.block_size, root, self.options.cache.hash_algo)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         keys = self._keys(request)

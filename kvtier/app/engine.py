@@ -1,4 +1,4 @@
-"""A minimal paged engine around :class:`~kvtier.model.ReferenceModel`: it drives a prefix
+"""A minimal paged engine around :class:`~kvtier.app.model.ReferenceModel`: it drives a prefix
 cache exactly as a serving engine would, one request at a time.
 
 Per request (:mod:`kvtier.request`): begin (match, lock, L3 prefetch, load back)
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.model import ReferenceModel
+from kvtier.app.model import ReferenceModel
 
 
 @dataclass(frozen=True)

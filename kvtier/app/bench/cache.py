@@ -1,7 +1,8 @@
 """``kvtier bench cache``: prefix bookkeeping (page keys + match + insert + locks) on a Mooncake trace.
 
-Replays every request one at a time through :class:`HierarchicalCache` with
-unmaterialized pools of ample capacity (bookkeeping only, no bytes), timing key
+Replays every request one at a time through the policy core
+(:class:`~kvtier.core.policy.CacheCore` on an executor that moves no bytes, page
+ids of ample capacity: bookkeeping only, no eviction), timing key
 hashing and tree work separately. Then, in the same run, it times moving one
 16k-token deepseek-v3.2 request's pages host->device (all 61 layers, direct
 backend) and reports the bookkeeping of that request as a fraction of it.
@@ -15,7 +16,7 @@ through vLLM's ``KVCacheManager`` in the same process (``vllm``), and
 ``vs_vllm`` is kvtier's ``pages_per_s`` over vLLM's, on the same scope. When
 SGLang's wheel is at hand (``--sglang-wheel``, ``$KVTIER_SGLANG_WHEEL`` or
 ``.kvtier/wheels/``, where ``./run.sh test`` puts it) the replay also runs
-through SGLang's ``RadixCache`` (``sglang``, see :mod:`kvtier.bench.sglang_replay`)
+through SGLang's ``RadixCache`` (``sglang``, see :mod:`kvtier.app.bench.sglang_replay`)
 and ``vs_sglang`` is the same ratio against it.
 """
 
@@ -27,13 +28,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtier.bench.timing import median_seconds
-from kvtier.cache import HierarchicalCache
+from kvtier.app.bench.timing import median_seconds
+from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig
+from kvtier.core.policy import CacheCore
+from kvtier.executors.accounting import AccountingExecutor
 from kvtier.errors import ConfigError
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
-from kvtier.workloads import load_mooncake_trace, trace_tokens
+from kvtier.app.workloads import load_mooncake_trace, trace_tokens
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,7 @@ class CacheBenchResult:
     vs_sglang: float | None = None
 
 
-def replay(cache: HierarchicalCache, requests, page_size: int) -> tuple[int, int, int, float, float]:
+def replay(cache: CacheCore, requests, page_size: int) -> tuple[int, int, int, float, float]:
     """begin (match + lock) + alloc + commit (insert + unlock) for each request.
     Returns (pages, hit pages, hit tokens, hash s, tree s)."""
     pages = hit_pages = hit_tokens = 0
@@ -113,12 +116,11 @@ def bookkeeping_bytes_per_page(requests, spec: KVSpec) -> tuple[float, int]:
     return held / max(distinct, 1), distinct
 
 
-def _bookkeeping_cache(requests, spec: KVSpec, preallocate: bool = True) -> HierarchicalCache:
-    """Unmaterialized pools with room for every page of the trace: bookkeeping only, no bytes, no eviction."""
+def _bookkeeping_cache(requests, spec: KVSpec, preallocate: bool = True) -> CacheCore:
+    """The core with room for every page of the trace: bookkeeping only, no bytes, no eviction."""
     total_pages = sum(r.input_length // spec.page_size for r in requests)
-    dev = DevicePool(spec, total_pages + 1, materialize=False)
-    host = HostPool(spec, 1, materialize=False)
-    return HierarchicalCache(dev, host, CacheConfig(write_policy="write_back", preallocate_nodes=preallocate))
+    return CacheCore(spec, PageAllocator(total_pages + 1, "device"), PageAllocator(1, "host"), AccountingExecutor(),
+                     CacheConfig(write_policy="write_back", preallocate_nodes=preallocate))
 
 
 def _transfer_16k_ms(reps: int = 3) -> float:
@@ -145,8 +147,8 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
                     vllm: bool | None = None, sglang: bool | None = None, sglang_wheel: str | None = None) -> CacheBenchResult:
     """``vllm`` / ``sglang``: None runs that comparison when it is available (vLLM importable; SGLang's
     wheel found), True insists on it, False skips it."""
-    from kvtier.bench.sglang_replay import SGLANG_VERSION, find_sglang_wheel, replay_sglang
-    from kvtier.bench.vllm_replay import replay_vllm, vllm_available
+    from kvtier.app.bench.sglang_replay import SGLANG_VERSION, find_sglang_wheel, replay_sglang
+    from kvtier.app.bench.vllm_replay import replay_vllm, vllm_available
 
     if vllm is None:
         vllm = vllm_available()
@@ -166,7 +168,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     distinct = len(cache.tree)
     input_tokens = sum(r.input_length for r in requests)
     # one 16k-token request's bookkeeping, measured on a warm tree (its prefix cached)
-    from kvtier.workloads.mooncake import TraceRequest
+    from kvtier.app.workloads.mooncake import TraceRequest
 
     r16 = TraceRequest(0, 16384, 1, tuple(range(10**9, 10**9 + 32)))
     replay(cache, [r16], spec.page_size)

@@ -158,7 +158,7 @@ class _Servers:
 def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "redis-cluster", "mooncake"), pages: int = 96, reps: int = 20, page_size: int | None = 16) -> list[StorageCase]:
     """Put and get ratios per backend over ``reps`` rounds each. ``page_size`` 16 (tokens) gives
     the 1 MiB-class deepseek-v3.2 page objects (1.25 MB); None keeps the preset's 64 (5.0 MB)."""
-    from kvtier import devservers
+    from kvtier.app import devservers
 
     spec = KVSpec.preset("deepseek-v3.2", **({"page_size": page_size} if page_size else {}))
     host = HostPool(spec, pages, "page_first")

@@ -102,7 +102,7 @@ def default_trace_path() -> Path:
     env = os.environ.get("KVTIER_TRACE")
     if env:
         return Path(env)
-    return Path(str(files("kvtier.workloads") / "data" / SHIPPED_TRACE))
+    return Path(str(files("kvtier.app.workloads") / "data" / SHIPPED_TRACE))
 
 
 _OFFSETS = np.arange(MOONCAKE_BLOCK_TOKENS, dtype=np.int64)

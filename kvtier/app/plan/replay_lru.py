@@ -1,4 +1,4 @@
-"""Fast replay: HierarchicalCache's policy as ordered dicts, for whole traces in a fraction of a second.
+"""Fast replay: the policy core's policy as ordered dicts, for whole traces in a fraction of a second.
 
 ``kvtier plan`` replays thousands of requests of ~30 blocks, each evicting
 about as many; through the prefix tree that costs ~1,500 Python calls per
@@ -7,7 +7,7 @@ request. This module keeps, per node, two recency lists of block ids
 blocks between them with bulk C-level dict operations.
 
 Why this is the same policy, not an approximation (``tests/test_plan.py``
-checks it request by request against :mod:`kvtier.plan.replay_cache`):
+checks it request by request against :mod:`kvtier.app.plan.replay_cache`):
 
 * The tree's LRU gives a node the stamp of the newest use in its subtree and
   evicts leaves only. Every use of a block passes through all its ancestors, so
@@ -36,10 +36,10 @@ from collections.abc import Sequence
 from itertools import islice, repeat
 
 from kvtier.config import CacheConfig
-from kvtier.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts, attribute_hits
+from kvtier.app.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts, attribute_hits
 from kvtier.radix import leading_present
 from kvtier.spec import KVSpec
-from kvtier.workloads.mooncake import TraceRequest
+from kvtier.app.workloads.mooncake import TraceRequest
 
 
 def lru_model_gap(cache_cfg: CacheConfig, cap: Capacity, max_request_blocks: int) -> str | None:

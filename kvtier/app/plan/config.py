@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from kvtier.config import ConfigError, _help, check_number
-from kvtier.workloads.mooncake import TraceRequest
+from kvtier.app.workloads.mooncake import TraceRequest
 
 GB = 1e9
 TB = 1e12
@@ -30,7 +30,7 @@ class PlanConfig:
     flops_per_token: float = _help("prefill FLOPs per token (2 x active parameters; DeepSeek-V3.2: 37e9 active)", 74e9)
     replay: Literal["auto", "cache"] = _help(
         "auto: the LRU model of the cache where it is exact (write_through, host >= device + 2 requests), else the cache itself; "
-        "cache: always replay through HierarchicalCache", "auto")
+        "cache: always replay through the policy core", "auto")
 
     def __post_init__(self) -> None:
         if self.nodes < 1:

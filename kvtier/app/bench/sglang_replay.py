@@ -32,9 +32,9 @@ import types
 import zipfile
 from pathlib import Path
 
-from kvtier.bench.peer_result import PeerReplayResult
+from kvtier.app.bench.peer_result import PeerReplayResult
 from kvtier.errors import ConfigError
-from kvtier.workloads import trace_tokens
+from kvtier.app.workloads import trace_tokens
 
 SGLANG_VERSION = "0.5.23"
 

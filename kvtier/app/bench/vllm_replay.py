@@ -11,8 +11,8 @@ trace that changes nothing at four decimals.
 from __future__ import annotations
 
 import time
-from kvtier.bench.peer_result import PeerReplayResult
-from kvtier.workloads import trace_tokens
+from kvtier.app.bench.peer_result import PeerReplayResult
+from kvtier.app.workloads import trace_tokens
 
 
 def vllm_available() -> bool:

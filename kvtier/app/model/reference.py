@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.dsa import dequantize, quantize, read_pages, write_tokens
+from kvtier.app.model.dsa import dequantize, quantize, read_pages, write_tokens
 from kvtier.spec import KVSpec
 
 

@@ -1,9 +1,9 @@
 """``kvtier plan``: size the tiers for a workload at cluster scale, without tensors.
 
-The same :class:`HierarchicalCache` logic (LRU per tier, write policies, L3
-prefetch) runs over pools that account pages but hold no bytes, one cache per
-node, all nodes sharing one L3 of ``storage_tb x nodes`` (an in-process
-``memory://`` LRU). Keys are the trace's own block hashes (Mooncake ``hash_ids``
+The policy core itself (:class:`~kvtier.core.policy.CacheCore`: LRU per tier,
+write policies, L3 prefetch) runs over page ids on executors that move no
+bytes, one core per node, all nodes sharing one L3 of ``storage_tb x nodes``
+(an LRU set of keys). Keys are the trace's own block hashes (Mooncake ``hash_ids``
 are prefix hashes of 512-token blocks), so planning works on 512-token blocks:
 the trace's own granularity, and no hashing. A block is ``512 / page_size``
 pages of the spec.
@@ -13,10 +13,10 @@ infinite-cache bound, bytes per second each link must carry at the trace's
 arrival rate (vs PCIe and network bandwidth), and whether loading a hit beats
 recomputing it (given a prefill FLOP rate; assumptions are in the report).
 
-Two replays of the same policy: :mod:`~kvtier.plan.replay_cache` drives
-:class:`HierarchicalCache` itself (every configuration); :mod:`~kvtier.plan.replay_lru`
+Two replays of the same policy: :mod:`~kvtier.app.plan.replay_cache` drives
+the core itself (every configuration); :mod:`~kvtier.app.plan.replay_lru`
 is its exact model as ordered dicts (~15x faster), used where
-:func:`~kvtier.plan.replay_lru.lru_model_gap` finds no gap. The report names
+:func:`~kvtier.app.plan.replay_lru.lru_model_gap` finds no gap. The report names
 the one that ran (``replay_engine``).
 """
 
@@ -26,11 +26,11 @@ import time
 from dataclasses import replace
 
 from kvtier.config import CacheConfig, ConfigError
-from kvtier.plan.config import GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts
-from kvtier.plan.replay_cache import replay_cache
-from kvtier.plan.replay_lru import lru_model_gap, replay_lru
+from kvtier.app.plan.config import GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts
+from kvtier.app.plan.replay_cache import replay_cache
+from kvtier.app.plan.replay_lru import lru_model_gap, replay_lru
 from kvtier.spec import KVSpec
-from kvtier.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "fast_model_gap", "infinite_cache_hit_ratio", "planning_spec", "replay", "run_plan", "sweep_host"]
 

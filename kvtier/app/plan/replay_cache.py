@@ -5,7 +5,7 @@ LRU per tier, write policies, L3 saves and wait_complete prefetch) over page
 ids alone, one core per node, each on an
 :class:`~kvtier.executors.accounting.AccountingExecutor`, all sharing one
 :class:`~kvtier.executors.accounting.AccountingStore` as their L3. Every
-configuration runs here; :mod:`kvtier.plan.replay_lru` is the fast model of
+configuration runs here; :mod:`kvtier.app.plan.replay_lru` is the fast model of
 the same policy for the configurations where it is exact.
 """
 
@@ -16,9 +16,9 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.policy import CacheCore
 from kvtier.executors.accounting import AccountingExecutor, AccountingStore
 from kvtier.hashing import Namespace, PageHash
-from kvtier.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts
+from kvtier.app.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts
 from kvtier.spec import KVSpec
-from kvtier.workloads.mooncake import TraceRequest
+from kvtier.app.workloads.mooncake import TraceRequest
 
 
 def _block_key(h: int) -> PageHash:

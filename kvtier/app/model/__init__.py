@@ -1,5 +1,5 @@
 """A small deterministic MLA + DSA transformer that keeps its KV only in kvtier's pools."""
 
-from kvtier.model.reference import ModelConfig, ReferenceModel
+from kvtier.app.model.reference import ModelConfig, ReferenceModel
 
 __all__ = ["ModelConfig", "ReferenceModel"]

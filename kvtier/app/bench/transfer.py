@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from kvtier.bench.timing import median_seconds
+from kvtier.app.bench.timing import median_seconds
 from kvtier.layout import LAYOUTS
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec

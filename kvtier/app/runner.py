@@ -12,14 +12,14 @@ from typing import Literal
 
 import torch
 
-from kvtier.build import TierConfig, build_cache
-from kvtier.config import CacheConfig, ConfigError, StorageConfig, _help, check_number
-from kvtier.engine import ReferenceEngine, RequestResult
+from kvtier.build import build_cache
+from kvtier.config import CacheConfig, ConfigError, StorageConfig, TierConfig, _help, check_number
+from kvtier.app.engine import ReferenceEngine, RequestResult
 from kvtier.l3.base import redact_url
-from kvtier.model import ModelConfig, ReferenceModel
-from kvtier.nullcache import NullCache
+from kvtier.app.model import ModelConfig, ReferenceModel
+from kvtier.app.nullcache import NullCache
 from kvtier.pools import DevicePool
-from kvtier.workloads.synthetic import ChatWorkload
+from kvtier.app.workloads.synthetic import ChatWorkload
 
 #: logits may differ by at most this much (absolute) for the check to pass; the
 #: reference model is built so cached and recomputed runs are bit-identical (0.0)
@@ -55,7 +55,7 @@ class WorkloadConfig:
     def requests(self, vocab: int) -> list[list[int]]:
         if self.kind == "chat":
             return ChatWorkload(self.sessions, self.turns, self.system_prompts, self.system_tokens, self.user_tokens, self.reply_tokens, vocab, self.seed).requests()
-        from kvtier.workloads.mooncake import default_trace_path, load_mooncake_trace, trace_tokens
+        from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace, trace_tokens
 
         reqs = load_mooncake_trace(self.trace or default_trace_path(), self.limit)
         # equal hash ids -> equal tokens; fold the large ids into the model's vocabulary

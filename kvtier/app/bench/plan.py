@@ -1,7 +1,7 @@
 """``kvtier bench plan``: how fast ``kvtier plan`` replays a Mooncake trace, with both replays in one run.
 
-The fast LRU model (:mod:`kvtier.plan.replay_lru`) and the HierarchicalCache
-replay (:mod:`kvtier.plan.replay_cache`) run on the same trace and
+The fast LRU model (:mod:`kvtier.app.plan.replay_lru`) and the policy-core
+replay (:mod:`kvtier.app.plan.replay_cache`) run on the same trace and
 configuration; the benchmark reports each one's requests per second (median of
 ``reps``), their ratio, and whether they served every request from the same
 tiers (they must: the fast model is only used where it is exact).
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvtier.bench.timing import median_seconds
+from kvtier.app.bench.timing import median_seconds
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
-from kvtier.plan import PlanConfig, fast_model_gap, replay
-from kvtier.workloads.mooncake import load_mooncake_trace
+from kvtier.app.plan import PlanConfig, fast_model_gap, replay
+from kvtier.app.workloads.mooncake import load_mooncake_trace
 
 
 @dataclass(frozen=True)

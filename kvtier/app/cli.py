@@ -52,7 +52,7 @@ def bench_transfer(
     reps: int = typer.Option(12, help="timed repetitions per case (median reported)"),
 ) -> None:
     """Page transfer throughput per layout x direction x spec x buffer, vs a contiguous copy."""
-    from kvtier.bench.transfer import as_json_rows, run_transfer_bench
+    from kvtier.app.bench.transfer import as_json_rows, run_transfer_bench
 
     _emit(as_json_rows(run_transfer_bench(pages_per_transfer=pages, layers=layers, reps=reps)), as_json)
 
@@ -67,8 +67,8 @@ def bench_cache(
     sglang_wheel: Optional[str] = typer.Option(None, help="sglang-0.5.23 wheel (default: $KVTIER_SGLANG_WHEEL, else .kvtier/wheels/)"),
 ) -> None:
     """Prefix bookkeeping throughput (keys + match + insert) on a trace, and its share of a 16k-token load."""
-    from kvtier.bench.cache import as_json as to_json, run_cache_bench
-    from kvtier.workloads.mooncake import default_trace_path
+    from kvtier.app.bench.cache import as_json as to_json, run_cache_bench
+    from kvtier.app.workloads.mooncake import default_trace_path
 
     _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm, sglang=sglang, sglang_wheel=sglang_wheel)), as_json)
 
@@ -82,7 +82,7 @@ def bench_storage(
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """L3 put/get throughput per backend, as a ratio to the backend's own client on the same server."""
-    from kvtier.bench.storage import as_json_rows, run_storage_bench
+    from kvtier.app.bench.storage import as_json_rows, run_storage_bench
 
     _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps, page_size)), as_json)
 
@@ -94,17 +94,17 @@ def bench_plan(
     reps: int = typer.Option(5, help="timed repetitions of the fast replay (median reported; the cache replay gets half)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
-    """kvtier plan's replay speed: the fast LRU model vs HierarchicalCache on the same trace, and that both agree."""
-    from kvtier.bench.plan import as_json as to_json, run_plan_bench
-    from kvtier.workloads.mooncake import default_trace_path
+    """kvtier plan's replay speed: the fast LRU model vs the policy core on the same trace, and that both agree."""
+    from kvtier.app.bench.plan import as_json as to_json, run_plan_bench
+    from kvtier.app.workloads.mooncake import default_trace_path
 
     _emit(to_json(run_plan_bench(trace or str(default_trace_path()), limit, reps=reps)), as_json)
 
 
 def _run_sections() -> dict[str, type]:
-    from kvtier.build import TierConfig
+    from kvtier.config import TierConfig
     from kvtier.config import CacheConfig, StorageConfig
-    from kvtier.runner import WorkloadConfig
+    from kvtier.app.runner import WorkloadConfig
 
     return {"workload": WorkloadConfig, "tiers": TierConfig, "cache": CacheConfig, "storage": StorageConfig}
 
@@ -117,8 +117,8 @@ def run(
     **flags,
 ) -> None:
     """Replay a workload through the reference MLA+DSA model with kvtier and with recompute; report hits, bytes, TTFT, equality."""
-    from kvtier.cli_options import build_sections, load_config_file
-    from kvtier.runner import RunConfig, plot_report, run_workload
+    from kvtier.app.cli_options import build_sections, load_config_file
+    from kvtier.app.runner import RunConfig, plot_report, run_workload
 
     sections = build_sections(_run_sections(), load_config_file(config), flags)
     for what, path in (("--json", as_json if as_json != "-" else None), ("--plot", plot)):
@@ -181,10 +181,10 @@ def plan(
     **flags,
 ) -> None:
     """Replay a trace through the cache logic at real model sizes (no tensors): hit ratio per tier, link load, load vs recompute."""
-    from kvtier.cli_options import build_sections
+    from kvtier.app.cli_options import build_sections
     from kvtier.config import CacheConfig
-    from kvtier.plan import PlanConfig, run_plan, sweep_host
-    from kvtier.workloads.mooncake import default_trace_path, load_mooncake_trace
+    from kvtier.app.plan import PlanConfig, run_plan, sweep_host
+    from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace
 
     sections = build_sections({"plan": PlanConfig, "cache": CacheConfig}, {}, flags)
     requests = load_mooncake_trace(trace or default_trace_path(), limit)
@@ -213,14 +213,14 @@ def plan(
 def _register_run() -> None:
     import inspect
 
-    from kvtier.cli_options import section_parameters
+    from kvtier.app.cli_options import section_parameters
 
     sig = inspect.signature(run)
     params = [p for p in sig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + section_parameters(_run_sections())
     run.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
     app.command("run")(run)
     from kvtier.config import CacheConfig
-    from kvtier.plan import PlanConfig
+    from kvtier.app.plan import PlanConfig
 
     psig = inspect.signature(plan)
     pparams = [p for p in psig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + section_parameters({"plan": PlanConfig, "cache": CacheConfig})

@@ -5,7 +5,7 @@ blocks in a file store; (2) a new engine with kvtier on the same store: its
 TTFT includes L3 -> host -> vLLM block loads; (3) vLLM without kvtier. Each
 engine runs one unrelated warm-up prompt first. Prints JSON.
 
-``python -m kvtier.bench.vllm_ttft --prompt-tokens 2048``
+``python -m kvtier.app.bench.vllm_ttft --prompt-tokens 2048``
 """
 
 from __future__ import annotations
