@@ -31,7 +31,7 @@ def _kvtier_from(clone: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_clone_ships_its_trace_and_reads_nothing_outside(clone):
-    shipped = clone / "kvtier" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
+    shipped = clone / "kvtier" / "app" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
     assert shipped.is_file()
     probe = subprocess.run([sys.executable, "-c", "import kvtier.app.workloads.mooncake as m; print(m.default_trace_path())"],
                            cwd=clone, env={**os.environ, "PYTHONPATH": str(clone), "KVTIER_TRACE": ""}, capture_output=True, text=True, timeout=60)
