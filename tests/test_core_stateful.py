@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.core.plans import CutShort, Done, Failed, Reason, Tier, Transfer
 from kvtier.core.policy import CacheCore
 from kvtier.errors import InvalidStateError, KVTierError
@@ -256,3 +257,104 @@ def test_core_state_machine_ten_thousand_steps():
         run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=80, derandomize=True, deadline=None,
                                                              database=None, suppress_health_check=list(HealthCheck)))
     assert STEPS["total"] >= 10_000, STEPS
+
+
+class EngineDeviceMachine(RuleBasedStateMachine):
+    """The core in its engine-device form (vLLM owns the device blocks): offload, load_into, release."""
+
+    host_pages = 6
+
+    def __init__(self):
+        super().__init__()
+        self.rnd = random.Random(1)
+        self.port = ScriptedExecutor(self.rnd)
+        spec = tiny_specs(page_size=PAGE, num_layers=1)["mla"]
+        self.core = EngineDeviceCore(spec, PageAllocator(1, "engine device"), PageAllocator(self.host_pages, "host pool"), self.port,
+                                     CacheConfig(preallocate_nodes=False), StorageConfig(url="memory://", min_prefetch_pages=1))
+        self.loads: list = []
+
+    def _keys(self, prefix, pages):
+        return self.core.page_keys(PREFIXES[prefix][: pages * PAGE])
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6))
+    def offload(self, prefix, pages):
+        r = self.core.offload(self._keys(prefix, pages), list(range(100, 100 + pages)))
+        assert r.already_held + r.saved + r.no_space + r.failed == pages
+
+    @precondition(lambda self: len(self.loads) < 2)
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6))
+    def load(self, prefix, pages):
+        ld = self.core.load_into(self._keys(prefix, pages), list(range(200, 200 + pages)))
+        assert ld.loaded == ld.from_host + ld.from_storage <= pages
+        self.loads.append(ld)
+
+    @precondition(lambda self: self.loads)
+    @rule(i=st.integers(0, 1))
+    def release(self, i):
+        ld = self.loads.pop(i % len(self.loads))
+        self.core.release(ld)
+        self.core.release(ld)  # idempotent
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6))
+    def lookup(self, prefix, pages):
+        found = self.core.lookup(self._keys(prefix, pages))
+        assert found.pages <= pages
+
+    @precondition(lambda self: self.port.inflight)
+    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
+    def complete(self, pick, outcome, cut):
+        ops = sorted(self.port.inflight)
+        self.port.finish(ops[pick % len(ops)], outcome, cut)
+        self.core.poll()
+
+    @precondition(lambda self: self.port.store)
+    @rule(pick=st.integers(0, 10**6))
+    def storage_loses_a_key(self, pick):
+        keys = sorted(self.port.store)
+        self.port.store.discard(keys[pick % len(keys)])
+
+    @rule(n=st.integers(1, 6))
+    def evict_host(self, n):
+        self.core.evict_host(n)
+
+    @rule(pages=st.integers(1, 3))
+    def misuse(self, pages):
+        before = (len(self.core.tree), self.core.host_alloc.num_free, sorted(self.port.inflight))
+        with pytest.raises(KVTierError):
+            self.core.offload(self._keys(0, pages), list(range(pages + 1)))  # one block too many
+        with pytest.raises(KVTierError):
+            self.core.load_into(self._keys(0, pages), [])
+        assert (len(self.core.tree), self.core.host_alloc.num_free, sorted(self.port.inflight)) == before
+
+    @precondition(lambda self: not self.loads)
+    @rule()
+    def drain_then_evict_everything(self):
+        core = self.core
+        core.wait_idle()
+        core.check_integrity(idle=True)
+        core.evict_host(self.host_pages)
+        assert core.host_alloc.num_used == 0 and len(core.tree) == 0, "idle and unlocked, yet host pages could not be evicted"
+
+    @invariant()
+    def accounting(self):
+        STEPS["engine"] += 1
+        core = self.core
+        core.check_integrity()
+        assert all(n.device_page == NO_PAGE for n in core.tree.nodes.values()), "the engine owns the device: kvtier holds none"
+        assert core.host_alloc.num_free + sum(n.host_page != NO_PAGE for n in core.tree.nodes.values()) == self.host_pages
+        if not self.loads and not core._inflight:
+            core.check_integrity(idle=True)
+
+    def teardown(self):
+        for ld in self.loads:
+            self.core.release(ld)
+        self.core.close()
+
+
+def test_engine_device_core_state_machine():
+    STEPS["engine"] = 0
+    for host in (3, 6, 10):
+        machine = type(f"EngineDevice_{host}", (EngineDeviceMachine,), {"host_pages": host})
+        run_state_machine_as_test(machine, settings=settings(max_examples=30, stateful_step_count=60, derandomize=True, deadline=None,
+                                                             database=None, suppress_health_check=list(HealthCheck)))
+    assert STEPS["engine"] >= 3_000, STEPS

@@ -6,6 +6,7 @@ from kvtier.config import StorageConfig
 from kvtier.hashing import Namespace, page_keys
 from kvtier.l3 import open_backend
 from kvtier.l3.tier import StorageTier
+from kvtier.core.engine_device import HostLookup
 from kvtier.offload import OffloadCache
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
@@ -114,5 +115,81 @@ def test_locked_pages_are_not_evicted_and_shortfall_is_reported():
     short = cache.load(a, [8, 9, 10, 11])
     cache.release(short)
     assert short.loaded < 4 and cache.stats.load_shortfall == 4 - short.loaded
+    cache.check_integrity()
+    cache.close()
+
+
+# ---- the same policy with the bytes in another process (the scheduler/worker split) ----------
+def _fill_blocks(executor, blocks, seed):
+    """Worker side: the engine computes KV into its blocks (deterministic bytes per block)."""
+    g = torch.Generator().manual_seed(seed)
+    dev = executor.engine.device
+    for b in dev.spec.buffers:
+        for layer in range(dev.spec.num_layers):
+            rows = dev.rows(b.name, layer)
+            for blk in blocks:
+                rows[blk].view(torch.uint8).copy_(torch.randint(0, 256, (b.page_bytes,), dtype=torch.uint8, generator=g))
+
+
+def _read_blocks(executor, blocks):
+    return [executor.engine.device.page_bytes(b) for b in blocks]
+
+
+def _split_core(url, host_pages=8):
+    from kvtier.alloc import PageAllocator
+    from kvtier.config import CacheConfig
+    from kvtier.core.engine_device import EngineDeviceCore
+    from kvtier.executors.pipe import PipeExecutor, WorkerSpec
+
+    ns = Namespace("m", SPEC.fingerprint())
+    storage = StorageConfig(url=url)
+    port = PipeExecutor(WorkerSpec(SPEC, 12, host_pages, "page_first", storage=storage, namespace=ns))
+    return EngineDeviceCore(SPEC, PageAllocator(1, "engine device"), PageAllocator(host_pages, "host pool"), port,
+                            CacheConfig(preallocate_nodes=False), storage, namespace=ns), port
+
+
+def test_engine_device_core_with_its_executor_in_another_process(tmp_path):
+    """The shape of a multi-process engine: the policy here (scheduler), the blocks, host pages and L3
+    client in a worker process; only plans and completions cross. Bytes compared bit-exact after a
+    host round trip, and after an L3 round trip into a fresh worker."""
+    url = f"file://{tmp_path}/store"
+    core, port = _split_core(url)
+    port.run(_fill_blocks, [0, 1, 2, 3, 4], 7)
+    computed = port.run(_read_blocks, [0, 1, 2, 3, 4])
+    assert core.offload(keys(5), [0, 1, 2, 3, 4]).saved == 5
+    ld = core.load_into(keys(5), [7, 8, 9, 10, 11])
+    for layer in range(SPEC.num_layers):
+        ld.wait_layer(layer)
+    core.release(ld)
+    assert (ld.loaded, ld.from_host, ld.ok) == (5, 5, True)
+    assert port.run(_read_blocks, [7, 8, 9, 10, 11]) == computed
+    core.wait_idle()
+    core.check_integrity(idle=True)
+    assert core.stats.storage_saved_pages == 5
+    core.close()
+    fresh, port2 = _split_core(url)
+    assert fresh.lookup(keys(6)) == HostLookup(0, 5)
+    ld = fresh.load_into(keys(5), [1, 2, 3, 4, 5])
+    fresh.release(ld)
+    assert (ld.loaded, ld.from_storage) == (5, 5)
+    assert port2.run(_read_blocks, [1, 2, 3, 4, 5]) == computed
+    fresh.wait_idle()
+    fresh.check_integrity(idle=True)
+    fresh.close()
+
+
+def test_offload_misuse_is_typed_and_changes_nothing():
+    import pytest
+
+    from kvtier.errors import ConfigError, PageIndexError
+
+    cache = make(engine_tensors(), host_pages=4)
+    cache.save(keys(2), [0, 1])
+    before = (cache.num_host_pages_used, cache.lookup(keys(2)))
+    with pytest.raises(ConfigError, match="3 page keys but 2 device pages"):
+        cache.save(keys(3), [0, 1])
+    with pytest.raises(PageIndexError):
+        cache.load(keys(2), [0, 99])
+    assert (cache.num_host_pages_used, cache.lookup(keys(2))) == before
     cache.check_integrity()
     cache.close()

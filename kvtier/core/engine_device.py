@@ -1,0 +1,244 @@
+"""The policy core for an engine that owns its device memory (vLLM): kvtier keeps host and L3.
+
+vLLM keeps its own GPU blocks and its own device prefix cache; what it asks of
+kvtier is the tiers below. :class:`EngineDeviceCore` is the same
+:class:`~kvtier.core.policy.CacheCore` -- one prefix tree, host LRU, L3 save and
+prefetch state, write policies -- with three calls that name the *engine's*
+device blocks instead of pages of a device pool kvtier allocates:
+
+* :meth:`~EngineDeviceCore.lookup` -- leading pages on host, then in L3;
+* :meth:`~EngineDeviceCore.offload` -- copy pages out of engine blocks into host
+  pages (waited for: the engine may reuse its blocks on return), then write
+  them through to L3;
+* :meth:`~EngineDeviceCore.load_into` -- the leading available pages (host, then
+  fetched from L3 per the prefetch policy) into engine blocks, layer by layer;
+  their host pages stay locked until :meth:`~EngineDeviceCore.release`.
+
+Nothing here holds a device page: tree nodes are host-only, and every copy is
+a :class:`~kvtier.core.plans.Transfer` the executor runs against the engine's
+tensors. Pages are whole by construction (keys name full pages, blocks are
+page ids), so no partial page reaches a transfer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.core.plans import Completion, Done, Tier, copy_plan
+from kvtier.core.policy import CacheCore, JobTag, MatchResult
+from kvtier.errors import PageAlignmentError
+from kvtier.hashing import PageHash
+from kvtier.radix import NO_PAGE, PageNode
+
+
+@dataclass(frozen=True, slots=True)
+class HostLookup:
+    """Leading pages of a key list held on host, then (after those) in L3."""
+
+    host_pages: int
+    storage_pages: int
+
+    @property
+    def pages(self) -> int:
+        return self.host_pages + self.storage_pages
+
+
+@dataclass(frozen=True, slots=True)
+class OffloadResult:
+    requested: int
+    already_held: int
+    saved: int
+    #: pages not saved because no host page could be freed (all locked or being saved to L3)
+    no_space: int
+    #: pages whose device -> host copy failed (not cached)
+    failed: int = 0
+    #: the write-through L3 save of the saved pages, when one started
+    l3_save_op: int | None = None
+
+
+@dataclass(eq=False)
+class EngineLoad:
+    """A load into engine blocks: the first ``loaded`` of ``requested`` pages are coming.
+
+    ``wait_layer(i)`` blocks until layer ``i`` of those pages is in device memory.
+    Pages ``loaded:`` were not available (evicted, missing or failed in L3) and must
+    be recomputed by the engine. Hand it back with :meth:`EngineDeviceCore.release`."""
+
+    requested: int
+    loaded: int
+    from_host: int
+    from_storage: int
+    device_pages: list[int]
+    op: int | None = None
+    core: CacheCore | None = field(default=None, repr=False)
+    #: the completion of the copy, once applied (None while in flight)
+    outcome: Completion | None = field(default=None, repr=False)
+    _locked: PageNode | None = field(default=None, repr=False)
+    _released: bool = field(default=False, repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """False when the copy failed: every page of this load must be recomputed."""
+        return self.outcome is None or type(self.outcome) is Done
+
+    def wait_layer(self, layer: int) -> None:
+        if self.op is not None and self.core is not None:
+            self.core.port.wait_layer(self.op, layer)
+
+
+class OffloadCopy(JobTag):
+    """engine device blocks -> host pages, waited for where it is planned (the engine reuses its blocks)."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True, slots=True)
+class IntoEngine(JobTag):
+    """host pages -> engine device blocks; the nodes stay locked by ``load`` until it is released."""
+
+    load: EngineLoad
+
+
+class EngineDeviceCore(CacheCore):
+    """See the module docstring. The device allocator the core is given is never used."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on[OffloadCopy] = self._applied_where_waited
+        self._on[IntoEngine] = self._finish_into_engine
+
+    def _ready_prefix(self, path: Sequence[PageNode]) -> int:
+        n = 0
+        for node in path:
+            if node.host_page == NO_PAGE or not node.host_ready:
+                break
+            n += 1
+        return n
+
+    # ---- queries ---------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[PageHash]) -> HostLookup:
+        self.poll()
+        keys = list(keys)
+        path = self.tree.walk(keys)
+        host = self._ready_prefix(path)
+        self.tree.touch(path[:host])
+        stored = self.port.stored_prefix(keys[host:]) if self.port.has_storage and host == len(path) < len(keys) else 0
+        st = self.stats
+        st.requests += 1
+        st.lookup_pages += len(keys)
+        st.host_hit_pages += host
+        st.storage_hit_pages += stored
+        return HostLookup(host, stored)
+
+    def holds(self, key: PageHash) -> bool:
+        node = self.tree.nodes.get(key)
+        return node is not None and node.host_page != NO_PAGE and node.host_ready
+
+    # ---- engine device -> host -> L3 ----------------------------------------------------------
+    def offload(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> OffloadResult:
+        """Copy the pages of ``keys`` the cache does not hold yet out of ``engine_pages[i]`` (all layers)
+        into host pages, wait for the copy, then write them through to L3 (in the background)."""
+        if len(keys) != len(engine_pages):
+            raise PageAlignmentError(f"offload: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
+        self.poll()
+        keys, tree = list(keys), self.tree
+        path = tree.walk(keys)
+        have = len(path)
+        want = len(keys) - have
+        if path:
+            tree.lock(path[-1])  # room for the new pages must not come from this prefix's own pages
+        try:
+            got = self._alloc_host(want)
+            if not got.ok:
+                got = self.host_alloc.alloc(min(want, self.host_alloc.num_free))
+        finally:
+            if path:
+                tree.unlock(path[-1])
+        n = len(got.pages)
+        failed, save_op = 0, None
+        if n:
+            nodes: list[PageNode] = []
+            parent = path[-1] if path else None
+            for key, page in zip(keys[have : have + n], got.pages):
+                node = tree.add(key, parent)
+                tree.set_host(node, page, ready=False)
+                nodes.append(node)
+                parent = node
+            tree.lock(nodes[-1])
+            c = self._await(self._submit(copy_plan, OffloadCopy(nodes), Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages))
+            tree.unlock(nodes[-1])
+            if type(c) is Done:
+                for node in nodes:
+                    node.host_ready = True
+                tree.touch(path + nodes)
+                self.stats.backed_up_pages += n
+                self.stats.backed_up_bytes += n * self._page_bytes
+                self.stats.inserted_pages += n
+                if self.port.has_storage and self.storage_config.write_policy == "write_through":
+                    save_op = self._save(nodes)
+            else:  # the bytes never landed: the pages are not cached
+                self.stats.transfer_failures += 1
+                pages = []
+                for node in reversed(nodes):
+                    pages.append(tree.clear_host(node))
+                    tree.remove(node)
+                self.host_alloc.free(pages)
+                failed, n = n, 0
+        elif path:
+            tree.touch(path)
+        return OffloadResult(len(keys), have, n, want - n - failed, failed, save_op)
+
+    # ---- L3 -> host -> engine device ----------------------------------------------------------
+    def load_into(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> EngineLoad:
+        """Bring the leading available pages of ``keys`` into ``engine_pages``, layer by layer: those on
+        host, then those the store holds (prefetched per the storage config's policy)."""
+        if len(keys) != len(engine_pages):
+            raise PageAlignmentError(f"load: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
+        self.poll()
+        keys, tree = list(keys), self.tree
+        path = tree.walk(keys)
+        host = self._ready_prefix(path)
+        locked = path[host - 1] if host else None
+        tree.lock(locked)
+        n = host
+        if self.port.has_storage and host == len(path) < len(keys):
+            stored = self.port.stored_prefix(keys[host:])
+            if stored >= self.storage_config.min_prefetch_pages:
+                handle = self.prefetch(MatchResult(keys, [], tuple(path[:host]), locked, (), stored))
+                if handle is not None:
+                    self.resolve_prefetch(handle)
+                    path = tree.walk(keys)
+                    n = self._ready_prefix(path)
+                    if n > host:
+                        tree.lock(path[n - 1])
+                        tree.unlock(locked)
+                        locked = path[n - 1]
+        nodes = path[:n]
+        load = EngineLoad(len(keys), n, host, n - host, list(engine_pages[:n]), core=self, _locked=locked)
+        if n:
+            tree.touch(nodes)
+            load.op = self._submit(copy_plan, IntoEngine(nodes, load), Tier.HOST, [node.host_page for node in nodes], Tier.DEVICE, list(engine_pages[:n]))
+        st = self.stats
+        st.load_shortfall_pages += len(keys) - n
+        return load
+
+    def _finish_into_engine(self, c: Completion, tag: IntoEngine) -> None:
+        tag.load.outcome = c
+        if type(c) is Done:
+            self.stats.loaded_pages += len(tag.nodes)
+            self.stats.loaded_bytes += len(tag.nodes) * self._page_bytes
+        else:
+            self.stats.transfer_failures += 1
+
+    def release(self, load: EngineLoad) -> None:
+        """Wait for ``load``'s copy to land, then unlock its host pages. Idempotent."""
+        if load._released:
+            return
+        load._released = True
+        try:
+            if load.op is not None and load.op in self._inflight:
+                self.wait_for((load.op,))
+        finally:
+            self.tree.unlock(load._locked)
+            load._locked = None
