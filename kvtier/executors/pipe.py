@@ -38,6 +38,7 @@ class WorkerSpec:
     device: str = "cpu"
     io_backend: str = "direct"
     storage: StorageConfig = StorageConfig()
+    #: the L3 namespace; give the core the same one (both default to ``Namespace("default", fingerprint)``)
     namespace: Namespace | None = None
 
     def build(self):
@@ -49,7 +50,7 @@ class WorkerSpec:
 
         device = DevicePool(self.spec, self.device_pages, self.device)
         host = HostPool(self.spec, self.host_pages, self.host_layout)
-        namespace = self.namespace or Namespace(self.spec.name, self.spec.fingerprint())
+        namespace = self.namespace or Namespace("default", self.spec.fingerprint())  # the core's default too
         return LocalExecutor(TransferEngine(host, device, self.io_backend), open_storage_tier(self.storage, host, namespace))
 
 
@@ -119,8 +120,8 @@ class PipeExecutor:
                 raise ExecutorError(f"executor process {self._proc.pid}: no answer to {what} within {timeout_s:g} s")
         try:
             status, value = self._conn.recv()
-        except EOFError:
-            raise ExecutorError(f"executor process {self._proc.pid} closed the pipe during {what}") from None
+        except (EOFError, OSError) as e:  # the worker died: its end of the pipe is closed or reset
+            raise ExecutorError(f"executor process {self._proc.pid} is gone ({type(e).__name__}) during {what}") from None
         if status != "ok":
             raise ExecutorError(f"executor process {self._proc.pid}: {what} failed: {value}")
         return value
@@ -166,6 +167,8 @@ class PipeExecutor:
         try:
             if self._proc.is_alive():
                 self._call("close")
+        except ExecutorError:
+            pass  # a worker that died has nothing left to finish; the join below reaps it
         finally:
             self._closed = True
             self._conn.close()
