@@ -110,7 +110,28 @@ class ScriptedExecutor:
         pass
 
 
-class CoreMachine(RuleBasedStateMachine):
+class ExecutorSide(RuleBasedStateMachine):
+    """Rules of the executor's side, shared by both machines: plans finish in any order, in any way,
+    and the store forgets keys."""
+
+    port: ScriptedExecutor
+    core: CacheCore
+
+    @precondition(lambda self: self.port.inflight)
+    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
+    def complete(self, pick, outcome, cut):
+        ops = sorted(self.port.inflight)
+        self.port.finish(ops[pick % len(ops)], outcome, cut)
+        self.core.poll()
+
+    @precondition(lambda self: self.port.store)
+    @rule(pick=st.integers(0, 10**6))
+    def storage_loses_a_key(self, pick):
+        keys = sorted(self.port.store)
+        self.port.store.discard(keys[pick % len(keys)])
+
+
+class CoreMachine(ExecutorSide):
     dev_pages = 6
     host_pages = 8
     write_policy = "write_through"
@@ -157,18 +178,6 @@ class CoreMachine(RuleBasedStateMachine):
         req.abort()
 
     # ---- the executor's side ---------------------------------------------------------------------
-    @precondition(lambda self: self.port.inflight)
-    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
-    def complete(self, pick, outcome, cut):
-        ops = sorted(self.port.inflight)
-        self.port.finish(ops[pick % len(ops)], outcome, cut)
-        self.core.poll()
-
-    @precondition(lambda self: self.port.store)
-    @rule(pick=st.integers(0, 10**6))
-    def storage_loses_a_key(self, pick):
-        keys = sorted(self.port.store)
-        self.port.store.discard(keys[pick % len(keys)])
 
     @rule(n=st.integers(1, 8))
     def evict_device(self, n):
@@ -259,7 +268,7 @@ def test_core_state_machine_ten_thousand_steps():
     assert STEPS["total"] >= 10_000, STEPS
 
 
-class EngineDeviceMachine(RuleBasedStateMachine):
+class EngineDeviceMachine(ExecutorSide):
     """The core in its engine-device form (vLLM owns the device blocks): offload, load_into, release."""
 
     host_pages = 6
@@ -300,18 +309,6 @@ class EngineDeviceMachine(RuleBasedStateMachine):
         found = self.core.lookup(self._keys(prefix, pages))
         assert found.pages <= pages
 
-    @precondition(lambda self: self.port.inflight)
-    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
-    def complete(self, pick, outcome, cut):
-        ops = sorted(self.port.inflight)
-        self.port.finish(ops[pick % len(ops)], outcome, cut)
-        self.core.poll()
-
-    @precondition(lambda self: self.port.store)
-    @rule(pick=st.integers(0, 10**6))
-    def storage_loses_a_key(self, pick):
-        keys = sorted(self.port.store)
-        self.port.store.discard(keys[pick % len(keys)])
 
     @rule(n=st.integers(1, 6))
     def evict_host(self, n):
