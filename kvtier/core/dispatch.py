@@ -1,0 +1,106 @@
+"""Plans out, completions in: the core's side of its executor port.
+
+Every plan the core makes gets an op id and a tag (what it is for,
+:mod:`kvtier.core.tags`); its completion is applied by the handler registered
+for the tag's type (``self._on``). Completions are applied in :meth:`poll`
+(every public call of the core polls first), or where the core must know an
+outcome at once (an eviction's copy, :meth:`_await`), in which case the other
+completions that arrived meanwhile wait for the next poll.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from kvtier.core.plans import Completion, Done, Reason
+from kvtier.core.tags import JobTag, PrefetchHandle
+from kvtier.executors.port import ExecutorPort
+
+
+class PlanDispatch:
+    """The plan/completion bookkeeping :class:`~kvtier.core.policy.CacheCore` is built on."""
+
+    def _init_dispatch(self, port: ExecutorPort) -> None:
+        self.port = port
+        self._ops = itertools.count(1)
+        #: plans in flight: op -> what for
+        self._inflight: dict[int, JobTag | PrefetchHandle] = {}
+        #: completions collected while waiting for one plan, applied at the next poll
+        self._deferred: list[Completion] = []
+        #: completion handlers, by the type of the plan's tag (filled by the core)
+        self._on: dict[type, object] = {}
+
+    def _submit(self, plan_of, tag: JobTag | PrefetchHandle, *args) -> int:
+        op = next(self._ops)
+        self._inflight[op] = tag
+        self.port.submit(plan_of(op, *args))
+        return op
+
+    def poll(self) -> int:
+        """Apply the completions of finished plans. Returns how many were applied."""
+        done = self.port.poll()
+        if self._deferred:
+            done, self._deferred = self._deferred + done, []
+        for c in done:
+            self._apply(c)
+        return len(done)
+
+    def _apply(self, c: Completion) -> None:
+        tag = self._inflight.pop(c.op)
+        self._on[type(tag)](c, tag)
+
+    def wait_for(self, ops) -> int:
+        """Block until the plans ``ops`` finished, then apply every completion collected."""
+        ops = [op for op in ops if op in self._inflight]
+        done = self.port.wait(ops) if ops else self.port.poll()
+        if self._deferred:
+            done, self._deferred = self._deferred + done, []
+        for c in done:
+            self._apply(c)
+        return len(done)
+
+    def _await(self, op: int) -> Completion:
+        """The completion of ``op``, waited for where the caller needs its outcome at once (eviction).
+        Other completions that arrive meanwhile wait for the next poll: the caller is mid-decision."""
+        mine = None
+        others = []
+        for c in self._deferred + self.port.wait((op,)):
+            if c.op == op:
+                mine = c
+            else:
+                others.append(c)
+        self._deferred = others
+        del self._inflight[op]
+        assert mine is not None, f"executor reported no completion for plan {op}"
+        return mine
+
+    def _ops_for(self, *kinds: type) -> list[int]:
+        return [op for op, tag in self._inflight.items() if type(tag) in kinds]
+
+    @staticmethod
+    def _applied_where_waited(_c, _tag) -> None:
+        """Eviction copies and saves: the evicting call waited for them and applied them itself."""
+
+    @staticmethod
+    def _is_fault(c: Completion) -> bool:
+        return type(c) is not Done and c.reason in (Reason.ERROR, Reason.CORRUPT)
+
+    def wait_idle(self) -> None:
+        """Wait for every plan in flight (device/host and L3) and apply its completion, including
+        the plans those completions start (a finished backup's write-through save)."""
+        self.poll()
+        while self._inflight:
+            self.wait_for(list(self._inflight))
+
+    def close(self) -> None:
+        """Finish every plan in flight, then close the executor port."""
+        try:
+            self.wait_idle()
+        finally:
+            self.port.close()
+
+    def __enter__(self) -> PlanDispatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,187 @@
+"""Space: page ids for requests, backups to host, eviction from device and host.
+
+Device eviction takes LRU leaves: first pages whose host copy is ready (free to
+drop), then device-only pages, backed up to host first (``on_device_evict=
+"backup"``) or dropped; a device-only page with host-only pages below it that
+can get no host copy leaves with them. Host eviction takes LRU host-only
+leaves, saving them to L3 first under ``write_back``. Locked pages, pages in
+flight and pages being saved are never taken.
+"""
+
+from __future__ import annotations
+
+from kvtier.alloc import Allocation
+from kvtier.core.plans import Completion, Done, Tier, copy_plan
+from kvtier.core.results import EvictResult
+from kvtier.core.tags import Backup, EvictionBackup, LoadBack, PrefetchHandle, Save
+from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, PageNode
+
+
+class Eviction:
+    """Allocation, backups and eviction, part of :class:`~kvtier.core.policy.CacheCore`."""
+
+    def alloc_device(self, n: int) -> Allocation:
+        """``n`` device pages, evicting LRU device pages if needed; ``ok`` False if impossible."""
+        self.poll()
+        got = self.dev_alloc.alloc(n)
+        if got.ok:
+            return got
+        self.evict_device(n - self.dev_alloc.num_free)
+        got = self.dev_alloc.alloc(n)
+        if not got.ok and self.poll_inflight():
+            # pages pinned only by transfers in flight: wait for them, then try once more
+            self.evict_device(n - self.dev_alloc.num_free)
+            got = self.dev_alloc.alloc(n)
+        return got
+
+    def poll_inflight(self) -> bool:
+        """Wait for device<->host plans in flight and apply them; True if any finished."""
+        return self.wait_for(self._ops_for(Backup, LoadBack)) > 0
+
+    def free_device(self, pages: list[int]) -> None:
+        """Return caller-owned device pages (e.g. a request's partial tail page)."""
+        self.dev_alloc.free(pages)
+
+    def _alloc_host(self, n: int) -> Allocation:
+        got = self.host_alloc.alloc(n)
+        if got.ok:
+            return got
+        self.evict_host(n - self.host_alloc.num_free)
+        got = self.host_alloc.alloc(n)
+        if not got.ok and self.port.has_storage:
+            # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
+            if self.wait_for(self._ops_for(Save, PrefetchHandle)) > 0:
+                self.evict_host(n - self.host_alloc.num_free)
+                got = self.host_alloc.alloc(n)
+        return got
+
+    def _backup(self, nodes: list[PageNode]) -> int:
+        """Start async device->host backups of ``nodes`` (one root-to-leaf path). Returns pages started."""
+        got = self._alloc_host(len(nodes))
+        if not got.ok:
+            take = min(len(nodes), self.host_alloc.num_free)
+            self.stats.backup_skipped_pages += len(nodes) - take
+            nodes = nodes[:take]
+            got = self.host_alloc.alloc(take)
+        if not nodes:
+            return 0
+        for n, page in zip(nodes, got.pages):
+            self.tree.set_host(n, page, ready=False)
+        self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
+        self._submit(copy_plan, Backup(nodes), Tier.DEVICE, [n.device_page for n in nodes], Tier.HOST, got.pages)
+        return len(nodes)
+
+    def _finish_backup(self, c: Completion, tag: Backup) -> None:
+        nodes = tag.nodes
+        tree = self.tree
+        ok = type(c) is Done
+        if ok:
+            for n in nodes:
+                n.host_ready = True
+            self.stats.backed_up_pages += len(nodes)
+            self.stats.backed_up_bytes += len(nodes) * self._page_bytes
+        else:
+            self.stats.transfer_failures += 1
+            self.host_alloc.free([tree.clear_host(n) for n in nodes])
+        tree.unlock(nodes[-1])
+        if ok and self.port.has_storage and self.storage_config.write_policy == "write_through":
+            self._save([n for n in nodes if n.stored == NOT_STORED])
+
+    def evict_device(self, n: int) -> EvictResult:
+        """Free at least ``n`` device pages if possible, LRU leaves first; locked pages are never touched.
+
+        Rounds until enough is free or nothing moves: first pages whose host
+        copy is ready (dropping the device copy costs nothing), then device-only
+        pages, backed up to host first (``on_device_evict="backup"``) or dropped.
+        """
+        freed = backed = dropped = 0
+        tree = self.tree
+        while freed < n:
+            before = freed
+            cheap = tree.device_victims(n - freed, require_host_copy=True)
+            self.dev_alloc.free([tree.clear_device(v) for v in cheap])
+            freed += len(cheap)
+            if freed < n:
+                victims = tree.device_victims(n - freed)
+                unbacked = [v for v in victims if v.host_page == NO_PAGE]
+                if unbacked and self.config.on_device_evict == "backup":
+                    backed += self._backup_for_eviction(unbacked)
+                for v in victims:  # descendants before ancestors: each clear keeps residency prefix-closed
+                    if v.device_children:  # a descendant could not leave (its backup failed): keep this one too
+                        continue
+                    if v.host_page != NO_PAGE and v.host_ready:
+                        self.dev_alloc.free([tree.clear_device(v)])
+                        freed += 1
+                    elif v.host_page == NO_PAGE and v.num_children == 0:
+                        self.dev_alloc.free([tree.clear_device(v)])
+                        tree.remove(v)
+                        dropped += 1
+                        freed += 1
+                    elif v.host_page == NO_PAGE and self._drop_with_host_subtree(v):
+                        # no host copy could be made (drop policy, host full, failed copy), and host-only
+                        # pages hang from it (a prefetch landed under it): they cannot outlive their prefix
+                        dropped += 1
+                        freed += 1
+            if freed == before:
+                break
+        self.stats.device_evicted_pages += freed
+        self.stats.dropped_pages += dropped
+        return EvictResult(n, freed, backed, dropped)
+
+    def _drop_with_host_subtree(self, v: PageNode) -> bool:
+        """Drop device-only ``v`` and the host-only pages below it; False (nothing changed) while one
+        of them is in use (locked, not yet readable, or being saved to L3)."""
+        below = self.tree.descendants(v)
+        if any(n.lock_ref or n.device_page != NO_PAGE or not n.host_ready or n.stored == SAVING for n in below):
+            return False
+        tree = self.tree
+        host_pages = []
+        for n in below:  # deepest first: each is a leaf when it goes
+            host_pages.append(tree.clear_host(n))
+            tree.remove(n)
+        self.host_alloc.free(host_pages)
+        self.stats.host_evicted_pages += len(host_pages)
+        self.dev_alloc.free([tree.clear_device(v)])
+        tree.remove(v)
+        return True
+
+    def _backup_for_eviction(self, victims: list[PageNode]) -> int:
+        """Synchronous backup of eviction victims (write_back): they are freed right after."""
+        got = self._alloc_host(len(victims))
+        if not got.ok:
+            got = self.host_alloc.alloc(min(len(victims), self.host_alloc.num_free))
+        victims = victims[: len(got.pages)]
+        if not victims:
+            return 0
+        for v, page in zip(victims, got.pages):  # victims are LRU-ordered, descendants first
+            self.tree.set_host(v, page, ready=False)
+            self.tree.lock(v)
+        c = self._await(self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, [v.device_page for v in victims], Tier.HOST, got.pages))
+        for v in victims:
+            self.tree.unlock(v)
+        if type(c) is not Done:
+            self.stats.transfer_failures += 1
+            self.host_alloc.free([self.tree.clear_host(v) for v in victims])
+            return 0
+        for v in victims:
+            v.host_ready = True
+        self.stats.backed_up_pages += len(victims)
+        self.stats.backed_up_bytes += len(victims) * self._page_bytes
+        if self.port.has_storage and self.storage_config.write_policy == "write_through":
+            self._save([v for v in victims if v.stored == NOT_STORED])  # every new host copy goes to L3
+        return len(victims)
+
+    def evict_host(self, n: int) -> EvictResult:
+        """Free at least ``n`` host pages whose device copy is gone, LRU leaves first."""
+        victims = self.tree.host_victims(n)
+        if self.port.has_storage and self.storage_config.write_policy == "write_back":
+            unsaved = [v for v in victims if v.stored == NOT_STORED]
+            if unsaved:
+                self._save_for_eviction(unsaved)
+        pages = []
+        for node in victims:  # leaves before their parents
+            pages.append(self.tree.clear_host(node))
+            self.tree.remove(node)
+        self.host_alloc.free(pages)
+        self.stats.host_evicted_pages += len(victims)
+        return EvictResult(n, len(victims))

@@ -1,0 +1,90 @@
+"""What the core's calls return: where a prefix is cached, a load in flight, an insert, an eviction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.hashing import PageHash
+from kvtier.radix import PageNode
+
+if TYPE_CHECKING:
+    from kvtier.core.policy import CacheCore
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    """Where a request's full-page prefix is cached.
+
+    ``device_pages`` are usable now (after waiting on ``pending``, the ops of loads other
+    requests started); ``host_nodes`` follow them and need :meth:`CacheCore.load_back`.
+    """
+
+    keys: list[PageHash]
+    device_pages: list[int]
+    host_nodes: tuple[PageNode, ...]
+    last_node: PageNode | None
+    pending: tuple[int, ...] = ()
+    #: pages after the host run that the L3 store holds (prefetch them with :meth:`CacheCore.prefetch`)
+    num_storage_pages: int = 0
+
+    @property
+    def num_device_pages(self) -> int:
+        return len(self.device_pages)
+
+    @property
+    def num_host_pages(self) -> int:
+        return len(self.host_nodes)
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.keys)
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """Result of :meth:`CacheCore.load_back`; ``loaded < requested`` when the device was full.
+
+    ``op`` is this load's plan, ``pending`` the loads of other requests its device prefix waits on."""
+
+    op: int | None
+    device_pages: list[int]
+    loaded: int
+    requested: int
+    pending: tuple[int, ...] = ()
+    core: CacheCore | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def ops(self) -> tuple[int, ...]:
+        return self.pending + ((self.op,) if self.op is not None else ())
+
+    def wait_layer(self, layer: int) -> None:
+        """Layer ``layer`` of every page of the prefix is in place (the executor's per-layer wait)."""
+        if self.core is not None:
+            port = self.core.port
+            for op in self.ops:
+                port.wait_layer(op, layer)
+
+    def wait(self) -> None:
+        """Every load the prefix needs has finished (and its completion is applied)."""
+        if self.core is not None and self.ops:
+            self.core.wait_for(self.ops)
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """``device_pages`` are the cache's pages for the inserted keys (use them from now on);
+    ``freed`` are caller pages released because the key was already on device."""
+
+    device_pages: list[int]
+    new_pages: int
+    freed: list[int]
+    last_node: PageNode | None
+
+
+@dataclass(frozen=True)
+class EvictResult:
+    requested: int
+    evicted: int
+    backed_up: int = 0
+    dropped: int = 0

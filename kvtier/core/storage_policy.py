@@ -1,0 +1,136 @@
+"""The L3 side of the policy: prefetch a stored prefix into host pages, save host pages to L3.
+
+Prefetched pages become tree nodes at once, with host pages that are not yet
+readable (locked until the fetch completes); :meth:`StoragePolicy.resolve_prefetch`
+waits as the prefetch policy says and makes the arrived ones readable, and
+the fetch's completion frees what never arrived. A save marks its pages
+``SAVING`` (so host eviction skips them while the executor reads them) and
+its completion marks the leading pages the store now holds ``STORED``.
+"""
+
+from __future__ import annotations
+
+from kvtier.core.plans import Completion, CutShort, Failed, completed_pages, fetch_plan, save_plan
+from kvtier.core.results import MatchResult
+from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
+from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode
+
+
+class StoragePolicy:
+    """L3 prefetch and save, part of :class:`~kvtier.core.policy.CacheCore`."""
+
+    def prefetch(self, match: MatchResult) -> PrefetchHandle | None:
+        """Start bringing ``match``'s storage pages into host pages; ``None`` when skipped.
+
+        New tree nodes are created at once with host pages in flight (not yet
+        readable, locked); :meth:`resolve_prefetch` makes the arrived ones usable.
+        """
+        self.poll()
+        n = match.num_storage_pages
+        if not self.port.has_storage or n == 0:
+            return None
+        if n < self.storage_config.min_prefetch_pages:
+            return None
+        parent = match.last_node
+        keys = match.keys[match.num_device_pages + match.num_host_pages :][:n]
+        if (parent is not None and self.tree.nodes.get(parent.key) is not parent) or any(k in self.tree.nodes for k in keys[:1]):
+            return None  # stale match: the tree changed under it
+        if parent is not None:
+            self.tree.lock(parent)
+        got = self._alloc_host(n)
+        if not got.ok:
+            got = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
+        if parent is not None:
+            self.tree.unlock(parent)
+        keys = keys[: len(got.pages)]
+        if not keys:
+            return None
+        nodes = []
+        for key, page in zip(keys, got.pages):
+            node = self.tree.add(key, parent)
+            self.tree.set_host(node, page, ready=False)
+            node.stored = STORED
+            nodes.append(node)
+            parent = node
+        self.tree.touch(nodes)
+        self.tree.lock(nodes[-1])  # released when the plan completes
+        handle = PrefetchHandle(nodes)
+        handle.op = self._submit(fetch_plan, handle, keys, got.pages)
+        return handle
+
+    def resolve_prefetch(self, handle: PrefetchHandle | None, policy: str | None = None) -> int:
+        """Wait per ``policy`` (default: the storage config's), make arrived pages readable; returns pages usable."""
+        if handle is None:
+            return 0
+        policy = policy or self.storage_config.prefetch_policy
+        self.poll()
+        if handle.op in self._inflight:  # unarrived pages are freed when it finishes
+            self._apply_arrived(handle, self.port.settle(handle.op, policy, self.storage_config.prefetch_budget_s(handle.requested)))
+            self.poll()
+        return handle.applied
+
+    def _apply_arrived(self, handle: PrefetchHandle, arrived: int) -> None:
+        for node in handle.nodes[handle.applied : arrived]:
+            node.host_ready = True
+        if arrived > handle.applied:
+            self.stats.storage_prefetched_pages += arrived - handle.applied
+            self.stats.storage_prefetched_bytes += (arrived - handle.applied) * self._page_bytes
+            handle.applied = arrived
+
+    def _finish_prefetch(self, c: Completion, handle: PrefetchHandle) -> None:
+        self._apply_arrived(handle, completed_pages(c, handle.requested))
+        if type(c) is CutShort:
+            self.stats.storage_corrupt_pages += c.corrupt
+        if self._is_fault(c):
+            self.stats.storage_failures += 1
+        self.tree.unlock(handle.nodes[-1])
+        # Pages that never arrived: their host page will never be readable, so it goes back now.
+        # A node a request computed meanwhile (insert gave it a device page while the prefetch
+        # was in flight) stays as a device page with no host copy -- evictable like any other,
+        # and backed up under write_through; a node nobody built on is removed.
+        computed: list[PageNode] = []
+        for node in reversed(handle.nodes[handle.applied :]):  # deepest first
+            if node.host_page != NO_PAGE and not node.host_ready:
+                self.host_alloc.free([self.tree.clear_host(node)])
+            if node.device_page != NO_PAGE:
+                computed.append(node)
+            elif not node.num_children and not node.lock_ref and node.host_page == NO_PAGE:
+                self.tree.remove(node)
+        if computed and self.config.write_policy == "write_through":
+            self._backup(computed[::-1])  # a contiguous run of one path, root side first
+
+    def _save(self, nodes: list[PageNode]) -> int | None:
+        """Plan an L3 save of ready host pages on one root-to-leaf path; returns its op.
+
+        No lock: ``SAVING`` keeps the host pages from being evicted while the
+        executor reads them, and the device copies stay free to go. A save the
+        executor skips (back-pressure) completes as Failed(SKIPPED): not stored."""
+        if not self.port.has_storage or not nodes:
+            return None
+        for n in nodes:
+            n.stored = SAVING
+        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], [n.host_page for n in nodes])
+
+    def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
+        """The leading pages the store holds now are STORED; the rest may be saved again later."""
+        ok = completed_pages(c, len(nodes))
+        for i, n in enumerate(nodes):
+            n.stored = STORED if i < ok else NOT_STORED
+        saved = ok - (c.existing if type(c) is not Failed else 0)
+        self.stats.storage_saved_pages += saved
+        self.stats.storage_saved_bytes += saved * self._page_bytes
+        if self._is_fault(c):
+            self.stats.storage_failures += 1
+
+    def _finish_save(self, c: Completion, tag: Save) -> None:
+        self._apply_saved(c, tag.nodes)
+
+    def _save_for_eviction(self, victims: list[PageNode]) -> None:
+        """write_back to L3: save victims synchronously before their host pages are freed.
+
+        Victims are leaves of possibly different paths; a save that stops early leaves the
+        rest unstored (they are freed all the same: write_back is best effort)."""
+        for v in victims:
+            v.stored = SAVING
+        c = self._await(self._submit(save_plan, EvictionSave(victims), [v.key for v in victims], [v.host_page for v in victims]))
+        self._apply_saved(c, victims)

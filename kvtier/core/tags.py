@@ -1,0 +1,58 @@
+"""What each plan in flight is for. A completion is dispatched on the type of its plan's tag."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtier.radix import PageNode
+
+
+@dataclass(eq=False)
+class PrefetchHandle:
+    """An L3 -> host prefetch in flight (plan ``op``); resolve it with :meth:`CacheCore.resolve_prefetch`."""
+
+    nodes: list[PageNode]
+    op: int = 0
+    applied: int = 0
+
+    @property
+    def requested(self) -> int:
+        return len(self.nodes)
+
+
+# ---- what each plan is for: its tag, typed (completions dispatch on the type) ----
+@dataclass(frozen=True, slots=True)
+class JobTag:
+    """The nodes a plan moves; the subclass says what for."""
+
+    nodes: list[PageNode]
+
+
+class Backup(JobTag):
+    """device -> host copies of one path's nodes (write policies); applied by :meth:`CacheCore.poll`."""
+
+    __slots__ = ()
+
+
+class LoadBack(JobTag):
+    """host -> device copies of a request's host run; applied by :meth:`CacheCore.poll`."""
+
+    __slots__ = ()
+
+
+class EvictionBackup(JobTag):
+    """device -> host copies of eviction victims, waited for where they are made (poll ignores them)."""
+
+    __slots__ = ()
+
+
+class Save(JobTag):
+    """host -> L3 writes of one path's ready host pages; applied by :meth:`CacheCore.poll`."""
+
+    __slots__ = ()
+
+
+class EvictionSave(JobTag):
+    """host -> L3 writes of host eviction victims (write_back), waited for where they are made."""
+
+    __slots__ = ()
