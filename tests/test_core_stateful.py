@@ -285,10 +285,11 @@ class EngineDeviceMachine(ExecutorSide):
     def _keys(self, prefix, pages):
         return self.core.page_keys(PREFIXES[prefix][: pages * PAGE])
 
-    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6))
-    def offload(self, prefix, pages):
-        r = self.core.offload(self._keys(prefix, pages), list(range(100, 100 + pages)))
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), wait=st.booleans())
+    def offload(self, prefix, pages, wait):
+        r = self.core.offload(self._keys(prefix, pages), list(range(100, 100 + pages)), wait=wait)
         assert r.already_held + r.saved + r.no_space + r.failed == pages
+        assert (r.copy_op is not None) == (not wait and r.saved > 0)
 
     @precondition(lambda self: len(self.loads) < 2)
     @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6))

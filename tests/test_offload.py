@@ -193,3 +193,27 @@ def test_offload_misuse_is_typed_and_changes_nothing():
     assert (cache.num_host_pages_used, cache.lookup(keys(2))) == before
     cache.check_integrity()
     cache.close()
+
+
+def test_asynchronous_offload_counts_pages_once_the_copy_completes():
+    """``wait=False`` (what a scheduler whose workers copy needs): the pages are cached only when
+    the copy's completion arrives; a copy that fails leaves nothing behind."""
+    src = engine_tensors(seed=5)
+    cache = make(src)
+    core = cache.core
+    r = core.offload(keys(3), [4, 5, 6], wait=False)
+    assert r.saved == 3 and r.copy_op is not None
+    core.wait_for([r.copy_op])
+    assert all(core.holds(k) for k in keys(3)) and core.lookup(keys(3)).host_pages == 3
+    # a copy the executor refuses (no engine block 40) completes as Failed: nothing cached, nothing leaked
+    bad = core.offload(keys(2, seed=900), [1, 40], wait=False)
+    core.wait_for([bad.copy_op])
+    assert not any(core.holds(k) for k in keys(2, seed=900)) and core.stats.transfer_failures == 1
+    core.wait_idle()
+    core.check_integrity(idle=True)
+    assert cache.num_host_pages_used == 3
+    ld = cache.load(keys(3), [8, 9, 10])
+    cache.release(ld)
+    for a, b in zip(blocks(src, [4, 5, 6]), blocks(src, [8, 9, 10])):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    cache.close()

@@ -49,12 +49,15 @@ class OffloadResult:
     requested: int
     already_held: int
     saved: int
-    #: pages not saved because no host page could be freed (all locked or being saved to L3)
+    #: pages not saved now: no host page could be freed (all locked or being saved to L3), or the
+    #: prefix before them is still arriving; the engine may offer them again
     no_space: int
     #: pages whose device -> host copy failed (not cached)
     failed: int = 0
     #: the write-through L3 save of the saved pages, when one started
     l3_save_op: int | None = None
+    #: ``wait=False``: the device -> host copy in flight (``saved`` pages count once it completes)
+    copy_op: int | None = None
 
 
 @dataclass(eq=False)
@@ -105,7 +108,7 @@ class EngineDeviceCore(CacheCore):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._on[OffloadCopy] = self._applied_where_waited
+        self._on[OffloadCopy] = self._offloaded
         self._on[IntoEngine] = self._finish_into_engine
 
     def _ready_prefix(self, path: Sequence[PageNode]) -> int:
@@ -136,9 +139,14 @@ class EngineDeviceCore(CacheCore):
         return node is not None and node.host_page != NO_PAGE and node.host_ready
 
     # ---- engine device -> host -> L3 ----------------------------------------------------------
-    def offload(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> OffloadResult:
+    def offload(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, wait: bool = True) -> OffloadResult:
         """Copy the pages of ``keys`` the cache does not hold yet out of ``engine_pages[i]`` (all layers)
-        into host pages, wait for the copy, then write them through to L3 (in the background)."""
+        into host pages, then write them through to L3 (in the background).
+
+        ``wait=True``: returns once the copy landed (the engine may reuse its blocks). ``wait=False``:
+        returns at once with the copy's ``op``; the pages count as cached when it completes (a
+        scheduler whose workers copy reports that later), and until then the engine must keep
+        its blocks. Either way a failed copy leaves nothing cached."""
         if len(keys) != len(engine_pages):
             raise PageAlignmentError(f"offload: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
         self.poll()
@@ -146,6 +154,10 @@ class EngineDeviceCore(CacheCore):
         path = tree.walk(keys)
         have = len(path)
         want = len(keys) - have
+        if self._ready_prefix(path) < have:
+            # part of the prefix is still arriving (a copy or a prefetch in flight): pages hang only
+            # below readable ones, so that a copy that fails never strands pages below it
+            return OffloadResult(len(keys), have, 0, want)
         if path:
             tree.lock(path[-1])  # room for the new pages must not come from this prefix's own pages
         try:
@@ -165,29 +177,41 @@ class EngineDeviceCore(CacheCore):
                 tree.set_host(node, page, ready=False)
                 nodes.append(node)
                 parent = node
-            tree.lock(nodes[-1])
-            c = self._await(self._submit(copy_plan, OffloadCopy(nodes), Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages))
-            tree.unlock(nodes[-1])
-            if type(c) is Done:
-                for node in nodes:
-                    node.host_ready = True
-                tree.touch(path + nodes)
-                self.stats.backed_up_pages += n
-                self.stats.backed_up_bytes += n * self._page_bytes
-                self.stats.inserted_pages += n
-                if self.port.has_storage and self.storage_config.write_policy == "write_through":
-                    save_op = self._save(nodes)
-            else:  # the bytes never landed: the pages are not cached
-                self.stats.transfer_failures += 1
-                pages = []
-                for node in reversed(nodes):
-                    pages.append(tree.clear_host(node))
-                    tree.remove(node)
-                self.host_alloc.free(pages)
+            tree.lock(nodes[-1])  # released when the copy completes
+            tree.touch(path + nodes)
+            op = self._submit(copy_plan, OffloadCopy(nodes), Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages)
+            if not wait:  # the engine keeps its blocks until this op completes (a connector's get_finished)
+                return OffloadResult(len(keys), have, n, want - n, 0, None, op)
+            c = self._await(op)
+            save_op = self._offloaded(c, OffloadCopy(nodes))
+            if type(c) is not Done:
                 failed, n = n, 0
         elif path:
             tree.touch(path)
         return OffloadResult(len(keys), have, n, want - n - failed, failed, save_op)
+
+    def _offloaded(self, c: Completion, tag: OffloadCopy) -> int | None:
+        """The copy out of engine blocks completed: the pages are cached (and written through to L3,
+        returning that save's op), or, if it failed, gone."""
+        nodes, tree = tag.nodes, self.tree
+        tree.unlock(nodes[-1])
+        if type(c) is Done:
+            for node in nodes:
+                node.host_ready = True
+            n = len(nodes)
+            self.stats.backed_up_pages += n
+            self.stats.backed_up_bytes += n * self._page_bytes
+            self.stats.inserted_pages += n
+            if self.port.has_storage and self.storage_config.write_policy == "write_through":
+                return self._save(nodes)
+            return None
+        self.stats.transfer_failures += 1
+        pages = []
+        for node in reversed(nodes):  # deepest first; nothing can hang below pages that were never readable
+            pages.append(tree.clear_host(node))
+            tree.remove(node)
+        self.host_alloc.free(pages)
+        return None
 
     # ---- L3 -> host -> engine device ----------------------------------------------------------
     def load_into(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> EngineLoad:

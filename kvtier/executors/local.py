@@ -27,6 +27,14 @@ class LocalExecutor:
         self._ready: list[Completion] = []
 
     def submit(self, plan: Transfer) -> None:
+        """Start ``plan``; one the engine or tier refuses (a page outside its pool) completes as Failed,
+        as it would across a pipe -- the core's bookkeeping never sees an exception mid-decision."""
+        try:
+            self._start(plan)
+        except Exception as e:
+            self._ready.append(Failed(plan.op, Reason.ERROR, f"{type(e).__name__}: {e}"))
+
+    def _start(self, plan: Transfer) -> None:
         if plan.src is Tier.STORAGE or plan.dst is Tier.STORAGE:
             job = None
             if self.storage is not None:
