@@ -1,5 +1,5 @@
 """kvtier plan on the shipped Mooncake trace: bounded by the infinite cache, monotone in host size, fast;
-the fast LRU model serves every request exactly as HierarchicalCache does."""
+the fast LRU model serves every request exactly as the policy core does."""
 
 import json
 import subprocess

@@ -35,7 +35,7 @@ class Oracle:
         self.next_key += length
         self.next_page += length
         chain = self.tree.add_device_chain([k.to_bytes(8, "little") for k in keys], pages, parent)
-        self.tree.touch((chain[-1],))  # what HierarchicalCache.insert does
+        self.tree.touch((chain[-1],))  # what the core's insert does
         for n in self.path(chain[-1]):
             self.used[id(n)] = self.tree._clock
 
