@@ -3,7 +3,7 @@
 ``python -m kvtier.app.bench.gpu_check --json`` (``--device cpu`` runs the same code on the CPU
 path -- worker thread and per-layer events -- which is how the test suite keeps it working).
 
-Three checks, through kvtier's own pools and transfer engine (pinned host memory, a
+Four checks, through kvtier's own pools and transfer engine (pinned host memory, a
 dedicated copy stream and per-layer CUDA events on a GPU):
 
 1. **bit-exact round trips**: random bytes in device pages -> ``backup`` (all layers) into
@@ -14,6 +14,10 @@ dedicated copy stream and per-layer CUDA events on a GPU):
 3. **per-layer overlap**: while layer ``i`` loads, "attention" of layer ``i - 1`` runs (a
    matmul per layer on the default stream, waiting only for its own layer). Reported:
    the overlapped wall time against load-then-compute run serially, in the same run.
+4. **the cache through its executor**: the policy core with a local executor over device
+   pools on the GPU (``HierarchicalCache``): a request computed and committed, evicted to
+   host (write_back backup), begun again and loaded back layer by layer; bytes compared and
+   the core's idle liveness check passed.
 
 Prints one JSON object; exit 1 if a round trip is not bit-exact.
 """
@@ -45,6 +49,7 @@ class GpuCheckReport:
     serial_ms: float = 0.0
     overlapped_ms: float = 0.0
     overlap_speedup: float = 0.0
+    cache_round_trip: dict = field(default_factory=dict)
 
 
 def _sync(device: torch.device) -> None:
@@ -80,6 +85,35 @@ def round_trip(spec: KVSpec, layout: str, device: torch.device, pages: int) -> d
     finally:
         engine.close()
     return {"spec": spec.name, "layout": layout, "pages": pages, "buffers": [b.name for b in spec.buffers], "bit_exact": bool(equal)}
+
+
+def cache_round_trip(spec: KVSpec, device: torch.device, pages: int) -> dict:
+    """begin -> alloc -> compute (random bytes) -> commit; evict to host; begin again -> per-layer load."""
+    from kvtier.cache import HierarchicalCache
+    from kvtier.config import CacheConfig
+
+    cache = HierarchicalCache(DevicePool(spec, pages + 1, device), HostPool(spec, pages), CacheConfig(write_policy="write_back"))
+    try:
+        tokens = list(range(pages * spec.page_size + 1))  # every page full, plus a one-token tail
+        req = cache.begin(tokens)
+        new = req.alloc(pages + 1)
+        _fill_random(cache.device, new.pages[:pages], seed=7)
+        computed = [cache.device.page_bytes(p) for p in new.pages[:pages]]
+        req.commit(new.pages)
+        evicted = cache.evict_device(pages)
+        again = cache.begin(tokens)
+        for layer in range(spec.num_layers):
+            again.wait_layer(layer)
+        _sync(device)
+        equal = [cache.device.page_bytes(p) for p in again.cached_pages] == computed
+        hit = (again.device_hit, again.host_hit)
+        again.abort()
+        cache.wait_idle()
+        cache.check_integrity(idle=True)
+    finally:
+        cache.close()
+    return {"spec": spec.name, "pages": pages, "evicted": evicted.evicted, "backed_up": evicted.backed_up, "hit_device_host": list(hit),
+            "bit_exact": bool(equal and hit == (0, pages))}
 
 
 def load_bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int) -> tuple[float, float]:
@@ -150,7 +184,8 @@ def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers:
     for spec in specs:
         for layout in ("layer_first", "page_first"):
             report.round_trips.append(round_trip(spec, layout, dev, min(pages, 64)))
-    report.bit_exact = all(r["bit_exact"] for r in report.round_trips)
+    report.cache_round_trip = cache_round_trip(specs[0], dev, min(pages, 32))
+    report.bit_exact = all(r["bit_exact"] for r in report.round_trips) and report.cache_round_trip["bit_exact"]
     load, copy = load_bandwidth(specs[0], dev, pages, reps)
     report.load_gbps, report.copy_gbps, report.load_over_copy = round(load, 3), round(copy, 3), round(load / copy, 3)
     serial, overlapped = overlap(specs[0], dev, pages, work)
