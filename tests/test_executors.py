@@ -54,3 +54,19 @@ def test_plans_name_whole_pages_on_every_side():
         Transfer(1, Tier.DEVICE, Tier.HOST, (0, 1), (5,))
     with pytest.raises(PageAlignmentError):
         fetch_plan(2, [b"a" * 16, b"b" * 16], [3])
+
+
+def _wedge(executor, seconds):
+    time.sleep(seconds)
+
+
+def test_a_wedged_worker_is_stopped_at_the_deadline_and_the_port_stays_broken():
+    port = PipeExecutor(WorkerSpec(spec(), 4, 4), wait_deadline_s=1.0)
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorError, match="no answer to run within 1 s"):
+        port.run(_wedge, 30)
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(ExecutorError, match="broken"):  # never reads the wedged call's late answer as its own
+        port.poll()
+    port.close()
+    assert not port._proc.is_alive()

@@ -93,17 +93,23 @@ def serve(conn, worker: WorkerSpec) -> None:
 
 class PipeExecutor:
     """The core's side: an :class:`~kvtier.executors.port.ExecutorPort` whose executor runs in a
-    spawned process. ``deadline_s`` bounds every query that does not wait on bytes; waits are
-    bounded by the worker being alive."""
+    spawned process. ``deadline_s`` bounds every query that does not wait on bytes;
+    ``wait_deadline_s`` bounds every call that does (a wait, a settle, a layer, a ``run``) -- the
+    worker's own L3 calls have deadlines, so only a wedged worker reaches it. A call past its
+    deadline is an :class:`ExecutorError`, the worker is stopped and the port stays broken: an
+    answer that arrives late must never be read as the answer to a later call."""
 
-    def __init__(self, worker: WorkerSpec, *, deadline_s: float = 60.0, start_timeout_s: float = 120.0):
+    def __init__(self, worker: WorkerSpec, *, deadline_s: float = 60.0, wait_deadline_s: float = 600.0, start_timeout_s: float = 120.0):
         ctx = mp.get_context("spawn")  # the worker imports torch afresh: no forked threads or CUDA state
         self._conn, child = ctx.Pipe()
         self._proc = ctx.Process(target=serve, args=(child, worker), name="kvtier-executor", daemon=True)
         self._proc.start()
         child.close()
         self.deadline_s = deadline_s
+        self.wait_deadline_s = wait_deadline_s
         self._closed = False
+        #: why the port can no longer be used (a call ran past its deadline), or None
+        self._broken: str | None = None
         self.has_storage = bool(self._answer("start", start_timeout_s))
 
     @property
@@ -117,7 +123,9 @@ class PipeExecutor:
             if not self._proc.is_alive():
                 raise ExecutorError(f"executor process {self._proc.pid} exited (code {self._proc.exitcode}) during {what}")
             if timeout_s is not None and time.monotonic() - start > timeout_s:
-                raise ExecutorError(f"executor process {self._proc.pid}: no answer to {what} within {timeout_s:g} s")
+                self._broken = f"no answer to {what} within {timeout_s:g} s"
+                self._proc.kill()  # wedged: its late answer must not be taken for another call's
+                raise ExecutorError(f"executor process {self._proc.pid}: {self._broken}; the worker was stopped, start a new one")
         try:
             status, value = self._conn.recv()
         except (EOFError, OSError) as e:  # the worker died: its end of the pipe is closed or reset
@@ -129,6 +137,8 @@ class PipeExecutor:
     def _call(self, name: str, *args, timeout_s: float | None = -1.0):
         if self._closed:
             raise ExecutorError(f"executor port is closed: cannot {name}")
+        if self._broken is not None:
+            raise ExecutorError(f"executor port is broken ({self._broken}): cannot {name}; start a new one")
         try:
             self._conn.send((name, args))
         except (BrokenPipeError, OSError) as e:
@@ -146,26 +156,26 @@ class PipeExecutor:
         return self._call("poll")
 
     def wait(self, ops: Collection[int]) -> list[Completion]:
-        return self._call("wait", list(ops), timeout_s=None)
+        return self._call("wait", list(ops), timeout_s=self.wait_deadline_s)
 
     def settle(self, op: int, policy: str, budget_s: float) -> int:
-        return self._call("settle", op, policy, budget_s, timeout_s=None if policy == "wait_complete" else self.deadline_s + budget_s)
+        return self._call("settle", op, policy, budget_s, timeout_s=self.wait_deadline_s if policy == "wait_complete" else self.deadline_s + budget_s)
 
     def wait_layer(self, op: int, layer: int) -> None:
-        self._call("wait_layer", op, layer, timeout_s=None)
+        self._call("wait_layer", op, layer, timeout_s=self.wait_deadline_s)
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         return self._call("stored_prefix", list(keys))
 
     def run(self, fn: Callable, *args):
         """``fn(executor, *args)`` in the worker's process (``fn`` and its result pickle)."""
-        return self._call("run", fn, args, timeout_s=None)
+        return self._call("run", fn, args, timeout_s=self.wait_deadline_s)
 
     def close(self) -> None:
         if self._closed:
             return
         try:
-            if self._proc.is_alive():
+            if self._proc.is_alive() and self._broken is None:
                 self._call("close")
         except ExecutorError:
             pass  # a worker that died has nothing left to finish; the join below reaps it
