@@ -14,6 +14,7 @@ import itertools
 
 from kvtier.core.plans import Completion, Done, Reason
 from kvtier.core.tags import JobTag, PrefetchHandle
+from kvtier.errors import ExecutorError
 from kvtier.executors.port import ExecutorPort
 
 
@@ -70,8 +71,9 @@ class PlanDispatch:
             else:
                 others.append(c)
         self._deferred = others
+        if mine is None:  # an executor that breaks its contract; the plan stays recorded in flight
+            raise ExecutorError(f"the executor returned from waiting for plan {op} without its completion")
         del self._inflight[op]
-        assert mine is not None, f"executor reported no completion for plan {op}"
         return mine
 
     def _ops_for(self, *kinds: type) -> list[int]:
