@@ -61,6 +61,14 @@ def port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def stop_process(proc: subprocess.Popen | None) -> None:
+    """Kill a server this module started (by its pid) and reap it; returns None for the caller's handle."""
+    if proc is not None:
+        proc.kill()
+        proc.wait(timeout=10)
+    return None
+
+
 @dataclass
 class RedisServer:
     """One redis-server process on 127.0.0.1 (no persistence)."""
@@ -86,10 +94,7 @@ class RedisServer:
         return self
 
     def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
+        self.proc = stop_process(self.proc)
 
     def stop(self) -> None:
         self.kill()
@@ -160,14 +165,8 @@ class MooncakeMaster:
 
     def kill(self) -> None:
         """Kill the master only (the fault the tests inject); the storage node stays."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
+        self.proc = stop_process(self.proc)
 
     def stop(self) -> None:
         self.kill()
-        if self.node is not None:
-            self.node.kill()
-            self.node.wait(timeout=10)
-            self.node = None
+        self.node = stop_process(self.node)
