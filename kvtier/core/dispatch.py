@@ -39,7 +39,10 @@ class PlanDispatch:
 
     def poll(self) -> int:
         """Apply the completions of finished plans. Returns how many were applied."""
-        done = self.port.poll()
+        return self._apply_all(self.port.poll())
+
+    def _apply_all(self, done: list[Completion]) -> int:
+        """Apply the completions deferred by :meth:`_await`, then ``done``; returns how many."""
         if self._deferred:
             done, self._deferred = self._deferred + done, []
         for c in done:
@@ -53,12 +56,7 @@ class PlanDispatch:
     def wait_for(self, ops) -> int:
         """Block until the plans ``ops`` finished, then apply every completion collected."""
         ops = [op for op in ops if op in self._inflight]
-        done = self.port.wait(ops) if ops else self.port.poll()
-        if self._deferred:
-            done, self._deferred = self._deferred + done, []
-        for c in done:
-            self._apply(c)
-        return len(done)
+        return self._apply_all(self.port.wait(ops) if ops else self.port.poll())
 
     def _await(self, op: int) -> Completion:
         """The completion of ``op``, waited for where the caller needs its outcome at once (eviction).

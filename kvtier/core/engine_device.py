@@ -111,14 +111,6 @@ class EngineDeviceCore(CacheCore):
         self._on[OffloadCopy] = self._offloaded
         self._on[IntoEngine] = self._finish_into_engine
 
-    def _ready_prefix(self, path: Sequence[PageNode]) -> int:
-        n = 0
-        for node in path:
-            if node.host_page == NO_PAGE or not node.host_ready:
-                break
-            n += 1
-        return n
-
     # ---- queries ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[PageHash]) -> HostLookup:
         self.poll()
@@ -179,11 +171,12 @@ class EngineDeviceCore(CacheCore):
                 parent = node
             tree.lock(nodes[-1])  # released when the copy completes
             tree.touch(path + nodes)
-            op = self._submit(copy_plan, OffloadCopy(nodes), Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages)
+            tag = OffloadCopy(nodes)
+            op = self._submit(copy_plan, tag, Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages)
             if not wait:  # the engine keeps its blocks until this op completes (a connector's get_finished)
                 return OffloadResult(len(keys), have, n, want - n, 0, None, op)
             c = self._await(op)
-            save_op = self._offloaded(c, OffloadCopy(nodes))
+            save_op = self._offloaded(c, tag)
             if type(c) is not Done:
                 failed, n = n, 0
         elif path:
@@ -206,11 +199,7 @@ class EngineDeviceCore(CacheCore):
                 return self._save(nodes)
             return None
         self.stats.transfer_failures += 1
-        pages = []
-        for node in reversed(nodes):  # deepest first; nothing can hang below pages that were never readable
-            pages.append(tree.clear_host(node))
-            tree.remove(node)
-        self.host_alloc.free(pages)
+        self._forget_host_only(nodes[::-1])  # nothing can hang below pages that were never readable
         return None
 
     # ---- L3 -> host -> engine device ----------------------------------------------------------

@@ -135,12 +135,7 @@ class Eviction:
         if any(n.lock_ref or n.device_page != NO_PAGE or not n.host_ready or n.stored == SAVING for n in below):
             return False
         tree = self.tree
-        host_pages = []
-        for n in below:  # deepest first: each is a leaf when it goes
-            host_pages.append(tree.clear_host(n))
-            tree.remove(n)
-        self.host_alloc.free(host_pages)
-        self.stats.host_evicted_pages += len(host_pages)
+        self.stats.host_evicted_pages += self._forget_host_only(below)
         self.dev_alloc.free([tree.clear_device(v)])
         tree.remove(v)
         return True
@@ -178,10 +173,16 @@ class Eviction:
             unsaved = [v for v in victims if v.stored == NOT_STORED]
             if unsaved:
                 self._save_for_eviction(unsaved)
-        pages = []
-        for node in victims:  # leaves before their parents
-            pages.append(self.tree.clear_host(node))
-            self.tree.remove(node)
-        self.host_alloc.free(pages)
-        self.stats.host_evicted_pages += len(victims)
+        self.stats.host_evicted_pages += self._forget_host_only(victims)
         return EvictResult(n, len(victims))
+
+    def _forget_host_only(self, nodes: list[PageNode]) -> int:
+        """Remove host-only ``nodes`` (deepest first: each is a leaf when it goes) and free their host
+        pages; returns how many."""
+        tree = self.tree
+        pages = []
+        for node in nodes:
+            pages.append(tree.clear_host(node))
+            tree.remove(node)
+        self.host_alloc.free(pages)
+        return len(pages)

@@ -97,6 +97,16 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
     def has_storage(self) -> bool:
         return self.port.has_storage
 
+    @staticmethod
+    def _ready_prefix(path: Sequence[PageNode]) -> int:
+        """How many leading nodes of ``path`` have a readable host copy."""
+        n = 0
+        for node in path:
+            if node.host_page == NO_PAGE or not node.host_ready:
+                break
+            n += 1
+        return n
+
     def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
         return page_keys(token_ids, self.spec.page_size, self.root_key, self.config.hash_algo)
 
@@ -111,11 +121,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         path = tree.walk(keys)
         tree.touch(path)
         n_dev = tree.device_prefix(path)
-        host_nodes = []
-        for node in path[n_dev:]:
-            if node.host_page == NO_PAGE or not node.host_ready:
-                break
-            host_nodes.append(node)
+        host_nodes = path[n_dev : n_dev + self._ready_prefix(path[n_dev:])]
         matched = path[: n_dev + len(host_nodes)]
         pending: tuple[int, ...] = ()
         if self._loading:

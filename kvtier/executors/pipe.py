@@ -21,7 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from kvtier.config import StorageConfig
-from kvtier.core.plans import Completion, Failed, Reason, Transfer
+from kvtier.core.plans import Completion, Transfer
 from kvtier.errors import ExecutorError
 from kvtier.hashing import Namespace
 from kvtier.spec import KVSpec
@@ -63,18 +63,14 @@ def serve(conn, worker: WorkerSpec) -> None:
     except BaseException as e:  # the owner gets the reason, typed, instead of a dead pipe
         conn.send(("error", f"{type(e).__name__}: {e}"))
         return
-    refused: list[Completion] = []
     while True:
         try:
             name, args = conn.recv()
         except EOFError:  # the owner is gone
             executor.close()
             return
-        if name == "submit":
-            try:
-                executor.submit(*args)
-            except Exception as e:  # a plan that cannot start is a failed plan, reported like any other
-                refused.append(Failed(args[0].op, Reason.ERROR, f"{type(e).__name__}: {e}"))
+        if name == "submit":  # one-way; a plan the executor refuses comes back Failed from its poll
+            executor.submit(*args)
             continue
         try:
             if name == "run":
@@ -82,8 +78,6 @@ def serve(conn, worker: WorkerSpec) -> None:
                 result = fn(executor, *fargs)
             else:
                 result = getattr(executor, name)(*args)
-            if name in ("poll", "wait") and refused:
-                result, refused = refused + result, []
             conn.send(("ok", result))
         except BaseException as e:
             conn.send(("error", f"{type(e).__name__}: {e}"))
