@@ -85,7 +85,7 @@ def test_bench_storage_json_rows(tmp_path):
     from kvtier.l3.page import PageCodec
     from kvtier.spec import KVSpec
 
-    obj = PageCodec(KVSpec.preset("deepseek-v3.2", page_size=16)).object_bytes
+    obj = PageCodec.for_spec(KVSpec.preset("deepseek-v3.2", page_size=16)).object_bytes
     for row in rows:
         assert row["object_bytes"] == obj and row["pages"] == 4
         assert row["gbps"] > 0 and row["raw_gbps"] > 0

@@ -204,7 +204,7 @@ def test_slow_drip_server_fails_the_call_on_time_and_never_blocks_the_engine(tmp
         assert first.wait(10) and first.statuses == [KeyStatus.OK] * 4  # full speed: stored
         proxy.drip.set()
         # one GET reply of ~1 KB would take minutes at a byte per 0.5 s: the call fails after ~1 s
-        out = [memoryview(bytearray(PageCodec(spec).object_bytes))]
+        out = [memoryview(bytearray(PageCodec.for_spec(spec).object_bytes))]
         t0 = time.monotonic()
         assert backend.get([tier.key(keys[0])], out) == [KeyStatus.ERROR]
         assert time.monotonic() - t0 < 3.0
@@ -272,7 +272,7 @@ def test_corrupt_redis_object_is_repaired(tmp_path):
 # ---- 9. valid_tokens in the header is checked -----------------------------------------------------
 def test_header_valid_tokens_must_be_a_whole_page(tmp_path):
     spec = sc.tiny()
-    codec = PageCodec(spec)
+    codec = PageCodec.for_spec(spec)
     key = page_keys(list(range(4)), 4, Namespace("v", spec.fingerprint()).root())[0]
     payload = memoryview(bytearray(os.urandom(codec.payload_bytes)))
     good = codec.header(key, payload) + bytes(payload)

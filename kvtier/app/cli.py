@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``run``, ``plan``, ``bench {transfer,cache,storage,plan}``, ``spec``."""
+"""The ``kvtier`` command line: ``run``, ``plan``, ``bench {transfer,cache,storage,sglang,plan}``, ``spec``."""
 
 from __future__ import annotations
 
@@ -85,6 +85,27 @@ def bench_storage(
     from kvtier.app.bench.storage import as_json_rows, run_storage_bench
 
     _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps, page_size)), as_json)
+
+
+@bench_app.command("sglang")
+def bench_sglang(
+    backends: str = typer.Option("file,mooncake", help="comma-separated: file (vs SGLang's HiCacheFile), mooncake (vs SGLang's MooncakeStore; a local master is started)"),
+    pages: int = typer.Option(128, help="host pages per round (SGLang's storage batch is 128)"),
+    reps: int = typer.Option(10, help="rounds per op, the two backends taking turns (best and median reported)"),
+    layout: str = typer.Option("page_first", help="SGLang host pool layout: page_first, layer_first, page_first_direct"),
+    sglang_wheel: Optional[str] = typer.Option(None, help="sglang-0.5.23 wheel (default: $KVTIER_SGLANG_WHEEL, else .kvtier/wheels/)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
+) -> None:
+    """kvtier as SGLang's HiCache storage backend: set/get GB/s through SGLang's host pool and controller, vs SGLang's own backends."""
+    from kvtier.app.bench.sglang_storage import as_json_rows, run_sglang_bench
+    from kvtier.app.sglang_wheel import find_sglang_wheel, import_sglang
+
+    if layout not in ("page_first", "layer_first", "page_first_direct"):
+        from kvtier.errors import UnknownNameError
+
+        raise UnknownNameError("SGLang host pool layout", layout, ("page_first", "layer_first", "page_first_direct"))
+    import_sglang(find_sglang_wheel(sglang_wheel))
+    _emit(as_json_rows(run_sglang_bench(tuple(b for b in backends.split(",") if b), pages, reps, layout=layout)), as_json)
 
 
 @bench_app.command("plan")

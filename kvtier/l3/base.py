@@ -11,6 +11,9 @@ Contract of a :class:`StorageBackend` (every method is batched):
 * ``set(keys, values)`` stores each value (a readable memoryview) and returns
   a status per key; a value must never be visible half-written.
 * ``delete(keys)`` removes keys (missing ones are fine).
+* ``delete_namespace(namespace)`` removes every key ``namespace/...`` and
+  returns how many went (an operator's "clear this model's pages"; other
+  namespaces in the same store are untouched).
 * Misses and per-key failures are results, never exceptions; an exception
   escapes only for a broken configuration. Client exceptions are mapped to
   results in one place (:func:`map_storage_errors`).
@@ -83,6 +86,7 @@ class StorageBackend(Protocol):
     def get(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[KeyStatus]: ...
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]: ...
     def delete(self, keys: Sequence[str]) -> None: ...
+    def delete_namespace(self, namespace: str) -> int: ...
     def close(self) -> None: ...
 
 

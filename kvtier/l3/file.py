@@ -271,6 +271,35 @@ class FileBackend:
                 finally:
                     os.close(dir_fd)
 
+    def delete_namespace(self, namespace: str) -> int:
+        """Remove the namespace's directory tree (never following a symlink: fds from the root)."""
+        d = dir_name(namespace)
+        removed = 0
+        with map_storage_errors(self.stats, f"file delete namespace {namespace}", lambda _e: None):
+            try:
+                ns_fd = self._open_dir(self._root_fd, d, create=False)
+            except FileNotFoundError:
+                return 0
+            try:
+                for shard in os.listdir(ns_fd):
+                    try:
+                        shard_fd = self._open_dir(ns_fd, shard, create=False)
+                    except (FileNotFoundError, NotADirectoryError, OSError):
+                        continue
+                    try:
+                        for name in os.listdir(shard_fd):
+                            try:
+                                os.unlink(name, dir_fd=shard_fd)
+                                removed += 0 if name.startswith(".tmp-") else 1
+                            except FileNotFoundError:
+                                pass
+                    finally:
+                        os.close(shard_fd)
+            finally:
+                os.close(ns_fd)
+            self._approx_bytes = None  # rescan at the next capped write
+        return removed
+
     def usage_bytes(self) -> int:
         return sum(p.stat().st_size for p in self._files())
 

@@ -68,5 +68,11 @@ class MemoryBackend:
         for k in keys:
             self.data.pop(k, None)
 
+    def delete_namespace(self, namespace: str) -> int:
+        doomed = [k for k in self.data if k.startswith(namespace + "/")]
+        for k in doomed:
+            del self.data[k]
+        return len(doomed)
+
     def close(self) -> None:
         pass

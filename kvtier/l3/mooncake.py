@@ -34,6 +34,10 @@ def _address(mv: memoryview) -> int:
     return np.frombuffer(mv, dtype=np.uint8).ctypes.data
 
 
+#: characters ECMAScript regular expressions treat specially (Python's re.escape also escapes '-', which they reject)
+_REGEX_META = frozenset(".^$|?*+()[]{}\\")
+
+
 class MooncakeBackend:
     name = "mooncake"
     #: batches: a transfer per batch, ~32 MB (6 deepseek pages of 5 MB, 25 of 1.2 MB) amortize its
@@ -180,6 +184,15 @@ class MooncakeBackend:
     def delete(self, keys: Sequence[str]) -> None:
         if keys:
             self.store.batch_remove(list(keys), True)
+
+    def delete_namespace(self, namespace: str) -> int:
+        """``remove_by_regex`` (std::regex, ECMAScript) on the escaped prefix; forced, as ``delete`` is."""
+        escaped = "".join("\\" + c if c in _REGEX_META else c for c in namespace + "/")
+        n = self.store.remove_by_regex("^" + escaped, True)
+        if n < 0:
+            self._fault("mooncake delete namespace", [n])
+            return 0
+        return n
 
     def close(self) -> None:
         self.store.close()

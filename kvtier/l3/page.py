@@ -15,6 +15,11 @@ Layout (little-endian)::
     72      ...   payload: for each buffer in spec order, its ``[num_layers, page_bytes]``
                   (page_first bytes: one contiguous run per buffer)
 
+An engine that keeps its own host pool (SGLang's HiCache backend,
+:mod:`kvtier.integrations.sglang`) stores the same header in front of that
+pool's own page bytes; its fingerprint then binds the pool's kind, layout and
+geometry instead of a kvtier spec, so the two formats never share a key.
+
 A reader rejects an object whose magic, version, fingerprint, key, size,
 valid token count (shared pages are whole: ``page_size``) or checksum does not
 match; the tier treats it as a miss, counts it, and deletes the object so the
@@ -44,13 +49,17 @@ Verdict = Literal["ok", "magic", "version", "fingerprint", "key", "size", "valid
 
 @dataclass(frozen=True)
 class PageCodec:
-    """Encodes and checks page objects for one spec."""
+    """Encodes and checks page objects of one format: what the fingerprint binds, the payload size,
+    and the tokens in a page. :meth:`for_spec` gives a kvtier spec's; an engine's own pool (SGLang's
+    host pools) brings its own fingerprint and payload size."""
 
-    spec: KVSpec
+    fingerprint: str
+    payload_bytes: int
+    page_size: int
 
-    @functools.cached_property
-    def payload_bytes(self) -> int:
-        return self.spec.page_bytes
+    @classmethod
+    def for_spec(cls, spec: KVSpec) -> PageCodec:
+        return cls(spec.fingerprint(), spec.page_bytes, spec.page_size)
 
     @functools.cached_property
     def object_bytes(self) -> int:
@@ -58,14 +67,17 @@ class PageCodec:
 
     @functools.cached_property
     def _fingerprint(self) -> bytes:
-        return self.spec.fingerprint().encode()
+        fp = self.fingerprint.encode()
+        if len(fp) != 16:
+            raise ValueError(f"a page fingerprint is 16 ASCII characters, got {self.fingerprint!r}")
+        return fp
 
     def header(self, key: PageHash, payload: memoryview, valid_tokens: int | None = None) -> bytes:
         return self.header_for_parts(key, (payload,), valid_tokens)
 
     def header_for_parts(self, key: PageHash, payload: Sequence[memoryview], valid_tokens: int | None = None) -> bytes:
         """The header of an object whose payload is ``payload``'s buffers back to back (e.g. a host page's)."""
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.spec.page_size if valid_tokens is None else valid_tokens, 0,
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, HEADER_BYTES, self.page_size if valid_tokens is None else valid_tokens, 0,
                           self._fingerprint, bytes(key), sum(len(p) for p in payload))
         h = xxhash.xxh3_128()
         h.update(head)
@@ -97,7 +109,7 @@ class PageCodec:
             return "key"
         if size != self.payload_bytes:
             return "size"
-        if valid != self.spec.page_size:  # only whole pages are shared; a partial one is never stored
+        if valid != self.page_size:  # only whole pages are shared; a partial one is never stored
             return "valid_tokens"
         h = xxhash.xxh3_128()
         h.update(head[: _HEAD.size])

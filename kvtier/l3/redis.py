@@ -25,6 +25,7 @@ URLs::
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -396,6 +397,25 @@ class RedisBackend:
             return [KeyStatus.OK] * len(ks)
 
         self._by_node(keys, [None] * len(keys), "delete", direct, via_client)
+
+    def delete_namespace(self, namespace: str, *, deadline_s: float = 30.0) -> int:
+        """SCAN for ``namespace/*`` and UNLINK what it finds, in batches, for at most ``deadline_s``
+        (a huge store is cleared by calling again; the count says how many went)."""
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", namespace) + "/*"
+        removed = 0
+        stop = time.monotonic() + deadline_s
+        with map_storage_errors(self.stats, "delete namespace", lambda _e: None):
+            batch: list = []
+            for key in self.client.scan_iter(match=pattern, count=1000):
+                batch.append(key)
+                if len(batch) >= 1000:
+                    removed += self.client.unlink(*batch) if not self.cluster else sum(self.client.unlink(k) for k in batch)
+                    batch = []
+                if time.monotonic() > stop:
+                    break
+            if batch:
+                removed += self.client.unlink(*batch) if not self.cluster else sum(self.client.unlink(k) for k in batch)
+        return removed
 
     def close(self) -> None:
         self._connector.shutdown(wait=False, cancel_futures=True)

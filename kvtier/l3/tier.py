@@ -54,6 +54,7 @@ import torch
 
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3.base import KeyStatus, StorageBackend, map_storage_errors
+from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.page import HEADER_BYTES, PageCodec
 
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class StorageTier:
         self.spec = host_pool.spec
         self.namespace = namespace
         self.prefix = str(namespace)
-        self.codec = PageCodec(self.spec)
+        self.codec = PageCodec.for_spec(self.spec)
         self.batch_pages = batch_pages
         self.backpressure_s = backpressure_s
         self.materialized = host_pool.materialized
@@ -118,8 +119,7 @@ class StorageTier:
         #: objects that failed their check on read and were deleted from the store
         self.discarded_corrupt = 0
         self._closed = False
-        self.cooldown_s = cooldown_s
-        self._down_until = 0.0
+        self.breaker = CircuitBreaker(backend.stats, cooldown_s)
         #: seconds the worker spent per job kind ("save" / "prefetch")
         self.busy_s: dict[str, float] = {}
         #: without bytes (capacity planning) jobs run inline, deterministically, in the caller's thread
@@ -156,15 +156,10 @@ class StorageTier:
     # ---- health ------------------------------------------------------------------------
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self.breaker.available
 
     def _call(self, fn, *args):
-        """Run a backend call; a new fault opens the circuit breaker for ``cooldown_s``."""
-        errors = self.backend.stats.errors
-        result = fn(*args)
-        if self.backend.stats.errors != errors:
-            self._down_until = time.monotonic() + self.cooldown_s
-        return result
+        return self.breaker.call(fn, *args)
 
     # ---- synchronous queries (owner thread) ----------------------------------------
     def stored_prefix(self, keys: list[PageHash]) -> int:

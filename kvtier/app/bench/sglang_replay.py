@@ -5,10 +5,7 @@ SGLang pins a CUDA build of torch, so it is never installed: its wheel
 cache needs (``sglang/srt``'s top-level modules, ``mem_cache``, ``utils`` and
 the few packages they import at module level) are unpacked into the kvtier
 cache directory once, and ``sglang.srt.mem_cache.radix_cache`` is imported from
-there. Modules it imports but this replay never calls -- GPU kernels, model
-configs, the scheduler, observability, disaggregation, server args -- and two
-third-party imports (``orjson``, ``torchvision``) are replaced by light
-stand-ins (:class:`_StandIn`): attribute access gives an inert placeholder.
+there (:mod:`kvtier.app.sglang_wheel`, which says which modules are stand-ins).
 The tree code that runs -- ``RadixKey``, ``match_prefix``, ``insert``,
 ``inc_lock_ref``/``dec_lock_ref``, node splitting, LRU bookkeeping -- is
 SGLang's own.
@@ -23,105 +20,23 @@ request's ``array('q')`` of token ids is the workload's cost and is not timed
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
-import os
-import sys
 import time
-import types
-import zipfile
 from pathlib import Path
 
 from kvtier.app.bench.peer_result import PeerReplayResult
-from kvtier.errors import ConfigError
+from kvtier.app.sglang_wheel import _STAND_IN_PACKAGES, SGLANG_VERSION, find_sglang_wheel, import_sglang
 from kvtier.app.workloads import trace_tokens
 
-SGLANG_VERSION = "0.5.23"
-
-#: sglang packages imported at module level by the radix cache's imports but never used by this replay
-_STAND_IN_PACKAGES = (
-    "sglang.srt.configs", "sglang.srt.layers", "sglang.kernels", "sglang.jit_kernel", "sglang.srt.disaggregation",
-    "sglang.srt.managers", "sglang.srt.model_executor", "sglang.srt.distributed", "sglang.srt.observability",
-    "sglang.srt.server_args", "orjson", "torchvision",
-)
-#: what is unpacked from the wheel: sglang/srt's top-level modules and these packages
-_UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/")
-
-
-class _StandIn(types.ModuleType):
-    """A module whose every attribute is an inert placeholder class (never called by the replay)."""
-
-    def __getattr__(self, name: str):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        placeholder = type(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None,
-                                      "__getattr__": lambda self, n: None})
-        setattr(self, name, placeholder)
-        return placeholder
-
-
-class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, packages: tuple[str, ...]):
-        self.packages = packages
-
-    def find_spec(self, name, path, target=None):
-        if any(name == p or name.startswith(p + ".") for p in self.packages):
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        module = _StandIn(spec.name)
-        module.__path__ = []
-        return module
-
-    def exec_module(self, module) -> None:
-        pass
-
-
-def find_sglang_wheel(explicit: str | None = None) -> Path | None:
-    """``explicit``, else ``$KVTIER_SGLANG_WHEEL``, else ``.kvtier/wheels/sglang-<version>-*.whl`` under the
-    current directory (where ``./run.sh test`` downloads it); None when there is none."""
-    if explicit or os.environ.get("KVTIER_SGLANG_WHEEL"):
-        path = Path(explicit or os.environ["KVTIER_SGLANG_WHEEL"])
-        if not path.is_file():
-            raise ConfigError(f"SGLang wheel {str(path)!r} not found; get it with `pip download --no-deps sglang=={SGLANG_VERSION}`")
-        return path
-    found = sorted(Path(".kvtier", "wheels").glob(f"sglang-{SGLANG_VERSION}-*.whl"))
-    return found[-1] if found else None
-
-
-def _unpack(wheel: Path) -> Path:
-    from kvtier.integrations.vllm.model import default_cache_dir
-
-    out = default_cache_dir() / f"sglang-{SGLANG_VERSION}-src"
-    if (out / "sglang" / "srt" / "mem_cache" / "radix_cache.py").exists():
-        return out
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    with zipfile.ZipFile(wheel) as z:
-        for name in z.namelist():
-            top_level_srt = name.startswith("sglang/srt/") and name.count("/") == 2 and name.endswith(".py")
-            if top_level_srt or (name.endswith(".py") and name.startswith(_UNPACKED)):
-                z.extract(name, tmp)
-    try:
-        os.rename(tmp, out)
-    except OSError:  # another process unpacked it first
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+__all__ = ["SGLANG_VERSION", "find_sglang_wheel", "load_radix_cache", "replay_sglang"]
 
 
 def load_radix_cache(wheel: Path):
     """SGLang's ``RadixCache`` module and its params classes, imported from the wheel's sources."""
-    src = _unpack(wheel)
-    if "sglang" not in sys.modules or getattr(sys.modules["sglang"], "__path__", [None])[0] != str(src / "sglang"):
-        pkg = types.ModuleType("sglang")  # the real sglang/__init__ imports the whole runtime
-        pkg.__path__ = [str(src / "sglang")]
-        sys.modules["sglang"] = pkg
-        sys.meta_path.insert(0, _StandInFinder(_STAND_IN_PACKAGES))
+    import_sglang(wheel)
     from sglang.srt.mem_cache import base_prefix_cache, radix_cache
 
     return radix_cache, base_prefix_cache
+
 
 
 def replay_sglang(requests, page_size: int, wheel: Path) -> PeerReplayResult:

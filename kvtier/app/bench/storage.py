@@ -25,11 +25,11 @@ import os
 import shutil
 import statistics
 import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 
+from kvtier.app.bench.timing import interleaved_times
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3 import open_backend
 from kvtier.l3.tier import StorageTier
@@ -48,31 +48,6 @@ class StorageCase:
     raw_gbps: float
     ratio: float
     median_ratio: float
-
-
-def _interleaved_times(fns: dict[str, object], rounds: int, after=None) -> dict[str, list[float]]:
-    """Seconds of each ``fn(i)`` in each of ``rounds`` rounds, the functions taking turns within a round.
-
-    Taking turns puts kvtier's path and the plain client under the same machine
-    conditions (on 2 shared cores the server, page cache and CPU clock drift
-    within seconds); separate blocks of repetitions turned drift into ratio noise.
-    ``after(name, i)``, untimed, runs after each call (puts delete what they wrote). An untimed
-    warm-up round comes first: the first writes of a run fault fresh memory into the page cache
-    (or the server), which on a VM made whichever side went first look slow."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for name, fn in fns.items():
-        fn(0)  # type: ignore[operator]
-        if after is not None:
-            after(name, 0)
-    order = list(fns.items())
-    for i in range(rounds):
-        for name, fn in order[i % 2 :] + order[: i % 2]:  # who goes first alternates
-            t0 = time.perf_counter()
-            fn(i)  # type: ignore[operator]
-            times[name].append(time.perf_counter() - t0)
-            if after is not None:
-                after(name, i)
-    return times
 
 
 @dataclass
@@ -223,10 +198,10 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "redis-clust
                 else:
                     plain.drop(i)
 
-            puts = _interleaved_times({"kvtier": put, "raw": plain.put}, reps, after=drop)
+            puts = interleaved_times({"kvtier": put, "raw": plain.put}, reps, after=drop)
             put(0)  # what the gets read
             plain.put(0)
-            gets = _interleaved_times({"kvtier": get, "raw": plain.get}, reps)
+            gets = interleaved_times({"kvtier": get, "raw": plain.get}, reps)
             cases += [summarize(name, "put", obj, pages, puts), summarize(name, "get", obj, pages, gets)]
             tier.close()
         finally:

@@ -1,0 +1,133 @@
+"""SGLang's own code on a CPU machine, imported from its wheel without installing it.
+
+SGLang pins a CUDA build of torch, so it is never installed: its wheel
+(``pip download --no-deps sglang==0.5.23``, which ``./run.sh test`` puts in
+``.kvtier/wheels``) is opened, the sources kvtier's tests and benchmarks use
+(``sglang/srt``'s top-level modules, ``mem_cache`` -- the radix cache, the
+HiCache storage interface and backend factory, the host pools -- ``utils``,
+``managers`` and the few packages they import at module level) are unpacked
+into the kvtier cache directory once, and imported from there. Packages they
+import at module level but never call on these paths -- GPU kernels, model
+configs, the scheduler, observability, disaggregation, server args -- and two
+third-party imports (``orjson``, ``torchvision``) are replaced by light
+stand-ins (:class:`_StandIn`): attribute access gives an inert placeholder.
+Everything that runs -- the radix tree, ``HiCacheStorage``,
+``StorageBackendFactory``, ``HiCacheFile``, the MHA/MLA/DSA host pools -- is
+SGLang's own.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+from kvtier.errors import ConfigError
+
+SGLANG_VERSION = "0.5.23"
+
+#: sglang packages imported at module level by the radix cache's imports but never used by this replay
+_STAND_IN_PACKAGES = (
+    "sglang.srt.configs", "sglang.srt.layers", "sglang.kernels", "sglang.jit_kernel", "sglang.srt.disaggregation",
+    "sglang.srt.managers", "sglang.srt.model_executor", "sglang.srt.distributed", "sglang.srt.observability",
+    "sglang.srt.server_args", "orjson", "torchvision",
+)
+#: what is unpacked from the wheel: sglang/srt's top-level modules and these packages and files
+_UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/",
+             "sglang/srt/managers/cache_controller.py")
+#: real modules inside a stand-in package: the HiCache controller, whose storage calls the tests replay
+_REAL_MODULES = ("sglang.srt.managers.cache_controller",)
+#: bumped when _UNPACKED grows, so an older unpacked tree is not reused
+_UNPACK_VERSION = 2
+
+
+class _StandIn(types.ModuleType):
+    """A module whose every attribute is an inert placeholder class (never called by the replay)."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if f"{self.__name__}.{name}" in _REAL_MODULES:
+            return importlib.import_module(f"{self.__name__}.{name}")
+        placeholder = type(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None,
+                                      "__getattr__": lambda self, n: None})
+        setattr(self, name, placeholder)
+        return placeholder
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, packages: tuple[str, ...], src: Path):
+        self.packages = packages
+        self.src = src
+
+    def find_spec(self, name, path, target=None):
+        if name in _REAL_MODULES:
+            return None  # the ordinary finder loads it from the stand-in package's real directory
+        if any(name == p or name.startswith(p + ".") for p in self.packages):
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StandIn(spec.name)
+        real_dir = self.src.joinpath(*spec.name.split("."))
+        hosts_real = any(m.startswith(spec.name + ".") for m in _REAL_MODULES)
+        module.__path__ = [str(real_dir)] if hosts_real else []
+        return module
+
+    def exec_module(self, module) -> None:
+        pass
+
+
+def find_sglang_wheel(explicit: str | None = None) -> Path | None:
+    """``explicit``, else ``$KVTIER_SGLANG_WHEEL``, else ``.kvtier/wheels/sglang-<version>-*.whl`` under the
+    current directory (where ``./run.sh test`` downloads it); None when there is none."""
+    if explicit or os.environ.get("KVTIER_SGLANG_WHEEL"):
+        path = Path(explicit or os.environ["KVTIER_SGLANG_WHEEL"])
+        if not path.is_file():
+            raise ConfigError(f"SGLang wheel {str(path)!r} not found; get it with `pip download --no-deps sglang=={SGLANG_VERSION}`")
+        return path
+    found = sorted(Path(".kvtier", "wheels").glob(f"sglang-{SGLANG_VERSION}-*.whl"))
+    return found[-1] if found else None
+
+
+def _unpack(wheel: Path) -> Path:
+    from kvtier.integrations.vllm.model import default_cache_dir
+
+    out = default_cache_dir() / f"sglang-{SGLANG_VERSION}-src-{_UNPACK_VERSION}"
+    if (out / "sglang" / "srt" / "mem_cache" / "radix_cache.py").exists():
+        return out
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            top_level_srt = name.startswith("sglang/srt/") and name.count("/") == 2 and name.endswith(".py")
+            if top_level_srt or (name.endswith(".py") and name.startswith(_UNPACKED)):  # str.startswith takes the tuple
+                z.extract(name, tmp)
+    try:
+        os.rename(tmp, out)
+    except OSError:  # another process unpacked it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def import_sglang(wheel: Path | None = None) -> Path:
+    """Make ``sglang.srt.mem_cache`` importable from the wheel's sources (unpacked once); returns
+    the unpacked tree. ``wheel`` None: :func:`find_sglang_wheel`'s, or a :class:`ConfigError` saying
+    how to get it."""
+    wheel = wheel or find_sglang_wheel()
+    if wheel is None:
+        raise ConfigError(f"SGLang's wheel is needed: pip download --no-deps sglang=={SGLANG_VERSION} -d .kvtier/wheels "
+                          "(or set KVTIER_SGLANG_WHEEL)")
+    src = _unpack(wheel)
+    if "sglang" not in sys.modules or getattr(sys.modules["sglang"], "__path__", [None])[0] != str(src / "sglang"):
+        pkg = types.ModuleType("sglang")  # the real sglang/__init__ imports the whole runtime
+        pkg.__path__ = [str(src / "sglang")]
+        sys.modules["sglang"] = pkg
+        sys.meta_path.insert(0, _StandInFinder(_STAND_IN_PACKAGES, src))
+    return src

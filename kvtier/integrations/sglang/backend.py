@@ -1,0 +1,528 @@
+"""kvtier as SGLang's HiCache storage backend: ``KvtierStorage``, a ``HiCacheStorage``.
+
+SGLang's cache controller moves pages between its host pool and storage
+through this class, on its own I/O threads; kvtier brings its L3: the store
+(file, Redis/Valkey incl. cluster, Mooncake Store), checksummed page objects,
+namespaces, skip-what-is-stored saves, and fault handling. Start SGLang with::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvtier",
+        "module_path": "kvtier.integrations.sglang.backend", "class_name": "KvtierStorage",
+        "interface_v1": 1, "storage_url": "redis://127.0.0.1:6379/0"}'
+
+What it guarantees:
+
+* **Whole pages only.** Host indices are token slots; they must be whole,
+  page-aligned pages, one per key, or a :class:`~kvtier.errors.PageAlignmentError`
+  names the count, the page size and the pool before any byte moves. kvtier
+  never hands SGLang's pools a partial page.
+* **Zero copy.** ``batch_get_v1`` / ``batch_set_v1`` / ``*_v2`` read and write
+  the registered pools' pages in place (:mod:`.pool_pages`); the older
+  ``get``/``set`` take SGLang's flat data pages. Both store the same object:
+  kvtier's page header (key, fingerprint of the pool's kind, layout and
+  geometry, xxh3-128 checksum) and the pool's page bytes.
+* **Namespaces.** An L3 key is ``namespace/<SGLang's page hash>``; the
+  namespace binds the model, the pool's fingerprint, the shard (TP rank for
+  MHA; MLA KV is replicated, so every rank shares shard 0 -- or its DCP rank --
+  and only ``is_storage_writer`` ranks write) and a salt.
+* **The DSA indexer travels with its page.** The indexer host pool rides on
+  the KV pool's slots; a page is a hit (``batch_exists``, ``batch_exists_v2``)
+  only while its indexer object is stored too, so an L3 hit never comes
+  without its indexer pages (SGLang #30057), and indexer pages that were never
+  saved (SGLang #17085) make a miss, not a hit with stale index keys.
+* **Faults are misses.** A store that is down, slow past its deadline, or
+  returns a corrupt object gives ``False`` / 0 / ``None``, never an exception
+  into SGLang's controller threads; a corrupt object is deleted (the next save
+  repairs it), and a circuit breaker answers misses without calling a dead
+  store for ``cooldown_s``. Hits resume when the store is back.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from kvtier.errors import ConfigError, PageAlignmentError
+from kvtier.hashing import Namespace
+from kvtier.integrations.sglang.options import SGLangStorageOptions
+from kvtier.integrations.sglang.pool_pages import PoolPages
+from kvtier.l3.base import KeyStatus, map_storage_errors, redact_url, scatter_into
+from kvtier.l3.breaker import CircuitBreaker
+from kvtier.l3.page import HEADER_BYTES, PageCodec
+from kvtier.l3.registry import open_backend
+
+log = logging.getLogger(__name__)
+
+#: pools whose pages are the KV pool's pages (replicated like KV under MLA)
+_KV_SHAPED = {PoolName.KV, PoolName.INDEXER, PoolName.DRAFT, PoolName.DRAFT_INDEXER}
+
+
+@dataclass
+class StorageMetrics:
+    """What :meth:`KvtierStorage.get_stats` returns: the lists SGLang's ``StorageMetricsCollector``
+    reads (pages per batch, GB/s per batch; drained by each call, filled only with
+    ``enable_storage_metrics``), and kvtier's running counters."""
+
+    prefetch_pgs: list[int] = field(default_factory=list)
+    backup_pgs: list[int] = field(default_factory=list)
+    prefetch_bandwidth: list[float] = field(default_factory=list)
+    backup_bandwidth: list[float] = field(default_factory=list)
+    pages_read: int = 0
+    pages_written: int = 0
+    pages_already_stored: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    faults: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+@dataclass(frozen=True)
+class _Pool:
+    """One registered host pool: its page views, its page-object codec, its L3 namespace."""
+
+    name: str
+    pages: PoolPages
+    codec: PageCodec
+    prefix: str
+    #: rides on the KV pool's slots and must be stored for every KV page (the DSA indexer)
+    kv_derived: bool
+
+    def names(self, keys: Sequence[str]) -> list[str]:
+        return [f"{self.prefix}/{k}" for k in keys]
+
+    @staticmethod
+    def key16(key: str) -> bytes:
+        """The 16-byte page key in the object header (SGLang's keys are strings of any length)."""
+        return xxhash.xxh3_128_digest(key.encode())
+
+
+class KvtierStorage(HiCacheStorage):
+    """SGLang ``HiCacheStorage`` over kvtier's L3. Built by SGLang's backend factory as
+    ``KvtierStorage(storage_config, kwargs)``; options come from ``storage_config.extra_config``
+    (:class:`~kvtier.integrations.sglang.options.SGLangStorageOptions`)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+        self.config = storage_config
+        self.options = SGLangStorageOptions.from_extra_config(storage_config.extra_config)
+        self.model = self.options.model_name or storage_config.model_name or ""
+        self.backend = open_backend(self.options.url)
+        self.breaker = CircuitBreaker(self.backend.stats, self.options.cooldown_s)
+        self.writer = storage_config.is_storage_writer
+        self.metrics = StorageMetrics()
+        self._metrics_lock = threading.Lock()
+        self._pools: dict[str, _Pool] = {}
+        caps = self.backend.capabilities
+        self.io_threads = self.options.io_threads or caps.io_threads
+        self._io = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-hicache") if self.io_threads > 1 else None
+        #: header slabs for scattered calls: registered once with stores that need it (Mooncake)
+        self._slab_rows = 0
+        self._slabs: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        self.mem_pool_host = None
+        log.info("kvtier HiCache storage: %s, model %r, shard %s, writer %s", redact_url(self.options.url), self.model,
+                 self._shard_rank(PoolName.KV), self.writer)
+
+    # ---- registration ------------------------------------------------------------------
+    def register_mem_pool_host(self, mem_pool_host) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._register(PoolName.KV, mem_pool_host)
+
+    def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        self._register(host_pool_name, host_pool)
+
+    def _shard_rank(self, name: str) -> int:
+        c = self.config
+        if c.is_mla_model and name in _KV_SHAPED:
+            return c.dcp_rank  # MLA KV is the same on every TP rank: one shard per DCP rank
+        return c.tp_rank
+
+    def _register(self, name, pool) -> None:
+        name = str(name)
+        if name in self._pools and self._pools[name].pages.pool is pool:
+            return
+        if not hasattr(pool, "get_data_page"):
+            raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) has no get_data_page; "
+                              "register an SGLang host pool (MHA, MLA, DSA indexer)")
+        c = self.config
+        mla_shared = c.is_mla_model and name in _KV_SHAPED
+        identity = {"tp_size": None if mla_shared else c.tp_size, "pp": [c.pp_rank, c.pp_size],
+                    "cp": [c.attn_cp_rank, c.attn_cp_size], "dcp": [c.dcp_rank, c.dcp_size]}
+        pages = PoolPages(pool, name=name, identity=identity)
+        namespace = Namespace(self.model, pages.fingerprint, self._shard_rank(name), self.options.salt)
+        decl = getattr(pool, "decl", None)
+        kv_derived = name != PoolName.KV and decl is not None and getattr(decl, "indices_from_pool", None) == PoolName.KV \
+            and getattr(decl, "hit_policy", PoolHitPolicy.ALL_PAGES) == PoolHitPolicy.ALL_PAGES
+        self._pools[name] = _Pool(name, pages, PageCodec(pages.fingerprint, pages.payload_bytes, pages.page_size),
+                                  str(namespace), kv_derived)
+        self._grow_slabs()
+        if self.backend.capabilities.registers_buffers:
+            self.backend.register_buffer(pages.buffer)
+        log.info("kvtier HiCache storage: pool %r (%s, %s layout), %d-byte pages, namespace %s", name, type(pool).__name__,
+                 getattr(pool, "layout", "?"), pages.payload_bytes, namespace)
+
+    def _pool(self, name) -> _Pool:
+        try:
+            return self._pools[str(name)]
+        except KeyError:
+            raise ConfigError(f"kvtier HiCache storage: no host pool {str(name)!r} registered (registered: "
+                              f"{', '.join(self._pools) or 'none'}); SGLang registers them with register_mem_pool_host / "
+                              "register_mem_host_pool_v2 before any transfer") from None
+
+    @property
+    def _kv(self) -> _Pool:
+        return self._pool(PoolName.KV)
+
+    # ---- batching ----------------------------------------------------------------------
+    def _step(self, pool: _Pool) -> int:
+        if self.options.batch_pages:
+            return self.options.batch_pages
+        per_call = self.backend.capabilities.batch_bytes
+        return max(1, per_call // pool.codec.object_bytes) if per_call else 8
+
+    def _grow_slabs(self) -> None:
+        rows = max(self._step(p) for p in self._pools.values())
+        if rows <= self._slab_rows:
+            return
+        self._slab_rows = rows
+        self._slabs = queue.SimpleQueue()
+        # each caller thread (SGLang's prefetch and backup threads) has at most io_threads chunks in flight
+        for _ in range(2 * self.io_threads + 2):
+            slab = np.zeros((rows, HEADER_BYTES), dtype=np.uint8)
+            if self.backend.capabilities.registers_buffers:
+                self.backend.register_buffer(memoryview(slab).cast("B"))
+            self._slabs.put(slab)
+
+    @contextmanager
+    def _heads(self):
+        slab = self._slabs.get()
+        try:
+            yield slab
+        finally:
+            self._slabs.put(slab)
+
+    def _chunked(self, pool: _Pool, n: int, start: int, work: Callable[[int, int], list[bool]]) -> list[bool]:
+        """``work(a, b)`` over chunks of ``[start, n)``, up to ``io_threads`` at once; per-page results in order."""
+        step = self._step(pool)
+        chunks = [(a, min(a + step, n)) for a in range(start, n, step)]
+        if self._io is None or len(chunks) == 1:
+            results = []
+            for a, b in chunks:
+                r = work(a, b)
+                results.append(r)
+                if len(r) < b - a or not all(r):
+                    break  # a failed page ends the chained prefix; later chunks are not attempted
+        else:
+            results = [f.result() for f in [self._io.submit(work, a, b) for a, b in chunks]]
+        out: list[bool] = []
+        for (a, b), r in zip(chunks, results):
+            out += r + [False] * (b - a - len(r))
+        return out + [False] * (n - start - len(out))
+
+    # ---- reads -------------------------------------------------------------------------
+    def _read(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        """Read pages into ``pages`` of ``pool``; True for the verified leading run only."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]))
+        run = got.index(False) if False in got else len(got)
+        self._count_read(pool, run, len(keys), time.perf_counter() - t0)
+        return [True] * run + [False] * (len(keys) - run)
+
+    def _read_chunk(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        out: list[bool] = []
+        if not self.breaker.available:
+            return out
+        names = pool.names(keys)
+        with self._heads() as heads, self._guard("read", out):
+            parts = [[memoryview(heads[j]), *pool.pages.views(p)] for j, p in enumerate(pages)]
+            if self.backend.capabilities.scattered:
+                statuses = self.breaker.call(self.backend.get_scattered, names, parts)
+            else:
+                objs = [bytearray(pool.codec.object_bytes) for _ in keys]
+                statuses = self.breaker.call(self.backend.get, names, [memoryview(o) for o in objs])
+            for j, st in enumerate(statuses):
+                if st is not KeyStatus.OK:
+                    break
+                if not self.backend.capabilities.scattered:
+                    verdict = pool.codec.check(memoryview(objs[j]), pool.key16(keys[j]))
+                    if verdict == "ok":
+                        scatter_into(memoryview(objs[j]), parts[j])
+                else:
+                    verdict = pool.codec.check_parts(parts[j][0], parts[j][1:], pool.key16(keys[j]))
+                if verdict != "ok":
+                    self._discard(names[j], verdict)
+                    break
+                out.append(True)
+        return out
+
+    def _discard(self, name: str, verdict: str) -> None:
+        """An object that failed its check: a miss, deleted so the next save writes it again."""
+        log.warning("kvtier HiCache storage: %s rejected (%s); treated as a miss and deleted", name, verdict)
+        with self._metrics_lock:
+            self.metrics.corrupt += 1
+        with map_storage_errors(self.backend.stats, "delete corrupt", lambda _e: None):
+            self.backend.delete([name])
+
+    # ---- writes ------------------------------------------------------------------------
+    def _write(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        """Store pages of ``pool``; keys the store already has (its leading run) are not rewritten."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        have = self._stored_prefix(pool, keys)
+        if not self.writer:  # another rank writes this shard (MLA): report what the store has
+            return [i < have for i in range(len(keys))]
+        done = [True] * have + self._chunked(pool, len(keys), have, lambda a, b: self._write_chunk(pool, keys[a:b], pages[a:b]))
+        self._count_write(pool, have, sum(done) - have, time.perf_counter() - t0)
+        return done
+
+    def _write_chunk(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
+        out: list[bool] = []
+        if not self.breaker.available:
+            return out
+        names = pool.names(keys)
+        with self._heads() as heads, self._guard("write", out):
+            parts = []
+            for j, (k, p) in enumerate(zip(keys, pages)):
+                payload = pool.pages.views(p)
+                heads[j] = np.frombuffer(pool.codec.header_for_parts(pool.key16(k), payload), dtype=np.uint8)
+                parts.append([memoryview(heads[j]), *payload])
+            if self.backend.capabilities.scattered:
+                statuses = self.breaker.call(self.backend.set_scattered, names, parts)
+            else:
+                statuses = self.breaker.call(self.backend.set, names, [memoryview(b"".join(ps)) for ps in parts])
+            out += [st is KeyStatus.OK for st in statuses]
+        return out
+
+    # ---- lookups -----------------------------------------------------------------------
+    def _stored_prefix(self, pool: _Pool, keys: Sequence[str]) -> int:
+        """Leading ``keys`` stored for ``pool`` (a fault, or a store marked down, counts as absent)."""
+        if not keys or not self.breaker.available:
+            return 0
+        found = [0]
+        with self._guard("exists", []):
+            found[0] = self.breaker.call(self.backend.exists, pool.names(keys))
+        return found[0]
+
+    def _kv_hits(self, keys: Sequence[str], checked: set[str] = frozenset()) -> int:
+        """Leading KV pages stored, each with every KV-derived pool's page (the DSA indexer)."""
+        n = self._stored_prefix(self._kv, keys)
+        for pool in self._pools.values():
+            if n and pool.kv_derived and pool.name not in checked:
+                n = self._stored_prefix(pool, keys[:n])
+        return n
+
+    @contextmanager
+    def _guard(self, what: str, partial: list):
+        """Storage faults become failed pages (``partial`` keeps what succeeded), never an exception."""
+        try:
+            yield
+        except (PageAlignmentError, ConfigError):
+            raise
+        except Exception as e:  # a client's own exception type, an OS error, a timeout
+            self.backend.stats.errors += 1
+            self.backend.stats.last_error = f"{what}: {type(e).__name__}: {e}"
+            with self._metrics_lock:
+                self.metrics.faults += 1
+            log.warning("kvtier HiCache storage %s failed after %d pages: %s", what, len(partial), e)
+            self.breaker.trip()
+
+    # ---- metrics -----------------------------------------------------------------------
+    def _count_read(self, pool: _Pool, hits: int, asked: int, seconds: float) -> None:
+        with self._metrics_lock:
+            m = self.metrics
+            m.pages_read += hits
+            m.misses += asked - hits
+            m.bytes_read += hits * pool.codec.object_bytes
+            if self.config.enable_storage_metrics and hits:
+                m.prefetch_pgs.append(hits)
+                m.prefetch_bandwidth.append(hits * pool.codec.object_bytes / 1e9 / max(seconds, 1e-9))
+
+    def _count_write(self, pool: _Pool, skipped: int, written: int, seconds: float) -> None:
+        with self._metrics_lock:
+            m = self.metrics
+            m.pages_already_stored += skipped
+            m.pages_written += written
+            m.bytes_written += written * pool.codec.object_bytes
+            if self.config.enable_storage_metrics and written:
+                m.backup_pgs.append(written)
+                m.backup_bandwidth.append(written * pool.codec.object_bytes / 1e9 / max(seconds, 1e-9))
+
+    def get_stats(self) -> StorageMetrics:
+        """A snapshot: the per-batch lists since the last call (then cleared) and the running counters."""
+        with self._metrics_lock:
+            snap = StorageMetrics(**{k: (list(v) if isinstance(v, list) else v) for k, v in vars(self.metrics).items()})
+            for lst in (self.metrics.prefetch_pgs, self.metrics.backup_pgs, self.metrics.prefetch_bandwidth,
+                        self.metrics.backup_bandwidth):
+                lst.clear()
+        return snap
+
+    # ---- HiCacheStorage: zero-copy v1 --------------------------------------------------
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        pool = self._kv
+        return self._read(pool, keys, pool.pages.pages(host_indices, len(keys)))
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+        pool = self._kv
+        return self._write(pool, keys, pool.pages.pages(host_indices, len(keys)))
+
+    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+        return self._kv_hits(keys)
+
+    # ---- HiCacheStorage: v2 (per-pool transfers) ----------------------------------------
+    def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
+                        extra_info: HiCacheStorageExtraInfo | None = None) -> PoolTransferResult:
+        transfers = list(pool_transfers or [])
+        kv_pages = self._kv_hits(keys, checked={str(t.name) for t in transfers})
+        hits: dict[str, int] = {PoolName.KV: kv_pages} if kv_pages else {}
+        restorable = set(range(1, kv_pages + 1))
+        for t in transfers:
+            if not restorable:
+                break
+            pool = self._pool(t.name)
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
+                boundary = self._stored_prefix(pool, keys[:kv_pages])
+                mine = set(range(1, boundary + 1))
+            elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
+                trailing = max(1, len(t.keys) if t.keys else 1)
+                present = [self._stored_prefix(pool, [k]) == 1 for k in keys[:kv_pages]]
+                mine = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing):n])}
+                boundary = max(mine, default=0)
+            else:
+                raise ConfigError(f"kvtier HiCache storage: pool {str(t.name)!r} asks hit policy {t.hit_policy.value!r}; "
+                                  "supported: all_pages, trailing_pages")
+            if boundary:
+                hits[str(t.name)] = boundary
+            restorable &= mine
+        ordered = sorted(restorable)
+        return PoolTransferResult(ordered[-1] if ordered else 0, hits, ordered)
+
+    def _transfer_pages(self, t: PoolTransfer) -> tuple[_Pool, list[str], list[int]]:
+        pool = self._pool(t.name)
+        keys = list(t.keys or [])
+        if t.host_indices is None:
+            raise PageAlignmentError(f"pool transfer {str(t.name)!r}: no host_indices for {len(keys)} keys; "
+                                     f"pass {pool.pages.page_size} host slots per key")
+        return pool, keys, pool.pages.pages(t.host_indices, len(keys))
+
+    def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        checked = [self._transfer_pages(t) for t in transfers]  # every transfer is checked before any byte moves
+        return {p.name: self._read(p, keys, pages) for p, keys, pages in checked}
+
+    def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
+        checked = [self._transfer_pages(t) for t in transfers]
+        return {p.name: self._write(p, keys, pages) for p, keys, pages in checked}
+
+    # ---- HiCacheStorage: flat data pages (SGLang's generic path) ------------------------
+    def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes=None) -> torch.Tensor | None:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None, target_sizes=None) -> list[torch.Tensor | None]:
+        pool = self._kv
+        targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        targets = [t if t is not None else pool.pages.pool.get_dummy_flat_data_page() for t in targets]
+        views = [pool.pages.check_flat(t, f"get {k!r}") for k, t in zip(keys, targets)]
+        out: list[torch.Tensor | None] = [None] * len(keys)
+        t0 = time.perf_counter()
+        if not keys or not self.breaker.available:
+            self._count_read(pool, 0, len(keys), 0.0)
+            return out
+        names = pool.names(keys)
+        heads = np.zeros((len(keys), HEADER_BYTES), dtype=np.uint8)
+        ok: list[bool] = []
+        with self._guard("get", ok):
+            parts = [[memoryview(heads[j]), views[j]] for j in range(len(keys))]
+            if self.backend.capabilities.scattered:
+                statuses = self.breaker.call(self.backend.get_scattered, names, parts)
+            else:
+                objs = [bytearray(pool.codec.object_bytes) for _ in keys]
+                statuses = self.breaker.call(self.backend.get, names, [memoryview(o) for o in objs])
+                for j, st in enumerate(statuses):
+                    if st is KeyStatus.OK:
+                        scatter_into(memoryview(objs[j]), parts[j])
+            for j, st in enumerate(statuses):
+                good = st is KeyStatus.OK
+                if good:
+                    verdict = pool.codec.check_parts(parts[j][0], parts[j][1:], pool.key16(keys[j]))
+                    if verdict != "ok":
+                        self._discard(names[j], verdict)
+                        good = False
+                ok.append(good)
+                out[j] = targets[j] if good else None
+        self._count_read(pool, sum(ok), len(keys), time.perf_counter() - t0)
+        return out
+
+    def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
+        """Store flat data pages; True when every key is stored (SGLang's generic backup checks all)."""
+        pool = self._kv
+        values = list(values or [])
+        if len(values) != len(keys):
+            raise PageAlignmentError(f"batch_set: {len(keys)} keys but {len(values)} pages; pass one flat data page per key")
+        views = [pool.pages.check_flat(v, f"set {k!r}") for k, v in zip(keys, values)]
+        t0 = time.perf_counter()
+        have = self._stored_prefix(pool, keys)
+        if not self.writer:
+            return have == len(keys)
+        if have == len(keys):
+            self._count_write(pool, have, 0, 0.0)
+            return True
+        names = pool.names(keys[have:])
+        ok: list[bool] = []
+        with self._guard("set", ok):
+            parts = []
+            for k, v in zip(keys[have:], views[have:]):
+                parts.append([memoryview(pool.codec.header_for_parts(pool.key16(k), [v])), v])
+            if self.backend.capabilities.scattered:
+                statuses = self.breaker.call(self.backend.set_scattered, names, parts)
+            else:
+                statuses = self.breaker.call(self.backend.set, names, [memoryview(b"".join(ps)) for ps in parts])
+            ok += [st is KeyStatus.OK for st in statuses]
+        self._count_write(pool, have, sum(ok), time.perf_counter() - t0)
+        return len(ok) == len(names) and all(ok)
+
+    def exists(self, key: str) -> bool:
+        return self._kv_hits([key]) == 1
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    def clear(self) -> bool:
+        """Delete every page of this backend's namespaces (this model and shard, every registered
+        pool); other models' and other shards' pages in the same store stay."""
+        removed = 0
+        ok = True
+        for pool in self._pools.values():
+            errors = self.backend.stats.errors
+            removed += self.backend.delete_namespace(pool.prefix)
+            ok = ok and self.backend.stats.errors == errors
+        log.info("kvtier HiCache storage: cleared %d pages", removed)
+        return ok
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.shutdown(wait=True)
+        self.backend.close()

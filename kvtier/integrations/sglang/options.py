@@ -1,0 +1,68 @@
+"""``--hicache-storage-backend-extra-config`` keys for kvtier's SGLang storage backend.
+
+SGLang passes the whole JSON object to the backend; on its ``dynamic`` path it
+also carries SGLang's own keys (``backend_name``, ``module_path``,
+``class_name``, ``interface_v1``), which are accepted here and left to SGLang.
+Any other unknown key is a :class:`~kvtier.errors.ConfigError` that lists the
+valid ones, so a typo never silently falls back to a default store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvtier.config import _help, check_number
+from kvtier.errors import ConfigError
+
+#: keys SGLang itself reads from the same object (its dynamic-backend loader and the cache controller)
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+
+
+def default_storage_url() -> str:
+    from kvtier.integrations.vllm.model import default_cache_dir
+
+    return f"file://{default_cache_dir() / 'hicache'}"
+
+
+@dataclass(frozen=True)
+class SGLangStorageOptions:
+    storage_url: str | None = _help("L3 URL: file:///dir, redis://host:port/db, redis+cluster://host:port, mooncake://host:port "
+                                    "(default: file://$KVTIER_CACHE_DIR/hicache, ~/.cache/kvtier/hicache)", None)
+    model_name: str | None = _help("model name in L3 keys (default: SGLang's model name)", None)
+    salt: str = _help("extra namespace salt (e.g. a weights revision)", "")
+    batch_pages: int | None = _help("pages per backend call (default: about the backend's preferred bytes per call)", None)
+    io_threads: int | None = _help("backend calls in flight per SGLang batch, each reading and checking its pages (default: the backend's choice)", None)
+    cooldown_s: float = _help("after a storage fault, answer misses without calling the store for this long", 0.5)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_pages", "io_threads"):
+            check_number(self, name, at_least=1, integer=True)
+        check_number(self, "cooldown_s", at_least=0)
+        for name in ("storage_url", "model_name"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                raise ConfigError(f"extra_config {name} must be a string, got {type(value).__name__}")
+        if not isinstance(self.salt, str):
+            raise ConfigError(f"extra_config salt must be a string, got {type(self.salt).__name__}")
+
+    @property
+    def url(self) -> str:
+        return self.storage_url or default_storage_url()
+
+    @classmethod
+    def valid_keys(cls) -> list[str]:
+        return sorted(f.name for f in fields(cls))
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any] | None) -> SGLangStorageOptions:
+        if extra is None:
+            extra = {}
+        if not isinstance(extra, dict):
+            raise ConfigError(f"extra_config must be a JSON object, got {type(extra).__name__}")
+        ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
+        unknown = sorted(set(ours) - set(cls.valid_keys()))
+        if unknown:
+            raise ConfigError(f"kvtier SGLang storage: unknown extra_config key(s) {', '.join(unknown)}; "
+                              f"valid: {', '.join(cls.valid_keys())} (and SGLang's own: {', '.join(SGLANG_KEYS)})")
+        return cls(**ours)
