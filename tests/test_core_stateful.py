@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.engine_device import EngineDeviceCore
+from kvtier.executors.chain import ChainedExecutor
 from kvtier.core.plans import CutShort, Done, Failed, Reason, Tier, Transfer
 from kvtier.core.policy import CacheCore
 from kvtier.errors import InvalidStateError, KVTierError
@@ -269,7 +270,9 @@ def test_core_state_machine_ten_thousand_steps():
 
 
 class EngineDeviceMachine(ExecutorSide):
-    """The core in its engine-device form (vLLM owns the device blocks): offload, load_into, release."""
+    """The core in its engine-device form (vLLM owns the device blocks): offload (waited for, or planned with
+    its write-through save behind it), load_into, plan_load (the fetch and the copy that follows it, never
+    waited for), release -- through a ChainedExecutor in front of the scripted one, as a vLLM worker runs them."""
 
     host_pages = 6
 
@@ -278,8 +281,9 @@ class EngineDeviceMachine(ExecutorSide):
         self.rnd = random.Random(1)
         self.port = ScriptedExecutor(self.rnd)
         spec = tiny_specs(page_size=PAGE, num_layers=1)["mla"]
-        self.core = EngineDeviceCore(spec, PageAllocator(1, "engine device"), PageAllocator(self.host_pages, "host pool"), self.port,
-                                     CacheConfig(preallocate_nodes=False), StorageConfig(url="memory://", min_prefetch_pages=1))
+        self.core = EngineDeviceCore(spec, PageAllocator(1, "engine device"), PageAllocator(self.host_pages, "host pool"),
+                                     ChainedExecutor(self.port), CacheConfig(preallocate_nodes=False),
+                                     StorageConfig(url="memory://", min_prefetch_pages=1))
         self.loads: list = []
 
     def _keys(self, prefix, pages):
@@ -297,6 +301,13 @@ class EngineDeviceMachine(ExecutorSide):
         ld = self.core.load_into(self._keys(prefix, pages), list(range(200, 200 + pages)))
         assert ld.loaded == ld.from_host + ld.from_storage <= pages
         self.loads.append(ld)
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), first=st.integers(0, 3))
+    def plan_load(self, prefix, pages, first):
+        first = min(first, pages)
+        ld = self.core.plan_load(self._keys(prefix, pages), list(range(300, 300 + pages)), first=first)
+        assert ld.loaded == ld.from_host + ld.from_storage <= pages
+        assert (ld.op is None) == (ld.loaded <= first)  # nothing to copy: released at once
 
     @precondition(lambda self: self.loads)
     @rule(i=st.integers(0, 1))

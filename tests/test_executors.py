@@ -70,3 +70,48 @@ def test_a_wedged_worker_is_stopped_at_the_deadline_and_the_port_stays_broken():
         port.poll()
     port.close()
     assert not port._proc.is_alive()
+
+
+def _local_with_store():
+    from kvtier.executors.local import LocalExecutor
+    from kvtier.hashing import Namespace
+    from kvtier.l3 import open_backend
+    from kvtier.l3.tier import StorageTier
+    from kvtier.pools import DevicePool, HostPool
+    from kvtier.transfer.engine import TransferEngine
+    from conftest import fill_random
+
+    s = spec()
+    device, host = DevicePool(s, 8), HostPool(s, 8)
+    fill_random(device, seed=3)
+    tier = StorageTier(open_backend("memory://"), host, Namespace("m", s.fingerprint()))
+    return LocalExecutor(TransferEngine(host, device), tier), device, host
+
+
+def test_a_copy_that_follows_a_fetch_takes_only_what_arrived():
+    """Plans that follow plans (``Transfer.after``): the copy out of fetched host pages is cut at the first
+    page the fetch did not deliver, and a save behind a failed copy never runs."""
+    from kvtier.core.plans import CutShort, Done, Failed, Reason, save_plan
+    from kvtier.executors.chain import ChainedExecutor
+    from conftest import device_page
+
+    inner, device, host = _local_with_store()
+    ex = ChainedExecutor(inner)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    ex.submit(copy_plan(1, Tier.DEVICE, [0, 1, 2], Tier.HOST, [0, 1, 2]))
+    ex.submit(save_plan(2, keys[:2], [0, 1], after=1))  # only two of the three pages go to the store
+    assert {type(c) for c in ex.wait([1, 2])} == {Done}
+    # fetch all three keys into host pages 5..7 (the third is missing), copy 5..7 into device pages 3..5
+    ex.submit(fetch_plan(3, keys, [5, 6, 7]))
+    ex.submit(copy_plan(4, Tier.HOST, [5, 6, 7], Tier.DEVICE, [3, 4, 5], after=3))
+    ex.wait_layer(4, 0)  # waits for the fetch first, then for layer 0 of the (cut) copy
+    got = {c.op: c for c in ex.wait([3, 4])}
+    assert got[3] == CutShort(3, 2, Reason.MISS) and got[4] == CutShort(4, 2, Reason.MISS)
+    assert [device_page(device, p) for p in (3, 4)] == [device_page(device, p) for p in (0, 1)]
+    # a save behind a copy that failed is skipped, not run on bytes that never landed
+    ex.submit(copy_plan(5, Tier.DEVICE, [0], Tier.HOST, [99]))  # host page 99 does not exist
+    ex.submit(save_plan(6, [b"x" * 16], [99], after=5))
+    got = {c.op: c for c in ex.wait([5, 6])}
+    assert type(got[5]) is Failed and got[6] == Failed(6, Reason.SKIPPED, "plan 5 it follows did not complete")
+    assert ex.poll() == []  # every completion came back once
+    ex.close()

@@ -8,9 +8,12 @@ HiCache storage interface and backend factory, the host pools -- ``utils``,
 ``managers`` and the few packages they import at module level) are unpacked
 into the kvtier cache directory once, and imported from there. Packages they
 import at module level but never call on these paths -- GPU kernels, model
-configs, the scheduler, observability, disaggregation, server args -- and two
-third-party imports (``orjson``, ``torchvision``) are replaced by light
-stand-ins (:class:`_StandIn`): attribute access gives an inert placeholder.
+configs, the scheduler, observability, disaggregation, server args, and the
+``orjson`` client -- are replaced by light stand-ins (:class:`_StandIn`):
+attribute access gives an inert placeholder. (``torchvision`` is not stood in:
+SGLang imports it only inside functions these paths never call, and a fake one
+would make transformers, imported by vLLM in the same test process, think it
+is installed.)
 Everything that runs -- the radix tree, ``HiCacheStorage``,
 ``StorageBackendFactory``, ``HiCacheFile``, the MHA/MLA/DSA host pools -- is
 SGLang's own.
@@ -35,7 +38,7 @@ SGLANG_VERSION = "0.5.23"
 _STAND_IN_PACKAGES = (
     "sglang.srt.configs", "sglang.srt.layers", "sglang.kernels", "sglang.jit_kernel", "sglang.srt.disaggregation",
     "sglang.srt.managers", "sglang.srt.model_executor", "sglang.srt.distributed", "sglang.srt.observability",
-    "sglang.srt.server_args", "orjson", "torchvision",
+    "sglang.srt.server_args", "orjson",
 )
 #: what is unpacked from the wheel: sglang/srt's top-level modules and these packages and files
 _UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/",

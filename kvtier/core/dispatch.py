@@ -74,6 +74,10 @@ class PlanDispatch:
         del self._inflight[op]
         return mine
 
+    def in_flight(self, op: int) -> bool:
+        """True until plan ``op``'s completion has been applied."""
+        return op in self._inflight
+
     def _ops_for(self, *kinds: type) -> list[int]:
         return [op for op, tag in self._inflight.items() if type(tag) in kinds]
 

@@ -14,6 +14,13 @@ device blocks instead of pages of a device pool kvtier allocates:
   fetched from L3 per the prefetch policy) into engine blocks, layer by layer;
   their host pages stay locked until :meth:`~EngineDeviceCore.release`.
 
+A core whose executors run elsewhere (a scheduler whose workers hold the
+bytes) never waits: :meth:`~EngineDeviceCore.plan_load` plans the L3 fetch and
+the copy into engine blocks together (the copy follows the fetch,
+``Transfer.after``, and takes only what arrived), ``offload(wait=False)``
+plans the copy out of engine blocks and its write-through save together, and
+each outcome is applied when its completion comes back.
+
 Nothing here holds a device page: tree nodes are host-only, and every copy is
 a :class:`~kvtier.core.plans.Transfer` the executor runs against the engine's
 tensors. Pages are whole by construction (keys name full pages, blocks are
@@ -79,6 +86,8 @@ class EngineLoad:
     outcome: Completion | None = field(default=None, repr=False)
     _locked: PageNode | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
+    #: planned (:meth:`EngineDeviceCore.plan_load`): released when its completion is applied
+    release_on_completion: bool = field(default=False, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -92,6 +101,12 @@ class EngineLoad:
 
 class OffloadCopy(JobTag):
     """engine device blocks -> host pages, waited for where it is planned (the engine reuses its blocks)."""
+
+    __slots__ = ()
+
+
+class VoidSave(JobTag):
+    """A write-through save planned behind a copy that failed: its pages are gone, its outcome is ignored."""
 
     __slots__ = ()
 
@@ -110,6 +125,9 @@ class EngineDeviceCore(CacheCore):
         super().__init__(*args, **kwargs)
         self._on[OffloadCopy] = self._offloaded
         self._on[IntoEngine] = self._finish_into_engine
+        self._on[VoidSave] = self._applied_where_waited
+        #: planned offload copy -> the write-through save that follows it
+        self._save_after: dict[int, int] = {}
 
     # ---- queries ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[PageHash]) -> HostLookup:
@@ -174,7 +192,12 @@ class EngineDeviceCore(CacheCore):
             tag = OffloadCopy(nodes)
             op = self._submit(copy_plan, tag, Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages)
             if not wait:  # the engine keeps its blocks until this op completes (a connector's get_finished)
-                return OffloadResult(len(keys), have, n, want - n, 0, None, op)
+                if self.port.has_storage and self.storage_config.write_policy == "write_through":
+                    # planned now, behind the copy: an executor elsewhere gets both in one batch
+                    save_op = self._save(nodes, after=op)
+                    if save_op is not None:
+                        self._save_after[op] = save_op
+                return OffloadResult(len(keys), have, n, want - n, 0, save_op, op)
             c = self._await(op)
             save_op = self._offloaded(c, tag)
             if type(c) is not Done:
@@ -188,6 +211,7 @@ class EngineDeviceCore(CacheCore):
         returning that save's op), or, if it failed, gone."""
         nodes, tree = tag.nodes, self.tree
         tree.unlock(nodes[-1])
+        chained = self._save_after.pop(c.op, None)
         if type(c) is Done:
             for node in nodes:
                 node.host_ready = True
@@ -195,38 +219,49 @@ class EngineDeviceCore(CacheCore):
             self.stats.backed_up_pages += n
             self.stats.backed_up_bytes += n * self._page_bytes
             self.stats.inserted_pages += n
-            if self.port.has_storage and self.storage_config.write_policy == "write_through":
+            if chained is None and self.port.has_storage and self.storage_config.write_policy == "write_through":
                 return self._save(nodes)
-            return None
+            return chained
         self.stats.transfer_failures += 1
+        if chained is not None and chained in self._inflight:  # the executor skips it; its pages go now
+            self._inflight[chained] = VoidSave([])
         self._forget_host_only(nodes[::-1])  # nothing can hang below pages that were never readable
         return None
 
     # ---- L3 -> host -> engine device ----------------------------------------------------------
-    def load_into(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> EngineLoad:
-        """Bring the leading available pages of ``keys`` into ``engine_pages``, layer by layer: those on
-        host, then those the store holds (prefetched per the storage config's policy)."""
+    def _start_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int]):
+        """Both loads' start: lock the host-ready prefix of ``keys`` and, when the store holds what follows
+        it, start fetching that into new host pages. Returns (keys, path, host-ready count, the locked
+        node, the prefetch handle or None)."""
         if len(keys) != len(engine_pages):
             raise PageAlignmentError(f"load: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
         self.poll()
-        keys, tree = list(keys), self.tree
-        path = tree.walk(keys)
+        keys = list(keys)
+        path = self.tree.walk(keys)
         host = self._ready_prefix(path)
         locked = path[host - 1] if host else None
-        tree.lock(locked)
-        n = host
+        self.tree.lock(locked)
+        handle = None
         if self.port.has_storage and host == len(path) < len(keys):
             stored = self.port.stored_prefix(keys[host:])
             if stored >= self.storage_config.min_prefetch_pages:
                 handle = self.prefetch(MatchResult(keys, [], tuple(path[:host]), locked, (), stored))
-                if handle is not None:
-                    self.resolve_prefetch(handle)
-                    path = tree.walk(keys)
-                    n = self._ready_prefix(path)
-                    if n > host:
-                        tree.lock(path[n - 1])
-                        tree.unlock(locked)
-                        locked = path[n - 1]
+        return keys, path, host, locked, handle
+
+    def load_into(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> EngineLoad:
+        """Bring the leading available pages of ``keys`` into ``engine_pages``, layer by layer: those on
+        host, then those the store holds (prefetched per the storage config's policy)."""
+        keys, path, host, locked, handle = self._start_load(keys, engine_pages)
+        tree = self.tree
+        n = host
+        if handle is not None:
+            self.resolve_prefetch(handle)
+            path = tree.walk(keys)
+            n = self._ready_prefix(path)
+            if n > host:
+                tree.lock(path[n - 1])
+                tree.unlock(locked)
+                locked = path[n - 1]
         nodes = path[:n]
         load = EngineLoad(len(keys), n, host, n - host, list(engine_pages[:n]), core=self, _locked=locked)
         if n:
@@ -236,6 +271,34 @@ class EngineDeviceCore(CacheCore):
         st.load_shortfall_pages += len(keys) - n
         return load
 
+    def plan_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, first: int = 0) -> EngineLoad:
+        """:meth:`load_into` for a core whose executors run elsewhere: nothing waits.
+
+        The host pages ready now and the pages the store holds (fetched into new host pages,
+        :meth:`prefetch`) are copied into ``engine_pages`` by one plan that follows the fetch: the
+        executor copies what arrived and completes the copy cut short at the first page that did
+        not, and the engine recomputes from there. The host pages stay locked until the copy's
+        completion is applied; then the load releases itself. ``first``: the engine already holds
+        the first pages (its own prefix cache); only pages ``first:`` are copied."""
+        keys, path, host, locked, handle = self._start_load(keys, engine_pages)
+        tree = self.tree
+        nodes = path[:host]
+        fetch_op = 0
+        if handle is not None:  # its own lock holds the fetched pages until the fetch completes
+            nodes = nodes + handle.nodes
+            fetch_op = handle.op
+        n = len(nodes)
+        load = EngineLoad(len(keys), n, host, n - host, list(engine_pages[first:n]), core=self, _locked=locked, release_on_completion=True)
+        if n:
+            tree.touch(nodes)
+        if n > first:
+            load.op = self._submit(copy_plan, IntoEngine(nodes[first:], load), Tier.HOST, [node.host_page for node in nodes[first:]], Tier.DEVICE,
+                                   list(engine_pages[first:n]), fetch_op)
+        else:
+            self.release(load)  # (a fetch planned anyway still lands in host pages for later requests)
+        self.stats.load_shortfall_pages += len(keys) - n
+        return load
+
     def _finish_into_engine(self, c: Completion, tag: IntoEngine) -> None:
         tag.load.outcome = c
         if type(c) is Done:
@@ -243,6 +306,10 @@ class EngineDeviceCore(CacheCore):
             self.stats.loaded_bytes += len(tag.nodes) * self._page_bytes
         else:
             self.stats.transfer_failures += 1
+        if tag.load.release_on_completion:
+            tag.load._released = True
+            self.tree.unlock(tag.load._locked)
+            tag.load._locked = None
 
     def release(self, load: EngineLoad) -> None:
         """Wait for ``load``'s copy to land, then unlock its host pages. Idempotent."""

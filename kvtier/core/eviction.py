@@ -48,8 +48,9 @@ class Eviction:
             return got
         self.evict_host(n - self.host_alloc.num_free)
         got = self.host_alloc.alloc(n)
-        if not got.ok and self.port.has_storage:
+        if not got.ok and self.port.has_storage and getattr(self.port, "can_wait", True):
             # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
+            # (a port that cannot wait -- a scheduler's workers answer next step -- gets fewer pages now)
             if self.wait_for(self._ops_for(Save, PrefetchHandle)) > 0:
                 self.evict_host(n - self.host_alloc.num_free)
                 got = self.host_alloc.alloc(n)
@@ -169,6 +170,8 @@ class Eviction:
     def evict_host(self, n: int) -> EvictResult:
         """Free at least ``n`` host pages whose device copy is gone, LRU leaves first."""
         victims = self.tree.host_victims(n)
+        if victims and self.on_host_evicted is not None:
+            self.on_host_evicted([v.key for v in victims])
         if self.port.has_storage and self.storage_config.write_policy == "write_back":
             unsaved = [v for v in victims if v.stored == NOT_STORED]
             if unsaved:

@@ -39,6 +39,9 @@ class Transfer:
     src_pages: tuple[int, ...] = ()
     dst_pages: tuple[int, ...] = ()
     keys: tuple[bytes, ...] = ()
+    #: the plan this one follows (0: none): it starts when that one finished, see
+    #: :mod:`kvtier.executors.chain` (a copy out of fetched pages copies what arrived)
+    after: int = 0
 
     def __post_init__(self) -> None:
         n = self.num_pages
@@ -57,12 +60,12 @@ class Transfer:
         return self.src_pages if self.src is Tier.HOST else self.dst_pages
 
 
-def copy_plan(op: int, src: Tier, src_pages, dst: Tier, dst_pages) -> Transfer:
-    return Transfer(op, src, dst, tuple(src_pages), tuple(dst_pages))
+def copy_plan(op: int, src: Tier, src_pages, dst: Tier, dst_pages, after: int = 0) -> Transfer:
+    return Transfer(op, src, dst, tuple(src_pages), tuple(dst_pages), after=after)
 
 
-def save_plan(op: int, keys, host_pages) -> Transfer:
-    return Transfer(op, Tier.HOST, Tier.STORAGE, tuple(host_pages), (), tuple(keys))
+def save_plan(op: int, keys, host_pages, after: int = 0) -> Transfer:
+    return Transfer(op, Tier.HOST, Tier.STORAGE, tuple(host_pages), (), tuple(keys), after)
 
 
 def fetch_plan(op: int, keys, host_pages) -> Transfer:

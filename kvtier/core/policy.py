@@ -90,6 +90,8 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         #: live views of who holds each device page (tree / allocator), for insert's ownership check
         self._tree_owned = np.frombuffer(self.tree.device_owned, dtype=np.uint8)
         self._allocated = self.dev_alloc.allocated_view()
+        #: called with the keys of host pages eviction is about to free (an engine's event stream)
+        self.on_host_evicted = None
         self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited,
                     Save: self._finish_save, EvictionSave: self._applied_where_waited, PrefetchHandle: self._finish_prefetch}
 

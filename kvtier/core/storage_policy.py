@@ -99,7 +99,7 @@ class StoragePolicy:
         if computed and self.config.write_policy == "write_through":
             self._backup(computed[::-1])  # a contiguous run of one path, root side first
 
-    def _save(self, nodes: list[PageNode]) -> int | None:
+    def _save(self, nodes: list[PageNode], *, after: int = 0) -> int | None:
         """Plan an L3 save of ready host pages on one root-to-leaf path; returns its op.
 
         No lock: ``SAVING`` keeps the host pages from being evicted while the
@@ -109,7 +109,7 @@ class StoragePolicy:
             return None
         for n in nodes:
             n.stored = SAVING
-        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], [n.host_page for n in nodes])
+        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], [n.host_page for n in nodes], after)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
         """The leading pages the store holds now are STORED; the rest may be saved again later."""

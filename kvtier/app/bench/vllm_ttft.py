@@ -1,9 +1,14 @@
-"""TTFT of a fresh vLLM engine whose prompt prefix is in kvtier's L3, vs recompute, in one run.
+"""vLLM with kvtier vs without, in vLLM's default multi-process engine, in one run. Prints JSON.
 
-Three engine processes, one after another: (1) kvtier on, stores the prompt's
-blocks in a file store; (2) a new engine with kvtier on the same store: its
-TTFT includes L3 -> host -> vLLM block loads; (3) vLLM without kvtier. Each
-engine runs one unrelated warm-up prompt first. Prints JSON.
+* **TTFT with the prefix in L3**: three engine processes, one after another: (1)
+  kvtier on, stores the prompt's blocks in a file store; (2) a new engine with
+  kvtier on the same store: its TTFT includes L3 -> host -> vLLM block loads;
+  (3) vLLM without kvtier. Each engine runs one unrelated warm-up prompt first.
+* **A multi-turn chat** (``--chat-turns``, 16): one conversation, each turn the
+  history plus a 64-token question, 32 tokens generated, vLLM's own prefix cache
+  reset between turns (a busy server's device cache has moved on), once with
+  kvtier (the history comes back from host memory) and once without (recomputed):
+  the conversation's total time each way, and their ratio.
 
 ``python -m kvtier.app.bench.vllm_ttft --prompt-tokens 2048``
 """
@@ -24,13 +29,28 @@ def _session(*args: str) -> dict:
 
 
 def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens"),
-         storage_url: str = typer.Option(None, help="L3 URL (default: a fresh temporary file store)")) -> None:
+         storage_url: str = typer.Option(None, help="L3 URL (default: a fresh temporary file store)"),
+         chat_turns: int = typer.Option(16, help="turns of the multi-turn chat comparison (0: skip it)")) -> None:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         url = storage_url or f"file://{tmp}/store"
         common = [f"--prompt-tokens={prompt_tokens}", "--seed=7"]
         _session(f"--storage-url={url}", *common)
         hit = _session(f"--storage-url={url}", *common)["results"][0]
         base = _session("--no-kvtier", *common)["results"][0]
+        chat = {}
+        if chat_turns:
+            turns = [f"--chat-turns={chat_turns}", "--prompt-tokens=512", "--seed=9"]
+            with_kv = _session(f"--storage-url={url}", *turns)
+            without = _session("--no-kvtier", *turns)
+            chat = {
+                "chat_turns": chat_turns,
+                "chat_kvtier_s": round(with_kv["chat_s"], 3),
+                "chat_recompute_s": round(without["chat_s"], 3),
+                "chat_ratio": round(with_kv["chat_s"] / without["chat_s"], 4),
+                "chat_hit_tokens": sum(r["external_hit_tokens"] for r in with_kv["results"]),
+                "chat_prompt_tokens": sum(r["prompt_tokens"] for r in with_kv["results"]),
+                "chat_same_outputs": [r["output_token_ids"] for r in with_kv["results"]] == [r["output_token_ids"] for r in without["results"]],
+            }
     print(json.dumps({
         "prompt_tokens": prompt_tokens,
         "storage_url": "file (temporary)" if storage_url is None else redact_url(storage_url),
@@ -40,6 +60,7 @@ def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens")
         "ttft_recompute_s": round(base["ttft_s"], 4),
         "ttft_ratio": round(hit["ttft_s"] / base["ttft_s"], 4),
         "same_first_token": hit["output_token_ids"] == base["output_token_ids"],
+        **chat,
     }, indent=2))
 
 

@@ -4,49 +4,43 @@ vLLM's own GPU prefix cache is the device tier; kvtier adds host memory (L2)
 and a storage tier (L3: file, Redis, Mooncake) below it, shared across engine
 restarts and instances through L3.
 
-Scheduler side (one call per request, in vLLM's scheduler):
-  ``get_num_new_matched_tokens`` hashes the prompt's full blocks into kvtier page
-  keys and asks the cache how many leading pages it holds (host, then L3). The
-  last prompt token is always computed, so at most ``(len - 1) // block_size``
-  blocks are offered. ``build_connector_meta`` turns the step into page runs:
-  loads into the blocks vLLM just allocated, and saves of blocks that became
-  full this step. Only full blocks ever get a key, so a partial tail block is
-  recomputed and never stored.
+The connector is two objects that share nothing but vLLM's messages, so it
+runs wherever vLLM puts them -- one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+vLLM's default engine-core process with its workers, any tensor-parallel size:
 
-Worker side (in the model runner):
-  ``start_load_kv`` starts every load (L3 -> host first, then host -> vLLM's
-  blocks on kvtier's transfer worker, one layer at a time);
-  ``wait_for_layer_load(layer)`` waits for that layer only, so attention of
-  layer ``i`` overlaps the copy of layer ``i + 1``. ``wait_for_save`` backs the
-  step's full blocks up to host (all layers, one job) and writes them through
-  to L3 in the background. Pages that could not be loaded are reported through
-  ``get_block_ids_with_load_errors`` and vLLM recomputes them (set
-  ``kv_load_failure_policy="recompute"``).
+* the scheduler side (:mod:`.scheduler`) owns kvtier's policy core: which pages
+  are cached where, host page ids, LRU, L3 save state. It plans; its plans go
+  to the workers in the step's connector metadata;
+* each worker (:mod:`.worker`, one per tensor-parallel rank) holds the bytes:
+  vLLM's KV blocks, its host shard (same page ids on every rank), its L3 I/O
+  under a namespace that carries its rank. It runs the plans and reports their
+  completions back (``build_connector_worker_meta``), joined over ranks before
+  the core sees them: a page is loaded or saved only when every rank has it.
 
-Both roles must share one process (vLLM's UniProc executor, tensor_parallel_size
-1): the scheduler side looks pages up in the worker's cache through
-:func:`cache_for`. Anything else fails at startup with a ConfigError.
+Start-up: each worker tells the scheduler, once, what its tensors make
+(``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``, vLLM's
+handshake path), and the scheduler builds the core from it. Messages:
+:mod:`.messages`. Pages that could not be loaded are reported through
+``get_block_ids_with_load_errors`` and recomputed (set
+``kv_load_failure_policy="recompute"``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections import deque
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 
-from kvtier.build import open_storage_tier
 from kvtier.errors import ConfigError
-from kvtier.hashing import Namespace, PageHash, hasher, page_keys
-from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches
+from kvtier.integrations.vllm.layout import ModelShape
+from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
 from kvtier.integrations.vllm.options import ConnectorOptions
-from kvtier.l3.base import redact_url
-from kvtier.offload import OffloadCache, OffloadLoad
-from kvtier.pools import HostPool
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler, HitRecord
+from kvtier.integrations.vllm.worker import ConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -55,61 +49,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
 
-#: engine_id -> the worker's cache (scheduler and worker of one engine share a process)
-_CACHES: dict[str, tuple[OffloadCache, Namespace, ConnectorOptions]] = {}
-
-
-def cache_for(engine_id: str) -> OffloadCache | None:
-    """The kvtier cache of a live engine in this process (for stats, tests and draining)."""
-    entry = _CACHES.get(engine_id)
-    return entry[0] if entry else None
-
-
-def live_caches() -> dict[str, OffloadCache]:
-    return {k: v[0] for k, v in _CACHES.items()}
-
-
-@dataclass
-class PageRun:
-    """Whole pages of one request: keys and the vLLM block holding each."""
-
-    req_id: str
-    keys: list[PageHash]
-    block_ids: list[int]
-
-
-@dataclass
-class KVTierConnectorMetadata(KVConnectorMetadata):
-    loads: list[PageRun] = field(default_factory=list)
-    saves: list[PageRun] = field(default_factory=list)
-
-
-@dataclass
-class _RequestState:
-    keys: list[PageHash]
-    block_ids: list[int] = field(default_factory=list)
-    #: leading pages already handed to a save (or known held)
-    saved: int = 0
-    #: pages [load_start, load_end) to load when the request is scheduled
-    load_start: int = 0
-    load_end: int = 0
-    load_pending: bool = False
-
-
-@dataclass
-class HitRecord:
-    """What the scheduler side offered one request (for reports and tests)."""
-
-    req_id: str
-    prompt_tokens: int
-    local_tokens: int
-    external_tokens: int
-    host_pages: int
-    storage_pages: int
+__all__ = ["HitRecord", "KVTierConnector", "KVTierConnectorMetadata"]
 
 
 def _model_shape(vllm_config: VllmConfig, name: str) -> ModelShape:
@@ -131,154 +76,88 @@ class KVTierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self.options = ConnectorOptions.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
-        self.engine_id = self._kv_transfer_config.engine_id or "default"
-        self.block_size = vllm_config.cache_config.block_size
-        self.tp_rank = vllm_config.parallel_config.rank
+        parallel = vllm_config.parallel_config
+        if parallel.pipeline_parallel_size != 1:
+            raise ConfigError("kvtier connector: pipeline parallel size must be 1 (tensor parallel is supported)")
         model = vllm_config.model_config.model
         self.model_name = self.options.model_name or os.path.basename(str(model).rstrip("/")) or str(model)
-        self._model_shape = _model_shape(vllm_config, self.model_name)
-        # worker side
-        self._cache: OffloadCache | None = None
-        self._layer_index: dict[str, int] = {}
-        self._loads: list[tuple[OffloadLoad, PageRun]] = []
-        self._failed_blocks: set[int] = set()
-        # scheduler side
-        self._requests: dict[str, _RequestState] = {}
-        #: the latest lookups (bounded: a server runs for weeks)
-        self.hits: deque[HitRecord] = deque(maxlen=1024)
+        self.block_size = vllm_config.cache_config.block_size
+        self.scheduler: ConnectorScheduler | None = None
+        self.worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            if vllm_config.parallel_config.world_size != 1:
-                raise ConfigError("kvtier connector: tensor/pipeline parallel size must be 1 (scheduler and worker share one kvtier cache in one process)")
-            if self.engine_id not in _CACHES:
-                raise ConfigError(
-                    "kvtier connector: the scheduler found no kvtier cache for this engine; the worker must run in the "
-                    "scheduler's process (UniProc executor, tensor_parallel_size=1)"
-                )
-            self._cache, self._namespace, _ = _CACHES[self.engine_id]
-            self._root = self._namespace.root(self.options.cache.hash_algo)
-            self._hash = hasher(self.options.cache.hash_algo)
+            self.scheduler = ConnectorScheduler(self.options, self.block_size, parallel.world_size, self.model_name)
+        else:
+            self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank)
+        self._handshake: KVTierHandshake | None = None
+
+    @property
+    def hits(self):
+        """The scheduler side's latest lookups (for reports in the scheduler's process)."""
+        return self.scheduler.hits if self.scheduler is not None else ()
 
     # ==== worker side ===================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        spec, device, self._layer_index = map_kv_caches(kv_caches, self._model_shape)
-        host = HostPool(spec, self.options.tiers.host_pages_for(spec.page_bytes), self.options.tiers.host_layout)
-        namespace = Namespace(self.model_name, spec.fingerprint(), self.tp_rank, self.options.salt)
-        storage = open_storage_tier(self.options.storage, host, namespace)
-        self._cache = OffloadCache(device, host, storage, self.options.storage, io_backend=self.options.cache.io_backend)
-        _CACHES[self.engine_id] = (self._cache, namespace, self.options)
-        log.info("kvtier connector: %s, %d host pages (%s), L3 %s", spec.name, host.num_pages, host.layout.kind, redact_url(self.options.storage.url) or "off")
+        self._handshake = self.worker.register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVTierHandshake | None:
+        return self._handshake
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVTierConnectorMetadata)
-        for run in meta.loads:
-            ld = self._cache.load(run.keys, run.block_ids)
-            if ld.loaded < len(run.keys):
-                log.info("kvtier: request %s: %d of %d pages unavailable, recomputed", run.req_id, len(run.keys) - ld.loaded, len(run.keys))
-                self._failed_blocks.update(run.block_ids[ld.loaded :])
-            self._loads.append((ld, run))
+        self.worker.start_loads(meta.plans, meta.unavailable_blocks)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        layer = self._layer_index.get(layer_name)
-        if layer is None:
-            return
-        for ld, run in self._loads:
-            try:
-                ld.wait_layer(layer)
-            except Exception as e:  # a failed copy: every block of this load is recomputed
-                log.warning("kvtier: load for request %s failed: %s", run.req_id, e)
-                self._failed_blocks.update(run.block_ids)
+        self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """Nothing per layer: a page's layers are backed up together in :meth:`wait_for_save` (one job)."""
+        """Nothing per layer: a page's layers are copied out together in :meth:`wait_for_save` (one job)."""
 
     def wait_for_save(self) -> None:
-        for ld, _ in self._loads:
-            self._cache.release(ld)
-        self._loads.clear()
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierConnectorMetadata)
-        for run in meta.saves:
-            self._cache.save(run.keys, run.block_ids)
+        self.worker.finish_step()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed_blocks = self._failed_blocks, set()
-        return failed
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def build_connector_worker_meta(self) -> KVTierWorkerMeta | None:
+        return self.worker.take_results() if self.worker is not None else None
+
+    def get_kv_connector_stats(self) -> KVTierConnectorStats | None:
+        return self.worker.take_stats() if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(dict(data)) if data else KVTierConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self._role == KVConnectorRole.WORKER and self._cache is not None:
-            self._cache.close()
-            _CACHES.pop(self.engine_id, None)
+        if self.worker is not None:
+            self.worker.close()
+        if self.scheduler is not None:
+            self.scheduler.shutdown()
 
     # ==== scheduler side ================================================================
-    def _keys(self, request: Request) -> list[PageHash] | None:
-        if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
-            return None  # tokens alone do not determine the KV
-        root = self._root
-        extra = "|".join(x for x in (getattr(request, "cache_salt", None) or "", request.lora_request.lora_name if request.lora_request else "") if x)
-        if extra:
-            root = PageHash(self._hash(root + extra.encode()))
-        return page_keys(request.prompt_token_ids or [], self.block_size, root, self.options.cache.hash_algo)
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self.scheduler.handshake(metadata)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        keys = self._keys(request)
-        if keys is None:
-            return 0, False
-        state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._requests[request.request_id] = _RequestState(keys)
-        bs = self.block_size
-        usable = min(len(keys), (request.num_prompt_tokens - 1) // bs)
-        start = num_computed_tokens // bs
-        found = self._cache.lookup(keys[:usable])
-        state.load_start, state.load_end, state.load_pending = start, max(start, found.pages), False
-        external = (state.load_end - start) * bs
-        self.hits.append(HitRecord(request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages))
-        return external, False
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        state = self._requests.get(request.request_id)
-        if state is None:
-            return
-        if num_external_tokens > 0:
-            state.load_end = state.load_start + num_external_tokens // self.block_size
-            state.load_pending = True
+        self.scheduler.update_state_after_alloc(request, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVTierConnectorMetadata()
-        scheduled = scheduler_output.num_scheduled_tokens
-        for new in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(new.req_id)
-            if state is None:
-                continue
-            state.block_ids = list(new.block_ids[0])
-            self._plan(meta, new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
-        cached = scheduler_output.scheduled_cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            state = self._requests.get(req_id)
-            if state is None:
-                continue
-            new_blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:  # after preemption the block table is replaced
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
-                state.saved = 0
-            elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
-            self._plan(meta, req_id, state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
-        return meta
+        return self.scheduler.build_meta(scheduler_output)
 
-    def _plan(self, meta: KVTierConnectorMetadata, req_id: str, state: _RequestState, computed_after: int) -> None:
-        if state.load_pending:
-            s, e = state.load_start, state.load_end
-            meta.loads.append(PageRun(req_id, state.keys[s:e], state.block_ids[s:e]))
-            state.load_pending = False
-        full = min(len(state.keys), computed_after // self.block_size, len(state.block_ids))
-        if full > state.saved:
-            meta.saves.append(PageRun(req_id, state.keys[state.saved : full], state.block_ids[state.saved : full]))
-            state.saved = full
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._requests.pop(request.request_id, None)
-        return False, None
+        return False, self.scheduler.request_finished(request)
+
+    def take_events(self):
+        """kvtier's host and L3 tiers as vLLM KV events (``BlockStored`` / ``BlockRemoved`` with their medium)."""
+        return self.scheduler.events.take() if self.scheduler is not None else ()

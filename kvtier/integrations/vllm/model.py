@@ -80,3 +80,33 @@ def ensure_model(cache_dir: str | os.PathLike | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A 2-layer, 256-wide Llama config (4 query / 2 KV heads: both split over 2 tensor-parallel ranks)
+    with SmolLM2's tokenizer and no weights: vLLM loads it with ``load_format="dummy"`` (its seeded
+    dummy weights, the same in every engine), for tensor-parallel runs on a CPU."""
+    import json
+
+    out = Path(cache_dir or default_cache_dir()) / "models" / "tiny-llama-tp"
+    if (out / "config.json").exists():
+        return out
+    smol = ensure_model(cache_dir)
+    base = json.loads((smol / "config.json").read_text())
+    config = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=out.parent))
+    try:
+        for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (smol / name).exists():
+                shutil.copy(smol / name, tmp / name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        try:
+            os.rename(tmp, out)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -5,7 +5,8 @@ set the :class:`~kvtier.config.TierConfig` (host side: vLLM owns the device
 blocks; default 1 GB of host), ``hash_algo`` / ``io_backend`` the
 :class:`~kvtier.config.CacheConfig`, every :class:`~kvtier.config.StorageConfig`
 field prefixed with ``storage_`` (``storage_url``, ``storage_prefetch_policy``,
-...) the L3 tier; ``model_name`` and ``salt`` name the L3 namespace. An unknown
+...) the L3 tier; ``model_name`` and ``salt`` name the L3 namespace; ``load_retry_s``
+is how long a page that failed to load is not offered again. An unknown
 key is a :class:`~kvtier.errors.ConfigError` that lists the valid ones; a bad
 value is the owning config's own typed error.
 """
@@ -15,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvtier.config import CacheConfig, StorageConfig, TierConfig, _help
+from kvtier.config import CacheConfig, StorageConfig, TierConfig, _help, check_number
 from kvtier.errors import ConfigError
 
 #: flat keys -> (section, field); the device side of TierConfig is vLLM's, not ours
@@ -29,13 +30,17 @@ DEFAULT_HOST_GB = 1.0
 class ConnectorOptions:
     model_name: str | None = _help("model name in L3 keys (default: the model path's last component)", None)
     salt: str = _help("extra namespace salt (e.g. a weights revision)", "")
+    load_retry_s: float = _help("after a page failed to load, it is not offered again for this long (no lookup -> load -> fail loop)", 10.0)
     tiers: TierConfig = field(default_factory=lambda: TierConfig(host_gb=DEFAULT_HOST_GB))
     cache: CacheConfig = field(default_factory=CacheConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
+    def __post_init__(self) -> None:
+        check_number(self, "load_retry_s", at_least=0)
+
     @classmethod
     def valid_keys(cls) -> list[str]:
-        return sorted({"model_name", "salt", *_TIER_KEYS, *_CACHE_KEYS} | {f"storage_{f.name}" for f in fields(StorageConfig)})
+        return sorted({"model_name", "salt", "load_retry_s", *_TIER_KEYS, *_CACHE_KEYS} | {f"storage_{f.name}" for f in fields(StorageConfig)})
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -47,7 +52,7 @@ class ConnectorOptions:
         if "host_pages" not in tier:
             tier.setdefault("host_gb", DEFAULT_HOST_GB)
         return cls(
-            model_name=extra.get("model_name"), salt=extra.get("salt", ""),
+            model_name=extra.get("model_name"), salt=extra.get("salt", ""), load_retry_s=extra.get("load_retry_s", 10.0),
             tiers=TierConfig(**tier),
             cache=CacheConfig(**{k: extra[k] for k in _CACHE_KEYS if k in extra}),
             storage=StorageConfig(**{f.name: extra[f"storage_{f.name}"] for f in fields(StorageConfig) if f"storage_{f.name}" in extra}),

@@ -1,6 +1,9 @@
 """One vLLM engine instance on the CPU, with or without kvtier: the unit the tests, the
 example and the TTFT benchmark are built from (each engine in its own process, as a
-restart would be).
+restart would be). vLLM runs as it does by default: its engine core (scheduler) in a
+process of its own, its workers in theirs; what kvtier offered each request comes back
+in the request's ``kv_transfer_params``, and what each worker moved from the workers
+(``LLM.collective_rpc``).
 
 ``python -m kvtier.integrations.vllm.session --storage-url file:///tmp/kv --prompt-tokens 2048 --repeat 2``
 prints one JSON object: per prompt the generated token ids and text, time to first
@@ -16,7 +19,6 @@ from dataclasses import asdict, dataclass, field
 
 import typer
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # scheduler and worker in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -38,8 +40,11 @@ class SessionReport:
     storage_url: str | None
     block_size: int
     results: list[PromptResult] = field(default_factory=list)
-    cache_stats: dict[str, int] = field(default_factory=dict)
+    #: what each worker (tensor-parallel rank) moved, rank order (kvtier.integrations.vllm.worker.WorkerStats)
+    worker_stats: list[dict[str, int]] = field(default_factory=list)
     startup_s: float = 0.0
+    #: ``chat_turns``: the conversation's total time (every turn's generate call)
+    chat_s: float = 0.0
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
@@ -51,12 +56,13 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
 
 
 def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: str | None = None, block_size: int = 32,
-                max_tokens: int = 8, host_gb: float = 0.25, extra: dict | None = None, warmup: bool = False) -> SessionReport:
+                max_tokens: int = 8, host_gb: float = 0.25, extra: dict | None = None, warmup: bool = False, tp: int = 1,
+                dtype: str = "bfloat16", chat_turns: int = 0) -> SessionReport:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
-    from kvtier.integrations.vllm.model import ensure_model
+    from kvtier.integrations.vllm.model import ensure_model, ensure_tiny_llama
 
     t0 = time.perf_counter()
     transfer = None
@@ -64,34 +70,52 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         cfg = {"host_gb": host_gb, **({"storage_url": storage_url} if storage_url else {}), **(extra or {})}
         transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
                                     kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=cfg)
-    llm = LLM(model=str(ensure_model()), dtype="bfloat16", max_model_len=4096, block_size=block_size, enforce_eager=True,
-              kv_transfer_config=transfer, seed=0)
+    # tp > 1: SmolLM2's 9 query / 3 KV heads do not split, so a tiny Llama with vLLM's seeded dummy weights
+    model = dict(model=str(ensure_model())) if tp == 1 else dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
+    llm = LLM(**model, dtype=dtype, max_model_len=4096, block_size=block_size, enforce_eager=True,
+              kv_transfer_config=transfer, seed=0, worker_extension_cls="kvtier.integrations.vllm.session.KVTierWorkerExtension")
     report = SessionReport(kvtier, storage_url, block_size, startup_s=time.perf_counter() - t0)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     first = SamplingParams(temperature=0.0, max_tokens=1)
-    scheduler = _scheduler_connector(llm) if kvtier else None
     if warmup:  # first-call costs (allocator, kernels) belong to neither side of a comparison
         llm.generate([TokensPrompt(prompt_token_ids=prompt_ids(64, seed=10_000))], first, use_tqdm=False)
         llm.reset_prefix_cache()
-    for ids in prompts:
-        if scheduler:
-            scheduler.hits.clear()
+    chat_params = SamplingParams(temperature=0.0, max_tokens=32)
+    history: list[int] = []
+    for ids in prompts if not chat_turns else ():
         t = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)  # TTFT: prefill + first token
+        ttft_out = llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)[0]  # TTFT: prefill + first token
         ttft = time.perf_counter() - t
-        hit = scheduler.hits[0] if scheduler and scheduler.hits else None
+        hit = (ttft_out.kv_transfer_params or {}).get("kvtier") or {}
         llm.reset_prefix_cache()  # the full run below must not be served by vLLM's own cache of the TTFT run
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0]
         llm.reset_prefix_cache()  # so the next prompt's hits can only come from kvtier
-        report.results.append(PromptResult(len(ids), list(out.token_ids), out.text, ttft,
-                                           hit.external_tokens if hit else 0, hit.host_pages if hit else 0, hit.storage_pages if hit else 0))
+        report.results.append(PromptResult(len(ids), list(out.token_ids), out.text, ttft, hit.get("external_tokens", 0),
+                                           hit.get("host_pages", 0), hit.get("storage_pages", 0)))
+    for turn in range(chat_turns):  # one conversation: each prompt is the history plus a new question
+        history = (history if turn else list(prompts[0] if prompts else [])) + prompt_ids(64, seed=50_000 + turn)
+        t = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=history)], chat_params, use_tqdm=False)[0]
+        report.chat_s += time.perf_counter() - t
+        hit = (out.kv_transfer_params or {}).get("kvtier") or {}
+        report.results.append(PromptResult(len(history), list(out.outputs[0].token_ids), out.outputs[0].text, 0.0,
+                                           hit.get("external_tokens", 0), hit.get("host_pages", 0), hit.get("storage_pages", 0)))
+        history = history + list(out.outputs[0].token_ids)
+        llm.reset_prefix_cache()  # a busy server's device cache has moved on: the history is not on device
     if kvtier:
-        from kvtier.integrations.vllm.connector import live_caches
-
-        caches = list(live_caches().values())
-        report.cache_stats = caches[-1].stats.as_dict() if caches else {}
-    llm.llm_engine.engine_core.shutdown()  # the worker connector drains its L3 writes here
+        report.worker_stats = llm.collective_rpc("kvtier_stats")
+    llm.llm_engine.engine_core.shutdown()  # the worker connectors drain their L3 writes here
     return report
+
+
+class KVTierWorkerExtension:
+    """Mixed into vLLM's workers (``worker_extension_cls``): ``LLM.collective_rpc("kvtier_stats")``
+    returns what each rank's kvtier connector moved, once its L3 writes in flight finished."""
+
+    def kvtier_stats(self) -> dict[str, int]:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return get_kv_transfer_group().worker.drained_stats().as_dict()
 
 
 MARKER = "KVTIER_SESSION "
@@ -108,11 +132,6 @@ def run_in_subprocess(*args: str, timeout: float | None = None) -> dict:
     return json.loads(next(line for line in out.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
 
 
-def _scheduler_connector(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    return core.scheduler.connector
-
-
 def main(
     storage_url: str = typer.Option(None, help="kvtier L3 URL (file:///dir, redis://127.0.0.1:6379/0)"),
     prompt_tokens: list[int] = typer.Option([200], help="prompt length(s) in tokens"),
@@ -121,9 +140,24 @@ def main(
     no_kvtier: bool = typer.Option(False, "--no-kvtier", help="run vLLM without the connector (recompute baseline)"),
     max_tokens: int = typer.Option(8, help="tokens to generate (greedy)"),
     warmup: bool = typer.Option(False, help="run one unrelated short prompt first (for timing)"),
+    tp: int = typer.Option(1, help="tensor parallel size (above 1: a tiny Llama with dummy weights; CPU threads bound one per rank)"),
+    dtype: str = typer.Option("bfloat16", help="model and KV dtype; float32 makes greedy outputs independent of how vLLM splits the "
+                                               "prefill (bf16 rounding differs between a full prefill and one after a prefix hit)"),
+    storage_options: str = typer.Option("{}", help="extra kv_connector_extra_config keys as JSON"),
+    prompt_json: str = typer.Option(None, help="explicit prompts as a JSON list of token-id lists (instead of --prompt-tokens)"),
+    chat_turns: int = typer.Option(0, help="instead: one conversation of this many turns (the first prompt, then each turn adds "
+                                           "the answer and a 64-token question; 32 tokens generated per turn)"),
 ) -> None:
-    prompts = [prompt_ids(n, seed + i) for i, n in enumerate(prompt_tokens) for _ in range(repeat)]
-    report = run_session(prompts, kvtier=not no_kvtier, storage_url=storage_url, max_tokens=max_tokens, warmup=warmup)
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM's automatic binding wants a NUMA node per worker; give each rank its own core(s)
+        cpus = sorted(os.sched_getaffinity(0))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(cpus[r % len(cpus)]) for r in range(tp))
+    if prompt_json:
+        prompts = [list(map(int, p)) for p in json.loads(prompt_json) for _ in range(repeat)]
+    else:
+        prompts = [prompt_ids(n, seed + i) for i, n in enumerate(prompt_tokens) for _ in range(repeat)]
+    report = run_session(prompts, kvtier=not no_kvtier, storage_url=storage_url, max_tokens=max_tokens, warmup=warmup, tp=tp,
+                         dtype=dtype, extra=json.loads(storage_options), chat_turns=chat_turns)
     print(MARKER + json.dumps(asdict(report)))
 
 

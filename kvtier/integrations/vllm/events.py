@@ -1,0 +1,96 @@
+"""kvtier's tiers as vLLM KV events, so a KV-aware router sees more than the GPU.
+
+vLLM publishes ``BlockStored`` / ``BlockRemoved`` for its GPU prefix cache
+(``--kv-events-config``); a connector adds its own through ``take_events`` on
+the scheduler side. kvtier reports, in vLLM's block hashes (the ones the router
+already tracks):
+
+* ``BlockStored(medium="CPU")`` when a block's copy in host memory became
+  readable (its copy out of vLLM's block completed on every rank);
+* ``BlockStored(medium="STORAGE")`` when its L3 save completed on every rank;
+* ``BlockRemoved(medium="CPU")`` when host memory evicts it.
+
+The store's own evictions (a file cap, Redis maxmemory) are not seen by the
+scheduler and are not reported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
+from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+from kvtier.hashing import PageHash
+from kvtier.radix import STORED
+
+
+@dataclass
+class _Planned:
+    copy_op: int | None
+    save_op: int | None
+    keys: list[PageHash]
+    #: per page: (vLLM block hash, parent hash, token ids)
+    blocks: list[tuple[object, object, list[int]]]
+    on_host: bool = False
+
+
+class TierEvents:
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self._planned: list[_Planned] = []
+        #: page key -> vLLM block hash, for the pages whose host copy was reported stored
+        self._on_host: dict[PageHash, object] = {}
+        self._events: list[KVCacheEvent] = []
+
+    def planned(self, request, first: int, keys: list[PageHash], copy_op: int | None, save_op: int | None) -> None:
+        """Pages ``first:first + len(keys)`` of ``request`` are being copied out (and saved)."""
+        hashes = list(getattr(request, "block_hashes", None) or ())
+        if len(hashes) < first + len(keys) or copy_op is None:
+            return  # vLLM hashes blocks only with its prefix cache on: nothing a router could match
+        bs = self.block_size
+        tokens = request.all_token_ids
+        blocks = [(maybe_convert_block_hash(hashes[i]), maybe_convert_block_hash(hashes[i - 1]) if i else None,
+                   list(tokens[i * bs : (i + 1) * bs])) for i in range(first, first + len(keys))]
+        self._planned.append(_Planned(copy_op, save_op, list(keys), blocks))
+
+    def _stored(self, blocks, medium: str) -> None:
+        self._events.append(BlockStored(block_hashes=[b[0] for b in blocks], parent_block_hash=blocks[0][1],
+                                        token_ids=[t for b in blocks for t in b[2]], block_size=self.block_size,
+                                        lora_id=None, medium=medium, lora_name=None))
+
+    def update(self, core) -> None:
+        """After completions were applied: report what became readable on host, then stored in L3."""
+        pending = []
+        for p in self._planned:
+            if not p.on_host:
+                if core.in_flight(p.copy_op):
+                    pending.append(p)
+                    continue
+                held = [i for i, k in enumerate(p.keys) if core.holds(k)]
+                if len(held) != len(p.keys):  # the copy failed: nothing was stored
+                    continue
+                self._stored(p.blocks, MEDIUM_CPU)
+                self._on_host.update((k, b[0]) for k, b in zip(p.keys, p.blocks))
+                p.on_host = True
+            if p.save_op is not None and core.in_flight(p.save_op):
+                pending.append(p)
+                continue
+            saved = []
+            for k, b in zip(p.keys, p.blocks):
+                node = core.tree.nodes.get(k)
+                if node is None or node.stored != STORED:
+                    break
+                saved.append(b)
+            if saved:
+                self._stored(saved, MEDIUM_STORAGE)
+        self._planned = pending
+
+    def evicted(self, keys: list[PageHash]) -> None:
+        gone = [self._on_host.pop(k) for k in keys if k in self._on_host]
+        if gone:
+            self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_CPU))
+
+    def take(self) -> list[KVCacheEvent]:
+        out, self._events = self._events, []
+        return out

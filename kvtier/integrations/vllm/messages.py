@@ -1,0 +1,81 @@
+"""What passes between the connector's scheduler side and its workers: nothing but these.
+
+* :class:`KVTierHandshake` -- each worker, once, after registering its KV caches
+  (vLLM's ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): the
+  spec its tensors make, its host pages and its L3 namespace.
+* :class:`KVTierConnectorMetadata` -- scheduler -> every worker, each step: the
+  core's plans (:class:`~kvtier.core.plans.Transfer`, page ids and page keys).
+* :class:`KVTierWorkerMeta` -- each worker -> scheduler, each step
+  (``build_connector_worker_meta``; vLLM aggregates the ranks' with
+  :meth:`KVTierWorkerMeta.aggregate`): the completions of plans it ran, joined
+  over ranks: a plan counts as done only when every rank has it done, and a
+  page that failed on any rank failed for all.
+
+All of them are plain dataclasses of ints, bytes, strings and enums: they
+pickle across vLLM's process boundaries as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from kvtier.core.plans import Completion, CutShort, Done, Failed, Transfer, completed_pages
+from kvtier.spec import KVSpec
+
+
+@dataclass
+class KVTierHandshake(KVConnectorHandshakeMetadata):
+    tp_rank: int
+    spec: KVSpec
+    host_pages: int
+    #: the L3 key prefix of this rank's pages (``Namespace`` string), None without L3
+    storage_prefix: str | None
+
+
+@dataclass
+class KVTierConnectorMetadata(KVConnectorMetadata):
+    plans: list[Transfer] = field(default_factory=list)
+    #: blocks vLLM was promised but kvtier could not plan a load for (the pages went meanwhile):
+    #: every worker reports them as load errors, so vLLM recomputes them
+    unavailable_blocks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class RankResult:
+    """One plan's completion joined over the ranks that reported it so far."""
+
+    completion: Completion
+    ranks: int = 1
+
+
+def join(a: Completion, b: Completion) -> Completion:
+    """Two ranks' completions of one plan: the leading pages both completed."""
+    if type(a) is Failed:
+        return a
+    if type(b) is Failed:
+        return b
+    if type(a) is Done and type(b) is Done:
+        return a if a.existing <= b.existing else b
+    big = 1 << 62  # Done covers every page of the plan
+    pa, pb = completed_pages(a, big), completed_pages(b, big)
+    short = a if pa <= pb else b
+    existing = min(a.existing, b.existing)
+    return CutShort(a.op, min(pa, pb), short.reason, max(getattr(a, "corrupt", 0), getattr(b, "corrupt", 0)), existing)
+
+
+@dataclass
+class KVTierWorkerMeta(KVConnectorWorkerMetadata):
+    results: dict[int, RankResult] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVTierWorkerMeta:
+        merged = dict(self.results)
+        for op, r in getattr(other, "results", {}).items():
+            mine = merged.get(op)
+            merged[op] = r if mine is None else RankResult(join(mine.completion, r.completion), mine.ranks + r.ranks)
+        return KVTierWorkerMeta(merged)

@@ -1,0 +1,288 @@
+"""The connector on vLLM's scheduler: the policy core, and nothing that holds a byte.
+
+It owns kvtier's index for the engine -- the prefix tree, the host page ids
+every rank's host shard shares, host LRU, L3 save state -- as an
+:class:`~kvtier.core.engine_device.EngineDeviceCore` on a
+:class:`~kvtier.integrations.vllm.scheduler_port.SchedulerPort`: every decision
+leaves as plans in the next step's connector metadata, and outcomes come back
+from the workers, joined over ranks, before the scheduler looks again.
+
+* ``get_num_new_matched_tokens``: the request's full blocks become page keys
+  (chained over the token ids; the last prompt token is always computed, so at
+  most ``(len - 1) // block_size`` blocks are offered); the core answers how
+  many leading pages host memory holds, then the store (every rank's object).
+* ``build_connector_meta``: for a request scheduled with a hit, the core plans
+  the L3 fetch and the copy into the blocks vLLM allocated (``plan_load``); for
+  every request whose blocks became full this step -- prompt and decoded
+  tokens alike, so the next turn of a chat finds its previous answer -- the core
+  plans the copy out of those blocks and its write-through save
+  (``offload(wait=False)``).
+* ``update_connector_output``: the workers' completions reach the core.
+* ``request_finished``: what kvtier offered the request goes back to the caller
+  as ``kv_transfer_params["kvtier"]`` (vLLM's per-request channel to the client).
+
+A page whose load failed on any rank is recomputed by vLLM, and for
+``load_retry_s`` no lookup offers it (or anything after it) again
+(:class:`RecentFailures`), so a page that keeps failing -- a store that
+answers ``exists`` but cannot serve the bytes, a rank that cannot copy --
+costs one failed load, not a lookup -> load -> fail loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtier.alloc import PageAllocator
+from kvtier.config import CacheConfig
+from kvtier.core.engine_device import EngineDeviceCore
+from kvtier.core.plans import completed_pages
+from kvtier.errors import ConfigError
+from kvtier.hashing import Namespace, PageHash, hasher, page_keys
+from kvtier.integrations.vllm.events import TierEvents
+from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
+from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.scheduler_port import SchedulerPort, StoreProbe
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HitRecord:
+    """What the scheduler side offered one request."""
+
+    req_id: str
+    prompt_tokens: int
+    local_tokens: int
+    external_tokens: int
+    host_pages: int
+    storage_pages: int
+    #: pages whose copy out of vLLM's blocks was planned for this request (prompt and decode)
+    offloaded_pages: int = 0
+
+
+class RecentFailures:
+    """Page keys whose load failed recently: not offered again until ``ttl_s`` passed (bounded LRU)."""
+
+    def __init__(self, ttl_s: float, max_entries: int = 100_000):
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._until: OrderedDict[PageHash, float] = OrderedDict()
+
+    def add(self, keys: list[PageHash]) -> None:
+        until = time.monotonic() + self.ttl_s
+        for k in keys:
+            self._until[k] = until
+            self._until.move_to_end(k)
+        while len(self._until) > self.max_entries:
+            self._until.popitem(last=False)
+
+    def usable(self, keys: list[PageHash]) -> int:
+        """Leading ``keys`` none of which failed within the last ``ttl_s``."""
+        if not self._until:
+            return len(keys)
+        now = time.monotonic()
+        for i, k in enumerate(keys):
+            until = self._until.get(k)
+            if until is not None:
+                if until > now:
+                    return i
+                del self._until[k]
+        return len(keys)
+
+    def __len__(self) -> int:
+        return len(self._until)
+
+
+@dataclass
+class _RequestState:
+    request: Any
+    root: PageHash
+    keys: list[PageHash] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    #: leading pages the core holds or has planned to copy
+    saved: int = 0
+    load_start: int = 0
+    load_end: int = 0
+    load_pending: bool = False
+    hit: HitRecord | None = None
+
+
+class ConnectorScheduler:
+    def __init__(self, options: ConnectorOptions, block_size: int, world_size: int, model_name: str):
+        if options.storage.url and options.storage.write_policy != "write_through":
+            raise ConfigError("kvtier connector: storage_write_policy must be write_through (a write_back save would make the "
+                              "scheduler wait for a worker when host memory evicts)")
+        self.options = options
+        self.block_size = block_size
+        self.world_size = world_size
+        self.model_name = model_name
+        self.core: EngineDeviceCore | None = None
+        self.port: SchedulerPort | None = None
+        self._requests: dict[str, _RequestState] = {}
+        self._unavailable: list[int] = []
+        self.recent_failures = RecentFailures(options.load_retry_s)
+        #: loads planned and not yet answered: (load, the keys it copies)
+        self._loads: list[tuple[Any, list[PageHash]]] = []
+        self._hash = hasher(options.cache.hash_algo)
+        #: kvtier's tiers as vLLM KV events (take_events)
+        self.events = TierEvents(block_size)
+        #: the latest lookups (bounded: a server runs for weeks)
+        self.hits: deque[HitRecord] = deque(maxlen=1024)
+
+    # ---- start-up: what the workers built ------------------------------------------------------
+    def handshake(self, metas: dict[int, KVTierHandshake]) -> None:
+        ranks = sorted(metas)
+        if ranks != list(range(self.world_size)):
+            raise ConfigError(f"kvtier connector: handshakes from ranks {ranks}, expected 0..{self.world_size - 1}")
+        first = metas[0]
+        for r in ranks:
+            m = metas[r]
+            if m.spec.page_bytes != first.spec.page_bytes or m.spec.num_layers != first.spec.num_layers:
+                raise ConfigError(f"kvtier connector: rank {r}'s pages ({m.spec.page_bytes} bytes, {m.spec.num_layers} layers) differ "
+                                  f"from rank 0's ({first.spec.page_bytes}, {first.spec.num_layers}); every rank must hold an equal shard")
+        host_pages = min(metas[r].host_pages for r in ranks)
+        prefixes = [metas[r].storage_prefix for r in ranks]
+        probe = StoreProbe(self.options.storage.url, prefixes) if self.options.storage.url and all(prefixes) else None
+        self.port = SchedulerPort(self.world_size, probe)
+        cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
+        # the engine allocates its own blocks: the core's device allocator is a placeholder it never draws from
+        self.core = EngineDeviceCore(first.spec, PageAllocator(1, "engine device (not kvtier's)"),
+                                     PageAllocator(host_pages, "host pages (every rank's shard)"), self.port, cache, self.options.storage)
+        self.core.on_host_evicted = self.events.evicted
+        # page keys are the same on every rank (rank 0's namespace); L3 keys add each rank's prefix
+        self._root = Namespace(self.model_name, first.spec.fingerprint(), 0, self.options.salt).root(self.options.cache.hash_algo)
+        log.info("kvtier scheduler: %d ranks, %d host pages each, L3 %s", self.world_size, host_pages, "on" if probe else "off")
+
+    # ---- keys --------------------------------------------------------------------------------
+    def _request_root(self, request: Request) -> PageHash | None:
+        if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
+            return None  # tokens alone do not determine the KV
+        root = self._root
+        extra = "|".join(x for x in (getattr(request, "cache_salt", None) or "", request.lora_request.lora_name if request.lora_request else "") if x)
+        if extra:
+            root = PageHash(self._hash(root + extra.encode()))
+        return root
+
+    def _extend_keys(self, state: _RequestState, pages: int) -> None:
+        """Keys of the request's first ``pages`` full blocks (prompt, then decoded tokens), chained."""
+        have = len(state.keys)
+        if pages <= have:
+            return
+        tokens = state.request.all_token_ids
+        bs = self.block_size
+        start = have * bs
+        prev = state.keys[-1] if state.keys else state.root
+        state.keys += page_keys(tokens[start : pages * bs], bs, prev, self.options.cache.hash_algo)
+
+    # ---- vLLM's scheduler calls ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.core is None:
+            return 0, False
+        root = self._request_root(request)
+        if root is None:
+            return 0, False
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._requests[request.request_id] = _RequestState(request, root)
+        bs = self.block_size
+        usable = (request.num_prompt_tokens - 1) // bs
+        self._extend_keys(state, usable)
+        start = num_computed_tokens // bs
+        found = self.core.lookup(state.keys[: self.recent_failures.usable(state.keys[:usable])])
+        state.load_start, state.load_end, state.load_pending = start, max(start, found.pages), False
+        external = (state.load_end - start) * bs
+        state.hit = HitRecord(request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages)
+        self.hits.append(state.hit)
+        return external, False
+
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None:
+            return
+        if num_external_tokens > 0:
+            state.load_end = state.load_start + num_external_tokens // self.block_size
+            state.load_pending = True
+
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # after preemption the block table is replaced
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                state.saved = 0
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            self._plan(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        unavailable, self._unavailable = self._unavailable, []
+        return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable)
+
+    def _plan(self, state: _RequestState, computed_after: int) -> None:
+        core = self.core
+        if core is None:
+            return
+        if state.load_pending:  # vLLM computed the first blocks itself: kvtier fills blocks load_start:load_end
+            self._extend_keys(state, state.load_end)
+            e = state.load_end
+            load = core.plan_load(state.keys[:e], state.block_ids[:e], first=state.load_start)
+            if load.loaded < e:  # evicted or gone from the store since the lookup: vLLM recomputes these
+                self._unavailable += state.block_ids[max(load.loaded, state.load_start) : e]
+            if load.op is not None:
+                self._loads.append((load, state.keys[state.load_start : load.loaded]))
+            state.load_pending = False
+        full = min(computed_after // self.block_size, len(state.block_ids))
+        if full > state.saved:
+            self._extend_keys(state, full)
+            result = core.offload(state.keys[:full], state.block_ids[:full], wait=False)
+            if result.saved:
+                have = result.already_held
+                self.events.planned(state.request, have, state.keys[have : have + result.saved], result.copy_op, result.l3_save_op)
+            state.saved = result.already_held + result.saved  # pages not planned now are offered again next step
+            if state.hit is not None:
+                state.hit.offloaded_pages += result.saved
+
+    def update_connector_output(self, meta: KVTierWorkerMeta | None) -> None:
+        if self.core is None:
+            return
+        if meta is not None:
+            self.port.deliver(meta.results)
+        self.core.poll()
+        self.events.update(self.core)
+        pending = []
+        for load, keys in self._loads:
+            if load.outcome is None:
+                pending.append((load, keys))
+                continue
+            done = completed_pages(load.outcome, len(keys))
+            if done < len(keys):
+                self.recent_failures.add(keys[done:])
+                log.info("kvtier: %d pages failed to load (%s); not offered again for %.0f s", len(keys) - done,
+                         getattr(load.outcome, "reason", "?"), self.recent_failures.ttl_s)
+        self._loads = pending
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        state = self._requests.pop(request.request_id, None)
+        if state is None or state.hit is None:
+            return None
+        return {"kvtier": asdict(state.hit)}
+
+    def shutdown(self) -> None:
+        if self.port is not None:
+            self.port.close()

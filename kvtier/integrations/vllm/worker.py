@@ -1,0 +1,216 @@
+"""The connector on one vLLM worker (one tensor-parallel rank): bytes only, no policy.
+
+It holds this rank's slice of everything: vLLM's KV blocks (the device side),
+a host pool addressed by the page ids every rank shares, and its own L3 I/O
+under a namespace that carries the rank. Each step it runs the plans the
+scheduler's core sent (:class:`~kvtier.integrations.vllm.messages.KVTierConnectorMetadata`)
+and reports their completions back; it decides nothing.
+
+Per step, in vLLM's order:
+
+* ``start_load_kv`` -> :meth:`ConnectorWorker.start_loads`: L3 fetches start and
+  are settled per the storage config's prefetch policy; the copies into vLLM's
+  blocks that follow them start with what arrived (``Transfer.after``), one layer
+  at a time on kvtier's transfer worker;
+* ``wait_for_layer_load(layer)`` -> :meth:`ConnectorWorker.wait_layer`: that layer only;
+* ``wait_for_save`` -> :meth:`ConnectorWorker.finish_step`: the loads have landed;
+  the step's copies out of vLLM's blocks run and are waited for (vLLM may reuse
+  the blocks afterwards), their write-through L3 saves continue in the background;
+* ``get_block_ids_with_load_errors`` -> the blocks whose pages did not arrive
+  (vLLM recomputes them);
+* ``build_connector_worker_meta`` -> :meth:`ConnectorWorker.take_results`: every
+  completion since the last step, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvtier.build import open_storage_tier
+from kvtier.core.plans import Completion, Done, Tier, Transfer, completed_pages
+from kvtier.executors.chain import ChainedExecutor
+from kvtier.executors.local import LocalExecutor
+from kvtier.hashing import Namespace
+from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches
+from kvtier.integrations.vllm.messages import KVTierHandshake, KVTierWorkerMeta, RankResult
+from kvtier.integrations.vllm.metrics import KVTierConnectorStats
+from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.l3.base import redact_url
+from kvtier.pools import HostPool
+from kvtier.transfer.engine import TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerStats:
+    """What this rank moved (pages): the figures a test or an operator reads from each worker."""
+
+    loaded_pages: int = 0
+    fetched_pages: int = 0
+    load_failed_pages: int = 0
+    offloaded_pages: int = 0
+    saved_pages: int = 0
+    save_failures: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class ConnectorWorker:
+    def __init__(self, options: ConnectorOptions, model: ModelShape, model_name: str, tp_rank: int):
+        self.options = options
+        self.model = model
+        self.model_name = model_name
+        self.tp_rank = tp_rank
+        self.stats = WorkerStats()
+        self.executor: ChainedExecutor | None = None
+        self.storage = None
+        self._layer_index: dict[str, int] = {}
+        #: plans of this step, by op
+        self._plans: dict[int, Transfer] = {}
+        #: copies into vLLM's blocks started this step
+        self._loads: list[int] = []
+        #: offload copies and saves: run after the forward
+        self._later: list[Transfer] = []
+        #: plans whose completion has not come back yet (op -> plan), across steps
+        self._open: dict[int, Transfer] = {}
+        self._done: dict[int, Completion] = {}
+        self._failed_blocks: set[int] = set()
+        #: this interval's numbers for vLLM's stats path (get_kv_connector_stats)
+        self.interval = KVTierConnectorStats()
+        self._page_tokens = self._page_bytes = 0
+        self._load_started: float | None = None
+
+    # ---- start-up --------------------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> KVTierHandshake:
+        spec, device, self._layer_index = map_kv_caches(kv_caches, self.model)
+        host = HostPool(spec, self.options.tiers.host_pages_for(spec.page_bytes), self.options.tiers.host_layout)
+        namespace = Namespace(self.model_name, spec.fingerprint(), self.tp_rank, self.options.salt)
+        self.storage = open_storage_tier(self.options.storage, host, namespace)
+        engine = TransferEngine(host, device, self.options.cache.io_backend, name=f"kvtier-worker{self.tp_rank}")
+        self.executor = ChainedExecutor(LocalExecutor(engine, self.storage))
+        self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
+        log.info("kvtier worker rank %d: %s, %d host pages (%s), L3 %s", self.tp_rank, spec.name, host.num_pages, host.layout.kind,
+                 redact_url(self.options.storage.url) or "off")
+        return KVTierHandshake(self.tp_rank, spec, host.num_pages, str(namespace) if self.storage is not None else None)
+
+    # ---- one step --------------------------------------------------------------------------
+    def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = ()) -> None:
+        ex = self.executor
+        self._loads, self._later = [], []
+        self._failed_blocks.update(unavailable_blocks)
+        self._load_started = time.perf_counter() if any(p.dst is Tier.DEVICE or p.src is Tier.STORAGE for p in plans) else None
+        for p in plans:
+            self._plans[p.op] = p
+            self._open[p.op] = p
+            if p.src is Tier.STORAGE or p.dst is Tier.DEVICE:
+                ex.submit(p)
+                if p.dst is Tier.DEVICE:
+                    self._loads.append(p.op)
+            else:
+                self._later.append(p)
+        cfg = self.options.storage
+        for p in plans:
+            if p.src is Tier.STORAGE:  # the copy that follows starts with what this lets arrive
+                ex.settle(p.op, cfg.prefetch_policy, cfg.prefetch_budget_s(p.num_pages))
+        self._collect(ex.poll())
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        for op in self._loads:
+            self.executor.wait_layer(op, layer)
+
+    def finish_step(self) -> None:
+        ex = self.executor
+        if self._loads:
+            self._collect(ex.wait(self._loads))
+            self._loads = []
+        if self._load_started is not None:
+            self.interval.data["load_seconds"].append(time.perf_counter() - self._load_started)
+            self._load_started = None
+        offloads = []
+        for p in self._later:
+            ex.submit(p)
+            if p.src is Tier.DEVICE:
+                offloads.append(p.op)
+        self._later = []
+        if offloads:  # vLLM may reuse these blocks once the step is over
+            t0 = time.perf_counter()
+            self._collect(ex.wait(offloads))
+            self.interval.data["store_seconds"].append(time.perf_counter() - t0)
+        self._collect(ex.poll())
+
+    def _collect(self, completions: list[Completion]) -> None:
+        for c in completions:
+            plan = self._open.pop(c.op, None)
+            self._done[c.op] = c
+            if plan is None:
+                continue
+            done = completed_pages(c, plan.num_pages)
+            st = self.stats
+            moved = done - getattr(c, "existing", 0) if plan.dst is Tier.STORAGE else done
+            tier = "storage" if Tier.STORAGE in (plan.src, plan.dst) else "host"
+            direction = "load" if plan.dst is not Tier.STORAGE and plan.src is not Tier.DEVICE else "store"
+            self.interval.record(tier, direction, moved * self._page_tokens, moved * self._page_bytes)
+            if plan.dst is Tier.DEVICE and done < plan.num_pages:
+                self.interval.data["load_failed_tokens"] += (plan.num_pages - done) * self._page_tokens
+            if plan.dst is Tier.DEVICE:
+                st.loaded_pages += done
+                if done < plan.num_pages:
+                    st.load_failed_pages += plan.num_pages - done
+                    self._failed_blocks.update(plan.dst_pages[done:])
+                    log.info("kvtier worker rank %d: %d of %d pages not loaded (%s); vLLM recomputes them", self.tp_rank,
+                             plan.num_pages - done, plan.num_pages, getattr(c, "reason", "?"))
+            elif plan.src is Tier.STORAGE:
+                st.fetched_pages += done
+            elif plan.src is Tier.DEVICE:
+                st.offloaded_pages += done
+            elif plan.dst is Tier.STORAGE:
+                st.saved_pages += done - getattr(c, "existing", 0)
+                st.save_failures += type(c) is not Done
+
+    def take_results(self) -> KVTierWorkerMeta | None:
+        if self.executor is None:
+            return None
+        self._collect(self.executor.poll())
+        done, self._done = self._done, {}
+        for op in list(self._plans):
+            if op not in self._open:
+                del self._plans[op]
+        return KVTierWorkerMeta({op: RankResult(c) for op, c in done.items()}) if done else None
+
+    def drained_stats(self, timeout_s: float = 30.0) -> WorkerStats:
+        """The stats once the L3 writes in flight finished (bounded by ``timeout_s``); their completions
+        are still reported to the scheduler at the next step."""
+        if self.storage is not None:
+            self.storage.drain(timeout_s)
+        if self.executor is not None:
+            self._collect(self.executor.poll())
+        return self.stats
+
+    def take_stats(self) -> KVTierConnectorStats | None:
+        """This interval's numbers (then a new interval starts); None when nothing moved."""
+        if self.interval.is_empty():
+            return None
+        out, self.interval = self.interval, KVTierConnectorStats()
+        return out
+
+    def take_load_errors(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Finish the L3 writes in flight (bounded), then release the executor."""
+        if self.executor is None:
+            return
+        if self.storage is not None and not self.storage.drain(timeout_s):
+            log.warning("kvtier worker rank %d: L3 writes still running after %.0f s at shutdown; the rest are dropped", self.tp_rank, timeout_s)
+        self.executor.close()
+        self.executor = None

@@ -1,0 +1,342 @@
+"""The vLLM connector's scheduler side and its workers, talking only through vLLM's messages.
+
+No engine here: two workers (two tensor-parallel ranks, each with its own KV tensors, host
+shard and L3 namespace) and one scheduler side are driven step by step the way vLLM drives
+them -- plans out in the connector metadata, each rank's ``build_connector_worker_meta``
+aggregated with vLLM's ``aggregate`` and handed to ``update_connector_output`` -- so the
+consistency rules can be checked byte for byte: a page counts only when every rank has it,
+and a page that failed on one rank is a miss for both.
+"""
+
+from __future__ import annotations
+
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvtier.core.plans import CutShort, Done, Failed, Reason
+from kvtier.errors import ConfigError, ExecutorError
+from kvtier.hashing import page_keys
+from kvtier.integrations.vllm.layout import ModelShape
+from kvtier.integrations.vllm.messages import KVTierWorkerMeta, RankResult, join
+from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.worker import ConnectorWorker
+
+BS, HEADS, HEAD, LAYERS, BLOCKS = 4, 1, 8, 2, 16
+SHAPE = ModelShape("tiny", BS, HEADS, HEAD)
+
+
+class Engine:
+    """One engine: a scheduler side and ``ranks`` workers, with vLLM's step protocol in between."""
+
+    def __init__(self, url: str | None, ranks: int = 2, seed: int = 0, host_pages: int = 32, **options):
+        extra = {"host_pages": host_pages, **({"storage_url": url} if url else {}), **options}
+        self.options = ConnectorOptions.from_extra_config(extra)
+        g = torch.Generator().manual_seed(seed)
+        self.kv = [{f"layer{i}": torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16) for i in range(LAYERS)}
+                   for _ in range(ranks)]
+        self.workers = [ConnectorWorker(self.options, SHAPE, "tiny", r) for r in range(ranks)]
+        shakes = {r: pickle.loads(pickle.dumps(w.register(self.kv[r]))) for r, w in enumerate(self.workers)}
+        self.scheduler = ConnectorScheduler(self.options, BS, ranks, "tiny")
+        self.scheduler.handshake(shakes)
+        self.load_errors: list[set[int]] = []
+
+    def step(self, new=(), cached=()):
+        """One vLLM step: ``new`` = [(request, block_ids, scheduled_tokens)], ``cached`` likewise."""
+        out = SimpleNamespace(
+            num_scheduled_tokens={r.request_id: n for r, _b, n in [*new, *cached]},
+            scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(list(b),), num_computed_tokens=r.num_computed_tokens)
+                                for r, b, _n in new],
+            scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _b, _n in cached], new_block_ids=[None for _ in cached],
+                                                  resumed_req_ids=set(), num_computed_tokens=[r.num_computed_tokens for r, _b, _n in cached]))
+        meta = pickle.loads(pickle.dumps(self.scheduler.build_meta(out)))  # it crosses a process boundary in vLLM
+        metas, errors = [], set()
+        for w in self.workers:
+            w.start_loads(meta.plans, meta.unavailable_blocks)
+            for layer in range(LAYERS):
+                w.wait_layer(f"layer{layer}")
+            w.finish_step()
+            errors |= w.take_load_errors()
+            m = w.take_results()
+            metas.append(pickle.loads(pickle.dumps(m)) if m is not None else None)
+        agg = None
+        for m in metas:  # vLLM's KVOutputAggregator: the first rank's meta aggregates the others
+            agg = m if agg is None else (agg.aggregate(m) if m is not None else agg)
+        self.load_errors.append(errors)
+        self.scheduler.update_connector_output(agg)
+        for r, _b, n in [*new, *cached]:
+            r.num_computed_tokens += n
+        return meta
+
+    def settle(self):
+        """Let the L3 writes in flight finish and their completions reach the scheduler."""
+        for w in self.workers:
+            w.drained_stats()
+        self.step()
+
+    def page(self, rank: int, block: int) -> list[bytes]:
+        return [self.kv[rank][f"layer{i}"][block].view(torch.uint8).numpy().tobytes() for i in range(LAYERS)]
+
+    def close(self):
+        for w in self.workers:
+            w.close()
+        self.scheduler.shutdown()
+
+
+def request(rid: str, tokens: list[int]):
+    return SimpleNamespace(request_id=rid, num_prompt_tokens=len(tokens), prompt_token_ids=tokens, all_token_ids=list(tokens),
+                           mm_features=None, prompt_embeds=None, cache_salt=None, lora_request=None, num_computed_tokens=0)
+
+
+def start(engine: Engine, rid: str, tokens: list[int], blocks: list[int]):
+    """Schedule a request the way vLLM does: ask the connector, allocate, run its prefill in one step."""
+    req = request(rid, tokens)
+    external, async_load = engine.scheduler.get_num_new_matched_tokens(req, 0)
+    assert async_load is False
+    engine.scheduler.update_state_after_alloc(req, external)
+    req.num_computed_tokens = external
+    engine.step(new=[(req, blocks, len(tokens) - external)])
+    return req, external
+
+
+def serve(engine: Engine, rid: str, tokens: list[int], blocks: list[int]):
+    """A one-step request: prefill, then finished (what kvtier offered it comes back from request_finished)."""
+    req, external = start(engine, rid, tokens, blocks)
+    return req, external, engine.scheduler.request_finished(req)["kvtier"]
+
+
+TOKENS = list(range(100, 114))  # 3 full blocks of 4 and a partial tail of 2
+
+
+def test_pages_round_trip_through_l3_on_every_rank(tmp_path):
+    url = f"file://{tmp_path / 'l3'}"
+    first = Engine(url, seed=1)
+    _req, external, hit = serve(first, "a", TOKENS, [3, 7, 5, 9])
+    assert external == 0 and hit["offloaded_pages"] == 3  # the partial tail block is never stored
+    first.settle()
+    stats = [w.stats for w in first.workers]
+    assert [(s.offloaded_pages, s.saved_pages) for s in stats] == [(3, 3), (3, 3)]
+    originals = [[first.page(r, b) for b in (3, 7, 5)] for r in range(2)]
+    first.close()
+
+    second = Engine(url, seed=2)  # a restart: new tensors, empty host shards, the same store
+    _req, external, hit = serve(second, "b", TOKENS, [0, 1, 2, 4])
+    assert external == 3 * BS and (hit["host_pages"], hit["storage_pages"]) == (0, 3)
+    for r in range(2):  # each rank got its own bytes back
+        assert [second.page(r, b) for b in (0, 1, 2)] == originals[r]
+    assert second.load_errors[-1] == set()
+    # the pages are now on host in the scheduler's index: the next request hits host memory
+    _req, external, hit = serve(second, "c", TOKENS, [6, 8, 10, 11])
+    assert (external, hit["host_pages"], hit["storage_pages"]) == (3 * BS, 3, 0)
+    assert [second.page(1, b) for b in (6, 8, 10)] == originals[1]
+    second.close()
+
+
+def test_a_page_that_failed_on_one_rank_is_a_miss_on_both(tmp_path):
+    url = f"file://{tmp_path / 'l3'}"
+    first = Engine(url, seed=3)
+    serve(first, "a", TOKENS, [3, 7, 5, 9])
+    first.settle()
+    first.close()
+    second = Engine(url, seed=4)
+    keys = page_keys(TOKENS, BS, second.scheduler._root)
+    # rank 1's object of the second page gets a flipped byte: its checksum fails when rank 1 reads it
+    [victim] = [p for p in (tmp_path / "l3").rglob(keys[1].hex()) if p.parent.parent.name.split("-")[0].endswith("_tp1")]
+    raw = bytearray(victim.read_bytes())
+    raw[-1] ^= 0xFF
+    victim.write_bytes(raw)
+
+    _req, external, hit = serve(second, "b", TOKENS, [0, 1, 2, 4])
+    assert external == 3 * BS  # the scheduler saw every rank's object present
+    assert second.load_errors[-1] == {1, 2}  # rank 1 stopped at its bad page; vLLM recomputes from block 1 on both
+    core = second.scheduler.core
+    found = core.lookup(keys[:3])
+    assert (found.host_pages, found.storage_pages) == (1, 0)  # only the page both ranks have counts; rank 1's copy went
+    core.check_integrity(idle=True)
+    second.close()
+
+
+def test_decoded_blocks_are_stored_for_the_next_turn(tmp_path):
+    url = f"file://{tmp_path / 'l3'}"
+    eng = Engine(url, seed=5)
+    req, _external = start(eng, "chat", TOKENS, [3, 7, 5, 9, 11])
+    for tok in range(6):  # decode 6 tokens: positions 14..19 fill block 3 (tokens 12..15) and block 4 (16..19)
+        req.all_token_ids.append(900 + tok)
+        eng.step(cached=[(req, [], 1)])
+    eng.settle()
+    assert eng.scheduler.request_finished(req)["kvtier"]["offloaded_pages"] == 5  # 3 prompt blocks, 2 holding decoded tokens
+    turn2 = req.all_token_ids[:19] + [7, 7, 7, 7, 7]  # the answer so far is part of the next prompt
+    _r, external, hit = serve(eng, "turn2", turn2, [0, 1, 2, 4, 6, 8])
+    assert external == 4 * BS and hit["host_pages"] == 4
+    assert [eng.page(0, b) for b in (0, 1, 2, 4)] == [eng.page(0, b) for b in (3, 7, 5, 9)]
+    eng.close()
+
+
+def test_a_failed_load_is_not_offered_again_for_a_while():
+    """Rank 1 cannot copy into its blocks: the load fails once, vLLM recomputes, and the next lookups
+    do not offer those pages (no lookup -> load -> fail loop) until ``load_retry_s`` passed."""
+    import time
+
+    eng = Engine(None, seed=7, load_retry_s=0.5)
+    serve(eng, "a", TOKENS, [3, 7, 5, 9])  # computed once: now on host
+    inner = eng.workers[1].executor.inner
+    real_submit = inner.submit
+
+    def broken(plan):
+        if plan.dst.name == "DEVICE":
+            inner._ready.append(Failed(plan.op, Reason.ERROR, "injected: rank 1 cannot copy"))
+            return
+        real_submit(plan)
+
+    inner.submit = broken
+    _r, external, hit = serve(eng, "b", TOKENS, [0, 1, 2, 4])
+    assert external == 3 * BS and hit["host_pages"] == 3  # offered: the failure is not known yet
+    assert eng.load_errors[-1] == {0, 1, 2}  # rank 1 failed them all: vLLM recomputes them on both ranks
+    _r, external, _hit = serve(eng, "c", TOKENS, [6, 8, 10, 11])
+    assert external == 0  # not offered again right away
+    inner.submit = real_submit
+    time.sleep(0.6)
+    _r, external, _hit = serve(eng, "d", TOKENS, [12, 13, 14, 15])
+    assert external == 3 * BS and eng.load_errors[-1] == set()
+    assert [eng.page(1, b) for b in (12, 13, 14)] == [eng.page(1, b) for b in (3, 7, 5)]
+    eng.scheduler.core.check_integrity()
+    eng.close()
+
+
+def test_join_and_aggregate_are_per_page_minimums():
+    assert join(Done(1), Done(1, 2)) == Done(1)
+    assert join(Done(1), CutShort(1, 3, Reason.MISS)) == CutShort(1, 3, Reason.MISS)
+    assert join(CutShort(1, 2, Reason.CORRUPT, 1), CutShort(1, 5, Reason.MISS)) == CutShort(1, 2, Reason.CORRUPT, 1)
+    assert type(join(CutShort(1, 2, Reason.MISS), Failed(1, Reason.ERROR, "x"))) is Failed
+    a = KVTierWorkerMeta({1: RankResult(Done(1)), 2: RankResult(CutShort(2, 1, Reason.MISS))})
+    b = KVTierWorkerMeta({2: RankResult(Done(2))})
+    agg = a.aggregate(b)
+    assert agg.results[1] == RankResult(Done(1), 1) and agg.results[2] == RankResult(CutShort(2, 1, Reason.MISS), 2)
+
+
+def test_scheduler_never_waits_and_refuses_write_back(tmp_path):
+    eng = Engine(f"file://{tmp_path / 'l3'}", seed=6)
+    with pytest.raises(ExecutorError, match="cannot wait"):
+        eng.scheduler.port.wait([1])
+    eng.close()
+    with pytest.raises(ConfigError, match="write_through"):
+        ConnectorScheduler(ConnectorOptions.from_extra_config({"storage_url": "file:///tmp/x", "storage_write_policy": "write_back"}), BS, 1, "m")
+
+
+def test_stats_count_tokens_and_bytes_per_tier_and_reach_prometheus(tmp_path):
+    from functools import partial
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from kvtier.integrations.vllm.connector import KVTierConnector
+
+    url = f"file://{tmp_path / 'l3'}"
+    first = Engine(url, seed=8)
+    serve(first, "a", TOKENS, [3, 7, 5, 9])
+    first.settle()
+    page_bytes = first.workers[0].executor.inner.engine.host.spec.page_bytes
+    stats = [w.take_stats() for w in first.workers]
+    agg = stats[0].aggregate(stats[1])  # what vLLM's aggregator does over ranks
+    assert agg.data["tokens"] == {"host|store": 2 * 3 * BS, "storage|store": 2 * 3 * BS}
+    assert agg.data["bytes"]["storage|store"] == 2 * 3 * page_bytes and len(agg.data["store_seconds"]) == 2
+    first.close()
+    second = Engine(url, seed=9)
+    serve(second, "b", TOKENS, [0, 1, 2, 4])
+    s = second.workers[1].take_stats()
+    assert s.data["tokens"] == {"storage|load": 3 * BS, "host|load": 3 * BS} and s.data["load_failed_tokens"] == 0
+    assert second.workers[1].take_stats() is None  # a new interval: nothing moved yet
+    reduced = s.reduce()
+    assert reduced["host_load_tokens"] == 3 * BS and reduced["avg_load_seconds"] > 0
+
+    reg = CollectorRegistry()
+    types = {Counter: partial(Counter, registry=reg), Gauge: partial(Gauge, registry=reg), Histogram: partial(Histogram, registry=reg)}
+    prom = KVTierConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types, ["engine"], {0: ["0"]})
+    rebuilt = KVTierConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(s.data)))
+    prom.observe(rebuilt.data, 0)
+    assert reg.get_sample_value("vllm:kvtier_tokens_total", {"engine": "0", "tier": "storage", "direction": "load"}) == 3 * BS
+    assert reg.get_sample_value("vllm:kvtier_bytes_total", {"engine": "0", "tier": "host", "direction": "load"}) == 3 * page_bytes
+    assert reg.get_sample_value("vllm:kvtier_load_seconds_count", {"engine": "0"}) == 1
+    second.close()
+
+
+@pytest.mark.integration
+def test_redis_killed_mid_run_gives_misses_then_hits(tmp_path):
+    """Redis dies between steps: lookups answer "not stored", saves fail in the background, every step
+    still finishes within a bound and nothing raises into vLLM's scheduler or workers; once Redis is
+    back, pages are saved and hit from L3 again."""
+    import time
+
+    from kvtier.app.devservers import RedisServer, wait_until
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        eng = Engine(server.url, seed=10, host_pages=3)  # one request's pages: L3 is where older prefixes live
+        serve(eng, "a", TOKENS, [3, 7, 5, 9])
+        eng.settle()
+        server.kill()
+        t0 = time.monotonic()
+        other = list(range(500, 514))
+        _r, external, _hit = serve(eng, "b", other, [0, 1, 2, 4])  # evicts a's pages from host; its saves fail
+        eng.settle()
+        assert external == 0
+        _r, external, hit = serve(eng, "c", TOKENS, [6, 8, 10, 11])  # a's pages: evicted from host, store down
+        assert external == 0 and hit["storage_pages"] == 0
+        assert time.monotonic() - t0 < 30
+        assert any(w.stats.save_failures for w in eng.workers)
+        eng.scheduler.core.check_integrity()
+        server.start()
+        fresh = list(range(900, 914))
+
+        def stored_and_hit() -> bool:
+            serve(eng, "d", fresh, [0, 1, 2, 4])
+            eng.settle()
+            serve(eng, "e", TOKENS, [6, 8, 10, 11])  # push d's pages out of host memory again
+            eng.settle()
+            _r, external, hit = serve(eng, "f", fresh, [12, 13, 14, 15])
+            return external == 3 * BS and hit["storage_pages"] > 0
+
+        wait_until(stored_and_hit, timeout=30, what="L3 saves and hits after Redis came back")
+        eng.close()
+    finally:
+        server.stop()
+
+
+def test_tiers_reach_vllms_kv_event_stream(tmp_path):
+    """BlockStored when a block's host copy is readable on every rank (medium CPU) and when its L3 save
+    completed (STORAGE), BlockRemoved when host memory evicts it -- in vLLM's own block hashes."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external  # what vLLM publishes for a block hash
+
+    eng = Engine(f"file://{tmp_path / 'l3'}", seed=11, host_pages=3)
+
+    def hashed(rid, tokens):
+        r = request(rid, tokens)
+        r.block_hashes = [bytes([len(rid), i]) * 16 for i in range(len(tokens) // BS)]  # vLLM's, as the router knows them
+        return r
+
+    def start_hashed(rid, tokens, blocks):
+        req = hashed(rid, tokens)
+        external, _ = eng.scheduler.get_num_new_matched_tokens(req, 0)
+        eng.scheduler.update_state_after_alloc(req, external)
+        req.num_computed_tokens = external
+        eng.step(new=[(req, blocks, len(tokens) - external)])
+        eng.scheduler.request_finished(req)
+        return req
+
+    a = start_hashed("a", TOKENS, [3, 7, 5, 9])
+    eng.settle()
+    events = eng.scheduler.events.take()
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in events] == [
+        ("BlockStored", "CPU", [external(h) for h in a.block_hashes[:3]]), ("BlockStored", "STORAGE", [external(h) for h in a.block_hashes[:3]])]
+    assert events[0].token_ids == TOKENS[:12] and events[0].parent_block_hash is None and events[0].block_size == BS
+    start_hashed("bb", list(range(500, 514)), [0, 1, 2, 4])  # needs all 3 host pages: a's leave host memory
+    eng.settle()
+    events = eng.scheduler.events.take()
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
+    assert len(removed) == 1 and sorted(removed[0].block_hashes) == sorted(external(h) for h in a.block_hashes[:3])
+    assert removed[0].medium == "CPU"
+    assert [e.medium for e in events if isinstance(e, BlockStored)] == ["CPU", "STORAGE"]
+    eng.close()
