@@ -340,3 +340,20 @@ def test_tiers_reach_vllms_kv_event_stream(tmp_path):
     assert removed[0].medium == "CPU"
     assert [e.medium for e in events if isinstance(e, BlockStored)] == ["CPU", "STORAGE"]
     eng.close()
+
+
+def test_pages_evicted_between_lookup_and_schedule_are_load_errors():
+    """vLLM asks, then schedules the request later; if kvtier's pages left host memory in between, the
+    blocks it was promised are reported as load errors by every rank, so vLLM recomputes them."""
+    eng = Engine(None, seed=12, host_pages=3)
+    serve(eng, "a", TOKENS, [3, 7, 5, 9])
+    late = request("late", TOKENS)
+    external, _ = eng.scheduler.get_num_new_matched_tokens(late, 0)
+    assert external == 3 * BS
+    serve(eng, "other", list(range(700, 714)), [0, 1, 2, 4])  # needs the 3 host pages: a's go
+    eng.scheduler.update_state_after_alloc(late, external)
+    late.num_computed_tokens = external
+    meta = eng.step(new=[(late, [6, 8, 10, 11], len(TOKENS) - external)])
+    assert meta.unavailable_blocks == [6, 8, 10] and eng.load_errors[-1] == {6, 8, 10}
+    eng.scheduler.core.check_integrity()
+    eng.close()
