@@ -258,6 +258,32 @@ def test_corrupt_object_is_a_miss_deleted_and_repaired(file_url, tmp_path):
     assert same_pages(src, idx, dst, didx)
 
 
+def test_stores_without_scattered_io_stage_and_check_before_copying():
+    """A backend that moves whole objects (memory://) goes through a staged object, checked before any byte
+    reaches SGLang's page: both interfaces round-trip bit-exact, and a corrupt object is a miss that leaves
+    the caller's page untouched."""
+    pool = mha_pool()
+    fill(pool, seed=20)
+    backend = attach(storage_config("memory://"), pool)
+    assert not backend.backend.capabilities.scattered
+    keys = page_keys(list(range(16)), P)
+    idx = pool.alloc(16)
+    raw = lambda t: t.contiguous().view(torch.uint8).numpy().tobytes()  # noqa: E731 (bf16 pages hold NaN bit patterns)
+    flat = [pool.get_data_page(int(i), flat=True).clone() for i in idx[::P]]
+    assert backend.batch_set(keys, flat)
+    got = backend.batch_get(keys, [pool.get_dummy_flat_data_page() for _ in keys])
+    assert [raw(g) for g in got] == [raw(f) for f in flat]
+    didx = pool.alloc(16)
+    assert backend.batch_get_v1(keys, didx) == [True] * 4 and same_pages(pool, idx, pool, didx)
+    name = backend._kv.names([keys[2]])[0]
+    obj = bytearray(backend.backend.data[name])
+    obj[-1] ^= 0xFF
+    backend.backend.data[name] = bytes(obj)
+    target = pool.get_dummy_flat_data_page()
+    assert backend.get(keys[2], target) is None
+    assert raw(target) == bytes(len(raw(target))) and name not in backend.backend.data
+
+
 def _store_down_then_back(backend, pool, keys, idx, stop, start):
     """While the store is down every call is a miss or a failed write within a bound, never an
     exception; once it is back (and the breaker's cooldown passed) pages are saved and hit again."""

@@ -253,27 +253,39 @@ class KvtierStorage(HiCacheStorage):
         out: list[bool] = []
         if not self.breaker.available:
             return out
-        names = pool.names(keys)
         with self._heads() as heads, self._guard("read", out):
-            parts = [[memoryview(heads[j]), *pool.pages.views(p)] for j, p in enumerate(pages)]
-            if self.backend.capabilities.scattered:
-                statuses = self.breaker.call(self.backend.get_scattered, names, parts)
-            else:
-                objs = [bytearray(pool.codec.object_bytes) for _ in keys]
-                statuses = self.breaker.call(self.backend.get, names, [memoryview(o) for o in objs])
-            for j, st in enumerate(statuses):
-                if st is not KeyStatus.OK:
-                    break
-                if not self.backend.capabilities.scattered:
+            out += self._get_objects(pool, keys, [pool.pages.views(p) for p in pages], heads, leading=True)
+        return out
+
+    def _get_objects(self, pool: _Pool, keys: Sequence[str], payloads: list[list[memoryview]], heads: np.ndarray, *,
+                     leading: bool) -> list[bool]:
+        """Read each key's object: its header into ``heads[j]``, its payload into ``payloads[j]`` (straight in
+        with scattered reads, else through a staged object checked before it is copied out). True per page
+        that arrived and passed its check; ``leading``: stop at the first that did not."""
+        names = pool.names(keys)
+        parts = [[memoryview(heads[j]), *payload] for j, payload in enumerate(payloads)]
+        scattered = self.backend.capabilities.scattered
+        if scattered:
+            statuses = self.breaker.call(self.backend.get_scattered, names, parts)
+        else:
+            objs = [bytearray(pool.codec.object_bytes) for _ in keys]
+            statuses = self.breaker.call(self.backend.get, names, [memoryview(o) for o in objs])
+        out: list[bool] = []
+        for j, st in enumerate(statuses):
+            good = st is KeyStatus.OK
+            if good:
+                if scattered:
+                    verdict = pool.codec.check_parts(parts[j][0], parts[j][1:], pool.key16(keys[j]))
+                else:
                     verdict = pool.codec.check(memoryview(objs[j]), pool.key16(keys[j]))
                     if verdict == "ok":
                         scatter_into(memoryview(objs[j]), parts[j])
-                else:
-                    verdict = pool.codec.check_parts(parts[j][0], parts[j][1:], pool.key16(keys[j]))
                 if verdict != "ok":
                     self._discard(names[j], verdict)
-                    break
-                out.append(True)
+                    good = False
+            if not good and leading:
+                break
+            out.append(good)
         return out
 
     def _discard(self, name: str, verdict: str) -> None:
@@ -301,19 +313,23 @@ class KvtierStorage(HiCacheStorage):
         out: list[bool] = []
         if not self.breaker.available:
             return out
-        names = pool.names(keys)
         with self._heads() as heads, self._guard("write", out):
-            parts = []
-            for j, (k, p) in enumerate(zip(keys, pages)):
-                payload = pool.pages.views(p)
-                heads[j] = np.frombuffer(pool.codec.header_for_parts(pool.key16(k), payload), dtype=np.uint8)
-                parts.append([memoryview(heads[j]), *payload])
-            if self.backend.capabilities.scattered:
-                statuses = self.breaker.call(self.backend.set_scattered, names, parts)
-            else:
-                statuses = self.breaker.call(self.backend.set, names, [memoryview(b"".join(ps)) for ps in parts])
-            out += [st is KeyStatus.OK for st in statuses]
+            out += self._put_objects(pool, keys, [pool.pages.views(p) for p in pages], heads)
         return out
+
+    def _put_objects(self, pool: _Pool, keys: Sequence[str], payloads: list[list[memoryview]], heads: np.ndarray) -> list[bool]:
+        """Store each key's object: a header hashed over its payload (into ``heads[j]``), then the payload as
+        it is (scattered writes) or joined into one value. True per page stored."""
+        parts = []
+        for j, (k, payload) in enumerate(zip(keys, payloads)):
+            heads[j] = np.frombuffer(pool.codec.header_for_parts(pool.key16(k), payload), dtype=np.uint8)
+            parts.append([memoryview(heads[j]), *payload])
+        names = pool.names(keys)
+        if self.backend.capabilities.scattered:
+            statuses = self.breaker.call(self.backend.set_scattered, names, parts)
+        else:
+            statuses = self.breaker.call(self.backend.set, names, [memoryview(b"".join(ps)) for ps in parts])
+        return [st is KeyStatus.OK for st in statuses]
 
     # ---- lookups -----------------------------------------------------------------------
     def _stored_prefix(self, pool: _Pool, keys: Sequence[str]) -> int:
@@ -450,28 +466,12 @@ class KvtierStorage(HiCacheStorage):
         if not keys or not self.breaker.available:
             self._count_read(pool, 0, len(keys), 0.0)
             return out
-        names = pool.names(keys)
         heads = np.zeros((len(keys), HEADER_BYTES), dtype=np.uint8)
         ok: list[bool] = []
         with self._guard("get", ok):
-            parts = [[memoryview(heads[j]), views[j]] for j in range(len(keys))]
-            if self.backend.capabilities.scattered:
-                statuses = self.breaker.call(self.backend.get_scattered, names, parts)
-            else:
-                objs = [bytearray(pool.codec.object_bytes) for _ in keys]
-                statuses = self.breaker.call(self.backend.get, names, [memoryview(o) for o in objs])
-                for j, st in enumerate(statuses):
-                    if st is KeyStatus.OK:
-                        scatter_into(memoryview(objs[j]), parts[j])
-            for j, st in enumerate(statuses):
-                good = st is KeyStatus.OK
-                if good:
-                    verdict = pool.codec.check_parts(parts[j][0], parts[j][1:], pool.key16(keys[j]))
-                    if verdict != "ok":
-                        self._discard(names[j], verdict)
-                        good = False
-                ok.append(good)
-                out[j] = targets[j] if good else None
+            ok += self._get_objects(pool, keys, [[v] for v in views], heads, leading=False)
+        for j, good in enumerate(ok):
+            out[j] = targets[j] if good else None
         self._count_read(pool, sum(ok), len(keys), time.perf_counter() - t0)
         return out
 
@@ -492,19 +492,13 @@ class KvtierStorage(HiCacheStorage):
         if have == len(keys):
             self._count_write(pool, have, 0, 0.0)
             return True
-        names = pool.names(keys[have:])
+        todo = keys[have:]
         ok: list[bool] = []
         with self._guard("set", ok):
-            parts = []
-            for k, v in zip(keys[have:], views[have:]):
-                parts.append([memoryview(pool.codec.header_for_parts(pool.key16(k), [v])), v])
-            if self.backend.capabilities.scattered:
-                statuses = self.breaker.call(self.backend.set_scattered, names, parts)
-            else:
-                statuses = self.breaker.call(self.backend.set, names, [memoryview(b"".join(ps)) for ps in parts])
-            ok += [st is KeyStatus.OK for st in statuses]
+            heads = np.zeros((len(todo), HEADER_BYTES), dtype=np.uint8)
+            ok += self._put_objects(pool, todo, [[v] for v in views[have:]], heads)
         self._count_write(pool, have, sum(ok), time.perf_counter() - t0)
-        return len(ok) == len(names) and all(ok)
+        return len(ok) == len(todo) and all(ok)
 
     def exists(self, key: str) -> bool:
         return self._kv_hits([key]) == 1

@@ -18,7 +18,7 @@ from collections.abc import Collection, Sequence
 
 from kvtier.core.plans import Completion, Transfer
 from kvtier.errors import ExecutorError
-from kvtier.integrations.vllm.messages import RankResult
+from kvtier.integrations.vllm.messages import RankResult, join
 from kvtier.l3.base import map_storage_errors
 from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.registry import open_backend
@@ -71,8 +71,6 @@ class SchedulerPort:
 
     def deliver(self, results: dict[int, RankResult]) -> None:
         """One step's worker results (already aggregated over the ranks that ran this step)."""
-        from kvtier.integrations.vllm.messages import join
-
         for op, r in results.items():
             mine = self._partial.pop(op, None)
             if mine is not None:

@@ -71,8 +71,6 @@ class ConnectorWorker:
         self.executor: ChainedExecutor | None = None
         self.storage = None
         self._layer_index: dict[str, int] = {}
-        #: plans of this step, by op
-        self._plans: dict[int, Transfer] = {}
         #: copies into vLLM's blocks started this step
         self._loads: list[int] = []
         #: offload copies and saves: run after the forward
@@ -106,7 +104,6 @@ class ConnectorWorker:
         self._failed_blocks.update(unavailable_blocks)
         self._load_started = time.perf_counter() if any(p.dst is Tier.DEVICE or p.src is Tier.STORAGE for p in plans) else None
         for p in plans:
-            self._plans[p.op] = p
             self._open[p.op] = p
             if p.src is Tier.STORAGE or p.dst is Tier.DEVICE:
                 ex.submit(p)
@@ -181,9 +178,6 @@ class ConnectorWorker:
             return None
         self._collect(self.executor.poll())
         done, self._done = self._done, {}
-        for op in list(self._plans):
-            if op not in self._open:
-                del self._plans[op]
         return KVTierWorkerMeta({op: RankResult(c) for op, c in done.items()}) if done else None
 
     def drained_stats(self, timeout_s: float = 30.0) -> WorkerStats:
