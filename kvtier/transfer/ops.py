@@ -22,8 +22,13 @@ def load_pages_one_layer(host, device, host_pages: torch.Tensor, device_pages: t
         backend.copy(plan, host.rows(b.name, layer), device.rows(b.name, layer))
 
 
+def backup_pages_one_layer(host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int, backend: IOBackend, plan: Any = None) -> None:
+    plan = backend.plan(device_pages, host_pages) if plan is None else plan
+    for b in host.spec.buffers:
+        backend.copy(plan, device.rows(b.name, layer), host.rows(b.name, layer))
+
+
 def backup_pages_all_layers(host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, backend: IOBackend) -> None:
     plan = backend.plan(device_pages, host_pages)
     for layer in range(host.spec.num_layers):
-        for b in host.spec.buffers:
-            backend.copy(plan, device.rows(b.name, layer), host.rows(b.name, layer))
+        backup_pages_one_layer(host, device, host_pages, device_pages, layer, backend, plan)

@@ -3,7 +3,7 @@
 ``python -m kvtier.app.bench.gpu_check --json`` (``--device cpu`` runs the same code on the CPU
 path -- worker thread and per-layer events -- which is how the test suite keeps it working).
 
-Four checks, through kvtier's own pools and transfer engine (pinned host memory, a
+Five checks, through kvtier's own pools and transfer engine (pinned host memory, a
 dedicated copy stream and per-layer CUDA events on a GPU):
 
 1. **bit-exact round trips**: random bytes in device pages -> ``backup`` (all layers) into
@@ -14,6 +14,10 @@ dedicated copy stream and per-layer CUDA events on a GPU):
 3. **per-layer overlap**: while layer ``i`` loads, "attention" of layer ``i - 1`` runs (a
    matmul per layer on the default stream, waiting only for its own layer). Reported:
    the overlapped wall time against load-then-compute run serially, in the same run.
+5. **layered save** (what the vLLM connector's ``save_kv_layer`` does): a device->host job
+   whose layer ``i`` is released right after "the forward" writes it (a matmul, then the
+   layer's pages written on the default stream); the copy stream must wait for that write
+   (a CUDA event recorded at the release). Host bytes compared with the device's.
 4. **the cache through its executor**: the policy core with a local executor over device
    pools on the GPU (``HierarchicalCache``): a request computed and committed, evicted to
    host (write_back backup), begun again and loaded back layer by layer; bytes compared and
@@ -50,6 +54,7 @@ class GpuCheckReport:
     overlapped_ms: float = 0.0
     overlap_speedup: float = 0.0
     cache_round_trip: dict = field(default_factory=dict)
+    layered_save: dict = field(default_factory=dict)
 
 
 def _sync(device: torch.device) -> None:
@@ -114,6 +119,29 @@ def cache_round_trip(spec: KVSpec, device: torch.device, pages: int) -> dict:
         cache.close()
     return {"spec": spec.name, "pages": pages, "evicted": evicted.evicted, "backed_up": evicted.backed_up, "hit_device_host": list(hit),
             "bit_exact": bool(equal and hit == (0, pages))}
+
+
+def layered_save(spec: KVSpec, device: torch.device, pages: int, work: int) -> dict:
+    """Per layer: busy the default stream, write the layer's pages on it, release the layer's copy."""
+    dev = DevicePool(spec, pages, device)
+    host = HostPool(spec, pages, "page_first")
+    engine = TransferEngine(host, dev)
+    busy = torch.randn(work, work, device=device) / work**0.5
+    g = torch.Generator(device="cpu").manual_seed(11)
+    try:
+        job = engine.submit("device", "host", list(range(pages)), list(range(pages)), layered=True)
+        for layer in range(spec.num_layers):
+            busy = torch.tanh(busy @ busy)  # a forward still running when the layer's write is queued
+            for b in spec.buffers:
+                rows = dev.rows(b.name, layer).view(torch.uint8)
+                rows[:pages] = torch.randint(0, 256, (pages, rows.shape[1]), dtype=torch.uint8, generator=g).to(device)
+            engine.release_layer(job, layer)
+        job.wait()
+        _sync(device)
+        equal = all(host.page_bytes(p) == dev.page_bytes(p) for p in range(pages))
+    finally:
+        engine.close()
+    return {"spec": spec.name, "pages": pages, "layers": spec.num_layers, "bit_exact": bool(equal)}
 
 
 def load_bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int) -> tuple[float, float]:
@@ -185,7 +213,9 @@ def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers:
         for layout in ("layer_first", "page_first"):
             report.round_trips.append(round_trip(spec, layout, dev, min(pages, 64)))
     report.cache_round_trip = cache_round_trip(specs[0], dev, min(pages, 32))
-    report.bit_exact = all(r["bit_exact"] for r in report.round_trips) and report.cache_round_trip["bit_exact"]
+    report.layered_save = layered_save(specs[1], dev, min(pages, 64), work)
+    report.bit_exact = (all(r["bit_exact"] for r in report.round_trips) and report.cache_round_trip["bit_exact"]
+                        and report.layered_save["bit_exact"])
     load, copy = load_bandwidth(specs[0], dev, pages, reps)
     report.load_gbps, report.copy_gbps, report.load_over_copy = round(load, 3), round(copy, 3), round(load / copy, 3)
     serial, overlapped = overlap(specs[0], dev, pages, work)

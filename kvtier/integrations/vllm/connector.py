@@ -89,6 +89,8 @@ class KVTierConnector(KVConnectorBase_V1):
         else:
             self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank)
         self._handshake: KVTierHandshake | None = None
+        #: the metadata of the step the worker has begun (see _begin_step)
+        self._step_meta: KVTierConnectorMetadata | None = None
 
     @property
     def hits(self):
@@ -102,19 +104,32 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVTierHandshake | None:
         return self._handshake
 
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+    def _begin_step(self) -> None:
+        """Hand the step's plans to the worker, once, at whichever of vLLM's calls comes first: vLLM
+        0.32 calls ``start_load_kv`` before the forward only in steps with synchronous loads, and
+        after it otherwise -- by then every layer's ``save_kv_layer`` has come and gone."""
         meta = self._get_connector_metadata()
-        assert isinstance(meta, KVTierConnectorMetadata)
-        self.worker.start_loads(meta.plans, meta.unavailable_blocks)
+        if meta is not self._step_meta:
+            assert isinstance(meta, KVTierConnectorMetadata)
+            self._step_meta = meta
+            self.worker.start_loads(meta.plans, meta.unavailable_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._begin_step()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
+        self._begin_step()
         self.worker.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
-        """Nothing per layer: a page's layers are copied out together in :meth:`wait_for_save` (one job)."""
+        """Layer ``layer_name`` of the blocks this step computes is written: its copy out to host memory starts."""
+        self._begin_step()
+        self.worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
+        self._begin_step()
         self.worker.finish_step()
+        self._step_meta = None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()

@@ -8,14 +8,17 @@ already tracks):
 * ``BlockStored(medium="CPU")`` when a block's copy in host memory became
   readable (its copy out of vLLM's block completed on every rank);
 * ``BlockStored(medium="STORAGE")`` when its L3 save completed on every rank;
-* ``BlockRemoved(medium="CPU")`` when host memory evicts it.
-
-The store's own evictions (a file cap, Redis maxmemory) are not seen by the
-scheduler and are not reported.
+* ``BlockRemoved(medium="CPU")`` when host memory evicts it;
+* ``BlockRemoved(medium="STORAGE")`` when a lookup finds a block reported
+  stored in L3 gone from the store: the store evicts on its own (a file cap,
+  Redis maxmemory, a flushed or lost server), so the scheduler learns of it
+  when it next asks, and says so then. A lookup stops at the first missing
+  block, which is also where a router's prefix match would stop.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from vllm.distributed.kv_events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, KVCacheEvent
@@ -36,11 +39,14 @@ class _Planned:
 
 
 class TierEvents:
-    def __init__(self, block_size: int):
+    def __init__(self, block_size: int, max_storage_entries: int = 1 << 20):
         self.block_size = block_size
         self._planned: list[_Planned] = []
         #: page key -> vLLM block hash, for the pages whose host copy was reported stored
         self._on_host: dict[PageHash, object] = {}
+        #: the same for pages reported stored in L3 (bounded: the oldest are forgotten, not reported)
+        self._in_storage: OrderedDict[PageHash, object] = OrderedDict()
+        self.max_storage_entries = max_storage_entries
         self._events: list[KVCacheEvent] = []
 
     def planned(self, request, first: int, keys: list[PageHash], copy_op: int | None, save_op: int | None) -> None:
@@ -82,9 +88,19 @@ class TierEvents:
                 if node is None or node.stored != STORED:
                     break
                 saved.append(b)
+                self._in_storage[k] = b[0]
+                self._in_storage.move_to_end(k)
             if saved:
                 self._stored(saved, MEDIUM_STORAGE)
+        while len(self._in_storage) > self.max_storage_entries:
+            self._in_storage.popitem(last=False)
         self._planned = pending
+
+    def missing_from_storage(self, key: PageHash) -> None:
+        """A lookup asked L3 for ``key`` and the store does not hold it (on some rank)."""
+        block = self._in_storage.pop(key, None)
+        if block is not None:
+            self._events.append(BlockRemoved(block_hashes=[block], medium=MEDIUM_STORAGE))
 
     def evicted(self, keys: list[PageHash]) -> None:
         gone = [self._on_host.pop(k) for k in keys if k in self._on_host]

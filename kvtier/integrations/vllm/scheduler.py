@@ -196,7 +196,10 @@ class ConnectorScheduler:
         usable = (request.num_prompt_tokens - 1) // bs
         self._extend_keys(state, usable)
         start = num_computed_tokens // bs
-        found = self.core.lookup(state.keys[: self.recent_failures.usable(state.keys[:usable])])
+        asked = state.keys[: self.recent_failures.usable(state.keys[:usable])]
+        found = self.core.lookup(asked)
+        if found.probed and found.pages < len(asked):
+            self.events.missing_from_storage(asked[found.pages])
         state.load_start, state.load_end, state.load_pending = start, max(start, found.pages), False
         external = (state.load_end - start) * bs
         state.hit = HitRecord(request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages)

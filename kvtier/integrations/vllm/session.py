@@ -57,7 +57,8 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
 
 def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: str | None = None, block_size: int = 32,
                 max_tokens: int = 8, host_gb: float = 0.25, extra: dict | None = None, warmup: bool = False, tp: int = 1,
-                dtype: str = "bfloat16", chat_turns: int = 0) -> SessionReport:
+                dtype: str = "bfloat16", chat_turns: int = 0, between_prompts=None) -> SessionReport:
+    """``between_prompts(i)``: called after prompt ``i`` is done (a test injects a fault there)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
@@ -82,7 +83,9 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         llm.reset_prefix_cache()
     chat_params = SamplingParams(temperature=0.0, max_tokens=32)
     history: list[int] = []
-    for ids in prompts if not chat_turns else ():
+    for i, ids in enumerate(prompts if not chat_turns else ()):
+        if i and between_prompts is not None:
+            between_prompts(i - 1)
         t = time.perf_counter()
         ttft_out = llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)[0]  # TTFT: prefill + first token
         ttft = time.perf_counter() - t
@@ -119,17 +122,56 @@ class KVTierWorkerExtension:
 
 
 MARKER = "KVTIER_SESSION "
+#: ``--pause-between-prompts``: printed after each prompt; the session goes on once a line arrives on stdin
+PAUSE_MARKER = "KVTIER_PROMPT_DONE "
 
 
-def run_in_subprocess(*args: str, timeout: float | None = None) -> dict:
-    """Run ``python -m kvtier.integrations.vllm.session *args`` (a fresh engine process) and return its report."""
-    import subprocess
+def _pause(i: int) -> None:
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "kvtier.integrations.vllm.session", *args], capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
-    if out.returncode != 0:
-        raise RuntimeError(f"engine session {' '.join(args)} exited {out.returncode}:\n{out.stderr[-4000:]}")
-    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    print(f"{PAUSE_MARKER}{i}", flush=True)
+    sys.stdin.readline()
+
+
+def run_in_subprocess(*args: str, timeout: float | None = None, between_prompts=None) -> dict:
+    """Run ``python -m kvtier.integrations.vllm.session *args`` (a fresh engine process) and return its report.
+
+    ``between_prompts(i)`` runs here, in the caller's process, after the engine finished prompt ``i``
+    and before it starts the next one (the engine waits for it): a test kills a server there."""
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    cmd = [sys.executable, "-m", "kvtier.integrations.vllm.session", *args]
+    if between_prompts is None:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
+        stdout, stderr, rc = out.stdout, out.stderr, out.returncode
+    else:
+        with tempfile.TemporaryFile("w+") as err:
+            proc = subprocess.Popen([*cmd, "--pause-between-prompts"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                    text=True, env=os.environ.copy())
+            timer = threading.Timer(timeout, proc.kill) if timeout else None  # the whole run's deadline
+            if timer is not None:
+                timer.start()
+            try:
+                lines = []
+                for line in proc.stdout:
+                    lines.append(line)
+                    if line.startswith(PAUSE_MARKER):
+                        between_prompts(int(line[len(PAUSE_MARKER):]))
+                        proc.stdin.write("\n")
+                        proc.stdin.flush()
+                rc = proc.wait()
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                proc.kill()
+            err.seek(0)
+            stdout, stderr = "".join(lines), err.read()
+    if rc != 0:
+        raise RuntimeError(f"engine session {' '.join(args)} exited {rc}:\n{stderr[-4000:]}")
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
 
 
 def main(
@@ -147,6 +189,8 @@ def main(
     prompt_json: str = typer.Option(None, help="explicit prompts as a JSON list of token-id lists (instead of --prompt-tokens)"),
     chat_turns: int = typer.Option(0, help="instead: one conversation of this many turns (the first prompt, then each turn adds "
                                            "the answer and a 64-token question; 32 tokens generated per turn)"),
+    pause_between_prompts: bool = typer.Option(False, help=f"after each prompt print {PAUSE_MARKER.strip()} N and wait for a line "
+                                                           "on stdin (a test injects a fault between prompts)"),
 ) -> None:
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM's automatic binding wants a NUMA node per worker; give each rank its own core(s)
@@ -157,7 +201,8 @@ def main(
     else:
         prompts = [prompt_ids(n, seed + i) for i, n in enumerate(prompt_tokens) for _ in range(repeat)]
     report = run_session(prompts, kvtier=not no_kvtier, storage_url=storage_url, max_tokens=max_tokens, warmup=warmup, tp=tp,
-                         dtype=dtype, extra=json.loads(storage_options), chat_turns=chat_turns)
+                         dtype=dtype, extra=json.loads(storage_options), chat_turns=chat_turns,
+                         between_prompts=_pause if pause_between_prompts else None)
     print(MARKER + json.dumps(asdict(report)))
 
 

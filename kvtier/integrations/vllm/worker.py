@@ -12,10 +12,16 @@ Per step, in vLLM's order:
   are settled per the storage config's prefetch policy; the copies into vLLM's
   blocks that follow them start with what arrived (``Transfer.after``), one layer
   at a time on kvtier's transfer worker;
+  the step's copies out of vLLM's blocks are submitted *layered*: nothing moves yet;
 * ``wait_for_layer_load(layer)`` -> :meth:`ConnectorWorker.wait_layer`: that layer only;
+* ``save_kv_layer(layer)`` -> :meth:`ConnectorWorker.save_layer`: that layer of the
+  blocks being computed is written, so its copy out starts while the forward goes
+  on with the next layers;
 * ``wait_for_save`` -> :meth:`ConnectorWorker.finish_step`: the loads have landed;
-  the step's copies out of vLLM's blocks run and are waited for (vLLM may reuse
-  the blocks afterwards), their write-through L3 saves continue in the background;
+  any layer vLLM did not announce is released, and the copies out are waited for:
+  vLLM may free or reuse the blocks once the step is over (its contract for saves
+  that do not report through ``get_finished``; what still runs in the background,
+  the write-through L3 saves, reads kvtier's host pages, never vLLM's blocks);
 * ``get_block_ids_with_load_errors`` -> the blocks whose pages did not arrive
   (vLLM recomputes them);
 * ``build_connector_worker_meta`` -> :meth:`ConnectorWorker.take_results`: every
@@ -56,6 +62,10 @@ class WorkerStats:
     offloaded_pages: int = 0
     saved_pages: int = 0
     save_failures: int = 0
+    #: layer copies out of vLLM's blocks started in save_kv_layer, during the forward ...
+    offload_layers_in_forward: int = 0
+    #: ... and those released in wait_for_save (layers vLLM did not announce)
+    offload_layers_at_step_end: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -73,8 +83,10 @@ class ConnectorWorker:
         self._layer_index: dict[str, int] = {}
         #: copies into vLLM's blocks started this step
         self._loads: list[int] = []
-        #: offload copies and saves: run after the forward
-        self._later: list[Transfer] = []
+        #: this step's copies out of vLLM's blocks (layered) and the layers released so far
+        self._offloads: list[int] = []
+        self._released: set[int] = set()
+        self._num_layers = 0
         #: plans whose completion has not come back yet (op -> plan), across steps
         self._open: dict[int, Transfer] = {}
         self._done: dict[int, Completion] = {}
@@ -93,6 +105,7 @@ class ConnectorWorker:
         engine = TransferEngine(host, device, self.options.cache.io_backend, name=f"kvtier-worker{self.tp_rank}")
         self.executor = ChainedExecutor(LocalExecutor(engine, self.storage))
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
+        self._num_layers = spec.num_layers
         log.info("kvtier worker rank %d: %s, %d host pages (%s), L3 %s", self.tp_rank, spec.name, host.num_pages, host.layout.kind,
                  redact_url(self.options.storage.url) or "off")
         return KVTierHandshake(self.tp_rank, spec, host.num_pages, str(namespace) if self.storage is not None else None)
@@ -100,17 +113,18 @@ class ConnectorWorker:
     # ---- one step --------------------------------------------------------------------------
     def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = ()) -> None:
         ex = self.executor
-        self._loads, self._later = [], []
+        self._loads, self._offloads, self._released = [], [], set()
         self._failed_blocks.update(unavailable_blocks)
         self._load_started = time.perf_counter() if any(p.dst is Tier.DEVICE or p.src is Tier.STORAGE for p in plans) else None
-        for p in plans:
+        for p in plans:  # in plan order: a save follows the copy that fills its host pages (Transfer.after)
             self._open[p.op] = p
-            if p.src is Tier.STORAGE or p.dst is Tier.DEVICE:
+            if p.src is Tier.DEVICE:
+                ex.submit(p, layered=True)
+                self._offloads.append(p.op)
+            else:
                 ex.submit(p)
                 if p.dst is Tier.DEVICE:
                     self._loads.append(p.op)
-            else:
-                self._later.append(p)
         cfg = self.options.storage
         for p in plans:
             if p.src is Tier.STORAGE:  # the copy that follows starts with what this lets arrive
@@ -124,6 +138,15 @@ class ConnectorWorker:
         for op in self._loads:
             self.executor.wait_layer(op, layer)
 
+    def save_layer(self, layer_name: str) -> None:
+        """vLLM wrote layer ``layer_name`` of this step's blocks: copy that layer of the step's offloads out now."""
+        layer = self._layer_index.get(layer_name)
+        if layer is None or not self._offloads or layer in self._released:
+            return
+        self._released.add(layer)
+        for op in self._offloads:
+            self.executor.release_layer(op, layer)
+
     def finish_step(self) -> None:
         ex = self.executor
         if self._loads:
@@ -132,14 +155,13 @@ class ConnectorWorker:
         if self._load_started is not None:
             self.interval.data["load_seconds"].append(time.perf_counter() - self._load_started)
             self._load_started = None
-        offloads = []
-        for p in self._later:
-            ex.submit(p)
-            if p.src is Tier.DEVICE:
-                offloads.append(p.op)
-        self._later = []
+        offloads, self._offloads = self._offloads, []
         if offloads:  # vLLM may reuse these blocks once the step is over
+            self.stats.offload_layers_in_forward += len(offloads) * len(self._released)
+            self.stats.offload_layers_at_step_end += len(offloads) * (self._num_layers - len(self._released))
             t0 = time.perf_counter()
+            for op in offloads:
+                ex.release_rest(op)
             self._collect(ex.wait(offloads))
             self.interval.data["store_seconds"].append(time.perf_counter() - t0)
         self._collect(ex.poll())
