@@ -43,8 +43,12 @@ class Engine:
         self.scheduler = ConnectorScheduler(self.options, BS, ranks, "tiny")
         self.scheduler.handshake(shakes)
         self.load_errors: list[set[int]] = []
+        #: per step, what each rank reported in get_finished (finished sending)
+        self.finished_sending: list[list[set[str]]] = []
+        #: every step's connector metadata, in order
+        self.metas: list = []
 
-    def step(self, new=(), cached=(), forward=None, announce_layers=True):
+    def step(self, new=(), cached=(), forward=None, announce_layers=True, preempted=()):
         """One vLLM step: ``new`` = [(request, block_ids, scheduled_tokens)], ``cached`` likewise.
 
         Per layer, as vLLM's attention wrapper: wait for its load, ``forward(rank, layer)`` (the
@@ -54,11 +58,13 @@ class Engine:
             scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(list(b),), num_computed_tokens=r.num_computed_tokens)
                                 for r, b, _n in new],
             scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _b, _n in cached], new_block_ids=[None for _ in cached],
-                                                  resumed_req_ids=set(), num_computed_tokens=[r.num_computed_tokens for r, _b, _n in cached]))
+                                                  resumed_req_ids=set(), num_computed_tokens=[r.num_computed_tokens for r, _b, _n in cached]),
+            preempted_req_ids=set(preempted))
         meta = pickle.loads(pickle.dumps(self.scheduler.build_meta(out)))  # it crosses a process boundary in vLLM
-        metas, errors = [], set()
+        metas, errors, sending = [], set(), []
         for w in self.workers:
-            w.start_loads(meta.plans, meta.unavailable_blocks)
+            w.wait_copies(meta.preempted_copies)  # handle_preemptions, before the forward
+            w.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed)
             for layer in range(LAYERS):
                 w.wait_layer(f"layer{layer}")
                 if forward is not None:
@@ -66,6 +72,7 @@ class Engine:
                 if announce_layers:
                     w.save_layer(f"layer{layer}")
             w.finish_step()
+            sending.append(w.finished_sending())  # get_finished
             errors |= w.take_load_errors()
             m = w.take_results()
             metas.append(pickle.loads(pickle.dumps(m)) if m is not None else None)
@@ -73,6 +80,8 @@ class Engine:
         for m in metas:  # vLLM's KVOutputAggregator: the first rank's meta aggregates the others
             agg = m if agg is None else (agg.aggregate(m) if m is not None else agg)
         self.load_errors.append(errors)
+        self.finished_sending.append(sending)
+        self.metas.append(meta)
         self.scheduler.update_connector_output(agg)
         for r, _b, n in [*new, *cached]:
             r.num_computed_tokens += n
@@ -112,7 +121,22 @@ def start(engine: Engine, rid: str, tokens: list[int], blocks: list[int]):
 def serve(engine: Engine, rid: str, tokens: list[int], blocks: list[int]):
     """A one-step request: prefill, then finished (what kvtier offered it comes back from request_finished)."""
     req, external = start(engine, rid, tokens, blocks)
-    return req, external, engine.scheduler.request_finished(req)["kvtier"]
+    return req, external, finish(engine, req)[1]["kvtier"]
+
+
+def finish(engine: Engine, req, max_steps: int = 50) -> tuple[bool, dict | None]:
+    """vLLM finishes ``req``: when the connector asks to keep its blocks, vLLM steps on (as it does while
+    a finished request awaits its connector) until every rank reported it in get_finished -- once each,
+    and never a request whose blocks were not kept. Returns whether they were kept."""
+    keep, params = engine.scheduler.request_finished(req)
+    first = len(engine.finished_sending)
+    for _ in range(max_steps if keep else 0):
+        engine.settle()  # a step's worth of time: the copies in flight land (then one step)
+        if all(any(req.request_id in r for r in ranks) for ranks in zip(*engine.finished_sending[first:])):
+            break
+    reported = [sum(req.request_id in step[rank] for step in engine.finished_sending[first:]) for rank in range(len(engine.workers))]
+    assert reported == ([1] * len(engine.workers) if keep else [0] * len(engine.workers)), reported
+    return keep, params
 
 
 TOKENS = list(range(100, 114))  # 3 full blocks of 4 and a partial tail of 2
@@ -173,8 +197,9 @@ def test_decoded_blocks_are_stored_for_the_next_turn(tmp_path):
     for tok in range(6):  # decode 6 tokens: positions 14..19 fill block 3 (tokens 12..15) and block 4 (16..19)
         req.all_token_ids.append(900 + tok)
         eng.step(cached=[(req, [], 1)])
+    finish(eng, req)
     eng.settle()
-    assert eng.scheduler.request_finished(req)["kvtier"]["offloaded_pages"] == 5  # 3 prompt blocks, 2 holding decoded tokens
+    assert [w.stats.offloaded_pages for w in eng.workers] == [5, 5]  # 3 prompt blocks, 2 holding decoded tokens
     turn2 = req.all_token_ids[:19] + [7, 7, 7, 7, 7]  # the answer so far is part of the next prompt
     _r, external, hit = serve(eng, "turn2", turn2, [0, 1, 2, 4, 6, 8])
     assert external == 4 * BS and hit["host_pages"] == 4
@@ -192,11 +217,11 @@ def test_a_failed_load_is_not_offered_again_for_a_while():
     inner = eng.workers[1].executor.inner
     real_submit = inner.submit
 
-    def broken(plan):
+    def broken(plan, **how):
         if plan.dst.name == "DEVICE":
             inner._ready.append(Failed(plan.op, Reason.ERROR, "injected: rank 1 cannot copy"))
             return
-        real_submit(plan)
+        real_submit(plan, **how)
 
     inner.submit = broken
     _r, external, hit = serve(eng, "b", TOKENS, [0, 1, 2, 4])
@@ -397,9 +422,75 @@ def test_blocks_computed_in_a_step_are_copied_out_as_each_layer_is_written(annou
     [copy] = [p for p in meta.plans if p.src.name == "DEVICE"]
     assert list(copy.src_pages) == blocks[:3]  # full blocks only
     for w in eng.workers:
+        w.drained_stats()  # the copies out finish after the step (vLLM keeps the blocks until they did)
         host = w.executor.inner.engine.host
         assert [host.page_bytes(h) for h in copy.dst_pages] == [b"".join(eng.page(w.tp_rank, b)) for b in copy.src_pages]
         early, late = (LAYERS, 0) if announce_layers else (0, LAYERS)
         assert (w.stats.offload_layers_in_forward, w.stats.offload_layers_at_step_end) == (early, late)
         assert w.stats.offloaded_pages == 3
+    eng.close()
+
+
+@pytest.fixture
+def gated_copies(monkeypatch):
+    """Copies out of the engine's blocks wait until the test opens the gate (bounded: 10 s)."""
+    import threading
+
+    from kvtier.transfer import engine as engine_mod
+
+    gate = threading.Event()
+    real = engine_mod.backup_pages_one_layer
+
+    def gated(*args, **kwargs):
+        gate.wait(10)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "backup_pages_one_layer", gated)
+    return gate
+
+
+def test_a_finished_requests_blocks_are_kept_until_every_rank_copied_them(gated_copies):
+    """request_finished asks vLLM to keep the blocks while the copy out of them runs; each rank reports
+    the request in get_finished once its own copy is done -- not before, and once."""
+    eng = Engine(None, seed=13)
+    req, _ = start(eng, "a", TOKENS, [3, 7, 5, 9])
+    keep, params = eng.scheduler.request_finished(req)
+    assert keep is True and params["kvtier"]["offloaded_pages"] == 3
+    meta = eng.step()
+    [copy_op] = meta.delayed["a"]
+    eng.step()
+    assert eng.finished_sending[-2:] == [[set(), set()], [set(), set()]]  # the copies are still running
+    gated_copies.set()
+    for _ in range(10):
+        eng.settle()
+        if all(any("a" in r for r in ranks) for ranks in zip(*eng.finished_sending)):
+            break
+    assert [sum("a" in step[r] for step in eng.finished_sending) for r in range(2)] == [1, 1]
+    assert all(eng.scheduler.core.holds(k) for k in page_keys(TOKENS, BS, eng.scheduler._root, eng.options.cache.hash_algo))
+    eng.close()
+
+
+def test_a_preempted_requests_copies_finish_before_the_next_forward_reuses_its_blocks(gated_copies):
+    """vLLM frees a preempted request's blocks at once and the next step may overwrite them:
+    handle_preemptions waits for kvtier's copies out of them first, so host memory has what they held."""
+    import threading
+
+    eng = Engine(None, seed=14)
+    blocks = [3, 7, 5, 9]
+    req, _ = start(eng, "p", TOKENS, blocks)
+    originals = [[eng.page(r, b) for b in blocks[:3]] for r in range(2)]
+    timer = threading.Timer(0.2, gated_copies.set)  # the copies can only finish once the next step began
+    timer.start()
+
+    def reuse(rank, layer):  # the next request's forward writes into the freed blocks
+        eng.kv[rank][f"layer{layer}"][blocks] = 0
+
+    meta = eng.step(preempted=["p"], forward=reuse)
+    timer.join()
+    assert len(meta.preempted_copies) == 1
+    for r, w in enumerate(eng.workers):
+        w.drained_stats()
+        host = w.executor.inner.engine.host
+        copy = next(p for m in eng.metas for p in m.plans if p.op == meta.preempted_copies[0])
+        assert [host.page_bytes(h) for h in copy.dst_pages] == [b"".join(page) for page in originals[r]]
     eng.close()

@@ -112,7 +112,7 @@ class KVTierConnector(KVConnectorBase_V1):
         if meta is not self._step_meta:
             assert isinstance(meta, KVTierConnectorMetadata)
             self._step_meta = meta
-            self.worker.start_loads(meta.plans, meta.unavailable_blocks)
+            self.worker.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._begin_step()
@@ -130,6 +130,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self._begin_step()
         self.worker.finish_step()
         self._step_meta = None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Finished requests whose blocks vLLM kept for kvtier's copies out of them: those copies are done."""
+        return (self.worker.finished_sending() or None) if self.worker is not None else None, None
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before a step may overwrite preempted requests' blocks: kvtier's copies out of them are done."""
+        if self.worker is not None and isinstance(kv_connector_metadata, KVTierConnectorMetadata):
+            self.worker.wait_copies(kv_connector_metadata.preempted_copies)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
@@ -171,7 +180,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return False, self.scheduler.request_finished(request)
+        return self.scheduler.request_finished(request)
 
     def take_events(self):
         """kvtier's host and L3 tiers as vLLM KV events (``BlockStored`` / ``BlockRemoved`` with their medium)."""

@@ -4,7 +4,9 @@
   (vLLM's ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): the
   spec its tensors make, its host pages and its L3 namespace.
 * :class:`KVTierConnectorMetadata` -- scheduler -> every worker, each step: the
-  core's plans (:class:`~kvtier.core.plans.Transfer`, page ids and page keys).
+  core's plans (:class:`~kvtier.core.plans.Transfer`, page ids and page keys),
+  and which copies out of vLLM's blocks hold blocks vLLM must keep (finished
+  requests whose blocks wait for them, preempted requests' blocks).
 * :class:`KVTierWorkerMeta` -- each worker -> scheduler, each step
   (``build_connector_worker_meta``; vLLM aggregates the ranks' with
   :meth:`KVTierWorkerMeta.aggregate`): the completions of plans it ran, joined
@@ -44,6 +46,12 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     #: blocks vLLM was promised but kvtier could not plan a load for (the pages went meanwhile):
     #: every worker reports them as load errors, so vLLM recomputes them
     unavailable_blocks: list[int] = field(default_factory=list)
+    #: finished requests whose blocks vLLM keeps (request_finished said so) until these copies out of
+    #: them completed: each worker reports the request in ``get_finished`` once its own copies are done
+    delayed: dict[str, list[int]] = field(default_factory=dict)
+    #: copies out of the blocks of requests vLLM preempted: ``handle_preemptions`` waits for them before
+    #: the step may overwrite those blocks
+    preempted_copies: list[int] = field(default_factory=list)
 
 
 @dataclass

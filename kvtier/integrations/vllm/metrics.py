@@ -21,8 +21,8 @@ logger process (``get_kv_connector_stats`` -> ``build_kv_connector_stats`` ->
 * ``vllm:kvtier_tokens_total{tier,direction}`` and ``vllm:kvtier_bytes_total{tier,direction}``,
 * ``vllm:kvtier_load_failed_tokens_total``,
 * ``vllm:kvtier_load_seconds`` and ``vllm:kvtier_store_seconds`` (histograms, one
-  observation per step that loaded or stored; a store's is the time the step
-  waited at its end for the copies out that the forward did not hide),
+  observation per step that loaded, and per copy out of vLLM's blocks: from the
+  end of its step until the worker saw it complete -- what the forward did not hide),
 
 with vLLM's own engine labels, on the server's ``/metrics``. Bytes and tokens
 are summed over tensor-parallel ranks (each rank moves its own shard).

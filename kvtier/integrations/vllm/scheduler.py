@@ -19,7 +19,11 @@ from the workers, joined over ranks, before the scheduler looks again.
   (``offload(wait=False)``).
 * ``update_connector_output``: the workers' completions reach the core.
 * ``request_finished``: what kvtier offered the request goes back to the caller
-  as ``kv_transfer_params["kvtier"]`` (vLLM's per-request channel to the client).
+  as ``kv_transfer_params["kvtier"]`` (vLLM's per-request channel to the client);
+  while a copy out of its blocks may still be running, or full blocks of it
+  are not planned yet (the copy of the blocks before them was still running),
+  vLLM keeps the blocks: the next steps plan what is left, and every worker
+  reports the request in ``get_finished`` once its copies are done.
 
 A page whose load failed on any rank is recomputed by vLLM, and for
 ``load_retry_s`` no lookup offers it (or anything after it) again
@@ -52,6 +56,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
+
+#: steps a finished request's blocks may wait for the copies of other requests' blocks before them
+#: (a shared prefix still arriving) before kvtier gives up on copying them out
+FINISH_STEPS = 8
 
 
 @dataclass
@@ -113,6 +121,12 @@ class _RequestState:
     load_end: int = 0
     load_pending: bool = False
     hit: HitRecord | None = None
+    #: copies out of this request's blocks that may still be running (vLLM must keep those blocks)
+    copy_ops: list[int] = field(default_factory=list)
+    #: leading blocks computed (full) as of the latest step
+    full: int = 0
+    #: steps a finished request's remaining blocks have waited to be planned (see request_finished)
+    finish_steps: int = 0
 
 
 class ConnectorScheduler:
@@ -128,6 +142,10 @@ class ConnectorScheduler:
         self.port: SchedulerPort | None = None
         self._requests: dict[str, _RequestState] = {}
         self._unavailable: list[int] = []
+        #: finished requests whose blocks vLLM keeps until their copies out completed (next step's metadata)
+        self._delayed: dict[str, list[int]] = {}
+        #: finished requests (blocks kept by vLLM) with full blocks still to copy out
+        self._finishing: dict[str, _RequestState] = {}
         self.recent_failures = RecentFailures(options.load_retry_s)
         #: loads planned and not yet answered: (load, the keys it copies)
         self._loads: list[tuple[Any, list[PageHash]]] = []
@@ -234,8 +252,24 @@ class ConnectorScheduler:
             elif new_blocks:
                 state.block_ids.extend(new_blocks[0])
             self._plan(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        for req_id, state in list(self._finishing.items()):
+            self._offload(state)
+            state.finish_steps += 1
+            if state.saved >= state.full or (state.finish_steps >= FINISH_STEPS and not self._copies_running(state)):
+                del self._finishing[req_id]  # everything planned, or what is left cannot be: report when copied
+                self._delayed[req_id] = list(self._copies_running(state))
         unavailable, self._unavailable = self._unavailable, []
-        return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable)
+        delayed, self._delayed = self._delayed, {}
+        preempted = [op for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ()
+                     if req_id in self._requests for op in self._copies_running(self._requests[req_id])]
+        return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed, preempted)
+
+    def _copies_running(self, state: _RequestState) -> list[int]:
+        """The request's copies out of its blocks whose completion has not come back from every rank."""
+        if self.core is None:
+            return []
+        state.copy_ops = [op for op in state.copy_ops if self.core.in_flight(op)]
+        return state.copy_ops
 
     def _plan(self, state: _RequestState, computed_after: int) -> None:
         core = self.core
@@ -250,10 +284,19 @@ class ConnectorScheduler:
             if load.op is not None:
                 self._loads.append((load, state.keys[state.load_start : load.loaded]))
             state.load_pending = False
-        full = min(computed_after // self.block_size, len(state.block_ids))
+        state.full = min(computed_after // self.block_size, len(state.block_ids))
+        self._offload(state)
+
+    def _offload(self, state: _RequestState) -> None:
+        """Plan the copy out of the request's full blocks not planned yet. The core hangs new pages only
+        below readable ones, so while the copy of the blocks before them is still running this plans
+        nothing, and the next step offers them again."""
+        full, core = state.full, self.core
         if full > state.saved:
             self._extend_keys(state, full)
             result = core.offload(state.keys[:full], state.block_ids[:full], wait=False)
+            if result.copy_op is not None:
+                self._copies_running(state).append(result.copy_op)
             if result.saved:
                 have = result.already_held
                 self.events.planned(state.request, have, state.keys[have : have + result.saved], result.copy_op, result.l3_save_op)
@@ -280,11 +323,20 @@ class ConnectorScheduler:
                          getattr(load.outcome, "reason", "?"), self.recent_failures.ttl_s)
         self._loads = pending
 
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """(whether vLLM must keep the request's blocks until the workers report it in ``get_finished``,
+        what kvtier offered it). Blocks are kept while a copy out of them may still be running."""
         state = self._requests.pop(request.request_id, None)
-        if state is None or state.hit is None:
-            return None
-        return {"kvtier": asdict(state.hit)}
+        if state is None:
+            return False, None
+        params = {"kvtier": asdict(state.hit)} if state.hit is not None else None
+        if self.core is not None and state.saved < state.full:  # blocks not planned yet (a copy before them ran)
+            self._finishing[request.request_id] = state
+            return True, params
+        running = self._copies_running(state)
+        if running:
+            self._delayed[request.request_id] = list(running)
+        return bool(running), params
 
     def shutdown(self) -> None:
         if self.port is not None:

@@ -80,7 +80,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
     first = SamplingParams(temperature=0.0, max_tokens=1)
     if warmup:  # first-call costs (allocator, kernels) belong to neither side of a comparison
         llm.generate([TokensPrompt(prompt_token_ids=prompt_ids(64, seed=10_000))], first, use_tqdm=False)
-        llm.reset_prefix_cache()
+        reset_prefix_cache(llm)
     chat_params = SamplingParams(temperature=0.0, max_tokens=32)
     history: list[int] = []
     for i, ids in enumerate(prompts if not chat_turns else ()):
@@ -90,9 +90,9 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         ttft_out = llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)[0]  # TTFT: prefill + first token
         ttft = time.perf_counter() - t
         hit = (ttft_out.kv_transfer_params or {}).get("kvtier") or {}
-        llm.reset_prefix_cache()  # the full run below must not be served by vLLM's own cache of the TTFT run
+        reset_prefix_cache(llm)  # the full run below must not be served by vLLM's own cache of the TTFT run
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0]
-        llm.reset_prefix_cache()  # so the next prompt's hits can only come from kvtier
+        reset_prefix_cache(llm)  # so the next prompt's hits can only come from kvtier
         report.results.append(PromptResult(len(ids), list(out.token_ids), out.text, ttft, hit.get("external_tokens", 0),
                                            hit.get("host_pages", 0), hit.get("storage_pages", 0)))
     for turn in range(chat_turns):  # one conversation: each prompt is the history plus a new question
@@ -104,11 +104,21 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         report.results.append(PromptResult(len(history), list(out.outputs[0].token_ids), out.outputs[0].text, 0.0,
                                            hit.get("external_tokens", 0), hit.get("host_pages", 0), hit.get("storage_pages", 0)))
         history = history + list(out.outputs[0].token_ids)
-        llm.reset_prefix_cache()  # a busy server's device cache has moved on: the history is not on device
+        reset_prefix_cache(llm)  # a busy server's device cache has moved on: the history is not on device
     if kvtier:
         report.worker_stats = llm.collective_rpc("kvtier_stats")
     llm.llm_engine.engine_core.shutdown()  # the worker connectors drain their L3 writes here
     return report
+
+
+def reset_prefix_cache(llm, timeout_s: float = 60.0) -> None:
+    """Empty vLLM's own prefix cache. vLLM refuses while any block is held -- a finished request's
+    blocks are, until kvtier's copies out of them completed (``get_finished``) -- so retry until then."""
+    deadline = time.monotonic() + timeout_s
+    while not llm.reset_prefix_cache():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"vLLM's prefix cache could not be reset within {timeout_s:.0f} s: blocks are still held")
+        time.sleep(0.01)
 
 
 class KVTierWorkerExtension:

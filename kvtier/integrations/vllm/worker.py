@@ -18,10 +18,14 @@ Per step, in vLLM's order:
   blocks being computed is written, so its copy out starts while the forward goes
   on with the next layers;
 * ``wait_for_save`` -> :meth:`ConnectorWorker.finish_step`: the loads have landed;
-  any layer vLLM did not announce is released, and the copies out are waited for:
-  vLLM may free or reuse the blocks once the step is over (its contract for saves
-  that do not report through ``get_finished``; what still runs in the background,
-  the write-through L3 saves, reads kvtier's host pages, never vLLM's blocks);
+  any layer vLLM did not announce is released; the copies out finish in the
+  background (the forward already hid most of them), and vLLM keeps their blocks:
+  a running request's full blocks are never rewritten, a finished request's are
+  kept until ``get_finished`` -> :meth:`ConnectorWorker.finished_sending` reports
+  its copies done (the scheduler side asked vLLM to wait), and a preempted one's
+  are waited for in ``handle_preemptions`` -> :meth:`ConnectorWorker.wait_copies`
+  before the next forward may overwrite them. The write-through L3 saves that
+  follow read kvtier's host pages, never vLLM's blocks;
 * ``get_block_ids_with_load_errors`` -> the blocks whose pages did not arrive
   (vLLM recomputes them);
 * ``build_connector_worker_meta`` -> :meth:`ConnectorWorker.take_results`: every
@@ -85,6 +89,10 @@ class ConnectorWorker:
         self._loads: list[int] = []
         #: this step's copies out of vLLM's blocks (layered) and the layers released so far
         self._offloads: list[int] = []
+        #: copies out that have not completed here: op -> when the step that made them ended
+        self._copying: dict[int, float] = {}
+        #: finished requests whose blocks vLLM keeps for copies out: req id -> their ops
+        self._delayed: dict[str, list[int]] = {}
         self._released: set[int] = set()
         self._num_layers = 0
         #: plans whose completion has not come back yet (op -> plan), across steps
@@ -111,10 +119,11 @@ class ConnectorWorker:
         return KVTierHandshake(self.tp_rank, spec, host.num_pages, str(namespace) if self.storage is not None else None)
 
     # ---- one step --------------------------------------------------------------------------
-    def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = ()) -> None:
+    def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = (), delayed: dict[str, list[int]] | None = None) -> None:
         ex = self.executor
         self._loads, self._offloads, self._released = [], [], set()
         self._failed_blocks.update(unavailable_blocks)
+        self._delayed.update(delayed or {})
         self._load_started = time.perf_counter() if any(p.dst is Tier.DEVICE or p.src is Tier.STORAGE for p in plans) else None
         for p in plans:  # in plan order: a save follows the copy that fills its host pages (Transfer.after)
             self._open[p.op] = p
@@ -156,15 +165,31 @@ class ConnectorWorker:
             self.interval.data["load_seconds"].append(time.perf_counter() - self._load_started)
             self._load_started = None
         offloads, self._offloads = self._offloads, []
-        if offloads:  # vLLM may reuse these blocks once the step is over
+        if offloads:  # they finish in the background; vLLM keeps their blocks until they did (module docstring)
             self.stats.offload_layers_in_forward += len(offloads) * len(self._released)
             self.stats.offload_layers_at_step_end += len(offloads) * (self._num_layers - len(self._released))
-            t0 = time.perf_counter()
+            now = time.perf_counter()
             for op in offloads:
                 ex.release_rest(op)
-            self._collect(ex.wait(offloads))
-            self.interval.data["store_seconds"].append(time.perf_counter() - t0)
+                if op in self._open:
+                    self._copying[op] = now
         self._collect(ex.poll())
+
+    def finished_sending(self) -> set[str]:
+        """Finished requests whose blocks vLLM kept for this rank's copies out of them, now done (each once)."""
+        if not self._delayed:
+            return set()
+        self._collect(self.executor.poll())
+        done = {req for req, ops in self._delayed.items() if not any(op in self._copying for op in ops)}
+        for req in done:
+            del self._delayed[req]
+        return done
+
+    def wait_copies(self, ops: list[int]) -> None:
+        """Block until these copies out of vLLM's blocks completed here (preempted requests' blocks)."""
+        running = [op for op in ops if op in self._copying]
+        if running:
+            self._collect(self.executor.wait(running))
 
     def _collect(self, completions: list[Completion]) -> None:
         for c in completions:
@@ -172,6 +197,9 @@ class ConnectorWorker:
             self._done[c.op] = c
             if plan is None:
                 continue
+            ended = self._copying.pop(c.op, None)
+            if ended is not None:  # a copy out: how long it ran past the end of its step
+                self.interval.data["store_seconds"].append(time.perf_counter() - ended)
             done = completed_pages(c, plan.num_pages)
             st = self.stats
             moved = done - getattr(c, "existing", 0) if plan.dst is Tier.STORAGE else done
@@ -205,6 +233,8 @@ class ConnectorWorker:
     def drained_stats(self, timeout_s: float = 30.0) -> WorkerStats:
         """The stats once the L3 writes in flight finished (bounded by ``timeout_s``); their completions
         are still reported to the scheduler at the next step."""
+        if self.executor is not None:
+            self.wait_copies(list(self._copying))  # their L3 saves start when they complete
         if self.storage is not None:
             self.storage.drain(timeout_s)
         if self.executor is not None:
@@ -226,6 +256,7 @@ class ConnectorWorker:
         """Finish the L3 writes in flight (bounded), then release the executor."""
         if self.executor is None:
             return
+        self.wait_copies(list(self._copying))  # their L3 saves start when they complete
         if self.storage is not None and not self.storage.drain(timeout_s):
             log.warning("kvtier worker rank %d: L3 writes still running after %.0f s at shutdown; the rest are dropped", self.tp_rank, timeout_s)
         self.executor.close()
