@@ -168,7 +168,7 @@ def test_engine_device_core_with_its_executor_in_another_process(tmp_path):
     assert core.stats.storage_saved_pages == 5
     core.close()
     fresh, port2 = _split_core(url)
-    assert fresh.lookup(keys(6)) == HostLookup(0, 5)
+    assert fresh.lookup(keys(6)) == HostLookup(0, 5, probed=True)  # the store was asked
     ld = fresh.load_into(keys(5), [1, 2, 3, 4, 5])
     fresh.release(ld)
     assert (ld.loaded, ld.from_storage) == (5, 5)
