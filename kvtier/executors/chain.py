@@ -47,8 +47,7 @@ class ChainedExecutor:
             if plan.after:
                 self._out.append(Failed(plan.op, Reason.ERROR, "a layered copy cannot follow another plan"))
                 return
-            self._plans[plan.op] = plan
-            self.inner.submit(plan, layered=True)
+            self._start(plan, layered=True)
             return
         if plan.after:
             parent = self._plans.get(plan.after)
@@ -62,9 +61,12 @@ class ChainedExecutor:
             return
         self._start(plan)
 
-    def _start(self, plan: Transfer) -> None:
+    def _start(self, plan: Transfer, layered: bool = False) -> None:
         self._plans[plan.op] = plan
-        self.inner.submit(dataclasses.replace(plan, after=0) if plan.after else plan)
+        if layered:
+            self.inner.submit(plan, layered=True)
+        else:
+            self.inner.submit(dataclasses.replace(plan, after=0) if plan.after else plan)
 
     def _release(self, plan: Transfer, parent: Transfer, outcome: Completion) -> None:
         """``plan`` may start now that ``parent`` finished with ``outcome``."""

@@ -134,9 +134,9 @@ class TransferEngine:
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
         self._queue: queue.Queue[TransferJob | None] = queue.Queue()
         self._closed = False
-        #: layered jobs with layers not released yet (close() releases them)
+        #: layered jobs with layers not released yet (close() releases them); like submit and release,
+        #: touched only by the thread that owns the engine
         self._layered: dict[int, TransferJob] = {}
-        self._lock = threading.Lock()
         #: seconds the worker spent moving bytes, per (src, dst): bytes / busy = achieved GB/s
         self.busy_s: dict[tuple[Medium, Medium], float] = {}
         self._worker = threading.Thread(target=self._run, name=name, daemon=True) if self.materialized else None
@@ -172,8 +172,7 @@ class TransferEngine:
         if layered:
             job.released = bytearray(self.num_layers)
             job.layers_left = self.num_layers
-            with self._lock:
-                self._layered[job.job_id] = job
+            self._layered[job.job_id] = job
         else:
             self._queue.put(job)
         return job
@@ -189,6 +188,8 @@ class TransferEngine:
         if job.released[layer]:
             return
         job.released[layer] = 1
+        if 0 not in job.released:
+            self._layered.pop(job.job_id, None)
         ready = None
         if self.cuda:  # the copy stream reads the layer only after the caller's stream wrote it
             ready = torch.cuda.Event()
@@ -263,13 +264,9 @@ class TransferEngine:
             ev.record(self.stream)
             job.cuda_events.append(ev)
             ev.synchronize()
-        key = ("device", "host")
-        self.busy_s[key] = self.busy_s.get(key, 0.0) + time.perf_counter() - t0
+        self._busy(job, t0)
         if last:
-            with self._lock:
-                self._layered.pop(job.job_id, None)
-            self._finished.put(job)
-            job.finished.set()
+            self._finish(job)
 
     def _execute(self, job: TransferJob) -> None:
         def layer_done(i: int) -> None:
@@ -295,12 +292,18 @@ class TransferEngine:
             log.warning("transfer job %s (%s->%s, %s pages) failed: %s", job.job_id, job.src, job.dst, job.num_pages, e)
             job.error = e
         finally:
-            key = (job.src, job.dst)
-            self.busy_s[key] = self.busy_s.get(key, 0.0) + time.perf_counter() - t0
+            self._busy(job, t0)
             for ev in job.layer_ready:
                 ev.set()
-            self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
-            job.finished.set()
+            self._finish(job)
+
+    def _busy(self, job: TransferJob, since: float) -> None:
+        key = (job.src, job.dst)
+        self.busy_s[key] = self.busy_s.get(key, 0.0) + time.perf_counter() - since
+
+    def _finish(self, job: TransferJob) -> None:
+        self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
+        job.finished.set()
 
     def drain(self) -> None:
         """Block until every queued job has finished (of a layered job: the layers released so far)."""
@@ -311,9 +314,7 @@ class TransferEngine:
         """Finish queued jobs, then stop the worker. Idempotent."""
         if self._closed:
             return
-        with self._lock:
-            open_layered = list(self._layered.values())
-        for job in open_layered:  # their waiters must not hang: copy what the caller never released
+        for job in list(self._layered.values()):  # their waiters must not hang: copy what the caller never released
             self.release_rest(job)
         self._closed = True
         if self._worker is not None:

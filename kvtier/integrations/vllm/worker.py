@@ -89,11 +89,11 @@ class ConnectorWorker:
         self._loads: list[int] = []
         #: this step's copies out of vLLM's blocks (layered) and the layers released so far
         self._offloads: list[int] = []
+        self._released: set[int] = set()
         #: copies out that have not completed here: op -> when the step that made them ended
         self._copying: dict[int, float] = {}
         #: finished requests whose blocks vLLM keeps for copies out: req id -> their ops
         self._delayed: dict[str, list[int]] = {}
-        self._released: set[int] = set()
         self._num_layers = 0
         #: plans whose completion has not come back yet (op -> plan), across steps
         self._open: dict[int, Transfer] = {}
