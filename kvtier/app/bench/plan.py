@@ -5,16 +5,20 @@ replay (:mod:`kvtier.app.plan.replay_cache`) run on the same trace and
 configuration; the benchmark reports each one's requests per second (median of
 ``reps``), their ratio, and whether they served every request from the same
 tiers (they must: the fast model is only used where it is exact).
+
+``routing``: ``kvtier plan`` end to end (route, replay, queueing model) for each
+routing policy at 1 and 16 nodes, requests per second (median of ``reps``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvtier.app.bench.timing import median_seconds
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
-from kvtier.app.plan import PlanConfig, fast_model_gap, replay
+from kvtier.app.plan import PlanConfig, fast_model_gap, replay, run_plan
+from kvtier.app.plan.routing import ROUTING_POLICIES
 from kvtier.app.workloads.mooncake import load_mooncake_trace
 
 
@@ -28,6 +32,20 @@ class PlanBenchResult:
     #: every request served from the same tiers by both replays
     identical: bool
     hit_blocks: dict[str, int]
+    #: one row per routing policy and node count: kvtier plan's requests/s end to end
+    routing: list[dict]
+
+
+def routing_speed(requests, cfg: PlanConfig, reps: int, node_counts: tuple[int, ...] = (1, 16)) -> list[dict]:
+    """``run_plan`` end to end per routing policy and node count."""
+    rows = []
+    for nodes in node_counts:
+        for policy in ROUTING_POLICIES:
+            c = replace(cfg, nodes=nodes, routing=policy)
+            t = median_seconds(lambda _: run_plan(requests, c), reps)
+            rows.append({"routing": policy, "nodes": nodes, "requests_per_s": round(len(requests) / t, 1),
+                         "replay_engine": run_plan(requests[:50], c).replay_engine})
+    return rows
 
 
 def run_plan_bench(trace: str, limit: int | None = None, cfg: PlanConfig = PlanConfig(), reps: int = 5) -> PlanBenchResult:
@@ -46,6 +64,7 @@ def run_plan_bench(trace: str, limit: int | None = None, cfg: PlanConfig = PlanC
         identical=fast.per_request == ref.per_request and fast.backed_up_blocks == ref.backed_up_blocks
         and fast.storage_saved_blocks == ref.storage_saved_blocks,
         hit_blocks=fast.hit_blocks,
+        routing=routing_speed(requests, cfg, reps),
     )
 
 

@@ -13,6 +13,13 @@ infinite-cache bound, bytes per second each link must carry at the trace's
 arrival rate (vs PCIe and network bandwidth), and whether loading a hit beats
 recomputing it (given a prefill FLOP rate; assumptions are in the report).
 
+Requests go to nodes by a routing policy decided from the trace alone
+(:mod:`~kvtier.app.plan.routing`: ``kv_aware``, ``affinity``, ``round_robin``),
+arrive at the trace's timestamps and queue on their node
+(:mod:`~kvtier.app.plan.timing`: queueing delay, TTFT, per-node load).
+Configurations where a bigger tier could serve fewer hits are refused
+(:func:`check_plannable`).
+
 Two replays of the same policy: :mod:`~kvtier.app.plan.replay_cache` drives
 the core itself (every configuration); :mod:`~kvtier.app.plan.replay_lru`
 is its exact model as ordered dicts (~15x faster), used where
@@ -29,10 +36,13 @@ from kvtier.config import CacheConfig, ConfigError
 from kvtier.app.plan.config import GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts
 from kvtier.app.plan.replay_cache import replay_cache
 from kvtier.app.plan.replay_lru import lru_model_gap, replay_lru
+from kvtier.app.plan.routing import ROUTING_POLICIES, route
+from kvtier.app.plan.timing import simulate
 from kvtier.spec import KVSpec
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "fast_model_gap", "infinite_cache_hit_ratio", "planning_spec", "replay", "run_plan", "sweep_host"]
+__all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "check_plannable", "compare_routing", "distinct_blocks", "fast_model_gap",
+           "infinite_cache_hit_ratio", "min_host_tb", "planning_spec", "replay", "route", "run_plan", "sweep", "sweep_host"]
 
 
 def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE_BLOCK_TOKENS) -> float:
@@ -75,24 +85,84 @@ def fast_model_gap(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Cac
 
 
 def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
-           engine: str | None = None, per_request: bool = False) -> ReplayCounts:
-    """Replay ``requests`` through one engine: ``"lru"``, ``"cache"``, or (None) as ``cfg.replay`` and the model's gap say."""
+           engine: str | None = None, per_request: bool = False, nodes_of: list[int] | None = None) -> ReplayCounts:
+    """Replay ``requests`` through one engine: ``"lru"``, ``"cache"``, or (None) as ``cfg.replay`` and the model's gap say.
+    ``nodes_of``: the node of each request (default: :func:`route` by ``cfg.routing``)."""
     spec = planning_spec(cfg)
     cap = capacity(cfg, spec.page_bytes)
     if engine is None:
         engine = "lru" if cfg.replay == "auto" and fast_model_gap(requests, cfg, cache_cfg) is None else "cache"
     run = replay_lru if engine == "lru" else replay_cache
-    return run(requests, cfg, cache_cfg, spec, cap, per_request=per_request)
+    return run(requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request)
 
 
-def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig()) -> PlanReport:
+def _longest_blocks(requests: list[TraceRequest]) -> int:
+    """Blocks of the longest request, its partial tail included."""
+    return max((r.input_length // MOONCAKE_BLOCK_TOKENS + 1 for r in requests), default=0)
+
+
+def distinct_blocks(requests: list[TraceRequest]) -> int:
+    """Distinct full blocks of the trace: what an L3 must hold never to evict."""
+    return len({h for r in requests for h in r.hash_ids[: r.input_length // MOONCAKE_BLOCK_TOKENS]})
+
+
+def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
+    """Refuse (:class:`ConfigError`, one line) a configuration whose hit ratio could fall as a tier grows.
+
+    Why these rules: the route is fixed by the trace (:mod:`kvtier.app.plan.routing`),
+    so each node's cache sees one request sequence at every size.
+
+    * The device holds the longest request: a request that does not fit is served
+      but not cached, and a smaller device caching fewer requests can then serve
+      more (seen on a chat trace: 0.607 at 0.5 GB, 0.568 at 1 GB).
+    * The host holds a copy of every device page plus two of the longest requests:
+      then it holds every cached block, and what a node serves is an LRU set of the
+      host's size over its sequence, so a larger host never serves less (LRU's
+      inclusion property), whatever the device. A smaller host skips backups and
+      drops pages it could not copy (seen: 10 / 20 / 50 GB of host under a 40 GB
+      device gave 0.0472 / 0.0487 / 0.0473).
+    * The L3 is off, or holds every distinct block of the trace. A finite L3
+      refreshes a block only when it is saved or read, and a larger host reads and
+      re-saves it less, so its L3 copy ages out sooner (seen on the chat trace at 4 nodes:
+      host 2.5 / 4 / 8 GB with a 40 GB L3 gave 0.5679 / 0.5678 / 0.5664).
+    """
+    spec = planning_spec(cfg)
+    cap = capacity(cfg, spec.page_bytes)
+    longest = _longest_blocks(requests)
+    refused = "hit ratios could fall as a tier grows, so kvtier plan refuses it"
+    if cap.device < longest:
+        raise ConfigError(
+            f"device tier of {cap.device} blocks ({cfg.device_gb:g} GB) cannot hold the longest request ({longest} blocks): {refused}; "
+            f"give --plan-device-gb {longest * spec.page_bytes / GB:.4g} or more")
+    if cap.host < cap.device + 2 * longest:
+        raise ConfigError(
+            f"host tier of {cap.host} blocks ({cfg.host_tb:g} TB) is smaller than the device's {cap.device} blocks plus two of the "
+            f"longest request (2 x {longest} blocks): {refused}; "
+            f"give --plan-host-tb {min_host_tb(requests, cfg):.4g} or more, or a smaller --plan-device-gb")
+    if cap.storage:
+        distinct = distinct_blocks(requests)
+        if cap.storage < distinct:
+            need = distinct * spec.page_bytes / TB / cfg.nodes
+            raise ConfigError(
+                f"L3 of {cap.storage} blocks ({cfg.storage_tb:g} TB x {cfg.nodes} nodes) is smaller than the trace's {distinct} distinct "
+                f"blocks: a finite L3 ages out what the host keeps serving, so {refused}; give --plan-storage-tb 0 (no L3) "
+                f"or {need:.4g} or more")
+
+
+def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
+             nodes_of: list[int] | None = None) -> PlanReport:
+    """``nodes_of``: a route computed earlier for the same trace and routing (sweeps reuse one)."""
+    check_plannable(requests, cfg)
     spec = planning_spec(cfg)
     block = MOONCAKE_BLOCK_TOKENS
     block_bytes = spec.page_bytes
     cap = capacity(cfg, block_bytes)
     t0 = time.perf_counter()
-    counts = replay(requests, cfg, cache_cfg)
+    if nodes_of is None:
+        nodes_of = route(requests, cfg)
+    counts = replay(requests, cfg, cache_cfg, per_request=True, nodes_of=nodes_of)
     elapsed = time.perf_counter() - t0
+    timing = simulate(requests, nodes_of, counts.per_request or [], cfg, spec.bytes_per_token)
     input_tokens = counts.input_tokens
     hits = {k: v * block for k, v in counts.hit_blocks.items()}
     duration = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0, 1e-3) if requests else 1.0
@@ -131,12 +201,53 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
         },
         replay_engine=counts.engine,
         replay_seconds=round(elapsed, 3), requests_per_second=round(len(requests) / elapsed, 1) if elapsed > 0 else 0.0,
+        routing=cfg.routing if cfg.nodes > 1 else "single node",
+        latency={"queue_delay_s": timing.queue_delay_s, "ttft_s": timing.ttft_s},
+        per_node=timing.per_node, load_balance=timing.imbalance, warnings=timing.warnings,
     )
 
 
-def sweep_host(requests: list[TraceRequest], cfg: PlanConfig, host_tbs: list[float], cache_cfg: CacheConfig = CacheConfig()) -> list[dict]:
+#: the capacity fields a sweep may vary
+SWEEPABLE = {"host_tb": "host", "device_gb": "device", "storage_tb": "storage"}
+
+
+def sweep(requests: list[TraceRequest], cfg: PlanConfig, field: str, values: list[float],
+          cache_cfg: CacheConfig = CacheConfig()) -> list[dict]:
+    """Hit ratios at each size of one tier (``field``: host_tb, device_gb or storage_tb), on one route.
+    Every size is checked first (:func:`check_plannable`), so a refused size fails the sweep before it runs."""
+    if field not in SWEEPABLE:
+        raise ConfigError(f"sweep over {field!r}: choose one of {', '.join(SWEEPABLE)}")
+    configs = [replace(cfg, **{field: v}) for v in values]
+    for c in configs:
+        check_plannable(requests, c)
+    nodes_of = route(requests, cfg)
     rows = []
-    for tb in host_tbs:
-        r = run_plan(requests, replace(cfg, host_tb=tb), cache_cfg)
-        rows.append({"host_tb": tb, **{f"hit_{k}": v for k, v in r.hit_ratio.items()}, "fraction_of_bound": r.fraction_of_bound, "replay_engine": r.replay_engine})
+    for v, c in zip(values, configs):
+        r = run_plan(requests, c, cache_cfg, nodes_of=nodes_of)
+        rows.append({field: v, **{f"hit_{k}": x for k, x in r.hit_ratio.items()}, "fraction_of_bound": r.fraction_of_bound,
+                     "ttft_p50_s": r.latency["ttft_s"]["p50"], "replay_engine": r.replay_engine})
     return rows
+
+
+def sweep_host(requests: list[TraceRequest], cfg: PlanConfig, host_tbs: list[float], cache_cfg: CacheConfig = CacheConfig()) -> list[dict]:
+    return sweep(requests, cfg, "host_tb", host_tbs, cache_cfg)
+
+
+def compare_routing(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig = CacheConfig()) -> list[dict]:
+    """The same cluster under every routing policy: hit ratio, queueing, TTFT and load balance, one row each."""
+    rows = []
+    for policy in ROUTING_POLICIES:
+        r = run_plan(requests, replace(cfg, routing=policy), cache_cfg)
+        rows.append({"routing": policy, "hit_total": r.hit_ratio["total"], "hit_device": r.hit_ratio["device"],
+                     "queue_delay_p50_s": r.latency["queue_delay_s"]["p50"], "queue_delay_p99_s": r.latency["queue_delay_s"]["p99"],
+                     "ttft_p50_s": r.latency["ttft_s"]["p50"], "ttft_p90_s": r.latency["ttft_s"]["p90"],
+                     "ttft_p99_s": r.latency["ttft_s"]["p99"], **r.load_balance, "requests_per_second": r.requests_per_second,
+                     "prompt_tokens_per_node": [n["prompt_tokens"] for n in r.per_node]})
+    return rows
+
+
+def min_host_tb(requests: list[TraceRequest], cfg: PlanConfig) -> float:
+    """The smallest host per node (TB) :func:`check_plannable` accepts for this trace and device."""
+    spec = planning_spec(cfg)
+    need = capacity(cfg, spec.page_bytes).device + 2 * _longest_blocks(requests)
+    return need * spec.page_bytes / TB

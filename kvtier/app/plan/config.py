@@ -6,7 +6,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from kvtier.config import ConfigError, _help, check_number
-from kvtier.app.workloads.mooncake import TraceRequest
 
 GB = 1e9
 TB = 1e12
@@ -23,7 +22,13 @@ class PlanConfig:
     device_gb: float = _help("KV cache memory on the GPUs of one node (L1), GB", 40.0)
     host_tb: float = _help("pinned host memory for KV per node (L2), TB", 1.0)
     storage_tb: float = _help("L3 capacity contributed per node (shared by all nodes), TB", 20.0)
-    routing: Literal["affinity", "round_robin"] = _help("route by the first block's hash (affinity) or round robin", "affinity")
+    routing: Literal["kv_aware", "affinity", "round_robin"] = _help(
+        "kv_aware: the node with the most cached prefix blocks minus kv_load_weight x its queued prefill blocks "
+        "(see kvtier.app.plan.routing); affinity: by the first block's hash; round_robin", "kv_aware")
+    kv_load_weight: float = _help("kv_aware: how many cached prefix blocks one block of queued prefill on a node costs", 1.0)
+    kv_min_match: float = _help("kv_aware: a request whose best cached prefix covers less than this fraction of its blocks goes to "
+                                "the least loaded node", 0.5)
+    arrival_speedup: float = _help("replay the trace's arrivals this many times faster (load test: 2 = twice the request rate)", 1.0)
     pcie_gbps: float = _help("host<->device bandwidth per node and direction, GB/s (PCIe Gen5 x16 ~ 55)", 55.0)
     network_gbps: float = _help("storage network bandwidth per node, GB/s", 25.0)
     prefill_tflops: float = _help("effective prefill compute of one node, TFLOP/s (e.g. 8 GPUs x 400 at ~50% MFU)", 3200.0)
@@ -35,21 +40,19 @@ class PlanConfig:
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ConfigError(f"PlanConfig.nodes must be >= 1; got {self.nodes}")
-        if self.routing not in ("affinity", "round_robin"):
-            raise ConfigError(f"PlanConfig.routing must be affinity or round_robin; got {self.routing!r}")
+        if self.routing not in ("kv_aware", "affinity", "round_robin"):
+            raise ConfigError(f"PlanConfig.routing must be kv_aware, affinity or round_robin; got {self.routing!r}")
         if self.replay not in ("auto", "cache"):
             raise ConfigError(f"PlanConfig.replay must be auto or cache; got {self.replay!r}")
         check_number(self, "nodes", at_least=1, integer=True)
         for name in ("host_tb", "storage_tb"):
             check_number(self, name, at_least=0)
-        for name in ("device_gb", "pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token"):
+        check_number(self, "kv_load_weight", at_least=0)
+        check_number(self, "kv_min_match", at_least=0)
+        if self.kv_min_match > 1:
+            raise ConfigError(f"PlanConfig.kv_min_match is a fraction of a request's blocks, 0..1; got {self.kv_min_match!r}")
+        for name in ("device_gb", "pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token", "arrival_speedup"):
             check_number(self, name, above=0)
-
-    def node_of(self, index: int, request: TraceRequest) -> int:
-        """The node a request goes to: by its first block (affinity) or its position (round robin)."""
-        if self.routing == "affinity" and request.hash_ids:
-            return request.hash_ids[0] % self.nodes
-        return index % self.nodes
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,14 @@ class PlanReport:
     replay_engine: str
     replay_seconds: float
     requests_per_second: float
+    #: the routing policy and what time costs under it (see kvtier.app.plan.timing)
+    routing: str = "kv_aware"
+    latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    per_node: list[dict] = field(default_factory=list)
+    load_balance: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
     sweep: list[dict] = field(default_factory=list)
+    routing_comparison: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)

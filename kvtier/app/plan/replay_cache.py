@@ -11,6 +11,8 @@ the same policy for the configurations where it is exact.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.policy import CacheCore
@@ -31,14 +33,14 @@ def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, ca
 
 
 def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig, spec: KVSpec, cap: Capacity,
-                 *, per_request: bool = False) -> ReplayCounts:
+                 nodes_of: Sequence[int], *, per_request: bool = False) -> ReplayCounts:
     block = spec.page_size
     storage = AccountingStore(cap.storage, L3_BATCH_PAGES) if cap.storage is not None else None
     caches = [_node_cache(spec, cap, storage, cache_cfg) for _ in range(cfg.nodes)]
     out = ReplayCounts("cache", per_request=[] if per_request else None)
     hits = out.hit_blocks
-    for i, r in enumerate(requests):
-        node = caches[cfg.node_of(i, r)]
+    for r, j in zip(requests, nodes_of):
+        node = caches[j]
         keys = [_block_key(h) for h in r.hash_ids[: r.input_length // block]]
         usable_max = (r.input_length - 1) // block
         req = node.begin(keys, usable_pages=usable_max, prefetch_policy="wait_complete")

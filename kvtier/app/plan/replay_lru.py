@@ -126,7 +126,7 @@ def _save(store: OrderedDict, cap: int, keys: Sequence[int]) -> int:
 
 
 def replay_lru(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig, spec: KVSpec, cap: Capacity,
-               *, per_request: bool = False) -> ReplayCounts:
+               nodes_of: Sequence[int], *, per_request: bool = False) -> ReplayCounts:
     block = spec.page_size
     dev_cap, host_cap, sto_cap = cap.device, cap.host, cap.storage
     store: OrderedDict[int, None] | None = OrderedDict() if sto_cap is not None else None
@@ -134,8 +134,8 @@ def replay_lru(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheCo
     out = ReplayCounts("lru", per_request=[] if per_request else None)
     dev_hits = host_hits = sto_hits = backed = saved = tokens = 0
     log = out.per_request
-    for i, r in enumerate(requests):
-        node = nodes[cfg.node_of(i, r)]
+    for r, j in zip(requests, nodes_of):
+        node = nodes[j]
         dev, host = node.dev, node.host
         length = r.input_length
         keys = r.hash_ids[: length // block]
