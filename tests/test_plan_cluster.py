@@ -157,3 +157,22 @@ def test_plan_cli_refusal_is_one_line_exit_2(tmp_path):
         assert r.returncode == 2, (args, r.stderr)
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and text in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_kv_aware_weights_host_blocks_below_device_blocks(chat):
+    from kvtier.app.plan.routing import _cached_value, host_weight
+
+    # the router's device estimate: blocks sent since device_since lead the prefix; the rest count w_host each
+    ids = [11, 12, 13, 14]
+    assert _cached_value(ids, 4, {11: 10, 12: 10, 13: 5, 14: 5}, 8, 0.5) == 2 + 0.5 * 2
+    assert _cached_value(ids, 3, {11: 10, 12: 10, 13: 10, 14: 10}, 8, 0.0) == 3
+    assert _cached_value(ids, 2, {11: 1, 12: 1}, 8, 0.25) == 0.5
+    cfg = PlanConfig()
+    spec = planning_spec(cfg)
+    recompute_s = cfg.flops_per_token / (cfg.prefill_tflops * 1e12)
+    load_s = spec.bytes_per_token / (cfg.pcie_gbps * 1e9)
+    assert host_weight(cfg) == pytest.approx(1 - load_s / recompute_s) and 0.9 < host_weight(cfg) < 1
+    assert host_weight(replace(cfg, kv_host_weight=0.3)) == 0.3
+    # the weight is live: valuing host blocks at nothing sends some requests elsewhere
+    base = PlanConfig(nodes=4, **CHAT)
+    assert route(chat, replace(base, kv_host_weight=0.0)) != route(chat, replace(base, kv_host_weight=1.0))

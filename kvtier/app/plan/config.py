@@ -26,6 +26,8 @@ class PlanConfig:
         "kv_aware: the node with the most cached prefix blocks minus kv_load_weight x its queued prefill blocks "
         "(see kvtier.app.plan.routing); affinity: by the first block's hash; round_robin", "kv_aware")
     kv_load_weight: float = _help("kv_aware: how many cached prefix blocks one block of queued prefill on a node costs", 1.0)
+    kv_host_weight: float | None = _help("kv_aware: what a prefix block the router expects on host is worth against one on device "
+                                         "(default: 1 - load time / prefill time of a block, from the link speeds)", None)
     kv_min_match: float = _help("kv_aware: a request whose best cached prefix covers less than this fraction of its blocks goes to "
                                 "the least loaded node", 0.5)
     arrival_speedup: float = _help("replay the trace's arrivals this many times faster (load test: 2 = twice the request rate)", 1.0)
@@ -49,6 +51,7 @@ class PlanConfig:
             check_number(self, name, at_least=0)
         check_number(self, "kv_load_weight", at_least=0)
         check_number(self, "kv_min_match", at_least=0)
+        check_number(self, "kv_host_weight", at_least=0)
         if self.kv_min_match > 1:
             raise ConfigError(f"PlanConfig.kv_min_match is a fraction of a request's blocks, 0..1; got {self.kv_min_match!r}")
         for name in ("device_gb", "pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token", "arrival_speedup"):

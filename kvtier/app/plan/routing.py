@@ -5,12 +5,17 @@ production router decides: SGLang's cache-aware router keeps its own radix tree
 of what it sent to each worker, Dynamo's KV router and llm-d's prefix-cache
 scorer score each worker's prefix overlap against its load. ``kv_aware`` here::
 
-    score(node) = prefix_blocks(node) - load_weight * queued_blocks(node)
+    score(node) = device_blocks(node) + host_weight * host_blocks(node) - load_weight * queued_blocks(node)
 
-* ``prefix_blocks``: the request's leading full blocks (at most the blocks it can
-  use: its last token is always computed) found in the router's index of the
-  blocks it routed to that node. Every tier a node reaches serves such a block
-  without prefill; the shared L3 serves every node alike, so it cancels out.
+* ``device_blocks + host_blocks``: the request's leading full blocks (at most the
+  blocks it can use: its last token is always computed) found in the router's
+  index of the blocks it routed to that node, split by where the router
+  estimates they live: on device while fewer blocks than the device holds were
+  sent to that node since (its LRU keeps them), else on host. The shared L3
+  serves every node alike, so it cancels out.
+* ``host_weight`` (``PlanConfig.kv_host_weight``; default ``1 - 1 / host_hit_speedup``
+  from the link speeds, 0.94 for DeepSeek-V3.2 at the defaults): a host block
+  saves its prefill but costs its load over PCIe.
 * ``queued_blocks``: prefill work the router estimates is still queued on the
   node when the request arrives, in 512-token blocks: ``(free_at - now) * rate``,
   where the router books each request it routes at ``(prompt - prefix) tokens /
@@ -28,19 +33,20 @@ prompt tokens sent), as SGLang's router does below its ``cache_threshold``:
 otherwise a prefix every request shares (a system prompt) would pull each new
 conversation to the first node that saw it, while queues are short.
 
-Why the route ignores tier sizes: a router sees what it sent, not where each
-block lives now, and a route fixed by the trace lets a sweep over host, device
-or storage capacity replay the same per-node request streams. Each node's
-cache then sees the same sequence at every size, so the sweep compares sizes,
-not routings (see :func:`kvtier.app.plan.check_plannable` for the monotonicity
-this gives).
+Why the route reads no cache state: a router sees what it sent, not where each
+block lives now, and a route fixed by the trace (and the device size, through
+the tier estimate) lets a sweep over host or storage capacity replay the same
+per-node request streams. Each node's cache then sees the same sequence at
+every size, so the sweep compares sizes, not routings (see
+:func:`kvtier.app.plan.check_plannable` for the monotonicity this gives; device
+sweeps are tested monotone on the shipped and a generated trace).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.app.plan.config import PlanConfig
+from kvtier.app.plan.config import GB, PlanConfig
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 ROUTING_POLICIES = ("round_robin", "affinity", "kv_aware")
@@ -58,6 +64,20 @@ def route(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[int]:
     return _kv_aware(requests, cfg)
 
 
+def _cached_value(ids, prefix: int, last_sent: dict[int, int], device_since: int, w_host: float) -> float:
+    """``prefix`` leading blocks of ``ids`` on one node, the ones the router estimates on device (sent
+    there no earlier than ``device_since``: a prefix run, as ancestors are sent with every descendant)
+    at 1, the rest at ``w_host``."""
+    lo, hi = 0, prefix  # binary search: the device run leads
+    while lo < hi:
+        mid = (lo + hi + 1) >> 1
+        if last_sent[ids[mid - 1]] >= device_since:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo + w_host * (prefix - lo)
+
+
 def prefill_tokens_per_second(cfg: PlanConfig) -> float:
     """Prompt tokens one node prefills per second (the planner's compute model)."""
     return cfg.prefill_tflops * 1e12 / cfg.flops_per_token
@@ -72,9 +92,28 @@ def arrival_seconds(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[f
     return [(r.timestamp_ms - t0) * scale for r in requests]
 
 
+def host_weight(cfg: PlanConfig) -> float:
+    """``kv_host_weight``, or what a host block is worth from the link speeds: the prefill it saves
+    less the time its load takes, as a fraction of that prefill."""
+    if cfg.kv_host_weight is not None:
+        return cfg.kv_host_weight
+    from kvtier.app.plan import planning_spec
+
+    recompute_s = cfg.flops_per_token / (cfg.prefill_tflops * 1e12)
+    load_s = planning_spec(cfg).bytes_per_token / (cfg.pcie_gbps * GB)
+    return max(0.0, 1.0 - load_s / recompute_s)
+
+
 def _kv_aware(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[int]:
+    from kvtier.app.plan import capacity, planning_spec
+
     block = MOONCAKE_BLOCK_TOKENS
     n = cfg.nodes
+    device_blocks = capacity(cfg, planning_spec(cfg).page_bytes).device
+    w_host = host_weight(cfg)
+    #: per node: block id -> the node's sent-block count when the router last sent it there
+    last_sent: list[dict[int, int]] = [{} for _ in range(n)]
+    sent_blocks = [0] * n
     everyone = (1 << n) - 1
     rate = prefill_tokens_per_second(cfg)
     blocks_per_second = rate / block
@@ -84,6 +123,8 @@ def _kv_aware(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[int]:
     index: dict[int, int] = {}
     get = index.get
     free_at = [0.0] * n
+    last_free = 0.0  # max(free_at)
+    idle = [0.0] * n
     sent = [0] * n
     out: list[int] = []
     for r, now in zip(requests, arrival_seconds(requests, cfg)):
@@ -111,20 +152,29 @@ def _kv_aware(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[int]:
                 low = have & -have
                 prefix[low.bit_length() - 1] = k
                 have ^= low
-        queued = [f - now if f > now else 0.0 for f in free_at]
-        least, _, best = min(zip(queued, sent, range(n)))  # the least loaded node
+        if last_free > now:  # some node still has prefill queued
+            queued = [f - now if f > now else 0.0 for f in free_at]
+            least, _, best = min(zip(queued, sent, range(n)))  # the least loaded node
+        else:  # every queue is empty: the least loaded node is the one sent the fewest tokens
+            queued = idle
+            least, best = 0.0, sent.index(min(sent))
         if prefix and max(prefix.values()) >= min_match * len(ids):
             # the best holder of a prefix, or the least loaded node (its score is -its queue)
-            best_key = (prefix.get(best, 0) - weight * least * blocks_per_second, -least, -sent[best])
-            for j, p in prefix.items():
-                key = (p - weight * queued[j] * blocks_per_second, -queued[j], -sent[j])
+            values = {j: _cached_value(ids, p, last_sent[j], sent_blocks[j] - device_blocks, w_host) for j, p in prefix.items()}
+            best_key = (values.get(best, 0.0) - weight * least * blocks_per_second, -least, -sent[best])
+            for j, value in values.items():
+                key = (value - weight * queued[j] * blocks_per_second, -queued[j], -sent[j])
                 if key > best_key or (key == best_key and j < best):
                     best, best_key = j, key
         bit = 1 << best
         for h in ids[prefix.get(best, 0):]:  # the node's own prefix has its bit already
             index[h] = get(h, 0) | bit
+        sent_blocks[best] += len(ids)
+        last_sent[best].update(dict.fromkeys(ids, sent_blocks[best]))
         start = free_at[best] if free_at[best] > now else now
         free_at[best] = start + (r.input_length - prefix.get(best, 0) * block) / rate
+        if free_at[best] > last_free:
+            last_free = free_at[best]
         sent[best] += r.input_length
         out.append(best)
     return out
