@@ -226,6 +226,8 @@ class PrefixTree:
         if not path:
             return
         now = self.tick()
+        if not now & 1023:
+            self._maybe_compact()
         self._stamp(path[-1], now)
         if path[-1].device_page == NO_PAGE:
             n_dev = self.device_prefix(path)
@@ -307,7 +309,6 @@ class PrefixTree:
             self._child_left(parent, node)
         node.parent = None  # a recycled node must not keep its old ancestors alive
         self._spare.append(node)
-        self._maybe_compact()
 
     def descendants(self, node: PageNode) -> list[PageNode]:
         """Every node below ``node``, deepest first. O(tree): the tree keeps no child lists, and
@@ -342,8 +343,29 @@ class PrefixTree:
         if parent is not None:
             parent.device_children -= 1
             self._child_left(parent, node)
-        self._maybe_compact()
         return page
+
+    def clear_devices(self, nodes: Sequence[PageNode]) -> list[int]:
+        """:meth:`clear_device` of each of ``nodes`` in order (descendants first); their pages.
+        The eviction hot path: one call, the per-page steps inline."""
+        owned = self.device_owned
+        push = self.device_heap.push
+        pages = []
+        for node in nodes:
+            assert node.device_children == 0 and node.device_page != NO_PAGE, node
+            page = node.device_page
+            node.device_page = NO_PAGE
+            pages.append(page)
+            if owned:
+                owned[page] = 0
+            parent = node.parent
+            if parent is not None:
+                parent.device_children -= 1
+                if node.last_access > parent.last_access:
+                    parent.last_access = node.last_access
+                if parent.device_children == 0:  # on device (prefix-closed), a device leaf now; never a
+                    push(parent)                 # host leaf: ``node`` is still its child
+        return pages
 
     def set_host(self, node: PageNode, page: int, ready: bool) -> None:
         assert node.host_page == NO_PAGE, node
@@ -400,38 +422,41 @@ class PrefixTree:
             lambda n: n.num_children,
         )
 
-    @staticmethod
-    def _victims(heap: _LeafHeap, limit: int, eligible, children) -> list[PageNode]:
+    def _victims(self, heap: _LeafHeap, limit: int, eligible, children) -> list[PageNode]:
         """Pop leaves oldest first; a parent joins (with its inherited stamp) once all its children are chosen.
 
         Popped entries that are still valid go back on the heap: the caller may not evict them all."""
+        self._maybe_compact()
         chosen: list[PageNode] = []
-        picked: set[int] = set()
-        taken: dict[int, int] = {}
+        picked: set[PageNode] = set()
+        taken: dict[PageNode, int] = {}
         virtual: list[tuple[int, int, PageNode]] = []  # parents that become leaves if the chosen ones leave
         keep: list[tuple[int, int, PageNode]] = []
         entries = heap.entries
+        is_leaf, in_tier, seq = heap.is_leaf, heap.in_tier, heap.seq
+        pop, push = heapq.heappop, heapq.heappush
         while len(chosen) < limit and (entries or virtual):
             if virtual and (not entries or virtual[0] < entries[0]):
-                entry = heapq.heappop(virtual)
+                entry = pop(virtual)
+                node = entry[2]
             else:
-                entry = heapq.heappop(entries)
-                if not heap.valid(entry):
+                entry = pop(entries)
+                node = entry[2]
+                if entry[0] != node.last_access or not is_leaf(node):  # stale
                     continue
                 keep.append(entry)
-            node = entry[2]
-            if id(node) in picked or not eligible(node):
+            if node in picked or not eligible(node):
                 continue
             chosen.append(node)
-            picked.add(id(node))
+            picked.add(node)
             parent = node.parent
             if parent is not None:
-                t = taken.get(id(parent), 0) + 1
-                taken[id(parent)] = t
-                if t == children(parent) and heap.in_tier(parent):
-                    heapq.heappush(virtual, (max(parent.last_access, entry[0]), next(heap.seq), parent))
+                t = taken.get(parent, 0) + 1
+                taken[parent] = t
+                if t == children(parent) and in_tier(parent):
+                    push(virtual, (max(parent.last_access, entry[0]), next(seq), parent))
         for entry in keep:
-            heapq.heappush(entries, entry)
+            push(entries, entry)
         return chosen
 
     # ---- integrity -------------------------------------------------------------

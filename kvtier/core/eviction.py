@@ -100,7 +100,7 @@ class Eviction:
         while freed < n:
             before = freed
             cheap = tree.device_victims(n - freed, require_host_copy=True)
-            self.dev_alloc.free([tree.clear_device(v) for v in cheap])
+            self.dev_alloc.free(tree.clear_devices(cheap))
             freed += len(cheap)
             if freed < n:
                 victims = tree.device_victims(n - freed)
