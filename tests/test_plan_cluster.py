@@ -13,6 +13,7 @@ from kvtier.app.plan import (PlanConfig, check_plannable, compare_routing, disti
 from kvtier.app.plan.routing import ROUTING_POLICIES, prefill_tokens_per_second
 from kvtier.app.workloads.mooncake import TraceRequest, default_trace_path, load_mooncake_trace
 from kvtier.app.workloads.synthetic import ChatTrace
+from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 
 #: the chat trace's cluster: small tiers, so that capacity matters
@@ -68,9 +69,9 @@ def test_kv_aware_follows_the_prefix_and_yields_to_load():
     assert route(reqs, PlanConfig(nodes=4, routing="affinity")) == [100 % 4] * 6 + [200 % 4]
 
 
-def _check_monotone(requests, base: PlanConfig, sizes: dict[str, list[float]]):
+def _check_monotone(requests, base: PlanConfig, sizes: dict[str, list[float]], cache_cfg: CacheConfig = CacheConfig()):
     for field, values in sizes.items():
-        rows = sweep(requests, base, field, values)
+        rows = sweep(requests, base, field, values, cache_cfg)
         totals = [r["hit_total"] for r in rows]
         assert totals == sorted(totals), f"{base.routing}: hit ratio falls as {field} grows: {list(zip(values, totals))}"
         yield field, totals
@@ -90,6 +91,16 @@ def test_sweeps_are_monotone_on_the_chat_trace(chat, routing):
     base = PlanConfig(nodes=4, routing=routing, **CHAT)
     grown = dict(_check_monotone(chat, base, {"host_tb": [0.0025, 0.004, 0.008, 0.02], "device_gb": [0.6, 0.8, 1, 1.5],
                                                "storage_tb": [0, 0.04, 0.1]}))
+    assert grown["host_tb"][-1] > grown["host_tb"][0] and grown["storage_tb"][-1] > grown["storage_tb"][0]
+
+
+@pytest.mark.parametrize("write_policy", ["write_back", "write_through_selective"])
+def test_sweeps_are_monotone_under_the_other_write_policies(chat, write_policy):
+    """These replay through the policy core itself (the fast model covers write_through only)."""
+    base = PlanConfig(nodes=4, routing="kv_aware", **CHAT)
+    assert run_plan(chat[:50], base, CacheConfig(write_policy=write_policy)).replay_engine == "cache"
+    grown = dict(_check_monotone(chat, base, {"host_tb": [0.0025, 0.004, 0.02], "device_gb": [0.6, 1, 1.5], "storage_tb": [0, 0.04]},
+                                 CacheConfig(write_policy=write_policy)))
     assert grown["host_tb"][-1] > grown["host_tb"][0] and grown["storage_tb"][-1] > grown["storage_tb"][0]
 
 
