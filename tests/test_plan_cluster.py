@@ -2,6 +2,7 @@
 monotone in every tier or refused, and the plot."""
 
 import json
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -115,6 +116,9 @@ def test_configurations_that_could_fall_are_refused_in_one_line(chat):
             run_plan(chat, cfg)
         msg = str(e.value)
         assert why in msg and fix in msg and "\n" not in msg
+        # the size the message names is accepted
+        flag, value = re.search(r"--plan-(\S+) (?:0 \(no L3\) or )?([0-9.e+-]+) or more", msg).groups()
+        check_plannable(chat, replace(cfg, **{flag.replace("-", "_"): float(value)}))
     with pytest.raises(ConfigError, match="smaller than the device"):  # a sweep checks every size before it runs one
         sweep(chat, PlanConfig(**CHAT), "host_tb", [0.004, 0.0015])
     fix = min_host_tb(chat, PlanConfig(**CHAT))

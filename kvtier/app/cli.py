@@ -222,7 +222,7 @@ def plan(
 
     from kvtier.app.cli_options import build_sections
     from kvtier.config import CacheConfig
-    from kvtier.app.plan import PlanConfig, min_host_tb, run_plan, sweep
+    from kvtier.app.plan import PlanConfig, min_host_tb, round_up, run_plan, sweep
     from kvtier.app.plan import compare_routing as compare
     from kvtier.app.plan.routing import ROUTING_POLICIES
     from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace
@@ -249,7 +249,7 @@ def plan(
             [(field, values)] = sweeps.items()
         else:
             low = min_host_tb(requests, cfg)
-            field, values = "host_tb", [round(low * f, 4) for f in (1.0, 1.5, 2.0, 4.0)]
+            field, values = "host_tb", [round_up(low * f) for f in (1.0, 1.5, 2.0, 4.0)]
         curves = {p: sweep(requests, replace(cfg, routing=p), field, values, cache_cfg) for p in ROUTING_POLICIES}
         loads = {row["routing"]: [{"node": j, "prompt_tokens": t} for j, t in enumerate(row["prompt_tokens_per_node"])]
                  for row in report.routing_comparison}

@@ -29,6 +29,7 @@ the one that ran (``replay_engine``).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import replace
 
@@ -42,7 +43,7 @@ from kvtier.spec import KVSpec
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "check_plannable", "compare_routing", "distinct_blocks", "fast_model_gap",
-           "infinite_cache_hit_ratio", "min_host_tb", "planning_spec", "replay", "route", "run_plan", "sweep", "sweep_host"]
+           "infinite_cache_hit_ratio", "min_host_tb", "planning_spec", "replay", "round_up", "route", "run_plan", "sweep", "sweep_host"]
 
 
 def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE_BLOCK_TOKENS) -> float:
@@ -96,6 +97,14 @@ def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_c
     return run(requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request)
 
 
+def round_up(x: float, digits: int = 4) -> float:
+    """``x`` to ``digits`` significant digits, never below it: a size printed as the fix must be accepted."""
+    if x <= 0:
+        return 0.0
+    scale = 10 ** (digits - 1 - math.floor(math.log10(x)))
+    return math.ceil(x * scale) / scale
+
+
 def _longest_blocks(requests: list[TraceRequest]) -> int:
     """Blocks of the longest request, its partial tail included."""
     return max((r.input_length // MOONCAKE_BLOCK_TOKENS + 1 for r in requests), default=0)
@@ -138,12 +147,12 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
     if cap.device < longest:
         raise ConfigError(
             f"device tier of {cap.device} blocks ({cfg.device_gb:g} GB) cannot hold the longest request ({longest} blocks): {refused}; "
-            f"give --plan-device-gb {longest * spec.page_bytes / GB:.4g} or more")
+            f"give --plan-device-gb {round_up(longest * spec.page_bytes / GB)} or more")
     if cap.host < cap.device + 2 * longest:
         raise ConfigError(
             f"host tier of {cap.host} blocks ({cfg.host_tb:g} TB) is smaller than the device's {cap.device} blocks plus two of the "
             f"longest request (2 x {longest} blocks): {refused}; "
-            f"give --plan-host-tb {min_host_tb(requests, cfg):.4g} or more, or a smaller --plan-device-gb")
+            f"give --plan-host-tb {round_up(min_host_tb(requests, cfg))} or more, or a smaller --plan-device-gb")
     if cap.storage:
         distinct = distinct_blocks(requests)
         if cap.storage < distinct:
@@ -151,7 +160,7 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
             raise ConfigError(
                 f"L3 of {cap.storage} blocks ({cfg.storage_tb:g} TB x {cfg.nodes} nodes) is smaller than the trace's {distinct} distinct "
                 f"blocks: a finite L3 ages out what the host keeps serving, so {refused}; give --plan-storage-tb 0 (no L3) "
-                f"or {need:.4g} or more")
+                f"or {round_up(need)} or more")
 
 
 def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
