@@ -131,8 +131,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
             return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending)
-        for node in matched:
-            node.hit_count += 1
+        if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
+            for node in matched:
+                node.hit_count += 1
         st = self.stats
         st.requests += 1
         st.lookup_pages += len(keys)
