@@ -104,35 +104,38 @@ def host_weight(cfg: PlanConfig) -> float:
     return max(0.0, 1.0 - load_s / recompute_s)
 
 
-def _kv_aware(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[int]:
-    from kvtier.app.plan import capacity, planning_spec
+class KvAwareRouter:
+    """The ``kv_aware`` router's state and its three steps per request (see the module docstring)."""
 
-    block = MOONCAKE_BLOCK_TOKENS
-    n = cfg.nodes
-    device_blocks = capacity(cfg, planning_spec(cfg).page_bytes).device
-    w_host = host_weight(cfg)
-    #: per node: block id -> the node's sent-block count when the router last sent it there
-    last_sent: list[dict[int, int]] = [{} for _ in range(n)]
-    sent_blocks = [0] * n
-    everyone = (1 << n) - 1
-    rate = prefill_tokens_per_second(cfg)
-    blocks_per_second = rate / block
-    weight = cfg.kv_load_weight
-    min_match = cfg.kv_min_match
-    #: block id -> bit mask of the nodes the router sent it to
-    index: dict[int, int] = {}
-    get = index.get
-    free_at = [0.0] * n
-    last_free = 0.0  # max(free_at)
-    idle = [0.0] * n
-    sent = [0] * n
-    out: list[int] = []
-    for r, now in zip(requests, arrival_seconds(requests, cfg)):
-        ids = r.hash_ids[: r.input_length // block]
-        usable = (r.input_length - 1) // block
-        # leading blocks per node: walk the request while some node still has every block so far
-        prefix: dict[int, int] = {}  # node -> prefix blocks, for the nodes that hold at least one
-        have = everyone
+    def __init__(self, cfg: PlanConfig) -> None:
+        from kvtier.app.plan import capacity, planning_spec
+
+        n = self.nodes = cfg.nodes
+        self.everyone = (1 << n) - 1
+        self.device_blocks = capacity(cfg, planning_spec(cfg).page_bytes).device
+        self.w_host = host_weight(cfg)
+        self.rate = prefill_tokens_per_second(cfg)
+        self.blocks_per_second = self.rate / MOONCAKE_BLOCK_TOKENS
+        self.load_weight = cfg.kv_load_weight
+        self.min_match = cfg.kv_min_match
+        #: block id -> bit mask of the nodes the router sent it to
+        self.index: dict[int, int] = {}
+        #: per node: block id -> the node's count of blocks sent when the router last sent it there
+        self.last_sent: list[dict[int, int]] = [{} for _ in range(n)]
+        self.sent_blocks = [0] * n
+        #: prompt tokens sent to each node
+        self.sent = [0] * n
+        #: when each node's booked prefill ends (seconds), and the latest of them
+        self.free_at = [0.0] * n
+        self.last_free = 0.0
+        self._idle = [0.0] * n
+
+    def prefixes(self, ids: Sequence[int], usable: int) -> dict[int, int]:
+        """Leading blocks of ``ids[:usable]`` per node, for the nodes holding at least one: one walk,
+        while some node still holds every block so far (bit masks)."""
+        get = self.index.get
+        prefix: dict[int, int] = {}
+        have = self.everyone
         k = 0
         for h in ids[:usable]:
             m = get(h, 0) & have
@@ -152,29 +155,53 @@ def _kv_aware(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[int]:
                 low = have & -have
                 prefix[low.bit_length() - 1] = k
                 have ^= low
-        if last_free > now:  # some node still has prefill queued
-            queued = [f - now if f > now else 0.0 for f in free_at]
-            least, _, best = min(zip(queued, sent, range(n)))  # the least loaded node
+        return prefix
+
+    def choose(self, ids: Sequence[int], prefix: dict[int, int], now: float) -> int:
+        """The node with the best score; the least loaded one when no prefix covers ``min_match``."""
+        sent = self.sent
+        if self.last_free > now:  # some node still has prefill queued
+            queued = [f - now if f > now else 0.0 for f in self.free_at]
+            least, _, best = min(zip(queued, sent, range(self.nodes)))
         else:  # every queue is empty: the least loaded node is the one sent the fewest tokens
-            queued = idle
+            queued = self._idle
             least, best = 0.0, sent.index(min(sent))
-        if prefix and max(prefix.values()) >= min_match * len(ids):
-            # the best holder of a prefix, or the least loaded node (its score is -its queue)
-            values = {j: _cached_value(ids, p, last_sent[j], sent_blocks[j] - device_blocks, w_host) for j, p in prefix.items()}
-            best_key = (values.get(best, 0.0) - weight * least * blocks_per_second, -least, -sent[best])
-            for j, value in values.items():
-                key = (value - weight * queued[j] * blocks_per_second, -queued[j], -sent[j])
-                if key > best_key or (key == best_key and j < best):
-                    best, best_key = j, key
-        bit = 1 << best
-        for h in ids[prefix.get(best, 0):]:  # the node's own prefix has its bit already
+        if not prefix or max(prefix.values()) < self.min_match * len(ids):
+            return best
+        per_block = self.load_weight * self.blocks_per_second
+        values = {j: _cached_value(ids, p, self.last_sent[j], self.sent_blocks[j] - self.device_blocks, self.w_host)
+                  for j, p in prefix.items()}
+        best_key = (values.get(best, 0.0) - per_block * least, -least, -sent[best])  # the least loaded node's score
+        for j, value in values.items():
+            key = (value - per_block * queued[j], -queued[j], -sent[j])
+            if key > best_key or (key == best_key and j < best):
+                best, best_key = j, key
+        return best
+
+    def book(self, node: int, ids: Sequence[int], prompt_tokens: int, reused: int, now: float) -> None:
+        """Record ``node`` got the request: its blocks in the index, its prefill on the node's queue."""
+        index = self.index
+        get = index.get
+        bit = 1 << node
+        for h in ids[reused:]:  # the node's own prefix has its bit already
             index[h] = get(h, 0) | bit
-        sent_blocks[best] += len(ids)
-        last_sent[best].update(dict.fromkeys(ids, sent_blocks[best]))
-        start = free_at[best] if free_at[best] > now else now
-        free_at[best] = start + (r.input_length - prefix.get(best, 0) * block) / rate
-        if free_at[best] > last_free:
-            last_free = free_at[best]
-        sent[best] += r.input_length
-        out.append(best)
+        self.sent_blocks[node] += len(ids)
+        self.last_sent[node].update(dict.fromkeys(ids, self.sent_blocks[node]))
+        start = max(self.free_at[node], now)
+        end = self.free_at[node] = start + (prompt_tokens - reused * MOONCAKE_BLOCK_TOKENS) / self.rate
+        if end > self.last_free:
+            self.last_free = end
+        self.sent[node] += prompt_tokens
+
+
+def _kv_aware(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[int]:
+    block = MOONCAKE_BLOCK_TOKENS
+    router = KvAwareRouter(cfg)
+    out: list[int] = []
+    for r, now in zip(requests, arrival_seconds(requests, cfg)):
+        ids = r.hash_ids[: r.input_length // block]
+        prefix = router.prefixes(ids, (r.input_length - 1) // block)
+        node = router.choose(ids, prefix, now)
+        router.book(node, ids, r.input_length, prefix.get(node, 0), now)
+        out.append(node)
     return out
