@@ -335,15 +335,7 @@ class PrefixTree:
             parent.device_children += 1
 
     def clear_device(self, node: PageNode) -> int:
-        assert node.device_children == 0 and node.device_page != NO_PAGE, node
-        page, node.device_page = node.device_page, NO_PAGE
-        if self.device_owned:
-            self.device_owned[page] = 0
-        parent = node.parent
-        if parent is not None:
-            parent.device_children -= 1
-            self._child_left(parent, node)
-        return page
+        return self.clear_devices((node,))[0]
 
     def clear_devices(self, nodes: Sequence[PageNode]) -> list[int]:
         """:meth:`clear_device` of each of ``nodes`` in order (descendants first); their pages.

@@ -34,12 +34,11 @@ import time
 from dataclasses import replace
 
 from kvtier.config import CacheConfig, ConfigError
-from kvtier.app.plan.config import GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts
+from kvtier.app.plan.config import GB, TB, PlanConfig, PlanReport, ReplayCounts, capacity, planning_spec
 from kvtier.app.plan.replay_cache import replay_cache
 from kvtier.app.plan.replay_lru import lru_model_gap, replay_lru
 from kvtier.app.plan.routing import ROUTING_POLICIES, route
 from kvtier.app.plan.timing import simulate
-from kvtier.spec import KVSpec
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "check_plannable", "compare_routing", "distinct_blocks", "fast_model_gap",
@@ -63,26 +62,9 @@ def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE
     return hit / total if total else 0.0
 
 
-def planning_spec(cfg: PlanConfig) -> KVSpec:
-    """The spec with one page per trace block (``512 / page_size`` pages of the real spec)."""
-    base = KVSpec.preset(cfg.spec)
-    if MOONCAKE_BLOCK_TOKENS % base.page_size:
-        raise ConfigError(f"spec page_size {base.page_size} must divide the trace block of {MOONCAKE_BLOCK_TOKENS} tokens")
-    return base.with_(page_size=MOONCAKE_BLOCK_TOKENS)
-
-
-def capacity(cfg: PlanConfig, block_bytes: int) -> Capacity:
-    return Capacity(
-        device=max(1, int(cfg.device_gb * GB // block_bytes)),
-        host=max(1, int(cfg.host_tb * TB // block_bytes)),
-        storage=int(cfg.storage_tb * TB * cfg.nodes // block_bytes) if cfg.storage_tb > 0 else None,
-    )
-
-
 def fast_model_gap(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig) -> str | None:
     """Why the fast LRU model would not be exact for this trace and configuration; None when it is."""
-    longest = max((r.input_length // MOONCAKE_BLOCK_TOKENS + 1 for r in requests), default=0)  # blocks, tail included
-    return lru_model_gap(cache_cfg, capacity(cfg, planning_spec(cfg).page_bytes), longest)
+    return lru_model_gap(cache_cfg, capacity(cfg, planning_spec(cfg).page_bytes), _longest_blocks(requests))
 
 
 def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
 from kvtier.config import ConfigError, _help, check_number
+from kvtier.spec import KVSpec
 
 GB = 1e9
 TB = 1e12
@@ -66,6 +68,23 @@ class Capacity:
     host: int
     #: the shared L3 of all nodes; None when there is no storage tier
     storage: int | None
+
+
+def planning_spec(cfg: PlanConfig) -> KVSpec:
+    """The spec with one page per trace block (``512 / page_size`` pages of the real spec)."""
+    base = KVSpec.preset(cfg.spec)
+    if MOONCAKE_BLOCK_TOKENS % base.page_size:
+        raise ConfigError(f"spec page_size {base.page_size} must divide the trace block of {MOONCAKE_BLOCK_TOKENS} tokens")
+    return base.with_(page_size=MOONCAKE_BLOCK_TOKENS)
+
+
+def capacity(cfg: PlanConfig, block_bytes: int) -> Capacity:
+    """Tier sizes in blocks of ``block_bytes``: per node for device and host, the shared L3 for all nodes."""
+    return Capacity(
+        device=max(1, int(cfg.device_gb * GB // block_bytes)),
+        host=max(1, int(cfg.host_tb * TB // block_bytes)),
+        storage=int(cfg.storage_tb * TB * cfg.nodes // block_bytes) if cfg.storage_tb > 0 else None,
+    )
 
 
 @dataclass

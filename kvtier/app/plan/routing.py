@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.app.plan.config import GB, PlanConfig
+from kvtier.app.plan.config import GB, PlanConfig, capacity, planning_spec
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 ROUTING_POLICIES = ("round_robin", "affinity", "kv_aware")
@@ -97,8 +97,6 @@ def host_weight(cfg: PlanConfig) -> float:
     less the time its load takes, as a fraction of that prefill."""
     if cfg.kv_host_weight is not None:
         return cfg.kv_host_weight
-    from kvtier.app.plan import planning_spec
-
     recompute_s = cfg.flops_per_token / (cfg.prefill_tflops * 1e12)
     load_s = planning_spec(cfg).bytes_per_token / (cfg.pcie_gbps * GB)
     return max(0.0, 1.0 - load_s / recompute_s)
@@ -108,8 +106,6 @@ class KvAwareRouter:
     """The ``kv_aware`` router's state and its three steps per request (see the module docstring)."""
 
     def __init__(self, cfg: PlanConfig) -> None:
-        from kvtier.app.plan import capacity, planning_spec
-
         n = self.nodes = cfg.nodes
         self.everyone = (1 << n) - 1
         self.device_blocks = capacity(cfg, planning_spec(cfg).page_bytes).device
