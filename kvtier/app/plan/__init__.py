@@ -135,7 +135,7 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
             f"host tier of {cap.host} blocks ({cfg.host_tb:g} TB) is smaller than the device's {cap.device} blocks plus two of the "
             f"longest request (2 x {longest} blocks): {refused}; "
             f"give --plan-host-tb {round_up(min_host_tb(requests, cfg))} or more, or a smaller --plan-device-gb")
-    if cap.storage:
+    if cap.storage and cap.storage < sum(r.input_length // MOONCAKE_BLOCK_TOKENS for r in requests):  # else it holds all
         distinct = distinct_blocks(requests)
         if cap.storage < distinct:
             need = distinct * spec.page_bytes / TB / cfg.nodes

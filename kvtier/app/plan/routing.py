@@ -47,6 +47,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.app.plan.config import GB, PlanConfig, capacity, planning_spec
+from kvtier.radix import leading_present
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 ROUTING_POLICIES = ("round_robin", "affinity", "kv_aware")
@@ -68,7 +69,9 @@ def _cached_value(ids, prefix: int, last_sent: dict[int, int], device_since: int
     """``prefix`` leading blocks of ``ids`` on one node, the ones the router estimates on device (sent
     there no earlier than ``device_since``: a prefix run, as ancestors are sent with every descendant)
     at 1, the rest at ``w_host``."""
-    lo, hi = 0, prefix  # binary search: the device run leads
+    if not prefix or last_sent[ids[prefix - 1]] >= device_since:  # the deepest is recent: all are
+        return float(prefix)
+    lo, hi = 0, prefix - 1  # binary search: the device run leads
     while lo < hi:
         mid = (lo + hi + 1) >> 1
         if last_sent[ids[mid - 1]] >= device_since:
@@ -107,15 +110,14 @@ class KvAwareRouter:
 
     def __init__(self, cfg: PlanConfig) -> None:
         n = self.nodes = cfg.nodes
-        self.everyone = (1 << n) - 1
         self.device_blocks = capacity(cfg, planning_spec(cfg).page_bytes).device
         self.w_host = host_weight(cfg)
         self.rate = prefill_tokens_per_second(cfg)
         self.blocks_per_second = self.rate / MOONCAKE_BLOCK_TOKENS
         self.load_weight = cfg.kv_load_weight
         self.min_match = cfg.kv_min_match
-        #: block id -> bit mask of the nodes the router sent it to
-        self.index: dict[int, int] = {}
+        #: first block id -> bit mask of the nodes the router sent a request opening with it
+        self.first: dict[int, int] = {}
         #: per node: block id -> the node's count of blocks sent when the router last sent it there
         self.last_sent: list[dict[int, int]] = [{} for _ in range(n)]
         self.sent_blocks = [0] * n
@@ -127,30 +129,18 @@ class KvAwareRouter:
         self._idle = [0.0] * n
 
     def prefixes(self, ids: Sequence[int], usable: int) -> dict[int, int]:
-        """Leading blocks of ``ids[:usable]`` per node, for the nodes holding at least one: one walk,
-        while some node still holds every block so far (bit masks)."""
-        get = self.index.get
+        """Leading blocks of ``ids[:usable]`` per node, for the nodes holding at least one. A node's
+        blocks are prefix-closed (every request sends all its blocks, and a block id names its
+        whole prefix), so each holder of the first block needs one binary search."""
+        if usable <= 0:
+            return {}
         prefix: dict[int, int] = {}
-        have = self.everyone
-        k = 0
-        for h in ids[:usable]:
-            m = get(h, 0) & have
-            if m != have:
-                if k:
-                    gone = have & ~m
-                    while gone:
-                        low = gone & -gone
-                        prefix[low.bit_length() - 1] = k
-                        gone ^= low
-                have = m
-                if not have:
-                    break
-            k += 1
-        if k:
-            while have:
-                low = have & -have
-                prefix[low.bit_length() - 1] = k
-                have ^= low
+        holders = self.first.get(ids[0], 0)
+        while holders:
+            low = holders & -holders
+            holders ^= low
+            j = low.bit_length() - 1
+            prefix[j] = leading_present(self.last_sent[j], ids, usable)
         return prefix
 
     def choose(self, ids: Sequence[int], prefix: dict[int, int], now: float) -> int:
@@ -176,11 +166,8 @@ class KvAwareRouter:
 
     def book(self, node: int, ids: Sequence[int], prompt_tokens: int, reused: int, now: float) -> None:
         """Record ``node`` got the request: its blocks in the index, its prefill on the node's queue."""
-        index = self.index
-        get = index.get
-        bit = 1 << node
-        for h in ids[reused:]:  # the node's own prefix has its bit already
-            index[h] = get(h, 0) | bit
+        if ids:
+            self.first[ids[0]] = self.first.get(ids[0], 0) | 1 << node
         self.sent_blocks[node] += len(ids)
         self.last_sent[node].update(dict.fromkeys(ids, self.sent_blocks[node]))
         start = max(self.free_at[node], now)
