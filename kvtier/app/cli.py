@@ -8,28 +8,12 @@ from typing import Optional
 
 import typer
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.app.cli_output import check_output_path, emit as _emit
+from kvtier.errors import KVTierError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="kvtier: a tiered, paged KV cache for LLM inference.")
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks that print measured ratios as JSON.")
 app.add_typer(bench_app, name="bench")
-
-
-def _emit(rows: object, as_json: bool) -> None:
-    if as_json:
-        json.dump(rows, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    rows_list = rows if isinstance(rows, list) else [rows]
-    table = Table()
-    for key in rows_list[0]:
-        table.add_column(key)
-    for row in rows_list:
-        table.add_row(*(str(v) for v in row.values()))
-    Console().print(table)
 
 
 @app.command()
@@ -155,21 +139,6 @@ def run(
         _print_run_report(report)
     if plot:
         plot_report(report, plot)
-
-
-def check_output_path(what: str, path: str | None) -> None:
-    """``path`` can be written: its directory exists and is writable, and it is not a directory."""
-    import os
-
-    if not path:
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise ConfigError(f"{what} {path!r} is a directory; give a file path")
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{what} {path!r}: directory {parent!r} does not exist")
-    if not os.access(parent, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise ConfigError(f"{what} {path!r} is not writable; choose another path")
 
 
 def _print_run_report(r) -> None:

@@ -38,7 +38,7 @@ def plan(
     queueing and TTFT per routing policy, load per node, load vs recompute."""
     from dataclasses import replace
 
-    from kvtier.app.cli import _emit, check_output_path
+    from kvtier.app.cli_output import check_output_path, emit as _emit
     from kvtier.app.cli_options import build_sections
     from kvtier.config import CacheConfig
     from kvtier.app.plan import PlanConfig, min_host_tb, round_up, run_plan, sweep
