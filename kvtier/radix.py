@@ -397,12 +397,39 @@ class PrefixTree:
         A node qualifies once all its device-resident children are chosen, so
         descendants always precede their ancestors in the result.
         ``require_host_copy`` keeps to pages whose ready host copy makes dropping free.
+        (The walk of :meth:`_victims`, with the device tier's tests written inline: the hot path.)
         """
-        if require_host_copy:
-            eligible = lambda n: n.lock_ref == 0 and n.flags & _HOST_READY and n.host_page != NO_PAGE  # noqa: E731
-        else:
-            eligible = lambda n: n.lock_ref == 0  # noqa: E731
-        return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children)
+        self._maybe_compact()
+        heap = self.device_heap
+        entries, seq = heap.entries, heap.seq
+        pop, push = heapq.heappop, heapq.heappush
+        chosen: list[PageNode] = []
+        picked: set[PageNode] = set()
+        taken: dict[PageNode, int] = {}
+        virtual: list[tuple[int, int, PageNode]] = []
+        keep: list[tuple[int, int, PageNode]] = []
+        while len(chosen) < limit and (entries or virtual):
+            if virtual and (not entries or virtual[0] < entries[0]):
+                stamp, _, node = pop(virtual)
+            else:
+                entry = pop(entries)
+                stamp, _, node = entry
+                if stamp != node.last_access or node.device_page == NO_PAGE or node.device_children:  # stale
+                    continue
+                keep.append(entry)
+            if node in picked or node.lock_ref or (require_host_copy and (node.host_page == NO_PAGE or not node.flags & _HOST_READY)):
+                continue
+            chosen.append(node)
+            picked.add(node)
+            parent = node.parent
+            if parent is not None:  # on device too: device residency is prefix-closed
+                t = taken.get(parent, 0) + 1
+                taken[parent] = t
+                if t == parent.device_children:
+                    push(virtual, (parent.last_access if parent.last_access > stamp else stamp, next(seq), parent))
+        for entry in keep:
+            push(entries, entry)
+        return chosen
 
     def host_victims(self, limit: int) -> list[PageNode]:
         """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too.
