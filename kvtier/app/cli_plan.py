@@ -58,18 +58,19 @@ def plan(
     report = run_plan(requests, cfg, cache_cfg)
     if sweeps:
         [(field, values)] = sweeps.items()
-        report.sweep = sweep(requests, cfg, field, values, cache_cfg)
+    elif plot_png:  # the plot's default sweep: host sizes from the smallest accepted
+        low = min_host_tb(requests, cfg)
+        field, values = "host_tb", [round_up(low * f) for f in (1.0, 1.5, 2.0, 4.0)]
+    # one sweep per routing policy for the plot; the configured policy's is the report's sweep
+    policies = ROUTING_POLICIES if plot_png else (cfg.routing,) if sweeps else ()
+    curves = {p: sweep(requests, replace(cfg, routing=p), field, values, cache_cfg) for p in policies}
+    if sweeps:
+        report.sweep = curves[cfg.routing]
     if compare_routing or plot_png:
         report.routing_comparison = compare(requests, cfg, cache_cfg)
     if plot_png:
         from kvtier.app.plan.plot import plot_plan
 
-        if sweeps:
-            [(field, values)] = sweeps.items()
-        else:
-            low = min_host_tb(requests, cfg)
-            field, values = "host_tb", [round_up(low * f) for f in (1.0, 1.5, 2.0, 4.0)]
-        curves = {p: sweep(requests, replace(cfg, routing=p), field, values, cache_cfg) for p in ROUTING_POLICIES}
         loads = {row["routing"]: [{"node": j, "prompt_tokens": t} for j, t in enumerate(row["prompt_tokens_per_node"])]
                  for row in report.routing_comparison}
         plot_plan(plot_png, field, curves, loads)

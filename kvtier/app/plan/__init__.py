@@ -34,7 +34,7 @@ import time
 from dataclasses import replace
 
 from kvtier.config import CacheConfig, ConfigError
-from kvtier.app.plan.config import GB, TB, PlanConfig, PlanReport, ReplayCounts, capacity, planning_spec
+from kvtier.app.plan.config import GB, TB, PlanConfig, PlanReport, ReplayCounts, TokenCosts, capacity, planning_spec
 from kvtier.app.plan.replay_cache import replay_cache
 from kvtier.app.plan.replay_lru import lru_model_gap, replay_lru
 from kvtier.app.plan.routing import ROUTING_POLICIES, route
@@ -158,7 +158,7 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
         nodes_of = route(requests, cfg)
     counts = replay(requests, cfg, cache_cfg, per_request=True, nodes_of=nodes_of)
     elapsed = time.perf_counter() - t0
-    timing = simulate(requests, nodes_of, counts.per_request or [], cfg, spec.bytes_per_token)
+    timing = simulate(requests, nodes_of, counts.per_request or [], cfg)
     input_tokens = counts.input_tokens
     hits = {k: v * block for k, v in counts.hit_blocks.items()}
     duration = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0, 1e-3) if requests else 1.0
@@ -175,9 +175,7 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
         "pcie_device_to_host": per_node["device_to_host"] / (cfg.pcie_gbps * GB),
         "network_storage": (per_node["storage_to_host"] + per_node["host_to_storage"]) / (cfg.network_gbps * GB),
     }
-    recompute_s = cfg.flops_per_token / (cfg.prefill_tflops * 1e12)
-    load_host_s = spec.bytes_per_token / (cfg.pcie_gbps * GB)
-    load_storage_s = spec.bytes_per_token / (min(cfg.pcie_gbps, cfg.network_gbps) * GB)
+    cost = TokenCosts.of(cfg)
     ratio = (lambda n: round(n / input_tokens, 4)) if input_tokens else (lambda n: 0.0)
     return PlanReport(
         requests=len(requests), input_tokens=input_tokens, trace_seconds=round(duration, 3), nodes=cfg.nodes,
@@ -189,11 +187,11 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
         bytes_per_second_per_node={k: round(v / GB, 3) for k, v in per_node.items()} | {"unit": "GB/s"},  # type: ignore[dict-item]
         link_utilization={k: round(v, 4) for k, v in link.items()},
         load_vs_recompute={
-            "recompute_us_per_token": round(recompute_s * 1e6, 4),
-            "load_from_host_us_per_token": round(load_host_s * 1e6, 4),
-            "load_from_storage_us_per_token": round(load_storage_s * 1e6, 4),
-            "host_hit_speedup": round(recompute_s / load_host_s, 2),
-            "storage_hit_speedup": round(recompute_s / load_storage_s, 2),
+            "recompute_us_per_token": round(cost.recompute_s * 1e6, 4),
+            "load_from_host_us_per_token": round(cost.load_host_s * 1e6, 4),
+            "load_from_storage_us_per_token": round(cost.load_storage_s * 1e6, 4),
+            "host_hit_speedup": round(cost.recompute_s / cost.load_host_s, 2),
+            "storage_hit_speedup": round(cost.recompute_s / cost.load_storage_s, 2),
         },
         replay_engine=counts.engine,
         replay_seconds=round(elapsed, 3), requests_per_second=round(len(requests) / elapsed, 1) if elapsed > 0 else 0.0,

@@ -87,6 +87,22 @@ def capacity(cfg: PlanConfig, block_bytes: int) -> Capacity:
     )
 
 
+@dataclass(frozen=True)
+class TokenCosts:
+    """Seconds per prompt token on one node: prefilling it, or loading its KV from host (PCIe) or
+    from L3 (the slower of PCIe and the storage network). The planner's one cost model."""
+
+    recompute_s: float
+    load_host_s: float
+    load_storage_s: float
+
+    @classmethod
+    def of(cls, cfg: PlanConfig) -> TokenCosts:
+        bytes_per_token = planning_spec(cfg).bytes_per_token
+        return cls(cfg.flops_per_token / (cfg.prefill_tflops * 1e12), bytes_per_token / (cfg.pcie_gbps * GB),
+                   bytes_per_token / (min(cfg.pcie_gbps, cfg.network_gbps) * GB))
+
+
 @dataclass
 class ReplayCounts:
     """What one replay of a trace produced (summed over nodes); the report is derived from it."""

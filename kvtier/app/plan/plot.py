@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvtier.app.cli_output import check_output_path
 from kvtier.errors import ConfigError
 
 _AXIS = {"host_tb": "host per node (TB)", "device_gb": "device per node (GB)", "storage_tb": "L3 per node (TB)"}
@@ -17,9 +18,8 @@ def plot_plan(path: str | Path, field: str, sweeps: dict[str, list[dict]], per_n
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    check_output_path("--plot", str(path))
     out = Path(path)
-    if not out.parent.is_dir():
-        raise ConfigError(f"--plot {path}: folder {out.parent} does not exist; create it or pick another path")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for routing, rows in sweeps.items():
         left.plot([r[field] for r in rows], [r["hit_total"] for r in rows], marker="o", label=routing)

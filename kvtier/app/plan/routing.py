@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.app.plan.config import GB, PlanConfig, capacity, planning_spec
+from kvtier.app.plan.config import PlanConfig, TokenCosts, capacity, planning_spec
 from kvtier.radix import leading_present
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -83,7 +83,7 @@ def _cached_value(ids, prefix: int, last_sent: dict[int, int], device_since: int
 
 def prefill_tokens_per_second(cfg: PlanConfig) -> float:
     """Prompt tokens one node prefills per second (the planner's compute model)."""
-    return cfg.prefill_tflops * 1e12 / cfg.flops_per_token
+    return 1.0 / TokenCosts.of(cfg).recompute_s
 
 
 def arrival_seconds(requests: Sequence[TraceRequest], cfg: PlanConfig) -> list[float]:
@@ -100,9 +100,8 @@ def host_weight(cfg: PlanConfig) -> float:
     less the time its load takes, as a fraction of that prefill."""
     if cfg.kv_host_weight is not None:
         return cfg.kv_host_weight
-    recompute_s = cfg.flops_per_token / (cfg.prefill_tflops * 1e12)
-    load_s = planning_spec(cfg).bytes_per_token / (cfg.pcie_gbps * GB)
-    return max(0.0, 1.0 - load_s / recompute_s)
+    cost = TokenCosts.of(cfg)
+    return max(0.0, 1.0 - cost.load_host_s / cost.recompute_s)
 
 
 class KvAwareRouter:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.app.plan.config import GB, PlanConfig
-from kvtier.app.plan.routing import arrival_seconds, prefill_tokens_per_second
+from kvtier.app.plan.config import PlanConfig, TokenCosts
+from kvtier.app.plan.routing import arrival_seconds
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 #: a node taking more than this many times its fair share of prompt tokens gets a warning
@@ -42,13 +42,13 @@ def _spread(values: np.ndarray) -> dict[str, float]:
     return {"mean": round(float(values.mean()), 4), "p50": round(float(p50), 4), "p90": round(float(p90), 4), "p99": round(float(p99), 4)}
 
 
-def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Sequence[tuple[int, int, int]], cfg: PlanConfig,
-             bytes_per_token: int) -> Timing:
+def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Sequence[tuple[int, int, int]], cfg: PlanConfig) -> Timing:
     """Queue every request on its node (``nodes[i]``) given the blocks each tier served it (``served[i]``)."""
     block = MOONCAKE_BLOCK_TOKENS
-    rate = prefill_tokens_per_second(cfg)
-    host_s_per_block = block * bytes_per_token / (cfg.pcie_gbps * GB)
-    storage_s_per_block = block * bytes_per_token / (min(cfg.pcie_gbps, cfg.network_gbps) * GB)
+    cost = TokenCosts.of(cfg)
+    rate = 1.0 / cost.recompute_s
+    host_s_per_block = block * cost.load_host_s
+    storage_s_per_block = block * cost.load_storage_s
     arrivals = arrival_seconds(requests, cfg)
     free_at = [0.0] * cfg.nodes
     busy = [0.0] * cfg.nodes
