@@ -78,11 +78,11 @@ class PageAllocator:
     def free(self, pages: list[int]) -> None:
         """Return pages; raises DoubleFreeError (freeing nothing) if any is not allocated."""
         owned = self._owned
-        for p in pages:
-            if not (0 <= p < self.num_pages) or not owned[p] or (p == 0 and self.reserve_padding_page):
-                raise DoubleFreeError(
-                    f"{self.name}: page {p} is not allocated (freed twice, never allocated, or the padding page); nothing was freed"
-                )
+        if pages and not (min(pages) >= int(self.reserve_padding_page) and max(pages) < self.num_pages and all(map(owned.__getitem__, pages))):
+            p = next(p for p in pages if not (0 <= p < self.num_pages) or not owned[p] or (p == 0 and self.reserve_padding_page))
+            raise DoubleFreeError(
+                f"{self.name}: page {p} is not allocated (freed twice, never allocated, or the padding page); nothing was freed"
+            )
         if len(set(pages)) != len(pages):
             raise DoubleFreeError(f"{self.name}: the same page appears twice in one free call; nothing was freed")
         for p in pages:

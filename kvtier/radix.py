@@ -21,8 +21,12 @@ Invariants (checked by :meth:`PrefixTree.check`):
 * the node set is prefix-closed: a node's parent is in the tree (or is the root);
 * device residency is prefix-closed: a node on device has its parent on device;
 * every node holds a device page, a host page, or both;
-* ``lock_ref`` of a node is >= the sum over locks taken on it and its descendants
-  (locks walk to the root), so a locked path is never evicted;
+* ``lock_ref`` of a node counts the locks that cover it. A lock on a node covers
+  it and the pages above it up to the first one on device (its *anchor*), so it
+  costs the length of the path's off-device tail, not its depth. The device pages
+  above the anchor need no count: eviction takes leaves only, a locked page is
+  never taken, so its ancestors never become leaves (in either tier). A locked
+  path is therefore never evicted;
 * every leaf of a tier has an entry with its current stamp in that tier's heap.
 
 Why lookups and touches cost O(log n), not O(n), per request: prefix closure
@@ -50,7 +54,10 @@ from kvtier.hashing import PageHash
 NO_PAGE = -1
 NOT_STORED, SAVING, STORED = 0, 1, 2
 
-_HOST_READY = 1  # flags bit 0; bits 1-2 hold the L3 state
+#: ``PageNode.flags`` bit 0: the host copy is readable (bits 1-2 hold the L3 state). The
+#: properties below read and write it; the core's per-page loops test the bit directly.
+HOST_READY = 1
+_HOST_READY = HOST_READY
 
 
 def leading_present(present, keys: Sequence, hi: int | None = None) -> int:
@@ -163,10 +170,14 @@ class PrefixTree:
         #: one byte per device page, 1 while a node holds it: lets ``insert`` refuse a caller's
         #: page that the tree owns in O(1) (sized by ``device_pages``; empty: not tracked)
         self.device_owned = bytearray(device_pages)
+        #: every node holding a host page: what hangs below a device leaf is among them
+        self.hosted: set[PageNode] = set()
         #: recycled and preallocated nodes (see :meth:`reserve`)
         self._spare: list[PageNode] = []
         self.reserve(reserve)
         seq = itertools.count()
+        #: per locked node, the anchor of each lock on it (where its walk stopped), for :meth:`unlock`
+        self._anchors: dict[PageNode, list[PageNode | None]] = {}
         self.device_heap = _LeafHeap(_device_leaf, PageNode.on_device.fget, seq)
         self.host_heap = _LeafHeap(_host_leaf, PageNode.on_host.fget, seq)
         self._clock = 0
@@ -310,17 +321,22 @@ class PrefixTree:
         node.parent = None  # a recycled node must not keep its old ancestors alive
         self._spare.append(node)
 
-    def descendants(self, node: PageNode) -> list[PageNode]:
-        """Every node below ``node``, deepest first. O(tree): the tree keeps no child lists, and
-        this serves only the rare case where a page must leave before what hangs from it."""
-        below: dict[int, int] = {}  # id -> depth under node
-        for n in self.nodes.values():
+    def host_only_below(self, node: PageNode) -> list[PageNode]:
+        """Every node below ``node``, a node with no child on device, deepest first.
+
+        Such a node's descendants are all off device, so all hold a host page: they are found
+        among the host-resident nodes, each walking up its off-device tail (the tree keeps no
+        child lists; this serves the rare case where a page must leave before what hangs from it)."""
+        assert node.device_children == 0, node
+        below: list[tuple[int, PageNode]] = []
+        for n in self.hosted:
             depth, p = 1, n.parent
-            while p is not None and p is not node:
+            while p is not None and p is not node and p.device_page == NO_PAGE:
                 p, depth = p.parent, depth + 1
             if p is node:
-                below[id(n)] = depth
-        return sorted((n for n in self.nodes.values() if id(n) in below), key=lambda n: -below[id(n)])
+                below.append((depth, n))
+        below.sort(key=lambda e: -e[0])
+        return [n for _, n in below]
 
     # ---- residency -------------------------------------------------------------
     def set_device(self, node: PageNode, page: int) -> None:
@@ -334,6 +350,27 @@ class PrefixTree:
         if parent is not None:
             parent.device_children += 1
 
+    def set_device_run(self, nodes: Sequence[PageNode], pages: Sequence[int]) -> None:
+        """:meth:`set_device` of a chain (each node the parent of the next, the first's parent on
+        device): one heap entry, for the deepest, instead of one per node that stops being a leaf
+        at the next step (a load back or an insert over host copies)."""
+        if not nodes:
+            return
+        first = nodes[0].parent
+        assert first is None or first.device_page != NO_PAGE, first
+        owned = self.device_owned
+        prev = first
+        for node, page in zip(nodes, pages):
+            assert node.device_page == NO_PAGE and node.parent is prev, node
+            node.device_page = page
+            if owned:
+                owned[page] = 1
+            if prev is not None:
+                prev.device_children += 1
+            prev = node
+        if prev.device_children == 0:  # no child on device yet: prefix closure says so
+            self.device_heap.push(prev)
+
     def clear_device(self, node: PageNode) -> int:
         return self.clear_devices((node,))[0]
 
@@ -343,6 +380,7 @@ class PrefixTree:
         owned = self.device_owned
         push = self.device_heap.push
         pages = []
+        leaving = set(nodes) if len(nodes) > 1 else ()
         for node in nodes:
             assert node.device_children == 0 and node.device_page != NO_PAGE, node
             page = node.device_page
@@ -355,20 +393,34 @@ class PrefixTree:
                 parent.device_children -= 1
                 if node.last_access > parent.last_access:
                     parent.last_access = node.last_access
-                if parent.device_children == 0:  # on device (prefix-closed), a device leaf now; never a
-                    push(parent)                 # host leaf: ``node`` is still its child
+                if parent.device_children == 0 and parent not in leaving:  # on device (prefix-closed), a device
+                    push(parent)  # leaf now (unless it leaves next); never a host leaf: ``node`` is still its child
         return pages
+
+    def set_hosts(self, nodes: Sequence[PageNode], pages: Sequence[int], ready: bool) -> None:
+        """:meth:`set_host` of each of ``nodes`` (one heap entry per node that is a leaf)."""
+        push = self.host_heap.push
+        bit = HOST_READY if ready else 0
+        for node, page in zip(nodes, pages):
+            assert node.host_page == NO_PAGE, node
+            node.host_page = page
+            node.flags = (node.flags & ~HOST_READY) | bit
+            if node.num_children == 0:
+                push(node)
+        self.hosted.update(nodes)
 
     def set_host(self, node: PageNode, page: int, ready: bool) -> None:
         assert node.host_page == NO_PAGE, node
         node.host_page = page
         node.host_ready = ready
+        self.hosted.add(node)
         if node.num_children == 0:
             self.host_heap.push(node)
 
     def clear_host(self, node: PageNode) -> int:
         page, node.host_page = node.host_page, NO_PAGE
         node.host_ready = False
+        self.hosted.discard(node)
         return page
 
     def _maybe_compact(self) -> None:
@@ -379,16 +431,37 @@ class PrefixTree:
 
     # ---- locks -----------------------------------------------------------------
     def lock(self, node: PageNode | None) -> None:
-        while node is not None:
-            node.lock_ref += 1
-            node = node.parent
+        """Protect ``node`` and its ancestors from eviction until :meth:`unlock` (see the module docstring)."""
+        if node is None:
+            return
+        n = node
+        while n is not None:
+            n.lock_ref += 1
+            if n.device_page != NO_PAGE:
+                break
+            n = n.parent
+        held = self._anchors.get(node)
+        if held is None:
+            self._anchors[node] = [n]
+        else:
+            held.append(n)
 
     def unlock(self, node: PageNode | None) -> None:
-        if node is not None and node.lock_ref <= 0:
+        """Release one lock on ``node``: the walk its lock made, whatever lives where now."""
+        if node is None:
+            return
+        held = self._anchors.get(node)
+        if not held:
             raise InvalidStateError(f"unlock of an unlocked node {node!r}: every unlock needs a matching lock")
-        while node is not None:
-            node.lock_ref -= 1
-            node = node.parent
+        anchor = held.pop()
+        if not held:
+            del self._anchors[node]
+        n = node
+        while n is not None:
+            n.lock_ref -= 1
+            if n is anchor:
+                break
+            n = n.parent
 
     # ---- eviction candidates ---------------------------------------------------
     def device_victims(self, limit: int, *, require_host_copy: bool = False) -> list[PageNode]:
@@ -408,72 +481,90 @@ class PrefixTree:
         taken: dict[PageNode, int] = {}
         virtual: list[tuple[int, int, PageNode]] = []
         keep: list[tuple[int, int, PageNode]] = []
-        while len(chosen) < limit and (entries or virtual):
-            if virtual and (not entries or virtual[0] < entries[0]):
+        node = None  # set: the next candidate is known without a heap (a chain's parent, see below)
+        while len(chosen) < limit and (node is not None or entries or virtual):
+            if node is not None:
+                pass
+            elif virtual and (not entries or virtual[0] < entries[0]):
                 stamp, _, node = pop(virtual)
             else:
                 entry = pop(entries)
                 stamp, _, node = entry
                 if stamp != node.last_access or node.device_page == NO_PAGE or node.device_children:  # stale
+                    node = None
                     continue
                 keep.append(entry)
             if node in picked or node.lock_ref or (require_host_copy and (node.host_page == NO_PAGE or not node.flags & _HOST_READY)):
+                node = None
                 continue
             chosen.append(node)
             picked.add(node)
-            parent = node.parent
+            parent, node = node.parent, None
             if parent is not None:  # on device too: device residency is prefix-closed
-                t = taken.get(parent, 0) + 1
-                taken[parent] = t
-                if t == parent.device_children:
-                    push(virtual, (parent.last_access if parent.last_access > stamp else stamp, next(seq), parent))
+                dc = parent.device_children
+                if dc != 1:
+                    t = taken.get(parent, 0) + 1
+                    taken[parent] = t
+                if dc == 1 or t == dc:
+                    if parent.last_access > stamp:
+                        stamp = parent.last_access
+                    # a parent older than every queued leaf is next: take it without the heap (chains)
+                    if (not entries or stamp < entries[0][0]) and (not virtual or stamp < virtual[0][0]):
+                        node = parent
+                    else:
+                        push(virtual, (stamp, next(seq), parent))
         for entry in keep:
             push(entries, entry)
         return chosen
 
     def host_victims(self, limit: int) -> list[PageNode]:
-        """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too.
+        """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too,
+        LRU leaves first (descendants before their ancestors).
 
-        Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
-        return self._victims(
-            self.host_heap, limit,
-            lambda n: n.lock_ref == 0 and n.device_page == NO_PAGE and n.flags & _HOST_READY and n.stored != SAVING,
-            lambda n: n.num_children,
-        )
-
-    def _victims(self, heap: _LeafHeap, limit: int, eligible, children) -> list[PageNode]:
-        """Pop leaves oldest first; a parent joins (with its inherited stamp) once all its children are chosen.
-
-        Popped entries that are still valid go back on the heap: the caller may not evict them all."""
+        Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them.
+        (The walk of :meth:`device_victims`, with the host tier's tests.)"""
         self._maybe_compact()
+        heap = self.host_heap
+        entries, seq = heap.entries, heap.seq
+        pop, push = heapq.heappop, heapq.heappush
         chosen: list[PageNode] = []
         picked: set[PageNode] = set()
         taken: dict[PageNode, int] = {}
         virtual: list[tuple[int, int, PageNode]] = []  # parents that become leaves if the chosen ones leave
-        keep: list[tuple[int, int, PageNode]] = []
-        entries = heap.entries
-        is_leaf, in_tier, seq = heap.is_leaf, heap.in_tier, heap.seq
-        pop, push = heapq.heappop, heapq.heappush
-        while len(chosen) < limit and (entries or virtual):
-            if virtual and (not entries or virtual[0] < entries[0]):
-                entry = pop(virtual)
-                node = entry[2]
+        keep: list[tuple[int, int, PageNode]] = []  # popped entries still valid: the caller may not evict them all
+        saving = SAVING << 1
+        node = None  # set: the next candidate is known without a heap (a chain's parent)
+        while len(chosen) < limit and (node is not None or entries or virtual):
+            if node is not None:
+                pass
+            elif virtual and (not entries or virtual[0] < entries[0]):
+                stamp, _, node = pop(virtual)
             else:
                 entry = pop(entries)
-                node = entry[2]
-                if entry[0] != node.last_access or not is_leaf(node):  # stale
+                stamp, _, node = entry
+                if stamp != node.last_access or node.host_page == NO_PAGE or node.num_children:  # stale
+                    node = None
                     continue
                 keep.append(entry)
-            if node in picked or not eligible(node):
+            flags = node.flags
+            if node in picked or node.lock_ref or node.device_page != NO_PAGE or not flags & HOST_READY or flags & 6 == saving:
+                node = None
                 continue
             chosen.append(node)
             picked.add(node)
-            parent = node.parent
+            parent, node = node.parent, None
             if parent is not None:
-                t = taken.get(parent, 0) + 1
-                taken[parent] = t
-                if t == children(parent) and in_tier(parent):
-                    push(virtual, (max(parent.last_access, entry[0]), next(seq), parent))
+                nc = parent.num_children
+                if nc != 1:
+                    t = taken.get(parent, 0) + 1
+                    taken[parent] = t
+                if (nc == 1 or t == nc) and parent.host_page != NO_PAGE:
+                    if parent.last_access > stamp:
+                        stamp = parent.last_access
+                    if (not entries or stamp < entries[0][0]) and (not virtual or stamp < virtual[0][0]):
+                        node = parent
+                    else:
+                        push(virtual, (stamp, next(seq), parent))
         for entry in keep:
             push(entries, entry)
         return chosen
@@ -492,6 +583,7 @@ class PrefixTree:
                     assert node.parent.on_device, f"device residency not prefix-closed at {node!r}"
                     dchildren[id(node.parent)] = dchildren.get(id(node.parent), 0) + 1
             assert node.lock_ref >= 0
+        assert self.hosted == {n for n in self.nodes.values() if n.on_host}, "host-resident index drift"
         for node in self.nodes.values():
             assert node.num_children == children.get(id(node), 0), f"child count drift at {node!r}"
             assert node.device_children == dchildren.get(id(node), 0), f"device child count drift at {node!r}"

@@ -108,3 +108,38 @@ def test_multi_victim_batches_take_subtrees_in_lru_order():
     keys = [int.from_bytes(n.key, "little") for n in order]
     assert keys == [4, 3, 2, 1, 0]  # e, d (its branch done), then c, b, and a once both branches are chosen
     assert t.device_victims(2) == order[:2]  # a batch that stops early takes the oldest
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_host_only_below_finds_every_descendant_of_a_device_leaf(seed):
+    """What hangs below a device leaf is found among host-resident nodes (no child lists): the same
+    nodes, deepest first, as a brute-force walk of every node's ancestors."""
+    rng = random.Random(seed)
+    o = Oracle()
+    t = o.tree
+    checked = nonempty = 0
+    for _ in range(300):
+        nodes = list(t.nodes.values())
+        dev = [n for n in nodes if n.on_device]
+        op = rng.random()
+        if op < 0.4 or not dev:
+            o.insert(rng.choice(dev) if dev and rng.random() < 0.8 else None, rng.randint(1, 4))
+        elif op < 0.7:  # back up, then evict a device leaf: host-only pages hang below device pages
+            v = rng.choice(dev)
+            if v.device_children == 0:
+                if not v.on_host:
+                    t.set_host(v, 30_000 + o.next_page, ready=True)
+                    o.next_page += 1
+                t.clear_device(v)
+        else:
+            for node in dev:
+                if node.device_children == 0:
+                    brute = [n for n in nodes if n is not node and node in list(n.path_to_root())]
+                    got = t.host_only_below(node)
+                    assert set(got) == set(brute) and len(got) == len(brute)
+                    depth = {n: len(list(n.path_to_root())) for n in got}
+                    assert [depth[n] for n in got] == sorted(depth.values(), reverse=True)
+                    checked += 1
+                    nonempty += bool(got)
+        t.check()
+    assert checked > 0 and nonempty > 0

@@ -14,7 +14,28 @@ from kvtier.alloc import Allocation
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult
 from kvtier.core.tags import Backup, EvictionBackup, LoadBack, PrefetchHandle, Save
-from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, PageNode
+from kvtier.radix import HOST_READY, NO_PAGE, NOT_STORED, SAVING, PageNode
+
+
+class _Leaving:
+    """Device eviction victims decided but not yet cleared, so that a round frees its pages in one
+    call: the tree still counts them as children, so the counts of what is leaving come along."""
+
+    __slots__ = ("leaving", "gone", "device_children", "children_gone")
+
+    def __init__(self) -> None:
+        self.leaving: list[PageNode] = []  # off the device, in victim order (descendants first)
+        self.gone: list[PageNode] = []  # of those, the ones that leave the tree
+        self.device_children: dict[PageNode | None, int] = {}  # parent -> its children in ``leaving``
+        self.children_gone: dict[PageNode | None, int] = {}  # parent -> its children in ``gone``
+
+    def add(self, node: PageNode, *, gone: bool) -> None:
+        self.leaving.append(node)
+        parent = node.parent
+        self.device_children[parent] = self.device_children.get(parent, 0) + 1
+        if gone:
+            self.gone.append(node)
+            self.children_gone[parent] = self.children_gone.get(parent, 0) + 1
 
 
 class Eviction:
@@ -66,8 +87,7 @@ class Eviction:
             got = self.host_alloc.alloc(take)
         if not nodes:
             return 0
-        for n, page in zip(nodes, got.pages):
-            self.tree.set_host(n, page, ready=False)
+        self.tree.set_hosts(nodes, got.pages, ready=False)
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
         self._submit(copy_plan, Backup(nodes), Tier.DEVICE, [n.device_page for n in nodes], Tier.HOST, got.pages)
         return len(nodes)
@@ -78,7 +98,7 @@ class Eviction:
         ok = type(c) is Done
         if ok:
             for n in nodes:
-                n.host_ready = True
+                n.flags |= HOST_READY
             self.stats.backed_up_pages += len(nodes)
             self.stats.backed_up_bytes += len(nodes) * self._page_bytes
         else:
@@ -107,32 +127,46 @@ class Eviction:
                 unbacked = [v for v in victims if v.host_page == NO_PAGE]
                 if unbacked and self.config.on_device_evict == "backup":
                     backed += self._backup_for_eviction(unbacked)
+                batch = _Leaving()
                 for v in victims:  # descendants before ancestors: each clear keeps residency prefix-closed
-                    if v.device_children:  # a descendant could not leave (its backup failed): keep this one too
-                        continue
-                    if v.host_page != NO_PAGE and v.host_ready:
-                        self.dev_alloc.free([tree.clear_device(v)])
+                    if v.device_children != batch.device_children.get(v, 0):
+                        continue  # a descendant could not leave (its backup failed): keep this one too
+                    if v.host_page != NO_PAGE and v.flags & HOST_READY:
+                        batch.add(v, gone=False)
                         freed += 1
-                    elif v.host_page == NO_PAGE and v.num_children == 0:
-                        self.dev_alloc.free([tree.clear_device(v)])
-                        tree.remove(v)
+                    elif v.host_page == NO_PAGE and v.num_children == batch.children_gone.get(v, 0):
+                        batch.add(v, gone=True)  # no copy left and nothing below: it leaves the tree
                         dropped += 1
                         freed += 1
-                    elif v.host_page == NO_PAGE and self._drop_with_host_subtree(v):
-                        # no host copy could be made (drop policy, host full, failed copy), and host-only
-                        # pages hang from it (a prefetch landed under it): they cannot outlive their prefix
-                        dropped += 1
-                        freed += 1
+                    elif v.host_page == NO_PAGE:
+                        self._clear_batch(batch)
+                        if self._drop_with_host_subtree(v):
+                            # no host copy could be made (drop policy, host full, failed copy), and host-only
+                            # pages hang from it (a prefetch landed under it): they cannot outlive their prefix
+                            dropped += 1
+                            freed += 1
+                self._clear_batch(batch)
             if freed == before:
                 break
         self.stats.device_evicted_pages += freed
         self.stats.dropped_pages += dropped
         return EvictResult(n, freed, backed, dropped)
 
+    def _clear_batch(self, batch: _Leaving) -> None:
+        """Take ``batch``'s pages off the device (descendants first), remove the ones that leave the
+        tree, free their device pages; empties the batch."""
+        if batch.leaving:
+            tree = self.tree
+            pages = tree.clear_devices(batch.leaving)
+            for node in batch.gone:
+                tree.remove(node)
+            self.dev_alloc.free(pages)
+            batch.__init__()
+
     def _drop_with_host_subtree(self, v: PageNode) -> bool:
         """Drop device-only ``v`` and the host-only pages below it; False (nothing changed) while one
         of them is in use (locked, not yet readable, or being saved to L3)."""
-        below = self.tree.descendants(v)
+        below = self.tree.host_only_below(v)
         if any(n.lock_ref or n.device_page != NO_PAGE or not n.host_ready or n.stored == SAVING for n in below):
             return False
         tree = self.tree

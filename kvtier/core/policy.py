@@ -54,7 +54,7 @@ from kvtier.executors.port import ExecutorPort
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
 from kvtier.pages import at_own_place, checked_page_list, first_duplicate
-from kvtier.radix import NO_PAGE, SAVING, PageNode, PrefixTree
+from kvtier.radix import HOST_READY, NO_PAGE, SAVING, PageNode, PrefixTree
 from kvtier.request import CacheRequest
 from kvtier.spec import KVSpec
 
@@ -104,7 +104,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         """How many leading nodes of ``path`` have a readable host copy."""
         n = 0
         for node in path:
-            if node.host_page == NO_PAGE or not node.host_ready:
+            if node.host_page == NO_PAGE or not node.flags & HOST_READY:
                 break
             n += 1
         return n
@@ -193,7 +193,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         # the match may be stale: keep the leading run that still directly follows the device prefix
         valid: list[PageNode] = []
         for n in match.host_nodes:
-            if n.device_page != NO_PAGE or n.host_page == NO_PAGE or not n.host_ready:
+            if n.device_page != NO_PAGE or n.host_page == NO_PAGE or not n.flags & HOST_READY:
                 break
             if (n.parent is not valid[-1]) if valid else (n.parent is not None and n.parent.device_page == NO_PAGE):
                 break
@@ -211,8 +211,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         served = valid[: len(got.pages)]
         if not served:
             return LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending, self)
-        for n, page in zip(served, got.pages):
-            self.tree.set_device(n, page)
+        self.tree.set_device_run(served, got.pages)
         self.tree.touch(served)
         self.tree.lock(served[-1])  # released when the load completes (poll)
         op = self._submit(copy_plan, LoadBack(served), Tier.HOST, [n.host_page for n in served], Tier.DEVICE, got.pages)
@@ -267,8 +266,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         freed: list[int] = []
         if canonical != device_pages[:n_dev]:  # the caller computed pages the cache already has
             freed = [p for p, c in zip(device_pages, canonical) if p != c]
-        for node, page in zip(path[n_dev:], device_pages[n_dev:n_have]):
-            tree.set_device(node, page)
+        tree.set_device_run(path[n_dev:], device_pages[n_dev:n_have])
         canonical += device_pages[n_dev:]
         fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
         last = fresh[-1] if fresh else (path[-1] if path else None)

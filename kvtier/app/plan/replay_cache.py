@@ -23,8 +23,9 @@ from kvtier.spec import KVSpec
 from kvtier.app.workloads.mooncake import TraceRequest
 
 
-def _block_key(h: int) -> PageHash:
-    return PageHash(h.to_bytes(16, "little", signed=False))
+def _block_keys(requests: list[TraceRequest]) -> dict[int, PageHash]:
+    """One 128-bit key per distinct trace block id (the trace's ids are already chained hashes), made once."""
+    return {h: PageHash(h.to_bytes(16, "little", signed=False)) for h in {h for r in requests for h in r.hash_ids}}
 
 
 def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, cache_cfg: CacheConfig) -> CacheCore:
@@ -39,9 +40,10 @@ def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Cache
     caches = [_node_cache(spec, cap, storage, cache_cfg) for _ in range(cfg.nodes)]
     out = ReplayCounts("cache", per_request=[] if per_request else None)
     hits = out.hit_blocks
+    key_of = _block_keys(requests).__getitem__
     for r, j in zip(requests, nodes_of):
         node = caches[j]
-        keys = [_block_key(h) for h in r.hash_ids[: r.input_length // block]]
+        keys = list(map(key_of, r.hash_ids[: r.input_length // block]))
         usable_max = (r.input_length - 1) // block
         req = node.begin(keys, usable_pages=usable_max, prefetch_policy="wait_complete")
         usable = req.usable(usable_max)
