@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from kvtier.errors import DoubleFreeError
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Allocation:
-    """Result of :meth:`PageAllocator.alloc`: all ``requested`` pages, or none (``ok`` False)."""
+    """Result of :meth:`PageAllocator.alloc`: all ``requested`` pages, or none (``ok`` False).
+    Read-only by convention (not ``frozen``: one is built per allocation, on the hot path)."""
 
     pages: list[int]
     requested: int

@@ -517,6 +517,57 @@ class PrefixTree:
             push(entries, entry)
         return chosen
 
+    def drop_backed_up(self, limit: int) -> list[int]:
+        """Drop up to ``limit`` device copies whose host copy is ready (free to drop), LRU device
+        leaves first, and return their device pages: :meth:`device_victims` with
+        ``require_host_copy`` and :meth:`clear_devices` in one walk, the eviction hot path. A
+        leaf is cleared as it is taken, so its parent is a real leaf at once: taken next when
+        it is older than every queued leaf (a chain), else queued with its inherited stamp."""
+        self._maybe_compact()
+        heap = self.device_heap
+        entries, seq = heap.entries, heap.seq
+        pop, push = heapq.heappop, heapq.heappush
+        owned = self.device_owned
+        pages: list[int] = []
+        keep: list[tuple[int, int, PageNode]] = []  # valid leaves passed over (locked, no ready host copy)
+        left = limit
+        node = None
+        while left > 0:
+            if node is None:
+                if not entries:
+                    break
+                entry = pop(entries)
+                stamp, _, node = entry
+                if stamp != node.last_access or node.device_page == NO_PAGE or node.device_children:  # stale
+                    node = None
+                    continue
+                if node.lock_ref or node.host_page == NO_PAGE or not node.flags & HOST_READY:
+                    keep.append(entry)
+                    node = None
+                    continue
+            page = node.device_page
+            node.device_page = NO_PAGE
+            pages.append(page)
+            if owned:
+                owned[page] = 0
+            left -= 1
+            parent, stamp, node = node.parent, node.last_access, None
+            if parent is not None:
+                parent.device_children -= 1
+                if stamp > parent.last_access:
+                    parent.last_access = stamp
+                if parent.device_children == 0:  # a device leaf now (never a host leaf: its child stays)
+                    if (not entries or parent.last_access < entries[0][0]) and not parent.lock_ref \
+                            and parent.host_page != NO_PAGE and parent.flags & HOST_READY:
+                        node = parent
+                    else:
+                        push(entries, (parent.last_access, next(seq), parent))
+        if node is not None:  # the chain's next leaf, not taken: it needs its heap entry
+            push(entries, (node.last_access, next(seq), node))
+        for entry in keep:
+            push(entries, entry)
+        return pages
+
     def host_victims(self, limit: int) -> list[PageNode]:
         """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too,
         LRU leaves first (descendants before their ancestors).

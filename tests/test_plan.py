@@ -1,19 +1,20 @@
-"""kvtier plan on the shipped Mooncake trace: bounded by the infinite cache, monotone in host size, fast;
-the fast LRU model serves every request exactly as the policy core does."""
+"""kvtier plan on the shipped Mooncake trace, replayed through the policy core: bounded by the infinite
+cache, monotone in host size, in seconds."""
 
 import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.memory import MemoryBackend
 from kvtier.config import CacheConfig
-from kvtier.app.plan import PlanConfig, capacity, infinite_cache_hit_ratio, planning_spec, replay, run_plan, sweep_host
+from kvtier.app.plan import PlanConfig, infinite_cache_hit_ratio, replay, run_plan, sweep_host
 from kvtier.app.plan.config import attribute_hits
-from kvtier.app.plan.replay_lru import lru_model_gap
+from kvtier.app.bench.plan import CONFIGURATIONS
 from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace
 
 
@@ -42,7 +43,6 @@ def test_whole_trace_bounded_and_in_seconds(trace):
     report = run_plan(trace)
     elapsed = time.perf_counter() - t0
     assert report.requests == 3993 and elapsed < 30, elapsed
-    assert report.replay_engine == "lru"
     bound = independent_bound(trace)
     assert report.infinite_cache_hit_ratio == round(bound, 4) == round(infinite_cache_hit_ratio(trace), 4)
     assert report.hit_ratio["total"] <= bound + 1e-9
@@ -65,51 +65,20 @@ def test_more_nodes_with_round_robin_do_not_beat_the_bound(trace):
     assert report.hit_ratio["total"] <= report.infinite_cache_hit_ratio
 
 
-#: configurations that reach every path of the policy: L3 evictions, device shortfalls
-#: (requests longer than the device, which are served but not inserted), several nodes
-EQUIVALENCE = {
-    "default": PlanConfig(),
-    "small device, small L3": PlanConfig(device_gb=2, host_tb=0.1, storage_tb=0.15),
-    "3 nodes, affinity": PlanConfig(nodes=3, host_tb=0.2, storage_tb=0.5),
-    "2 nodes, round robin": PlanConfig(nodes=2, routing="round_robin", device_gb=5, host_tb=0.3, storage_tb=1.0),
-    "no L3": PlanConfig(storage_tb=0.0),
-}
-
-
-@pytest.mark.parametrize("name", list(EQUIVALENCE))
-def test_fast_model_serves_every_request_like_the_cache(trace, name):
-    cfg = EQUIVALENCE[name]
-    fast = replay(trace, cfg, engine="lru", per_request=True)
-    ref = replay(trace, cfg, engine="cache", per_request=True)
-    assert (fast.engine, ref.engine) == ("lru", "cache")
-    assert len(fast.per_request) == len(trace)
-    mismatch = next((i for i, (a, b) in enumerate(zip(fast.per_request, ref.per_request)) if a != b), None)
-    assert mismatch is None, f"request {mismatch}: fast {fast.per_request[mismatch]} vs cache {ref.per_request[mismatch]}"
-    assert fast.hit_blocks == ref.hit_blocks and fast.input_tokens == ref.input_tokens
-    assert (fast.backed_up_blocks, fast.storage_saved_blocks) == (ref.backed_up_blocks, ref.storage_saved_blocks)
-    assert fast.hit_blocks["device"] > 0 and fast.hit_blocks["host"] > 0
-    assert (fast.hit_blocks["storage"] > 0) == (cfg.storage_tb > 0)
-
-
-def test_equivalence_configs_reach_shortfalls_and_l3_evictions(trace):
-    cap = capacity(EQUIVALENCE["small device, small L3"], planning_spec(PlanConfig()).page_bytes)
-    distinct = len({h for r in trace for h in r.hash_ids[: r.input_length // 512]})
-    assert max(r.input_length // 512 for r in trace) > cap.device  # some requests cannot be inserted
-    assert cap.storage < distinct  # the L3 evicts
-
-
-def test_plan_uses_the_cache_where_the_model_has_a_gap(trace):
-    cap = capacity(PlanConfig(), planning_spec(PlanConfig()).page_bytes)
-    assert lru_model_gap(CacheConfig(), cap, 375) is None
-    assert "write_back" in lru_model_gap(CacheConfig(write_policy="write_back"), cap, 375)
-    small_host = capacity(PlanConfig(host_tb=0.01), planning_spec(PlanConfig()).page_bytes)
-    assert "host copies get skipped" in lru_model_gap(CacheConfig(), small_host, 375)
-    head = trace[:300]
-    assert run_plan(head).replay_engine == "lru"
-    assert replay(head, PlanConfig(host_tb=0.01)).engine == "cache"
-    assert run_plan(head, cache_cfg=CacheConfig(write_policy="write_back")).replay_engine == "cache"
-    forced = run_plan(head, PlanConfig(replay="cache"))
-    assert forced.replay_engine == "cache" and forced.hit_ratio == run_plan(head).hit_ratio
+@pytest.mark.parametrize("name", list(CONFIGURATIONS))
+def test_every_configuration_replays_through_the_core_within_the_bound(trace, name):
+    """Each path through the policy the benchmark times: bounded by the infinite cache, blocks served
+    from the tiers that configuration has, the same tiers on a second replay (nothing left over)."""
+    plan_fields, cache_fields = CONFIGURATIONS[name]
+    cfg, cache_cfg = replace(PlanConfig(), **plan_fields), CacheConfig(**cache_fields)
+    head = trace[:800]
+    counts = replay(head, cfg, cache_cfg, per_request=True)
+    bound = independent_bound(head)
+    assert sum(counts.hit_blocks.values()) * 512 / counts.input_tokens <= bound + 1e-9
+    assert counts.hit_blocks["device"] > 0 and len(counts.per_request) == len(head)
+    assert (counts.hit_blocks["host"] > 0) == (cfg.host_tb > 0.01)  # a host below device + 2 requests keeps nothing
+    again = replay(head, cfg, cache_cfg, per_request=True)
+    assert again.per_request == counts.per_request
 
 
 def test_hits_attributed_device_then_host_then_storage():
@@ -124,8 +93,11 @@ def test_bench_plan_cli_json():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
-    assert rep["requests"] == 400 and rep["identical"] is True
-    assert rep["lru_requests_per_s"] > 0 and rep["cache_requests_per_s"] > 0 and rep["lru_over_cache"] > 0
+    assert rep["requests"] == 400
+    assert [r["configuration"] for r in rep["configurations"]] == list(CONFIGURATIONS)
+    assert all(r["requests_per_s"] > 0 and r["hit_blocks"]["device"] > 0 for r in rep["configurations"])
+    assert rep["slowest_requests_per_s"] == min(r["requests_per_s"] for r in rep["configurations"])
+    assert {(r["routing"], r["nodes"]) for r in rep["routing"]} == {(p, n) for p in ("round_robin", "affinity", "kv_aware") for n in (1, 16)}
 
 
 def test_memory_backend_contract_and_lru():

@@ -81,6 +81,12 @@ def test_victims_are_least_recently_used_leaves(seed):
                 t.set_device(n, o.next_page)
                 o.next_page += 1
                 o.use(o.path(n))  # what load_back does
+        elif op < 0.8:  # the fused walk drops exactly the backed-up victims the query names, in order
+            k = rng.randint(1, 6)
+            expected = t.device_victims(k, require_host_copy=True)
+            pages = [n.device_page for n in expected]
+            assert t.drop_backed_up(k) == pages
+            assert all(not n.on_device and n.on_host for n in expected)
         elif op < 0.9:
             v = o.lru_victim(t.device_victims(1), o.device_leaves(), "device")
             if v is not None:

@@ -96,10 +96,10 @@ def bench_sglang(
 def bench_plan(
     trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the one shipped in the package"),
     limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
-    reps: int = typer.Option(5, help="timed repetitions of the fast replay (median reported; the cache replay gets half)"),
+    reps: int = typer.Option(5, help="timed repetitions of each replay (median reported)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
-    """kvtier plan's replay speed: the fast LRU model vs the policy core on the same trace, and that both agree."""
+    """kvtier plan's replay speed through the policy core, per configuration and per routing policy."""
     from kvtier.app.bench.plan import as_json as to_json, run_plan_bench
     from kvtier.app.workloads.mooncake import default_trace_path
 

@@ -119,8 +119,8 @@ class Eviction:
         tree = self.tree
         while freed < n:
             before = freed
-            cheap = tree.device_victims(n - freed, require_host_copy=True)
-            self.dev_alloc.free(tree.clear_devices(cheap))
+            cheap = tree.drop_backed_up(n - freed)
+            self.dev_alloc.free(cheap)
             freed += len(cheap)
             if freed < n:
                 victims = tree.device_victims(n - freed)

@@ -1,10 +1,11 @@
-"""``kvtier bench plan``: how fast ``kvtier plan`` replays a Mooncake trace, with both replays in one run.
+"""``kvtier bench plan``: how fast ``kvtier plan`` replays a Mooncake trace through the policy core.
 
-The fast LRU model (:mod:`kvtier.app.plan.replay_lru`) and the policy-core
-replay (:mod:`kvtier.app.plan.replay_cache`) run on the same trace and
-configuration; the benchmark reports each one's requests per second (median of
-``reps``), their ratio, and whether they served every request from the same
-tiers (they must: the fast model is only used where it is exact).
+``configurations``: the core's replay (``kvtier.app.plan.replay``: one
+:class:`~kvtier.core.policy.CacheCore` per node on accounting executors, the
+requests routed first) in each configuration that takes a different path
+through the policy -- the default (write_through, 1 TB host), a host smaller
+than the device plus two requests (backups skipped, pages dropped), write_back,
+write_through_selective, and 16 nodes -- requests per second, median of ``reps``.
 
 ``routing``: ``kvtier plan`` end to end (route, replay, queueing model) for each
 routing policy at 1 and 16 nodes, requests per second (median of ``reps``).
@@ -16,22 +17,28 @@ from dataclasses import asdict, dataclass, replace
 
 from kvtier.app.bench.timing import median_seconds
 from kvtier.config import CacheConfig
-from kvtier.errors import ConfigError
-from kvtier.app.plan import PlanConfig, fast_model_gap, replay, run_plan
+from kvtier.app.plan import PlanConfig, replay, run_plan
 from kvtier.app.plan.routing import ROUTING_POLICIES
 from kvtier.app.workloads.mooncake import load_mooncake_trace
+
+#: one configuration per path through the policy; the sizes are the plan defaults unless named
+CONFIGURATIONS: dict[str, tuple[dict, dict]] = {
+    "default": ({}, {}),
+    "host 0.001 TB (< device + 2 requests)": ({"host_tb": 0.001}, {}),
+    "write_back": ({}, {"write_policy": "write_back"}),
+    "write_through_selective": ({}, {"write_policy": "write_through_selective"}),
+    "16 nodes": ({"nodes": 16}, {}),
+}
 
 
 @dataclass(frozen=True)
 class PlanBenchResult:
     trace: str
     requests: int
-    lru_requests_per_s: float
-    cache_requests_per_s: float
-    lru_over_cache: float
-    #: every request served from the same tiers by both replays
-    identical: bool
-    hit_blocks: dict[str, int]
+    #: one row per configuration: the core's replay, requests/s, and the blocks it served per tier
+    configurations: list[dict]
+    #: the slowest configuration's requests/s
+    slowest_requests_per_s: float
     #: one row per routing policy and node count: kvtier plan's requests/s end to end
     routing: list[dict]
 
@@ -42,31 +49,26 @@ def routing_speed(requests, cfg: PlanConfig, reps: int, node_counts: tuple[int, 
     for nodes in node_counts:
         for policy in ROUTING_POLICIES:
             c = replace(cfg, nodes=nodes, routing=policy)
-            reports = []
-            t = median_seconds(lambda _: reports.append(run_plan(requests, c)), reps)
-            rows.append({"routing": policy, "nodes": nodes, "requests_per_s": round(len(requests) / t, 1),
-                         "replay_engine": reports[-1].replay_engine})
+            t = median_seconds(lambda _: run_plan(requests, c), reps)
+            rows.append({"routing": policy, "nodes": nodes, "requests_per_s": round(len(requests) / t, 1)})
+    return rows
+
+
+def configuration_speed(requests, cfg: PlanConfig, reps: int) -> list[dict]:
+    rows = []
+    for name, (plan_fields, cache_fields) in CONFIGURATIONS.items():
+        c, cc = replace(cfg, **plan_fields), CacheConfig(**cache_fields)
+        counts = []
+        t = median_seconds(lambda _: counts.append(replay(requests, c, cc)), reps)
+        rows.append({"configuration": name, "requests_per_s": round(len(requests) / t, 1), "hit_blocks": counts[-1].hit_blocks})
     return rows
 
 
 def run_plan_bench(trace: str, limit: int | None = None, cfg: PlanConfig = PlanConfig(), reps: int = 5) -> PlanBenchResult:
     requests = load_mooncake_trace(trace, limit)
-    gap = fast_model_gap(requests, cfg, CacheConfig())
-    if gap is not None:
-        raise ConfigError(f"bench plan compares the fast model with the cache, but the model does not cover this configuration: {gap}")
-    fast = replay(requests, cfg, engine="lru", per_request=True)
-    ref = replay(requests, cfg, engine="cache", per_request=True)
-    t_lru = median_seconds(lambda _: replay(requests, cfg, engine="lru"), reps)
-    t_cache = median_seconds(lambda _: replay(requests, cfg, engine="cache"), max(1, reps // 2), warmup=0)
-    return PlanBenchResult(
-        trace=trace, requests=len(requests),
-        lru_requests_per_s=round(len(requests) / t_lru, 1), cache_requests_per_s=round(len(requests) / t_cache, 1),
-        lru_over_cache=round(t_cache / t_lru, 2),
-        identical=fast.per_request == ref.per_request and fast.backed_up_blocks == ref.backed_up_blocks
-        and fast.storage_saved_blocks == ref.storage_saved_blocks,
-        hit_blocks=fast.hit_blocks,
-        routing=routing_speed(requests, cfg, reps),
-    )
+    configs = configuration_speed(requests, cfg, reps)
+    return PlanBenchResult(trace=trace, requests=len(requests), configurations=configs,
+                           slowest_requests_per_s=min(r["requests_per_s"] for r in configs), routing=routing_speed(requests, cfg, reps))
 
 
 def as_json(result: PlanBenchResult) -> dict:

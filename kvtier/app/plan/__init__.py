@@ -20,11 +20,8 @@ arrive at the trace's timestamps and queue on their node
 Configurations where a bigger tier could serve fewer hits are refused
 (:func:`check_plannable`).
 
-Two replays of the same policy: :mod:`~kvtier.app.plan.replay_cache` drives
-the core itself (every configuration); :mod:`~kvtier.app.plan.replay_lru`
-is its exact model as ordered dicts (~15x faster), used where
-:func:`~kvtier.app.plan.replay_lru.lru_model_gap` finds no gap. The report names
-the one that ran (``replay_engine``).
+One policy, one replay: :mod:`~kvtier.app.plan.replay_cache` drives the core
+itself in every configuration (there is no separate model of it to drift).
 """
 
 from __future__ import annotations
@@ -36,12 +33,11 @@ from dataclasses import replace
 from kvtier.config import CacheConfig, ConfigError
 from kvtier.app.plan.config import GB, TB, PlanConfig, PlanReport, ReplayCounts, TokenCosts, capacity, planning_spec
 from kvtier.app.plan.replay_cache import replay_cache
-from kvtier.app.plan.replay_lru import lru_model_gap, replay_lru
 from kvtier.app.plan.routing import ROUTING_POLICIES, route
 from kvtier.app.plan.timing import simulate
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
-__all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "check_plannable", "compare_routing", "distinct_blocks", "fast_model_gap",
+__all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "check_plannable", "compare_routing", "distinct_blocks",
            "infinite_cache_hit_ratio", "min_host_tb", "planning_spec", "replay", "round_up", "route", "run_plan", "sweep", "sweep_host"]
 
 
@@ -62,21 +58,13 @@ def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE
     return hit / total if total else 0.0
 
 
-def fast_model_gap(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig) -> str | None:
-    """Why the fast LRU model would not be exact for this trace and configuration; None when it is."""
-    return lru_model_gap(cache_cfg, capacity(cfg, planning_spec(cfg).page_bytes), _longest_blocks(requests))
-
-
 def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
-           engine: str | None = None, per_request: bool = False, nodes_of: list[int] | None = None) -> ReplayCounts:
-    """Replay ``requests`` through one engine: ``"lru"``, ``"cache"``, or (None) as ``cfg.replay`` and the model's gap say.
+           per_request: bool = False, nodes_of: list[int] | None = None) -> ReplayCounts:
+    """Replay ``requests`` through the policy core, one core per node (no size checks: see :func:`run_plan`).
     ``nodes_of``: the node of each request (default: :func:`route` by ``cfg.routing``)."""
     spec = planning_spec(cfg)
     cap = capacity(cfg, spec.page_bytes)
-    if engine is None:
-        engine = "lru" if cfg.replay == "auto" and fast_model_gap(requests, cfg, cache_cfg) is None else "cache"
-    run = replay_lru if engine == "lru" else replay_cache
-    return run(requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request)
+    return replay_cache(requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request)
 
 
 def round_up(x: float, digits: int = 4) -> float:
@@ -193,7 +181,6 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
             "host_hit_speedup": round(cost.recompute_s / cost.load_host_s, 2),
             "storage_hit_speedup": round(cost.recompute_s / cost.load_storage_s, 2),
         },
-        replay_engine=counts.engine,
         replay_seconds=round(elapsed, 3), requests_per_second=round(len(requests) / elapsed, 1) if elapsed > 0 else 0.0,
         routing=cfg.routing if cfg.nodes > 1 else "single node",
         latency={"queue_delay_s": timing.queue_delay_s, "ttft_s": timing.ttft_s},
@@ -219,7 +206,7 @@ def sweep(requests: list[TraceRequest], cfg: PlanConfig, field: str, values: lis
     for v, c in zip(values, configs):
         r = run_plan(requests, c, cache_cfg, nodes_of=nodes_of)
         rows.append({field: v, **{f"hit_{k}": x for k, x in r.hit_ratio.items()}, "fraction_of_bound": r.fraction_of_bound,
-                     "ttft_p50_s": r.latency["ttft_s"]["p50"], "replay_engine": r.replay_engine})
+                     "ttft_p50_s": r.latency["ttft_s"]["p50"]})
     return rows
 
 

@@ -11,7 +11,7 @@ from kvtier.spec import KVSpec
 
 GB = 1e9
 TB = 1e12
-#: pages per L3 backend call in both replays (an L3 save evicts after each such batch)
+#: pages per L3 backend call in the replay (an L3 save evicts after each such batch)
 L3_BATCH_PAGES = 8
 
 
@@ -37,17 +37,12 @@ class PlanConfig:
     network_gbps: float = _help("storage network bandwidth per node, GB/s", 25.0)
     prefill_tflops: float = _help("effective prefill compute of one node, TFLOP/s (e.g. 8 GPUs x 400 at ~50% MFU)", 3200.0)
     flops_per_token: float = _help("prefill FLOPs per token (2 x active parameters; DeepSeek-V3.2: 37e9 active)", 74e9)
-    replay: Literal["auto", "cache"] = _help(
-        "auto: the LRU model of the cache where it is exact (write_through, host >= device + 2 requests), else the cache itself; "
-        "cache: always replay through the policy core", "auto")
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise ConfigError(f"PlanConfig.nodes must be >= 1; got {self.nodes}")
         if self.routing not in ("kv_aware", "affinity", "round_robin"):
             raise ConfigError(f"PlanConfig.routing must be kv_aware, affinity or round_robin; got {self.routing!r}")
-        if self.replay not in ("auto", "cache"):
-            raise ConfigError(f"PlanConfig.replay must be auto or cache; got {self.replay!r}")
         check_number(self, "nodes", at_least=1, integer=True)
         for name in ("host_tb", "storage_tb"):
             check_number(self, name, at_least=0)
@@ -107,7 +102,6 @@ class TokenCosts:
 class ReplayCounts:
     """What one replay of a trace produced (summed over nodes); the report is derived from it."""
 
-    engine: str
     hit_blocks: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
     input_tokens: int = 0
     backed_up_blocks: int = 0
@@ -142,7 +136,6 @@ class PlanReport:
     bytes_per_second_per_node: dict[str, float]
     link_utilization: dict[str, float]
     load_vs_recompute: dict[str, float]
-    replay_engine: str
     replay_seconds: float
     requests_per_second: float
     #: the routing policy and what time costs under it (see kvtier.app.plan.timing)

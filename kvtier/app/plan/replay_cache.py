@@ -1,17 +1,17 @@
 """Replay a trace through the policy core itself, on executors that move no bytes.
 
-This is the reference: the real policy (:class:`~kvtier.core.policy.CacheCore`:
-LRU per tier, write policies, L3 saves and wait_complete prefetch) over page
-ids alone, one core per node, each on an
-:class:`~kvtier.executors.accounting.AccountingExecutor`, all sharing one
-:class:`~kvtier.executors.accounting.AccountingStore` as their L3. Every
-configuration runs here; :mod:`kvtier.app.plan.replay_lru` is the fast model of
-the same policy for the configurations where it is exact.
+The real policy (:class:`~kvtier.core.policy.CacheCore`: LRU per tier, write
+policies, L3 saves and wait_complete prefetch) over page ids alone, one core
+per node, each on an :class:`~kvtier.executors.accounting.AccountingExecutor`,
+all sharing one :class:`~kvtier.executors.accounting.AccountingStore` as their
+L3. Every configuration runs here, through the request API an engine uses
+(``begin`` / ``alloc`` / ``commit``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
@@ -29,8 +29,10 @@ def _block_keys(requests: list[TraceRequest]) -> dict[int, PageHash]:
 
 
 def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, cache_cfg: CacheConfig) -> CacheCore:
-    return CacheCore(spec, PageAllocator(cap.device, "device"), PageAllocator(cap.host, "host"), AccountingExecutor(storage), cache_cfg,
-                     StorageConfig(url="memory://"), namespace=Namespace(spec.name, spec.fingerprint()))
+    # no preallocated nodes: they keep a long-running server's collector idle, while a replay would
+    # build one per page of every node's pools up front (16 nodes: ~400k) for a trace that needs fewer
+    return CacheCore(spec, PageAllocator(cap.device, "device"), PageAllocator(cap.host, "host"), AccountingExecutor(storage),
+                     replace(cache_cfg, preallocate_nodes=False), StorageConfig(url="memory://"), namespace=Namespace(spec.name, spec.fingerprint()))
 
 
 def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig, spec: KVSpec, cap: Capacity,
@@ -38,7 +40,7 @@ def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Cache
     block = spec.page_size
     storage = AccountingStore(cap.storage, L3_BATCH_PAGES) if cap.storage is not None else None
     caches = [_node_cache(spec, cap, storage, cache_cfg) for _ in range(cfg.nodes)]
-    out = ReplayCounts("cache", per_request=[] if per_request else None)
+    out = ReplayCounts(per_request=[] if per_request else None)
     hits = out.hit_blocks
     key_of = _block_keys(requests).__getitem__
     for r, j in zip(requests, nodes_of):
