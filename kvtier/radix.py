@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from operator import attrgetter
 from collections.abc import Callable, Iterator, Sequence
 
 from kvtier.errors import InvalidStateError
@@ -58,6 +59,11 @@ NOT_STORED, SAVING, STORED = 0, 1, 2
 #: properties below read and write it; the core's per-page loops test the bit directly.
 HOST_READY = 1
 _HOST_READY = HOST_READY
+
+
+#: a node's device / host page (C-level getters for the per-page lists the core builds: plans, matches)
+device_page_of = attrgetter("device_page")
+host_page_of = attrgetter("host_page")
 
 
 def leading_present(present, keys: Sequence, hi: int | None = None) -> int:

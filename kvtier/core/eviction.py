@@ -14,7 +14,7 @@ from kvtier.alloc import Allocation
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult
 from kvtier.core.tags import Backup, EvictionBackup, LoadBack, PrefetchHandle, Save
-from kvtier.radix import HOST_READY, NO_PAGE, NOT_STORED, SAVING, PageNode
+from kvtier.radix import HOST_READY, NO_PAGE, NOT_STORED, SAVING, PageNode, device_page_of
 
 
 class _Leaving:
@@ -89,7 +89,7 @@ class Eviction:
             return 0
         self.tree.set_hosts(nodes, got.pages, ready=False)
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
-        self._submit(copy_plan, Backup(nodes), Tier.DEVICE, [n.device_page for n in nodes], Tier.HOST, got.pages)
+        self._submit(copy_plan, Backup(nodes), Tier.DEVICE, list(map(device_page_of, nodes)), Tier.HOST, got.pages)
         return len(nodes)
 
     def _finish_backup(self, c: Completion, tag: Backup) -> None:
@@ -186,7 +186,7 @@ class Eviction:
         for v, page in zip(victims, got.pages):  # victims are LRU-ordered, descendants first
             self.tree.set_host(v, page, ready=False)
             self.tree.lock(v)
-        c = self._await(self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, [v.device_page for v in victims], Tier.HOST, got.pages))
+        c = self._await(self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages))
         for v in victims:
             self.tree.unlock(v)
         if type(c) is not Done:

@@ -54,7 +54,7 @@ from kvtier.executors.port import ExecutorPort
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
 from kvtier.pages import at_own_place, checked_page_list, first_duplicate
-from kvtier.radix import HOST_READY, NO_PAGE, SAVING, PageNode, PrefixTree
+from kvtier.radix import HOST_READY, NO_PAGE, SAVING, PageNode, PrefixTree, device_page_of, host_page_of
 from kvtier.request import CacheRequest
 from kvtier.spec import KVSpec
 
@@ -130,7 +130,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending)
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -147,7 +147,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         if self.port.has_storage and len(matched) == len(path) < len(keys):
             n_storage = self.port.stored_prefix(keys[len(path) :])
             st.storage_hit_pages += n_storage
-        return MatchResult(keys, [n.device_page for n in path[:n_dev]], tuple(host_nodes), matched[-1] if matched else None, pending, n_storage)
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending, n_storage)
 
     def _keys(self, tokens_or_keys) -> list[PageHash]:
         if len(tokens_or_keys) and isinstance(tokens_or_keys[0], bytes):
@@ -214,7 +214,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         self.tree.set_device_run(served, got.pages)
         self.tree.touch(served)
         self.tree.lock(served[-1])  # released when the load completes (poll)
-        op = self._submit(copy_plan, LoadBack(served), Tier.HOST, [n.host_page for n in served], Tier.DEVICE, got.pages)
+        op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, got.pages)
         for n in served:
             self._loading[n] = op
         return LoadResult(op, prefix_pages + got.pages, len(served), len(match.host_nodes), match.pending, self)
@@ -260,7 +260,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         path = tree.walk(keys)  # cached already: a prefix, its leading part on device
         n_have = len(path)
         n_dev = tree.device_prefix(path)
-        canonical = [n.device_page for n in path[:n_dev]]
+        canonical = list(map(device_page_of, path[:n_dev]))
         if check:
             self._check_caller_pages(device_pages, canonical)  # before anything changes
         freed: list[int] = []

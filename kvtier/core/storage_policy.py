@@ -13,7 +13,7 @@ from __future__ import annotations
 from kvtier.core.plans import Completion, CutShort, Failed, completed_pages, fetch_plan, save_plan
 from kvtier.core.results import MatchResult
 from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
-from kvtier.radix import HOST_READY, NO_PAGE, NOT_STORED, SAVING, STORED, PageNode
+from kvtier.radix import HOST_READY, NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_page_of
 
 
 class StoragePolicy:
@@ -109,7 +109,7 @@ class StoragePolicy:
             return None
         for n in nodes:
             n.flags = (n.flags & HOST_READY) | (SAVING << 1)
-        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], [n.host_page for n in nodes], after)
+        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
         """The leading pages the store holds now are STORED; the rest may be saved again later."""
