@@ -168,6 +168,27 @@ class _LeafHeap:
         heapq.heapify(self.entries)
 
 
+def _all_children_taken(parent: PageNode, children: int, taken: dict[PageNode, int]) -> bool:
+    """One more of ``parent``'s ``children`` (in the tier being walked) was chosen: are they all?"""
+    if children == 1:  # a chain: no count to keep
+        return True
+    t = taken.get(parent, 0) + 1
+    taken[parent] = t
+    return t == children
+
+
+def _next_or_queued(parent: PageNode, stamp: int, entries: list, virtual: list, seq: itertools.count) -> tuple[PageNode | None, int]:
+    """A parent whose children were all chosen is a leaf if they leave, as recent as the newest of them.
+    Older than every queued leaf, it is the walk's next candidate (returned: chains skip the heap);
+    else it is queued. Returns (next candidate or None, its stamp)."""
+    if parent.last_access > stamp:
+        stamp = parent.last_access
+    if (not entries or stamp < entries[0][0]) and (not virtual or stamp < virtual[0][0]):
+        return parent, stamp
+    heapq.heappush(virtual, (stamp, next(seq), parent))
+    return None, stamp
+
+
 class PrefixTree:
     """Space-free bookkeeping: which page keys exist and where their bytes are. Touches no bytes."""
 
@@ -505,20 +526,10 @@ class PrefixTree:
                 continue
             chosen.append(node)
             picked.add(node)
-            parent, node = node.parent, None
-            if parent is not None:  # on device too: device residency is prefix-closed
-                dc = parent.device_children
-                if dc != 1:
-                    t = taken.get(parent, 0) + 1
-                    taken[parent] = t
-                if dc == 1 or t == dc:
-                    if parent.last_access > stamp:
-                        stamp = parent.last_access
-                    # a parent older than every queued leaf is next: take it without the heap (chains)
-                    if (not entries or stamp < entries[0][0]) and (not virtual or stamp < virtual[0][0]):
-                        node = parent
-                    else:
-                        push(virtual, (stamp, next(seq), parent))
+            parent = node.parent  # on device too: device residency is prefix-closed
+            node = None
+            if parent is not None and _all_children_taken(parent, parent.device_children, taken):
+                node, stamp = _next_or_queued(parent, stamp, entries, virtual, seq)
         for entry in keep:
             push(entries, entry)
         return chosen
@@ -609,19 +620,10 @@ class PrefixTree:
                 continue
             chosen.append(node)
             picked.add(node)
-            parent, node = node.parent, None
-            if parent is not None:
-                nc = parent.num_children
-                if nc != 1:
-                    t = taken.get(parent, 0) + 1
-                    taken[parent] = t
-                if (nc == 1 or t == nc) and parent.host_page != NO_PAGE:
-                    if parent.last_access > stamp:
-                        stamp = parent.last_access
-                    if (not entries or stamp < entries[0][0]) and (not virtual or stamp < virtual[0][0]):
-                        node = parent
-                    else:
-                        push(virtual, (stamp, next(seq), parent))
+            parent = node.parent
+            node = None
+            if parent is not None and parent.host_page != NO_PAGE and _all_children_taken(parent, parent.num_children, taken):
+                node, stamp = _next_or_queued(parent, stamp, entries, virtual, seq)
         for entry in keep:
             push(entries, entry)
         return chosen
