@@ -66,26 +66,59 @@ def _scratch(like: torch.Tensor, rows: int) -> torch.Tensor:
 def copy(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     if p.src.numel() == 0:
         return
-    src_idx = p.src if src_rows.device.type == "cpu" else p.src.to(src_rows.device, non_blocking=True)
-    dst_idx = p.dst if dst_rows.device.type == "cpu" else p.dst.to(dst_rows.device, non_blocking=True)
-    cross = src_rows.device != dst_rows.device
-    if p.mode == "gather_into_runs" and not cross:
+    if src_rows.device != dst_rows.device:
+        _copy_across(p, src_rows, dst_rows)
+        return
+    if p.mode == "gather_into_runs":
         for pos, first, length in p.runs:
-            torch.index_select(src_rows, 0, src_idx[pos : pos + length], out=dst_rows[first : first + length])
+            torch.index_select(src_rows, 0, p.src[pos : pos + length], out=dst_rows[first : first + length])
         return
     if p.mode == "scatter_from_runs":
         for pos, first, length in p.runs:
-            chunk = src_rows[first : first + length]
-            if cross:
-                chunk = chunk.to(dst_rows.device, non_blocking=True)
-            dst_rows.index_copy_(0, dst_idx[pos : pos + length], chunk)
+            dst_rows.index_copy_(0, p.dst[pos : pos + length], src_rows[first : first + length])
         return
-    # scattered -> scattered (or gather across devices): chunk through cached scratch
+    # scattered -> scattered: chunk through cached scratch
     row_bytes = src_rows.shape[-1] * src_rows.element_size()
     chunk_rows = max(1, _SCRATCH_BYTES // row_bytes)
     scratch = _scratch(src_rows, min(chunk_rows, p.src.numel()))
     for s in range(0, p.src.numel(), chunk_rows):
         k = min(chunk_rows, p.src.numel() - s)
         part = scratch[:k]
-        torch.index_select(src_rows, 0, src_idx[s : s + k], out=part)
-        dst_rows.index_copy_(0, dst_idx[s : s + k], part if not cross else part.to(dst_rows.device, non_blocking=True))
+        torch.index_select(src_rows, 0, p.src[s : s + k], out=part)
+        dst_rows.index_copy_(0, p.dst[s : s + k], part)
+
+
+def _copy_across(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
+    """Host <-> GPU, on the caller's (the engine's copy) stream. Every DMA touches pinned memory
+    (the host pool's own rows, or a pinned staging tensor from torch's caching host allocator,
+    which is not reused before the copies that read it are done), so each is asynchronous. A
+    host-side read of bytes coming from the GPU waits for the stream first: a host op is not
+    ordered on a stream. Otherwise the engine's end-of-job event is the only synchronisation."""
+    gpu = dst_rows.device if dst_rows.device.type == "cuda" else src_rows.device
+    if dst_rows.device.type == "cuda":  # host -> device
+        dst_idx = p.dst.to(gpu, non_blocking=True)
+        if p.mode == "scatter_from_runs":  # host pages in runs: DMA each run, scatter on the GPU
+            for pos, first, length in p.runs:
+                dst_rows.index_copy_(0, dst_idx[pos : pos + length], src_rows[first : first + length].to(gpu, non_blocking=True))
+            return
+        staged = torch.empty((p.src.numel(), src_rows.shape[-1]), dtype=src_rows.dtype, pin_memory=True)
+        torch.index_select(src_rows, 0, p.src, out=staged)  # scattered host pages, gathered on the host
+        if p.mode == "gather_into_runs":  # device pages in runs: one DMA per run
+            for pos, first, length in p.runs:
+                dst_rows[first : first + length].copy_(staged[pos : pos + length], non_blocking=True)
+        else:
+            dst_rows.index_copy_(0, dst_idx, staged.to(gpu, non_blocking=True))
+        return
+    # device -> host: gather on the GPU (one contiguous tensor), then DMA
+    if p.mode == "scatter_from_runs":
+        gathered = torch.cat([src_rows[first : first + length] for _, first, length in p.runs])
+    else:
+        gathered = torch.index_select(src_rows, 0, p.src.to(gpu, non_blocking=True))
+    if p.mode == "gather_into_runs":  # host pages in runs: DMA straight into them
+        for pos, first, length in p.runs:
+            dst_rows[first : first + length].copy_(gathered[pos : pos + length], non_blocking=True)
+        return
+    staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+    staged.copy_(gathered, non_blocking=True)
+    torch.cuda.current_stream(gpu).synchronize()  # the host scatter below reads what the DMA writes
+    dst_rows.index_copy_(0, p.dst, staged)

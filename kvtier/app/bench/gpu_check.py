@@ -1,6 +1,6 @@
 """The prepared device check: run it once wherever a GPU is lent (under 5 minutes on one GPU).
 
-``python -m kvtier.app.bench.gpu_check --json`` (``--device cpu`` runs the same code on the CPU
+``python -m kvtier.app.bench.gpu_check`` prints one JSON object (``--device cpu`` runs the same code on the CPU
 path -- worker thread and per-layer events -- which is how the test suite keeps it working).
 
 Five checks, through kvtier's own pools and transfer engine (pinned host memory, a
