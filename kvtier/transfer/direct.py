@@ -69,13 +69,16 @@ def copy(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     if src_rows.device != dst_rows.device:
         _copy_across(p, src_rows, dst_rows)
         return
+    src_idx, dst_idx = p.src, p.dst
+    if src_rows.device.type != "cpu":  # both on one GPU: the indices go there too
+        src_idx, dst_idx = src_idx.to(src_rows.device, non_blocking=True), dst_idx.to(src_rows.device, non_blocking=True)
     if p.mode == "gather_into_runs":
         for pos, first, length in p.runs:
-            torch.index_select(src_rows, 0, p.src[pos : pos + length], out=dst_rows[first : first + length])
+            torch.index_select(src_rows, 0, src_idx[pos : pos + length], out=dst_rows[first : first + length])
         return
     if p.mode == "scatter_from_runs":
         for pos, first, length in p.runs:
-            dst_rows.index_copy_(0, p.dst[pos : pos + length], src_rows[first : first + length])
+            dst_rows.index_copy_(0, dst_idx[pos : pos + length], src_rows[first : first + length])
         return
     # scattered -> scattered: chunk through cached scratch
     row_bytes = src_rows.shape[-1] * src_rows.element_size()
@@ -84,8 +87,8 @@ def copy(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
     for s in range(0, p.src.numel(), chunk_rows):
         k = min(chunk_rows, p.src.numel() - s)
         part = scratch[:k]
-        torch.index_select(src_rows, 0, p.src[s : s + k], out=part)
-        dst_rows.index_copy_(0, p.dst[s : s + k], part)
+        torch.index_select(src_rows, 0, src_idx[s : s + k], out=part)
+        dst_rows.index_copy_(0, dst_idx[s : s + k], part)
 
 
 def _copy_across(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
