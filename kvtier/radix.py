@@ -496,43 +496,14 @@ class PrefixTree:
 
         A node qualifies once all its device-resident children are chosen, so
         descendants always precede their ancestors in the result.
-        ``require_host_copy`` keeps to pages whose ready host copy makes dropping free.
-        (The walk of :meth:`_victims`, with the device tier's tests written inline: the hot path.)
+        ``require_host_copy`` keeps to pages whose ready host copy makes dropping free
+        (:meth:`drop_backed_up` is that walk with the clearing done as it goes: the hot path).
         """
-        self._maybe_compact()
-        heap = self.device_heap
-        entries, seq = heap.entries, heap.seq
-        pop, push = heapq.heappop, heapq.heappush
-        chosen: list[PageNode] = []
-        picked: set[PageNode] = set()
-        taken: dict[PageNode, int] = {}
-        virtual: list[tuple[int, int, PageNode]] = []
-        keep: list[tuple[int, int, PageNode]] = []
-        node = None  # set: the next candidate is known without a heap (a chain's parent, see below)
-        while len(chosen) < limit and (node is not None or entries or virtual):
-            if node is not None:
-                pass
-            elif virtual and (not entries or virtual[0] < entries[0]):
-                stamp, _, node = pop(virtual)
-            else:
-                entry = pop(entries)
-                stamp, _, node = entry
-                if stamp != node.last_access or node.device_page == NO_PAGE or node.device_children:  # stale
-                    node = None
-                    continue
-                keep.append(entry)
-            if node in picked or node.lock_ref or (require_host_copy and (node.host_page == NO_PAGE or not node.flags & _HOST_READY)):
-                node = None
-                continue
-            chosen.append(node)
-            picked.add(node)
-            parent = node.parent  # on device too: device residency is prefix-closed
-            node = None
-            if parent is not None and _all_children_taken(parent, parent.device_children, taken):
-                node, stamp = _next_or_queued(parent, stamp, entries, virtual, seq)
-        for entry in keep:
-            push(entries, entry)
-        return chosen
+        if require_host_copy:
+            eligible = lambda n: not n.lock_ref and n.host_page != NO_PAGE and n.flags & HOST_READY  # noqa: E731
+        else:
+            eligible = lambda n: not n.lock_ref  # noqa: E731
+        return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children)
 
     def drop_backed_up(self, limit: int) -> list[int]:
         """Drop up to ``limit`` device copies whose host copy is ready (free to drop), LRU device
@@ -589,40 +560,46 @@ class PrefixTree:
         """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too,
         LRU leaves first (descendants before their ancestors).
 
-        Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them.
-        (The walk of :meth:`device_victims`, with the host tier's tests.)"""
+        Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
+        saving = SAVING << 1
+        return self._victims(
+            self.host_heap, limit,
+            lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.flags & HOST_READY and n.flags & 6 != saving,
+            lambda n: n.num_children,
+        )
+
+    def _victims(self, heap: _LeafHeap, limit: int, eligible, children) -> list[PageNode]:
+        """Pop a tier's leaves oldest first; a parent joins once all its ``children`` in the tier are
+        chosen, as recent as the newest of them: next at once when older than every queued leaf
+        (a chain), else queued. Popped entries that are still valid go back on the heap: the
+        caller may not evict them all."""
         self._maybe_compact()
-        heap = self.host_heap
-        entries, seq = heap.entries, heap.seq
+        entries, seq, is_leaf, in_tier = heap.entries, heap.seq, heap.is_leaf, heap.in_tier
         pop, push = heapq.heappop, heapq.heappush
         chosen: list[PageNode] = []
         picked: set[PageNode] = set()
         taken: dict[PageNode, int] = {}
         virtual: list[tuple[int, int, PageNode]] = []  # parents that become leaves if the chosen ones leave
-        keep: list[tuple[int, int, PageNode]] = []  # popped entries still valid: the caller may not evict them all
-        saving = SAVING << 1
+        keep: list[tuple[int, int, PageNode]] = []
         node = None  # set: the next candidate is known without a heap (a chain's parent)
         while len(chosen) < limit and (node is not None or entries or virtual):
-            if node is not None:
-                pass
-            elif virtual and (not entries or virtual[0] < entries[0]):
-                stamp, _, node = pop(virtual)
-            else:
-                entry = pop(entries)
-                stamp, _, node = entry
-                if stamp != node.last_access or node.host_page == NO_PAGE or node.num_children:  # stale
-                    node = None
-                    continue
-                keep.append(entry)
-            flags = node.flags
-            if node in picked or node.lock_ref or node.device_page != NO_PAGE or not flags & HOST_READY or flags & 6 == saving:
+            if node is None:
+                if virtual and (not entries or virtual[0] < entries[0]):
+                    stamp, _, node = pop(virtual)
+                else:
+                    entry = pop(entries)
+                    stamp, _, node = entry
+                    if stamp != node.last_access or not is_leaf(node):  # stale
+                        node = None
+                        continue
+                    keep.append(entry)
+            if node in picked or not eligible(node):
                 node = None
                 continue
             chosen.append(node)
             picked.add(node)
-            parent = node.parent
-            node = None
-            if parent is not None and parent.host_page != NO_PAGE and _all_children_taken(parent, parent.num_children, taken):
+            parent, node = node.parent, None
+            if parent is not None and in_tier(parent) and _all_children_taken(parent, children(parent), taken):
                 node, stamp = _next_or_queued(parent, stamp, entries, virtual, seq)
         for entry in keep:
             push(entries, entry)
