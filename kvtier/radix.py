@@ -55,10 +55,7 @@ from kvtier.hashing import PageHash
 NO_PAGE = -1
 NOT_STORED, SAVING, STORED = 0, 1, 2
 
-#: ``PageNode.flags`` bit 0: the host copy is readable (bits 1-2 hold the L3 state). The
-#: properties below read and write it; the core's per-page loops test the bit directly.
-HOST_READY = 1
-_HOST_READY = HOST_READY
+_HOST_READY = 1  # flags bit 0; bits 1-2 hold the L3 state (the tree's own loops test the bit directly)
 
 
 #: a node's device / host page (C-level getters for the per-page lists the core builds: plans, matches)
@@ -427,22 +424,17 @@ class PrefixTree:
     def set_hosts(self, nodes: Sequence[PageNode], pages: Sequence[int], ready: bool) -> None:
         """:meth:`set_host` of each of ``nodes`` (one heap entry per node that is a leaf)."""
         push = self.host_heap.push
-        bit = HOST_READY if ready else 0
+        bit = _HOST_READY if ready else 0
         for node, page in zip(nodes, pages):
             assert node.host_page == NO_PAGE, node
             node.host_page = page
-            node.flags = (node.flags & ~HOST_READY) | bit
+            node.flags = (node.flags & ~_HOST_READY) | bit
             if node.num_children == 0:
                 push(node)
         self.hosted.update(nodes)
 
     def set_host(self, node: PageNode, page: int, ready: bool) -> None:
-        assert node.host_page == NO_PAGE, node
-        node.host_page = page
-        node.host_ready = ready
-        self.hosted.add(node)
-        if node.num_children == 0:
-            self.host_heap.push(node)
+        self.set_hosts((node,), (page,), ready)
 
     def clear_host(self, node: PageNode) -> int:
         page, node.host_page = node.host_page, NO_PAGE
@@ -500,7 +492,7 @@ class PrefixTree:
         (:meth:`drop_backed_up` is that walk with the clearing done as it goes: the hot path).
         """
         if require_host_copy:
-            eligible = lambda n: not n.lock_ref and n.host_page != NO_PAGE and n.flags & HOST_READY  # noqa: E731
+            eligible = lambda n: not n.lock_ref and n.host_page != NO_PAGE and n.flags & _HOST_READY  # noqa: E731
         else:
             eligible = lambda n: not n.lock_ref  # noqa: E731
         return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children)
@@ -529,7 +521,7 @@ class PrefixTree:
                 if stamp != node.last_access or node.device_page == NO_PAGE or node.device_children:  # stale
                     node = None
                     continue
-                if node.lock_ref or node.host_page == NO_PAGE or not node.flags & HOST_READY:
+                if node.lock_ref or node.host_page == NO_PAGE or not node.flags & _HOST_READY:
                     keep.append(entry)
                     node = None
                     continue
@@ -546,7 +538,7 @@ class PrefixTree:
                     parent.last_access = stamp
                 if parent.device_children == 0:  # a device leaf now (never a host leaf: its child stays)
                     if (not entries or parent.last_access < entries[0][0]) and not parent.lock_ref \
-                            and parent.host_page != NO_PAGE and parent.flags & HOST_READY:
+                            and parent.host_page != NO_PAGE and parent.flags & _HOST_READY:
                         node = parent
                     else:
                         push(entries, (parent.last_access, next(seq), parent))
@@ -561,10 +553,9 @@ class PrefixTree:
         LRU leaves first (descendants before their ancestors).
 
         Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
-        saving = SAVING << 1
         return self._victims(
             self.host_heap, limit,
-            lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.flags & HOST_READY and n.flags & 6 != saving,
+            lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING,
             lambda n: n.num_children,
         )
 

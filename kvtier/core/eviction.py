@@ -14,7 +14,7 @@ from kvtier.alloc import Allocation
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult
 from kvtier.core.tags import Backup, EvictionBackup, LoadBack, PrefetchHandle, Save
-from kvtier.radix import HOST_READY, NO_PAGE, NOT_STORED, SAVING, PageNode, device_page_of
+from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, PageNode, device_page_of
 
 
 class _Leaving:
@@ -98,7 +98,7 @@ class Eviction:
         ok = type(c) is Done
         if ok:
             for n in nodes:
-                n.flags |= HOST_READY
+                n.host_ready = True
             self.stats.backed_up_pages += len(nodes)
             self.stats.backed_up_bytes += len(nodes) * self._page_bytes
         else:
@@ -131,7 +131,7 @@ class Eviction:
                 for v in victims:  # descendants before ancestors: each clear keeps residency prefix-closed
                     if v.device_children != batch.device_children.get(v, 0):
                         continue  # a descendant could not leave (its backup failed): keep this one too
-                    if v.host_page != NO_PAGE and v.flags & HOST_READY:
+                    if v.host_page != NO_PAGE and v.host_ready:
                         batch.add(v, gone=False)
                         freed += 1
                     elif v.host_page == NO_PAGE and v.num_children == batch.children_gone.get(v, 0):

@@ -54,7 +54,7 @@ from kvtier.executors.port import ExecutorPort
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
 from kvtier.pages import at_own_place, checked_page_list, first_duplicate
-from kvtier.radix import HOST_READY, NO_PAGE, SAVING, PageNode, PrefixTree, device_page_of, host_page_of
+from kvtier.radix import NO_PAGE, SAVING, PageNode, PrefixTree, device_page_of, host_page_of
 from kvtier.request import CacheRequest
 from kvtier.spec import KVSpec
 
@@ -104,7 +104,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         """How many leading nodes of ``path`` have a readable host copy."""
         n = 0
         for node in path:
-            if node.host_page == NO_PAGE or not node.flags & HOST_READY:
+            if node.host_page == NO_PAGE or not node.host_ready:
                 break
             n += 1
         return n
@@ -193,7 +193,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         # the match may be stale: keep the leading run that still directly follows the device prefix
         valid: list[PageNode] = []
         for n in match.host_nodes:
-            if n.device_page != NO_PAGE or n.host_page == NO_PAGE or not n.flags & HOST_READY:
+            if n.device_page != NO_PAGE or n.host_page == NO_PAGE or not n.host_ready:
                 break
             if (n.parent is not valid[-1]) if valid else (n.parent is not None and n.parent.device_page == NO_PAGE):
                 break

@@ -13,7 +13,7 @@ from __future__ import annotations
 from kvtier.core.plans import Completion, CutShort, Failed, completed_pages, fetch_plan, save_plan
 from kvtier.core.results import MatchResult
 from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
-from kvtier.radix import HOST_READY, NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_page_of
+from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_page_of
 
 
 class StoragePolicy:
@@ -108,14 +108,14 @@ class StoragePolicy:
         if not self.port.has_storage or not nodes:
             return None
         for n in nodes:
-            n.flags = (n.flags & HOST_READY) | (SAVING << 1)
+            n.stored = SAVING
         return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
         """The leading pages the store holds now are STORED; the rest may be saved again later."""
         ok = completed_pages(c, len(nodes))
-        for i, n in enumerate(nodes):  # the L3 state lives in flags bits 1-2 (see PageNode.stored)
-            n.flags = (n.flags & HOST_READY) | ((STORED if i < ok else NOT_STORED) << 1)
+        for i, n in enumerate(nodes):
+            n.stored = STORED if i < ok else NOT_STORED
         saved = ok - (c.existing if type(c) is not Failed else 0)
         self.stats.storage_saved_pages += saved
         self.stats.storage_saved_bytes += saved * self._page_bytes

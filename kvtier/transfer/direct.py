@@ -99,8 +99,8 @@ def _copy_across(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) 
     ordered on a stream. Otherwise the engine's end-of-job event is the only synchronisation."""
     gpu = dst_rows.device if dst_rows.device.type == "cuda" else src_rows.device
     if dst_rows.device.type == "cuda":  # host -> device
-        dst_idx = p.dst.to(gpu, non_blocking=True)
         if p.mode == "scatter_from_runs":  # host pages in runs: DMA each run, scatter on the GPU
+            dst_idx = p.dst.to(gpu, non_blocking=True)
             for pos, first, length in p.runs:
                 dst_rows.index_copy_(0, dst_idx[pos : pos + length], src_rows[first : first + length].to(gpu, non_blocking=True))
             return
@@ -110,7 +110,7 @@ def _copy_across(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) 
             for pos, first, length in p.runs:
                 dst_rows[first : first + length].copy_(staged[pos : pos + length], non_blocking=True)
         else:
-            dst_rows.index_copy_(0, dst_idx, staged.to(gpu, non_blocking=True))
+            dst_rows.index_copy_(0, p.dst.to(gpu, non_blocking=True), staged.to(gpu, non_blocking=True))
         return
     # device -> host: gather on the GPU (one contiguous tensor), then DMA
     if p.mode == "scatter_from_runs":
