@@ -27,15 +27,17 @@ install() {
     "$PY" -m pip install -q -e ".$1"
 }
 
-servers() {
-    # Real servers for the L3 tests (Redis; libibverbs for Mooncake's transfer engine).
-    if ! command -v redis-server >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1; then
+system_packages() {
+    # Real servers for the L3 tests (Redis; libibverbs for Mooncake's transfer engine), and what
+    # builds kvtier's one C extension (a compiler and xxhash.h: the page-key chain, see setup.py).
+    if ! command -v redis-server >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1 ||
+        ! command -v cc >/dev/null || [ ! -f /usr/include/xxhash.h ]; then
         if command -v apt-get >/dev/null; then
             export DEBIAN_FRONTEND=noninteractive
             apt-get update -qq
-            apt-get install -y -qq redis-server redis-tools libibverbs1 >/dev/null
+            apt-get install -y -qq redis-server redis-tools libibverbs1 gcc libxxhash-dev >/dev/null
         else
-            echo "run.sh: redis-server and libibverbs1 are needed for the test suite; install them" >&2
+            echo "run.sh: redis-server, libibverbs1, a C compiler and xxhash.h are needed for the test suite; install them" >&2
             exit 1
         fi
     fi
@@ -44,6 +46,7 @@ servers() {
 case "${1:-}" in
     test)
         shift
+        system_packages  # first: the install builds the C extension against xxhash.h
         # The vllm extra (vLLM's CPU build) is part of the suite: the connector's end-to-end tests
         # and bench cache's comparison replay use it.
         install "[test,vllm]"
@@ -58,7 +61,6 @@ case "${1:-}" in
         # sources from it to replay the same trace in the same run.
         ls .kvtier/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 ||
             "$PY" -m pip download -q --no-deps "sglang==0.5.23" -d .kvtier/wheels
-        servers
         export PATH="$(dirname "$PY"):$PATH"  # console scripts of the venv (mooncake_master, kvtier), as activation would
         exec "$PY" -m pytest "$@"
         ;;

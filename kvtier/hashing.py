@@ -6,6 +6,10 @@ with ``key[-1]`` the namespace root. Equal keys therefore mean equal prefixes
 in the same namespace (model, spec fingerprint, TP rank, salt). The partial
 tail page of a request never gets a key. Hashes are computed once per request
 here, never inside pools or the tree.
+
+The xxh3_128 chain runs in C (``kvtier._chainkeys``, one call per request) when
+that extension was built at install; otherwise, and for blake3, in Python. Both
+give the same bytes (tests check it); :data:`NATIVE_KEYS` says which one runs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,14 @@ import numpy as np
 import xxhash
 
 from kvtier.errors import ConfigError, UnknownNameError
+
+try:
+    from kvtier._chainkeys import chain_xxh3_128 as _native_chain
+except ImportError:  # built without a C compiler or xxhash.h: the Python loop below, same keys
+    _native_chain = None
+
+#: whether xxh3_128 keys are chained in C (the extension built at install) or in Python
+NATIVE_KEYS = _native_chain is not None
 
 PageHash = NewType("PageHash", bytes)
 HashAlgo = Literal["xxh3_128", "blake3"]
@@ -131,6 +143,13 @@ def page_keys(token_ids: Sequence[int] | np.ndarray, page_size: int, root: PageH
     ``1``, and the two widths differ in length, so they never alias each other either."""
     h = hasher(algo)
     arr = token_array(token_ids)
+    if _native_chain is not None and algo == "xxh3_128":
+        return _native_chain(root, np.ascontiguousarray(arr), page_size)
+    return _python_page_keys(arr, page_size, root, h)
+
+
+def _python_page_keys(arr: np.ndarray, page_size: int, root: PageHash, h: Callable[[bytes], bytes]) -> list[PageHash]:
+    """:func:`page_keys` in Python: the reference for the C chain, and the path for blake3."""
     full = len(arr) // page_size
     pages = arr[: full * page_size]
     keys: list[PageHash] = []

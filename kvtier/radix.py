@@ -63,11 +63,12 @@ device_page_of = attrgetter("device_page")
 host_page_of = attrgetter("host_page")
 
 
-def leading_present(present, keys: Sequence, hi: int | None = None) -> int:
-    """How many of ``keys[:hi]`` lead in ``present`` (anything with ``in``), by binary search.
+def leading_present(present, keys: Sequence, hi: int | None = None, lo: int = 0) -> int:
+    """How many of ``keys[:hi]`` lead in ``present`` (anything with ``in``), by binary search;
+    ``lo``: the first ``lo`` are known to be present.
 
     Only valid where presence is prefix-closed: key ``i`` present implies every key before it is."""
-    lo, hi = 0, len(keys) if hi is None else hi
+    hi = len(keys) if hi is None else hi
     while lo < hi:
         mid = (lo + hi + 1) >> 1
         if keys[mid - 1] in present:
@@ -240,9 +241,10 @@ class PrefixTree:
         """How many leading ``keys`` are in the tree (binary search: presence is prefix-closed)."""
         return leading_present(self.nodes, keys)
 
-    def walk(self, keys: Sequence[PageHash]) -> list[PageNode]:
-        """Nodes of the longest cached prefix of ``keys``."""
-        return list(map(self.nodes.__getitem__, keys[: self.cached_prefix(keys)]))
+    def walk(self, keys: Sequence[PageHash], start: int = 0) -> list[PageNode]:
+        """Nodes of the longest cached prefix of ``keys``, from ``keys[start]`` on (the first ``start``
+        are known to be cached: a locked prefix)."""
+        return list(map(self.nodes.__getitem__, keys[start : leading_present(self.nodes, keys, lo=start)]))
 
     @staticmethod
     def device_prefix(path: Sequence[PageNode]) -> int:

@@ -65,6 +65,8 @@ class CacheRequest:
     cached_pages: list[int]
     load: LoadResult
     _locked: PageNode | None
+    #: the nodes of ``cached_pages`` (kept on device by the lock): commit does not look them up again
+    _prefix: list[PageNode] = field(default_factory=list)
     _allocated: list[int] = field(default_factory=list)
     state: RequestState = RequestState.OPEN
 
@@ -111,12 +113,14 @@ class CacheRequest:
         if isinstance(pages, list) and k >= 0 and pages[k:] == alloc and pages[:k] == self.cached_pages[:k] and set(map(type, pages)) <= {int}:
             # the usual shape, the cached prefix then every page it allocated: list comparisons in C
             rest = pages[full:]
+            known = self._prefix[:k]
         else:
             pages = checked_page_list(pages, cache.dev_alloc.num_pages, pool=cache.dev_alloc.name, side="device")  # typed errors
             self._check_pages(pages)
             handed = set(pages[:full])
             rest = [p for p in alloc if p not in handed]
-        result = cache._insert(self.keys, pages[:full], check=False)  # ownership proven above, more strictly than insert's
+            known = None
+        result = cache._insert(self.keys, pages[:full], check=False, known=known)  # ownership proven above, more strictly than insert's
         if rest:
             cache.free_device(rest)
         self._finish(RequestState.COMMITTED)
@@ -153,5 +157,6 @@ class CacheRequest:
     def _finish(self, state: RequestState) -> None:
         self.cache.unlock(self._locked)
         self._locked = None
+        self._prefix = []
         self._allocated = []
         self.state = state

@@ -59,7 +59,7 @@ class NullCache:
         self.dev_alloc.free(list(device_pages))
         return InsertResult([], 0, list(device_pages), None)
 
-    def _insert(self, keys, device_pages: Sequence[int], *, check: bool) -> InsertResult:
+    def _insert(self, keys, device_pages: Sequence[int], *, check: bool, known=None) -> InsertResult:
         return self.insert(keys, device_pages)
 
     def wait_idle(self) -> None:

@@ -35,7 +35,6 @@ with ``idle=True`` proves it).
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections.abc import Sequence
 
@@ -130,7 +129,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending)
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending, 0, matched)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -147,7 +146,8 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         if self.port.has_storage and len(matched) == len(path) < len(keys):
             n_storage = self.port.stored_prefix(keys[len(path) :])
             st.storage_hit_pages += n_storage
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending, n_storage)
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending, n_storage,
+                           matched)
 
     def _keys(self, tokens_or_keys) -> list[PageHash]:
         if len(tokens_or_keys) and isinstance(tokens_or_keys[0], bytes):
@@ -174,7 +174,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
                 m = again
         ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         host_hit = min(ld.loaded, host_before)
-        return CacheRequest(self, keys, m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld, m.last_node)
+        # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
+        return CacheRequest(self, keys, m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld, m.last_node,
+                            m.nodes[: len(ld.device_pages)])
 
     def lock(self, node: PageNode | None) -> None:
         """Protect ``node`` and its ancestors from eviction until :meth:`unlock`."""
@@ -249,18 +251,23 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         device_pages = checked_page_list(device_pages, self.dev_alloc.num_pages, pool=self.dev_alloc.name, side="device")
         return self._insert(keys, device_pages, check=True)
 
-    def _insert(self, keys: list[PageHash], device_pages: list[int], *, check: bool) -> InsertResult:
-        """``check=False``: the caller (a :class:`CacheRequest`) has proven the pages are its own."""
+    def _insert(self, keys: list[PageHash], device_pages: list[int], *, check: bool, known: list[PageNode] | None = None) -> InsertResult:
+        """``check=False``: the caller (a :class:`CacheRequest`) has proven the pages are its own.
+        ``known``: the nodes of ``keys[:len(known)]``, on device in ``device_pages[:len(known)]`` and
+        locked by the caller since its match (so still exactly there): not looked up again."""
         if len(device_pages) != len(keys):
             raise PageAlignmentError(
                 f"insert into {self.dev_alloc.name}: {len(device_pages)} device pages for {len(keys)} full pages of keys "
                 f"(page_size {self.spec.page_size}); pass exactly one page per full page, keep the partial tail page out"
             )
         tree = self.tree
-        path = tree.walk(keys)  # cached already: a prefix, its leading part on device
+        start = len(known) if known else 0
+        # cached already: a prefix, its leading part on device
+        path = known + tree.walk(keys, start) if start else tree.walk(keys)
         n_have = len(path)
         n_dev = tree.device_prefix(path)
-        canonical = list(map(device_page_of, path[:n_dev]))
+        assert n_dev >= start and (not start or path[start - 1].device_page == device_pages[start - 1]), "a locked prefix moved"
+        canonical = device_pages[:start] + list(map(device_page_of, path[start:n_dev]))
         if check:
             self._check_caller_pages(device_pages, canonical)  # before anything changes
         freed: list[int] = []
@@ -278,7 +285,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         if last is not None:
             tree.touch((last,))
         if self.config.write_policy == "write_through":
-            due = [n for n in itertools.chain(path, fresh) if n.host_page == NO_PAGE]
+            # every fresh node is due; the path usually has no page without a host copy (one C-level scan says)
+            due = [n for n in path if n.host_page == NO_PAGE] if NO_PAGE in map(host_page_of, path) else []
+            due += fresh
             if due:
                 self._backup(due)
         return InsertResult(canonical, len(fresh), freed, last)

@@ -30,6 +30,8 @@ class MatchResult:
     pending: tuple[int, ...] = ()
     #: pages after the host run that the L3 store holds (prefetch them with :meth:`CacheCore.prefetch`)
     num_storage_pages: int = 0
+    #: the nodes of the device pages then the host nodes (the core keeps a request's locked prefix)
+    nodes: list[PageNode] = field(default_factory=list)
 
     @property
     def num_device_pages(self) -> int:

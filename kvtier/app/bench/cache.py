@@ -11,7 +11,8 @@ backend) and reports the bookkeeping of that request as a fraction of it.
 trace's published figures use); ``page_hit_ratio`` counts full pages.
 ``pages_per_s`` is the cache's own path (keys + match + insert + locks:
 ``hash_seconds + tree_seconds``); ``wall_pages_per_s`` also counts building
-each request's token array. When vLLM is installed the same replay runs
+each request's token array. ``native_keys`` says whether the keys were chained in
+C (``kvtier._chainkeys``, built at install) or by the Python fallback. When vLLM is installed the same replay runs
 through vLLM's ``KVCacheManager`` in the same process (``vllm``), and
 ``vs_vllm`` is kvtier's ``pages_per_s`` over vLLM's, on the same scope. When
 SGLang's wheel is at hand (``--sglang-wheel``, ``$KVTIER_SGLANG_WHEEL`` or
@@ -34,6 +35,7 @@ from kvtier.config import CacheConfig
 from kvtier.core.policy import CacheCore
 from kvtier.executors.accounting import AccountingExecutor
 from kvtier.errors import ConfigError
+from kvtier.hashing import NATIVE_KEYS
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 from kvtier.app.workloads import load_mooncake_trace, trace_tokens
@@ -58,6 +60,7 @@ class CacheBenchResult:
     request_16k_bookkeeping_ms: float
     request_16k_transfer_ms: float
     bookkeeping_over_transfer: float
+    native_keys: bool = False
     vllm: dict | None = None
     vs_vllm: float | None = None
     sglang: dict | None = None
@@ -186,7 +189,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         wall_pages_per_s=round(pages / elapsed),
         bookkeeping_bytes_per_page=round(bookkeeping_bytes_per_page(requests, spec)[0], 1) if memory else float("nan"),
         request_16k_bookkeeping_ms=round(t_book * 1e3, 3), request_16k_transfer_ms=round(t_xfer, 3),
-        bookkeeping_over_transfer=round(t_book * 1e3 / t_xfer, 4),
+        bookkeeping_over_transfer=round(t_book * 1e3 / t_xfer, 4), native_keys=NATIVE_KEYS,
         vllm=asdict(theirs) if theirs else None, vs_vllm=round(ours / theirs.pages_per_s, 2) if theirs else None,
         sglang=asdict(sgl) if sgl else None, vs_sglang=round(ours / sgl.pages_per_s, 2) if sgl else None,
     )
