@@ -438,6 +438,37 @@ class PrefixTree:
     def set_host(self, node: PageNode, page: int, ready: bool) -> None:
         self.set_hosts((node,), (page,), ready)
 
+    @staticmethod
+    def mark_host_ready(nodes: Sequence[PageNode]) -> None:
+        """The host copies of ``nodes`` are complete (a backup or fetch landed)."""
+        for node in nodes:
+            node.flags |= _HOST_READY
+
+    @staticmethod
+    def readable_host_run(nodes: Sequence[PageNode]) -> int:
+        """How many leading ``nodes`` have a readable host copy."""
+        n = 0
+        for node in nodes:
+            if node.host_page == NO_PAGE or not node.flags & _HOST_READY:
+                break
+            n += 1
+        return n
+
+    @staticmethod
+    def loadable_run(nodes: Sequence[PageNode]) -> int:
+        """How many leading ``nodes`` can be loaded back to device as one run now: each host-only with
+        a readable copy and the parent of the next, the first's parent on device (or the root)."""
+        prev = nodes[0].parent if nodes else None
+        if prev is not None and prev.device_page == NO_PAGE:
+            return 0
+        n = 0
+        for node in nodes:
+            if node.device_page != NO_PAGE or node.host_page == NO_PAGE or not node.flags & _HOST_READY or node.parent is not prev:
+                break
+            prev = node
+            n += 1
+        return n
+
     def clear_host(self, node: PageNode) -> int:
         page, node.host_page = node.host_page, NO_PAGE
         node.host_ready = False

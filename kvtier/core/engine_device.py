@@ -136,7 +136,7 @@ class EngineDeviceCore(CacheCore):
         self.poll()
         keys = list(keys)
         path = self.tree.walk(keys)
-        host = self._ready_prefix(path)
+        host = self.tree.readable_host_run(path)
         self.tree.touch(path[:host])
         probed = self.port.has_storage and host == len(path) < len(keys)
         stored = self.port.stored_prefix(keys[host:]) if probed else 0
@@ -167,7 +167,7 @@ class EngineDeviceCore(CacheCore):
         path = tree.walk(keys)
         have = len(path)
         want = len(keys) - have
-        if self._ready_prefix(path) < have:
+        if self.tree.readable_host_run(path) < have:
             # part of the prefix is still arriving (a copy or a prefetch in flight): pages hang only
             # below readable ones, so that a copy that fails never strands pages below it
             return OffloadResult(len(keys), have, 0, want)
@@ -216,8 +216,7 @@ class EngineDeviceCore(CacheCore):
         tree.unlock(nodes[-1])
         chained = self._save_after.pop(c.op, None)
         if type(c) is Done:
-            for node in nodes:
-                node.host_ready = True
+            tree.mark_host_ready(nodes)
             n = len(nodes)
             self.stats.backed_up_pages += n
             self.stats.backed_up_bytes += n * self._page_bytes
@@ -241,7 +240,7 @@ class EngineDeviceCore(CacheCore):
         self.poll()
         keys = list(keys)
         path = self.tree.walk(keys)
-        host = self._ready_prefix(path)
+        host = self.tree.readable_host_run(path)
         locked = path[host - 1] if host else None
         self.tree.lock(locked)
         handle = None
@@ -260,7 +259,7 @@ class EngineDeviceCore(CacheCore):
         if handle is not None:
             self.resolve_prefetch(handle)
             path = tree.walk(keys)
-            n = self._ready_prefix(path)
+            n = self.tree.readable_host_run(path)
             if n > host:
                 tree.lock(path[n - 1])
                 tree.unlock(locked)

@@ -97,8 +97,7 @@ class Eviction:
         tree = self.tree
         ok = type(c) is Done
         if ok:
-            for n in nodes:
-                n.host_ready = True
+            tree.mark_host_ready(nodes)
             self.stats.backed_up_pages += len(nodes)
             self.stats.backed_up_bytes += len(nodes) * self._page_bytes
         else:
@@ -193,8 +192,7 @@ class Eviction:
             self.stats.transfer_failures += 1
             self.host_alloc.free([self.tree.clear_host(v) for v in victims])
             return 0
-        for v in victims:
-            v.host_ready = True
+        self.tree.mark_host_ready(victims)
         self.stats.backed_up_pages += len(victims)
         self.stats.backed_up_bytes += len(victims) * self._page_bytes
         if self.port.has_storage and self.storage_config.write_policy == "write_through":

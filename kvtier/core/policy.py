@@ -98,16 +98,6 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
     def has_storage(self) -> bool:
         return self.port.has_storage
 
-    @staticmethod
-    def _ready_prefix(path: Sequence[PageNode]) -> int:
-        """How many leading nodes of ``path`` have a readable host copy."""
-        n = 0
-        for node in path:
-            if node.host_page == NO_PAGE or not node.host_ready:
-                break
-            n += 1
-        return n
-
     def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
         return page_keys(token_ids, self.spec.page_size, self.root_key, self.config.hash_algo)
 
@@ -122,7 +112,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         path = tree.walk(keys)
         tree.touch(path)
         n_dev = tree.device_prefix(path)
-        host_nodes = path[n_dev : n_dev + self._ready_prefix(path[n_dev:])]
+        host_nodes = path[n_dev : n_dev + tree.readable_host_run(path[n_dev:])]
         matched = path[: n_dev + len(host_nodes)]
         pending: tuple[int, ...] = ()
         if self._loading:
@@ -193,13 +183,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         """
         self.poll()
         # the match may be stale: keep the leading run that still directly follows the device prefix
-        valid: list[PageNode] = []
-        for n in match.host_nodes:
-            if n.device_page != NO_PAGE or n.host_page == NO_PAGE or not n.host_ready:
-                break
-            if (n.parent is not valid[-1]) if valid else (n.parent is not None and n.parent.device_page == NO_PAGE):
-                break
-            valid.append(n)
+        valid = list(match.host_nodes[: self.tree.loadable_run(match.host_nodes)])
         prefix_pages = list(match.device_pages)
         if not valid:
             return LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending, self)

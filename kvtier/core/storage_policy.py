@@ -70,8 +70,7 @@ class StoragePolicy:
         return handle.applied
 
     def _apply_arrived(self, handle: PrefetchHandle, arrived: int) -> None:
-        for node in handle.nodes[handle.applied : arrived]:
-            node.host_ready = True
+        self.tree.mark_host_ready(handle.nodes[handle.applied : arrived])
         if arrived > handle.applied:
             self.stats.storage_prefetched_pages += arrived - handle.applied
             self.stats.storage_prefetched_bytes += (arrived - handle.applied) * self._page_bytes
