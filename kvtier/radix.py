@@ -515,6 +515,20 @@ class PrefixTree:
                 break
             n = n.parent
 
+    @staticmethod
+    def pin(nodes: Sequence[PageNode]) -> None:
+        """Lock each of ``nodes``, all on device: a lock on a device node covers the node alone (it is
+        its own anchor), so no walk and no anchor to record. Release with :meth:`unpin`."""
+        for node in nodes:
+            assert node.device_page != NO_PAGE, node
+            node.lock_ref += 1
+
+    @staticmethod
+    def unpin(nodes: Sequence[PageNode]) -> None:
+        for node in nodes:
+            assert node.lock_ref > 0 and node.device_page != NO_PAGE, node
+            node.lock_ref -= 1
+
     # ---- eviction candidates ---------------------------------------------------
     def device_victims(self, limit: int, *, require_host_copy: bool = False) -> list[PageNode]:
         """Up to ``limit`` unlocked device-resident nodes, LRU leaves first, that can all leave together.

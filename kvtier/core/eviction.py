@@ -182,12 +182,10 @@ class Eviction:
         victims = victims[: len(got.pages)]
         if not victims:
             return 0
-        for v, page in zip(victims, got.pages):  # victims are LRU-ordered, descendants first
-            self.tree.set_host(v, page, ready=False)
-            self.tree.lock(v)
+        self.tree.set_hosts(victims, got.pages, ready=False)  # victims are LRU-ordered, descendants first
+        self.tree.pin(victims)  # on device: each lock covers its node alone
         c = self._await(self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages))
-        for v in victims:
-            self.tree.unlock(v)
+        self.tree.unpin(victims)
         if type(c) is not Done:
             self.stats.transfer_failures += 1
             self.host_alloc.free([self.tree.clear_host(v) for v in victims])
