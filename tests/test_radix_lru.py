@@ -149,3 +149,18 @@ def test_host_only_below_finds_every_descendant_of_a_device_leaf(seed):
                     nonempty += bool(got)
         t.check()
     assert checked > 0 and nonempty > 0
+
+
+def test_pinned_device_nodes_are_never_victims_until_unpinned():
+    tree = PrefixTree()
+    a = tree.add_device_chain([b"a1", b"a2", b"a3"], [0, 1, 2], None)
+    b = tree.add_device_chain([b"b1", b"b2"], [3, 4], None)
+    tree.touch((b[-1],))  # b is newer: a's chain goes first, leaf first
+    assert [n.key for n in tree.device_victims(5)] == [b"a3", b"a2", b"a1", b"b2", b"b1"]
+    tree.pin([a[-1], b[-1]])  # the eviction backup's pins: each covers its node alone
+    assert tree.device_victims(5) == []  # both leaves pinned: nothing above them can go either
+    tree.unpin([a[-1]])
+    assert [n.key for n in tree.device_victims(5)] == [b"a3", b"a2", b"a1"]
+    tree.unpin([b[-1]])
+    assert all(n.lock_ref == 0 for n in tree.nodes.values())
+    assert len(tree.device_victims(5)) == 5
