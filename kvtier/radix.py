@@ -237,10 +237,6 @@ class PrefixTree:
         return self._clock
 
     # ---- lookup ----------------------------------------------------------------
-    def cached_prefix(self, keys: Sequence[PageHash]) -> int:
-        """How many leading ``keys`` are in the tree (binary search: presence is prefix-closed)."""
-        return leading_present(self.nodes, keys)
-
     def walk(self, keys: Sequence[PageHash], start: int = 0) -> list[PageNode]:
         """Nodes of the longest cached prefix of ``keys``, from ``keys[start]`` on (the first ``start``
         are known to be cached: a locked prefix)."""
