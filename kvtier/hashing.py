@@ -141,11 +141,10 @@ def page_keys(token_ids: Sequence[int] | np.ndarray, page_size: int, root: PageH
     A page is hashed as int32 little-endian when every id in it fits (the key format for real
     vocabularies), else as int64: every id at its full width, so ``2**32 + 1`` never aliases
     ``1``, and the two widths differ in length, so they never alias each other either."""
-    h = hasher(algo)
     arr = token_array(token_ids)
     if _native_chain is not None and algo == "xxh3_128":
         return _native_chain(root, np.ascontiguousarray(arr), page_size)
-    return _python_page_keys(arr, page_size, root, h)
+    return _python_page_keys(arr, page_size, root, hasher(algo))
 
 
 def _python_page_keys(arr: np.ndarray, page_size: int, root: PageHash, h: Callable[[bytes], bytes]) -> list[PageHash]:
