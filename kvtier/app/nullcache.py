@@ -26,7 +26,7 @@ class NullCache:
         if count:
             self.stats.requests += 1
             self.stats.lookup_pages += len(tokens_or_keys) // self.spec.page_size
-        return MatchResult([], [], (), None)
+        return MatchResult([], [], [])
 
     def begin(self, tokens_or_keys: Sequence[int], *, usable_pages: int | None = None, prefetch: bool = True,
               prefetch_policy: str | None = None) -> CacheRequest:

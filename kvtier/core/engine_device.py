@@ -247,7 +247,7 @@ class EngineDeviceCore(CacheCore):
         if self.port.has_storage and host == len(path) < len(keys):
             stored = self.port.stored_prefix(keys[host:])
             if stored >= self.storage_config.min_prefetch_pages:
-                handle = self.prefetch(MatchResult(keys, [], tuple(path[:host]), locked, (), stored))
+                handle = self.prefetch(MatchResult(keys, [], path[:host], (), stored))
         return keys, path, host, locked, handle
 
     def load_into(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> EngineLoad:

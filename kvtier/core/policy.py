@@ -112,14 +112,13 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         path = tree.walk(keys)
         tree.touch(path)
         n_dev = tree.device_prefix(path)
-        host_nodes = path[n_dev : n_dev + tree.readable_host_run(path[n_dev:])]
-        matched = path[: n_dev + len(host_nodes)]
+        matched = path[: n_dev + tree.readable_host_run(path[n_dev:])]  # the device pages, then readable host copies
         pending: tuple[int, ...] = ()
         if self._loading:
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending, 0, matched)
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -127,7 +126,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         st.requests += 1
         st.lookup_pages += len(keys)
         st.device_hit_pages += n_dev
-        st.host_hit_pages += len(host_nodes)
+        st.host_hit_pages += len(matched) - n_dev
         if self.config.write_policy == "write_through_selective":
             due = [n for n in path[:n_dev] if n.host_page == NO_PAGE and n.hit_count >= self.config.write_through_threshold]
             if due:
@@ -136,8 +135,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         if self.port.has_storage and len(matched) == len(path) < len(keys):
             n_storage = self.port.stored_prefix(keys[len(path) :])
             st.storage_hit_pages += n_storage
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), tuple(host_nodes), matched[-1] if matched else None, pending, n_storage,
-                           matched)
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage)
 
     def _keys(self, tokens_or_keys) -> list[PageHash]:
         if len(tokens_or_keys) and isinstance(tokens_or_keys[0], bytes):
@@ -183,10 +181,11 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         """
         self.poll()
         # the match may be stale: keep the leading run that still directly follows the device prefix
-        valid = list(match.host_nodes[: self.tree.loadable_run(match.host_nodes)])
+        host_nodes = match.host_nodes
+        valid = host_nodes[: self.tree.loadable_run(host_nodes)]
         prefix_pages = list(match.device_pages)
         if not valid:
-            return LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending, self)
+            return LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
         self.tree.lock(valid[-1])  # pins the matched path while we make room
         got = self.alloc_device(len(valid))
         if not got.ok:
@@ -196,14 +195,14 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         self.tree.unlock(valid[-1])
         served = valid[: len(got.pages)]
         if not served:
-            return LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending, self)
+            return LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
         self.tree.set_device_run(served, got.pages)
         self.tree.touch(served)
         self.tree.lock(served[-1])  # released when the load completes (poll)
         op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, got.pages)
         for n in served:
             self._loading[n] = op
-        return LoadResult(op, prefix_pages + got.pages, len(served), len(match.host_nodes), match.pending, self)
+        return LoadResult(op, prefix_pages + got.pages, len(served), len(host_nodes), match.pending, self)
 
     def _finish_load(self, c: Completion, tag: LoadBack) -> None:
         nodes = tag.nodes
@@ -245,9 +244,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
                 f"(page_size {self.spec.page_size}); pass exactly one page per full page, keep the partial tail page out"
             )
         tree = self.tree
-        start = len(known) if known else 0
-        # cached already: a prefix, its leading part on device
-        path = known + tree.walk(keys, start) if start else tree.walk(keys)
+        known = known or []
+        start = len(known)
+        path = known + tree.walk(keys, start)  # cached already: a prefix, its leading part on device
         n_have = len(path)
         n_dev = tree.device_prefix(path)
         assert n_dev >= start and (not start or path[start - 1].device_page == device_pages[start - 1]), "a locked prefix moved"

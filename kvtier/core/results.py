@@ -19,19 +19,26 @@ if TYPE_CHECKING:
 class MatchResult:
     """Where a request's full-page prefix is cached.
 
-    ``device_pages`` are usable now (after waiting on ``pending``, the ops of loads other
-    requests started); ``host_nodes`` follow them and need :meth:`CacheCore.load_back`.
+    ``nodes`` are the matched prefix: first the nodes of ``device_pages``, usable now (after
+    waiting on ``pending``, the ops of loads other requests started), then the host nodes
+    that follow them and need :meth:`CacheCore.load_back`.
     """
 
     keys: list[PageHash]
     device_pages: list[int]
-    host_nodes: tuple[PageNode, ...]
-    last_node: PageNode | None
+    nodes: list[PageNode]
     pending: tuple[int, ...] = ()
     #: pages after the host run that the L3 store holds (prefetch them with :meth:`CacheCore.prefetch`)
     num_storage_pages: int = 0
-    #: the nodes of the device pages then the host nodes (the core keeps a request's locked prefix)
-    nodes: list[PageNode] = field(default_factory=list)
+
+    @property
+    def host_nodes(self) -> list[PageNode]:
+        return self.nodes[len(self.device_pages) :]
+
+    @property
+    def last_node(self) -> PageNode | None:
+        """The deepest matched node: what a lock on the whole match is taken on."""
+        return self.nodes[-1] if self.nodes else None
 
     @property
     def num_device_pages(self) -> int:
@@ -39,7 +46,7 @@ class MatchResult:
 
     @property
     def num_host_pages(self) -> int:
-        return len(self.host_nodes)
+        return len(self.nodes) - len(self.device_pages)
 
     @property
     def num_pages(self) -> int:
