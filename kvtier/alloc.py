@@ -78,15 +78,16 @@ class PageAllocator:
 
     def free(self, pages: list[int]) -> None:
         """Return pages; raises DoubleFreeError (freeing nothing) if any is not allocated."""
-        owned = self._owned
-        if pages and not (min(pages) >= int(self.reserve_padding_page) and max(pages) < self.num_pages and all(map(owned.__getitem__, pages))):
-            p = next(p for p in pages if not (0 <= p < self.num_pages) or not owned[p] or (p == 0 and self.reserve_padding_page))
-            raise DoubleFreeError(
-                f"{self.name}: page {p} is not allocated (freed twice, never allocated, or the padding page); nothing was freed"
-            )
-        if len(set(pages)) != len(pages):
-            raise DoubleFreeError(f"{self.name}: the same page appears twice in one free call; nothing was freed")
-        for p in pages:
+        owned, first, n = self._owned, int(self.reserve_padding_page), self.num_pages
+        for i, p in enumerate(pages):  # one pass: checks each page and clears it (a repeat finds it cleared)
+            if not (first <= p < n and owned[p]):
+                for q in pages[:i]:  # undo: nothing is freed
+                    owned[q] = 1
+                if p in pages[:i]:
+                    raise DoubleFreeError(f"{self.name}: the same page appears twice in one free call; nothing was freed")
+                raise DoubleFreeError(
+                    f"{self.name}: page {p} is not allocated (freed twice, never allocated, or the padding page); nothing was freed"
+                )
             owned[p] = 0
         self._free.extend(reversed(pages))
 

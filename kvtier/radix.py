@@ -343,6 +343,31 @@ class PrefixTree:
         node.parent = None  # a recycled node must not keep its old ancestors alive
         self._spare.append(node)
 
+    def remove_host_only(self, nodes: Sequence[PageNode]) -> list[int]:
+        """:meth:`clear_host` and :meth:`remove` of each of ``nodes`` (host-only, unlocked, deepest first:
+        each is a leaf once those before it are gone); their host pages. Host eviction's hot path:
+        a parent that leaves too gets no heap entry on the way."""
+        tree_nodes, spare = self.nodes, self._spare
+        leaving = set(nodes) if len(nodes) > 1 else ()
+        pages = []
+        for node in nodes:
+            assert node.num_children == 0 and node.device_page == NO_PAGE and node.host_page != NO_PAGE and node.lock_ref == 0, node
+            pages.append(node.host_page)
+            node.host_page = NO_PAGE
+            node.flags &= ~_HOST_READY
+            del tree_nodes[node.key]
+            parent = node.parent
+            if parent is not None:
+                parent.num_children -= 1
+                if parent not in leaving:
+                    self._child_left(parent, node)
+                elif node.last_access > parent.last_access:
+                    parent.last_access = node.last_access
+            node.parent = None  # a recycled node must not keep its old ancestors alive
+        self.hosted.difference_update(nodes)
+        spare.extend(nodes)
+        return pages
+
     def host_only_below(self, node: PageNode) -> list[PageNode]:
         """Every node below ``node``, a node with no child on device, deepest first.
 

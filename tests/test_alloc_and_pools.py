@@ -31,10 +31,14 @@ def test_double_free_rejected_and_frees_nothing():
     with pytest.raises(DoubleFreeError, match="page 0"):
         a.free([got[1], got[0]])
     assert a.is_allocated(got[1]) and a.num_free == 3
-    with pytest.raises(DoubleFreeError):
+    with pytest.raises(DoubleFreeError, match="twice in one free call"):
         a.free([got[1], got[1]])
-    with pytest.raises(DoubleFreeError):
-        a.free([99])
+    assert a.is_allocated(got[1]) and a.num_free == 3  # the first of the two was not freed either
+    with pytest.raises(DoubleFreeError, match="page 99 is not allocated"):
+        a.free([got[1], 99])
+    with pytest.raises(DoubleFreeError, match="page -1 is not allocated"):
+        a.free([-1])  # not the last page by Python indexing
+    assert a.is_allocated(got[1]) and a.num_free == 3
 
 
 def test_padding_page_is_never_handed_out_or_freed():

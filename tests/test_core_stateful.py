@@ -41,6 +41,7 @@ class ScriptedExecutor:
     """Plans wait here until the machine (or a blocking wait of the core) completes them."""
 
     has_storage = True
+    can_wait = True
 
     def __init__(self, rnd: random.Random):
         self.rnd = rnd

@@ -115,3 +115,32 @@ def test_a_copy_that_follows_a_fetch_takes_only_what_arrived():
     assert type(got[5]) is Failed and got[6] == Failed(6, Reason.SKIPPED, "plan 5 it follows did not complete")
     assert ex.poll() == []  # every completion came back once
     ex.close()
+
+
+def test_every_port_declares_what_the_core_reads():
+    """The core reads every member :class:`ExecutorPort` declares, attributes included (``can_wait``
+    decides whether eviction may wait on L3 saves): each port kvtier ships must carry them all, typed,
+    rather than be probed for them."""
+    from typing import get_type_hints
+
+    from kvtier.executors.accounting import AccountingExecutor, AccountingStore
+    from kvtier.executors.chain import ChainedExecutor
+    from kvtier.executors.port import ExecutorPort
+    from kvtier.integrations.vllm.scheduler_port import SchedulerPort
+
+    local, _, _ = _local_with_store()
+    pipe = PipeExecutor(WorkerSpec(spec(), 4, 4))
+    ports = {"accounting": AccountingExecutor(AccountingStore()), "local": local, "chained": ChainedExecutor(local), "pipe": pipe,
+             "scheduler": SchedulerPort(1, None)}
+    try:
+        attributes = get_type_hints(ExecutorPort)
+        methods = [m for m in vars(ExecutorPort) if not m.startswith("_") and callable(getattr(ExecutorPort, m))]
+        assert set(attributes) == {"has_storage", "can_wait"} and "submit" in methods and "settle" in methods
+        for name, port in ports.items():
+            for attr in attributes:
+                assert type(getattr(port, attr)) is bool, f"{name} port: {attr}"
+            for m in methods:
+                assert callable(getattr(port, m, None)), f"{name} port lacks {m}"
+        assert [p.can_wait for p in ports.values()] == [True, True, True, True, False]
+    finally:
+        pipe.close()

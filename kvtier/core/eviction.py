@@ -69,7 +69,7 @@ class Eviction:
             return got
         self.evict_host(n - self.host_alloc.num_free)
         got = self.host_alloc.alloc(n)
-        if not got.ok and self.port.has_storage and getattr(self.port, "can_wait", True):
+        if not got.ok and self.port.has_storage and self.port.can_wait:
             # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
             # (a port that cannot wait -- a scheduler's workers answer next step -- gets fewer pages now)
             if self.wait_for(self._ops_for(Save, PrefetchHandle)) > 0:
@@ -212,10 +212,6 @@ class Eviction:
     def _forget_host_only(self, nodes: list[PageNode]) -> int:
         """Remove host-only ``nodes`` (deepest first: each is a leaf when it goes) and free their host
         pages; returns how many."""
-        tree = self.tree
-        pages = []
-        for node in nodes:
-            pages.append(tree.clear_host(node))
-            tree.remove(node)
+        pages = self.tree.remove_host_only(nodes)
         self.host_alloc.free(pages)
         return len(pages)

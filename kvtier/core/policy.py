@@ -138,7 +138,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage)
 
     def _keys(self, tokens_or_keys) -> list[PageHash]:
-        if len(tokens_or_keys) and isinstance(tokens_or_keys[0], bytes):
+        if not len(tokens_or_keys):  # no full page (a prompt shorter than a page): nothing to hash
+            return []
+        if isinstance(tokens_or_keys[0], bytes):
             return list(tokens_or_keys)
         return self.page_keys(tokens_or_keys)
 

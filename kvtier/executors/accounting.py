@@ -37,10 +37,11 @@ class AccountingStore:
         """Store ``keys``; returns how many leading keys were held already."""
         have = self.stored_prefix(keys)
         held, cap, step = self.keys, self.max_objects, self.batch_pages
+        to_end = held.move_to_end
         for start in range(have, len(keys), step):
             for k in keys[start : start + step]:
                 held[k] = None
-                held.move_to_end(k)
+                to_end(k)  # a key held already becomes the most recent
             if cap is not None:
                 while len(held) > cap:
                     held.popitem(last=False)
@@ -71,6 +72,7 @@ class AccountingExecutor:
     def __init__(self, store: AccountingStore | None = None):
         self.store = store
         self.has_storage = store is not None
+        self.can_wait = True
         self._done: list[Completion] = []
         #: fetches answered at submission: op -> pages arrived (read by :meth:`settle`)
         self._arrived: dict[int, int] = {}

@@ -30,6 +30,7 @@ class ChainedExecutor:
     def __init__(self, inner: ExecutorPort):
         self.inner = inner
         self.has_storage = inner.has_storage
+        self.can_wait = inner.can_wait
         #: plans submitted and not yet complete (a later plan may follow them)
         self._plans: dict[int, Transfer] = {}
         #: op -> plans waiting for it

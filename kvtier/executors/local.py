@@ -22,6 +22,7 @@ class LocalExecutor:
         self.engine = engine
         self.storage = storage
         self.has_storage = storage is not None
+        self.can_wait = True
         self._jobs: dict[int, TransferJob | StorageJob] = {}
         #: completions decided at submission (a plan that could not start)
         self._ready: list[Completion] = []

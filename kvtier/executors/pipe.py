@@ -105,6 +105,7 @@ class PipeExecutor:
         #: why the port can no longer be used (a call ran past its deadline), or None
         self._broken: str | None = None
         self.has_storage = bool(self._answer("start", start_timeout_s))
+        self.can_wait = True
 
     @property
     def pid(self) -> int | None:

@@ -15,7 +15,7 @@ from kvtier.core.plans import Completion, Transfer
 class ExecutorPort(Protocol):
     #: True when plans may name the storage tier
     has_storage: bool
-    #: optional, default True. False: completions only come back later (a scheduler whose workers run the
+    #: False: completions only come back later (a scheduler whose workers run the
     #: plans next step), so the core never waits on this port: it plans what needs no answer, and a
     #: host pool full of pages still being saved gives fewer pages now instead of waiting for them
     can_wait: bool

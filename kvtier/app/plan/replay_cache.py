@@ -10,7 +10,9 @@ L3. Every configuration runs here, through the request API an engine uses
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 from kvtier.alloc import PageAllocator
@@ -35,12 +37,42 @@ def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, ca
                      replace(cache_cfg, preallocate_nodes=False), StorageConfig(url="memory://"), namespace=Namespace(spec.name, spec.fingerprint()))
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """CPython's cyclic collector off for a replay (back on after, if it was on).
+
+    Why: a replay builds tens of thousands of long-lived tree nodes per node, and each full
+    collection walks the whole heap (torch's objects included: ~130 ms on the shipped trace, a
+    fifth of a replay), yet a replay makes no cyclic garbage while it runs -- what it drops,
+    reference counting frees -- so those walks find nothing. Its cores, which do hold cycles,
+    are collected once it ends (tests/test_plan.py checks both)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
+
+
 def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig, spec: KVSpec, cap: Capacity,
                  nodes_of: Sequence[int], *, per_request: bool = False) -> ReplayCounts:
     block = spec.page_size
     storage = AccountingStore(cap.storage, L3_BATCH_PAGES) if cap.storage is not None else None
     caches = [_node_cache(spec, cap, storage, cache_cfg) for _ in range(cfg.nodes)]
     out = ReplayCounts(per_request=[] if per_request else None)
+    with collector_paused():
+        _replay(requests, caches, nodes_of, block, out)
+    # read before close: close() applies the last backups, which the replay never waited for
+    out.backed_up_blocks = sum(c.stats.backed_up_pages for c in caches)
+    out.storage_saved_blocks = sum(c.stats.storage_saved_pages for c in caches)
+    for c in caches:
+        c.close()
+    return out
+
+
+def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Sequence[int], block: int, out: ReplayCounts) -> None:
+    """Each request through its node's core, as an engine drives it: begin, alloc, commit."""
     hits = out.hit_blocks
     key_of = _block_keys(requests).__getitem__
     for r, j in zip(requests, nodes_of):
@@ -61,9 +93,3 @@ def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Cache
         if out.per_request is not None:
             out.per_request.append(served)
         out.input_tokens += r.input_length
-    # read before close: close() applies the last backups, which the replay never waited for
-    out.backed_up_blocks = sum(c.stats.backed_up_pages for c in caches)
-    out.storage_saved_blocks = sum(c.stats.storage_saved_pages for c in caches)
-    for c in caches:
-        c.close()
-    return out
