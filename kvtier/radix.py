@@ -285,14 +285,6 @@ class PrefixTree:
         self._stamp(parent, parent.last_access)
 
     # ---- structure ---------------------------------------------------------------
-    def add(self, key: PageHash, parent: PageNode | None) -> PageNode:
-        """A new leaf with no copy yet; give it one with :meth:`set_device` or :meth:`set_host`."""
-        node = self._node(key, parent, self._clock)
-        self.nodes[key] = node
-        if parent is not None:
-            parent.num_children += 1
-        return node
-
     def add_device_chain(self, keys: Sequence[PageHash], pages: Sequence[int], parent: PageNode | None) -> list[PageNode]:
         """New nodes for ``keys`` (none cached yet), each a child of the previous, on device ``pages``.
 
@@ -331,6 +323,32 @@ class PrefixTree:
             parent.num_children += 1
             parent.device_children += 1
         self.device_heap.push(prev)
+        return chain
+
+    def add_host_chain(self, keys: Sequence[PageHash], pages: Sequence[int], parent: PageNode | None, *, ready: bool,
+                       stored: int = NOT_STORED) -> list[PageNode]:
+        """New nodes for ``keys`` (none cached yet), each a child of the previous, on host ``pages``: where
+        an L3 fetch or a copy out of an engine's blocks lands (``ready`` False until it has landed).
+        One heap entry, for the deepest: the only leaf of the chain."""
+        assert len(keys) == len(pages), (len(keys), len(pages))
+        if not keys:
+            return []
+        flags = (_HOST_READY if ready else 0) | (stored << 1)
+        stamp = self._clock
+        chain = []
+        prev = parent
+        for key, page in zip(keys, pages):
+            node = self._node(key, prev, stamp, NO_PAGE, 1)
+            node.host_page = page
+            node.flags = flags
+            chain.append(node)
+            prev = node
+        prev.num_children = 0
+        self.nodes.update(zip(keys, chain))
+        if parent is not None:
+            parent.num_children += 1
+        self.hosted.update(chain)
+        self.host_heap.push(prev)
         return chain
 
     def remove(self, node: PageNode) -> None:
@@ -464,6 +482,18 @@ class PrefixTree:
         """The host copies of ``nodes`` are complete (a backup or fetch landed)."""
         for node in nodes:
             node.flags |= _HOST_READY
+
+    @staticmethod
+    def set_stored(nodes: Sequence[PageNode], state: int) -> None:
+        """The L3 state of each of ``nodes`` (NOT_STORED, SAVING or STORED)."""
+        bits = state << 1
+        for node in nodes:
+            node.flags = (node.flags & _HOST_READY) | bits
+
+    @staticmethod
+    def not_stored(nodes: Sequence[PageNode]) -> list[PageNode]:
+        """Those of ``nodes`` that L3 neither holds nor is saving."""
+        return [node for node in nodes if node.flags >> 1 == NOT_STORED]
 
     @staticmethod
     def readable_host_run(nodes: Sequence[PageNode]) -> int:

@@ -183,13 +183,7 @@ class EngineDeviceCore(CacheCore):
         n = len(got.pages)
         failed, save_op = 0, None
         if n:
-            nodes: list[PageNode] = []
-            parent = path[-1] if path else None
-            for key, page in zip(keys[have : have + n], got.pages):
-                node = tree.add(key, parent)
-                tree.set_host(node, page, ready=False)
-                nodes.append(node)
-                parent = node
+            nodes = tree.add_host_chain(keys[have : have + n], got.pages, path[-1] if path else None, ready=False)
             tree.lock(nodes[-1])  # released when the copy completes
             tree.touch(path + nodes)
             tag = OffloadCopy(nodes)

@@ -14,7 +14,7 @@ from kvtier.alloc import Allocation
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult
 from kvtier.core.tags import Backup, EvictionBackup, LoadBack, PrefetchHandle, Save
-from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, PageNode, device_page_of
+from kvtier.radix import NO_PAGE, SAVING, PageNode, device_page_of
 
 
 class _Leaving:
@@ -105,7 +105,7 @@ class Eviction:
             self.host_alloc.free([tree.clear_host(n) for n in nodes])
         tree.unlock(nodes[-1])
         if ok and self.port.has_storage and self.storage_config.write_policy == "write_through":
-            self._save([n for n in nodes if n.stored == NOT_STORED])
+            self._save(tree.not_stored(nodes))
 
     def evict_device(self, n: int) -> EvictResult:
         """Free at least ``n`` device pages if possible, LRU leaves first; locked pages are never touched.
@@ -194,7 +194,7 @@ class Eviction:
         self.stats.backed_up_pages += len(victims)
         self.stats.backed_up_bytes += len(victims) * self._page_bytes
         if self.port.has_storage and self.storage_config.write_policy == "write_through":
-            self._save([v for v in victims if v.stored == NOT_STORED])  # every new host copy goes to L3
+            self._save(self.tree.not_stored(victims))  # every new host copy goes to L3
         return len(victims)
 
     def evict_host(self, n: int) -> EvictResult:
@@ -203,7 +203,7 @@ class Eviction:
         if victims and self.on_host_evicted is not None:
             self.on_host_evicted([v.key for v in victims])
         if self.port.has_storage and self.storage_config.write_policy == "write_back":
-            unsaved = [v for v in victims if v.stored == NOT_STORED]
+            unsaved = self.tree.not_stored(victims)
             if unsaved:
                 self._save_for_eviction(unsaved)
         self.stats.host_evicted_pages += self._forget_host_only(victims)

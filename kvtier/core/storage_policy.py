@@ -45,13 +45,7 @@ class StoragePolicy:
         keys = keys[: len(got.pages)]
         if not keys:
             return None
-        nodes = []
-        for key, page in zip(keys, got.pages):
-            node = self.tree.add(key, parent)
-            self.tree.set_host(node, page, ready=False)
-            node.stored = STORED
-            nodes.append(node)
-            parent = node
+        nodes = self.tree.add_host_chain(keys, got.pages, parent, ready=False, stored=STORED)
         self.tree.touch(nodes)
         self.tree.lock(nodes[-1])  # released when the plan completes
         handle = PrefetchHandle(nodes)
@@ -106,15 +100,14 @@ class StoragePolicy:
         executor skips (back-pressure) completes as Failed(SKIPPED): not stored."""
         if not self.port.has_storage or not nodes:
             return None
-        for n in nodes:
-            n.stored = SAVING
+        self.tree.set_stored(nodes, SAVING)
         return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
         """The leading pages the store holds now are STORED; the rest may be saved again later."""
         ok = completed_pages(c, len(nodes))
-        for i, n in enumerate(nodes):
-            n.stored = STORED if i < ok else NOT_STORED
+        self.tree.set_stored(nodes[:ok], STORED)
+        self.tree.set_stored(nodes[ok:], NOT_STORED)
         saved = ok - (c.existing if type(c) is not Failed else 0)
         self.stats.storage_saved_pages += saved
         self.stats.storage_saved_bytes += saved * self._page_bytes
@@ -129,7 +122,6 @@ class StoragePolicy:
 
         Victims are leaves of possibly different paths; a save that stops early leaves the
         rest unstored (they are freed all the same: write_back is best effort)."""
-        for v in victims:
-            v.stored = SAVING
+        self.tree.set_stored(victims, SAVING)
         c = self._await(self._submit(save_plan, EvictionSave(victims), [v.key for v in victims], [v.host_page for v in victims]))
         self._apply_saved(c, victims)
