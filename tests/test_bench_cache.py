@@ -34,7 +34,7 @@ def independent_hit_ratio(requests) -> float:
 
 
 def test_bench_cache_hit_ratio_equals_independent_replay():
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--reps", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     requests = load_mooncake_trace(str(default_trace_path()))
@@ -48,6 +48,12 @@ def test_bench_cache_hit_ratio_equals_independent_replay():
     assert report["hash_seconds"] + report["tree_seconds"] <= report["seconds"]
     assert report["pages_per_s"] > 0 and report["requests_per_s"] > 0
     assert 50 < report["bookkeeping_bytes_per_page"] < 2000  # measured: a node, a key and a map entry at least
+    # two rounds, each system once per round; the figures are each one's best round, its ratio among the rounds'
+    assert report["reps"] == 2 and report["vllm"] is not None  # the test install has vLLM's CPU build
+    for peer in ("vllm", "sglang"):
+        if report[peer] is not None:
+            assert len(report[f"vs_{peer}_per_round"]) == 2 and report[peer]["hit_ratio"] == expected
+            assert report[f"vs_{peer}"] == round(report["pages_per_s"] / report[peer]["pages_per_s"], 2)
 
 
 KEYS_SNIPPET = """

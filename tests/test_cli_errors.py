@@ -64,6 +64,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("plan-routing-unknown", ["plan", "--json", "--limit", "20", "--plan-routing", "nearest"], "nearest"),
         ("plan-min-match-2", ["plan", "--json", "--limit", "20", "--plan-kv-min-match", "2"], "kv_min_match"),
         ("plan-speedup-0", ["plan", "--json", "--limit", "20", "--plan-arrival-speedup", "0"], "arrival_speedup"),
+        ("bench-cache-reps-0", ["bench", "cache", "--json", "--limit", "20", "--reps", "0"], "--reps 0"),
         # 14: a device pool larger than memory
         ("device-pages-huge", [*RUN, "--tiers-device-pages", "1000000000"], "device pool needs"),
     ]
@@ -89,7 +90,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 33
+    assert len(table) == 34
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

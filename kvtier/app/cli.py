@@ -49,12 +49,14 @@ def bench_cache(
     vllm: Optional[bool] = typer.Option(None, "--vllm/--no-vllm", help="replay through vLLM's KVCacheManager too (default: when vLLM is installed)"),
     sglang: Optional[bool] = typer.Option(None, "--sglang/--no-sglang", help="replay through SGLang's RadixCache too (default: when its wheel is found)"),
     sglang_wheel: Optional[str] = typer.Option(None, help="sglang-0.5.23 wheel (default: $KVTIER_SGLANG_WHEEL, else .kvtier/wheels/)"),
+    reps: int = typer.Option(3, help="rounds, each system's replay once per round in turn (each system's best round reported)"),
 ) -> None:
     """Prefix bookkeeping throughput (keys + match + insert) on a trace, and its share of a 16k-token load."""
     from kvtier.app.bench.cache import as_json as to_json, run_cache_bench
     from kvtier.app.workloads.mooncake import default_trace_path
 
-    _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm, sglang=sglang, sglang_wheel=sglang_wheel)), as_json)
+    _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm, sglang=sglang, sglang_wheel=sglang_wheel,
+                                  reps=reps)), as_json)
 
 
 @bench_app.command("storage")
