@@ -109,12 +109,8 @@ class PageNode:
 
     @property
     def stored(self) -> int:
-        """L3 state: NOT_STORED, SAVING or STORED."""
+        """L3 state: NOT_STORED, SAVING or STORED (set per run: :meth:`PrefixTree.set_stored`)."""
         return self.flags >> 1
-
-    @stored.setter
-    def stored(self, state: int) -> None:
-        self.flags = (self.flags & _HOST_READY) | (state << 1)
 
     @property
     def on_device(self) -> bool:

@@ -185,9 +185,10 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         t0 = time.perf_counter()
         pages, hit_pages, hit_tokens, t_hash, t_tree = replay(cache, requests, spec.page_size)
         ours.append((t_hash, t_tree, time.perf_counter() - t0))
-        if counts is not None and counts != (pages, hit_pages, hit_tokens, len(cache.tree)):
+        this_round = (pages, hit_pages, hit_tokens, len(cache.tree))
+        if counts is not None and this_round != counts:
             raise RuntimeError(f"round {i + 1} of the replay served {hit_pages} pages, the first {counts[1]}: the cache is not deterministic")
-        counts = (pages, hit_pages, hit_tokens, len(cache.tree))
+        counts = this_round
         if i == 0:  # one 16k-token request's bookkeeping, measured on a warm tree (its prefix cached)
             from kvtier.app.workloads.mooncake import TraceRequest
 
