@@ -154,6 +154,19 @@ def runs_of(pages: torch.Tensor) -> list[tuple[int, int, int]]:
     return list(zip(starts.tolist(), arr[starts].tolist(), lengths.tolist()))
 
 
+def paired_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Maximal runs along which both page lists count up by one: ``(first src page, first dst
+    page, length)``. Each is one slice-to-slice copy (one DMA between host and GPU)."""
+    a = src.numpy() if isinstance(src, torch.Tensor) else np.asarray(src, dtype=np.int64)
+    b = dst.numpy() if isinstance(dst, torch.Tensor) else np.asarray(dst, dtype=np.int64)
+    n = a.size
+    if n == 0:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1))
+    lengths = np.diff(np.concatenate((starts, [n])))
+    return list(zip(a[starts].tolist(), b[starts].tolist(), lengths.tolist()))
+
+
 def first_duplicate(pages: Sequence[int]) -> int | None:
     """The first page listed a second time in ``pages`` (None if all differ)."""
     seen: set[int] = set()

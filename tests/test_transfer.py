@@ -126,8 +126,14 @@ def transfer_case(draw):
     n = draw(st.integers(0, min(dev_pages, host_pages)))
     dev_sel = draw(st.permutations(range(dev_pages)))[:n]
     host_sel = draw(st.permutations(range(host_pages)))[:n]
-    if draw(st.booleans()):
+    shape = draw(st.sampled_from(["shuffled", "device sorted", "both in runs"]))
+    if shape == "device sorted":
         dev_sel = sorted(dev_sel)  # exercise run-coalescing paths too
+    elif shape == "both in runs":  # runs both sides share: one slice copy per run
+        d0, h0 = draw(st.integers(0, dev_pages - n)), draw(st.integers(0, host_pages - n))
+        cut = draw(st.integers(0, n))
+        dev_sel = list(range(d0, d0 + n))
+        host_sel = list(range(h0 + cut, h0 + n)) + list(range(h0, h0 + cut))  # two runs, rotated
     layout = draw(st.sampled_from(LAYOUTS))
     return spec, dev_pages, host_pages, dev_sel, host_sel, layout, draw(st.integers(0, 2**16))
 
@@ -227,3 +233,37 @@ def test_a_failed_layer_fails_its_layered_job_and_the_rest_is_not_copied(monkeyp
         job.finished.wait()
         assert isinstance(job.error, RuntimeError) and engine.take_finished() == [job]
         assert layer_rows(host, 3, 0) == layer_rows(dev, 1, 0) and set(layer_rows(host, 3, 2)) == {0}
+
+
+# ---- the direct backend's plan: runs both sides share ---------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), max_size=30))
+def test_paired_runs_cover_the_pages_in_maximal_runs_both_sides_count_up_in(pairs):
+    from kvtier.pages import paired_runs
+
+    src = torch.tensor([a for a, _ in pairs], dtype=torch.int64)
+    dst = torch.tensor([b for _, b in pairs], dtype=torch.int64)
+    runs = paired_runs(src, dst)
+    expanded = [(s + i, d + i) for s, d, n in runs for i in range(n)]
+    assert expanded == pairs  # every page once, in order
+    for (s, d, n), (s2, d2, _) in zip(runs, runs[1:]):
+        assert (s2, d2) != (s + n, d + n)  # maximal: the next run does not continue this one
+    assert all(n > 0 for _, _, n in runs)
+
+
+@pytest.mark.parametrize("src, dst, pairs", [
+    (list(range(16)), list(range(100, 116)), [(0, 100, 16)]),
+    (list(range(8, 16)) + list(range(8)), list(range(16)), [(8, 0, 8), (0, 8, 8)]),
+    (list(range(15, -1, -1)), list(range(16)), None),  # reversed: 16 runs of one page, index ops instead
+])
+def test_direct_plan_copies_shared_runs_as_slices_and_every_shape_bit_exact(src, dst, pairs):
+    from kvtier.transfer import direct
+
+    p = direct.plan(torch.tensor(src), torch.tensor(dst))
+    assert p.pairs == pairs
+    g = torch.Generator().manual_seed(5)
+    src_rows = torch.randint(0, 256, (32, 24), dtype=torch.uint8, generator=g)
+    dst_rows = torch.zeros((128, 24), dtype=torch.uint8)
+    direct.copy(p, src_rows, dst_rows)
+    untouched = sorted(set(range(128)) - set(dst))
+    assert torch.equal(dst_rows[dst], src_rows[src]) and not dst_rows[untouched].any()

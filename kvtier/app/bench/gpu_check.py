@@ -10,7 +10,8 @@ dedicated copy stream and per-layer CUDA events on a GPU):
    host pages -> ``load`` (per layer) into other device pages; every byte compared, for
    MLA+DSA (deepseek-v3.2: latent + FP8 indexer) and MHA (llama-3.1-8b), both host layouts.
 2. **host -> device GB/s** of a per-layer load of one 16k-token request (256 pages), as a
-   ratio to a plain ``copy_`` of the same bytes from pinned host memory in one run.
+   ratio to a plain ``copy_`` of the same bytes from pinned host memory in one run: host pages
+   in one run (how the allocator hands them out) and shuffled (the worst case).
 3. **per-layer overlap**: while layer ``i`` loads, "attention" of layer ``i - 1`` runs (a
    matmul per layer on the default stream, waiting only for its own layer). Reported:
    the overlapped wall time against load-then-compute run serially, in the same run.
@@ -50,6 +51,9 @@ class GpuCheckReport:
     load_gbps: float = 0.0
     copy_gbps: float = 0.0
     load_over_copy: float = 0.0
+    #: the same load from shuffled host pages (every page its own run)
+    scattered_load_gbps: float = 0.0
+    scattered_over_copy: float = 0.0
     serial_ms: float = 0.0
     overlapped_ms: float = 0.0
     overlap_speedup: float = 0.0
@@ -144,8 +148,9 @@ def layered_save(spec: KVSpec, device: torch.device, pages: int, work: int) -> d
     return {"spec": spec.name, "pages": pages, "layers": spec.num_layers, "bit_exact": bool(equal)}
 
 
-def load_bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int) -> tuple[float, float]:
-    """(kvtier per-layer load GB/s, plain copy_ GB/s) of the same bytes, best of ``reps``."""
+def load_bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, shuffled: bool = False) -> tuple[float, float]:
+    """(kvtier per-layer load GB/s, plain copy_ GB/s) of the same bytes, best of ``reps``; host pages
+    in one run, or ``shuffled``."""
     dev = DevicePool(spec, pages, device)
     host = HostPool(spec, pages, "layer_first")
     engine = TransferEngine(host, dev)
@@ -155,10 +160,11 @@ def load_bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int) ->
     best_load = best_copy = float("inf")
     try:
         order = list(range(pages))
+        host_pages = torch.randperm(pages, generator=torch.Generator().manual_seed(3)).tolist() if shuffled else order
         for _ in range(reps):
             _sync(device)
             t0 = time.perf_counter()
-            engine.load(order, order).wait()
+            engine.load(host_pages, order).wait()
             best_load = min(best_load, time.perf_counter() - t0)
             _sync(device)
             t0 = time.perf_counter()
@@ -218,6 +224,8 @@ def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers:
                         and report.layered_save["bit_exact"])
     load, copy = load_bandwidth(specs[0], dev, pages, reps)
     report.load_gbps, report.copy_gbps, report.load_over_copy = round(load, 3), round(copy, 3), round(load / copy, 3)
+    load, copy = load_bandwidth(specs[0], dev, pages, reps, shuffled=True)
+    report.scattered_load_gbps, report.scattered_over_copy = round(load, 3), round(load / copy, 3)
     serial, overlapped = overlap(specs[0], dev, pages, work)
     report.serial_ms, report.overlapped_ms, report.overlap_speedup = round(serial, 2), round(overlapped, 2), round(serial / overlapped, 3)
     return report
