@@ -11,7 +11,8 @@ dedicated copy stream and per-layer CUDA events on a GPU):
    MLA+DSA (deepseek-v3.2: latent + FP8 indexer) and MHA (llama-3.1-8b), both host layouts.
 2. **host -> device GB/s** of a per-layer load of one 16k-token request (256 pages), as a
    ratio to a plain ``copy_`` of the same bytes from pinned host memory in one run: host pages
-   in one run (how the allocator hands them out) and shuffled (the worst case).
+   in one run (how the allocator hands them out) and shuffled (the worst case); and the
+   device -> host backup of the same pages against a plain device -> pinned ``copy_``.
 3. **per-layer overlap**: while layer ``i`` loads, "attention" of layer ``i - 1`` runs (a
    matmul per layer on the default stream, waiting only for its own layer). Reported:
    the overlapped wall time against load-then-compute run serially, in the same run.
@@ -54,6 +55,8 @@ class GpuCheckReport:
     #: the same load from shuffled host pages (every page its own run)
     scattered_load_gbps: float = 0.0
     scattered_over_copy: float = 0.0
+    #: device -> host backups of the same pages (all layers), host pages in one run and shuffled
+    backup: list[dict] = field(default_factory=list)
     serial_ms: float = 0.0
     overlapped_ms: float = 0.0
     overlap_speedup: float = 0.0
@@ -148,32 +151,36 @@ def layered_save(spec: KVSpec, device: torch.device, pages: int, work: int) -> d
     return {"spec": spec.name, "pages": pages, "layers": spec.num_layers, "bit_exact": bool(equal)}
 
 
-def load_bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, shuffled: bool = False) -> tuple[float, float]:
-    """(kvtier per-layer load GB/s, plain copy_ GB/s) of the same bytes, best of ``reps``; host pages
-    in one run, or ``shuffled``."""
+def bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, direction: str = "load",
+              shuffled: bool = False) -> tuple[float, float]:
+    """(kvtier GB/s, plain copy_ GB/s) of the same bytes, best of ``reps``: a per-layer ``load``
+    (host -> device) or an all-layer ``backup`` (device -> host); host pages in one run, or
+    ``shuffled``; the plain copy_ is one DMA between pinned host memory and the device."""
     dev = DevicePool(spec, pages, device)
     host = HostPool(spec, pages, "layer_first")
     engine = TransferEngine(host, dev)
     nbytes = pages * spec.page_bytes
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best_load = best_copy = float("inf")
+    pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    src, dst = (pinned, on_device) if direction == "load" else (on_device, pinned)
+    move = engine.load if direction == "load" else engine.backup
+    best_move = best_copy = float("inf")
     try:
         order = list(range(pages))
         host_pages = torch.randperm(pages, generator=torch.Generator().manual_seed(3)).tolist() if shuffled else order
         for _ in range(reps):
             _sync(device)
             t0 = time.perf_counter()
-            engine.load(host_pages, order).wait()
-            best_load = min(best_load, time.perf_counter() - t0)
+            (move(host_pages, order) if direction == "load" else move(order, host_pages)).wait()
             _sync(device)
+            best_move = min(best_move, time.perf_counter() - t0)
             t0 = time.perf_counter()
             dst.copy_(src, non_blocking=True)
             _sync(device)
             best_copy = min(best_copy, time.perf_counter() - t0)
     finally:
         engine.close()
-    return nbytes / best_load / 1e9, nbytes / best_copy / 1e9
+    return nbytes / best_move / 1e9, nbytes / best_copy / 1e9
 
 
 def overlap(spec: KVSpec, device: torch.device, pages: int, work: int) -> tuple[float, float]:
@@ -222,10 +229,14 @@ def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers:
     report.layered_save = layered_save(specs[1], dev, min(pages, 64), work)
     report.bit_exact = (all(r["bit_exact"] for r in report.round_trips) and report.cache_round_trip["bit_exact"]
                         and report.layered_save["bit_exact"])
-    load, copy = load_bandwidth(specs[0], dev, pages, reps)
+    load, copy = bandwidth(specs[0], dev, pages, reps)
     report.load_gbps, report.copy_gbps, report.load_over_copy = round(load, 3), round(copy, 3), round(load / copy, 3)
-    load, copy = load_bandwidth(specs[0], dev, pages, reps, shuffled=True)
+    load, copy = bandwidth(specs[0], dev, pages, reps, shuffled=True)
     report.scattered_load_gbps, report.scattered_over_copy = round(load, 3), round(load / copy, 3)
+    for shuffled in (False, True):
+        moved, copy = bandwidth(specs[0], dev, pages, reps, direction="backup", shuffled=shuffled)
+        report.backup.append({"host_pages": "shuffled" if shuffled else "one run", "gbps": round(moved, 3), "copy_gbps": round(copy, 3),
+                              "over_copy": round(moved / copy, 3)})
     serial, overlapped = overlap(specs[0], dev, pages, work)
     report.serial_ms, report.overlapped_ms, report.overlap_speedup = round(serial, 2), round(overlapped, 2), round(serial / overlapped, 3)
     return report
