@@ -19,9 +19,10 @@ def test_gpu_check_on_cpu_round_trips_bit_exact_and_measures():
     assert {(t["spec"], t["layout"]) for t in report["round_trips"]} == {(s, l) for s in ("deepseek-v3.2", "llama-3.1-8b") for l in ("layer_first", "page_first")}
     assert ["latent", "indexer"] in [t["buffers"] for t in report["round_trips"]]  # the DSA indexer travels too
     assert report["load_gbps"] > 0 and report["copy_gbps"] > 0 and abs(report["load_over_copy"] - report["load_gbps"] / report["copy_gbps"]) < 0.01
-    assert report["scattered_load_gbps"] > 0 and report["scattered_over_copy"] > 0  # the shuffled-host-pages load
-    assert [b["host_pages"] for b in report["backup"]] == ["one run", "shuffled"]
-    assert all(b["gbps"] > 0 and b["copy_gbps"] > 0 and abs(b["over_copy"] - b["gbps"] / b["copy_gbps"]) < 0.01 for b in report["backup"])
+    assert [(t["layout"], t["direction"], t["host_pages"]) for t in report["transfers"]] == [
+        (layout, direction, pages) for layout in ("layer_first", "page_first") for direction in ("load", "backup") for pages in ("one run", "shuffled")]
+    assert all(t["gbps"] > 0 and t["copy_gbps"] > 0 and abs(t["over_copy"] - t["gbps"] / t["copy_gbps"]) < 0.01 for t in report["transfers"])
+    assert report["load_gbps"] == report["transfers"][0]["gbps"]
     assert report["serial_ms"] > 0 and report["overlapped_ms"] > 0
     trip = report["cache_round_trip"]  # the policy core + local executor, evicted to host and loaded back
     assert trip["bit_exact"] is True and trip["evicted"] == trip["backed_up"] == trip["pages"] == 16 and trip["hit_device_host"] == [0, 16]

@@ -267,3 +267,4 @@ def test_direct_plan_copies_shared_runs_as_slices_and_every_shape_bit_exact(src,
     direct.copy(p, src_rows, dst_rows)
     untouched = sorted(set(range(128)) - set(dst))
     assert torch.equal(dst_rows[dst], src_rows[src]) and not dst_rows[untouched].any()
+

@@ -9,8 +9,9 @@ one op per run; when both sides are scattered, go through a small per-thread
 scratch buffer that stays in cache. Where both sides run together (the
 allocator hands out ascending runs, so most loads and backups look like this),
 each run is one slice copy with no index op; between host and GPU that is one
-DMA per run straight from or into the host pool's pinned rows (measured on an
-H200 by ``python -m kvtier.app.bench.gpu_check``).
+DMA per run straight from or into the host pool's pinned rows (a load does so
+from layer_first rows only: page_first rows are strided; measured on an H200 by
+``python -m kvtier.app.bench.gpu_check``).
 """
 
 from __future__ import annotations
@@ -112,7 +113,10 @@ def _copy_across(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) 
     is asynchronous. A
     host-side read of bytes coming from the GPU waits for the stream first: a host op is not
     ordered on a stream. Otherwise the engine's end-of-job event is the only synchronisation."""
-    if p.pairs is not None:  # both sides in runs: one DMA per run, between the pool's pinned rows and the GPU
+    # Both sides in runs: one DMA per run between the pool's pinned rows and the GPU. From host rows
+    # that are strided (page_first), torch would copy each run into pageable memory behind a stream
+    # sync, so a load from them gathers into pinned staging below instead.
+    if p.pairs is not None and (dst_rows.device.type != "cuda" or src_rows.is_contiguous()):
         for s, d, n in p.pairs:
             dst_rows[d : d + n].copy_(src_rows[s : s + n], non_blocking=True)
         return
@@ -144,3 +148,4 @@ def _copy_across(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) 
     staged.copy_(gathered, non_blocking=True)
     torch.cuda.current_stream(gpu).synchronize()  # the host scatter below reads what the DMA writes
     dst_rows.index_copy_(0, p.dst, staged)
+
