@@ -268,3 +268,28 @@ def test_direct_plan_copies_shared_runs_as_slices_and_every_shape_bit_exact(src,
     untouched = sorted(set(range(128)) - set(dst))
     assert torch.equal(dst_rows[dst], src_rows[src]) and not dst_rows[untouched].any()
 
+
+@pytest.mark.parametrize("kind", ["mha", "mla", "dsa"])
+@pytest.mark.parametrize("host_sel", [[3, 4, 5, 6, 7], [6, 1, 4, 0, 7], [5, 6, 7, 0, 1]], ids=["one run", "shuffled", "two runs"])
+def test_whole_page_backup_into_a_page_first_host_pool_equals_the_per_layer_copy(monkeypatch, kind, host_sel):
+    """What an all-layer backup to a GPU's page_first host pool runs (staging, then a copy per run of
+    whole host pages), here on the CPU, in chunks of two pages, against the per-layer path."""
+    from kvtier.transfer import direct
+    from kvtier.transfer.backends import get_io_backend
+    from kvtier.transfer.ops import backup_pages_all_layers
+
+    spec = tiny_specs(page_size=4, num_layers=3)[kind]
+    per_page = spec.num_layers * max(b.page_bytes for b in spec.buffers)
+    monkeypatch.setattr(direct, "_STAGING_BYTES", 2 * per_page)  # chunks of two pages of the largest buffer
+    dev = DevicePool(spec, 8)
+    fill_random(dev, 1)
+    dev_sel = torch.tensor([7, 2, 0, 5, 3])
+    whole, per_layer = HostPool(spec, 8, "page_first"), HostPool(spec, 8, "page_first")
+    fill_random(whole, 2)
+    fill_random(per_layer, 2)
+    before = [whole.page_bytes(p) for p in range(8)]
+    direct.backup_whole_pages(whole, dev, torch.tensor(host_sel), dev_sel)
+    backup_pages_all_layers(per_layer, dev, torch.tensor(host_sel), dev_sel, get_io_backend("direct"))  # CPU: per layer
+    for p in range(8):
+        expect = dev.page_bytes(int(dev_sel[host_sel.index(p)])) if p in host_sel else before[p]
+        assert whole.page_bytes(p) == expect == per_layer.page_bytes(p)

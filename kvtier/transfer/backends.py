@@ -26,6 +26,10 @@ class IOBackend:
     plan: Callable[[torch.Tensor, torch.Tensor], Any]
     #: copy(plan, src_rows, dst_rows): dst_rows[dst_pages[i]] = src_rows[src_pages[i]].
     copy: Callable[[Any, torch.Tensor, torch.Tensor], None]
+    #: backup_whole_pages(host, device, host_pages, device_pages): every layer of device pages
+    #: into a page_first host pool in whole pages (its pages are one run across layers), used
+    #: for all-layer backups to a GPU's page_first host pool; None: per layer through ``copy``
+    backup_whole_pages: Callable[[Any, Any, torch.Tensor, torch.Tensor], None] | None = None
 
     def copy_pages(self, src_rows: torch.Tensor, src_pages: torch.Tensor, dst_rows: torch.Tensor, dst_pages: torch.Tensor) -> None:
         self.copy(self.plan(src_pages, dst_pages), src_rows, dst_rows)
@@ -54,7 +58,7 @@ def io_backends() -> list[str]:
 def _register_builtin() -> None:
     from kvtier.transfer import direct
 
-    register_io_backend(IOBackend("direct", direct.plan, direct.copy))
+    register_io_backend(IOBackend("direct", direct.plan, direct.copy, direct.backup_whole_pages))
 
 
 _register_builtin()

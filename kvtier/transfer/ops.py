@@ -29,6 +29,9 @@ def backup_pages_one_layer(host, device, host_pages: torch.Tensor, device_pages:
 
 
 def backup_pages_all_layers(host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, backend: IOBackend) -> None:
+    if backend.backup_whole_pages is not None and host.layout.kind == "page_first" and device.device.type == "cuda":
+        backend.backup_whole_pages(host, device, host_pages, device_pages)  # one DMA per run of whole pages
+        return
     plan = backend.plan(device_pages, host_pages)
     for layer in range(host.spec.num_layers):
         backup_pages_one_layer(host, device, host_pages, device_pages, layer, backend, plan)
