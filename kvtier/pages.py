@@ -138,32 +138,40 @@ def check_page_count(num_tokens: int, page_size: int, *, what: str) -> int:
     return num_tokens // page_size
 
 
+def _index_array(pages: torch.Tensor | Sequence[int]) -> np.ndarray:
+    return pages.numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages, dtype=np.int64)
+
+
+def _run_bounds(*arrays: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start positions and lengths of the maximal runs along which every array counts up by one."""
+    n = arrays[0].size
+    breaks = np.zeros(max(n - 1, 0), dtype=bool)
+    for a in arrays:
+        breaks |= np.diff(a) != 1
+    starts = np.concatenate(([0], np.flatnonzero(breaks) + 1))
+    return starts, np.diff(np.concatenate((starts, [n])))
+
+
 def runs_of(pages: torch.Tensor) -> list[tuple[int, int, int]]:
     """Maximal runs of consecutive page numbers: ``(position, first_page, length)``.
 
     numpy, not torch: this runs once per transfer on a few hundred indices, where
     torch's per-op overhead would cost more than the copy of a small page.
     """
-    arr = pages.numpy() if isinstance(pages, torch.Tensor) else np.asarray(pages, dtype=np.int64)
-    n = arr.size
-    if n == 0:
+    arr = _index_array(pages)
+    if arr.size == 0:
         return []
-    starts = np.flatnonzero(np.diff(arr) != 1) + 1
-    starts = np.concatenate(([0], starts))
-    lengths = np.diff(np.concatenate((starts, [n])))
+    starts, lengths = _run_bounds(arr)
     return list(zip(starts.tolist(), arr[starts].tolist(), lengths.tolist()))
 
 
 def paired_runs(src: torch.Tensor, dst: torch.Tensor) -> list[tuple[int, int, int]]:
     """Maximal runs along which both page lists count up by one: ``(first src page, first dst
     page, length)``. Each is one slice-to-slice copy (one DMA between host and GPU)."""
-    a = src.numpy() if isinstance(src, torch.Tensor) else np.asarray(src, dtype=np.int64)
-    b = dst.numpy() if isinstance(dst, torch.Tensor) else np.asarray(dst, dtype=np.int64)
-    n = a.size
-    if n == 0:
+    a, b = _index_array(src), _index_array(dst)
+    if a.size == 0:
         return []
-    starts = np.concatenate(([0], np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1))
-    lengths = np.diff(np.concatenate((starts, [n])))
+    starts, lengths = _run_bounds(a, b)
     return list(zip(a[starts].tolist(), b[starts].tolist(), lengths.tolist()))
 
 

@@ -11,7 +11,8 @@ allocator hands out ascending runs, so most loads and backups look like this),
 each run is one slice copy with no index op; between host and GPU that is one
 DMA per run straight from or into the host pool's pinned rows (a load does so
 from layer_first rows only: page_first rows are strided; measured on an H200 by
-``python -m kvtier.app.bench.gpu_check``).
+``python -m kvtier.app.bench.gpu_check``). An all-layer backup into page_first
+moves whole pages instead (:func:`backup_whole_pages`).
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def _copy_across(p: DirectPlan, src_rows: torch.Tensor, dst_rows: torch.Tensor) 
     DMA each; otherwise pages are gathered or scattered on the GPU or through pinned staging. Every
     DMA touches pinned memory (the host pool's own rows, or a pinned staging tensor from torch's
     caching host allocator, which is not reused before the copies that read it are done), so each
-    is asynchronous. A
-    host-side read of bytes coming from the GPU waits for the stream first: a host op is not
-    ordered on a stream. Otherwise the engine's end-of-job event is the only synchronisation."""
+    is asynchronous. A host-side read of bytes coming from the GPU waits for the stream first: a
+    host op is not ordered on a stream. Otherwise the engine's end-of-job event is the only
+    synchronisation."""
     # Both sides in runs: one DMA per run between the pool's pinned rows and the GPU. From host rows
     # that are strided (page_first), torch would copy each run into pageable memory behind a stream
     # sync, so a load from them gathers into pinned staging below instead.
