@@ -283,6 +283,58 @@ def test_cluster_node_killed_fails_only_its_keys_then_resumes(tmp_path):
             s.stop()
 
 
+def test_cluster_node_that_stalls_costs_each_call_its_deadline_not_redis_pys_retries(tmp_path):
+    """A node stops answering (SIGSTOP: the kernel still accepts, nothing replies). Its group's direct
+    call ends at its deadline and the retry through redis-py's cluster pipeline at its own, so a call
+    takes 2 x timeout, where redis-py alone retries the node for (retries + 1) x timeout. The
+    other nodes' keys hit bit-exact; a reply that arrives after the deadline is dropped (the
+    caller's buffers are left as they were); once the node continues, its keys hit again."""
+    import signal
+    import time
+
+    from kvtier.l3 import open_backend
+    from kvtier.l3.base import KeyStatus
+
+    servers = start_redis_cluster(tmp_path, require_full_coverage=False)
+    try:
+        b = open_backend(f"redis+cluster://127.0.0.1:{servers[0].port}?timeout=1&retries=3")
+        keys = [f"stall/{i:032x}" for i in range(18)]
+        blobs = [os.urandom(50_000) for _ in keys]
+        assert b.set_scattered(keys, [[memoryview(v)] for v in blobs]) == [KeyStatus.OK] * 18
+        victim = servers[1]
+        on_victim = [b.client.get_node_from_key(k).port == victim.port for k in keys]
+        assert 0 < sum(on_victim) < 18
+        outs = [[memoryview(bytearray(b"\xee" * 50_000))] for _ in keys]
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            got = b.get_scattered(keys, outs)
+            took = time.monotonic() - t0
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)  # the abandoned pipeline now gets its replies, late
+        assert got == [KeyStatus.ERROR if dead else KeyStatus.OK for dead in on_victim]
+        assert took < 2 * 1 + 1.5, f"a call with one stalled node took {took:.2f} s"
+        time.sleep(1.0)
+        for o, v, dead in zip(outs, blobs, on_victim):
+            assert bytes(o[0]) == (b"\xee" * 50_000 if dead else v)  # late replies never reach the buffers
+        assert b.get_scattered(keys, outs) == [KeyStatus.OK] * 18 and all(bytes(o[0]) == v for o, v in zip(outs, blobs))
+        # the bound is what made the difference: redis-py's own pipeline holds on for its retries
+        os.kill(victim.proc.pid, signal.SIGSTOP)
+        try:
+            pipe = b.client.pipeline()
+            pipe.get(next(k for k, dead in zip(keys, on_victim) if dead))
+            t0 = time.monotonic()
+            with pytest.raises(redis.RedisError):
+                pipe.execute()
+            assert time.monotonic() - t0 > 2 * 1 + 1.5
+        finally:
+            os.kill(victim.proc.pid, signal.SIGCONT)
+        b.close()
+    finally:
+        for s in servers:
+            s.stop()
+
+
 def test_io_threads_one_per_single_node_two_over_a_cluster(redis_server, redis_cluster):
     """One Redis node runs one command at a time: the tier uses one I/O thread there unless told otherwise."""
     from kvtier.build import open_storage_tier

@@ -11,9 +11,10 @@ keys are grouped by the node redis-py's slot map names, each group going the
 same direct way on that node's pool; keys a node redirects (MOVED, ASK,
 TRYAGAIN, CLUSTERDOWN) and groups whose node fails are retried through
 redis-py's cluster pipeline, which follows the redirect, refreshes the slot map
-and reports a node that is really gone. Every call has a socket timeout; after
-a fault the connection is dropped and the next call reconnects, so a restarted
-server resumes the tier.
+and reports a node that is really gone. Each direct call and each such pipeline
+runs under one deadline of the URL's ``timeout`` (a pipeline on a helper thread,
+abandoned at its deadline); after a fault the connection is dropped and the
+next call reconnects, so a restarted server resumes the tier.
 
 URLs::
 
@@ -27,7 +28,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
@@ -152,6 +153,8 @@ class RedisBackend:
         self.capabilities = Capabilities(scattered=True, io_threads=2 if cluster else 1)
         #: (re)connects run here, so a call can stop waiting for one at its deadline
         self._connector = ThreadPoolExecutor(2, thread_name_prefix="kvtier-redis-connect")
+        #: redis-py cluster pipelines (redirects, failed nodes) run here, for the same reason
+        self._pipelines = ThreadPoolExecutor(2, thread_name_prefix="kvtier-redis-cluster")
 
     @classmethod
     def from_url(cls, u: StorageURL) -> RedisBackend:
@@ -205,16 +208,31 @@ class RedisBackend:
     def _pipeline(self):
         return self.client.pipeline(transaction=False) if not self.cluster else self.client.pipeline()
 
+    def _cluster_pipeline(self, queue: Callable[[object], object]) -> list:
+        """The replies of a redis-py cluster pipeline that ``queue(pipe)`` filled, within ``timeout``.
+
+        redis-py follows redirects and retries a failed node with a timeout per receive, so left
+        to itself a stalled node holds the call for several timeouts, refreshing its slot map in
+        between. The pipeline runs on a helper thread and this call stops waiting at its
+        deadline; replies that come later are dropped, never applied (a late GET never writes
+        into buffers the caller has moved on from)."""
+        pipe = self._pipeline()
+        queue(pipe)
+        future = self._pipelines.submit(pipe.execute)
+        try:
+            return future.result(timeout=self.timeout)
+        except FutureTimeout:
+            raise TimeoutError("redis cluster call passed its deadline (a node stalled or kept redirecting); "
+                               "the URL's timeout bounds each whole call") from None
+
     def exists(self, keys: Sequence[str]) -> int:
         """Leading keys present: EXISTS pipelined on the node's connection under the call's deadline."""
         if not keys:
             return 0
 
         def via_client(ks: Sequence[str], _b) -> list[KeyStatus]:
-            pipe = self._pipeline()
-            for k in ks:
-                pipe.exists(k)
-            return [KeyStatus.OK if present else KeyStatus.MISS for present in pipe.execute()]
+            replies = self._cluster_pipeline(lambda pipe: [pipe.exists(k) for k in ks])
+            return [KeyStatus.OK if present else KeyStatus.MISS for present in replies]
 
         statuses = self._by_node(keys, [None] * len(keys), "exists", self._exists_direct, via_client)
         n = 0
@@ -288,10 +306,8 @@ class RedisBackend:
     def _get_via_client(self, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
         """GETs through redis-py's pipeline, each value copied once into its buffers."""
         statuses = [KeyStatus.ERROR] * len(keys)
-        pipe = self._pipeline()
-        for k in keys:
-            pipe.get(k)
-        for i, (value, parts) in enumerate(zip(pipe.execute(), outs)):
+        values = self._cluster_pipeline(lambda pipe: [pipe.get(k) for k in keys])
+        for i, (value, parts) in enumerate(zip(values, outs)):
             if value is None:
                 statuses[i] = KeyStatus.MISS
             elif scatter_into(value, parts):
@@ -373,11 +389,10 @@ class RedisBackend:
         return self.set_scattered(keys, [(v,) for v in values])
 
     def _set_via_client(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]:
-        """SETs through redis-py's pipeline (cluster redirects and failed nodes only)."""
-        pipe = self._pipeline()
-        for k, v in zip(keys, values):
-            pipe.set(k, v)
-        statuses = [KeyStatus.OK if ok else KeyStatus.ERROR for ok in pipe.execute()]
+        """SETs through redis-py's pipeline (cluster redirects and failed nodes only); ``values`` are
+        the caller's copies, so a SET that lands after the deadline still stores a whole object."""
+        replies = self._cluster_pipeline(lambda pipe: [pipe.set(k, v) for k, v in zip(keys, values)])
+        statuses = [KeyStatus.OK if ok else KeyStatus.ERROR for ok in replies]
         self.stats.bytes_written += sum(len(v) for v, st in zip(values, statuses) if st is KeyStatus.OK)
         return statuses
 
@@ -390,10 +405,7 @@ class RedisBackend:
                 return [None if reader.integer() is None else KeyStatus.OK for _ in ks]
 
         def via_client(ks: Sequence[str], _b) -> list[KeyStatus]:
-            pipe = self._pipeline()
-            for k in ks:
-                pipe.delete(k)
-            pipe.execute()
+            self._cluster_pipeline(lambda pipe: [pipe.delete(k) for k in ks])
             return [KeyStatus.OK] * len(ks)
 
         self._by_node(keys, [None] * len(keys), "delete", direct, via_client)
@@ -419,6 +431,7 @@ class RedisBackend:
 
     def close(self) -> None:
         self._connector.shutdown(wait=False, cancel_futures=True)
+        self._pipelines.shutdown(wait=False, cancel_futures=True)
         try:
             self.client.close()
         except Exception:
