@@ -253,6 +253,18 @@ def test_cluster_key_whose_slot_moved_is_followed_then_read_direct_again(redis_c
     b.close()
 
 
+def _fill_cluster(b, prefix: str, victim):
+    """18 random 50 kB objects over the cluster; which of them the ``victim`` node holds (some, not all)."""
+    from kvtier.l3.base import KeyStatus
+
+    keys = [f"{prefix}/{i:032x}" for i in range(18)]
+    blobs = [os.urandom(50_000) for _ in keys]
+    assert b.set_scattered(keys, [[memoryview(v)] for v in blobs]) == [KeyStatus.OK] * 18
+    on_victim = [b.client.get_node_from_key(k).port == victim.port for k in keys]
+    assert 0 < sum(on_victim) < 18
+    return keys, blobs, on_victim
+
+
 def test_cluster_node_killed_fails_only_its_keys_then_resumes(tmp_path):
     """One node of a fresh cluster dies: its keys are errors (counted), the other nodes' keys still
     hit, bit-exact; once it is back, its keys hit again."""
@@ -261,12 +273,8 @@ def test_cluster_node_killed_fails_only_its_keys_then_resumes(tmp_path):
     servers = start_redis_cluster(tmp_path, require_full_coverage=False)  # the live nodes keep serving their slots
     try:
         b = _cluster_backend(servers)
-        keys = [f"kill/{i:032x}" for i in range(18)]
-        blobs = [os.urandom(50_000) for _ in keys]
-        assert b.set_scattered(keys, [[memoryview(v)] for v in blobs]) == [KeyStatus.OK] * 18
         victim = servers[1]
-        on_victim = [b.client.get_node_from_key(k).port == victim.port for k in keys]
-        assert 0 < sum(on_victim) < 18
+        keys, blobs, on_victim = _fill_cluster(b, "kill", victim)
         redis.Redis(port=victim.port).save()  # its keys survive the restart (dump.rdb in its data dir)
         victim.kill()
         outs = [[memoryview(bytearray(50_000))] for _ in keys]
@@ -298,12 +306,8 @@ def test_cluster_node_that_stalls_costs_each_call_its_deadline_not_redis_pys_ret
     servers = start_redis_cluster(tmp_path, require_full_coverage=False)
     try:
         b = open_backend(f"redis+cluster://127.0.0.1:{servers[0].port}?timeout=1&retries=3")
-        keys = [f"stall/{i:032x}" for i in range(18)]
-        blobs = [os.urandom(50_000) for _ in keys]
-        assert b.set_scattered(keys, [[memoryview(v)] for v in blobs]) == [KeyStatus.OK] * 18
         victim = servers[1]
-        on_victim = [b.client.get_node_from_key(k).port == victim.port for k in keys]
-        assert 0 < sum(on_victim) < 18
+        keys, blobs, on_victim = _fill_cluster(b, "stall", victim)
         outs = [[memoryview(bytearray(b"\xee" * 50_000))] for _ in keys]
         os.kill(victim.proc.pid, signal.SIGSTOP)
         try:
