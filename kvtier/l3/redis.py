@@ -205,9 +205,6 @@ class RedisBackend:
             raise StorageError(f"cannot reach redis at {host}:{port} ({type(e).__name__}: {e}); start it or fix the storage URL") from None
         return backend
 
-    def _pipeline(self):
-        return self.client.pipeline(transaction=False) if not self.cluster else self.client.pipeline()
-
     def _cluster_pipeline(self, queue: Callable[[object], object]) -> list:
         """The replies of a redis-py cluster pipeline that ``queue(pipe)`` filled, within ``timeout``.
 
@@ -215,8 +212,9 @@ class RedisBackend:
         to itself a stalled node holds the call for several timeouts, refreshing its slot map in
         between. The pipeline runs on a helper thread and this call stops waiting at its
         deadline; replies that come later are dropped, never applied (a late GET never writes
-        into buffers the caller has moved on from)."""
-        pipe = self._pipeline()
+        into buffers the caller has moved on from). Cluster mode only: a single node has no
+        redirects and its failures are errors."""
+        pipe = self.client.pipeline()
         queue(pipe)
         future = self._pipelines.submit(pipe.execute)
         try:

@@ -163,7 +163,6 @@ def bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, dire
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
     src, dst = (pinned, on_device) if direction == "load" else (on_device, pinned)
-    move = engine.load if direction == "load" else engine.backup
     best_move = best_copy = float("inf")
     try:
         order = list(range(pages))
@@ -171,7 +170,7 @@ def bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, dire
         for _ in range(reps):
             _sync(device)
             t0 = time.perf_counter()
-            (move(host_pages, order) if direction == "load" else move(order, host_pages)).wait()
+            (engine.load(host_pages, order) if direction == "load" else engine.backup(order, host_pages)).wait()
             _sync(device)
             best_move = min(best_move, time.perf_counter() - t0)
             t0 = time.perf_counter()
