@@ -29,6 +29,10 @@ class CacheStats:
     load_shortfall_pages: int = 0
     backup_skipped_pages: int = 0
     transfer_failures: int = 0
+    #: device pages a failed host->device load left with wrong bytes (never offered; see core.failed_loads)
+    load_failed_pages: int = 0
+    #: completions for plans the core never made (or already applied): ignored
+    unknown_completions: int = 0
     storage_saved_pages: int = 0
     storage_saved_bytes: int = 0
     storage_prefetched_pages: int = 0

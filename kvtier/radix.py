@@ -470,6 +470,22 @@ class PrefixTree:
                     push(parent)  # leaf now (unless it leaves next); never a host leaf: ``node`` is still its child
         return pages
 
+    def device_subtree(self, tops: Sequence[PageNode]) -> list[PageNode]:
+        """Device-resident nodes at or below any of ``tops``, deepest first (so :meth:`clear_devices`
+        can take them in order). A scan of the whole tree: for rare paths only (a failed load)."""
+        tops_set = set(tops)
+        found: list[tuple[int, PageNode]] = []
+        for node in self.nodes.values():
+            if node.device_page == NO_PAGE:
+                continue
+            depth, n = 0, node
+            while n is not None and n not in tops_set:
+                n, depth = n.parent, depth + 1
+            if n is not None:
+                found.append((depth + sum(1 for _ in n.path_to_root()), node))
+        found.sort(key=lambda e: -e[0])
+        return [n for _, n in found]
+
     def set_hosts(self, nodes: Sequence[PageNode], pages: Sequence[int], ready: bool) -> None:
         """:meth:`set_host` of each of ``nodes`` (one heap entry per node that is a leaf)."""
         push = self.host_heap.push

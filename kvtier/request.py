@@ -69,6 +69,12 @@ class CacheRequest:
     _prefix: list[PageNode] = field(default_factory=list)
     _allocated: list[int] = field(default_factory=list)
     state: RequestState = RequestState.OPEN
+    #: the request's number in the cache (a failed load's pages are freed once older requests finish)
+    serial: int = 0
+    #: the cache's failed-load count when this request last checked its prefix
+    failure_gen: int = 0
+    #: cached pages this request lost to a failed host->device load (they must be recomputed)
+    failed: int = 0
 
     @property
     def num_cached(self) -> int:
@@ -87,8 +93,14 @@ class CacheRequest:
     def wait_layer(self, layer: int) -> None:
         self.load.wait_layer(layer)
 
-    def wait(self) -> None:
+    def wait(self) -> int:
+        """Every load the cached prefix needs has finished. Returns :attr:`num_cached`: a load that
+        failed shrinks the prefix to its last good page (:attr:`failed` counts the pages lost), and
+        the engine recomputes from there into pages from :meth:`alloc`."""
+        self._check_open("wait")
         self.load.wait()
+        self._check_prefix()
+        return len(self.cached_pages)
 
     def alloc(self, n: int) -> Allocation:
         """``n`` device pages for this request (evicting unlocked LRU pages if needed); owned by the
@@ -104,6 +116,9 @@ class CacheRequest:
         request allocated but did not pass are freed too. Unlocks the prefix."""
         self._check_open("commit")
         cache = self.cache
+        if self.load.ops:
+            self.load.wait()  # every load's outcome is known before anything is inserted over it
+        self._check_prefix()
         full = len(self.keys)
         if not full <= len(pages) <= full + 1:
             raise PageOwnershipError(f"commit: {len(pages)} pages for a request of {full} full pages; pass its {full} full pages "
@@ -134,6 +149,22 @@ class CacheRequest:
         self._finish(RequestState.ABORTED)
 
     # ---- internals -----------------------------------------------------------------
+    def _check_prefix(self) -> None:
+        """Shrink the cached prefix to its last good page if a host->device load failed since the
+        last check (the cache took its device copies away; see :mod:`kvtier.core.failed_loads`)."""
+        gen = self.cache.load_failure_gen
+        if gen == self.failure_gen:
+            return
+        self.failure_gen = gen
+        cached, prefix = self.cached_pages, self._prefix
+        good = 0
+        while good < len(cached) and prefix[good].device_page == cached[good]:
+            good += 1
+        if good < len(cached):
+            self.failed += len(cached) - good
+            self.cached_pages = cached[:good]
+            self._prefix = prefix[:good]
+
     def _check_open(self, what: str) -> None:
         if self.state is not RequestState.OPEN:
             raise InvalidStateError(f"{what} on a request that is already {self.state.value}; begin a new request")
@@ -151,11 +182,16 @@ class CacheRequest:
         for i in range(n, len(pages)):
             p = pages[i]
             if p not in mine and not (i < len(cached) and p == cached[i]):
+                if self.failed and p in self.cache.quarantined_pages():
+                    raise PageOwnershipError(f"commit: device page {p} (place {i}) was lost to a failed host->device load; the request's "
+                                             f"cached prefix is its first {len(cached)} pages (see wait()): recompute the rest into "
+                                             "pages from alloc()")
                 raise PageOwnershipError(f"commit: device page {p} (place {i}) is not this request's: pass the cached pages it was "
                                          "given, at their places, and pages it allocated")
 
     def _finish(self, state: RequestState) -> None:
         self.cache.unlock(self._locked)
+        self.cache.request_finished(self.serial)
         self._locked = None
         self._prefix = []
         self._allocated = []

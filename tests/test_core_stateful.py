@@ -27,7 +27,7 @@ from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.core.plans import CutShort, Done, Failed, Reason, Tier, Transfer
 from kvtier.core.policy import CacheCore
-from kvtier.errors import InvalidStateError, KVTierError
+from kvtier.errors import InvalidStateError, KVTierError, PageOwnershipError
 from kvtier.radix import NO_PAGE
 from kvtier.request import RequestState
 from conftest import tiny_specs
@@ -164,7 +164,20 @@ class CoreMachine(ExecutorSide):
     def commit(self, i, use):
         req, toks = self.open.pop(i % len(self.open))
         full, tail = len(req.keys), int(len(toks) % PAGE > 0)
+        given = list(req.cached_pages)
         usable = int(use * req.num_cached)
+        assert req.wait() == req.num_cached <= len(given)  # a failed load shrinks the prefix to its last good page
+        if req.failed and usable > req.num_cached:
+            # an engine that ignores the failure: refused, nothing changed, the request still open
+            extra = req.alloc(full - usable + tail)
+            if extra.ok:
+                before = self._snapshot()
+                with pytest.raises(PageOwnershipError, match="failed host->device load"):
+                    req.commit(given[:usable] + extra.pages)
+                assert self._snapshot() == before and req.state is RequestState.OPEN
+                STEPS["refused"] = STEPS.get("refused", 0) + 1
+            usable = req.num_cached
+        usable = min(usable, req.num_cached)
         new = req.alloc(full - usable + tail)
         if not new.ok:
             req.abort()
@@ -241,7 +254,7 @@ class CoreMachine(ExecutorSide):
         core.check_integrity(caller_device_pages=mine)
         dev_tree = sum(n.device_page != NO_PAGE for n in core.tree.nodes.values())
         host_tree = sum(n.host_page != NO_PAGE for n in core.tree.nodes.values())
-        assert core.dev_alloc.num_free + dev_tree + len(mine) == self.dev_pages
+        assert core.dev_alloc.num_free + dev_tree + len(mine) + len(core.quarantined_pages()) == self.dev_pages
         assert core.host_alloc.num_free + host_tree == self.host_pages
         if not self.open and not core._inflight:
             core.check_integrity(idle=True)
@@ -249,6 +262,7 @@ class CoreMachine(ExecutorSide):
     def teardown(self):
         for req, _ in self.open:
             req.abort()
+        STEPS["failed"] = STEPS.get("failed", 0) + self.core.stats.load_failed_pages
         self.core.close()
 
 
@@ -262,12 +276,13 @@ CONFIGS = [
 
 
 def test_core_state_machine_ten_thousand_steps():
-    STEPS["total"] = 0
+    STEPS.update(total=0, refused=0, failed=0)
     for dev, host, wp, evict in CONFIGS:
         machine = type(f"Core_{dev}_{host}_{wp}_{evict}", (CoreMachine,), {"dev_pages": dev, "host_pages": host, "write_policy": wp, "on_device_evict": evict})
         run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=80, derandomize=True, deadline=None,
                                                              database=None, suppress_health_check=list(HealthCheck)))
     assert STEPS["total"] >= 10_000, STEPS
+    assert STEPS["failed"] > 0 and STEPS["refused"] > 0, STEPS  # failed loads were drawn, and commits over them refused
 
 
 class EngineDeviceMachine(ExecutorSide):

@@ -126,3 +126,30 @@ def test_many_requests_bit_exact(tmp_path, layout):
     st = cache.stats
     assert st.device_hit_pages and st.host_hit_pages and st.storage_prefetched_pages
     cache.close()
+
+
+def test_a_failed_load_is_recomputed_and_logits_still_equal(tmp_path):
+    """A host->device load that fails mid-request: the engine learns it from ``wait()``, recomputes
+    the lost pages, and its outputs equal recompute bit for bit (before the fix it attended over
+    whatever the device pages held)."""
+    base, eng, cache = engines(tmp_path, device_pages=32, host_pages=16)  # the lost pages stay quarantined while it runs
+    a = prompt(0, 64) + prompt(1, 37)
+    eng.prefill(a)
+    cache.wait_idle()
+    cache.evict_device(32)
+    cache.device.buffers["latent"][0].fill_(7)  # what a failed load leaves behind is not the page
+    real = cache.engine.submit
+
+    def refuse_loads(src, dst, *args, **kwargs):
+        if (src, dst) == ("host", "device"):
+            raise RuntimeError("injected: the copy engine failed")
+        return real(src, dst, *args, **kwargs)
+
+    cache.engine.submit = refuse_loads
+    r = eng.prefill(a)
+    same(base.prefill(a), r)
+    assert r.computed_tokens == len(a) and cache.stats.load_failed_pages > 0
+    cache.engine.submit = real
+    cache.wait_idle()
+    cache.check_integrity(idle=True)
+    cache.close()

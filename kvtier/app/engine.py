@@ -52,11 +52,23 @@ class ReferenceEngine:
             req.abort()
             raise ConfigError(f"device pool too small: a {n}-token request needs {total_pages - usable} free pages after eviction; raise the device pool size")
         pages = torch.tensor(req.cached_pages[:usable] + new.pages, dtype=torch.int64)
-        logits, selections = None, []
-        for p in range(usable, total_pages):
-            end = min(n, (p + 1) * ps)
-            logits, sel = self.model.prefill_page(self.device, tokens[p * ps : end], p * ps, pages[: p + 1], req.wait_layer, want_logits=end == n)
-            selections.append(sel)
+        while True:
+            logits, selections = None, []
+            for p in range(usable, total_pages):
+                end = min(n, (p + 1) * ps)
+                logits, sel = self.model.prefill_page(self.device, tokens[p * ps : end], p * ps, pages[: p + 1], req.wait_layer,
+                                                      want_logits=end == n)
+                selections.append(sel)
+            if req.wait() >= usable:
+                break
+            # a load of the cached prefix failed: it shrank to its last good page; recompute from there
+            lost = req.alloc(usable - req.num_cached)
+            if not lost.ok:
+                req.abort()
+                raise ConfigError(f"device pool too small to recompute {usable - req.num_cached} pages a failed load lost; "
+                                  "raise the device pool size")
+            usable = req.num_cached
+            pages = torch.tensor(req.cached_pages + lost.pages + new.pages, dtype=torch.int64)
         ttft = time.perf_counter() - t0
         req.commit(pages.tolist())
         dev_hit, host_hit, from_storage = req.served(usable)

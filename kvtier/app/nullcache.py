@@ -21,6 +21,8 @@ class NullCache:
         self.dev_alloc = device_pool.allocator
         self.stats = CacheStats()
         self.storage = None
+        #: no load ever fails here (nothing is loaded): the request's failed-load checks stay idle
+        self.load_failure_gen = 0
 
     def match(self, tokens_or_keys: Sequence[int], *, count: bool = True) -> MatchResult:
         if count:
@@ -48,6 +50,12 @@ class NullCache:
 
     def load_back(self, match: MatchResult) -> LoadResult:
         return LoadResult(None, [], 0, 0)
+
+    def request_finished(self, serial: int) -> None:
+        pass
+
+    def quarantined_pages(self) -> set[int]:
+        return set()
 
     def alloc_device(self, n: int) -> Allocation:
         return self.dev_alloc.alloc(n)

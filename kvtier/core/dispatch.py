@@ -11,11 +11,15 @@ completions that arrived meanwhile wait for the next poll.
 from __future__ import annotations
 
 import itertools
+import logging
 
-from kvtier.core.plans import Completion, Done, Reason
+from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason
 from kvtier.core.tags import JobTag, PrefetchHandle
-from kvtier.errors import ExecutorError
+from kvtier.errors import ExecutorError, InvalidStateError
 from kvtier.executors.port import ExecutorPort
+
+log = logging.getLogger(__name__)
+_COMPLETIONS = (Done, CutShort, Failed)
 
 
 class PlanDispatch:
@@ -30,15 +34,21 @@ class PlanDispatch:
         self._deferred: list[Completion] = []
         #: completion handlers, by the type of the plan's tag (filled by the core)
         self._on: dict[type, object] = {}
+        #: the last op submitted (quarantined pages wait for every plan up to it)
+        self._last_op = 0
+        self._closed = False
 
     def _submit(self, plan_of, tag: JobTag | PrefetchHandle, *args) -> int:
-        op = next(self._ops)
+        op = self._last_op = next(self._ops)
         self._inflight[op] = tag
         self.port.submit(plan_of(op, *args))
         return op
 
     def poll(self) -> int:
-        """Apply the completions of finished plans. Returns how many were applied."""
+        """Apply the completions of finished plans. Returns how many were applied. Every public call of
+        the core polls first, so on a closed cache every one of them is an :class:`InvalidStateError`."""
+        if self._closed:
+            raise InvalidStateError("the cache is closed: begin, match, insert and the other calls need an open cache; build a new one")
         return self._apply_all(self.port.poll())
 
     def _apply_all(self, done: list[Completion]) -> int:
@@ -47,10 +57,16 @@ class PlanDispatch:
             done, self._deferred = self._deferred + done, []
         for c in done:
             self._apply(c)
+        if self._quarantine and done:
+            self._release_quarantine()
         return len(done)
 
     def _apply(self, c: Completion) -> None:
-        tag = self._inflight.pop(c.op)
+        tag = self._inflight.pop(c.op, None) if type(c) in _COMPLETIONS else None
+        if tag is None:  # a plan never made, or answered twice: nothing to apply, the rest of the batch still is
+            self.stats.unknown_completions += 1
+            log.warning("ignored a completion for no plan in flight: %r", c)
+            return
         self._on[type(tag)](c, tag)
 
     def wait_for(self, ops) -> int:
@@ -64,7 +80,7 @@ class PlanDispatch:
         mine = None
         others = []
         for c in self._deferred + self.port.wait((op,)):
-            if c.op == op:
+            if type(c) in _COMPLETIONS and c.op == op:
                 mine = c
             else:
                 others.append(c)
@@ -97,10 +113,13 @@ class PlanDispatch:
             self.wait_for(list(self._inflight))
 
     def close(self) -> None:
-        """Finish every plan in flight, then close the executor port."""
+        """Finish every plan in flight, then close the executor port. Closing twice is a no-op."""
+        if self._closed:
+            return
         try:
             self.wait_idle()
         finally:
+            self._closed = True
             self.port.close()
 
     def __enter__(self) -> PlanDispatch:

@@ -44,6 +44,7 @@ from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.dispatch import PlanDispatch
 from kvtier.core.eviction import Eviction
+from kvtier.core.failed_loads import FailedLoads
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
 from kvtier.core.storage_policy import StoragePolicy
@@ -63,13 +64,14 @@ __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave
 log = logging.getLogger(__name__)
 
 
-class CacheCore(PlanDispatch, Eviction, StoragePolicy):
+class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
     """The policy over page ids (see the module docstring). ``device`` and ``host`` allocate the
     ids of the pools the executors hold; ``port`` carries plans to those executors.
 
     Its parts, one module each: :mod:`~kvtier.core.dispatch` (plans out, completions in),
     :mod:`~kvtier.core.eviction` (space, backups, eviction), :mod:`~kvtier.core.storage_policy`
-    (L3 prefetch and save); here, matching, the request protocol, loads back and inserts."""
+    (L3 prefetch and save), :mod:`~kvtier.core.failed_loads` (device pages a failed load left);
+    here, matching, the request protocol, loads back and inserts."""
 
     def __init__(self, spec: KVSpec, device: PageAllocator, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None):
@@ -89,6 +91,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         #: live views of who holds each device page (tree / allocator), for insert's ownership check
         self._tree_owned = np.frombuffer(self.tree.device_owned, dtype=np.uint8)
         self._allocated = self.dev_alloc.allocated_view()
+        self._init_failed_loads()
         #: called with the keys of host pages eviction is about to free (an engine's event stream)
         self.on_host_evicted = None
         self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited,
@@ -149,6 +152,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         """Start a request (see :mod:`kvtier.request`): match (counted once), lock, prefetch from L3
         when it can add pages the request will use (``usable_pages``, default all its full pages;
         ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
+        self.poll()  # a closed cache refuses here, before anything is hashed
         keys = self._keys(tokens_or_keys)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
         m = self.match(keys)
@@ -166,7 +170,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         host_hit = min(ld.loaded, host_before)
         # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
         return CacheRequest(self, keys, m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld, m.last_node,
-                            m.nodes[: len(ld.device_pages)])
+                            m.nodes[: len(ld.device_pages)], serial=self._request_opened(), failure_gen=self.load_failure_gen)
 
     def lock(self, node: PageNode | None) -> None:
         """Protect ``node`` and its ancestors from eviction until :meth:`unlock`."""
@@ -209,15 +213,13 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
     def _finish_load(self, c: Completion, tag: LoadBack) -> None:
         nodes = tag.nodes
         loading = self._loading
-        for n in nodes:
-            if loading.get(n) == c.op:
-                del loading[n]
-        if type(c) is not Done:  # the device copies are garbage: drop them, deepest first
+        mine = [n for n in nodes if loading.get(n) == c.op]  # (a failed load above may have taken them already)
+        for n in mine:
+            del loading[n]
+        if type(c) is not Done:  # the device copies are garbage: off the tree now, freed once nobody can name them
             self.stats.transfer_failures += 1
             self.tree.unlock(nodes[-1])
-            for n in reversed(nodes):
-                if n.device_page != NO_PAGE and n.device_children == 0 and n.lock_ref == 0:
-                    self.dev_alloc.free([self.tree.clear_device(n)])
+            self.stats.load_failed_pages += self._drop_failed_load(mine)
             return
         self.stats.loaded_pages += len(nodes)
         self.stats.loaded_bytes += len(nodes) * self._page_bytes
@@ -249,6 +251,8 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         known = known or []
         start = len(known)
         path = known + tree.walk(keys, start)  # cached already: a prefix, its leading part on device
+        if self._loading and self._settle_loads(path):  # a load in flight on the path: its outcome first
+            path = known + tree.walk(keys, start)
         n_have = len(path)
         n_dev = tree.device_prefix(path)
         assert n_dev >= start and (not start or path[start - 1].device_page == device_pages[start - 1]), "a locked prefix moved"
@@ -292,11 +296,26 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
             i = int(np.argmax(held))
             raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) belongs to the cache, not the caller; "
                                      "pass the pages the match or load gave you, in order, and pages you allocated")
+        failed = self._quarantined[arr] != 0
+        if failed.any():
+            i = int(np.argmax(failed))
+            raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) holds a host->device load that failed; "
+                                     "its bytes are not the page's: recompute that page into a page from alloc_device")
         foreign = (self._allocated[arr] == 0) & ~given
         if foreign.any():
             i = int(np.argmax(foreign))
             raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) was never allocated; "
                                      "allocate pages with alloc_device before inserting them")
+
+    def _settle_loads(self, path: list[PageNode]) -> bool:
+        """Wait for the host->device loads in flight on ``path`` (pages are inserted below a page only
+        once its bytes are known good: a failed load takes its pages and everything below them off
+        the device). True if there were any."""
+        loading = self._loading
+        ops = {loading[n] for n in path if n in loading}
+        if ops:
+            self.wait_for(ops)
+        return bool(ops)
 
     def check_integrity(self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset(), *, idle: bool = False) -> None:
         """Prove the accounting: tree + caller-owned + free == total for each pool, no page owned twice.
@@ -308,6 +327,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         if idle:
             assert not self._inflight and not self._deferred, f"idle, yet {len(self._inflight)} plans are in flight"
             assert not self._loading, "idle, yet host->device loads are recorded in flight"
+            assert not self._quarantine, "idle, yet device pages of a failed load are still quarantined"
             for n in self.tree.nodes.values():
                 assert n.lock_ref == 0, f"idle, yet a node is locked ({n.lock_ref}): a lock or transfer completion was lost"
                 assert n.host_page == NO_PAGE or n.host_ready, "idle, yet a host page is not readable: it could never be evicted or used"
@@ -317,5 +337,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy):
         assert len(dev_owned) == len(set(dev_owned)), "a device page is owned by two nodes"
         assert len(host_owned) == len(set(host_owned)), "a host page is owned by two nodes"
         assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"
-        assert set(dev_owned) | set(caller_device_pages) == self.dev_alloc.allocated_pages() - ({0} if self.dev_alloc.reserve_padding_page else set()), "device allocator and tree disagree (leak or foreign page)"
+        quarantined = self.quarantined_pages()
+        assert not (set(dev_owned) | set(caller_device_pages)) & quarantined, "a quarantined device page is in use"
+        assert set(dev_owned) | set(caller_device_pages) | quarantined == self.dev_alloc.allocated_pages() - ({0} if self.dev_alloc.reserve_padding_page else set()), "device allocator and tree disagree (leak or foreign page)"
         assert set(host_owned) | set(caller_host_pages) == self.host_alloc.allocated_pages(), "host allocator and tree disagree (leak or foreign page)"

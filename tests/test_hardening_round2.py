@@ -1,0 +1,131 @@
+"""Hardening, second round: each test failed on the code before its fix, and checks that nothing
+leaked and no bytes moved where they must not (the numbers follow the hardening issue's list)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cache_helpers import MODES, device_bytes, expected_page, fill_device, make_cache, on_worker, serve, write_pages
+from conftest import tiny_specs
+from kvtier.errors import InvalidStateError, PageOwnershipError
+from kvtier.radix import NO_PAGE
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+# ---- 1. a failed host->device load never hands out wrong bytes -------------------------------------
+def _fail_loads(executor, on: bool) -> None:
+    """Next to the bytes: make the transfer engine refuse host->device copies (the executor turns the
+    refusal into a Failed completion, as it does for a real copy error), or stop refusing."""
+    engine = executor.engine
+    if on:
+        real = engine.submit
+
+        def refuse_loads(src, dst, *args, **kwargs):
+            if (src, dst) == ("host", "device"):
+                raise RuntimeError("injected: the copy engine failed")
+            return real(src, dst, *args, **kwargs)
+
+        engine._unfailing_submit, engine.submit = real, refuse_loads
+    else:
+        engine.submit = engine._unfailing_submit
+
+
+def _tree_device_pages(cache) -> set[int]:
+    return {n.device_page for n in cache.tree.nodes.values() if n.device_page != NO_PAGE}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_load_shrinks_the_request_and_its_pages_are_never_offered(mode):
+    spec = tiny_specs(page_size=4, num_layers=2)["dsa"]
+    cache = make_cache(spec, dev_pages=10, host_pages=12, write_policy="write_back", mode=mode)
+    prompt = tokens(100, 18)  # 4 full pages + a tail
+    serve(cache, prompt)
+    assert cache.evict_device(4).backed_up == 4  # the 4 pages now live on host only
+    fill_device(cache, 0xAB)  # whatever a failed load leaves on device is not the page's bytes
+    on_worker(cache, _fail_loads, True)
+    # 1. the request hits 4 host pages; their load back fails
+    req = cache.begin(prompt)
+    assert (req.host_hit, req.num_cached) == (4, 4)
+    stale = list(req.cached_pages)
+    assert req.wait() == 0 and req.num_cached == 0 and req.failed == 4  # the request is told
+    assert cache.stats.load_failed_pages == 4 and cache.stats.transfer_failures == 1
+    assert not _tree_device_pages(cache) & set(stale)  # off the tree: no later match can offer them
+    # 2. an engine that ignores it cannot commit the failed pages (nothing changes, the request stays open)
+    extra = req.alloc(1)
+    with pytest.raises(PageOwnershipError, match="failed host->device load"):
+        req.commit(stale + extra.pages)
+    # 3. the engine recomputes into pages it allocates, and commits them
+    new = req.alloc(4)
+    write_pages(cache, new.pages, prompt, 0)
+    ins = req.commit(new.pages + extra.pages)
+    assert device_bytes(cache, ins.device_pages) == [expected_page(spec, prompt, i) for i in range(4)]
+    cache.wait_idle()
+    cache.check_integrity(idle=True)  # the quarantined pages were freed once the request finished
+    assert cache.dev_alloc.num_used == 4
+    cache.close()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failed_load_then_abort_leaves_no_device_hit_on_wrong_bytes(mode):
+    spec = tiny_specs(page_size=4, num_layers=2)["mha"]
+    cache = make_cache(spec, dev_pages=10, host_pages=12, write_policy="write_back", mode=mode)
+    prompt = tokens(500, 16)
+    serve(cache, prompt)
+    cache.evict_device(4)
+    fill_device(cache, 0xCD)
+    on_worker(cache, _fail_loads, True)
+    req = cache.begin(prompt)
+    assert req.wait() == 0 and req.failed == 4
+    req.abort()
+    cache.wait_idle()
+    cache.check_integrity(idle=True)
+    assert cache.dev_alloc.num_used == 0  # the 4 quarantined pages are back in the pool, none leaked
+    # the next request finds the pages on host again (not on device), and loads the right bytes
+    on_worker(cache, _fail_loads, False)
+    s = serve(cache, prompt)  # serve checks every page's bytes
+    assert (s.device_hit, s.host_hit, s.computed) == (0, 4, 0)
+    cache.check_integrity()
+    cache.close()
+
+
+def test_begin_on_a_closed_cache_is_a_typed_error():
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    cache = make_cache(spec, dev_pages=4, host_pages=4)
+    cache.close()
+    cache.close()  # twice: a no-op
+    for call in (lambda: cache.begin(tokens(0, 8)), lambda: cache.match(tokens(0, 8)), lambda: cache.alloc_device(1),
+                 lambda: cache.insert(tokens(0, 4), [1])):
+        with pytest.raises(InvalidStateError, match="closed"):
+            call()
+
+
+# ---- 7. a completion for an op the core never planned ----------------------------------------------
+@pytest.mark.parametrize("mode", MODES)
+def test_completion_for_an_unknown_op_is_ignored_and_the_rest_of_the_batch_applied(mode):
+    from kvtier.core.plans import Done, Failed, Reason
+
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    cache = make_cache(spec, dev_pages=8, host_pages=8, write_policy="write_through", mode=mode)
+    port = cache.port
+    real_poll, real_wait = port.poll, port.wait
+    strays = [Done(10**6), Failed(10**6 + 1, Reason.ERROR, "never planned"), "not a completion"]
+
+    def poll_with_strays():
+        got = real_poll()
+        return [strays.pop(0), *got] if strays else got
+
+    def wait_with_strays(ops):
+        got = real_wait(ops)
+        return [strays.pop(0), *got] if strays else got
+
+    port.poll, port.wait = poll_with_strays, wait_with_strays
+    for i in range(3):
+        serve(cache, tokens(100 * i, 8))  # write-through backups: completions arrive beside the strays
+    cache.wait_idle()  # returns: before the fix a KeyError dropped the batch and this spun for ever
+    assert not strays and cache.stats.unknown_completions == 3
+    cache.check_integrity(idle=True)
+    assert cache.stats.backed_up_pages == 6  # every real completion of those batches was applied
+    cache.close()
