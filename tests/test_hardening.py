@@ -348,7 +348,7 @@ import os, sys
 from kvtier.l3.file import FileBackend
 be = FileBackend(sys.argv[1], max_bytes=int(sys.argv[2]))
 for i in range(int(sys.argv[3])):
-    be.set([f"ns/{sys.argv[4]}{i:030x}"], [memoryview(os.urandom(10_000))])
+    be.set([f"ns/{sys.argv[4]}{i:030x}"], [memoryview(b"KVTP" + os.urandom(9_996))])
 """
 
 

@@ -129,3 +129,58 @@ def test_completion_for_an_unknown_op_is_ignored_and_the_rest_of_the_batch_appli
     cache.check_integrity(idle=True)
     assert cache.stats.backed_up_pages == 6  # every real completion of those batches was applied
     cache.close()
+
+
+# ---- 2. the file store's cap and temp sweep delete only its own objects -----------------------------
+def test_capped_file_store_in_a_shared_directory_keeps_every_user_file(tmp_path):
+    import os
+    import time
+    from pathlib import Path
+
+    from kvtier.l3 import open_backend
+    from kvtier.l3.base import KeyStatus
+    from kvtier.l3.file import dir_name
+    from kvtier.l3.page import MAGIC
+
+    root = tmp_path / "shared"
+    ns_dir = dir_name("ns")
+    # the user's files, all older than anything the store writes: at the root, in folders, named like a
+    # temp file, and one laid out and named exactly like a page file but not a page object
+    user = {root / "notes.txt": b"mine", root / "model" / "weights.bin": bytes(5000), root / ".tmp-1-2-3": bytes(4000),
+            root / "ab" / "ab12": b"x" * 3000, root / ns_dir / "00" / "00aa": b"lookalike" * 400,
+            root / ns_dir / "00" / ".tmp-7-7-7": b"user temp" * 400}
+    for path, data in user.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        long_ago = time.time() - 30 * 24 * 3600
+        os.utime(path, (long_ago, long_ago))
+    store = open_backend(f"file://{root}?max_bytes=10000")
+    keys = [f"ns/{i:032x}" for i in range(60)]
+    for i in range(0, 60, 3):  # 60 objects of 1000 bytes through a 10,000-byte cap: many full cap cycles
+        assert store.set(keys[i : i + 3], [memoryview(MAGIC + bytes([i]) * 996)] * 3) == [KeyStatus.OK] * 3
+    assert store.usage_bytes() <= 10000 and store.exists(keys[-1:]) == 1  # the cap still holds its own objects
+    assert store.exists(keys[:1]) == 0  # and evicted its oldest
+    for path, data in user.items():
+        assert path.read_bytes() == data, f"the store's cap deleted or changed the user's {path.relative_to(root)}"
+    assert Path(store._path(keys[-1])).read_bytes()[:4] == MAGIC
+
+
+# ---- 6. the file store's root removed under a running store ------------------------------------------
+def test_file_store_root_removed_under_a_running_store_is_recreated_and_writes_resume(tmp_path):
+    import shutil
+
+    from kvtier.l3 import open_backend
+    from kvtier.l3.base import KeyStatus
+    from kvtier.l3.page import MAGIC
+
+    root = tmp_path / "store"
+    store = open_backend(f"file://{root}")
+    keys = [f"ns/{i:032x}" for i in range(4)]
+    value = memoryview(MAGIC + bytes(60))
+    assert store.set(keys[:2], [value] * 2) == [KeyStatus.OK] * 2
+    shutil.rmtree(root)  # an operator wipes the store's directory while the engine runs
+    assert store.exists(keys[:2]) == 0
+    assert store.set(keys[2:], [value] * 2) == [KeyStatus.OK] * 2  # recreated, writes resume
+    assert store.exists(keys[2:]) == 2 and root.is_dir() and store.roots_recreated == 1
+    out = memoryview(bytearray(len(value)))
+    assert store.get(keys[3:], [out]) == [KeyStatus.OK] and bytes(out) == bytes(value)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.l3.page import MAGIC
+
 from kvtier.l3 import open_backend
 from kvtier.l3.base import KeyStatus
 from kvtier.errors import StorageError, UnknownNameError
@@ -52,13 +54,13 @@ def test_write_back_saves_on_host_eviction(tmp_path, mode):
 
 def test_backend_contract_and_size_cap(tmp_path):
     b = open_backend(f"file://{tmp_path}?max_bytes=1000")
-    vals = [memoryview(bytes([i]) * 300) for i in range(5)]
+    vals = [memoryview(MAGIC + bytes([i]) * 296) for i in range(5)]  # page objects (the cap touches only those)
     keys = [f"ns/{i:032x}" for i in range(5)]
     assert b.set(keys[:3], vals[:3]) == [KeyStatus.OK] * 3
     assert b.exists(keys) == 3
     out = [memoryview(bytearray(300)) for _ in range(2)]
     assert b.get([keys[1], keys[4]], out) == [KeyStatus.OK, KeyStatus.MISS]
-    assert bytes(out[0]) == bytes([1]) * 300
+    assert bytes(out[0]) == MAGIC + bytes([1]) * 296
     wrong = memoryview(bytearray(10))
     assert b.get([keys[0]], [wrong]) == [KeyStatus.ERROR]  # size mismatch is reported, not raised
     b.set(keys[3:], vals[3:])  # 1500 bytes > cap: LRU files are deleted down to 90% of the cap
@@ -73,14 +75,14 @@ def test_size_cap_scan_removes_stale_temp_files_and_keeps_fresh_ones(tmp_path):
     once it is older than ``stale_temp_s``, never one a live writer may still be filling."""
     b = open_backend(f"file://{tmp_path}?max_bytes=1000")
     keys = [f"ns/{i:032x}" for i in range(4)]
-    b.set(keys[:1], [memoryview(bytes(300))])
+    b.set(keys[:1], [memoryview(MAGIC + bytes(296))])
     shard = Path(b._path(keys[0])).parent
     stale, fresh = shard / ".tmp-999999-1-0", shard / ".tmp-999999-1-1"
-    stale.write_bytes(bytes(5000))
-    fresh.write_bytes(bytes(5000))
+    stale.write_bytes(MAGIC + bytes(4996))
+    fresh.write_bytes(MAGIC + bytes(4996))
     hour_ago = time.time() - 3600
     os.utime(stale, (hour_ago, hour_ago))
-    b.set(keys[1:], [memoryview(bytes(300))] * 3)  # 1200 bytes > cap: the scan runs
+    b.set(keys[1:], [memoryview(MAGIC + bytes(296))] * 3)  # 1200 bytes > cap: the scan runs
     assert not stale.exists() and fresh.exists() and b.stale_temps_removed == 1
     assert b.usage_bytes() <= 900  # temp files are not counted as stored pages
 

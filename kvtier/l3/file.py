@@ -3,11 +3,14 @@
 * Atomic: a page is written to a temporary name in the same directory and
   ``os.replace``d into place, so a reader sees a whole object or none, also
   across processes sharing the directory.
-* Bounded: ``?max_bytes=`` (or ``max_gb=``) caps the directory; when a write
-  passes the cap, the least recently used files (by mtime, refreshed on every
-  hit) are deleted until usage is 90% of the cap. The same scan deletes temp
-  files older than ``stale_temp_s`` (10 minutes): a writer that died between
-  create and rename leaves one, and it would otherwise hold its disk forever.
+* Bounded: ``?max_bytes=`` (or ``max_gb=``) caps the store's objects; when a
+  write passes the cap, the least recently used ones (by mtime, refreshed on
+  every hit) are deleted until usage is 90% of the cap. The same scan deletes
+  its temp files older than ``stale_temp_s`` (10 minutes): a writer that died
+  between create and rename leaves one, and it would otherwise hold its disk
+  forever. Both touch only what the store wrote (its directory and file name
+  patterns, and the page object's magic at the start of the file): a root
+  that already holds a user's files keeps them.
 * Zero-copy reads: ``readinto`` the caller's buffer.
 * Confined: a key's namespace never becomes a path as given. It maps to one
   directory name strictly under the root: a readable prefix of its safe
@@ -26,6 +29,7 @@ URL: ``file:///abs/path?max_gb=100``.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import re
 import threading
@@ -37,6 +41,9 @@ import xxhash
 
 from kvtier.errors import StorageError
 from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors, redact_url
+from kvtier.l3.page import MAGIC
+
+log = logging.getLogger(__name__)
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.]")
 _HEX_NAME = re.compile(r"[0-9a-f]{2,64}")
@@ -64,6 +71,36 @@ def _write_all(fd: int, parts: Sequence[memoryview]) -> None:
             pending.pop(0)
         if n:
             pending[0] = pending[0][n:]
+
+
+#: what this store writes, and nothing else is touched by its cap or its temp sweep
+_NS_DIR = re.compile(r"[A-Za-z0-9_.]{0,48}-[0-9a-f]{32}")
+_SHARD = re.compile(r"[0-9a-fx][0-9a-f]")
+_PAGE_FILE = re.compile(r"[0-9a-f]{2,64}|x[0-9a-f]{32}")
+_TEMP = re.compile(r"\.tmp-[0-9]+-[0-9]+-[0-9]+")
+
+
+def _scandir(path: str) -> list[os.DirEntry]:
+    try:
+        with os.scandir(path) as it:
+            return list(it)
+    except (FileNotFoundError, NotADirectoryError, PermissionError):
+        return []
+
+
+def _is_page_object(path: str, allow_empty: bool = False) -> bool:
+    """The file starts with the page object's magic (:mod:`kvtier.l3.page`); never follows a link."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        head = os.pread(fd, len(MAGIC), 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return head == MAGIC or (allow_empty and head == b"")
 
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -101,6 +138,8 @@ class FileBackend:
         self._fd_lock = threading.Lock()
         self._tmp_ids = itertools.count()  # with pid and thread: unique temp names, no retry loop
         self.stale_temps_removed = 0
+        #: times the root was found removed and made again (an operator wiped the store under a running engine)
+        self.roots_recreated = 0
 
     @classmethod
     def from_url(cls, u: StorageURL) -> FileBackend:
@@ -153,22 +192,42 @@ class FileBackend:
     def _shard_fd(self, key: str, create: bool) -> tuple[int, str]:
         """An fd of the key's shard directory (the caller closes it) and the file name in it."""
         d, shard, name = self._names(key)
+        try:
+            return self._open_dir(self._ns_fd(d, create), shard, create), name
+        except FileNotFoundError:
+            if not create:
+                raise
+        # the namespace directory, or the whole root, was removed under us (an operator wiped the
+        # store): open them again, the root recreated where it was gone, and write on
+        with self._fd_lock:
+            fd = self._ns_fds.pop(d, None)
+            if fd is not None:
+                os.close(fd)
+            if not os.path.isdir(self._root):
+                self._reopen_root()
+                self.roots_recreated += 1
+                log.warning("file store root %s was removed under a running store; recreated it", self._root)
+        return self._open_dir(self._ns_fd(d, create), shard, create), name
+
+    def _ns_fd(self, d: str, create: bool) -> int:
         ns_fd = self._ns_fds.get(d)
         if ns_fd is None:
             with self._fd_lock:
                 ns_fd = self._ns_fds.get(d)
                 if ns_fd is None:
                     ns_fd = self._ns_fds[d] = self._open_dir(self._root_fd, d, create)
-        try:
-            return self._open_dir(ns_fd, shard, create), name
-        except FileNotFoundError:
-            if not create:
-                raise
-            # the namespace directory was removed under us (store wiped): open it again
-            with self._fd_lock:
-                os.close(self._ns_fds.pop(d))
-                ns_fd = self._ns_fds[d] = self._open_dir(self._root_fd, d, create)
-            return self._open_dir(ns_fd, shard, create), name
+        return ns_fd
+
+    def _reopen_root(self) -> None:
+        """Recreate the root and reopen every fd under it (called with ``_fd_lock`` held)."""
+        for fd in self._ns_fds.values():
+            os.close(fd)
+        self._ns_fds.clear()
+        self.root.mkdir(parents=True, exist_ok=True)
+        old, self._root_fd = self._root_fd, os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        if old >= 0:
+            os.close(old)
+        self._approx_bytes = None  # the usage is whatever is there now: scan at the next capped write
 
     def exists(self, keys: Sequence[str]) -> int:
         n = 0
@@ -304,14 +363,25 @@ class FileBackend:
         return sum(p.stat().st_size for p in self._files())
 
     def _files(self, sweep_temps: bool = False):
-        """Committed page files; with ``sweep_temps``, stale temp files met on the way are deleted."""
+        """This store's committed page objects; with ``sweep_temps``, its stale temp files met on the
+        way are deleted. Only what this store writes is ever looked at: ``<root>/<namespace dir>/
+        <shard>/<page file>`` with every name in the store's own pattern and the object's magic at
+        its start. A directory the user shares with the store keeps everything else, whatever its age
+        (a file named like a page that is not one included)."""
         stale_before = time.time_ns() - int(self.stale_temp_s * 1e9)
-        for dirpath, _dirs, files in os.walk(self.root):
-            for name in files:
-                if not name.startswith(".tmp-"):
-                    yield Path(dirpath) / name
-                elif sweep_temps:
-                    self._remove_if_stale(os.path.join(dirpath, name), stale_before)
+        for ns in _scandir(self._root):
+            if not (ns.is_dir(follow_symlinks=False) and _NS_DIR.fullmatch(ns.name)):
+                continue
+            for shard in _scandir(ns.path):
+                if not (shard.is_dir(follow_symlinks=False) and _SHARD.fullmatch(shard.name)):
+                    continue
+                for f in _scandir(shard.path):
+                    name = f.name
+                    if name.startswith(".tmp-"):
+                        if sweep_temps and _TEMP.fullmatch(name) and _is_page_object(f.path, allow_empty=True):
+                            self._remove_if_stale(f.path, stale_before)
+                    elif name[:2] == shard.name and _PAGE_FILE.fullmatch(name) and _is_page_object(f.path):
+                        yield Path(f.path)
 
     def _remove_if_stale(self, tmp: str, stale_before_ns: int) -> None:
         try:
