@@ -184,3 +184,82 @@ def test_file_store_root_removed_under_a_running_store_is_recreated_and_writes_r
     assert store.exists(keys[2:]) == 2 and root.is_dir() and store.roots_recreated == 1
     out = memoryview(bytearray(len(value)))
     assert store.get(keys[3:], [out]) == [KeyStatus.OK] and bytes(out) == bytes(value)
+
+
+# ---- 3. every plan an executor receives is checked before any byte moves ----------------------------
+def _host_snapshot(executor) -> list[bytes]:
+    return [executor.engine.host.page_bytes(p) for p in range(executor.engine.host.num_pages)]
+
+
+def _stored(executor, keys) -> int:
+    return sum(executor.storage.stored_prefix([k]) for k in keys)
+
+
+def _malformed_plans(keys):
+    import dataclasses
+
+    from kvtier.core.plans import Tier, Transfer, copy_plan, fetch_plan, save_plan
+
+    def forged(**fields):  # what an unpickled plan can hold: __post_init__ never ran
+        t = object.__new__(Transfer)
+        base = dict(op=fields.pop("op", 90), src=Tier.HOST, dst=Tier.DEVICE, src_pages=(0,), dst_pages=(1,), keys=(), after=0)
+        for f in dataclasses.fields(Transfer):
+            object.__setattr__(t, f.name, fields.get(f.name, base[f.name]))
+        return t
+
+    return {
+        "fetch into host page -2": fetch_plan(71, keys[:1], [-2]),
+        "save from host page -3": save_plan(72, keys[1:2], [-3]),
+        "save from host page 99 of 8": save_plan(73, keys[2:3], [99]),
+        "copy to device page 8 of 8": copy_plan(74, Tier.HOST, [0], Tier.DEVICE, [8]),
+        "float host page": forged(op=75, src_pages=(0.5,)),
+        "bool device page": forged(op=76, dst_pages=(True,)),
+        "two pages into one": copy_plan(77, Tier.HOST, [0, 1], Tier.DEVICE, [3, 3]),
+        "sides of different lengths": forged(op=78, src_pages=(0, 1), dst_pages=(2,)),
+        "key that is a str": forged(op=79, src=Tier.HOST, dst=Tier.STORAGE, src_pages=(0,), dst_pages=(), keys=("k",)),
+        "pages as a list": forged(op=80, src_pages=[0]),
+        "device to storage": forged(op=81, src=Tier.DEVICE, dst=Tier.STORAGE, dst_pages=(), keys=(keys[0],)),
+    }
+
+
+def _refusals(executor, keys):
+    """Submit every malformed plan next to the bytes; returns what came back and whether anything moved."""
+    plans = _malformed_plans(keys)
+    host_before, dev_before = _host_snapshot(executor), [executor.engine.device.page_bytes(p) for p in range(8)]
+    for plan in plans.values():
+        executor.submit(plan)
+    done = executor.wait([p.op for p in plans.values()])
+    moved = (_host_snapshot(executor) != host_before or [executor.engine.device.page_bytes(p) for p in range(8)] != dev_before
+             or _stored(executor, keys) != 0)
+    return [(c.op, type(c).__name__, c.reason.value, c.detail) for c in done], moved
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_malformed_plans_complete_failed_invalid_and_move_no_byte(tmp_path, mode):
+    from kvtier.hashing import page_keys
+
+    from cache_helpers import make_tiered_cache
+
+    spec = tiny_specs(page_size=4, num_layers=2)["mla"]
+    cache = make_tiered_cache(spec, 8, 8, f"file://{tmp_path}", mode=mode)
+    on_worker(cache, _fill_pools)
+    keys = page_keys(list(range(16)), 4, cache.root_key)
+    answers, moved = on_worker(cache, _refusals, keys)
+    assert not moved, "a malformed plan moved bytes"
+    assert len(answers) == len(_malformed_plans(keys))
+    for op, kind, reason, detail in answers:
+        assert (kind, reason) == ("Failed", "invalid") and detail, (op, kind, reason, detail)
+    details = {op: d for op, _, _, d in answers}
+    assert "page -2 is outside its pool of 8" in details[71] and "page 99 is outside" in details[73] and "repeat" in details[77]
+    cache.close()
+
+
+def _fill_pools(executor) -> None:
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+    for pool in (executor.engine.host, executor.engine.device):
+        for name in pool.buffers:
+            for layer in range(pool.spec.num_layers):
+                rows = pool.rows(name, layer).view(torch.uint8)
+                rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen))

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
+import numpy as np
+
 from kvtier.errors import PageAlignmentError
 
 
@@ -80,6 +82,7 @@ class Reason(Enum):
     CORRUPT = "corrupt"          # storage: an object failed its checks (deleted on read)
     CANCELLED = "cancelled"      # a prefetch's budget ran out and the rest was cancelled
     SKIPPED = "skipped"          # never started: the executor's queue was full
+    INVALID = "invalid"          # refused before any byte moved: the plan names pages or keys it cannot (see plan_error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,3 +118,50 @@ def completed_pages(c: Completion, num_pages: int) -> int:
     if type(c) is Done:
         return num_pages
     return c.pages if type(c) is CutShort else 0
+
+
+def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
+    """Why an executor must refuse ``plan`` before any byte moves, or None: it is not a
+    :class:`Transfer`, names a tier pair no executor runs, a page id that is not an integer in
+    ``[0, pages)`` of its pool, a destination page twice, keys that are not bytes, or sides of
+    different lengths. A plan that crossed a pipe was unpickled without ``__post_init__``, so
+    nothing about it is taken on trust."""
+    if type(plan) is not Transfer:
+        return f"not a plan: {type(plan).__name__}"
+    op = plan.op
+    if type(op) is not int:
+        return f"plan op {op!r} is not an int"
+    src, dst = plan.src, plan.dst
+    if type(src) is not Tier or type(dst) is not Tier or src is dst or Tier.STORAGE in (src, dst) and Tier.DEVICE in (src, dst):
+        return f"plan {op}: no executor moves {src!r} -> {dst!r}"
+    if type(plan.after) is not int or plan.after < 0:
+        return f"plan {op}: after={plan.after!r} is not a plan op"
+    sizes = {Tier.DEVICE: device_pages, Tier.HOST: host_pages}
+    n = None
+    for side, pages, tier in (("source", plan.src_pages, src), ("destination", plan.dst_pages, dst)):
+        if type(pages) is not tuple:
+            return f"plan {op}: {side} pages are a {type(pages).__name__}, not a tuple of page ids"
+        if tier is Tier.STORAGE:
+            if pages:
+                return f"plan {op}: the storage side is named by keys, yet it lists {len(pages)} page ids"
+            continue
+        arr = np.asarray(pages) if pages else np.zeros(0, dtype=np.int64)
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or any(type(p) is bool for p in pages):
+            return f"plan {op}: {tier.name.lower()} pages {pages[:8]!r} are not page ids (integers)"
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= sizes[tier]):
+            bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
+            return f"plan {op}: {tier.name.lower()} page {bad} is outside its pool of {sizes[tier]} pages"
+        if side == "destination" and np.unique(arr).size != arr.size:
+            return f"plan {op}: {tier.name.lower()} destination pages repeat a page: two pages would land in one"
+        if n is not None and arr.size != n:
+            return f"plan {op}: {n} source pages for {arr.size} destination pages"
+        n = arr.size
+    keys = plan.keys
+    if type(keys) is not tuple or any(type(k) is not bytes for k in keys):
+        return f"plan {op}: keys must be a tuple of bytes"
+    if Tier.STORAGE in (src, dst):
+        if len(keys) != n:
+            return f"plan {op}: {len(keys)} keys for {n} host pages"
+    elif keys:
+        return f"plan {op}: a device<->host copy names {len(keys)} storage keys"
+    return None

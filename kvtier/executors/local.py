@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer
+from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer, plan_error
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.transfer.engine import TransferEngine, TransferJob
@@ -23,16 +23,24 @@ class LocalExecutor:
         self.storage = storage
         self.has_storage = storage is not None
         self.can_wait = True
+        self._device_pages = engine.device.num_pages
+        self._host_pages = engine.host.num_pages
         self._jobs: dict[int, TransferJob | StorageJob] = {}
         #: completions decided at submission (a plan that could not start)
         self._ready: list[Completion] = []
 
     def submit(self, plan: Transfer, *, layered: bool = False) -> None:
-        """Start ``plan``; one the engine or tier refuses (a page outside its pool) completes as Failed,
-        as it would across a pipe -- the core's bookkeeping never sees an exception mid-decision.
+        """Start ``plan``; one that names what it cannot (:func:`~kvtier.core.plans.plan_error`: a page
+        outside its pool, a non-integer page, mismatched lengths) completes as ``Failed(INVALID)``
+        before any byte moves, and one the engine or tier refuses as ``Failed(ERROR)``, as it would
+        across a pipe -- the core's bookkeeping never sees an exception mid-decision.
 
         ``layered`` (a copy out of device pages an engine is computing now): each layer
         is copied once :meth:`release_layer` says it is written (:meth:`release_rest`: all)."""
+        why = plan_error(plan, self._device_pages, self._host_pages)
+        if why is not None:  # before any byte moves, whatever sent it
+            self._ready.append(Failed(plan.op if type(getattr(plan, "op", None)) is int else -1, Reason.INVALID, why))
+            return
         try:
             self._start(plan, layered)
         except Exception as e:

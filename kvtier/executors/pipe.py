@@ -54,6 +54,10 @@ class WorkerSpec:
         return LocalExecutor(TransferEngine(host, device, self.io_backend), open_storage_tier(self.storage, host, namespace))
 
 
+#: what the owner may ask of the worker (``submit`` is one-way)
+_CALLS = frozenset({"poll", "wait", "settle", "wait_layer", "stored_prefix", "run", "close"})
+
+
 def serve(conn, worker: WorkerSpec) -> None:
     """The worker process's loop: build the executor, then answer until ``close``."""
     executor = None
@@ -65,14 +69,18 @@ def serve(conn, worker: WorkerSpec) -> None:
         return
     while True:
         try:
-            name, args = conn.recv()
+            msg = conn.recv()
         except EOFError:  # the owner is gone
             executor.close()
             return
-        if name == "submit":  # one-way; a plan the executor refuses comes back Failed from its poll
-            executor.submit(*args)
+        name, args = msg if type(msg) is tuple and len(msg) == 2 and type(msg[1]) is tuple else (None, ())
+        if name == "submit":  # one-way; a plan the executor refuses (malformed included) comes back Failed from its poll
+            if len(args) == 1:
+                executor.submit(args[0])
             continue
         try:
+            if name not in _CALLS:
+                raise ValueError(f"not a call of the executor port: {str(name)[:40]!r}")
             if name == "run":
                 fn, fargs = args
                 result = fn(executor, *fargs)
