@@ -244,9 +244,9 @@ def test_join_and_aggregate_are_per_page_minimums():
     assert join(CutShort(1, 2, Reason.CORRUPT, 1), CutShort(1, 5, Reason.MISS)) == CutShort(1, 2, Reason.CORRUPT, 1)
     assert type(join(CutShort(1, 2, Reason.MISS), Failed(1, Reason.ERROR, "x"))) is Failed
     a = KVTierWorkerMeta({1: RankResult(Done(1)), 2: RankResult(CutShort(2, 1, Reason.MISS))})
-    b = KVTierWorkerMeta({2: RankResult(Done(2))})
+    b = KVTierWorkerMeta({2: RankResult(Done(2), frozenset({1}))})
     agg = a.aggregate(b)
-    assert agg.results[1] == RankResult(Done(1), 1) and agg.results[2] == RankResult(CutShort(2, 1, Reason.MISS), 2)
+    assert agg.results[1] == RankResult(Done(1)) and agg.results[2] == RankResult(CutShort(2, 1, Reason.MISS), frozenset({0, 1}))
 
 
 def test_scheduler_never_waits_and_refuses_write_back(tmp_path):
@@ -494,3 +494,24 @@ def test_a_preempted_requests_copies_finish_before_the_next_forward_reuses_its_b
         copy = next(p for m in eng.metas for p in m.plans if p.op == meta.preempted_copies[0])
         assert [host.page_bytes(h) for h in copy.dst_pages] == [b"".join(page) for page in originals[r]]
     eng.close()
+
+
+def test_a_rank_reported_twice_counts_once_and_never_stands_in_for_another_rank():
+    """Rank 0's report of a load arrives twice (within one step's aggregate, and again next step) and
+    rank 1 has not copied: the load is not complete -- before, two reports counted as two ranks and
+    the prefix was served from host with rank 1's blocks stale."""
+    from kvtier.core.plans import Tier, copy_plan
+    from kvtier.integrations.vllm.scheduler_port import SchedulerPort
+
+    port = SchedulerPort(world_size=2, probe=None)
+    port.submit(copy_plan(5, Tier.HOST, [0, 1], Tier.DEVICE, [3, 4]))
+    assert [p.op for p in port.take_plans()] == [5]
+    rank0 = KVTierWorkerMeta({5: RankResult(Done(5), frozenset({0}))})
+    port.deliver(rank0.aggregate(rank0).results)  # the same rank twice in one step's aggregate
+    port.deliver(rank0.results)  # and once more the next step
+    assert port.poll() == [] and 5 in port.in_flight and port.duplicate_reports == 2
+    port.deliver({5: RankResult(Failed(5, Reason.ERROR, "rank 1 cannot copy"), frozenset({1}))})
+    assert [type(c).__name__ for c in port.poll()] == ["Failed"] and not port.in_flight  # a failure on any rank fails all
+    port.deliver({5: RankResult(Done(5), frozenset({1}))})  # a late report of a plan already answered: ignored
+    port.deliver({9: RankResult(Done(9), frozenset({7}))})  # a plan never sent, from a rank outside the world
+    assert port.poll() == [] and port.stray_reports == 2

@@ -56,10 +56,19 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class RankResult:
-    """One plan's completion joined over the ranks that reported it so far."""
+    """One plan's completion joined over the ranks that reported it so far: the ranks are a set, so
+    a rank whose report arrives twice still counts once (``duplicates`` counts the extra reports)."""
 
     completion: Completion
-    ranks: int = 1
+    ranks: frozenset[int] = frozenset({0})
+    duplicates: int = 0
+
+    def merged(self, other: RankResult) -> RankResult:
+        """Both reports joined; a report only from ranks already counted is ignored (and counted)."""
+        dup = int(bool(self.ranks & other.ranks)) + self.duplicates + other.duplicates
+        if other.ranks <= self.ranks:
+            return RankResult(self.completion, self.ranks, dup)
+        return RankResult(join(self.completion, other.completion), self.ranks | other.ranks, dup)
 
 
 def join(a: Completion, b: Completion) -> Completion:
@@ -85,5 +94,5 @@ class KVTierWorkerMeta(KVConnectorWorkerMetadata):
         merged = dict(self.results)
         for op, r in getattr(other, "results", {}).items():
             mine = merged.get(op)
-            merged[op] = r if mine is None else RankResult(join(mine.completion, r.completion), mine.ranks + r.ranks)
+            merged[op] = r if mine is None else mine.merged(r)
         return KVTierWorkerMeta(merged)

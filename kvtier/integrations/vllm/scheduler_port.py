@@ -14,14 +14,17 @@ every rank's object of each page is there (the leading run all ranks hold).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Sequence
 
 from kvtier.core.plans import Completion, Transfer
 from kvtier.errors import ExecutorError
-from kvtier.integrations.vllm.messages import RankResult, join
+from kvtier.integrations.vllm.messages import RankResult
 from kvtier.l3.base import map_storage_errors
 from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.registry import open_backend
+
+log = logging.getLogger(__name__)
 
 
 class StoreProbe:
@@ -62,6 +65,11 @@ class SchedulerPort:
         self._ready: list[Completion] = []
         #: plans handed to the workers whose completion has not come back from every rank
         self.in_flight: set[int] = set()
+        self._ranks = frozenset(range(world_size))
+        #: reports of a plan by a rank that had reported it already (ignored: each rank counts once)
+        self.duplicate_reports = 0
+        #: reports of plans not in flight, or from ranks outside the world (ignored)
+        self.stray_reports = 0
 
     # ---- the vLLM side ----------------------------------------------------------------------
     def take_plans(self) -> list[Transfer]:
@@ -72,10 +80,19 @@ class SchedulerPort:
     def deliver(self, results: dict[int, RankResult]) -> None:
         """One step's worker results (already aggregated over the ranks that ran this step)."""
         for op, r in results.items():
+            if op not in self.in_flight or not r.ranks <= self._ranks:  # a plan not out (or answered), a rank that is not one
+                self.stray_reports += 1
+                log.warning("kvtier: ignored a worker report for plan %s from ranks %s (not in flight, or not a rank of %d)",
+                            op, sorted(r.ranks), self.world_size)
+                continue
             mine = self._partial.pop(op, None)
             if mine is not None:
-                r = RankResult(join(mine.completion, r.completion), mine.ranks + r.ranks)
-            if r.ranks >= self.world_size:
+                r = mine.merged(r)
+            if r.duplicates:
+                self.duplicate_reports += r.duplicates
+                log.warning("kvtier: plan %s was reported twice by a rank; counted once", op)
+                r = RankResult(r.completion, r.ranks)
+            if len(r.ranks) >= self.world_size:
                 self._ready.append(r.completion)
                 self.in_flight.discard(op)
             else:

@@ -228,7 +228,7 @@ class ConnectorWorker:
             return None
         self._collect(self.executor.poll())
         done, self._done = self._done, {}
-        return KVTierWorkerMeta({op: RankResult(c) for op, c in done.items()}) if done else None
+        return KVTierWorkerMeta({op: RankResult(c, frozenset({self.tp_rank})) for op, c in done.items()}) if done else None
 
     def drained_stats(self, timeout_s: float = 30.0) -> WorkerStats:
         """The stats once the L3 writes in flight finished (bounded by ``timeout_s``); their completions
