@@ -470,3 +470,51 @@ def test_bench_sglang_prints_both_sides_as_json():
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "sideways" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+# ---- hardening, second round ----------------------------------------------------------------
+def test_v1_host_indices_that_are_not_flat_integers_are_typed_errors_before_any_byte_moves(file_url, tmp_path):
+    """Floats and 2-D indices were cast to int64 and flattened, so a get overwrote another page (the
+    round-one "floats move pages" fault on SGLang's v1 path); ``None`` was an untyped TypeError."""
+    from kvtier.errors import IndexTypeError
+
+    src = mha_pool()
+    fill(src, seed=21)
+    backend = attach(storage_config(file_url), src)
+    keys = page_keys(list(range(8)), P)
+    idx = src.alloc(2 * P)
+    assert backend.batch_set_v1(keys, idx) == [True, True]
+    dst = mha_pool()
+    fill(dst, seed=22)
+    backend = attach(storage_config(file_url), dst)
+    before = [bytes(t.view(torch.uint8).numpy()) for t in dst.kv_buffer]
+    bad = {"float": idx.to(torch.float32) + 0.5, "2-D": idx.view(2, P), "None": None, "strings": ["0", "1"]}
+    for name, host_indices in bad.items():
+        for call in (backend.batch_get_v1, backend.batch_set_v1):
+            with pytest.raises(IndexTypeError):
+                call(keys, host_indices)
+        with pytest.raises(IndexTypeError if host_indices is not None else PageAlignmentError):  # v2: "no host_indices"
+            backend.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=host_indices, keys=keys)])
+    after = [bytes(t.view(torch.uint8).numpy()) for t in dst.kv_buffer]
+    assert after == before, "a refused call moved bytes"
+
+
+def test_a_key_that_is_not_utf8_is_a_miss_and_the_store_stays_up(file_url):
+    """A lone surrogate in a key was counted as a store fault and opened the breaker, so every
+    other key missed for a while."""
+    src = mha_pool()
+    fill(src, seed=23)
+    backend = attach(storage_config(file_url), src)
+    keys = page_keys(list(range(12)), P)
+    idx = src.alloc(3 * P)
+    bad = "\ud800-lone-surrogate"
+    assert backend.batch_set_v1([keys[0], bad, keys[2]], idx) == [True, False, False]  # it and the keys after it miss
+    assert backend.batch_set_v1([keys[1], keys[2]], idx[P:]) == [True, True]
+    assert backend.batch_exists([bad]) == 0 and backend.batch_get_v1([bad], idx[:P]) == [False]
+    assert backend.get(bad) is None and backend.set(bad, src.get_dummy_flat_data_page()) is False
+    assert backend.breaker.available and backend.backend.stats.errors == 0 and backend.invalid_keys >= 4
+    dst = mha_pool()
+    backend = attach(storage_config(file_url), dst)
+    got = dst.alloc(3 * P)
+    assert backend.batch_exists(keys) == 3 and backend.batch_get_v1(keys, got) == [True] * 3  # every other key still hits
+    assert same_pages(src, idx, dst, got)

@@ -72,6 +72,14 @@ from kvtier.l3.registry import open_backend
 
 log = logging.getLogger(__name__)
 
+
+def _encodes(key: str) -> bool:
+    try:
+        key.encode()
+    except UnicodeEncodeError:  # a lone surrogate
+        return False
+    return True
+
 #: pools whose pages are the KV pool's pages (replicated like KV under MLA)
 _KV_SHAPED = {PoolName.KV, PoolName.INDEXER, PoolName.DRAFT, PoolName.DRAFT_INDEXER}
 
@@ -129,6 +137,8 @@ class KvtierStorage(HiCacheStorage):
         self.breaker = CircuitBreaker(self.backend.stats, self.options.cooldown_s)
         self.writer = storage_config.is_storage_writer
         self.metrics = StorageMetrics()
+        #: keys that could not name an object (not UTF-8 strings): misses, never store faults
+        self.invalid_keys = 0
         self._metrics_lock = threading.Lock()
         self._pools: dict[str, _Pool] = {}
         caps = self.backend.capabilities
@@ -239,8 +249,23 @@ class KvtierStorage(HiCacheStorage):
         return out + [False] * (n - start - len(out))
 
     # ---- reads -------------------------------------------------------------------------
+    def _valid_prefix(self, keys: Sequence[str]) -> int:
+        """Leading ``keys`` that can name an object (strings that encode as UTF-8). A key past them is a
+        miss for this call alone, never a store fault: one bad key must not open the breaker."""
+        for i, k in enumerate(keys):
+            if type(k) is not str or not (k.isascii() or _encodes(k)):
+                self.invalid_keys += 1
+                log.warning("kvtier HiCache storage: key %d of %d is not a UTF-8 string (%s); it and the keys after it miss",
+                            i, len(keys), ascii(k)[:60])
+                return i
+        return len(keys)
+
     def _read(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
         """Read pages into ``pages`` of ``pool``; True for the verified leading run only."""
+        asked = len(keys)
+        keys = keys[: self._valid_prefix(keys)]
+        if len(keys) < asked:
+            return self._read(pool, keys, pages[: len(keys)]) + [False] * (asked - len(keys))
         if not keys:
             return []
         t0 = time.perf_counter()
@@ -299,6 +324,10 @@ class KvtierStorage(HiCacheStorage):
     # ---- writes ------------------------------------------------------------------------
     def _write(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
         """Store pages of ``pool``; keys the store already has (its leading run) are not rewritten."""
+        asked = len(keys)
+        keys = keys[: self._valid_prefix(keys)]
+        if len(keys) < asked:
+            return self._write(pool, keys, pages[: len(keys)]) + [False] * (asked - len(keys))
         if not keys:
             return []
         t0 = time.perf_counter()
@@ -334,6 +363,7 @@ class KvtierStorage(HiCacheStorage):
     # ---- lookups -----------------------------------------------------------------------
     def _stored_prefix(self, pool: _Pool, keys: Sequence[str]) -> int:
         """Leading ``keys`` stored for ``pool`` (a fault, or a store marked down, counts as absent)."""
+        keys = keys[: self._valid_prefix(keys)]
         if not keys or not self.breaker.available:
             return 0
         found = [0]
@@ -462,17 +492,18 @@ class KvtierStorage(HiCacheStorage):
         targets = [t if t is not None else pool.pages.pool.get_dummy_flat_data_page() for t in targets]
         views = [pool.pages.check_flat(t, f"get {k!r}") for k, t in zip(keys, targets)]
         out: list[torch.Tensor | None] = [None] * len(keys)
+        keys = keys[: self._valid_prefix(keys)]
         t0 = time.perf_counter()
         if not keys or not self.breaker.available:
-            self._count_read(pool, 0, len(keys), 0.0)
+            self._count_read(pool, 0, len(out), 0.0)
             return out
         heads = np.zeros((len(keys), HEADER_BYTES), dtype=np.uint8)
         ok: list[bool] = []
         with self._guard("get", ok):
-            ok += self._get_objects(pool, keys, [[v] for v in views], heads, leading=False)
+            ok += self._get_objects(pool, keys, [[v] for v in views[: len(keys)]], heads, leading=False)
         for j, good in enumerate(ok):
             out[j] = targets[j] if good else None
-        self._count_read(pool, sum(ok), len(keys), time.perf_counter() - t0)
+        self._count_read(pool, sum(ok), len(out), time.perf_counter() - t0)
         return out
 
     def set(self, key: str, value=None, target_location=None, target_sizes=None) -> bool:
@@ -485,6 +516,8 @@ class KvtierStorage(HiCacheStorage):
         if len(values) != len(keys):
             raise PageAlignmentError(f"batch_set: {len(keys)} keys but {len(values)} pages; pass one flat data page per key")
         views = [pool.pages.check_flat(v, f"set {k!r}") for k, v in zip(keys, values)]
+        if self._valid_prefix(keys) < len(keys):
+            return False  # (a key that cannot name an object is not stored; the call stores none)
         t0 = time.perf_counter()
         have = self._stored_prefix(pool, keys)
         if not self.writer:

@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from kvtier.errors import ConfigError, PageAlignmentError
-from kvtier.pages import slots_to_pages
+from kvtier.pages import as_index_tensor, check_pages_in_range, slots_to_pages
 
 #: bumped when the way a pool's page maps to the payload changes
 POOL_PAGE_FORMAT = 1
@@ -106,17 +106,15 @@ class PoolPages:
     def pages(self, host_indices: torch.Tensor, count: int) -> list[int]:
         """Page numbers of ``count`` pages given as token slots; a :class:`PageAlignmentError` unless
         they are exactly ``count`` whole pages inside the pool."""
-        if not isinstance(host_indices, torch.Tensor):
-            host_indices = torch.as_tensor(host_indices, dtype=torch.int64)
-        host_indices = host_indices.to("cpu", torch.int64).flatten()
         pool = f"SGLang host pool {self.name!r} ({type(self.pool).__name__})"
+        # typed before anything else: floats would be truncated and 2-D flattened onto other pages
+        host_indices = as_index_tensor(host_indices, what=f"host indices for {pool}")
         pages = slots_to_pages(host_indices, self.page_size, pool=pool, side="host")
         if pages.numel() != count:
             raise PageAlignmentError(
                 f"host indices for {pool}: {host_indices.numel()} token slots are {pages.numel()} pages of "
                 f"page_size {self.page_size}, but {count} keys were given; pass page_size slots per key")
-        if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= self.num_pages):
-            raise PageAlignmentError(f"host indices for {pool}: pages must be in 0..{self.num_pages - 1}, got {pages.tolist()}")
+        check_pages_in_range(pages, self.num_pages, pool=pool, side="host")
         return pages.tolist()
 
     def views(self, page: int) -> list[memoryview]:
