@@ -19,6 +19,12 @@ _ALL_INTS = object()
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
+def is_ordered_sequence(x: object) -> bool:
+    """A list, tuple, range, array or tensor: sized, indexable, ordered (not a set, dict, str, None or generator)."""
+    return (x is not None and not isinstance(x, (set, frozenset, dict, str, bytes)) and hasattr(x, "__len__")
+            and hasattr(x, "__getitem__"))
+
+
 def as_index_tensor(indices: torch.Tensor | np.ndarray | list[int] | range, *, what: str = "indices") -> torch.Tensor:
     """A flat int64 CPU tensor of ``indices``, or :class:`IndexTypeError` (a ``TypeError``) for
     anything that is not a flat sequence of integers: floats would be truncated, 2-D would be

@@ -32,8 +32,8 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from kvtier.alloc import Allocation
-from kvtier.errors import InvalidStateError, PageOwnershipError
-from kvtier.pages import checked_page_list, first_duplicate
+from kvtier.errors import IndexTypeError, InvalidStateError, PageOwnershipError
+from kvtier.pages import checked_page_list, first_duplicate, is_ordered_sequence
 
 
 if TYPE_CHECKING:
@@ -115,6 +115,8 @@ class CacheRequest:
         full pages first (inserted) and at most one partial tail page (freed). Pages the
         request allocated but did not pass are freed too. Unlocks the prefix."""
         self._check_open("commit")
+        if not is_ordered_sequence(pages):
+            raise IndexTypeError(f"commit: pages must be a list of device page ids, in order, got {type(pages).__name__}")
         cache = self.cache
         if self.load.ops:
             self.load.wait()  # every load's outcome is known before anything is inserted over it

@@ -263,3 +263,27 @@ def _fill_pools(executor) -> None:
             for layer in range(pool.spec.num_layers):
                 rows = pool.rows(name, layer).view(torch.uint8)
                 rows.copy_(torch.randint(0, 256, rows.shape, dtype=torch.uint8, generator=gen))
+
+
+# ---- 14. request API misuse is a typed error --------------------------------------------------------
+def test_request_api_misuse_is_a_typed_error_and_changes_nothing():
+    from kvtier.errors import IndexTypeError, KVTierError
+
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    cache = make_cache(spec, dev_pages=8, host_pages=8)
+    serve(cache, tokens(0, 8))
+    before = (len(cache.tree), cache.dev_alloc.num_free, cache.stats.requests)
+    for bad in (None, (t for t in range(8)), set(range(8)), {1: 2}, "abcdefgh"):
+        with pytest.raises(IndexTypeError, match="ordered sequence"):
+            cache.begin(bad)
+    with pytest.raises(KVTierError, match="integers"):
+        cache.begin([0.5] * 8)
+    assert (len(cache.tree), cache.dev_alloc.num_free, cache.stats.requests) == before
+    req = cache.begin(tokens(0, 8))
+    for bad in (None, 5, {0, 1}):
+        with pytest.raises(IndexTypeError, match="commit: pages"):
+            req.commit(bad)
+    req.commit(list(req.cached_pages))  # still open, and commits as it should
+    cache.wait_idle()
+    cache.check_integrity(idle=True)
+    cache.close()

@@ -49,11 +49,11 @@ from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
 from kvtier.core.storage_policy import StoragePolicy
 from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
-from kvtier.errors import PageAlignmentError, PageOwnershipError
+from kvtier.errors import IndexTypeError, PageAlignmentError, PageOwnershipError
 from kvtier.executors.port import ExecutorPort
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
-from kvtier.pages import at_own_place, checked_page_list, first_duplicate
+from kvtier.pages import at_own_place, checked_page_list, first_duplicate, is_ordered_sequence
 from kvtier.radix import NO_PAGE, SAVING, PageNode, PrefixTree, device_page_of, host_page_of
 from kvtier.request import CacheRequest
 from kvtier.spec import KVSpec
@@ -141,6 +141,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage)
 
     def _keys(self, tokens_or_keys) -> list[PageHash]:
+        if not is_ordered_sequence(tokens_or_keys):
+            raise IndexTypeError(f"token ids (or page keys) must be an ordered sequence -- a list, tuple, numpy array or tensor -- "
+                                 f"got {type(tokens_or_keys).__name__}; a set has no order and a generator no length: list() it first")
         if not len(tokens_or_keys):  # no full page (a prompt shorter than a page): nothing to hash
             return []
         if isinstance(tokens_or_keys[0], bytes):
