@@ -21,7 +21,8 @@ def open_storage_tier(storage: StorageConfig, host: HostPool, namespace: Namespa
     from kvtier.l3 import open_backend
     from kvtier.l3.tier import StorageTier
 
-    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads, queue_depth=storage.queue_depth)
+    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads,
+                       queue_depth=storage.queue_depth, cooldown_s=storage.cooldown_s, max_cooldown_s=storage.max_cooldown_s)
 
 
 def build_cache(spec: KVSpec, tiers: TierConfig = TierConfig(), cache: CacheConfig = CacheConfig(), storage: StorageConfig = StorageConfig(),

@@ -24,9 +24,11 @@ def _help(text: str, default, **kw):
     return field(default=default, metadata={"help": text}, **kw)
 
 
-def check_number(obj, name: str, *, at_least: float | None = None, above: float | None = None, integer: bool = False) -> None:
+def check_number(obj, name: str, *, at_least: float | None = None, above: float | None = None, at_most: float | None = None,
+                 integer: bool = False) -> None:
     """``obj.name`` is a finite number (an int if ``integer``) in range, or None for optional fields;
-    else a :class:`ConfigError` naming the field, the value and the allowed range."""
+    else a :class:`ConfigError` naming the field, the value and the allowed range. ``at_most`` bounds
+    what would be allocated from the value (threads, pages per call), checked before anything is."""
     v = getattr(obj, name)
     if v is None:
         return
@@ -36,9 +38,22 @@ def check_number(obj, name: str, *, at_least: float | None = None, above: float 
         ok = False
     if ok and above is not None and v <= above:
         ok = False
+    if ok and at_most is not None and v > at_most:
+        ok = False
     if not ok:
         bound = f" >= {at_least:g}" if at_least is not None else f" > {above:g}" if above is not None else ""
+        if at_most is not None:
+            bound += f"{',' if bound else ''} <= {at_most:g}"
         raise ConfigError(f"{type(obj).__name__}.{name} must be {kind}{bound}; got {v!r}")
+
+
+#: the L3 circuit breaker's back-off (see kvtier.l3.breaker): StorageConfig's and SGLang's extra config's defaults
+DEFAULT_COOLDOWN_S = 0.5
+DEFAULT_MAX_COOLDOWN_S = 30.0
+
+#: bounds on values that size what is allocated: pages moved per backend call, I/O threads
+MAX_BATCH_PAGES = 4096
+MAX_IO_THREADS = 64
 
 
 def _choice(obj, name: str, choices: tuple[str, ...]) -> None:
@@ -108,13 +123,18 @@ class StorageConfig:
     batch_pages: int = _help("pages per backend call", 8)
     io_threads: int | None = _help("batches moved to or from the store at once, each read and checked (or hashed and written) by its own thread; unset: the backend's choice (file and Redis Cluster 2, one Redis node and Mooncake 1)", None)
     queue_depth: int = _help("storage jobs queued before saves apply back-pressure", 64)
+    cooldown_s: float = _help("after a storage fault, answer misses without calling the store for this long; it doubles (with "
+                              "jitter) while the fault persists, and a probe off the engine's thread finds the store back", DEFAULT_COOLDOWN_S)
+    max_cooldown_s: float = _help("the longest the back-off after a storage fault grows to", DEFAULT_MAX_COOLDOWN_S)
 
     def __post_init__(self) -> None:
         _choice(self, "write_policy", ("write_through", "write_back"))
         _choice(self, "prefetch_policy", ("best_effort", "wait_complete", "timeout"))
-        for name in ("min_prefetch_pages", "batch_pages", "io_threads", "queue_depth"):
+        for name in ("min_prefetch_pages", "queue_depth"):
             check_number(self, name, at_least=1, integer=True)
-        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s"):
+        check_number(self, "batch_pages", at_least=1, at_most=MAX_BATCH_PAGES, integer=True)
+        check_number(self, "io_threads", at_least=1, at_most=MAX_IO_THREADS, integer=True)
+        for name in ("prefetch_timeout_base_s", "prefetch_timeout_per_page_s", "cooldown_s", "max_cooldown_s"):
             check_number(self, name, at_least=0)
         if self.url is not None and not isinstance(self.url, str):
             raise ConfigError(f"StorageConfig.url must be a URL string, got {type(self.url).__name__}")

@@ -287,3 +287,51 @@ def test_request_api_misuse_is_a_typed_error_and_changes_nothing():
     cache.wait_idle()
     cache.check_integrity(idle=True)
     cache.close()
+
+
+# ---- 9. one stalled server costs the engine's thread one deadline, not one per back-off -------------
+@pytest.mark.integration
+def test_stalled_redis_blocks_the_engine_thread_under_ten_percent_and_hits_resume(tmp_path):
+    """Steady lookups (the engine thread's L3 query every step) against a SIGSTOPped Redis: before,
+    the breaker reopened after a fixed 0.5 s and the next lookup paid the whole deadline again
+    (77-89% of the wall time blocked). Now the back-off doubles and a probe on a helper thread finds
+    the store back; lookups stay non-blocking while the breaker is open."""
+    import os
+    import signal
+    import time
+
+    from kvtier import HostPool
+    from kvtier.app.devservers import RedisServer, wait_until
+    from kvtier.build import open_storage_tier
+    from kvtier.config import StorageConfig
+    from kvtier.hashing import Namespace, page_keys
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+        host = HostPool(spec, 8, "page_first")
+        ns = Namespace("stall", spec.fingerprint())
+        cfg = StorageConfig(url=f"redis://127.0.0.1:{server.port}/0?timeout=0.3", cooldown_s=0.25, max_cooldown_s=2.0)
+        tier = open_storage_tier(cfg, host, ns)
+        keys = page_keys(list(range(16)), 4, ns.root())
+        job = tier.submit("save", keys, [0, 1, 2, 3])
+        job.wait(10)
+        assert tier.stored_prefix(keys) == 4
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        blocked, t0 = 0.0, time.monotonic()
+        answers = []
+        while time.monotonic() - t0 < 8.0:  # bounded: 8 s of engine steps, each a lookup and 10 ms of compute
+            s = time.monotonic()
+            answers.append(tier.stored_prefix(keys))
+            blocked += time.monotonic() - s
+            time.sleep(0.01)
+        wall = time.monotonic() - t0
+        assert set(answers) == {0}  # a stalled store is a miss, never a wrong answer
+        assert blocked / wall <= 0.10, f"the engine thread was blocked {blocked / wall:.0%} of {wall:.1f} s"
+        assert tier.breaker.probes >= 2 and tier.breaker.opened <= 8  # probed off-thread, with a growing back-off
+        os.kill(server.proc.pid, signal.SIGCONT)
+        wait_until(lambda: tier.stored_prefix(keys) == 4, timeout=10, what="hits again once the server continues")
+        tier.close()
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()

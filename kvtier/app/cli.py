@@ -31,9 +31,9 @@ def spec(name: Optional[str] = typer.Argument(None, help="preset name; omit to l
 @bench_app.command("transfer")
 def bench_transfer(
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
-    pages: int = typer.Option(256, help="pages per transfer (256 x 64 tokens = a 16k-token request)"),
-    layers: int = typer.Option(4, help="model layers kept (per-layer cost does not depend on depth)"),
-    reps: int = typer.Option(12, help="timed repetitions per case (median reported)"),
+    pages: int = typer.Option(256, min=1, max=1 << 20, help="pages per transfer (256 x 64 tokens = a 16k-token request)"),
+    layers: int = typer.Option(4, min=1, help="model layers kept (per-layer cost does not depend on depth)"),
+    reps: int = typer.Option(12, min=1, help="timed repetitions per case (median reported)"),
 ) -> None:
     """Page transfer throughput per layout x direction x spec x buffer, vs a contiguous copy."""
     from kvtier.app.bench.transfer import as_json_rows, run_transfer_bench
@@ -62,22 +62,23 @@ def bench_cache(
 @bench_app.command("storage")
 def bench_storage(
     backends: str = typer.Option("file,redis,redis-cluster,mooncake", help="comma-separated backends to measure: file, redis, redis-cluster (3 nodes), mooncake; servers are started on 127.0.0.1"),
-    pages: int = typer.Option(96, help="deepseek-v3.2 pages per round (1.25 MB each at 16 tokens a page)"),
-    reps: int = typer.Option(20, help="rounds per op, kvtier and the plain client taking turns (best and median reported)"),
-    page_size: int = typer.Option(16, help="tokens per page: 16 gives the 1 MiB-class page objects (1.25 MB), the preset's 64 gives 5.0 MB"),
+    pages: int = typer.Option(96, min=1, help="deepseek-v3.2 pages per round (1.25 MB each at 16 tokens a page)"),
+    reps: int = typer.Option(20, min=1, help="rounds per op, kvtier and the plain client taking turns (best and median reported)"),
+    page_size: int = typer.Option(16, min=1, help="tokens per page: 16 gives the 1 MiB-class page objects (1.25 MB), the preset's 64 gives 5.0 MB"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """L3 put/get throughput per backend, as a ratio to the backend's own client on the same server."""
     from kvtier.app.bench.storage import as_json_rows, run_storage_bench
 
-    _emit(as_json_rows(run_storage_bench(tuple(b for b in backends.split(",") if b), pages, reps, page_size)), as_json)
+    _emit(as_json_rows(run_storage_bench(_backend_list(backends, ("file", "redis", "redis-cluster", "mooncake")), pages, reps, page_size)),
+          as_json)
 
 
 @bench_app.command("sglang")
 def bench_sglang(
     backends: str = typer.Option("file,mooncake", help="comma-separated: file (vs SGLang's HiCacheFile), mooncake (vs SGLang's MooncakeStore; a local master is started)"),
-    pages: int = typer.Option(128, help="host pages per round (SGLang's storage batch is 128)"),
-    reps: int = typer.Option(10, help="rounds per op, the two backends taking turns (best and median reported)"),
+    pages: int = typer.Option(128, min=1, help="host pages per round (SGLang's storage batch is 128)"),
+    reps: int = typer.Option(10, min=1, help="rounds per op, the two backends taking turns (best and median reported)"),
     layout: str = typer.Option("page_first", help="SGLang host pool layout: page_first, layer_first, page_first_direct"),
     sglang_wheel: Optional[str] = typer.Option(None, help="sglang-0.5.23 wheel (default: $KVTIER_SGLANG_WHEEL, else .kvtier/wheels/)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
@@ -91,14 +92,14 @@ def bench_sglang(
 
         raise UnknownNameError("SGLang host pool layout", layout, ("page_first", "layer_first", "page_first_direct"))
     import_sglang(find_sglang_wheel(sglang_wheel))
-    _emit(as_json_rows(run_sglang_bench(tuple(b for b in backends.split(",") if b), pages, reps, layout=layout)), as_json)
+    _emit(as_json_rows(run_sglang_bench(_backend_list(backends, ("file", "mooncake")), pages, reps, layout=layout)), as_json)
 
 
 @bench_app.command("plan")
 def bench_plan(
     trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the one shipped in the package"),
     limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
-    reps: int = typer.Option(5, help="timed repetitions of each replay (median reported)"),
+    reps: int = typer.Option(5, min=1, help="timed repetitions of each replay (median reported)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """kvtier plan's replay speed through the policy core, per configuration and per routing policy."""
@@ -106,6 +107,19 @@ def bench_plan(
     from kvtier.app.workloads.mooncake import default_trace_path
 
     _emit(to_json(run_plan_bench(trace or str(default_trace_path()), limit, reps=reps)), as_json)
+
+
+def _backend_list(backends: str, valid: tuple[str, ...]) -> tuple[str, ...]:
+    """``--backends``: names from ``valid``, comma-separated, at least one, each once."""
+    from kvtier.errors import ConfigError, UnknownNameError
+
+    names = tuple(dict.fromkeys(b.strip() for b in backends.split(",") if b.strip()))
+    if not names:
+        raise ConfigError(f"--backends {backends!r} names no backend; give one or more of {', '.join(valid)}, comma-separated")
+    for b in names:
+        if b not in valid:
+            raise UnknownNameError("--backends entry", b, valid)
+    return names
 
 
 def _run_sections() -> dict[str, type]:

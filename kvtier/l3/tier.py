@@ -31,9 +31,11 @@ waits on it: a full queue skips the save or misses the prefetch, counted
 (``backpressure_s`` > 0 lets a save wait that long first). Every backend call
 has a whole-call deadline, so ``drain`` and ``close`` return within a bound.
 
-Circuit breaker: after a backend fault the tier treats the store as down for
-``cooldown_s`` (lookups answer "absent", jobs fail at once), then tries again,
-so a dead server costs one timeout, not one per request.
+Circuit breaker (:mod:`kvtier.l3.breaker`): after a backend fault the tier treats
+the store as down (lookups answer "absent", jobs fail at once) for a back-off that
+doubles while the fault persists, and a probe on a helper thread finds the store
+back, so a dead or stalled server costs the engine's thread one deadline, not one
+per request or per back-off.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ from typing import Literal
 import numpy as np
 import torch
 
+from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3.base import KeyStatus, StorageBackend, map_storage_errors
-from kvtier.l3.breaker import CircuitBreaker
+from kvtier.l3.breaker import CircuitBreaker, probe_store
 from kvtier.l3.page import HEADER_BYTES, PageCodec
 
 log = logging.getLogger(__name__)
@@ -97,7 +100,8 @@ class StorageJob:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int | None = None, queue_depth: int = 64, backpressure_s: float = 0.0, cooldown_s: float = 0.5):
+    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int | None = None, queue_depth: int = 64, backpressure_s: float = 0.0, cooldown_s: float = DEFAULT_COOLDOWN_S,
+                 max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S):
         self.backend = backend
         self.host = host_pool
         self.spec = host_pool.spec
@@ -119,7 +123,7 @@ class StorageTier:
         #: objects that failed their check on read and were deleted from the store
         self.discarded_corrupt = 0
         self._closed = False
-        self.breaker = CircuitBreaker(backend.stats, cooldown_s)
+        self.breaker = CircuitBreaker(backend.stats, cooldown_s, max_cooldown_s, probe=lambda: probe_store(backend, f"{self.prefix}/probe"))
         #: seconds the worker spent per job kind ("save" / "prefetch")
         self.busy_s: dict[str, float] = {}
         #: without bytes (capacity planning) jobs run inline, deterministically, in the caller's thread

@@ -66,7 +66,7 @@ from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.l3.base import KeyStatus, map_storage_errors, redact_url, scatter_into
-from kvtier.l3.breaker import CircuitBreaker
+from kvtier.l3.breaker import CircuitBreaker, probe_store
 from kvtier.l3.page import HEADER_BYTES, PageCodec
 from kvtier.l3.registry import open_backend
 
@@ -134,7 +134,8 @@ class KvtierStorage(HiCacheStorage):
         self.options = SGLangStorageOptions.from_extra_config(storage_config.extra_config)
         self.model = self.options.model_name or storage_config.model_name or ""
         self.backend = open_backend(self.options.url)
-        self.breaker = CircuitBreaker(self.backend.stats, self.options.cooldown_s)
+        self.breaker = CircuitBreaker(self.backend.stats, self.options.cooldown_s, self.options.max_cooldown_s,
+                                      probe=lambda: probe_store(self.backend, "kvtier-probe/0"))
         self.writer = storage_config.is_storage_writer
         self.metrics = StorageMetrics()
         #: keys that could not name an object (not UTF-8 strings): misses, never store faults

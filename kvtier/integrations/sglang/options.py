@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvtier.config import _help, check_number
+from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S, MAX_BATCH_PAGES, MAX_IO_THREADS, _help, check_number
 from kvtier.errors import ConfigError
 
 #: keys SGLang itself reads from the same object (its dynamic-backend loader and the cache controller)
@@ -33,12 +33,15 @@ class SGLangStorageOptions:
     salt: str = _help("extra namespace salt (e.g. a weights revision)", "")
     batch_pages: int | None = _help("pages per backend call (default: about the backend's preferred bytes per call)", None)
     io_threads: int | None = _help("backend calls in flight per SGLang batch, each reading and checking its pages (default: the backend's choice)", None)
-    cooldown_s: float = _help("after a storage fault, answer misses without calling the store for this long", 0.5)
+    cooldown_s: float = _help("after a storage fault, answer misses without calling the store for this long (doubling while the "
+                              "fault persists; a probe off SGLang's threads finds the store back)", DEFAULT_COOLDOWN_S)
+    max_cooldown_s: float = _help("the longest the back-off after a storage fault grows to", DEFAULT_MAX_COOLDOWN_S)
 
     def __post_init__(self) -> None:
-        for name in ("batch_pages", "io_threads"):
-            check_number(self, name, at_least=1, integer=True)
+        check_number(self, "batch_pages", at_least=1, at_most=MAX_BATCH_PAGES, integer=True)
+        check_number(self, "io_threads", at_least=1, at_most=MAX_IO_THREADS, integer=True)
         check_number(self, "cooldown_s", at_least=0)
+        check_number(self, "max_cooldown_s", at_least=0)
         for name in ("storage_url", "model_name"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, str):

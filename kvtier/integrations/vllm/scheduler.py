@@ -168,7 +168,7 @@ class ConnectorScheduler:
                                   f"from rank 0's ({first.spec.page_bytes}, {first.spec.num_layers}); every rank must hold an equal shard")
         host_pages = min(metas[r].host_pages for r in ranks)
         prefixes = [metas[r].storage_prefix for r in ranks]
-        probe = StoreProbe(self.options.storage.url, prefixes) if self.options.storage.url and all(prefixes) else None
+        probe = StoreProbe(self.options.storage, prefixes) if self.options.storage.url and all(prefixes) else None
         self.port = SchedulerPort(self.world_size, probe)
         cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
         # the engine allocates its own blocks: the core's device allocator is a placeholder it never draws from

@@ -21,7 +21,8 @@ from kvtier.core.plans import Completion, Transfer
 from kvtier.errors import ExecutorError
 from kvtier.integrations.vllm.messages import RankResult
 from kvtier.l3.base import map_storage_errors
-from kvtier.l3.breaker import CircuitBreaker
+from kvtier.config import StorageConfig
+from kvtier.l3.breaker import CircuitBreaker, probe_store
 from kvtier.l3.registry import open_backend
 
 log = logging.getLogger(__name__)
@@ -30,10 +31,11 @@ log = logging.getLogger(__name__)
 class StoreProbe:
     """``exists`` over the L3 objects of every rank (one key prefix per rank), from the scheduler."""
 
-    def __init__(self, url: str, prefixes: Sequence[str], cooldown_s: float = 0.5):
-        self.backend = open_backend(url)
+    def __init__(self, storage: StorageConfig, prefixes: Sequence[str]):
+        self.backend = open_backend(storage.url)
         self.prefixes = list(prefixes)
-        self.breaker = CircuitBreaker(self.backend.stats, cooldown_s)
+        self.breaker = CircuitBreaker(self.backend.stats, storage.cooldown_s, storage.max_cooldown_s,
+                                      probe=lambda: probe_store(self.backend, f"{self.prefixes[0]}/probe"))
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         n = len(keys)
