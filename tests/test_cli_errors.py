@@ -67,6 +67,26 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("bench-cache-reps-0", ["bench", "cache", "--json", "--limit", "20", "--reps", "0"], "--reps 0"),
         # 14: a device pool larger than memory
         ("device-pages-huge", [*RUN, "--tiers-device-pages", "1000000000"], "device pool needs"),
+        # second hardening round, 12: memory blow-ups refused before allocating
+        ("plan-nodes-huge", ["plan", "--json", "--limit", "20", "--plan-nodes", "100000"], "nodes"),
+        ("plan-nodes-2**63", ["plan", "--json", "--limit", "20", "--plan-nodes", str(2**63)], "nodes"),
+        ("plan-trace-dev-zero", ["plan", "--trace", "/dev/zero"], "longer than"),
+        ("bench-cache-trace-dev-zero", ["bench", "cache", "--no-vllm", "--no-sglang", "--trace", "/dev/zero"], "longer than"),
+        # 13: every bench subcommand's bad numbers and names
+        ("plan-host-tb-1e300", ["plan", "--json", "--limit", "20", "--plan-host-tb", "1e300"], "host_tb"),
+        ("bench-transfer-pages-0", ["bench", "transfer", "--pages", "0"], "--pages"),
+        ("bench-transfer-pages-negative", ["bench", "transfer", "--pages", "-1"], "--pages"),
+        ("bench-transfer-pages-1e9", ["bench", "transfer", "--pages", "1e9"], "1e9"),
+        ("bench-transfer-reps-0", ["bench", "transfer", "--reps", "0"], "--reps"),
+        ("bench-storage-backend-unknown", ["bench", "storage", "--backends", "nosuch"], "nosuch"),
+        ("bench-storage-backends-empty", ["bench", "storage", "--backends", ","], "names no backend"),
+        ("bench-storage-pages-0", ["bench", "storage", "--pages", "0"], "--pages"),
+        ("bench-storage-reps-0", ["bench", "storage", "--reps", "0"], "--reps"),
+        ("bench-storage-page-size-0", ["bench", "storage", "--page-size", "0"], "--page-size"),
+        ("bench-sglang-reps-0", ["bench", "sglang", "--reps", "0"], "--reps"),
+        ("bench-sglang-pages-0", ["bench", "sglang", "--pages", "0"], "--pages"),
+        ("bench-sglang-backend-unknown", ["bench", "sglang", "--backends", "redis"], "'redis'"),
+        ("bench-plan-reps-0", ["bench", "plan", "--reps", "0"], "--reps"),
     ]
 
 
@@ -90,7 +110,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 34
+    assert len(table) == 52
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

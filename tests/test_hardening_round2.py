@@ -335,3 +335,17 @@ def test_stalled_redis_blocks_the_engine_thread_under_ten_percent_and_hits_resum
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
         server.stop()
+
+
+# ---- 12. values that size allocations are bounded before anything is allocated -----------------------
+def test_batch_and_thread_counts_are_bounded_before_anything_is_allocated():
+    from kvtier.config import StorageConfig
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.sglang.options import SGLangStorageOptions
+
+    for make in (lambda **kw: SGLangStorageOptions(**kw), lambda **kw: StorageConfig(url="file:///tmp/x", **kw)):
+        with pytest.raises(ConfigError, match=r"batch_pages must be an integer >= 1, <= 4096; got 1000000000"):
+            make(batch_pages=10**9)
+        with pytest.raises(ConfigError, match=r"io_threads must be an integer >= 1, <= 64; got 1000000"):
+            make(io_threads=10**6)
+        make(batch_pages=4096, io_threads=64)  # the bounds themselves are fine

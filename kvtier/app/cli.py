@@ -91,8 +91,9 @@ def bench_sglang(
         from kvtier.errors import UnknownNameError
 
         raise UnknownNameError("SGLang host pool layout", layout, ("page_first", "layer_first", "page_first_direct"))
+    names = _backend_list(backends, ("file", "mooncake"))
     import_sglang(find_sglang_wheel(sglang_wheel))
-    _emit(as_json_rows(run_sglang_bench(_backend_list(backends, ("file", "mooncake")), pages, reps, layout=layout)), as_json)
+    _emit(as_json_rows(run_sglang_bench(names, pages, reps, layout=layout)), as_json)
 
 
 @bench_app.command("plan")

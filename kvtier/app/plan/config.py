@@ -13,6 +13,12 @@ GB = 1e9
 TB = 1e12
 #: pages per L3 backend call in the replay (an L3 save evicts after each such batch)
 L3_BATCH_PAGES = 8
+#: the most engine nodes a plan replays (each is a policy core of its own)
+MAX_PLAN_NODES = 4096
+#: tier sizes are clamped here before anything is sized from them
+MAX_BLOCKS = 1 << 40
+#: the largest tier a node may be given, TB (an exabyte: any larger value is a typo)
+MAX_TB = 1e6
 
 
 @dataclass(frozen=True)
@@ -43,14 +49,15 @@ class PlanConfig:
             raise ConfigError(f"PlanConfig.nodes must be >= 1; got {self.nodes}")
         if self.routing not in ("kv_aware", "affinity", "round_robin"):
             raise ConfigError(f"PlanConfig.routing must be kv_aware, affinity or round_robin; got {self.routing!r}")
-        check_number(self, "nodes", at_least=1, integer=True)
+        check_number(self, "nodes", at_least=1, at_most=MAX_PLAN_NODES, integer=True)
         for name in ("host_tb", "storage_tb"):
-            check_number(self, name, at_least=0)
+            check_number(self, name, at_least=0, at_most=MAX_TB)
         check_number(self, "kv_load_weight", at_least=0)
         check_number(self, "kv_min_match", at_least=0)
         check_number(self, "kv_host_weight", at_least=0)
         if self.kv_min_match > 1:
             raise ConfigError(f"PlanConfig.kv_min_match is a fraction of a request's blocks, 0..1; got {self.kv_min_match!r}")
+        check_number(self, "device_gb", above=0, at_most=MAX_TB * 1000)
         for name in ("device_gb", "pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token", "arrival_speedup"):
             check_number(self, name, above=0)
 
@@ -76,10 +83,16 @@ def planning_spec(cfg: PlanConfig) -> KVSpec:
 def capacity(cfg: PlanConfig, block_bytes: int) -> Capacity:
     """Tier sizes in blocks of ``block_bytes``: per node for device and host, the shared L3 for all nodes."""
     return Capacity(
-        device=max(1, int(cfg.device_gb * GB // block_bytes)),
-        host=max(1, int(cfg.host_tb * TB // block_bytes)),
-        storage=int(cfg.storage_tb * TB * cfg.nodes // block_bytes) if cfg.storage_tb > 0 else None,
+        device=max(1, _blocks(cfg.device_gb * GB, block_bytes)),
+        host=max(1, _blocks(cfg.host_tb * TB, block_bytes)),
+        storage=_blocks(cfg.storage_tb * TB * cfg.nodes, block_bytes) if cfg.storage_tb > 0 else None,
     )
+
+
+def _blocks(nbytes: float, block_bytes: int) -> int:
+    """Whole blocks in ``nbytes``, at most ``MAX_BLOCKS`` (a size of 1e300 TB is "more than any trace
+    needs", not an overflow). Pools are then sized from what the trace can use (replay_cache)."""
+    return int(min(nbytes / block_bytes, MAX_BLOCKS))
 
 
 @dataclass(frozen=True)

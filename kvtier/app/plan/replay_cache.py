@@ -59,14 +59,21 @@ def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Cache
                  nodes_of: Sequence[int], *, per_request: bool = False) -> ReplayCounts:
     block = spec.page_size
     storage = AccountingStore(cap.storage, L3_BATCH_PAGES) if cap.storage is not None else None
-    caches = [_node_cache(spec, cap, storage, cache_cfg) for _ in range(cfg.nodes)]
+    # a node's pools are sized from the blocks routed to it: it can never hold more, so larger pools
+    # change nothing and would only be allocated (1000 TB of host is 2e9 page ids; 4096 nodes, 4096 cores)
+    need = [1] * cfg.nodes
+    for r, j in zip(requests, nodes_of):
+        need[j] += len(r.hash_ids)
+    caches = [_node_cache(spec, Capacity(min(cap.device, n), min(cap.host, n), cap.storage), storage, cache_cfg) if n > 1 else None
+              for n in need]
     out = ReplayCounts(per_request=[] if per_request else None)
     with collector_paused():
         _replay(requests, caches, nodes_of, block, out)
     # read before close: close() applies the last backups, which the replay never waited for
-    out.backed_up_blocks = sum(c.stats.backed_up_pages for c in caches)
-    out.storage_saved_blocks = sum(c.stats.storage_saved_pages for c in caches)
-    for c in caches:
+    used = [c for c in caches if c is not None]
+    out.backed_up_blocks = sum(c.stats.backed_up_pages for c in used)
+    out.storage_saved_blocks = sum(c.stats.storage_saved_pages for c in used)
+    for c in used:
         c.close()
     return out
 

@@ -70,6 +70,10 @@ def _parse(r: object) -> TraceRequest:
     return TraceRequest(ints["timestamp"], ints["input_length"], ints["output_length"], tuple(ids))
 
 
+#: the longest trace line read (a record of 100k hash ids is ~0.8 MB); longer is an error naming the line
+MAX_LINE_CHARS = 1 << 20
+
+
 def load_mooncake_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
     """Requests of a Mooncake-format JSONL trace (``.gz`` read as gzip). Any bad record, a missing
     file or a trace with no request is a :class:`ConfigError` naming the file and line."""
@@ -79,9 +83,12 @@ def load_mooncake_trace(path: str | Path, limit: int | None = None) -> list[Trac
     out: list[TraceRequest] = []
     try:
         with _open_text(path) as f:
-            for lineno, line in enumerate(f, 1):
+            for lineno, line in enumerate(iter(lambda: f.readline(MAX_LINE_CHARS + 1), ""), 1):
                 if limit is not None and len(out) >= limit:
                     break
+                if len(line) > MAX_LINE_CHARS:  # /dev/zero, a binary file: never read whole into memory
+                    raise ConfigError(f"{path}:{lineno}: a line longer than {MAX_LINE_CHARS} characters is not a Mooncake trace record "
+                                      "(one JSON object per line)")
                 if not line.strip():
                     continue
                 try:
