@@ -40,6 +40,10 @@ class PageAllocator:
     reserve_padding_page: bool = False
     _free: list[int] = field(init=False, repr=False)
     _owned: bytearray = field(init=False, repr=False)
+    #: pages a plan that timed out may still read or write (:meth:`hold`): freed, they stay allocated
+    #: ("parked") until the hold is released, so nobody else gets them meanwhile
+    _held: set[int] = field(init=False, repr=False, default_factory=set)
+    parked: set[int] = field(init=False, repr=False, default_factory=set)
 
     def __post_init__(self) -> None:
         if self.num_pages <= int(self.reserve_padding_page):
@@ -89,7 +93,30 @@ class PageAllocator:
                     f"{self.name}: page {p} is not allocated (freed twice, never allocated, or the padding page); nothing was freed"
                 )
             owned[p] = 0
+        if self._held:
+            parked = [p for p in pages if p in self._held]
+            if parked:
+                for p in parked:
+                    owned[p] = 1
+                self.parked.update(parked)
+                pages = [p for p in pages if p not in self._held]
         self._free.extend(reversed(pages))
+
+    def hold(self, pages) -> None:
+        """Keep ``pages`` (allocated now) from being handed out again after they are freed, until
+        :meth:`release_hold`: a plan that timed out may still touch them."""
+        self._held.update(pages)
+
+    def release_hold(self, pages) -> None:
+        """End the hold on ``pages``; those freed meanwhile go back to the free list now."""
+        back = []
+        for p in pages:
+            self._held.discard(p)
+            if p in self.parked:
+                self.parked.discard(p)
+                self._owned[p] = 0
+                back.append(p)
+        self._free.extend(reversed(back))
 
     def is_allocated(self, page: int) -> bool:
         return bool(self._owned[page])

@@ -33,6 +33,8 @@ class CacheStats:
     load_failed_pages: int = 0
     #: completions for plans the core never made (or already applied): ignored
     unknown_completions: int = 0
+    #: plans not every rank reported within the bound: failed (a miss), their host pages held until they answer
+    timed_out_plans: int = 0
     storage_saved_pages: int = 0
     storage_saved_bytes: int = 0
     storage_prefetched_pages: int = 0

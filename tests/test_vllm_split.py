@@ -515,3 +515,53 @@ def test_a_rank_reported_twice_counts_once_and_never_stands_in_for_another_rank(
     port.deliver({5: RankResult(Done(5), frozenset({1}))})  # a late report of a plan already answered: ignored
     port.deliver({9: RankResult(Done(9), frozenset({7}))})  # a plan never sent, from a rank outside the world
     assert port.poll() == [] and port.stray_reports == 2
+
+
+def test_a_rank_that_never_runs_a_copy_out_gives_vllm_its_blocks_back_and_nothing_is_cached():
+    """Rank 1 never runs the copy out of a finished request's blocks. Before, vLLM held the blocks
+    and the scheduler its host pages for ever. Now, after ``rank_timeout_s``, rank 1 reports the
+    request finished (its blocks go back to vLLM, the copy counts as failed), the scheduler fails
+    the plan (nothing cached) and holds its host pages until the late copy answers."""
+    import time
+
+    eng = Engine(None, rank_timeout_s=0.5)
+    inner = eng.workers[1].executor.inner
+    real_submit, stuck = inner.submit, []
+
+    def never_copies_out(plan, **how):
+        if plan.src.name == "DEVICE":
+            stuck.append((plan, how))
+            return
+        real_submit(plan, **how)
+
+    inner.submit = never_copies_out
+    req, _external = start(eng, "a", TOKENS, [3, 7, 5, 9])
+    keep, _params = eng.scheduler.request_finished(req)
+    assert keep and stuck
+    first, t0 = len(eng.finished_sending), time.monotonic()
+    while not any("a" in step[1] for step in eng.finished_sending[first:]) and time.monotonic() - t0 < 5:  # bounded
+        eng.step()
+        time.sleep(0.05)
+    waited = time.monotonic() - t0
+    reported = [sum("a" in step[r] for step in eng.finished_sending[first:]) for r in (0, 1)]
+    assert reported == [1, 1] and 0.4 <= waited < 3, (reported, waited)
+    core, port = eng.scheduler.core, eng.scheduler.port
+    assert eng.workers[1].stats.copies_abandoned == 1 and port.timed_out_plans == 1 and core.stats.timed_out_plans == 1
+    held = set(core.host_alloc.parked)
+    assert held and not any(core.holds(k) for k in core.page_keys(TOKENS))  # nothing of "a" cached
+    core.check_integrity()
+    # the late copy runs after all: its answer (Failed: abandoned) reaches the scheduler, the pages are free again
+    inner.submit = real_submit
+    for plan, how in stuck:
+        real_submit(plan, **how)
+        inner.release_rest(plan.op)
+    t0 = time.monotonic()
+    while core.host_alloc.parked and time.monotonic() - t0 < 5:
+        eng.step()
+        time.sleep(0.02)
+    assert not core.host_alloc.parked and core.stats.unknown_completions == 0
+    assert eng.workers[1].stats.offloaded_pages == 0  # the abandoned copy never counted as done
+    _r, external, _hit = serve(eng, "b", TOKENS, [0, 1, 2, 4])
+    assert external == 0  # nothing offered from the failed copy
+    core.check_integrity()
+    eng.close()

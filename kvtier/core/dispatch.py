@@ -17,6 +17,7 @@ from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason
 from kvtier.core.tags import JobTag, PrefetchHandle
 from kvtier.errors import ExecutorError, InvalidStateError
 from kvtier.executors.port import ExecutorPort
+from kvtier.radix import NO_PAGE
 
 log = logging.getLogger(__name__)
 _COMPLETIONS = (Done, CutShort, Failed)
@@ -37,6 +38,8 @@ class PlanDispatch:
         #: the last op submitted (quarantined pages wait for every plan up to it)
         self._last_op = 0
         self._closed = False
+        #: plans that timed out -> the host pages held until their late answer (see PageAllocator.hold)
+        self._held_for: dict[int, list[int]] = {}
 
     def _submit(self, plan_of, tag: JobTag | PrefetchHandle, *args) -> int:
         op = self._last_op = next(self._ops)
@@ -63,10 +66,21 @@ class PlanDispatch:
 
     def _apply(self, c: Completion) -> None:
         tag = self._inflight.pop(c.op, None) if type(c) in _COMPLETIONS else None
-        if tag is None:  # a plan never made, or answered twice: nothing to apply, the rest of the batch still is
+        if tag is None:
+            held = self._held_for.pop(c.op, None) if type(c) in _COMPLETIONS else None
+            if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
+                self.host_alloc.release_hold(held)
+                return
+            # a plan never made, or answered twice: nothing to apply, the rest of the batch still is
             self.stats.unknown_completions += 1
             log.warning("ignored a completion for no plan in flight: %r", c)
             return
+        if type(c) is Failed and c.reason is Reason.TIMEOUT:
+            # the plan may still run late: its host pages must not be handed out again until it answers
+            held = [n.host_page for n in tag.nodes if n.host_page != NO_PAGE]
+            self.host_alloc.hold(held)
+            self._held_for[c.op] = held
+            self.stats.timed_out_plans += 1
         self._on[type(tag)](c, tag)
 
     def wait_for(self, ops) -> int:

@@ -83,6 +83,7 @@ class Reason(Enum):
     CANCELLED = "cancelled"      # a prefetch's budget ran out and the rest was cancelled
     SKIPPED = "skipped"          # never started: the executor's queue was full
     INVALID = "invalid"          # refused before any byte moved: the plan names pages or keys it cannot (see plan_error)
+    TIMEOUT = "timeout"          # not every rank reported it within the bound; it may still run (its host pages are held)
 
 
 @dataclass(frozen=True, slots=True)

@@ -343,4 +343,6 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         quarantined = self.quarantined_pages()
         assert not (set(dev_owned) | set(caller_device_pages)) & quarantined, "a quarantined device page is in use"
         assert set(dev_owned) | set(caller_device_pages) | quarantined == self.dev_alloc.allocated_pages() - ({0} if self.dev_alloc.reserve_padding_page else set()), "device allocator and tree disagree (leak or foreign page)"
-        assert set(host_owned) | set(caller_host_pages) == self.host_alloc.allocated_pages(), "host allocator and tree disagree (leak or foreign page)"
+        parked = self.host_alloc.parked  # freed, held for a plan that timed out (see PageAllocator.hold)
+        assert not set(host_owned) & parked, "a host page held for a timed-out plan is in the tree"
+        assert set(host_owned) | set(caller_host_pages) | parked == self.host_alloc.allocated_pages(), "host allocator and tree disagree (leak or foreign page)"

@@ -40,6 +40,8 @@ class ChainedExecutor:
         #: copies cut to the pages a fetch delivered: op -> (pages, reason)
         self._cut: dict[int, tuple[int, Reason]] = {}
         self._out: list[Completion] = []
+        #: plans whose completion must come back Failed, whatever it is (see :meth:`abandon`)
+        self._abandoned: dict[int, str] = {}
 
     # ---- submission ------------------------------------------------------------------------
     def submit(self, plan: Transfer, *, layered: bool = False) -> None:
@@ -107,8 +109,18 @@ class ChainedExecutor:
             self._release(plan, self._plans[op], self._outcome[op])
 
     # ---- completions -----------------------------------------------------------------------
+    def abandon(self, op: int, why: str) -> None:
+        """Whatever ``op`` does from now on does not count: its completion comes back ``Failed`` (so
+        nothing that follows it runs). A copy out of blocks the engine took back uses this: its
+        bytes may no longer be the pages'."""
+        if op in self._plans and op not in self._outcome:
+            self._abandoned[op] = why
+
     def _collect(self, done: list[Completion]) -> None:
         for c in done:
+            why = self._abandoned.pop(c.op, None)
+            if why is not None:
+                c = Failed(c.op, Reason.ERROR, why)
             cut = self._cut.pop(c.op, None)
             if cut is not None and type(c) is Done:
                 c = CutShort(c.op, cut[0], cut[1])

@@ -40,7 +40,7 @@ _SECONDS_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
 
 
 def _empty() -> dict[str, Any]:
-    return {"tokens": {}, "bytes": {}, "load_failed_tokens": 0, "load_seconds": [], "store_seconds": []}
+    return {"tokens": {}, "bytes": {}, "load_failed_tokens": 0, "copies_abandoned": 0, "load_seconds": [], "store_seconds": []}
 
 
 @dataclass
@@ -65,6 +65,7 @@ class KVTierConnectorStats(KVConnectorStats):
             for k, v in o[part].items():
                 self.data[part][k] = self.data[part].get(k, 0) + v
         self.data["load_failed_tokens"] += o["load_failed_tokens"]
+        self.data["copies_abandoned"] += o["copies_abandoned"]
         self.data["load_seconds"] += o["load_seconds"]
         self.data["store_seconds"] += o["store_seconds"]
         return self
@@ -77,6 +78,7 @@ class KVTierConnectorStats(KVConnectorStats):
                 out[f"{tier}_{direction}_tokens"] = self.data["tokens"][key]
                 out[f"{tier}_{direction}_GB"] = round(self.data["bytes"][key] / 1e9, 6)
         out["load_failed_tokens"] = self.data["load_failed_tokens"]
+        out["copies_abandoned"] = self.data["copies_abandoned"]
         for kind in ("load_seconds", "store_seconds"):
             xs = self.data[kind]
             if xs:
@@ -85,7 +87,7 @@ class KVTierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (any(d["tokens"].values()) or d["load_failed_tokens"] or d["load_seconds"] or d["store_seconds"])
+        return not (any(d["tokens"].values()) or d["load_failed_tokens"] or d["copies_abandoned"] or d["load_seconds"] or d["store_seconds"])
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
@@ -98,6 +100,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
                                         documentation="Bytes of KV kvtier moved (all tensor-parallel ranks), by tier and direction.")
         self._failed = self._counter_cls(name="vllm:kvtier_load_failed_tokens_total", labelnames=labelnames,
                                          documentation="Tokens kvtier offered but could not load (vLLM recomputed them).")
+        self._abandoned = self._counter_cls(name="vllm:kvtier_copies_abandoned_total", labelnames=labelnames,
+                                            documentation="Copies out of KV blocks a rank gave up after rank_timeout_s (blocks went back to vLLM).")
         self._load_s = self._histogram_cls(name="vllm:kvtier_load_seconds", labelnames=labelnames, buckets=_SECONDS_BUCKETS,
                                            documentation="Seconds a step's kvtier loads (L3 fetch and copy into KV blocks) took, per rank.")
         self._store_s = self._histogram_cls(name="vllm:kvtier_store_seconds", labelnames=labelnames, buckets=_SECONDS_BUCKETS,
@@ -112,6 +116,8 @@ class KVTierPromMetrics(KVConnectorPromMetrics):
             self._bytes.labels(*engine, tier, direction).inc(data["bytes"].get(key, 0))
         if data["load_failed_tokens"]:
             self._failed.labels(*engine).inc(data["load_failed_tokens"])
+        if data["copies_abandoned"]:
+            self._abandoned.labels(*engine).inc(data["copies_abandoned"])
         for s in data["load_seconds"]:
             self._load_s.labels(*engine).observe(s)
         for s in data["store_seconds"]:

@@ -31,16 +31,20 @@ class ConnectorOptions:
     model_name: str | None = _help("model name in L3 keys (default: the model path's last component)", None)
     salt: str = _help("extra namespace salt (e.g. a weights revision)", "")
     load_retry_s: float = _help("after a page failed to load, it is not offered again for this long (no lookup -> load -> fail loop)", 10.0)
+    rank_timeout_s: float = _help("a plan some rank has not reported this long after it went out counts as failed on that rank: "
+                                  "a miss for loads; for copies out of vLLM's blocks, each worker gives the blocks back after as "
+                                  "long (the copy's host pages are held until it answers)", 10.0)
     tiers: TierConfig = field(default_factory=lambda: TierConfig(host_gb=DEFAULT_HOST_GB))
     cache: CacheConfig = field(default_factory=CacheConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
     def __post_init__(self) -> None:
         check_number(self, "load_retry_s", at_least=0)
+        check_number(self, "rank_timeout_s", above=0)
 
     @classmethod
     def valid_keys(cls) -> list[str]:
-        return sorted({"model_name", "salt", "load_retry_s", *_TIER_KEYS, *_CACHE_KEYS} | {f"storage_{f.name}" for f in fields(StorageConfig)})
+        return sorted({"model_name", "salt", "load_retry_s", "rank_timeout_s", *_TIER_KEYS, *_CACHE_KEYS} | {f"storage_{f.name}" for f in fields(StorageConfig)})
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorOptions:
@@ -52,7 +56,8 @@ class ConnectorOptions:
         if "host_pages" not in tier:
             tier.setdefault("host_gb", DEFAULT_HOST_GB)
         return cls(
-            model_name=extra.get("model_name"), salt=extra.get("salt", ""), load_retry_s=extra.get("load_retry_s", 10.0),
+            model_name=extra.get("model_name"), salt=extra.get("salt", ""),
+            **{k: extra[k] for k in ("load_retry_s", "rank_timeout_s") if k in extra},
             tiers=TierConfig(**tier),
             cache=CacheConfig(**{k: extra[k] for k in _CACHE_KEYS if k in extra}),
             storage=StorageConfig(**{f.name: extra[f"storage_{f.name}"] for f in fields(StorageConfig) if f"storage_{f.name}" in extra}),

@@ -169,7 +169,7 @@ class ConnectorScheduler:
         host_pages = min(metas[r].host_pages for r in ranks)
         prefixes = [metas[r].storage_prefix for r in ranks]
         probe = StoreProbe(self.options.storage, prefixes) if self.options.storage.url and all(prefixes) else None
-        self.port = SchedulerPort(self.world_size, probe)
+        self.port = SchedulerPort(self.world_size, probe, self.options.rank_timeout_s)
         cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
         # the engine allocates its own blocks: the core's device allocator is a placeholder it never draws from
         self.core = EngineDeviceCore(first.spec, PageAllocator(1, "engine device (not kvtier's)"),

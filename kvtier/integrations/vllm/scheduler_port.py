@@ -15,9 +15,10 @@ every rank's object of each page is there (the leading run all ranks hold).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Sequence
 
-from kvtier.core.plans import Completion, Transfer
+from kvtier.core.plans import Completion, Failed, Reason, Transfer
 from kvtier.errors import ExecutorError
 from kvtier.integrations.vllm.messages import RankResult
 from kvtier.l3.base import map_storage_errors
@@ -57,9 +58,21 @@ class StoreProbe:
 
 
 class SchedulerPort:
-    def __init__(self, world_size: int, probe: StoreProbe | None):
+    """``rank_timeout_s``: a plan not every rank reported within this long after it went out completes
+    ``Failed(TIMEOUT)`` (a miss; the core holds its host pages until the late answer, see
+    :meth:`PageAllocator.hold`). Each rank's report counts once (ranks are a set)."""
+
+    def __init__(self, world_size: int, probe: StoreProbe | None, rank_timeout_s: float = 10.0, clock=time.monotonic):
         self.world_size = world_size
         self.probe = probe
+        self.rank_timeout_s = rank_timeout_s
+        self._clock = clock
+        #: op -> when it went out to the workers (plans in flight only; insertion order is sending order)
+        self._sent: dict[int, float] = {}
+        #: plans that timed out -> the ranks that reported so far; the core gets their late answer once all did
+        self._late: dict[int, RankResult | None] = {}
+        #: plans failed for a missing rank's report
+        self.timed_out_plans = 0
         self.has_storage = probe is not None
         self.can_wait = False
         self._outbox: list[Transfer] = []
@@ -77,11 +90,23 @@ class SchedulerPort:
     def take_plans(self) -> list[Transfer]:
         plans, self._outbox = self._outbox, []
         self.in_flight.update(p.op for p in plans)
+        now = self._clock()
+        for p in plans:
+            self._sent[p.op] = now
         return plans
 
     def deliver(self, results: dict[int, RankResult]) -> None:
         """One step's worker results (already aggregated over the ranks that ran this step)."""
         for op, r in results.items():
+            if op in self._late and r.ranks <= self._ranks:  # a plan that timed out, answering late
+                mine = self._late[op]
+                r = r if mine is None else mine.merged(r)
+                if len(r.ranks) >= self.world_size:
+                    del self._late[op]
+                    self._ready.append(r.completion)  # the core releases the host pages it held for it
+                else:
+                    self._late[op] = r
+                continue
             if op not in self.in_flight or not r.ranks <= self._ranks:  # a plan not out (or answered), a rank that is not one
                 self.stray_reports += 1
                 log.warning("kvtier: ignored a worker report for plan %s from ranks %s (not in flight, or not a rank of %d)",
@@ -97,6 +122,7 @@ class SchedulerPort:
             if len(r.ranks) >= self.world_size:
                 self._ready.append(r.completion)
                 self.in_flight.discard(op)
+                self._sent.pop(op, None)
             else:
                 self._partial[op] = r
 
@@ -105,8 +131,25 @@ class SchedulerPort:
         self._outbox.append(plan)
 
     def poll(self) -> list[Completion]:
+        if self._sent:
+            self._expire()
         out, self._ready = sorted(self._ready, key=lambda c: c.op), []
         return out
+
+    def _expire(self) -> None:
+        """Fail the plans some rank has not reported within ``rank_timeout_s``."""
+        deadline = self._clock() - self.rank_timeout_s
+        for op, sent in list(self._sent.items()):
+            if sent > deadline:
+                break  # sent in order: the rest are younger
+            del self._sent[op]
+            self.in_flight.discard(op)
+            partial = self._partial.pop(op, None)
+            missing = sorted(self._ranks - (partial.ranks if partial is not None else frozenset()))
+            self._late[op] = partial
+            self.timed_out_plans += 1
+            log.warning("kvtier: plan %d: ranks %s did not report within %.1f s; it counts as failed", op, missing, self.rank_timeout_s)
+            self._ready.append(Failed(op, Reason.TIMEOUT, f"ranks {missing} did not report within {self.rank_timeout_s:g} s"))
 
     def wait(self, ops: Collection[int]) -> list[Completion]:
         raise ExecutorError(f"the scheduler side cannot wait for plans {sorted(ops)[:4]}: its workers run them in the next "

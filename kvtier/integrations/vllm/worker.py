@@ -70,6 +70,8 @@ class WorkerStats:
     offload_layers_in_forward: int = 0
     #: ... and those released in wait_for_save (layers vLLM did not announce)
     offload_layers_at_step_end: int = 0
+    #: copies out of vLLM's blocks given up after rank_timeout_s (the blocks went back to vLLM)
+    copies_abandoned: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -180,10 +182,25 @@ class ConnectorWorker:
         if not self._delayed:
             return set()
         self._collect(self.executor.poll())
+        self._abandon_overdue_copies()
         done = {req for req, ops in self._delayed.items() if not any(op in self._copying for op in ops)}
         for req in done:
             del self._delayed[req]
         return done
+
+    def _abandon_overdue_copies(self) -> None:
+        """Copies out of vLLM's blocks still running ``rank_timeout_s`` after their step ended: vLLM
+        gets the blocks back (the copy counts as failed: its completion comes back Failed, so no save
+        follows it, and the scheduler holds its host pages until it answers)."""
+        deadline = time.perf_counter() - self.options.rank_timeout_s
+        for op, ended in list(self._copying.items()):
+            if ended <= deadline:
+                del self._copying[op]
+                self.executor.abandon(op, f"copy out of vLLM's blocks ran past rank_timeout_s={self.options.rank_timeout_s:g}")
+                self.stats.copies_abandoned += 1
+                self.interval.data["copies_abandoned"] += 1
+                log.warning("kvtier worker rank %d: copy %d out of vLLM's blocks still running after %.1f s; its blocks go back "
+                            "to vLLM and the copy counts as failed", self.tp_rank, op, self.options.rank_timeout_s)
 
     def wait_copies(self, ops: list[int]) -> None:
         """Block until these copies out of vLLM's blocks completed here (preempted requests' blocks)."""
