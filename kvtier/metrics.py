@@ -35,6 +35,8 @@ class CacheStats:
     unknown_completions: int = 0
     #: plans not every rank reported within the bound: failed (a miss), their host pages held until they answer
     timed_out_plans: int = 0
+    #: prefetches whose unarrived pages were dropped when the policy's budget ran out (their locks released at once)
+    prefetches_given_up: int = 0
     storage_saved_pages: int = 0
     storage_saved_bytes: int = 0
     storage_prefetched_pages: int = 0

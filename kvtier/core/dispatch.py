@@ -85,7 +85,7 @@ class PlanDispatch:
 
     def wait_for(self, ops) -> int:
         """Block until the plans ``ops`` finished, then apply every completion collected."""
-        ops = [op for op in ops if op in self._inflight]
+        ops = [op for op in ops if op in self._inflight or op in self._held_for]
         return self._apply_all(self.port.wait(ops) if ops else self.port.poll())
 
     def _await(self, op: int) -> Completion:
@@ -123,8 +123,9 @@ class PlanDispatch:
         """Wait for every plan in flight (device/host and L3) and apply its completion, including
         the plans those completions start (a finished backup's write-through save)."""
         self.poll()
-        while self._inflight:
-            self.wait_for(list(self._inflight))
+        while self._inflight or self._held_for:  # (the given-up plans too: their late answers free what they hold)
+            if not self.wait_for([*self._inflight, *self._held_for]) and not self._inflight:
+                break  # the port has no answer for them (a rank that never reports): they stay held
 
     def close(self) -> None:
         """Finish every plan in flight, then close the executor port. Closing twice is a no-op."""

@@ -58,10 +58,25 @@ class StoragePolicy:
             return 0
         policy = policy or self.storage_config.prefetch_policy
         self.poll()
-        if handle.op in self._inflight:  # unarrived pages are freed when it finishes
+        if handle.op in self._inflight:
             self._apply_arrived(handle, self.port.settle(handle.op, policy, self.storage_config.prefetch_budget_s(handle.requested)))
             self.poll()
+            if handle.op in self._inflight:  # settled, the rest cancelled, yet a read is still running: give it up now
+                self._give_up_prefetch(handle)
         return handle.applied
+
+    def _give_up_prefetch(self, handle: PrefetchHandle) -> None:
+        """The pages that did not arrive within the policy's budget are dropped now: the prefetch's lock
+        is released at once (pages computed onto its nodes meanwhile stay evictable), its unarrived
+        host pages are held until the read that may still land in them answers, and that late
+        completion is discarded (:meth:`PlanDispatch._apply` releases the hold)."""
+        del self._inflight[handle.op]
+        held = [n.host_page for n in handle.nodes[handle.applied :] if n.host_page != NO_PAGE and not n.host_ready]
+        self.host_alloc.hold(held)
+        self._held_for[handle.op] = held
+        self.stats.prefetches_given_up += 1
+        self.tree.unlock(handle.nodes[-1])
+        self._drop_unarrived(handle)
 
     def _apply_arrived(self, handle: PrefetchHandle, arrived: int) -> None:
         self.tree.mark_host_ready(handle.nodes[handle.applied : arrived])
@@ -77,10 +92,13 @@ class StoragePolicy:
         if self._is_fault(c):
             self.stats.storage_failures += 1
         self.tree.unlock(handle.nodes[-1])
-        # Pages that never arrived: their host page will never be readable, so it goes back now.
-        # A node a request computed meanwhile (insert gave it a device page while the prefetch
-        # was in flight) stays as a device page with no host copy -- evictable like any other,
-        # and backed up under write_through; a node nobody built on is removed.
+        self._drop_unarrived(handle)
+
+    def _drop_unarrived(self, handle: PrefetchHandle) -> None:
+        """Pages that never arrived: their host page will never be readable, so it goes back now.
+        A node a request computed meanwhile (insert gave it a device page while the prefetch
+        was in flight) stays as a device page with no host copy -- evictable like any other,
+        and backed up under write_through; a node nobody built on is removed."""
         computed: list[PageNode] = []
         for node in reversed(handle.nodes[handle.applied :]):  # deepest first
             if node.host_page != NO_PAGE and not node.host_ready:
