@@ -37,6 +37,8 @@ class CacheStats:
     timed_out_plans: int = 0
     #: prefetches whose unarrived pages were dropped when the policy's budget ran out (their locks released at once)
     prefetches_given_up: int = 0
+    #: plans in flight when the executor port was lost (its worker died or broke its protocol): failed
+    lost_plans: int = 0
     storage_saved_pages: int = 0
     storage_saved_bytes: int = 0
     storage_prefetched_pages: int = 0

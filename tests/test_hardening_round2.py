@@ -449,3 +449,58 @@ def test_a_prefetch_given_up_on_releases_its_locks_at_once_and_its_late_answer_i
     finally:
         proxy.stop()
         server.stop()
+
+
+# ---- 11. a killed or misbehaving pipe worker ---------------------------------------------------------
+def test_a_killed_worker_fails_and_counts_its_plans_and_the_cache_refuses_further_work():
+    import os
+    import signal
+    import time
+
+    from kvtier.errors import ExecutorError
+
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    cache = make_cache(spec, dev_pages=16, host_pages=16, write_policy="write_through", mode="two processes")
+    serve(cache, tokens(0, 16))
+    serve(cache, tokens(100, 16))  # write-through backups in flight, as far as the core knows
+    in_flight = len(cache._inflight)
+    assert in_flight >= 1
+    os.kill(cache.port.pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(ExecutorError, match="plans in flight failed"):
+        cache.begin(tokens(0, 16))
+    assert time.monotonic() - t0 < 10  # noticed, not waited for
+    assert cache.stats.lost_plans == in_flight and not cache._inflight
+    cache.check_integrity(idle=True)  # every lock and page the lost plans held was released
+    with pytest.raises(ExecutorError):  # and it stays refused
+        cache.match(tokens(0, 16))
+    cache.close()
+
+
+def _send_extra_message(executor):
+    """A worker that breaks the protocol: a message nobody asked for, sent beside its answer."""
+    import gc
+    from multiprocessing.connection import Connection
+
+    conn = next(o for o in gc.get_objects() if isinstance(o, Connection) and not o.closed)
+    conn.send(("stray", "message"))
+    return "done"
+
+
+def test_an_extra_message_from_the_worker_is_a_typed_error_never_an_answer_off_by_one():
+    from kvtier.errors import ExecutorError
+    from kvtier.executors.pipe import PipeExecutor, WorkerSpec
+
+    port = PipeExecutor(WorkerSpec(tiny_specs(page_size=4, num_layers=1)["mla"], 4, 4))
+    try:
+        with pytest.raises(ExecutorError, match="out of protocol"):
+            port.run(_send_extra_message)  # the stray message arrives first: never taken for run's answer
+        for call in (port.poll, lambda: port.stored_prefix([b"k" * 16])):  # and nothing after it is read off by one
+            with pytest.raises(ExecutorError, match="broken"):
+                call()
+        from kvtier.core.plans import Tier, copy_plan
+
+        with pytest.raises(ExecutorError, match="broken"):
+            port.submit(copy_plan(1, Tier.DEVICE, [0], Tier.HOST, [0]))
+    finally:
+        port.close()

@@ -38,13 +38,19 @@ class PlanDispatch:
         #: the last op submitted (quarantined pages wait for every plan up to it)
         self._last_op = 0
         self._closed = False
+        #: why the executor port is gone (see :meth:`_ask`), or None
+        self._lost: str | None = None
         #: plans that timed out -> the host pages held until their late answer (see PageAllocator.hold)
         self._held_for: dict[int, list[int]] = {}
 
     def _submit(self, plan_of, tag: JobTag | PrefetchHandle, *args) -> int:
         op = self._last_op = next(self._ops)
         self._inflight[op] = tag
-        self.port.submit(plan_of(op, *args))
+        if self._lost is None:
+            try:
+                self.port.submit(plan_of(op, *args))
+            except ExecutorError as e:  # recorded in flight: failed with the rest at the next call, which raises
+                self._lost = str(e)
         return op
 
     def poll(self) -> int:
@@ -52,7 +58,30 @@ class PlanDispatch:
         the core polls first, so on a closed cache every one of them is an :class:`InvalidStateError`."""
         if self._closed:
             raise InvalidStateError("the cache is closed: begin, match, insert and the other calls need an open cache; build a new one")
-        return self._apply_all(self.port.poll())
+        return self._apply_all(self._ask(self.port.poll))
+
+    def _ask(self, call, *args):
+        """A call to the port. A port that is gone (:class:`ExecutorError`: its worker died, broke its
+        protocol or missed a deadline) loses every plan in flight: each completes Failed here (so
+        locks and pages are released as for any failure) and is counted (``lost_plans``); this and
+        every later call raise :class:`ExecutorError`."""
+        if self._lost is None:
+            try:
+                return call(*args)
+            except ExecutorError as e:
+                self._lost = str(e)
+        self._fail_lost()
+        raise ExecutorError(f"the executor port is gone ({self._lost}); its plans in flight failed; build a new cache")
+
+    def _fail_lost(self) -> None:
+        while self._inflight:  # (a failure's handler may plan more: those fail too)
+            done = [Failed(op, Reason.ERROR, f"executor lost: {self._lost}") for op in self._inflight]
+            self.stats.lost_plans += len(done)
+            for c in done:
+                self._apply(c)
+        self._deferred = []
+        if self._quarantine:
+            self._release_quarantine()
 
     def _apply_all(self, done: list[Completion]) -> int:
         """Apply the completions deferred by :meth:`_await`, then ``done``; returns how many."""
@@ -86,14 +115,23 @@ class PlanDispatch:
     def wait_for(self, ops) -> int:
         """Block until the plans ``ops`` finished, then apply every completion collected."""
         ops = [op for op in ops if op in self._inflight or op in self._held_for]
-        return self._apply_all(self.port.wait(ops) if ops else self.port.poll())
+        return self._apply_all(self._ask(self.port.wait, ops) if ops else self._ask(self.port.poll))
 
     def _await(self, op: int) -> Completion:
         """The completion of ``op``, waited for where the caller needs its outcome at once (eviction).
         Other completions that arrive meanwhile wait for the next poll: the caller is mid-decision."""
         mine = None
         others = []
-        for c in self._deferred + self.port.wait((op,)):
+        try:
+            arrived = self.port.wait((op,)) if self._lost is None else []
+        except ExecutorError as e:  # the caller is mid-decision: it gets a failure, the next public call raises
+            self._lost = str(e)
+            arrived = []
+        if self._lost is not None:
+            del self._inflight[op]
+            self.stats.lost_plans += 1
+            return Failed(op, Reason.ERROR, f"executor lost: {self._lost}")
+        for c in self._deferred + arrived:
             if type(c) in _COMPLETIONS and c.op == op:
                 mine = c
             else:
@@ -132,7 +170,10 @@ class PlanDispatch:
         if self._closed:
             return
         try:
-            self.wait_idle()
+            if self._lost is None:
+                self.wait_idle()
+        except ExecutorError:
+            pass  # its plans failed and were counted; the port is closed below all the same
         finally:
             self._closed = True
             self.port.close()

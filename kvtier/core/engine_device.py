@@ -98,7 +98,7 @@ class EngineLoad:
 
     def wait_layer(self, layer: int) -> None:
         if self.op is not None and self.core is not None:
-            self.core.port.wait_layer(self.op, layer)
+            self.core._ask(self.core.port.wait_layer, self.op, layer)
 
 
 class OffloadCopy(JobTag):
@@ -139,7 +139,7 @@ class EngineDeviceCore(CacheCore):
         host = self.tree.readable_host_run(path)
         self.tree.touch(path[:host])
         probed = self.port.has_storage and host == len(path) < len(keys)
-        stored = self.port.stored_prefix(keys[host:]) if probed else 0
+        stored = self._ask(self.port.stored_prefix, keys[host:]) if probed else 0
         st = self.stats
         st.requests += 1
         st.lookup_pages += len(keys)
@@ -239,7 +239,7 @@ class EngineDeviceCore(CacheCore):
         self.tree.lock(locked)
         handle = None
         if self.port.has_storage and host == len(path) < len(keys):
-            stored = self.port.stored_prefix(keys[host:])
+            stored = self._ask(self.port.stored_prefix, keys[host:])
             if stored >= self.storage_config.min_prefetch_pages:
                 handle = self.prefetch(MatchResult(keys, [], path[:host], (), stored))
         return keys, path, host, locked, handle

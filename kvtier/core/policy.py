@@ -49,7 +49,7 @@ from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
 from kvtier.core.storage_policy import StoragePolicy
 from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
-from kvtier.errors import IndexTypeError, PageAlignmentError, PageOwnershipError
+from kvtier.errors import ExecutorError, IndexTypeError, PageAlignmentError, PageOwnershipError
 from kvtier.executors.port import ExecutorPort
 from kvtier.hashing import Namespace, PageHash, page_keys
 from kvtier.metrics import CacheStats
@@ -136,7 +136,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
                 self._backup(due)
         n_storage = 0
         if self.port.has_storage and len(matched) == len(path) < len(keys):
-            n_storage = self.port.stored_prefix(keys[len(path) :])
+            n_storage = self._ask(self.port.stored_prefix, keys[len(path) :])
             st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage)
 
@@ -162,10 +162,15 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         self.lock(m.last_node)
         host_before = m.num_host_pages
         if prefetch and m.num_storage_pages and m.num_device_pages + m.num_host_pages < want:
-            handle = self.prefetch(m)
+            try:
+                handle = self.prefetch(m)
+                if handle is not None:
+                    self.resolve_prefetch(handle, prefetch_policy)
+                    again = self.match(keys, count=False)
+            except ExecutorError:
+                self.unlock(m.last_node)  # the port is gone: nothing of this request stays locked
+                raise
             if handle is not None:
-                self.resolve_prefetch(handle, prefetch_policy)
-                again = self.match(keys, count=False)
                 self.lock(again.last_node)
                 self.unlock(m.last_node)
                 m = again

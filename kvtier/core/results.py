@@ -73,9 +73,9 @@ class LoadResult:
     def wait_layer(self, layer: int) -> None:
         """Layer ``layer`` of every page of the prefix is in place (the executor's per-layer wait)."""
         if self.core is not None:
-            port = self.core.port
+            core = self.core
             for op in self.ops:
-                port.wait_layer(op, layer)
+                core._ask(core.port.wait_layer, op, layer)
 
     def wait(self) -> None:
         """Every load the prefix needs has finished (and its completion is applied)."""

@@ -63,9 +63,9 @@ def serve(conn, worker: WorkerSpec) -> None:
     executor = None
     try:
         executor = worker.build()
-        conn.send(("ok", executor.has_storage))
+        conn.send((0, "ok", executor.has_storage))
     except BaseException as e:  # the owner gets the reason, typed, instead of a dead pipe
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        conn.send((0, "error", f"{type(e).__name__}: {e}"))
         return
     while True:
         try:
@@ -73,7 +73,7 @@ def serve(conn, worker: WorkerSpec) -> None:
         except EOFError:  # the owner is gone
             executor.close()
             return
-        name, args = msg if type(msg) is tuple and len(msg) == 2 and type(msg[1]) is tuple else (None, ())
+        seq, name, args = msg if type(msg) is tuple and len(msg) == 3 and type(msg[2]) is tuple else (-1, None, ())
         if name == "submit":  # one-way; a plan the executor refuses (malformed included) comes back Failed from its poll
             if len(args) == 1:
                 executor.submit(args[0])
@@ -86,9 +86,9 @@ def serve(conn, worker: WorkerSpec) -> None:
                 result = fn(executor, *fargs)
             else:
                 result = getattr(executor, name)(*args)
-            conn.send(("ok", result))
+            conn.send((seq, "ok", result))
         except BaseException as e:
-            conn.send(("error", f"{type(e).__name__}: {e}"))
+            conn.send((seq, "error", f"{type(e).__name__}: {e}"))
         if name == "close":
             return
 
@@ -110,9 +110,12 @@ class PipeExecutor:
         self.deadline_s = deadline_s
         self.wait_deadline_s = wait_deadline_s
         self._closed = False
-        #: why the port can no longer be used (a call ran past its deadline), or None
+        #: why the port can no longer be used (the worker died, broke the protocol, or a call ran past
+        #: its deadline), or None
         self._broken: str | None = None
-        self.has_storage = bool(self._answer("start", start_timeout_s))
+        #: each call's number; its answer must carry it (an extra or stray message never answers a later call)
+        self._seq = 0
+        self.has_storage = bool(self._answer("start", start_timeout_s, 0))
         self.can_wait = True
 
     @property
@@ -120,19 +123,29 @@ class PipeExecutor:
         return self._proc.pid
 
     # ---- the wire --------------------------------------------------------------------
-    def _answer(self, what: str, timeout_s: float | None):
+    def _break(self, why: str) -> ExecutorError:
+        """The port is unusable from now on: every later call is refused (an answer read out of turn
+        would be taken for the wrong call's)."""
+        self._broken = why
+        return ExecutorError(f"executor process {self._proc.pid}: {why}; the port refuses further work, start a new one")
+
+    def _answer(self, what: str, timeout_s: float | None, seq: int):
         start = time.monotonic()
         while not self._conn.poll(0.2):
             if not self._proc.is_alive():
-                raise ExecutorError(f"executor process {self._proc.pid} exited (code {self._proc.exitcode}) during {what}")
+                raise self._break(f"exited (code {self._proc.exitcode}) during {what}")
             if timeout_s is not None and time.monotonic() - start > timeout_s:
-                self._broken = f"no answer to {what} within {timeout_s:g} s"
                 self._proc.kill()  # wedged: its late answer must not be taken for another call's
-                raise ExecutorError(f"executor process {self._proc.pid}: {self._broken}; the worker was stopped, start a new one")
+                raise self._break(f"no answer to {what} within {timeout_s:g} s (the worker was stopped)")
         try:
-            status, value = self._conn.recv()
+            msg = self._conn.recv()
         except (EOFError, OSError) as e:  # the worker died: its end of the pipe is closed or reset
-            raise ExecutorError(f"executor process {self._proc.pid} is gone ({type(e).__name__}) during {what}") from None
+            raise self._break(f"gone ({type(e).__name__}) during {what}") from None
+        except Exception as e:  # not a pickle it can read
+            raise self._break(f"sent an unreadable answer to {what} ({type(e).__name__})") from None
+        if not (type(msg) is tuple and len(msg) == 3 and msg[0] == seq and msg[1] in ("ok", "error")):
+            raise self._break(f"answered {what} (call {seq}) out of protocol with {str(msg)[:80]!r}")
+        _seq, status, value = msg
         if status != "ok":
             raise ExecutorError(f"executor process {self._proc.pid}: {what} failed: {value}")
         return value
@@ -142,18 +155,21 @@ class PipeExecutor:
             raise ExecutorError(f"executor port is closed: cannot {name}")
         if self._broken is not None:
             raise ExecutorError(f"executor port is broken ({self._broken}): cannot {name}; start a new one")
+        self._seq += 1
         try:
-            self._conn.send((name, args))
+            self._conn.send((self._seq, name, args))
         except (BrokenPipeError, OSError) as e:
-            raise ExecutorError(f"executor process {self._proc.pid} is gone ({e}); cannot {name}") from None
-        return self._answer(name, self.deadline_s if timeout_s == -1.0 else timeout_s)
+            raise self._break(f"gone ({e}); cannot {name}") from None
+        return self._answer(name, self.deadline_s if timeout_s == -1.0 else timeout_s, self._seq)
 
     # ---- the port --------------------------------------------------------------------
     def submit(self, plan: Transfer) -> None:
+        if self._closed or self._broken is not None:
+            raise ExecutorError(f"executor port is {'closed' if self._closed else f'broken ({self._broken})'}: cannot submit plan {plan.op}")
         try:
-            self._conn.send(("submit", (plan,)))
+            self._conn.send((0, "submit", (plan,)))
         except (BrokenPipeError, OSError) as e:
-            raise ExecutorError(f"executor process {self._proc.pid} is gone ({e}); cannot submit plan {plan.op}") from None
+            raise self._break(f"gone ({e}); cannot submit plan {plan.op}") from None
 
     def poll(self) -> list[Completion]:
         return self._call("poll")
