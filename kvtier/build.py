@@ -25,8 +25,13 @@ def open_storage_tier(storage: StorageConfig, host: HostPool, namespace: Namespa
                        queue_depth=storage.queue_depth, cooldown_s=storage.cooldown_s, max_cooldown_s=storage.max_cooldown_s)
 
 
-def build_cache(spec: KVSpec, tiers: TierConfig = TierConfig(), cache: CacheConfig = CacheConfig(), storage: StorageConfig = StorageConfig(),
-                namespace: Namespace | None = None) -> HierarchicalCache:
+def build_cache(
+    spec: KVSpec,
+    tiers: TierConfig = TierConfig(),
+    cache: CacheConfig = CacheConfig(),
+    storage: StorageConfig = StorageConfig(),
+    namespace: Namespace | None = None,
+) -> HierarchicalCache:
     namespace = namespace or Namespace(spec.name, spec.fingerprint())
     device = DevicePool(spec, tiers.device_pages, tiers.device)
     host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)

@@ -96,9 +96,15 @@ class TierConfig:
 class CacheConfig:
     """Policy of the device/host prefix cache."""
 
-    write_policy: WritePolicy = _help("when device pages are backed up to host: write_through (at insert), write_through_selective (after N hits), write_back (on eviction)", "write_through")
+    write_policy: WritePolicy = _help(
+        "when device pages are backed up to host: write_through (at insert), write_through_selective (after N hits), "
+        "write_back (on eviction)",
+        "write_through",
+    )
     write_through_threshold: int = _help("hits before a page is backed up under write_through_selective", 2)
-    on_device_evict: DeviceEvictAction = _help("a device-only page being evicted is backed up to host first (backup) or dropped (drop)", "backup")
+    on_device_evict: DeviceEvictAction = _help(
+        "a device-only page being evicted is backed up to host first (backup) or dropped (drop)", "backup"
+    )
     hash_algo: Literal["xxh3_128", "blake3"] = _help("page key hash (128-bit, chained)", "xxh3_128")
     io_backend: str = _help("page copy backend (see kvtier.transfer.backends)", "direct")
     preallocate_nodes: bool = _help("build one tree node per device+host page at startup, so serving creates no GC-tracked objects", True)
@@ -114,17 +120,31 @@ class CacheConfig:
 class StorageConfig:
     """The L3 tier: where pages go when they leave host memory, and how they come back."""
 
-    url: str | None = _help("L3 backend URL: file:///dir, redis://host:port/db, redis+cluster://host:port, mooncake://host:port; None disables L3", None)
-    write_policy: Literal["write_through", "write_back"] = _help("save host pages to L3 as soon as they are on host (write_through) or only when host evicts them (write_back)", "write_through")
-    prefetch_policy: PrefetchPolicy = _help("when a request is scheduled: use what arrived (best_effort), wait for all (wait_complete), or wait up to a budget (timeout)", "wait_complete")
+    url: str | None = _help(
+        "L3 backend URL: file:///dir, redis://host:port/db, redis+cluster://host:port, mooncake://host:port; None disables L3", None
+    )
+    write_policy: Literal["write_through", "write_back"] = _help(
+        "save host pages to L3 as soon as they are on host (write_through) or only when host evicts them (write_back)", "write_through"
+    )
+    prefetch_policy: PrefetchPolicy = _help(
+        "when a request is scheduled: use what arrived (best_effort), wait for all (wait_complete), or wait up to a budget (timeout)",
+        "wait_complete",
+    )
     prefetch_timeout_base_s: float = _help("timeout policy: fixed part of the budget", 0.05)
     prefetch_timeout_per_page_s: float = _help("timeout policy: budget added per page to prefetch", 0.005)
     min_prefetch_pages: int = _help("skip prefetch for fewer stored pages than this (recompute is cheaper)", 1)
     batch_pages: int = _help("pages per backend call", 8)
-    io_threads: int | None = _help("batches moved to or from the store at once, each read and checked (or hashed and written) by its own thread; unset: the backend's choice (file and Redis Cluster 2, one Redis node and Mooncake 1)", None)
+    io_threads: int | None = _help(
+        "batches moved to or from the store at once, each read and checked (or hashed and written) by its own thread; "
+        "unset: the backend's choice (file and Redis Cluster 2, one Redis node and Mooncake 1)",
+        None,
+    )
     queue_depth: int = _help("storage jobs queued before saves apply back-pressure", 64)
-    cooldown_s: float = _help("after a storage fault, answer misses without calling the store for this long; it doubles (with "
-                              "jitter) while the fault persists, and a probe off the engine's thread finds the store back", DEFAULT_COOLDOWN_S)
+    cooldown_s: float = _help(
+        "after a storage fault, answer misses without calling the store for this long; it doubles (with "
+        "jitter) while the fault persists, and a probe off the engine's thread finds the store back",
+        DEFAULT_COOLDOWN_S,
+    )
     max_cooldown_s: float = _help("the longest the back-off after a storage fault grows to", DEFAULT_MAX_COOLDOWN_S)
 
     def __post_init__(self) -> None:

@@ -60,7 +60,15 @@ class OffloadStats:
 
 
 class OffloadCache:
-    def __init__(self, device: DevicePool, host: HostPool, storage: StorageTier | None = None, storage_config: StorageConfig = StorageConfig(), *, io_backend: str = "direct"):
+    def __init__(
+        self,
+        device: DevicePool,
+        host: HostPool,
+        storage: StorageTier | None = None,
+        storage_config: StorageConfig = StorageConfig(),
+        *,
+        io_backend: str = "direct",
+    ):
         if device.spec != host.spec:
             raise ConfigError(f"device pool holds {device.spec.name!r} but host pool holds {host.spec.name!r}; build both from one KVSpec")
         self.spec = host.spec
@@ -70,8 +78,14 @@ class OffloadCache:
         self.storage_config = storage_config
         self.engine = TransferEngine(host, device, io_backend, name="kvtier-offload")
         # the engine allocates its own blocks: the core's device allocator is a placeholder it never draws from
-        self.core = EngineDeviceCore(self.spec, PageAllocator(1, "engine device (not kvtier's)"), host.allocator, LocalExecutor(self.engine, storage),
-                                     CacheConfig(io_backend=io_backend, preallocate_nodes=False), storage_config)
+        self.core = EngineDeviceCore(
+            self.spec,
+            PageAllocator(1, "engine device (not kvtier's)"),
+            host.allocator,
+            LocalExecutor(self.engine, storage),
+            CacheConfig(io_backend=io_backend, preallocate_nodes=False),
+            storage_config,
+        )
         self.stats = OffloadStats()
         self._mutex = threading.RLock()
         self._closed = False
@@ -105,7 +119,9 @@ class OffloadCache:
         """
         if len(keys) != len(device_pages):
             raise ConfigError(f"save: {len(keys)} page keys but {len(device_pages)} device pages; pass one device page per key")
-        device_pages = checked_pages(device_pages, self.device.num_pages, pool=self.device.name, side="device").tolist()  # before any lock or copy
+        device_pages = checked_pages(
+            device_pages, self.device.num_pages, pool=self.device.name, side="device"
+        ).tolist()  # before any lock or copy
         with self._mutex:
             result = self.core.offload(keys, device_pages)
             self.stats.saved_pages += result.saved
@@ -120,7 +136,9 @@ class OffloadCache:
         """Bring the leading available pages of ``keys`` into ``device_pages``, layer by layer."""
         if len(keys) != len(device_pages):
             raise ConfigError(f"load: {len(keys)} page keys but {len(device_pages)} device pages; pass one device page per key")
-        device_pages = checked_pages(device_pages, self.device.num_pages, pool=self.device.name, side="device").tolist()  # before any lock or copy
+        device_pages = checked_pages(
+            device_pages, self.device.num_pages, pool=self.device.name, side="device"
+        ).tolist()  # before any lock or copy
         with self._mutex:
             ld = self.core.load_into(keys, device_pages)
             self.stats.loaded_from_host += ld.from_host

@@ -81,7 +81,18 @@ def leading_present(present, keys: Sequence, hi: int | None = None, lo: int = 0)
 class PageNode:
     """One cached page. ``__slots__`` and few of them: hundreds of thousands exist at once."""
 
-    __slots__ = ("key", "parent", "num_children", "device_children", "device_page", "host_page", "lock_ref", "hit_count", "last_access", "flags")
+    __slots__ = (
+        "key",
+        "parent",
+        "num_children",
+        "device_children",
+        "device_page",
+        "host_page",
+        "lock_ref",
+        "hit_count",
+        "last_access",
+        "flags",
+    )
 
     def __init__(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0):
         self.reset(key, parent, stamp, device_page, children)
@@ -127,7 +138,8 @@ class PageNode:
             node = node.parent
 
     def __repr__(self) -> str:
-        return f"PageNode(dev={self.device_page}, host={self.host_page}{'' if self.host_ready else '*'}, lock={self.lock_ref}, t={self.last_access})"
+        ready = "" if self.host_ready else "*"
+        return f"PageNode(dev={self.device_page}, host={self.host_page}{ready}, lock={self.lock_ref}, t={self.last_access})"
 
 
 def _device_leaf(n: PageNode) -> bool:
@@ -333,8 +345,9 @@ class PrefixTree:
         self.device_heap.push(prev)
         return chain
 
-    def add_host_chain(self, keys: Sequence[PageHash], pages: Sequence[int], parent: PageNode | None, *, ready: bool,
-                       stored: int = NOT_STORED) -> list[PageNode]:
+    def add_host_chain(
+        self, keys: Sequence[PageHash], pages: Sequence[int], parent: PageNode | None, *, ready: bool, stored: int = NOT_STORED
+    ) -> list[PageNode]:
         """New nodes for ``keys`` (none cached yet), each a child of the previous, on host ``pages``: where
         an L3 fetch or a copy out of an engine's blocks lands (``ready`` False until it has landed).
         One heap entry, for the deepest: the only leaf of the chain."""
@@ -659,8 +672,12 @@ class PrefixTree:
                 if stamp > parent.last_access:
                     parent.last_access = stamp
                 if parent.device_children == 0:  # a device leaf now (never a host leaf: its child stays)
-                    if (not entries or parent.last_access < entries[0][0]) and not parent.lock_ref \
-                            and parent.host_page != NO_PAGE and parent.flags & _HOST_READY:
+                    if (
+                        (not entries or parent.last_access < entries[0][0])
+                        and not parent.lock_ref
+                        and parent.host_page != NO_PAGE
+                        and parent.flags & _HOST_READY
+                    ):
                         node = parent
                     else:
                         push(entries, (parent.last_access, next(seq), parent))
@@ -676,7 +693,8 @@ class PrefixTree:
 
         Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
         return self._victims(
-            self.host_heap, limit,
+            self.host_heap,
+            limit,
             lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING,
             lambda n: n.num_children,
         )
@@ -741,4 +759,3 @@ class PrefixTree:
             for node in self.nodes.values():
                 if heap.is_leaf(node):
                     assert id(node) in indexed, f"leaf missing from its tier's LRU heap: {node!r}"
-

@@ -127,7 +127,13 @@ class CacheRequest:
                                      f"in order, then its partial tail page if it has one")
         alloc = self._allocated
         k = len(pages) - len(alloc)
-        if isinstance(pages, list) and k >= 0 and pages[k:] == alloc and pages[:k] == self.cached_pages[:k] and set(map(type, pages)) <= {int}:
+        if (
+            isinstance(pages, list)
+            and k >= 0
+            and pages[k:] == alloc
+            and pages[:k] == self.cached_pages[:k]
+            and set(map(type, pages)) <= {int}
+        ):
             # the usual shape, the cached prefix then every page it allocated: list comparisons in C
             rest = pages[full:]
             known = self._prefix[:k]
@@ -185,11 +191,15 @@ class CacheRequest:
             p = pages[i]
             if p not in mine and not (i < len(cached) and p == cached[i]):
                 if self.failed and p in self.cache.quarantined_pages():
-                    raise PageOwnershipError(f"commit: device page {p} (place {i}) was lost to a failed host->device load; the request's "
-                                             f"cached prefix is its first {len(cached)} pages (see wait()): recompute the rest into "
-                                             "pages from alloc()")
-                raise PageOwnershipError(f"commit: device page {p} (place {i}) is not this request's: pass the cached pages it was "
-                                         "given, at their places, and pages it allocated")
+                    raise PageOwnershipError(
+                        f"commit: device page {p} (place {i}) was lost to a failed host->device load; the request's "
+                        f"cached prefix is its first {len(cached)} pages (see wait()): recompute the rest into "
+                        "pages from alloc()"
+                    )
+                raise PageOwnershipError(
+                    f"commit: device page {p} (place {i}) is not this request's: pass the cached pages it was "
+                    "given, at their places, and pages it allocated"
+                )
 
     def _finish(self, state: RequestState) -> None:
         self.cache.unlock(self._locked)

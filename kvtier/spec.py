@@ -230,7 +230,8 @@ class KVSpec:
         return cls(name, "mha", num_layers, page_size, dtype, kv_heads=kv_heads, head_dim=head_dim)
 
     @classmethod
-    def mla(cls, name: str, num_layers: int, kv_lora_rank: int = 512, qk_rope_dim: int = 64, page_size: int = 64, dtype: str = "bfloat16") -> KVSpec:
+    def mla(cls, name: str, num_layers: int, kv_lora_rank: int = 512, qk_rope_dim: int = 64, page_size: int = 64,
+            dtype: str = "bfloat16") -> KVSpec:
         return cls(name, "mla", num_layers, page_size, dtype, kv_lora_rank=kv_lora_rank, qk_rope_dim=qk_rope_dim)
 
     @classmethod
@@ -246,9 +247,15 @@ class KVSpec:
         dtype: str = "bfloat16",
     ) -> KVSpec:
         return cls(
-            name, "dsa", num_layers, page_size, dtype,
-            kv_lora_rank=kv_lora_rank, qk_rope_dim=qk_rope_dim,
-            index_head_dim=index_head_dim, quant_block_size=quant_block_size,
+            name,
+            "dsa",
+            num_layers,
+            page_size,
+            dtype,
+            kv_lora_rank=kv_lora_rank,
+            qk_rope_dim=qk_rope_dim,
+            index_head_dim=index_head_dim,
+            quant_block_size=quant_block_size,
         )
 
     @classmethod

@@ -124,7 +124,9 @@ def split_cache(spec, dev_pages: int, host_pages: int, layout: str, config: Cach
                 namespace: Namespace | None = None) -> CacheCore:
     """The core here, the executor (pools, transfer engine, L3 tier) in a spawned process."""
     port = PipeExecutor(WorkerSpec(spec, dev_pages, host_pages, layout, storage=storage, namespace=namespace))
-    return CacheCore(spec, PageAllocator(dev_pages, "device pool"), PageAllocator(host_pages, "host pool"), port, config, storage, namespace=namespace)
+    return CacheCore(
+        spec, PageAllocator(dev_pages, "device pool"), PageAllocator(host_pages, "host pool"), port, config, storage, namespace=namespace
+    )
 
 
 def make_cache(spec, dev_pages: int, host_pages: int, layout: str = "layer_first", mode: str = "one process", **config) -> CacheCore:
@@ -133,8 +135,17 @@ def make_cache(spec, dev_pages: int, host_pages: int, layout: str = "layer_first
     return HierarchicalCache(DevicePool(spec, dev_pages), HostPool(spec, host_pages, layout), CacheConfig(**config))
 
 
-def make_tiered_cache(spec, dev_pages: int, host_pages: int, url: str, layout: str = "page_first", model: str = "m", storage_cfg: dict | None = None,
-                      mode: str = "one process", **config) -> CacheCore:
+def make_tiered_cache(
+    spec,
+    dev_pages: int,
+    host_pages: int,
+    url: str,
+    layout: str = "page_first",
+    model: str = "m",
+    storage_cfg: dict | None = None,
+    mode: str = "one process",
+    **config,
+) -> CacheCore:
     """A device+host+L3 cache over a real backend URL."""
     from kvtier.build import open_storage_tier
 

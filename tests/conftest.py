@@ -11,7 +11,9 @@ def tiny_specs(page_size: int = 4, num_layers: int = 3) -> dict[str, KVSpec]:
     return {
         "mha": KVSpec.mha("tiny-mha", num_layers, kv_heads=2, head_dim=8, page_size=page_size),
         "mla": KVSpec.mla("tiny-mla", num_layers, kv_lora_rank=16, qk_rope_dim=8, page_size=page_size),
-        "dsa": KVSpec.dsa("tiny-dsa", num_layers, kv_lora_rank=16, qk_rope_dim=8, index_head_dim=32, quant_block_size=16, page_size=page_size),
+        "dsa": KVSpec.dsa(
+            "tiny-dsa", num_layers, kv_lora_rank=16, qk_rope_dim=8, index_head_dim=32, quant_block_size=16, page_size=page_size
+        ),
     }
 
 

@@ -34,7 +34,9 @@ def independent_hit_ratio(requests) -> float:
 
 
 def test_bench_cache_hit_ratio_equals_independent_replay():
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--reps", "2"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--reps", "2"], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     requests = load_mooncake_trace(str(default_trace_path()))
@@ -65,8 +67,9 @@ print(json.dumps({a: [k.hex() for k in page_keys(list(range(1000, 1300)), 64, ns
 
 
 def keys_in_subprocess(hashseed: str) -> dict[str, list[str]]:
-    r = subprocess.run([sys.executable, "-c", KEYS_SNIPPET], capture_output=True, text=True, timeout=60,
-                       env={**os.environ, "PYTHONHASHSEED": hashseed})
+    r = subprocess.run(
+        [sys.executable, "-c", KEYS_SNIPPET], capture_output=True, text=True, timeout=60, env={**os.environ, "PYTHONHASHSEED": hashseed}
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -92,8 +95,12 @@ def test_page_keys_differ_across_namespaces():
 def test_bench_cache_replays_through_vllm_in_the_same_run():
     """The vllm extra is part of the test install (run.sh test); without it this fails with the install hint."""
     n = 400
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--vllm", "--limit", str(n)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--vllm", "--limit", str(n)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     expected = independent_hit_ratio(load_mooncake_trace(str(default_trace_path()), n))
@@ -110,8 +117,13 @@ def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_pat
     """SGLang's own RadixCache, imported from its wheel (run.sh test downloads it into .kvtier/wheels),
     serves the same trace with the same hits; kvtier's ratio against it is computed in the same run."""
     n = 400
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", str(n)],
-                       capture_output=True, text=True, timeout=600, env={**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)})
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", str(n)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)},
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     expected = independent_hit_ratio(load_mooncake_trace(str(default_trace_path()), n))
@@ -120,15 +132,30 @@ def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_pat
     assert theirs["pages_per_s"] > 0 and theirs["tree_seconds"] > 0 and theirs["hash_seconds"] == 0
     assert report["vs_sglang"] == round(report["pages_per_s"] / theirs["pages_per_s"], 2)
     # the tree code that ran is SGLang's, unpacked from the wheel (not a stand-in)
-    probe = subprocess.run([sys.executable, "-c", "from pathlib import Path; from kvtier.app.bench.sglang_replay import find_sglang_wheel, load_radix_cache; "
-                            "m, _ = load_radix_cache(find_sglang_wheel()); print(m.__file__, type(m.RadixCache.match_prefix).__name__)"],
-                           capture_output=True, text=True, timeout=120, env={**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)})
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from pathlib import Path; from kvtier.app.bench.sglang_replay import find_sglang_wheel, load_radix_cache; "
+            "m, _ = load_radix_cache(find_sglang_wheel()); print(m.__file__, type(m.RadixCache.match_prefix).__name__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)},
+    )
     assert probe.returncode == 0, probe.stderr[-2000:]
     path, kind = probe.stdout.split()
     assert path.startswith(str(tmp_path)) and path.endswith("sglang/srt/mem_cache/radix_cache.py") and kind == "function"
 
 
 def test_bench_cache_without_the_sglang_wheel_says_how_to_get_it(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", "5"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env={k: v for k, v in os.environ.items() if k != "KVTIER_SGLANG_WHEEL"})
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", "5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={k: v for k, v in os.environ.items() if k != "KVTIER_SGLANG_WHEEL"},
+    )
     assert r.returncode == 2 and "pip download --no-deps sglang==0.5.23" in r.stderr and "Traceback" not in r.stderr

@@ -23,8 +23,15 @@ from test_l3_tier import Injecting
 
 def slow_cache(url: str, dev_pages: int, host_pages: int, release: threading.Event, **config):
     """A tiered cache whose store's reads wait for ``release`` (at most 10 s): prefetches outlive their budget."""
-    cache = make_tiered_cache(tiny(), dev_pages, host_pages, url, model="live",
-                              storage_cfg={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.01, "prefetch_timeout_per_page_s": 0.0}, **config)
+    cache = make_tiered_cache(
+        tiny(),
+        dev_pages,
+        host_pages,
+        url,
+        model="live",
+        storage_cfg={"prefetch_policy": "timeout", "prefetch_timeout_base_s": 0.01, "prefetch_timeout_per_page_s": 0.0},
+        **config,
+    )
     tier = cache.storage
     injecting = Injecting(tier.backend, tier.codec.object_bytes)
     injecting.before_get = lambda _i: release.wait(10)

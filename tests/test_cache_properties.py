@@ -21,13 +21,19 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = None
         self.locked = []  # (match, tokens, number of device pages at lock time)
 
-    @initialize(policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]), evict=st.sampled_from(["backup", "drop"]),
-          kind=st.sampled_from(["mla", "dsa", "mha"]), layout=st.sampled_from(["layer_first", "page_first"]))
+    @initialize(
+        policy=st.sampled_from(["write_through", "write_through_selective", "write_back"]),
+        evict=st.sampled_from(["backup", "drop"]),
+        kind=st.sampled_from(["mla", "dsa", "mha"]),
+        layout=st.sampled_from(["layer_first", "page_first"]),
+    )
     def start(self, policy, evict, kind, layout):
         spec = tiny_specs(page_size=4, num_layers=2)[kind]
         # 10 device pages: two locked matches (3 pages each) plus one request (up to 4 pages) always fit,
         # so serve_request's allocation can only fail if eviction is wrong (locked pages are never evictable)
-        self.cache = make_cache(spec, dev_pages=10, host_pages=6, layout=layout, write_policy=policy, on_device_evict=evict, write_through_threshold=1)
+        self.cache = make_cache(
+            spec, dev_pages=10, host_pages=6, layout=layout, write_policy=policy, on_device_evict=evict, write_through_threshold=1
+        )
 
     @rule(i=st.integers(0, len(PREFIXES) - 1), cut=st.integers(1, 16))
     def serve_request(self, i, cut):

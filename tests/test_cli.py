@@ -23,13 +23,19 @@ def test_run_end_to_end_small_workload(tmp_path):
     assert report["hit_ratio"]["device"] > 0 and report["hit_ratio"]["host"] > 0 and report["hit_ratio"]["storage"] > 0, report["hit_ratio"]
     assert report["logits_equal"] is True and report["logits_bit_exact"] is True and report["indexer_topk_equal"] is True
     assert report["bytes_moved"]["host_to_device"] > 0 and report["bytes_moved"]["storage_to_host"] > 0
-    assert report["tokens_loaded"] + report["tokens_recomputed"] + round(report["hit_ratio"]["device"] * report["tokens"]) >= report["tokens"] - 1
+    assert (
+        report["tokens_loaded"] + report["tokens_recomputed"] + round(report["hit_ratio"]["device"] * report["tokens"])
+        >= report["tokens"] - 1
+    )
     assert plot.stat().st_size > 10_000
 
 
 def test_run_reads_config_file_and_flags_override(tmp_path):
     cfg = tmp_path / "kvtier.toml"
-    cfg.write_text('[workload]\nsessions = 2\nturns = 2\nsystem_tokens = 64\nuser_tokens = 20\nreply_tokens = 10\n[cache]\nwrite_policy = "write_back"\n')
+    cfg.write_text(
+        '[workload]\nsessions = 2\nturns = 2\nsystem_tokens = 64\nuser_tokens = 20\nreply_tokens = 10\n'
+        '[cache]\nwrite_policy = "write_back"\n'
+    )
     r = kvtier("run", "--no-progress", "--json", "-", "--config", str(cfg), "--workload-turns", "1")
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
@@ -40,7 +46,7 @@ def test_run_reads_config_file_and_flags_override(tmp_path):
 def test_host_budget_error_is_one_line(tmp_path):
     r = kvtier("run", "--no-progress", "--tiers-host-gb", "100000")
     assert r.returncode == 2
-    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    lines = [line for line in r.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "host pool needs" in lines[0] and "shrink the host pool" in lines[0], r.stderr
     assert "Traceback" not in r.stderr
 
@@ -54,7 +60,10 @@ def test_bench_transfer_json_fields():
     r = kvtier("bench", "transfer", "--json", "--pages", "16", "--layers", "2", "--reps", "2")
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
-    assert {(x["spec"], x["layout"], x["direction"]) for x in rows} >= {("deepseek-v3.2", "page_first", "load_per_layer"), ("llama-3.1-8b", "layer_first", "backup_all_layers")}
+    assert {(x["spec"], x["layout"], x["direction"]) for x in rows} >= {
+        ("deepseek-v3.2", "page_first", "load_per_layer"),
+        ("llama-3.1-8b", "layer_first", "backup_all_layers"),
+    }
     for x in rows:
         assert set(x) >= {"layout", "direction", "spec", "page_bytes", "gbps", "memcpy_gbps", "ratio"} and x["gbps"] > 0 and x["ratio"] > 0
 
@@ -77,8 +86,28 @@ def test_bench_storage_json_rows(tmp_path):
     if not shutil.which("redis-server"):
         raise AssertionError("redis-server must be installed (.ci/run installs it)")
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "storage", "--backends", "file,redis,redis-cluster", "--pages", "4", "--reps", "2",
-                        "--page-size", "16", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvtier.app.cli",
+            "bench",
+            "storage",
+            "--backends",
+            "file,redis,redis-cluster",
+            "--pages",
+            "4",
+            "--reps",
+            "2",
+            "--page-size",
+            "16",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     rows = json.loads(r.stdout)
     assert [(row["backend"], row["op"]) for row in rows] == [(b, op) for b in ("file", "redis", "redis-cluster") for op in ("put", "get")]

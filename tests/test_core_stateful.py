@@ -278,9 +278,19 @@ CONFIGS = [
 def test_core_state_machine_ten_thousand_steps():
     STEPS.update(total=0, refused=0, failed=0)
     for dev, host, wp, evict in CONFIGS:
-        machine = type(f"Core_{dev}_{host}_{wp}_{evict}", (CoreMachine,), {"dev_pages": dev, "host_pages": host, "write_policy": wp, "on_device_evict": evict})
-        run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=80, derandomize=True, deadline=None,
-                                                             database=None, suppress_health_check=list(HealthCheck)))
+        machine = type(f"Core_{dev}_{host}_{wp}_{evict}", (CoreMachine,),
+                       {"dev_pages": dev, "host_pages": host, "write_policy": wp, "on_device_evict": evict})
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=40,
+                stateful_step_count=80,
+                derandomize=True,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
     assert STEPS["total"] >= 10_000, STEPS
     assert STEPS["failed"] > 0, STEPS  # failed loads were drawn (commits over them are refused where drawn; test_hardening_round2 always)
 
@@ -297,9 +307,14 @@ class EngineDeviceMachine(ExecutorSide):
         self.rnd = random.Random(1)
         self.port = ScriptedExecutor(self.rnd)
         spec = tiny_specs(page_size=PAGE, num_layers=1)["mla"]
-        self.core = EngineDeviceCore(spec, PageAllocator(1, "engine device"), PageAllocator(self.host_pages, "host pool"),
-                                     ChainedExecutor(self.port), CacheConfig(preallocate_nodes=False),
-                                     StorageConfig(url="memory://", min_prefetch_pages=1))
+        self.core = EngineDeviceCore(
+            spec,
+            PageAllocator(1, "engine device"),
+            PageAllocator(self.host_pages, "host pool"),
+            ChainedExecutor(self.port),
+            CacheConfig(preallocate_nodes=False),
+            StorageConfig(url="memory://", min_prefetch_pages=1),
+        )
         self.loads: list = []
 
     def _keys(self, prefix, pages):
@@ -336,7 +351,6 @@ class EngineDeviceMachine(ExecutorSide):
     def lookup(self, prefix, pages):
         found = self.core.lookup(self._keys(prefix, pages))
         assert found.pages <= pages
-
 
     @rule(n=st.integers(1, 6))
     def evict_host(self, n):
@@ -380,6 +394,15 @@ def test_engine_device_core_state_machine():
     STEPS["engine"] = 0
     for host in (3, 6, 10):
         machine = type(f"EngineDevice_{host}", (EngineDeviceMachine,), {"host_pages": host})
-        run_state_machine_as_test(machine, settings=settings(max_examples=30, stateful_step_count=60, derandomize=True, deadline=None,
-                                                             database=None, suppress_health_check=list(HealthCheck)))
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=30,
+                stateful_step_count=60,
+                derandomize=True,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
     assert STEPS["engine"] >= 3_000, STEPS

@@ -33,8 +33,14 @@ def _kvtier_from(clone: Path, *args: str) -> subprocess.CompletedProcess:
 def test_clone_ships_its_trace_and_reads_nothing_outside(clone):
     shipped = clone / "kvtier" / "app" / "workloads" / "data" / "mooncake_synthetic_trace.jsonl.gz"
     assert shipped.is_file()
-    probe = subprocess.run([sys.executable, "-c", "import kvtier.app.workloads.mooncake as m; print(m.default_trace_path())"],
-                           cwd=clone, env={**os.environ, "PYTHONPATH": str(clone), "KVTIER_TRACE": ""}, capture_output=True, text=True, timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import kvtier.app.workloads.mooncake as m; print(m.default_trace_path())"],
+        cwd=clone,
+        env={**os.environ, "PYTHONPATH": str(clone), "KVTIER_TRACE": ""},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode == 0, probe.stderr
     assert Path(probe.stdout.strip()) == shipped  # the clone's own copy, not the installed one's or a shared/ one
     from kvtier.app.workloads.mooncake import load_mooncake_trace

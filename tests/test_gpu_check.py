@@ -16,12 +16,24 @@ def test_gpu_check_on_cpu_round_trips_bit_exact_and_measures():
     assert r.returncode == 0, r.stderr[-2000:]
     report = json.loads(r.stdout)
     assert report["bit_exact"] is True and len(report["round_trips"]) == 4
-    assert {(t["spec"], t["layout"]) for t in report["round_trips"]} == {(s, l) for s in ("deepseek-v3.2", "llama-3.1-8b") for l in ("layer_first", "page_first")}
+    assert {(t["spec"], t["layout"]) for t in report["round_trips"]} == {
+        (s, lay) for s in ("deepseek-v3.2", "llama-3.1-8b") for lay in ("layer_first", "page_first")
+    }
     assert ["latent", "indexer"] in [t["buffers"] for t in report["round_trips"]]  # the DSA indexer travels too
-    assert report["load_gbps"] > 0 and report["copy_gbps"] > 0 and abs(report["load_over_copy"] - report["load_gbps"] / report["copy_gbps"]) < 0.01
+    assert (
+        report["load_gbps"] > 0
+        and report["copy_gbps"] > 0
+        and abs(report["load_over_copy"] - report["load_gbps"] / report["copy_gbps"]) < 0.01
+    )
     assert [(t["layout"], t["direction"], t["host_pages"]) for t in report["transfers"]] == [
-        (layout, direction, pages) for layout in ("layer_first", "page_first") for direction in ("load", "backup") for pages in ("one run", "shuffled")]
-    assert all(t["gbps"] > 0 and t["copy_gbps"] > 0 and abs(t["over_copy"] - t["gbps"] / t["copy_gbps"]) < 0.01 for t in report["transfers"])
+        (layout, direction, pages)
+        for layout in ("layer_first", "page_first")
+        for direction in ("load", "backup")
+        for pages in ("one run", "shuffled")
+    ]
+    assert all(
+        t["gbps"] > 0 and t["copy_gbps"] > 0 and abs(t["over_copy"] - t["gbps"] / t["copy_gbps"]) < 0.01 for t in report["transfers"]
+    )
     assert report["load_gbps"] == report["transfers"][0]["gbps"]
     assert report["serial_ms"] > 0 and report["overlapped_ms"] > 0
     trip = report["cache_round_trip"]  # the policy core + local executor, evicted to host and loaded back
@@ -68,8 +80,12 @@ def test_gpu_check_catches_a_load_that_skips_a_layer(monkeypatch):
 
 def test_gpu_check_default_device():
     """Where CUDA is, the default run is the check itself; elsewhere one line and exit 2 saying what to do."""
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.bench.gpu_check", "--pages", "16", "--layers", "2", "--work", "128", "--reps", "2"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.app.bench.gpu_check", "--pages", "16", "--layers", "2", "--work", "128", "--reps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if gpu_check.torch.cuda.is_available():
         assert r.returncode == 0 and json.loads(r.stdout)["bit_exact"] is True, r.stderr[-2000:]
     else:

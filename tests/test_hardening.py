@@ -115,7 +115,9 @@ def test_wrong_password_is_a_clear_error_at_start_up(redis_with_password):
                         (f"redis://127.0.0.1:{redis_with_password.port}/0", "needs a password")):
         with pytest.raises(StorageError, match=expect):
             open_backend(url)
-        r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", *SMALL_RUN, "--storage-url", url], capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "kvtier.app.cli", *SMALL_RUN, "--storage-url", url], capture_output=True, text=True, timeout=120
+        )
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and expect in lines[0] and "wrong-pw" not in r.stderr, r.stderr
 
@@ -210,7 +212,9 @@ def test_slow_drip_server_fails_the_call_on_time_and_never_blocks_the_engine(tmp
         assert time.monotonic() - t0 < 3.0
         # the engine's thread: submissions return at once even with the worker stuck and the queue full
         t0 = time.monotonic()
-        jobs = [tier.submit("prefetch", keys[:4], [4, 5, 6, 7]) for _ in range(4)] + [tier.submit("save", keys[4:8], [0, 1, 2, 3]) for _ in range(4)]
+        jobs = [tier.submit("prefetch", keys[:4], [4, 5, 6, 7]) for _ in range(4)] + [
+            tier.submit("save", keys[4:8], [0, 1, 2, 3]) for _ in range(4)
+        ]
         assert time.monotonic() - t0 < 0.5
         assert None in jobs and tier.skipped_prefetches + tier.skipped_saves > 0
         t0 = time.monotonic()
@@ -287,20 +291,25 @@ def _pools():
     dev, host = DevicePool(spec, 8), HostPool(spec, 8, "page_first")
     for layer in range(spec.num_layers):
         for b in spec.buffers:
-            host.rows(b.name, layer).view(torch.uint8).copy_(torch.randint(0, 256, host.rows(b.name, layer).view(torch.uint8).shape, dtype=torch.uint8))
+            host.rows(b.name, layer).view(torch.uint8).copy_(
+                torch.randint(0, 256, host.rows(b.name, layer).view(torch.uint8).shape, dtype=torch.uint8)
+            )
     return spec, dev, host
 
 
-@pytest.mark.parametrize("bad, err", [
-    (torch.tensor([0.5, 1.5, 2.5, 3.5]), IndexTypeError),
-    ([0.0, 1.0, 2.0, 3.0], IndexTypeError),
-    (np.array([0.0, 1.0, 2.0, 3.0]), IndexTypeError),
-    (torch.arange(8).view(2, 4), IndexTypeError),
-    (None, IndexTypeError),
-    ("0123", IndexTypeError),
-    ([2**63, 1, 2, 3], PageIndexError),
-    ([True, 1, 2, 3], IndexTypeError),
-])
+@pytest.mark.parametrize(
+    "bad, err",
+    [
+        (torch.tensor([0.5, 1.5, 2.5, 3.5]), IndexTypeError),
+        ([0.0, 1.0, 2.0, 3.0], IndexTypeError),
+        (np.array([0.0, 1.0, 2.0, 3.0]), IndexTypeError),
+        (torch.arange(8).view(2, 4), IndexTypeError),
+        (None, IndexTypeError),
+        ("0123", IndexTypeError),
+        ([2**63, 1, 2, 3], PageIndexError),
+        ([True, 1, 2, 3], IndexTypeError),
+    ],
+)
 def test_bad_index_tensors_are_typed_errors_and_move_nothing(bad, err):
     spec, dev, host = _pools()
     before = [dev.page_bytes(p) for p in range(8)]
@@ -355,6 +364,7 @@ for i in range(int(sys.argv[3])):
 def test_two_writers_keep_a_capped_store_within_its_bound(tmp_path):
     cap, obj, writers = 400_000, 10_000, 2
     procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(cap), "300", f"{w:02x}"]) for w in range(writers)]
+
     def stored_bytes() -> int:
         total = 0
         for f in tmp_path.rglob("*"):

@@ -97,7 +97,9 @@ def test_bench_plan_cli_json():
     assert [r["configuration"] for r in rep["configurations"]] == list(CONFIGURATIONS)
     assert all(r["requests_per_s"] > 0 and r["hit_blocks"]["device"] > 0 for r in rep["configurations"])
     assert rep["slowest_requests_per_s"] == min(r["requests_per_s"] for r in rep["configurations"])
-    assert {(r["routing"], r["nodes"]) for r in rep["routing"]} == {(p, n) for p in ("round_robin", "affinity", "kv_aware") for n in (1, 16)}
+    assert {(r["routing"], r["nodes"]) for r in rep["routing"]} == {
+        (p, n) for p in ("round_robin", "affinity", "kv_aware") for n in (1, 16)
+    }
 
 
 def test_memory_backend_contract_and_lru():
@@ -112,8 +114,12 @@ def test_memory_backend_contract_and_lru():
 
 
 def test_plan_cli_json():
-    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "plan", "--limit", "300", "--json", "--plan-nodes", "2", "--sweep-host-tb", "0.1,1"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "kvtier.app.cli", "plan", "--limit", "300", "--json", "--plan-nodes", "2", "--sweep-host-tb", "0.1,1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     rep = json.loads(r.stdout)
     assert rep["requests"] == 300 and rep["nodes"] == 2 and len(rep["sweep"]) == 2

@@ -102,7 +102,10 @@ def test_unrestored_indexer_pages_change_topk(tmp_path):
     r = eng.prefill(a)  # device hits now, on the wiped indexer pages
     assert r.device_hit_tokens > 0
     differs = not torch.equal(ref.logits, r.logits) or any(
-        not torch.equal(x, y) for sa, sb in zip(ref.selections[len(ref.selections) - len(r.selections):], r.selections) for x, y in zip(sa, sb))
+        not torch.equal(x, y)
+        for sa, sb in zip(ref.selections[len(ref.selections) - len(r.selections) :], r.selections)
+        for x, y in zip(sa, sb)
+    )
     assert differs, "top-k did not depend on the indexer cache: the equality test would be vacuous"
     cache.close()
 
@@ -112,8 +115,12 @@ def test_many_requests_bit_exact(tmp_path, layout):
     model = ReferenceModel(CFG)
     spec = CFG.kv_spec()
     base = ReferenceEngine(model, NullCache(DevicePool(spec, 64)))
-    cache = build_cache(spec, TierConfig(device_pages=14, host_pages=20, host_layout=layout), CacheConfig(write_policy="write_through_selective", write_through_threshold=1),
-                        StorageConfig(url=f"file://{tmp_path}"))
+    cache = build_cache(
+        spec,
+        TierConfig(device_pages=14, host_pages=20, host_layout=layout),
+        CacheConfig(write_policy="write_through_selective", write_through_threshold=1),
+        StorageConfig(url=f"file://{tmp_path}"),
+    )
     eng = ReferenceEngine(model, cache)
     systems = [prompt(10, 48), prompt(11, 40)]
     hist = [list(systems[i % 2]) for i in range(4)]

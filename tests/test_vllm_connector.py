@@ -220,7 +220,8 @@ def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline):
     model = str(ensure_model())
     args = ("--dtype", "float32", "--block-size", str(BS), "--max-model-len", "4096", "--enforce-eager", "--seed", "0")
     kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector", "kv_role": "kv_both",
-          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"host_gb": 0.25, "storage_url": f"file://{tmp_path / 'store'}"}}
+          "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"host_gb": 0.25, "storage_url": f"file://{tmp_path / 'store'}"}}
     prompt = prompt_ids(LENGTHS[1], seed=1)  # the baseline engine's second prompt
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
     want = baseline["results"][1]["text"]

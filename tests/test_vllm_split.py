@@ -55,11 +55,17 @@ class Engine:
         layer writes its KV), then ``save_kv_layer`` -- unless ``announce_layers`` is False."""
         out = SimpleNamespace(
             num_scheduled_tokens={r.request_id: n for r, _b, n in [*new, *cached]},
-            scheduled_new_reqs=[SimpleNamespace(req_id=r.request_id, block_ids=(list(b),), num_computed_tokens=r.num_computed_tokens)
-                                for r, b, _n in new],
-            scheduled_cached_reqs=SimpleNamespace(req_ids=[r.request_id for r, _b, _n in cached], new_block_ids=[None for _ in cached],
-                                                  resumed_req_ids=set(), num_computed_tokens=[r.num_computed_tokens for r, _b, _n in cached]),
-            preempted_req_ids=set(preempted))
+            scheduled_new_reqs=[
+                SimpleNamespace(req_id=r.request_id, block_ids=(list(b),), num_computed_tokens=r.num_computed_tokens) for r, b, _n in new
+            ],
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=[r.request_id for r, _b, _n in cached],
+                new_block_ids=[None for _ in cached],
+                resumed_req_ids=set(),
+                num_computed_tokens=[r.num_computed_tokens for r, _b, _n in cached],
+            ),
+            preempted_req_ids=set(preempted),
+        )
         meta = pickle.loads(pickle.dumps(self.scheduler.build_meta(out)))  # it crosses a process boundary in vLLM
         metas, errors, sending = [], set(), []
         for w in self.workers:
@@ -103,8 +109,17 @@ class Engine:
 
 
 def request(rid: str, tokens: list[int]):
-    return SimpleNamespace(request_id=rid, num_prompt_tokens=len(tokens), prompt_token_ids=tokens, all_token_ids=list(tokens),
-                           mm_features=None, prompt_embeds=None, cache_salt=None, lora_request=None, num_computed_tokens=0)
+    return SimpleNamespace(
+        request_id=rid,
+        num_prompt_tokens=len(tokens),
+        prompt_token_ids=tokens,
+        all_token_ids=list(tokens),
+        mm_features=None,
+        prompt_embeds=None,
+        cache_salt=None,
+        lora_request=None,
+        num_computed_tokens=0,
+    )
 
 
 def start(engine: Engine, rid: str, tokens: list[int], blocks: list[int]):
@@ -255,7 +270,9 @@ def test_scheduler_never_waits_and_refuses_write_back(tmp_path):
         eng.scheduler.port.wait([1])
     eng.close()
     with pytest.raises(ConfigError, match="write_through"):
-        ConnectorScheduler(ConnectorOptions.from_extra_config({"storage_url": "file:///tmp/x", "storage_write_policy": "write_back"}), BS, 1, "m")
+        ConnectorScheduler(
+            ConnectorOptions.from_extra_config({"storage_url": "file:///tmp/x", "storage_write_policy": "write_back"}), BS, 1, "m"
+        )
 
 
 def test_stats_count_tokens_and_bytes_per_tier_and_reach_prometheus(tmp_path):
@@ -363,7 +380,9 @@ def test_tiers_reach_vllms_kv_event_stream(tmp_path):
     eng.settle()
     events = eng.scheduler.events.take()
     assert [(type(e).__name__, e.medium, e.block_hashes) for e in events] == [
-        ("BlockStored", "CPU", [external(h) for h in a.block_hashes[:3]]), ("BlockStored", "STORAGE", [external(h) for h in a.block_hashes[:3]])]
+        ("BlockStored", "CPU", [external(h) for h in a.block_hashes[:3]]),
+        ("BlockStored", "STORAGE", [external(h) for h in a.block_hashes[:3]]),
+    ]
     assert events[0].token_ids == TOKENS[:12] and events[0].parent_block_hash is None and events[0].block_size == BS
     start_hashed("bb", list(range(500, 514)), [0, 1, 2, 4])  # needs all 3 host pages: a's leave host memory
     eng.settle()
@@ -380,7 +399,8 @@ def test_tiers_reach_vllms_kv_event_stream(tmp_path):
     again = hashed("a", TOKENS)
     assert eng.scheduler.get_num_new_matched_tokens(again, 0)[0] == BS  # block 0 still in L3 on both ranks
     assert [(type(e).__name__, e.medium, e.block_hashes) for e in eng.scheduler.events.take()] == [
-        ("BlockRemoved", "STORAGE", [external(a.block_hashes[1])])]
+        ("BlockRemoved", "STORAGE", [external(a.block_hashes[1])])
+    ]
     eng.scheduler.get_num_new_matched_tokens(hashed("a2", TOKENS), 0)
     assert eng.scheduler.events.take() == []  # reported once
     eng.close()

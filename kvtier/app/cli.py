@@ -22,7 +22,9 @@ def spec(name: Optional[str] = typer.Argument(None, help="preset name; omit to l
     from kvtier.spec import PRESETS, KVSpec
 
     if name is None:
-        _emit([{"preset": k, "attention": s.attention, "layers": s.num_layers, "page_bytes": s.page_bytes} for k, s in PRESETS.items()], False)
+        _emit(
+            [{"preset": k, "attention": s.attention, "layers": s.num_layers, "page_bytes": s.page_bytes} for k, s in PRESETS.items()], False
+        )
         return
     json.dump(KVSpec.preset(name).describe(), sys.stdout, indent=1)
     sys.stdout.write("\n")
@@ -46,8 +48,12 @@ def bench_cache(
     trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the one shipped in the package"),
     limit: Optional[int] = typer.Option(None, help="replay only the first N requests"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-    vllm: Optional[bool] = typer.Option(None, "--vllm/--no-vllm", help="replay through vLLM's KVCacheManager too (default: when vLLM is installed)"),
-    sglang: Optional[bool] = typer.Option(None, "--sglang/--no-sglang", help="replay through SGLang's RadixCache too (default: when its wheel is found)"),
+    vllm: Optional[bool] = typer.Option(
+        None, "--vllm/--no-vllm", help="replay through vLLM's KVCacheManager too (default: when vLLM is installed)"
+    ),
+    sglang: Optional[bool] = typer.Option(
+        None, "--sglang/--no-sglang", help="replay through SGLang's RadixCache too (default: when its wheel is found)"
+    ),
     sglang_wheel: Optional[str] = typer.Option(None, help="sglang-0.5.23 wheel (default: $KVTIER_SGLANG_WHEEL, else .kvtier/wheels/)"),
     reps: int = typer.Option(3, help="rounds, each system's replay once per round in turn (each system's best round reported)"),
 ) -> None:
@@ -55,28 +61,40 @@ def bench_cache(
     from kvtier.app.bench.cache import as_json as to_json, run_cache_bench
     from kvtier.app.workloads.mooncake import default_trace_path
 
-    _emit(to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm, sglang=sglang, sglang_wheel=sglang_wheel,
-                                  reps=reps)), as_json)
+    _emit(
+        to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm, sglang=sglang, sglang_wheel=sglang_wheel, reps=reps)),
+        as_json,
+    )
 
 
 @bench_app.command("storage")
 def bench_storage(
-    backends: str = typer.Option("file,redis,redis-cluster,mooncake", help="comma-separated backends to measure: file, redis, redis-cluster (3 nodes), mooncake; servers are started on 127.0.0.1"),
+    backends: str = typer.Option(
+        "file,redis,redis-cluster,mooncake",
+        help="comma-separated backends to measure: file, redis, redis-cluster (3 nodes), mooncake; servers are started on 127.0.0.1",
+    ),
     pages: int = typer.Option(96, min=1, help="deepseek-v3.2 pages per round (1.25 MB each at 16 tokens a page)"),
     reps: int = typer.Option(20, min=1, help="rounds per op, kvtier and the plain client taking turns (best and median reported)"),
-    page_size: int = typer.Option(16, min=1, help="tokens per page: 16 gives the 1 MiB-class page objects (1.25 MB), the preset's 64 gives 5.0 MB"),
+    page_size: int = typer.Option(
+        16, min=1, help="tokens per page: 16 gives the 1 MiB-class page objects (1.25 MB), the preset's 64 gives 5.0 MB"
+    ),
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """L3 put/get throughput per backend, as a ratio to the backend's own client on the same server."""
     from kvtier.app.bench.storage import as_json_rows, run_storage_bench
 
-    _emit(as_json_rows(run_storage_bench(_backend_list(backends, ("file", "redis", "redis-cluster", "mooncake")), pages, reps, page_size)),
-          as_json)
+    _emit(
+        as_json_rows(run_storage_bench(_backend_list(backends, ("file", "redis", "redis-cluster", "mooncake")), pages, reps, page_size)),
+        as_json,
+    )
 
 
 @bench_app.command("sglang")
 def bench_sglang(
-    backends: str = typer.Option("file,mooncake", help="comma-separated: file (vs SGLang's HiCacheFile), mooncake (vs SGLang's MooncakeStore; a local master is started)"),
+    backends: str = typer.Option(
+        "file,mooncake",
+        help="comma-separated: file (vs SGLang's HiCacheFile), mooncake (vs SGLang's MooncakeStore; a local master is started)",
+    ),
     pages: int = typer.Option(128, min=1, help="host pages per round (SGLang's storage batch is 128)"),
     reps: int = typer.Option(10, min=1, help="rounds per op, the two backends taking turns (best and median reported)"),
     layout: str = typer.Option("page_first", help="SGLang host pool layout: page_first, layer_first, page_first_direct"),
@@ -132,7 +150,9 @@ def _run_sections() -> dict[str, type]:
 
 
 def run(
-    config: Optional[str] = typer.Option(None, "--config", help="JSON or TOML file with one table per section: workload, tiers, cache, storage"),
+    config: Optional[str] = typer.Option(
+        None, "--config", help="JSON or TOML file with one table per section: workload, tiers, cache, storage"
+    ),
     as_json: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this path ('-' for stdout)"),
     plot: Optional[str] = typer.Option(None, "--plot", help="draw hit ratio and TTFT over the run to this PNG"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
@@ -174,8 +194,14 @@ def _print_run_report(r) -> None:
     for run_name, p in r.ttft_s.items():
         t.add_row(f"TTFT {run_name} p50/p90/p99", f"{p['p50'] * 1e3:.1f} / {p['p90'] * 1e3:.1f} / {p['p99'] * 1e3:.1f} ms")
     q = r.ttft_ratio_spread
-    t.add_row("TTFT p50 kvtier / recompute", f"{r.ttft_ratio_p50:.3f} (per request, interleaved: p25 {q['p25']:.3f}, p50 {q['p50']:.3f}, p75 {q['p75']:.3f})")
-    t.add_row("logits equal to recompute", f"{r.logits_equal} (bit-exact: {r.logits_bit_exact}, max |diff| {r.max_abs_logit_diff:g}, tol {r.logit_tolerance:g})")
+    t.add_row(
+        "TTFT p50 kvtier / recompute",
+        f"{r.ttft_ratio_p50:.3f} (per request, interleaved: p25 {q['p25']:.3f}, p50 {q['p50']:.3f}, p75 {q['p75']:.3f})",
+    )
+    t.add_row(
+        "logits equal to recompute",
+        f"{r.logits_equal} (bit-exact: {r.logits_bit_exact}, max |diff| {r.max_abs_logit_diff:g}, tol {r.logit_tolerance:g})",
+    )
     t.add_row("DSA indexer top-k equal", str(r.indexer_topk_equal))
     c.print(t)
 
@@ -194,7 +220,9 @@ def _register_run() -> None:
     from kvtier.app.plan import PlanConfig
 
     psig = inspect.signature(plan)
-    pparams = [p for p in psig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + section_parameters({"plan": PlanConfig, "cache": CacheConfig})
+    pparams = [p for p in psig.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD] + section_parameters(
+        {"plan": PlanConfig, "cache": CacheConfig}
+    )
     plan.__signature__ = psig.replace(parameters=pparams)  # type: ignore[attr-defined]
     app.command("plan")(plan)
 

@@ -44,8 +44,14 @@ def section_parameters(sections: dict[str, type]) -> list[inspect.Parameter]:
             text += f" (default: {default})"
             flag = f"--{section}-{f.name}".replace("_", "-")
             decls = [f"{flag}/--no-{flag[2:]}"] if typ is bool else [flag]
-            params.append(inspect.Parameter(f"{section}__{f.name}", inspect.Parameter.KEYWORD_ONLY,
-                                            default=typer.Option(None, *decls, help=text, rich_help_panel=section), annotation=Optional[typ]))
+            params.append(
+                inspect.Parameter(
+                    f"{section}__{f.name}",
+                    inspect.Parameter.KEYWORD_ONLY,
+                    default=typer.Option(None, *decls, help=text, rich_help_panel=section),
+                    annotation=Optional[typ],
+                )
+            )
     return params
 
 
@@ -73,8 +79,12 @@ def _check_file_types(section: str, cls: type, values: dict[str, Any]) -> None:
         optional = get_origin(hints[name]) in (Union, types.UnionType) and type(None) in get_args(hints[name])
         if v is None and optional:
             continue
-        ok = {bool: isinstance(v, bool), int: isinstance(v, int) and not isinstance(v, bool),
-              float: isinstance(v, (int, float)) and not isinstance(v, bool), str: isinstance(v, str)}.get(typ, True)
+        ok = {
+            bool: isinstance(v, bool),
+            int: isinstance(v, int) and not isinstance(v, bool),
+            float: isinstance(v, (int, float)) and not isinstance(v, bool),
+            str: isinstance(v, str),
+        }.get(typ, True)
         if not ok:
             raise ConfigError(f"config [{section}] {name} = {v!r}: expected {'one of ' + ', '.join(choices) if choices else typ.__name__}")
 

@@ -25,12 +25,18 @@ def _numbers(flag: str, text: str) -> list[float]:
 def plan(
     trace: Optional[str] = typer.Option(None, help="Mooncake-format trace (JSONL); default: the one shipped in the package"),
     limit: Optional[int] = typer.Option(None, help="plan only the first N requests"),
-    sweep_host_tb: Optional[str] = typer.Option(None, "--sweep-host-tb", help="comma-separated host sizes (TB per node): hit ratio for each"),
+    sweep_host_tb: Optional[str] = typer.Option(
+        None, "--sweep-host-tb", help="comma-separated host sizes (TB per node): hit ratio for each"
+    ),
     sweep_device_gb: Optional[str] = typer.Option(None, "--sweep-device-gb", help="comma-separated device sizes (GB per node)"),
     sweep_storage_tb: Optional[str] = typer.Option(None, "--sweep-storage-tb", help="comma-separated L3 sizes (TB per node)"),
     compare_routing: bool = typer.Option(False, "--compare-routing", help="also plan every routing policy: hit ratio, TTFT, load balance"),
-    plot_png: Optional[str] = typer.Option(None, "--plot", help="write a PNG: hit ratio vs capacity per routing policy (the sweep "
-                                           "given, else host sizes from the smallest accepted), and prompt tokens per node"),
+    plot_png: Optional[str] = typer.Option(
+        None,
+        "--plot",
+        help="write a PNG: hit ratio vs capacity per routing policy (the sweep "
+        "given, else host sizes from the smallest accepted), and prompt tokens per node",
+    ),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
     **flags,
 ) -> None:
@@ -48,9 +54,15 @@ def plan(
 
     sections = build_sections({"plan": PlanConfig, "cache": CacheConfig}, {}, flags)
     cfg, cache_cfg = sections["plan"], sections["cache"]
-    sweeps = {field: _numbers(flag, text) for field, flag, text in (("host_tb", "--sweep-host-tb", sweep_host_tb),
-                                                                   ("device_gb", "--sweep-device-gb", sweep_device_gb),
-                                                                   ("storage_tb", "--sweep-storage-tb", sweep_storage_tb)) if text}
+    sweeps = {
+        field: _numbers(flag, text)
+        for field, flag, text in (
+            ("host_tb", "--sweep-host-tb", sweep_host_tb),
+            ("device_gb", "--sweep-device-gb", sweep_device_gb),
+            ("storage_tb", "--sweep-storage-tb", sweep_storage_tb),
+        )
+        if text
+    }
     if len(sweeps) > 1:
         raise ConfigError("sweep one tier at a time: give one of --sweep-host-tb, --sweep-device-gb, --sweep-storage-tb")
     check_output_path("--plot", plot_png)
@@ -71,8 +83,10 @@ def plan(
     if plot_png:
         from kvtier.app.plan.plot import plot_plan
 
-        loads = {row["routing"]: [{"node": j, "prompt_tokens": t} for j, t in enumerate(row["prompt_tokens_per_node"])]
-                 for row in report.routing_comparison}
+        loads = {
+            row["routing"]: [{"node": j, "prompt_tokens": t} for j, t in enumerate(row["prompt_tokens_per_node"])]
+            for row in report.routing_comparison
+        }
         plot_plan(plot_png, field, curves, loads)
     if as_json:
         json.dump(report.as_dict(), sys.stdout, indent=1)
@@ -95,8 +109,10 @@ def plan(
     console = Console()
     for w in report.warnings:
         console.print(f"[yellow]warning:[/yellow] {w}")
-    console.print(f"hit ratio {report.hit_ratio['total']:.1%} of an infinite-cache bound {report.infinite_cache_hit_ratio:.1%}; "
-                  f"TTFT p50 {report.latency['ttft_s']['p50']:.3f} s, p99 {report.latency['ttft_s']['p99']:.3f} s; "
-                  f"a host hit loads {report.load_vs_recompute['host_hit_speedup']}x faster than recomputing it")
+    console.print(
+        f"hit ratio {report.hit_ratio['total']:.1%} of an infinite-cache bound {report.infinite_cache_hit_ratio:.1%}; "
+        f"TTFT p50 {report.latency['ttft_s']['p50']:.3f} s, p99 {report.latency['ttft_s']['p99']:.3f} s; "
+        f"a host hit loads {report.load_vs_recompute['host_hit_speedup']}x faster than recomputing it"
+    )
     if plot_png:
         console.print(f"plot written to {plot_png}")

@@ -1,6 +1,7 @@
 """Local servers on 127.0.0.1 for tests and benchmarks (redis-server, a Redis Cluster, mooncake_master + a storage node).
 
-Each launcher starts real processes bound to loopback, waits with bounded loops, and stops them. Nothing here is used by the cache itself."""
+Each launcher starts real processes bound to loopback, waits with bounded loops, and stops them.
+Nothing here is used by the cache itself."""
 
 from __future__ import annotations
 
@@ -87,8 +88,10 @@ class RedisServer:
         assert exe, "redis-server not installed: run ./run.sh test (it apt-get installs redis-server)"
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.workdir), "--protected-mode", "no", *self.extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+             "--protected-mode", "no", *self.extra],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_until(lambda: port_open(self.port), what=f"redis on port {self.port}")
         return self
@@ -104,17 +107,29 @@ def start_redis_cluster(workdir: Path, nodes: int = 3, require_full_coverage: bo
     """``nodes`` primaries, no replicas. ``require_full_coverage=False``: while one node is down the
     others keep serving their own slots (Redis's default answers CLUSTERDOWN for every key)."""
     coverage = () if require_full_coverage else ("--cluster-require-full-coverage", "no")
-    servers = [RedisServer(workdir / f"n{i}", port=free_cluster_port(),
-                           extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000", *coverage)).start()
-               for i in range(nodes)]
+    servers = [
+        RedisServer(
+            workdir / f"n{i}",
+            port=free_cluster_port(),
+            extra=("--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{i}.conf", "--cluster-node-timeout", "2000", *coverage),
+        ).start()
+        for i in range(nodes)
+    ]
     cli = shutil.which("redis-cli") or shutil.which("valkey-cli")
     assert cli, "redis-cli not installed (Debian redis-tools)"
-    subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers), "--cluster-replicas", "0", "--cluster-yes"],
-                   check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [cli, "--cluster", "create", *(f"127.0.0.1:{s.port}" for s in servers), "--cluster-replicas", "0", "--cluster-yes"],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
 
     def ok() -> bool:  # every node, not just the first: until gossip converges, the others still say "down"
-        return all("cluster_state:ok" in subprocess.run([cli, "-p", str(s.port), "cluster", "info"], capture_output=True, text=True, timeout=10).stdout
-                   for s in servers)
+        return all(
+            "cluster_state:ok"
+            in subprocess.run([cli, "-p", str(s.port), "cluster", "info"], capture_output=True, text=True, timeout=10).stdout
+            for s in servers
+        )
 
     wait_until(ok, timeout=30, what="redis cluster_state:ok on every node")
     return servers
@@ -136,17 +151,33 @@ class MooncakeMaster:
     def url(self) -> str:
         # kvtier's clients contribute no memory: the storage node below holds the pages,
         # so they outlive any one engine instance (as in a real deployment)
-        return (f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
-                f"&local=127.0.0.1&protocol=tcp&segment_mb=0&buffer_mb=64")
+        return (
+            f"mooncake://127.0.0.1:{self.rpc_port}?metadata=http://127.0.0.1:{self.http_port}/metadata"
+            f"&local=127.0.0.1&protocol=tcp&segment_mb=0&buffer_mb=64"
+        )
 
     def start_node(self) -> None:
         """A ``mooncake_client`` process that mounts ``node_segment`` of memory into the store."""
         exe = venv_script("mooncake_client")
         assert exe, "mooncake_client not found: pip install 'kvtier[mooncake]'"
         self.node = subprocess.Popen(
-            [exe, "--host", "127.0.0.1", "--port", str(self.node_port), "--global_segment_size", self.node_segment, "--protocol", "tcp",
-             "--master_server_address", f"127.0.0.1:{self.rpc_port}", "--metadata_server", f"http://127.0.0.1:{self.http_port}/metadata"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                exe,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.node_port),
+                "--global_segment_size",
+                self.node_segment,
+                "--protocol",
+                "tcp",
+                "--master_server_address",
+                f"127.0.0.1:{self.rpc_port}",
+                "--metadata_server",
+                f"http://127.0.0.1:{self.http_port}/metadata",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_until(lambda: port_open(self.node_port), what="mooncake storage node")
 
@@ -154,9 +185,22 @@ class MooncakeMaster:
         exe = venv_script("mooncake_master")
         assert exe, "mooncake_master not found: pip install 'kvtier[mooncake]'"
         self.proc = subprocess.Popen(
-            [exe, "--rpc_port", str(self.rpc_port), "--rpc_address", "127.0.0.1", "--enable_http_metadata_server=true",
-             "--http_metadata_server_port", str(self.http_port), "--metrics_port", str(self.metrics_port), "--default_kv_lease_ttl", "200"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                exe,
+                "--rpc_port",
+                str(self.rpc_port),
+                "--rpc_address",
+                "127.0.0.1",
+                "--enable_http_metadata_server=true",
+                "--http_metadata_server_port",
+                str(self.http_port),
+                "--metrics_port",
+                str(self.metrics_port),
+                "--default_kv_lease_ttl",
+                "200",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         wait_until(lambda: port_open(self.rpc_port) and port_open(self.http_port), what="mooncake_master")
         if self.node is None:
@@ -197,7 +241,18 @@ class VllmServer:
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         # vLLM's own ``vllm serve`` (kvtier.app.vllm_cli: the CPU wheel's command needs its version answered)
-        cmd = [sys.executable, "-m", "kvtier.app.vllm_cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvtier.app.vllm_cli",
+            "serve",
+            self.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
         if self.kv_transfer is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
         self._log = open(self.workdir / f"vllm-{self.port}.log", "wb")

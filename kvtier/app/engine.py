@@ -50,14 +50,18 @@ class ReferenceEngine:
         new = req.alloc(total_pages - usable)
         if not new.ok:
             req.abort()
-            raise ConfigError(f"device pool too small: a {n}-token request needs {total_pages - usable} free pages after eviction; raise the device pool size")
+            raise ConfigError(
+                f"device pool too small: a {n}-token request needs {total_pages - usable} free pages after eviction; "
+                "raise the device pool size"
+            )
         pages = torch.tensor(req.cached_pages[:usable] + new.pages, dtype=torch.int64)
         while True:
             logits, selections = None, []
             for p in range(usable, total_pages):
                 end = min(n, (p + 1) * ps)
-                logits, sel = self.model.prefill_page(self.device, tokens[p * ps : end], p * ps, pages[: p + 1], req.wait_layer,
-                                                      want_logits=end == n)
+                logits, sel = self.model.prefill_page(
+                    self.device, tokens[p * ps : end], p * ps, pages[: p + 1], req.wait_layer, want_logits=end == n
+                )
                 selections.append(sel)
             if req.wait() >= usable:
                 break
@@ -65,8 +69,9 @@ class ReferenceEngine:
             lost = req.alloc(usable - req.num_cached)
             if not lost.ok:
                 req.abort()
-                raise ConfigError(f"device pool too small to recompute {usable - req.num_cached} pages a failed load lost; "
-                                  "raise the device pool size")
+                raise ConfigError(
+                    f"device pool too small to recompute {usable - req.num_cached} pages a failed load lost; raise the device pool size"
+                )
             usable = req.num_cached
             pages = torch.tensor(req.cached_pages + lost.pages + new.pages, dtype=torch.int64)
         ttft = time.perf_counter() - t0

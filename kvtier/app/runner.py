@@ -54,7 +54,9 @@ class WorkloadConfig:
 
     def requests(self, vocab: int) -> list[list[int]]:
         if self.kind == "chat":
-            return ChatWorkload(self.sessions, self.turns, self.system_prompts, self.system_tokens, self.user_tokens, self.reply_tokens, vocab, self.seed).requests()
+            return ChatWorkload(
+                self.sessions, self.turns, self.system_prompts, self.system_tokens, self.user_tokens, self.reply_tokens, vocab, self.seed
+            ).requests()
         from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace, trace_tokens
 
         reqs = load_mooncake_trace(self.trace or default_trace_path(), self.limit)
@@ -98,7 +100,12 @@ class RunReport:
 
 def _pcts(xs: list[float]) -> dict[str, float]:
     qs = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else [xs[0]] * 99
-    return {"p50": round(statistics.median(xs), 5), "p90": round(qs[89], 5), "p99": round(qs[98], 5), "mean": round(statistics.fmean(xs), 5)}
+    return {
+        "p50": round(statistics.median(xs), 5),
+        "p90": round(qs[89], 5),
+        "p99": round(qs[98], 5),
+        "mean": round(statistics.fmean(xs), 5),
+    }
 
 
 def _ratio_spread(ours: list[float], base: list[float]) -> dict[str, float]:
@@ -137,7 +144,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
         base: list[RequestResult] = []
         ours: list[RequestResult] = []
         for i, r in enumerate(requests):
-            for side in ((engine, baseline) if i % 2 == 0 else (baseline, engine)):
+            for side in (engine, baseline) if i % 2 == 0 else (baseline, engine):
                 if side is baseline:
                     cache.wait_idle()
                     base.append(baseline.prefill(r))
@@ -165,7 +172,11 @@ def _report(requests, base, ours, stats, busy, sbusy, url) -> RunReport:
     diffs = [float((a.logits - b.logits).abs().max()) for a, b in zip(base, ours)]
     bit_exact = all(torch.equal(a.logits, b.logits) for a, b in zip(base, ours))
     # top-k of the pages both runs computed (the cached run computes a suffix of the recompute run's pages)
-    topk_equal = all(all(torch.equal(x, y) for x, y in zip(sa, sb)) for a, b in zip(base, ours) for sa, sb in zip(a.selections[len(a.selections) - len(b.selections):], b.selections))
+    topk_equal = all(
+        all(torch.equal(x, y) for x, y in zip(sa, sb))
+        for a, b in zip(base, ours)
+        for sa, sb in zip(a.selections[len(a.selections) - len(b.selections) :], b.selections)
+    )
     dev = sum(r.device_hit_tokens for r in ours)
     host = sum(r.host_hit_tokens for r in ours)
     sto = sum(r.storage_hit_tokens for r in ours)
@@ -184,17 +195,39 @@ def _report(requests, base, ours, stats, busy, sbusy, url) -> RunReport:
     t_base = [r.ttft_s for r in base]
     t_ours = [r.ttft_s for r in ours]
     return RunReport(
-        requests=len(requests), tokens=tokens,
-        hit_ratio={"device": round(dev / tokens, 4), "host": round(host / tokens, 4), "storage": round(sto / tokens, 4), "total": round((dev + host + sto) / tokens, 4)},
-        tokens_loaded=host + sto, tokens_recomputed=sum(r.computed_tokens for r in ours),
-        bytes_moved=moved, gbps={k: round(moved[k] / secs[k] / 1e9, 3) if secs[k] > 0 else 0.0 for k in moved},
+        requests=len(requests),
+        tokens=tokens,
+        hit_ratio={
+            "device": round(dev / tokens, 4),
+            "host": round(host / tokens, 4),
+            "storage": round(sto / tokens, 4),
+            "total": round((dev + host + sto) / tokens, 4),
+        },
+        tokens_loaded=host + sto,
+        tokens_recomputed=sum(r.computed_tokens for r in ours),
+        bytes_moved=moved,
+        gbps={k: round(moved[k] / secs[k] / 1e9, 3) if secs[k] > 0 else 0.0 for k in moved},
         ttft_s={"kvtier": _pcts(t_ours), "recompute": _pcts(t_base)},
         ttft_ratio_p50=round(statistics.median(t_ours) / statistics.median(t_base), 4),
         ttft_ratio_spread=_ratio_spread(t_ours, t_base),
-        logits_equal=max(diffs) <= LOGIT_TOLERANCE, logits_bit_exact=bit_exact, max_abs_logit_diff=max(diffs), logit_tolerance=LOGIT_TOLERANCE,
-        indexer_topk_equal=topk_equal, storage_url=redact_url(url), stats=stats.as_dict(),
-        per_request=[{"tokens": len(r), "device_hit": o.device_hit_tokens, "host_hit": o.host_hit_tokens, "storage_hit": o.storage_hit_tokens,
-                      "ttft_kvtier_s": round(o.ttft_s, 5), "ttft_recompute_s": round(b.ttft_s, 5)} for r, o, b in zip(requests, ours, base)],
+        logits_equal=max(diffs) <= LOGIT_TOLERANCE,
+        logits_bit_exact=bit_exact,
+        max_abs_logit_diff=max(diffs),
+        logit_tolerance=LOGIT_TOLERANCE,
+        indexer_topk_equal=topk_equal,
+        storage_url=redact_url(url),
+        stats=stats.as_dict(),
+        per_request=[
+            {
+                "tokens": len(r),
+                "device_hit": o.device_hit_tokens,
+                "host_hit": o.host_hit_tokens,
+                "storage_hit": o.storage_hit_tokens,
+                "ttft_kvtier_s": round(o.ttft_s, 5),
+                "ttft_recompute_s": round(b.ttft_s, 5),
+            }
+            for r, o, b in zip(requests, ours, base)
+        ],
     )
 
 

@@ -262,7 +262,8 @@ class EngineDeviceCore(CacheCore):
         load = EngineLoad(len(keys), n, host, n - host, list(engine_pages[:n]), core=self, _locked=locked)
         if n:
             tree.touch(nodes)
-            load.op = self._submit(copy_plan, IntoEngine(nodes, load), Tier.HOST, [node.host_page for node in nodes], Tier.DEVICE, list(engine_pages[:n]))
+            load.op = self._submit(copy_plan, IntoEngine(nodes, load), Tier.HOST, [node.host_page for node in nodes], Tier.DEVICE,
+                                   list(engine_pages[:n]))
         st = self.stats
         st.load_shortfall_pages += len(keys) - n
         return load
@@ -288,8 +289,15 @@ class EngineDeviceCore(CacheCore):
         if n:
             tree.touch(nodes)
         if n > first:
-            load.op = self._submit(copy_plan, IntoEngine(nodes[first:], load), Tier.HOST, [node.host_page for node in nodes[first:]], Tier.DEVICE,
-                                   list(engine_pages[first:n]), fetch_op)
+            load.op = self._submit(
+                copy_plan,
+                IntoEngine(nodes[first:], load),
+                Tier.HOST,
+                [node.host_page for node in nodes[first:]],
+                Tier.DEVICE,
+                list(engine_pages[first:n]),
+                fetch_op,
+            )
         else:
             self.release(load)  # (a fetch planned anyway still lands in host pages for later requests)
         self.stats.load_shortfall_pages += len(keys) - n

@@ -184,7 +184,8 @@ class Eviction:
             return 0
         self.tree.set_hosts(victims, got.pages, ready=False)  # victims are LRU-ordered, descendants first
         self.tree.pin(victims)  # on device: each lock covers its node alone
-        c = self._await(self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages))
+        op = self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages)
+        c = self._await(op)
         self.tree.unpin(victims)
         if type(c) is not Done:
             self.stats.transfer_failures += 1

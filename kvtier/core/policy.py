@@ -297,23 +297,29 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         where = f"insert into {self.dev_alloc.name}"
         arr = np.asarray(pages, dtype=np.int64)
         if np.unique(arr).size != arr.size:
-            raise PageOwnershipError(f"{where}: device page {first_duplicate(pages)} is listed twice; each page holds one page of the request")
+            raise PageOwnershipError(f"{where}: device page {first_duplicate(pages)} is listed twice; "
+                                     "each page holds one page of the request")
         given = at_own_place(arr, canonical)
         held = (self._tree_owned[arr] != 0) & ~given
         if held.any():
             i = int(np.argmax(held))
-            raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) belongs to the cache, not the caller; "
-                                     "pass the pages the match or load gave you, in order, and pages you allocated")
+            raise PageOwnershipError(
+                f"{where}: device page {pages[i]} (place {i}) belongs to the cache, not the caller; "
+                "pass the pages the match or load gave you, in order, and pages you allocated"
+            )
         failed = self._quarantined[arr] != 0
         if failed.any():
             i = int(np.argmax(failed))
-            raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) holds a host->device load that failed; "
-                                     "its bytes are not the page's: recompute that page into a page from alloc_device")
+            raise PageOwnershipError(
+                f"{where}: device page {pages[i]} (place {i}) holds a host->device load that failed; "
+                "its bytes are not the page's: recompute that page into a page from alloc_device"
+            )
         foreign = (self._allocated[arr] == 0) & ~given
         if foreign.any():
             i = int(np.argmax(foreign))
-            raise PageOwnershipError(f"{where}: device page {pages[i]} (place {i}) was never allocated; "
-                                     "allocate pages with alloc_device before inserting them")
+            raise PageOwnershipError(
+                f"{where}: device page {pages[i]} (place {i}) was never allocated; allocate pages with alloc_device before inserting them"
+            )
 
     def _settle_loads(self, path: list[PageNode]) -> bool:
         """Wait for the host->device loads in flight on ``path`` (pages are inserted below a page only
@@ -325,7 +331,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
             self.wait_for(ops)
         return bool(ops)
 
-    def check_integrity(self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset(), *, idle: bool = False) -> None:
+    def check_integrity(
+        self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset(), *, idle: bool = False
+    ) -> None:
         """Prove the accounting: tree + caller-owned + free == total for each pool, no page owned twice.
 
         ``idle=True`` (no request holds a lock, :meth:`wait_idle` returned) also proves liveness:
@@ -347,7 +355,11 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"
         quarantined = self.quarantined_pages()
         assert not (set(dev_owned) | set(caller_device_pages)) & quarantined, "a quarantined device page is in use"
-        assert set(dev_owned) | set(caller_device_pages) | quarantined == self.dev_alloc.allocated_pages() - ({0} if self.dev_alloc.reserve_padding_page else set()), "device allocator and tree disagree (leak or foreign page)"
+        assert set(dev_owned) | set(caller_device_pages) | quarantined == self.dev_alloc.allocated_pages() - (
+            {0} if self.dev_alloc.reserve_padding_page else set()
+        ), "device allocator and tree disagree (leak or foreign page)"
         parked = self.host_alloc.parked  # freed, held for a plan that timed out (see PageAllocator.hold)
         assert not set(host_owned) & parked, "a host page held for a timed-out plan is in the tree"
-        assert set(host_owned) | set(caller_host_pages) | parked == self.host_alloc.allocated_pages(), "host allocator and tree disagree (leak or foreign page)"
+        assert set(host_owned) | set(caller_host_pages) | parked == self.host_alloc.allocated_pages(), (
+            "host allocator and tree disagree (leak or foreign page)"
+        )

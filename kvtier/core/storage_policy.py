@@ -59,7 +59,9 @@ class StoragePolicy:
         policy = policy or self.storage_config.prefetch_policy
         self.poll()
         if handle.op in self._inflight:
-            self._apply_arrived(handle, self._ask(self.port.settle, handle.op, policy, self.storage_config.prefetch_budget_s(handle.requested)))
+            self._apply_arrived(
+                handle, self._ask(self.port.settle, handle.op, policy, self.storage_config.prefetch_budget_s(handle.requested))
+            )
             self.poll()
             if handle.op in self._inflight:  # settled, the rest cancelled, yet a read is still running: give it up now
                 self._give_up_prefetch(handle)

@@ -165,7 +165,8 @@ class PipeExecutor:
     # ---- the port --------------------------------------------------------------------
     def submit(self, plan: Transfer) -> None:
         if self._closed or self._broken is not None:
-            raise ExecutorError(f"executor port is {'closed' if self._closed else f'broken ({self._broken})'}: cannot submit plan {plan.op}")
+            state = "closed" if self._closed else f"broken ({self._broken})"
+            raise ExecutorError(f"executor port is {state}: cannot submit plan {plan.op}")
         try:
             self._conn.send((0, "submit", (plan,)))
         except (BrokenPipeError, OSError) as e:
@@ -178,7 +179,9 @@ class PipeExecutor:
         return self._call("wait", list(ops), timeout_s=self.wait_deadline_s)
 
     def settle(self, op: int, policy: str, budget_s: float) -> int:
-        return self._call("settle", op, policy, budget_s, timeout_s=self.wait_deadline_s if policy == "wait_complete" else self.deadline_s + budget_s)
+        return self._call(
+            "settle", op, policy, budget_s, timeout_s=self.wait_deadline_s if policy == "wait_complete" else self.deadline_s + budget_s
+        )
 
     def wait_layer(self, op: int, layer: int) -> None:
         self._call("wait_layer", op, layer, timeout_s=self.wait_deadline_s)

@@ -146,8 +146,10 @@ class FileBackend:
         netloc = u.url.split("://", 1)[1].split("/", 1)[0] if "://" in u.url else ""
         if netloc not in ("", "localhost"):
             shown = redact_url(u.url)
-            raise StorageError(f"file URL {shown!r} names host {redact_url('file://' + netloc)[7:]!r}: a file store takes an absolute path, "
-                               f"file:///absolute/path (three slashes), e.g. file:///var/cache/kvtier")
+            raise StorageError(
+                f"file URL {shown!r} names host {redact_url('file://' + netloc)[7:]!r}: a file store takes an absolute path, "
+                f"file:///absolute/path (three slashes), e.g. file:///var/cache/kvtier"
+            )
         if not u.path.startswith("/"):
             raise StorageError(f"file URL {redact_url(u.url)!r} has no absolute path; use file:///absolute/path")
         cap = None

@@ -60,15 +60,26 @@ class MooncakeBackend:
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
-            raise StorageError(f"the mooncake backend needs the Mooncake wheel: pip install 'kvtier[mooncake]' (and Debian libibverbs1): {e}") from None
+            raise StorageError(
+                f"the mooncake backend needs the Mooncake wheel: pip install 'kvtier[mooncake]' (and Debian libibverbs1): {e}"
+            ) from None
         q = u.query
         master = f"{u.host or '127.0.0.1'}:{u.port or 50051}"
         metadata = q.get("metadata", f"http://{u.host or '127.0.0.1'}:8080/metadata")
         store = MooncakeDistributedStore()
-        rc = store.setup(q.get("local", "127.0.0.1"), metadata, int(q.get("segment_mb", 512)) << 20, int(q.get("buffer_mb", 128)) << 20,
-                         q.get("protocol", "tcp"), q.get("rdma_devices", ""), master)
+        rc = store.setup(
+            q.get("local", "127.0.0.1"),
+            metadata,
+            int(q.get("segment_mb", 512)) << 20,
+            int(q.get("buffer_mb", 128)) << 20,
+            q.get("protocol", "tcp"),
+            q.get("rdma_devices", ""),
+            master,
+        )
         if rc != 0:
-            raise StorageError(f"Mooncake Store setup failed (code {rc}) for master {master}, metadata {metadata}: is mooncake_master running there?")
+            raise StorageError(
+                f"Mooncake Store setup failed (code {rc}) for master {master}, metadata {metadata}: is mooncake_master running there?"
+            )
         return cls(store, int(q.get("bounce_mb", 64)) << 20)
 
     # ---- buffers -------------------------------------------------------------------
@@ -178,7 +189,10 @@ class MooncakeBackend:
 
     def _bounce_offsets(self, totals: Sequence[int], op: str) -> list[int]:
         if sum(totals) > self._bounce.nbytes:
-            raise StorageError(f"mooncake {op} batch ({sum(totals)} bytes) larger than the bounce buffer ({self._bounce.nbytes}); raise bounce_mb or register the buffers")
+            raise StorageError(
+                f"mooncake {op} batch ({sum(totals)} bytes) larger than the bounce buffer ({self._bounce.nbytes}); "
+                "raise bounce_mb or register the buffers"
+            )
         return np.cumsum([0, *totals[:-1]]).tolist()
 
     def delete(self, keys: Sequence[str]) -> None:

@@ -189,14 +189,16 @@ class RedisBackend:
             else:
                 db_text = u.path.strip("/") or "0"
                 if not db_text.isdigit():
-                    raise StorageError(f"redis URL {redact_url(u.url)!r}: the database must be a number (redis://host:6379/0), got {db_text!r}")
+                    raise StorageError(f"redis URL {redact_url(u.url)!r}: the database must be a number (redis://host:6379/0), "
+                                       f"got {db_text!r}")
                 backend = cls(redis.Redis(host=host, port=port, db=int(db_text), **common), timeout=timeout)
             backend.client.ping()  # at start-up: a wrong password or a dead server is an error now, not silent misses
         except redis.AuthenticationError:
             if "password" not in common:
                 raise StorageError(f"redis at {host}:{port} needs a password: redis://:PASSWORD@{host}:{port}/0") from None
-            raise StorageError(f"redis at {host}:{port} refused the credentials in the storage URL "
-                               "(wrong password or user); fix the URL's user:password") from None
+            raise StorageError(
+                f"redis at {host}:{port} refused the credentials in the storage URL (wrong password or user); fix the URL's user:password"
+            ) from None
         except redis.ResponseError as e:
             if "NOAUTH" in str(e) or "WRONGPASS" in str(e):
                 raise StorageError(f"redis at {host}:{port} needs a password: redis://:PASSWORD@{host}:{port}/0") from None
@@ -220,8 +222,9 @@ class RedisBackend:
         try:
             return future.result(timeout=self.timeout)
         except FutureTimeout:
-            raise TimeoutError("redis cluster call passed its deadline (a node stalled or kept redirecting); "
-                               "the URL's timeout bounds each whole call") from None
+            raise TimeoutError(
+                "redis cluster call passed its deadline (a node stalled or kept redirecting); the URL's timeout bounds each whole call"
+            ) from None
 
     def exists(self, keys: Sequence[str]) -> int:
         """Leading keys present: EXISTS pipelined on the node's connection under the call's deadline."""
@@ -350,6 +353,7 @@ class RedisBackend:
         try:
             return future.result(timeout=max(deadline - time.monotonic(), 0.0))
         except FutureTimeout:
+
             def drop(f) -> None:
                 if f.exception() is None:
                     conn = f.result()

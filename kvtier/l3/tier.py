@@ -100,8 +100,19 @@ class StorageJob:
 
 
 class StorageTier:
-    def __init__(self, backend: StorageBackend, host_pool, namespace: Namespace, *, batch_pages: int = 8, io_threads: int | None = None, queue_depth: int = 64, backpressure_s: float = 0.0, cooldown_s: float = DEFAULT_COOLDOWN_S,
-                 max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S):
+    def __init__(
+        self,
+        backend: StorageBackend,
+        host_pool,
+        namespace: Namespace,
+        *,
+        batch_pages: int = 8,
+        io_threads: int | None = None,
+        queue_depth: int = 64,
+        backpressure_s: float = 0.0,
+        cooldown_s: float = DEFAULT_COOLDOWN_S,
+        max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
+    ):
         self.backend = backend
         self.host = host_pool
         self.spec = host_pool.spec
@@ -112,8 +123,11 @@ class StorageTier:
         self.backpressure_s = backpressure_s
         self.materialized = host_pool.materialized
         #: (byte view of a whole pool buffer, bytes per page of it), for page_first pools
-        self._pool_bytes = [(memoryview(host_pool.buffers[b.name].numpy()).cast("B"), b.page_bytes * self.spec.num_layers)
-                            for b in self.spec.buffers] if self.materialized and host_pool.layout.page_is_contiguous() else []
+        self._pool_bytes = (
+            [(memoryview(host_pool.buffers[b.name].numpy()).cast("B"), b.page_bytes * self.spec.num_layers) for b in self.spec.buffers]
+            if self.materialized and host_pool.layout.page_is_contiguous()
+            else []
+        )
         self._staging = np.zeros((batch_pages, self.codec.object_bytes), dtype=np.uint8) if self.materialized else None
         self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
@@ -180,7 +194,9 @@ class StorageTier:
         return found[0]
 
     # ---- submission ------------------------------------------------------------------
-    def submit(self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None) -> StorageJob | None:
+    def submit(
+        self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None
+    ) -> StorageJob | None:
         if self._worker is None:
             from kvtier.transfer.engine import DONE
 
@@ -394,7 +410,7 @@ class StorageTier:
             pages = job.host_pages[start : start + self.batch_pages]
             outs = [memoryview(self._staging[slot]).cast("B") for slot in range(len(keys))]
             statuses = self._call(self.backend.get, [self.key(k) for k in keys], outs)
-            verdicts = self._verify(keys, statuses, lambda i, k: self.codec.check(outs[i], k))
+            verdicts = self._verify(keys, statuses, lambda i, k, outs=outs: self.codec.check(outs[i], k))
             for slot, (p, (st, _why)) in enumerate(zip(pages, verdicts)):
                 if st is KeyStatus.OK:
                     for dst, src in zip(self._host_page_layers(p), self._payload_views(slot)):

@@ -100,7 +100,9 @@ class DevicePool:
         for b in spec.buffers:
             layers = buffers[b.name]
             if len(layers) != spec.num_layers:
-                raise SpecError(f"{name}: buffer {b.name!r} has {len(layers)} layer tensors; spec {spec.name!r} has {spec.num_layers} layers")
+                raise SpecError(
+                    f"{name}: buffer {b.name!r} has {len(layers)} layer tensors; spec {spec.name!r} has {spec.num_layers} layers"
+                )
             for i, t in enumerate(layers):
                 nbytes = t.numel() * t.element_size()
                 if not t.is_contiguous() or nbytes != num_pages * b.page_bytes:
@@ -131,7 +133,9 @@ class DevicePool:
 
     def page_bytes(self, page: int) -> bytes:
         """All layers and buffers of one page, concatenated (for tests and debugging)."""
-        parts = [self._rows[b.name][layer][page].view(torch.uint8).cpu() for layer in range(self.spec.num_layers) for b in self.spec.buffers]
+        parts = [
+            self._rows[b.name][layer][page].view(torch.uint8).cpu() for layer in range(self.spec.num_layers) for b in self.spec.buffers
+        ]
         return torch.cat(parts).numpy().tobytes()
 
     def __repr__(self) -> str:

@@ -126,7 +126,9 @@ class HostPool:
     # ---- transfers in engine terms -----------------------------------------
     def _pages(self, device_pool: DevicePool, host_indices, device_indices) -> tuple[torch.Tensor, torch.Tensor]:
         if device_pool.spec != self.spec:
-            raise SpecError(f"{self.name} holds {self.spec.name!r} but the device pool holds {device_pool.spec.name!r}; build both from one KVSpec")
+            raise SpecError(
+                f"{self.name} holds {self.spec.name!r} but the device pool holds {device_pool.spec.name!r}; build both from one KVSpec"
+            )
         ps = self.spec.page_size
         host_pages = slots_to_pages(host_indices, ps, pool=self.name, side="host")
         device_pages = slots_to_pages(device_indices, ps, pool=device_pool.name, side="device")
@@ -139,7 +141,9 @@ class HostPool:
         check_pages_in_range(device_pages, device_pool.num_pages, pool=device_pool.name, side="device")
         return host_pages, device_pages
 
-    def load_to_device_per_layer(self, device_pool: DevicePool, host_indices, device_indices, layer_id: int, io_backend: str = "direct") -> None:
+    def load_to_device_per_layer(
+        self, device_pool: DevicePool, host_indices, device_indices, layer_id: int, io_backend: str = "direct"
+    ) -> None:
         """Copy one layer of every buffer (KV and DSA indexer) host -> device for whole pages."""
         from kvtier.transfer.ops import load_pages_one_layer
         from kvtier.transfer.backends import get_io_backend

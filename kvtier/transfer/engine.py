@@ -165,7 +165,10 @@ class TransferEngine:
         if src_t.numel() != dst_t.numel():
             from kvtier.errors import PageAlignmentError
 
-            raise PageAlignmentError(f"{src}->{dst} transfer: {src_t.numel()} source pages but {dst_t.numel()} destination pages; pass one destination page per source page")
+            raise PageAlignmentError(
+                f"{src}->{dst} transfer: {src_t.numel()} source pages but {dst_t.numel()} destination pages; "
+                "pass one destination page per source page"
+            )
         job = TransferJob(next(self._ids), src, dst, src_t, dst_t, self.num_layers, tag)
         if dst == "device" or layered:
             job.layer_ready = [threading.Event() for _ in range(self.num_layers)]

@@ -16,13 +16,17 @@ import torch
 from kvtier.transfer.backends import IOBackend
 
 
-def load_pages_one_layer(host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int, backend: IOBackend, plan: Any = None) -> None:
+def load_pages_one_layer(
+    host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int, backend: IOBackend, plan: Any = None
+) -> None:
     plan = backend.plan(host_pages, device_pages) if plan is None else plan
     for b in host.spec.buffers:
         backend.copy(plan, host.rows(b.name, layer), device.rows(b.name, layer))
 
 
-def backup_pages_one_layer(host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int, backend: IOBackend, plan: Any = None) -> None:
+def backup_pages_one_layer(
+    host, device, host_pages: torch.Tensor, device_pages: torch.Tensor, layer: int, backend: IOBackend, plan: Any = None
+) -> None:
     plan = backend.plan(device_pages, host_pages) if plan is None else plan
     for b in host.spec.buffers:
         backend.copy(plan, device.rows(b.name, layer), host.rows(b.name, layer))

@@ -158,7 +158,8 @@ def _transfer_16k_ms(reps: int = 3) -> float:
 
 
 def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = True, memory: bool = True,
-                    vllm: bool | None = None, sglang: bool | None = None, sglang_wheel: str | None = None, reps: int = 3) -> CacheBenchResult:
+                    vllm: bool | None = None, sglang: bool | None = None, sglang_wheel: str | None = None,
+                    reps: int = 3) -> CacheBenchResult:
     """``vllm`` / ``sglang``: None runs that comparison when it is available (vLLM importable; SGLang's
     wheel found), True insists on it, False skips it. ``reps``: rounds (see the module docstring)."""
     from kvtier.app.bench.sglang_replay import SGLANG_VERSION, find_sglang_wheel, replay_sglang
@@ -172,8 +173,10 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         raise ConfigError("the vLLM comparison needs vLLM: pip install 'kvtier[vllm]' (CPU build: install torch==2.13.0 first)")
     wheel = find_sglang_wheel(sglang_wheel) if sglang is not False else None
     if sglang and wheel is None:
-        raise ConfigError(f"the SGLang comparison needs its wheel: pip download --no-deps sglang=={SGLANG_VERSION} -d .kvtier/wheels "
-                          "(or pass --sglang-wheel PATH)")
+        raise ConfigError(
+            f"the SGLang comparison needs its wheel: pip download --no-deps sglang=={SGLANG_VERSION} -d .kvtier/wheels "
+            "(or pass --sglang-wheel PATH)"
+        )
     requests = load_mooncake_trace(trace_path, limit)
     spec = KVSpec.preset("deepseek-v3.2")
     ours: list[tuple[float, float, float]] = []  # per round: (hash s, tree s, wall s)
@@ -187,14 +190,16 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         ours.append((t_hash, t_tree, time.perf_counter() - t0))
         this_round = (pages, hit_pages, hit_tokens, len(cache.tree))
         if counts is not None and this_round != counts:
-            raise RuntimeError(f"round {i + 1} of the replay served {hit_pages} pages, the first {counts[1]}: the cache is not deterministic")
+            raise RuntimeError(
+                f"round {i + 1} of the replay served {hit_pages} pages, the first {counts[1]}: the cache is not deterministic"
+            )
         counts = this_round
         if i == 0:  # one 16k-token request's bookkeeping, measured on a warm tree (its prefix cached)
             from kvtier.app.workloads.mooncake import TraceRequest
 
             r16 = TraceRequest(0, 16384, 1, tuple(range(10**9, 10**9 + 32)))
             replay(cache, [r16], spec.page_size)
-            t_book = median_seconds(lambda _: replay(cache, [r16], spec.page_size), 5)
+            t_book = median_seconds(lambda _, cache=cache, r16=r16: replay(cache, [r16], spec.page_size), 5)
         cache.close()
         if vllm:
             vllm_rounds.append(replay_vllm(requests, spec.page_size))
@@ -209,16 +214,28 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     theirs = max(vllm_rounds, key=lambda r: r.pages_per_s) if vllm_rounds else None
     sgl = max(sglang_rounds, key=lambda r: r.pages_per_s) if sglang_rounds else None
     return CacheBenchResult(
-        trace=str(trace_path), requests=len(requests), pages=pages, distinct_pages=distinct,
-        hit_ratio=round(hit_tokens / sum(r.input_length for r in requests), 4), page_hit_ratio=round(hit_pages / pages, 4),
-        seconds=round(elapsed, 3), hash_seconds=round(t_hash, 3), tree_seconds=round(t_tree, 3),
-        requests_per_s=round(len(requests) / (t_hash + t_tree), 1), pages_per_s=round(rate), tree_pages_per_s=round(pages / t_tree),
+        trace=str(trace_path),
+        requests=len(requests),
+        pages=pages,
+        distinct_pages=distinct,
+        hit_ratio=round(hit_tokens / sum(r.input_length for r in requests), 4),
+        page_hit_ratio=round(hit_pages / pages, 4),
+        seconds=round(elapsed, 3),
+        hash_seconds=round(t_hash, 3),
+        tree_seconds=round(t_tree, 3),
+        requests_per_s=round(len(requests) / (t_hash + t_tree), 1),
+        pages_per_s=round(rate),
+        tree_pages_per_s=round(pages / t_tree),
         wall_pages_per_s=round(pages / elapsed),
         bookkeeping_bytes_per_page=round(bookkeeping_bytes_per_page(requests, spec)[0], 1) if memory else float("nan"),
-        request_16k_bookkeeping_ms=round(t_book * 1e3, 3), request_16k_transfer_ms=round(t_xfer, 3),
-        bookkeeping_over_transfer=round(t_book * 1e3 / t_xfer, 4), native_keys=NATIVE_KEYS,
-        vllm=asdict(theirs) if theirs else None, vs_vllm=round(rate / theirs.pages_per_s, 2) if theirs else None,
-        sglang=asdict(sgl) if sgl else None, vs_sglang=round(rate / sgl.pages_per_s, 2) if sgl else None,
+        request_16k_bookkeeping_ms=round(t_book * 1e3, 3),
+        request_16k_transfer_ms=round(t_xfer, 3),
+        bookkeeping_over_transfer=round(t_book * 1e3 / t_xfer, 4),
+        native_keys=NATIVE_KEYS,
+        vllm=asdict(theirs) if theirs else None,
+        vs_vllm=round(rate / theirs.pages_per_s, 2) if theirs else None,
+        sglang=asdict(sgl) if sgl else None,
+        vs_sglang=round(rate / sgl.pages_per_s, 2) if sgl else None,
         reps=reps,
         vs_vllm_per_round=[round(o / v.pages_per_s, 2) for o, v in zip(per_round, vllm_rounds)] if vllm_rounds else None,
         vs_sglang_per_round=[round(o / g.pages_per_s, 2) for o, g in zip(per_round, sglang_rounds)] if sglang_rounds else None,

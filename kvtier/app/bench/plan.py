@@ -49,7 +49,7 @@ def routing_speed(requests, cfg: PlanConfig, reps: int, node_counts: tuple[int, 
     for nodes in node_counts:
         for policy in ROUTING_POLICIES:
             c = replace(cfg, nodes=nodes, routing=policy)
-            t = median_seconds(lambda _: run_plan(requests, c), reps)
+            t = median_seconds(lambda _, c=c: run_plan(requests, c), reps)
             rows.append({"routing": policy, "nodes": nodes, "requests_per_s": round(len(requests) / t, 1)})
     return rows
 
@@ -59,7 +59,7 @@ def configuration_speed(requests, cfg: PlanConfig, reps: int) -> list[dict]:
     for name, (plan_fields, cache_fields) in CONFIGURATIONS.items():
         c, cc = replace(cfg, **plan_fields), CacheConfig(**cache_fields)
         counts = []
-        t = median_seconds(lambda _: counts.append(replay(requests, c, cc)), reps)
+        t = median_seconds(lambda _, counts=counts, c=c, cc=cc: counts.append(replay(requests, c, cc)), reps)
         rows.append({"configuration": name, "requests_per_s": round(len(requests) / t, 1), "hit_blocks": counts[-1].hit_blocks})
     return rows
 

@@ -130,7 +130,9 @@ class _Servers:
             s.stop()
 
 
-def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "redis-cluster", "mooncake"), pages: int = 96, reps: int = 20, page_size: int | None = 16) -> list[StorageCase]:
+def run_storage_bench(
+    backends: tuple[str, ...] = ("file", "redis", "redis-cluster", "mooncake"), pages: int = 96, reps: int = 20, page_size: int | None = 16
+) -> list[StorageCase]:
     """Put and get ratios per backend over ``reps`` rounds each. ``page_size`` 16 (tokens) gives
     the 1 MiB-class deepseek-v3.2 page objects (1.25 MB); None keeps the preset's 64 (5.0 MB)."""
     from kvtier.app import devservers
@@ -177,10 +179,10 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "redis-clust
             obj = tier.codec.object_bytes
             keysets = [[PageHash(os.urandom(16)) for _ in range(pages)] for _ in range(reps)]  # round i's keys
 
-            def put(i: int) -> None:
+            def put(i: int, tier=tier, keysets=keysets) -> None:
                 tier.submit("save", keysets[i], list(range(pages))).wait()
 
-            def get(i: int) -> None:
+            def get(i: int, tier=tier, keysets=keysets, name=name) -> None:
                 job = tier.submit("prefetch", keysets[0], list(range(pages)))
                 job.wait()
                 assert job.arrived == pages, f"{name}: only {job.arrived}/{pages} pages came back"
@@ -190,7 +192,7 @@ def run_storage_bench(backends: tuple[str, ...] = ("file", "redis", "redis-clust
             raw_dests = [page_aligned_empty(obj).zero_() for _ in range(pages)]
             plain = _plain_client(name, raw_target, [k.hex() for k in keysets[0]], blobs, [memoryview(r.numpy()) for r in raw_dests], 8)
 
-            def drop(who: str, i: int) -> None:
+            def drop(who: str, i: int, backend=backend, tier=tier, keysets=keysets, plain=plain) -> None:
                 """Delete a put round's objects (untimed): each round then writes into a store (page
                 cache, server memory) in the same state, not one that grew by every earlier round."""
                 if who == "kvtier":

@@ -78,7 +78,7 @@ def run_transfer_bench(
                             # source: host pages (scattered); destination: device pages
                             dst_pages = runs if pattern == "kvtier" else rand[1:] + rand[:1]
 
-                            def op(i: int, b=b, dst_pages=dst_pages, host=host) -> None:
+                            def op(i: int, b=b, dst_pages=dst_pages, host=host, rand=rand, dev=dev) -> None:
                                 plan = backend.plan(rand[i], dst_pages[i])
                                 backend.copy(plan, host.rows(b.name, i % layers), dev.rows(b.name, i % layers))
 
@@ -87,7 +87,7 @@ def run_transfer_bench(
                             # source: device pages written by the engine (scattered); destination: host pages
                             dst_pages = runs if pattern == "kvtier" else rand[1:] + rand[:1]
 
-                            def op(i: int, b=b, dst_pages=dst_pages, host=host) -> None:
+                            def op(i: int, b=b, dst_pages=dst_pages, host=host, rand=rand, dev=dev) -> None:
                                 plan = backend.plan(rand[i], dst_pages[i])
                                 for layer in range(layers):
                                     backend.copy(plan, dev.rows(b.name, layer), host.rows(b.name, layer))
@@ -96,7 +96,20 @@ def run_transfer_bench(
                         base = _memcpy_seconds(moved, scratch, reps)
                         t = median_seconds(op, reps)
                         gbps, mgbps = moved / t / 1e9, moved / base / 1e9
-                        cases.append(TransferCase(spec_name, layout, direction, b.name, pattern, b.page_bytes, n, round(gbps, 3), round(mgbps, 3), round(gbps / mgbps, 3)))
+                        cases.append(
+                            TransferCase(
+                                spec_name,
+                                layout,
+                                direction,
+                                b.name,
+                                pattern,
+                                b.page_bytes,
+                                n,
+                                round(gbps, 3),
+                                round(mgbps, 3),
+                                round(gbps / mgbps, 3),
+                            )
+                        )
             del host
     return cases
 

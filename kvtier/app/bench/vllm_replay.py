@@ -36,7 +36,9 @@ def replay_vllm(requests, block_size: int = 64) -> PeerReplayResult:
     num_blocks = sum(r.input_length // block_size + 1 for r in requests) + 8
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])
-    manager = KVCacheManager(config, max_model_len=1 << 22, scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=True)
+    manager = KVCacheManager(
+        config, max_model_len=1 << 22, scheduler_block_size=block_size, hash_block_size=block_size, enable_caching=True
+    )
     init_none_hash(sha256)
     hasher = get_request_block_hasher(block_size, sha256)
     params = SamplingParams(max_tokens=1)
@@ -57,7 +59,10 @@ def replay_vllm(requests, block_size: int = 64) -> PeerReplayResult:
         hit_tokens += n_cached
     pages = sum(r.input_length // block_size for r in requests)
     return PeerReplayResult(
-        version=vllm.__version__, hit_ratio=round(hit_tokens / sum(r.input_length for r in requests), 4),
-        hash_seconds=round(t_hash, 3), tree_seconds=round(t_tree, 3),
-        pages_per_s=round(pages / (t_hash + t_tree)), tree_pages_per_s=round(pages / t_tree),
+        version=vllm.__version__,
+        hit_ratio=round(hit_tokens / sum(r.input_length for r in requests), 4),
+        hash_seconds=round(t_hash, 3),
+        tree_seconds=round(t_tree, 3),
+        pages_per_s=round(pages / (t_hash + t_tree)),
+        tree_pages_per_s=round(pages / t_tree),
     )

@@ -49,19 +49,25 @@ def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens")
                 "chat_ratio": round(with_kv["chat_s"] / without["chat_s"], 4),
                 "chat_hit_tokens": sum(r["external_hit_tokens"] for r in with_kv["results"]),
                 "chat_prompt_tokens": sum(r["prompt_tokens"] for r in with_kv["results"]),
-                "chat_same_outputs": [r["output_token_ids"] for r in with_kv["results"]] == [r["output_token_ids"] for r in without["results"]],
+                "chat_same_outputs": [r["output_token_ids"] for r in with_kv["results"]]
+                == [r["output_token_ids"] for r in without["results"]],
             }
-    print(json.dumps({
-        "prompt_tokens": prompt_tokens,
-        "storage_url": "file (temporary)" if storage_url is None else redact_url(storage_url),
-        "external_hit_tokens": hit["external_hit_tokens"],
-        "storage_hit_pages": hit["storage_hit_pages"],
-        "ttft_kvtier_s": round(hit["ttft_s"], 4),
-        "ttft_recompute_s": round(base["ttft_s"], 4),
-        "ttft_ratio": round(hit["ttft_s"] / base["ttft_s"], 4),
-        "same_first_token": hit["output_token_ids"] == base["output_token_ids"],
-        **chat,
-    }, indent=2))
+    print(
+        json.dumps(
+            {
+                "prompt_tokens": prompt_tokens,
+                "storage_url": "file (temporary)" if storage_url is None else redact_url(storage_url),
+                "external_hit_tokens": hit["external_hit_tokens"],
+                "storage_hit_pages": hit["storage_hit_pages"],
+                "ttft_kvtier_s": round(hit["ttft_s"], 4),
+                "ttft_recompute_s": round(base["ttft_s"], 4),
+                "ttft_ratio": round(hit["ttft_s"] / base["ttft_s"], 4),
+                "same_first_token": hit["output_token_ids"] == base["output_token_ids"],
+                **chat,
+            },
+            indent=2,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -26,7 +26,9 @@ def dequantize(q: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tenso
     return (q.float().view(n, d // block, block) * scales[..., None]).view(n, d)
 
 
-def write_tokens(index_buf: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, page_size: int) -> None:
+def write_tokens(
+    index_buf: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, page_size: int
+) -> None:
     """Write token ``i``'s key/scales at page ``pages[i]``, slot ``offsets[i]`` of the indexer buffer (in place)."""
     d = q.shape[1]
     nsc = scales.shape[1]

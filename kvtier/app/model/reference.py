@@ -43,7 +43,15 @@ class ModelConfig:
     seed: int = 0
 
     def kv_spec(self) -> KVSpec:
-        return KVSpec.dsa("reference-dsa", self.num_layers, self.kv_lora_rank, self.qk_rope_dim, self.index_head_dim, self.quant_block_size, self.page_size)
+        return KVSpec.dsa(
+            "reference-dsa",
+            self.num_layers,
+            self.kv_lora_rank,
+            self.qk_rope_dim,
+            self.index_head_dim,
+            self.quant_block_size,
+            self.page_size,
+        )
 
 
 def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -74,21 +82,30 @@ class ReferenceModel:
         self.lm_head = w(c.hidden, c.vocab_size)
         self.layers = []
         for _ in range(c.num_layers):
-            self.layers.append({
-                "dkv": w(c.hidden, c.kv_lora_rank + c.qk_rope_dim),
-                "q": w(c.hidden, c.num_heads * (c.qk_nope_dim + c.qk_rope_dim)),
-                "uk": w(c.num_heads, c.qk_nope_dim, c.kv_lora_rank),
-                "uv": w(c.num_heads, c.kv_lora_rank, c.v_head_dim),
-                "o": w(c.num_heads * c.v_head_dim, c.hidden),
-                "iq": w(c.hidden, c.index_heads * c.index_head_dim),
-                "ik": w(c.hidden, c.index_head_dim),
-                "iw": w(c.hidden, c.index_heads),
-                "up": w(c.hidden, c.mlp_hidden),
-                "down": w(c.mlp_hidden, c.hidden),
-            })
+            self.layers.append(
+                {
+                    "dkv": w(c.hidden, c.kv_lora_rank + c.qk_rope_dim),
+                    "q": w(c.hidden, c.num_heads * (c.qk_nope_dim + c.qk_rope_dim)),
+                    "uk": w(c.num_heads, c.qk_nope_dim, c.kv_lora_rank),
+                    "uv": w(c.num_heads, c.kv_lora_rank, c.v_head_dim),
+                    "o": w(c.num_heads * c.v_head_dim, c.hidden),
+                    "iq": w(c.hidden, c.index_heads * c.index_head_dim),
+                    "ik": w(c.hidden, c.index_head_dim),
+                    "iw": w(c.hidden, c.index_heads),
+                    "up": w(c.hidden, c.mlp_hidden),
+                    "down": w(c.mlp_hidden, c.hidden),
+                }
+            )
 
-    def prefill_page(self, device_pool, tokens: torch.Tensor, start: int, pages: torch.Tensor,
-                     wait_layer: Callable[[int], None] = lambda i: None, want_logits: bool = False) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def prefill_page(
+        self,
+        device_pool,
+        tokens: torch.Tensor,
+        start: int,
+        pages: torch.Tensor,
+        wait_layer: Callable[[int], None] = lambda i: None,
+        want_logits: bool = False,
+    ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Compute tokens ``[start, start + len(tokens))`` (within one page), writing their KV into ``pages``.
 
         ``pages`` is the request's page table up to and including this page.
@@ -135,7 +152,9 @@ class ReferenceModel:
             q_nope, q_rope = q[..., : c.qk_nope_dim], _rope(q[..., c.qk_nope_dim :], pos)
             q_lat = torch.einsum("nhd,hdr->nhr", q_nope, L["uk"])
             sel = latent[sel_idx]  # [n, k, rank + rope]
-            att = torch.einsum("nhr,nkr->nhk", q_lat, sel[..., : c.kv_lora_rank]) + torch.einsum("nhe,nke->nhk", q_rope, sel[..., c.kv_lora_rank :])
+            att = torch.einsum("nhr,nkr->nhk", q_lat, sel[..., : c.kv_lora_rank]) + torch.einsum(
+                "nhe,nke->nhk", q_rope, sel[..., c.kv_lora_rank :]
+            )
             att = (att / math.sqrt(c.qk_nope_dim + c.qk_rope_dim)).masked_fill(~sel_ok[:, None, :], float("-inf")).softmax(-1)
             o_lat = torch.einsum("nhk,nkr->nhr", att, sel[..., : c.kv_lora_rank])
             o = torch.einsum("nhr,hrv->nhv", o_lat, L["uv"]).reshape(n, -1)

@@ -64,7 +64,9 @@ def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_c
     ``nodes_of``: the node of each request (default: :func:`route` by ``cfg.routing``)."""
     spec = planning_spec(cfg)
     cap = capacity(cfg, spec.page_bytes)
-    return replay_cache(requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request)
+    return replay_cache(
+        requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request
+    )
 
 
 def round_up(x: float, digits: int = 4) -> float:
@@ -117,12 +119,14 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
     if cap.device < longest:
         raise ConfigError(
             f"device tier of {cap.device} blocks ({cfg.device_gb:g} GB) cannot hold the longest request ({longest} blocks): {refused}; "
-            f"give --plan-device-gb {round_up(longest * spec.page_bytes / GB)} or more")
+            f"give --plan-device-gb {round_up(longest * spec.page_bytes / GB)} or more"
+        )
     if cap.host < cap.device + 2 * longest:
         raise ConfigError(
             f"host tier of {cap.host} blocks ({cfg.host_tb:g} TB) is smaller than the device's {cap.device} blocks plus two of the "
             f"longest request (2 x {longest} blocks): {refused}; "
-            f"give --plan-host-tb {round_up(min_host_tb(requests, cfg))} or more, or a smaller --plan-device-gb")
+            f"give --plan-host-tb {round_up(min_host_tb(requests, cfg))} or more, or a smaller --plan-device-gb"
+        )
     if cap.storage and cap.storage < sum(r.input_length // MOONCAKE_BLOCK_TOKENS for r in requests):  # else it holds all
         distinct = distinct_blocks(requests)
         if cap.storage < distinct:
@@ -130,11 +134,17 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
             raise ConfigError(
                 f"L3 of {cap.storage} blocks ({cfg.storage_tb:g} TB x {cfg.nodes} nodes) is smaller than the trace's {distinct} distinct "
                 f"blocks: a finite L3 ages out what the host keeps serving, so {refused}; give --plan-storage-tb 0 (no L3) "
-                f"or {round_up(need)} or more")
+                f"or {round_up(need)} or more"
+            )
 
 
-def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
-             nodes_of: list[int] | None = None) -> PlanReport:
+def run_plan(
+    requests: list[TraceRequest],
+    cfg: PlanConfig = PlanConfig(),
+    cache_cfg: CacheConfig = CacheConfig(),
+    *,
+    nodes_of: list[int] | None = None,
+) -> PlanReport:
     """``nodes_of``: a route computed earlier for the same trace and routing (sweeps reuse one)."""
     check_plannable(requests, cfg)
     spec = planning_spec(cfg)
@@ -166,8 +176,12 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
     cost = TokenCosts.of(cfg)
     ratio = (lambda n: round(n / input_tokens, 4)) if input_tokens else (lambda n: 0.0)
     return PlanReport(
-        requests=len(requests), input_tokens=input_tokens, trace_seconds=round(duration, 3), nodes=cfg.nodes,
-        block_tokens=block, block_bytes=block_bytes,
+        requests=len(requests),
+        input_tokens=input_tokens,
+        trace_seconds=round(duration, 3),
+        nodes=cfg.nodes,
+        block_tokens=block,
+        block_bytes=block_bytes,
         capacity_blocks={"device": cap.device, "host": cap.host, "storage_shared": cap.storage or 0},
         hit_ratio={k: ratio(v) for k, v in hits.items()} | {"total": ratio(total_hits)},
         infinite_cache_hit_ratio=round(bound, 4),
@@ -181,10 +195,13 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
             "host_hit_speedup": round(cost.recompute_s / cost.load_host_s, 2),
             "storage_hit_speedup": round(cost.recompute_s / cost.load_storage_s, 2),
         },
-        replay_seconds=round(elapsed, 3), requests_per_second=round(len(requests) / elapsed, 1) if elapsed > 0 else 0.0,
+        replay_seconds=round(elapsed, 3),
+        requests_per_second=round(len(requests) / elapsed, 1) if elapsed > 0 else 0.0,
         routing=cfg.routing if cfg.nodes > 1 else "single node",
         latency={"queue_delay_s": timing.queue_delay_s, "ttft_s": timing.ttft_s},
-        per_node=timing.per_node, load_balance=timing.imbalance, warnings=timing.warnings,
+        per_node=timing.per_node,
+        load_balance=timing.imbalance,
+        warnings=timing.warnings,
     )
 
 
@@ -192,8 +209,9 @@ def run_plan(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache
 SWEEPABLE = {"host_tb": "host", "device_gb": "device", "storage_tb": "storage"}
 
 
-def sweep(requests: list[TraceRequest], cfg: PlanConfig, field: str, values: list[float],
-          cache_cfg: CacheConfig = CacheConfig()) -> list[dict]:
+def sweep(
+    requests: list[TraceRequest], cfg: PlanConfig, field: str, values: list[float], cache_cfg: CacheConfig = CacheConfig()
+) -> list[dict]:
     """Hit ratios at each size of one tier (``field``: host_tb, device_gb or storage_tb), on one route.
     Every size is checked first (:func:`check_plannable`), so a refused size fails the sweep before it runs."""
     if field not in SWEEPABLE:
@@ -205,8 +223,14 @@ def sweep(requests: list[TraceRequest], cfg: PlanConfig, field: str, values: lis
     rows = []
     for v, c in zip(values, configs):
         r = run_plan(requests, c, cache_cfg, nodes_of=nodes_of)
-        rows.append({field: v, **{f"hit_{k}": x for k, x in r.hit_ratio.items()}, "fraction_of_bound": r.fraction_of_bound,
-                     "ttft_p50_s": r.latency["ttft_s"]["p50"]})
+        rows.append(
+            {
+                field: v,
+                **{f"hit_{k}": x for k, x in r.hit_ratio.items()},
+                "fraction_of_bound": r.fraction_of_bound,
+                "ttft_p50_s": r.latency["ttft_s"]["p50"],
+            }
+        )
     return rows
 
 
@@ -219,11 +243,21 @@ def compare_routing(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Ca
     rows = []
     for policy in ROUTING_POLICIES:
         r = run_plan(requests, replace(cfg, routing=policy), cache_cfg)
-        rows.append({"routing": policy, "hit_total": r.hit_ratio["total"], "hit_device": r.hit_ratio["device"],
-                     "queue_delay_p50_s": r.latency["queue_delay_s"]["p50"], "queue_delay_p99_s": r.latency["queue_delay_s"]["p99"],
-                     "ttft_p50_s": r.latency["ttft_s"]["p50"], "ttft_p90_s": r.latency["ttft_s"]["p90"],
-                     "ttft_p99_s": r.latency["ttft_s"]["p99"], **r.load_balance, "requests_per_second": r.requests_per_second,
-                     "prompt_tokens_per_node": [n["prompt_tokens"] for n in r.per_node]})
+        rows.append(
+            {
+                "routing": policy,
+                "hit_total": r.hit_ratio["total"],
+                "hit_device": r.hit_ratio["device"],
+                "queue_delay_p50_s": r.latency["queue_delay_s"]["p50"],
+                "queue_delay_p99_s": r.latency["queue_delay_s"]["p99"],
+                "ttft_p50_s": r.latency["ttft_s"]["p50"],
+                "ttft_p90_s": r.latency["ttft_s"]["p90"],
+                "ttft_p99_s": r.latency["ttft_s"]["p99"],
+                **r.load_balance,
+                "requests_per_second": r.requests_per_second,
+                "prompt_tokens_per_node": [n["prompt_tokens"] for n in r.per_node],
+            }
+        )
     return rows
 
 

@@ -33,8 +33,15 @@ def _block_keys(requests: list[TraceRequest]) -> dict[int, PageHash]:
 def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, cache_cfg: CacheConfig) -> CacheCore:
     # no preallocated nodes: they keep a long-running server's collector idle, while a replay would
     # build one per page of every node's pools up front (16 nodes: ~400k) for a trace that needs fewer
-    return CacheCore(spec, PageAllocator(cap.device, "device"), PageAllocator(cap.host, "host"), AccountingExecutor(storage),
-                     replace(cache_cfg, preallocate_nodes=False), StorageConfig(url="memory://"), namespace=Namespace(spec.name, spec.fingerprint()))
+    return CacheCore(
+        spec,
+        PageAllocator(cap.device, "device"),
+        PageAllocator(cap.host, "host"),
+        AccountingExecutor(storage),
+        replace(cache_cfg, preallocate_nodes=False),
+        StorageConfig(url="memory://"),
+        namespace=Namespace(spec.name, spec.fingerprint()),
+    )
 
 
 @contextmanager
@@ -55,8 +62,16 @@ def collector_paused() -> Iterator[None]:
             gc.enable()
 
 
-def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig, spec: KVSpec, cap: Capacity,
-                 nodes_of: Sequence[int], *, per_request: bool = False) -> ReplayCounts:
+def replay_cache(
+    requests: list[TraceRequest],
+    cfg: PlanConfig,
+    cache_cfg: CacheConfig,
+    spec: KVSpec,
+    cap: Capacity,
+    nodes_of: Sequence[int],
+    *,
+    per_request: bool = False,
+) -> ReplayCounts:
     block = spec.page_size
     storage = AccountingStore(cap.storage, L3_BATCH_PAGES) if cap.storage is not None else None
     # a node's pools are sized from the blocks routed to it: it can never hold more, so larger pools
@@ -64,8 +79,9 @@ def replay_cache(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Cache
     need = [1] * cfg.nodes
     for r, j in zip(requests, nodes_of):
         need[j] += len(r.hash_ids)
-    caches = [_node_cache(spec, Capacity(min(cap.device, n), min(cap.host, n), cap.storage), storage, cache_cfg) if n > 1 else None
-              for n in need]
+    caches = [
+        _node_cache(spec, Capacity(min(cap.device, n), min(cap.host, n), cap.storage), storage, cache_cfg) if n > 1 else None for n in need
+    ]
     out = ReplayCounts(per_request=[] if per_request else None)
     with collector_paused():
         _replay(requests, caches, nodes_of, block, out)

@@ -487,7 +487,8 @@ class KvtierStorage(HiCacheStorage):
     def get(self, key: str, target_location: torch.Tensor | None = None, target_sizes=None) -> torch.Tensor | None:
         return self.batch_get([key], [target_location])[0]
 
-    def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None, target_sizes=None) -> list[torch.Tensor | None]:
+    def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None,
+                  target_sizes=None) -> list[torch.Tensor | None]:
         pool = self._kv
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         targets = [t if t is not None else pool.pages.pool.get_dummy_flat_data_page() for t in targets]

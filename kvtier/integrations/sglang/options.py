@@ -32,9 +32,14 @@ class SGLangStorageOptions:
     model_name: str | None = _help("model name in L3 keys (default: SGLang's model name)", None)
     salt: str = _help("extra namespace salt (e.g. a weights revision)", "")
     batch_pages: int | None = _help("pages per backend call (default: about the backend's preferred bytes per call)", None)
-    io_threads: int | None = _help("backend calls in flight per SGLang batch, each reading and checking its pages (default: the backend's choice)", None)
-    cooldown_s: float = _help("after a storage fault, answer misses without calling the store for this long (doubling while the "
-                              "fault persists; a probe off SGLang's threads finds the store back)", DEFAULT_COOLDOWN_S)
+    io_threads: int | None = _help(
+        "backend calls in flight per SGLang batch, each reading and checking its pages (default: the backend's choice)", None
+    )
+    cooldown_s: float = _help(
+        "after a storage fault, answer misses without calling the store for this long (doubling while the "
+        "fault persists; a probe off SGLang's threads finds the store back)",
+        DEFAULT_COOLDOWN_S,
+    )
     max_cooldown_s: float = _help("the longest the back-off after a storage fault grows to", DEFAULT_MAX_COOLDOWN_S)
 
     def __post_init__(self) -> None:
@@ -66,6 +71,8 @@ class SGLangStorageOptions:
         ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
         unknown = sorted(set(ours) - set(cls.valid_keys()))
         if unknown:
-            raise ConfigError(f"kvtier SGLang storage: unknown extra_config key(s) {', '.join(unknown)}; "
-                              f"valid: {', '.join(cls.valid_keys())} (and SGLang's own: {', '.join(SGLANG_KEYS)})")
+            raise ConfigError(
+                f"kvtier SGLang storage: unknown extra_config key(s) {', '.join(unknown)}; "
+                f"valid: {', '.join(cls.valid_keys())} (and SGLang's own: {', '.join(SGLANG_KEYS)})"
+            )
         return cls(**ours)

@@ -53,11 +53,17 @@ def map_kv_caches(kv_caches: dict[str, torch.Tensor], model: ModelShape) -> tupl
     shape, dtype = tuple(tensors[0].shape), tensors[0].dtype
     for n, t in zip(names, tensors):
         if tuple(t.shape) != shape or t.dtype != dtype:
-            raise ConfigError(f"kvtier connector: layer {n} KV is {tuple(t.shape)} {t.dtype}, layer {names[0]} is {shape} {dtype}; kvtier needs one shape for all layers")
+            raise ConfigError(
+                f"kvtier connector: layer {n} KV is {tuple(t.shape)} {t.dtype}, layer {names[0]} is {shape} {dtype}; "
+                "kvtier needs one shape for all layers"
+            )
     bs, dt = model.block_size, _dtype_name(tensors[0])
 
     def mismatch(what: str) -> ConfigError:
-        return ConfigError(f"kvtier connector: vLLM KV cache shape {shape} does not match the model config ({what}); check block_size and the attention backend")
+        return ConfigError(
+            f"kvtier connector: vLLM KV cache shape {shape} does not match the model config ({what}); "
+            "check block_size and the attention backend"
+        )
 
     try:
         if model.use_mla:

@@ -87,25 +87,47 @@ class KVTierConnectorStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (any(d["tokens"].values()) or d["load_failed_tokens"] or d["copies_abandoned"] or d["load_seconds"] or d["store_seconds"])
+        return not (
+            any(d["tokens"].values()) or d["load_failed_tokens"] or d["copies_abandoned"] or d["load_seconds"] or d["store_seconds"]
+        )
 
 
 class KVTierPromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config, metric_types, labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         moved = labelnames + ["tier", "direction"]
-        self._tokens = self._counter_cls(name="vllm:kvtier_tokens_total", labelnames=moved,
-                                         documentation="Tokens of KV kvtier moved, by tier (host, storage) and direction (load, store).")
-        self._bytes = self._counter_cls(name="vllm:kvtier_bytes_total", labelnames=moved,
-                                        documentation="Bytes of KV kvtier moved (all tensor-parallel ranks), by tier and direction.")
-        self._failed = self._counter_cls(name="vllm:kvtier_load_failed_tokens_total", labelnames=labelnames,
-                                         documentation="Tokens kvtier offered but could not load (vLLM recomputed them).")
-        self._abandoned = self._counter_cls(name="vllm:kvtier_copies_abandoned_total", labelnames=labelnames,
-                                            documentation="Copies out of KV blocks a rank gave up after rank_timeout_s (blocks went back to vLLM).")
-        self._load_s = self._histogram_cls(name="vllm:kvtier_load_seconds", labelnames=labelnames, buckets=_SECONDS_BUCKETS,
-                                           documentation="Seconds a step's kvtier loads (L3 fetch and copy into KV blocks) took, per rank.")
-        self._store_s = self._histogram_cls(name="vllm:kvtier_store_seconds", labelnames=labelnames, buckets=_SECONDS_BUCKETS,
-                                            documentation="Seconds a step's copies out of KV blocks into host memory took, per rank.")
+        self._tokens = self._counter_cls(
+            name="vllm:kvtier_tokens_total",
+            labelnames=moved,
+            documentation="Tokens of KV kvtier moved, by tier (host, storage) and direction (load, store).",
+        )
+        self._bytes = self._counter_cls(
+            name="vllm:kvtier_bytes_total",
+            labelnames=moved,
+            documentation="Bytes of KV kvtier moved (all tensor-parallel ranks), by tier and direction.",
+        )
+        self._failed = self._counter_cls(
+            name="vllm:kvtier_load_failed_tokens_total",
+            labelnames=labelnames,
+            documentation="Tokens kvtier offered but could not load (vLLM recomputed them).",
+        )
+        self._abandoned = self._counter_cls(
+            name="vllm:kvtier_copies_abandoned_total",
+            labelnames=labelnames,
+            documentation="Copies out of KV blocks a rank gave up after rank_timeout_s (blocks went back to vLLM).",
+        )
+        self._load_s = self._histogram_cls(
+            name="vllm:kvtier_load_seconds",
+            labelnames=labelnames,
+            buckets=_SECONDS_BUCKETS,
+            documentation="Seconds a step's kvtier loads (L3 fetch and copy into KV blocks) took, per rank.",
+        )
+        self._store_s = self._histogram_cls(
+            name="vllm:kvtier_store_seconds",
+            labelnames=labelnames,
+            buckets=_SECONDS_BUCKETS,
+            documentation="Seconds a step's copies out of KV blocks into host memory took, per rank.",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = KVTierConnectorStats(dict(transfer_stats_data)).data

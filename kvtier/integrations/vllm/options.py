@@ -44,19 +44,24 @@ class ConnectorOptions:
 
     @classmethod
     def valid_keys(cls) -> list[str]:
-        return sorted({"model_name", "salt", "load_retry_s", "rank_timeout_s", *_TIER_KEYS, *_CACHE_KEYS} | {f"storage_{f.name}" for f in fields(StorageConfig)})
+        return sorted(
+            {"model_name", "salt", "load_retry_s", "rank_timeout_s", *_TIER_KEYS, *_CACHE_KEYS}
+            | {f"storage_{f.name}" for f in fields(StorageConfig)}
+        )
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorOptions:
         unknown = sorted(set(extra) - set(cls.valid_keys()))
         if unknown:
-            raise ConfigError(f"kvtier connector: unknown kv_connector_extra_config key(s) {', '.join(unknown)}; "
-                              f"valid: {', '.join(cls.valid_keys())}")
+            raise ConfigError(
+                f"kvtier connector: unknown kv_connector_extra_config key(s) {', '.join(unknown)}; valid: {', '.join(cls.valid_keys())}"
+            )
         tier = {k: extra[k] for k in _TIER_KEYS if k in extra}
         if "host_pages" not in tier:
             tier.setdefault("host_gb", DEFAULT_HOST_GB)
         return cls(
-            model_name=extra.get("model_name"), salt=extra.get("salt", ""),
+            model_name=extra.get("model_name"),
+            salt=extra.get("salt", ""),
             **{k: extra[k] for k in ("load_retry_s", "rank_timeout_s") if k in extra},
             tiers=TierConfig(**tier),
             cache=CacheConfig(**{k: extra[k] for k in _CACHE_KEYS if k in extra}),

@@ -184,7 +184,8 @@ class ConnectorScheduler:
         if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
             return None  # tokens alone do not determine the KV
         root = self._root
-        extra = "|".join(x for x in (getattr(request, "cache_salt", None) or "", request.lora_request.lora_name if request.lora_request else "") if x)
+        lora = request.lora_request.lora_name if request.lora_request else ""
+        extra = "|".join(x for x in (getattr(request, "cache_salt", None) or "", lora) if x)
         if extra:
             root = PageHash(self._hash(root + extra.encode()))
         return root
@@ -220,7 +221,9 @@ class ConnectorScheduler:
             self.events.missing_from_storage(asked[found.pages])
         state.load_start, state.load_end, state.load_pending = start, max(start, found.pages), False
         external = (state.load_end - start) * bs
-        state.hit = HitRecord(request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages)
+        state.hit = HitRecord(
+            request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages
+        )
         self.hits.append(state.hit)
         return external, False
 
@@ -260,8 +263,12 @@ class ConnectorScheduler:
                 self._delayed[req_id] = list(self._copies_running(state))
         unavailable, self._unavailable = self._unavailable, []
         delayed, self._delayed = self._delayed, {}
-        preempted = [op for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ()
-                     if req_id in self._requests for op in self._copies_running(self._requests[req_id])]
+        preempted = [
+            op
+            for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ()
+            if req_id in self._requests
+            for op in self._copies_running(self._requests[req_id])
+        ]
         return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed, preempted)
 
     def _copies_running(self, state: _RequestState) -> list[int]:
@@ -319,8 +326,12 @@ class ConnectorScheduler:
             done = completed_pages(load.outcome, len(keys))
             if done < len(keys):
                 self.recent_failures.add(keys[done:])
-                log.info("kvtier: %d pages failed to load (%s); not offered again for %.0f s", len(keys) - done,
-                         getattr(load.outcome, "reason", "?"), self.recent_failures.ttl_s)
+                log.info(
+                    "kvtier: %d pages failed to load (%s); not offered again for %.0f s",
+                    len(keys) - done,
+                    getattr(load.outcome, "reason", "?"),
+                    self.recent_failures.ttl_s,
+                )
         self._loads = pending
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

@@ -45,7 +45,7 @@ class StoreProbe:
                 return 0
             found = [0]
 
-            def failed(_e: BaseException) -> None:
+            def failed(_e: BaseException, found=found) -> None:
                 found[0] = 0
 
             with map_storage_errors(self.backend.stats, "exists", failed):

@@ -72,9 +72,19 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
                                     kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=cfg)
     # tp > 1: SmolLM2's 9 query / 3 KV heads do not split, so a tiny Llama with vLLM's seeded dummy weights
-    model = dict(model=str(ensure_model())) if tp == 1 else dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
-    llm = LLM(**model, dtype=dtype, max_model_len=4096, block_size=block_size, enforce_eager=True,
-              kv_transfer_config=transfer, seed=0, worker_extension_cls="kvtier.integrations.vllm.session.KVTierWorkerExtension")
+    model = (
+        dict(model=str(ensure_model())) if tp == 1 else dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
+    )
+    llm = LLM(
+        **model,
+        dtype=dtype,
+        max_model_len=4096,
+        block_size=block_size,
+        enforce_eager=True,
+        kv_transfer_config=transfer,
+        seed=0,
+        worker_extension_cls="kvtier.integrations.vllm.session.KVTierWorkerExtension",
+    )
     report = SessionReport(kvtier, storage_url, block_size, startup_s=time.perf_counter() - t0)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     first = SamplingParams(temperature=0.0, max_tokens=1)
@@ -93,16 +103,34 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         reset_prefix_cache(llm)  # the full run below must not be served by vLLM's own cache of the TTFT run
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0]
         reset_prefix_cache(llm)  # so the next prompt's hits can only come from kvtier
-        report.results.append(PromptResult(len(ids), list(out.token_ids), out.text, ttft, hit.get("external_tokens", 0),
-                                           hit.get("host_pages", 0), hit.get("storage_pages", 0)))
+        report.results.append(
+            PromptResult(
+                len(ids),
+                list(out.token_ids),
+                out.text,
+                ttft,
+                hit.get("external_tokens", 0),
+                hit.get("host_pages", 0),
+                hit.get("storage_pages", 0),
+            )
+        )
     for turn in range(chat_turns):  # one conversation: each prompt is the history plus a new question
         history = (history if turn else list(prompts[0] if prompts else [])) + prompt_ids(64, seed=50_000 + turn)
         t = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=history)], chat_params, use_tqdm=False)[0]
         report.chat_s += time.perf_counter() - t
         hit = (out.kv_transfer_params or {}).get("kvtier") or {}
-        report.results.append(PromptResult(len(history), list(out.outputs[0].token_ids), out.outputs[0].text, 0.0,
-                                           hit.get("external_tokens", 0), hit.get("host_pages", 0), hit.get("storage_pages", 0)))
+        report.results.append(
+            PromptResult(
+                len(history),
+                list(out.outputs[0].token_ids),
+                out.outputs[0].text,
+                0.0,
+                hit.get("external_tokens", 0),
+                hit.get("host_pages", 0),
+                hit.get("storage_pages", 0),
+            )
+        )
         history = history + list(out.outputs[0].token_ids)
         reset_prefix_cache(llm)  # a busy server's device cache has moved on: the history is not on device
     if kvtier:
@@ -159,8 +187,14 @@ def run_in_subprocess(*args: str, timeout: float | None = None, between_prompts=
         stdout, stderr, rc = out.stdout, out.stderr, out.returncode
     else:
         with tempfile.TemporaryFile("w+") as err:
-            proc = subprocess.Popen([*cmd, "--pause-between-prompts"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                    text=True, env=os.environ.copy())
+            proc = subprocess.Popen(
+                [*cmd, "--pause-between-prompts"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=os.environ.copy(),
+            )
             timer = threading.Timer(timeout, proc.kill) if timeout else None  # the whole run's deadline
             if timer is not None:
                 timer.start()
@@ -169,7 +203,7 @@ def run_in_subprocess(*args: str, timeout: float | None = None, between_prompts=
                 for line in proc.stdout:
                     lines.append(line)
                     if line.startswith(PAUSE_MARKER):
-                        between_prompts(int(line[len(PAUSE_MARKER):]))
+                        between_prompts(int(line[len(PAUSE_MARKER) :]))
                         proc.stdin.write("\n")
                         proc.stdin.flush()
                 rc = proc.wait()
@@ -181,7 +215,7 @@ def run_in_subprocess(*args: str, timeout: float | None = None, between_prompts=
             stdout, stderr = "".join(lines), err.read()
     if rc != 0:
         raise RuntimeError(f"engine session {' '.join(args)} exited {rc}:\n{stderr[-4000:]}")
-    return json.loads(next(line for line in stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith(MARKER))[len(MARKER) :])
 
 
 def main(
@@ -193,14 +227,22 @@ def main(
     max_tokens: int = typer.Option(8, help="tokens to generate (greedy)"),
     warmup: bool = typer.Option(False, help="run one unrelated short prompt first (for timing)"),
     tp: int = typer.Option(1, help="tensor parallel size (above 1: a tiny Llama with dummy weights; CPU threads bound one per rank)"),
-    dtype: str = typer.Option("bfloat16", help="model and KV dtype; float32 makes greedy outputs independent of how vLLM splits the "
-                                               "prefill (bf16 rounding differs between a full prefill and one after a prefix hit)"),
+    dtype: str = typer.Option(
+        "bfloat16",
+        help="model and KV dtype; float32 makes greedy outputs independent of how vLLM splits the "
+        "prefill (bf16 rounding differs between a full prefill and one after a prefix hit)",
+    ),
     storage_options: str = typer.Option("{}", help="extra kv_connector_extra_config keys as JSON"),
     prompt_json: str = typer.Option(None, help="explicit prompts as a JSON list of token-id lists (instead of --prompt-tokens)"),
-    chat_turns: int = typer.Option(0, help="instead: one conversation of this many turns (the first prompt, then each turn adds "
-                                           "the answer and a 64-token question; 32 tokens generated per turn)"),
-    pause_between_prompts: bool = typer.Option(False, help=f"after each prompt print {PAUSE_MARKER.strip()} N and wait for a line "
-                                                           "on stdin (a test injects a fault between prompts)"),
+    chat_turns: int = typer.Option(
+        0,
+        help="instead: one conversation of this many turns (the first prompt, then each turn adds "
+        "the answer and a 64-token question; 32 tokens generated per turn)",
+    ),
+    pause_between_prompts: bool = typer.Option(
+        False,
+        help=f"after each prompt print {PAUSE_MARKER.strip()} N and wait for a line on stdin (a test injects a fault between prompts)",
+    ),
 ) -> None:
     if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         # vLLM's automatic binding wants a NUMA node per worker; give each rank its own core(s)
@@ -210,9 +252,18 @@ def main(
         prompts = [list(map(int, p)) for p in json.loads(prompt_json) for _ in range(repeat)]
     else:
         prompts = [prompt_ids(n, seed + i) for i, n in enumerate(prompt_tokens) for _ in range(repeat)]
-    report = run_session(prompts, kvtier=not no_kvtier, storage_url=storage_url, max_tokens=max_tokens, warmup=warmup, tp=tp,
-                         dtype=dtype, extra=json.loads(storage_options), chat_turns=chat_turns,
-                         between_prompts=_pause if pause_between_prompts else None)
+    report = run_session(
+        prompts,
+        kvtier=not no_kvtier,
+        storage_url=storage_url,
+        max_tokens=max_tokens,
+        warmup=warmup,
+        tp=tp,
+        dtype=dtype,
+        extra=json.loads(storage_options),
+        chat_turns=chat_turns,
+        between_prompts=_pause if pause_between_prompts else None,
+    )
     print(MARKER + json.dumps(asdict(report)))
 
 

@@ -275,6 +275,7 @@ class ConnectorWorker:
             return
         self.wait_copies(list(self._copying))  # their L3 saves start when they complete
         if self.storage is not None and not self.storage.drain(timeout_s):
-            log.warning("kvtier worker rank %d: L3 writes still running after %.0f s at shutdown; the rest are dropped", self.tp_rank, timeout_s)
+            log.warning("kvtier worker rank %d: L3 writes still running after %.0f s at shutdown; the rest are dropped",
+                        self.tp_rank, timeout_s)
         self.executor.close()
         self.executor = None
