@@ -4,10 +4,8 @@ wrong server never hangs the engine or serves bad bytes, and bad indices fail be
 Each test failed on the code before the fix (see the closing note of the hardening issue)."""
 
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -17,9 +15,10 @@ import torch
 
 import l3_scenarios as sc
 from cache_helpers import make_tiered_cache, serve, serve_tiered
+from proxies import DripProxy
 from conftest import slots
 from kvtier import DevicePool, HostPool
-from kvtier.app.devservers import RedisServer, free_port
+from kvtier.app.devservers import RedisServer
 from kvtier.errors import ConfigError, IndexTypeError, PageIndexError, StorageError
 from kvtier.hashing import Namespace, page_keys
 from kvtier.l3 import open_backend
@@ -144,54 +143,6 @@ def test_bad_model_names_are_typed_errors(model):
 
 
 # ---- 7. a slow-drip server: whole-call deadline, the engine never blocks, close is bounded ---------
-class DripProxy:
-    """A TCP proxy in front of a real redis-server; once ``drip`` is set, replies trickle one byte
-    every ``interval`` seconds (requests still pass at full speed)."""
-
-    def __init__(self, target_port: int, interval: float = 0.5):
-        self.target_port, self.interval = target_port, interval
-        self.drip = threading.Event()
-        self.stop = threading.Event()
-        self.port = free_port()
-        self.listener = socket.create_server(("127.0.0.1", self.port))
-        self.listener.settimeout(0.2)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.stop.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                continue
-            upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
-        src.settimeout(0.2)
-        try:
-            while not self.stop.is_set():
-                try:
-                    data = src.recv(1 << 16)
-                except socket.timeout:
-                    continue
-                if not data:
-                    return
-                if replies and self.drip.is_set():
-                    for i in range(len(data)):
-                        if self.stop.wait(self.interval):
-                            return
-                        dst.sendall(data[i : i + 1])
-                else:
-                    dst.sendall(data)
-        except OSError:
-            return
-
-    def close(self) -> None:
-        self.stop.set()
-        self.listener.close()
-
-
 @pytest.mark.integration
 def test_slow_drip_server_fails_the_call_on_time_and_never_blocks_the_engine(tmp_path):
     server = RedisServer(tmp_path / "redis").start()

@@ -352,71 +352,17 @@ def test_batch_and_thread_counts_are_bounded_before_anything_is_allocated():
 
 
 # ---- 10. a prefetch given up on releases its locks at once -------------------------------------------
-class TrickleProxy:
-    """A TCP proxy on 127.0.0.1 in front of a real server: requests pass at once, and every reply
-    chunk larger than ``small`` bytes (a page, not an EXISTS answer) comes back one byte per
-    ``delay_s`` -- a server that is up but slow. Stopped by :meth:`stop`; its loops are bounded by it."""
-
-    def __init__(self, upstream_port: int, delay_s: float = 0.5, small: int = 1024):
-        import socket
-        import threading
-
-        self.upstream_port, self.delay_s, self.small = upstream_port, delay_s, small
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self.listener.getsockname()[1]
-        self.stopped = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        import socket
-        import threading
-
-        self.listener.settimeout(0.2)
-        while not self.stopped.is_set():
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                continue
-            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
-
-    def _pump(self, src, dst, replies: bool):
-        src.settimeout(0.2)
-        while not self.stopped.is_set():
-            try:
-                data = src.recv(65536)
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            try:
-                if replies and len(data) > self.small:
-                    for i in range(len(data)):
-                        if self.stopped.wait(self.delay_s):
-                            return
-                        dst.sendall(data[i : i + 1])
-                else:
-                    dst.sendall(data)
-            except OSError:
-                return
-
-    def stop(self):
-        self.stopped.set()
-        self.listener.close()
-
-
 @pytest.mark.integration
 def test_a_prefetch_given_up_on_releases_its_locks_at_once_and_its_late_answer_is_discarded(tmp_path):
     import time
 
     from cache_helpers import make_tiered_cache
     from kvtier.app.devservers import RedisServer
+    from proxies import DripProxy
 
     server = RedisServer(tmp_path / "redis").start()
-    proxy = TrickleProxy(server.port)
+    proxy = DripProxy(server.port, interval=0.5, small=1024)  # pages drip a byte every 0.5 s, small answers pass
+    proxy.drip.set()
     try:
         spec = tiny_specs(page_size=16, num_layers=4)["mla"]  # 3 KB page objects: past the proxy's "small" replies
         prompt = tokens(7000, 12 * 16)  # 12 pages
@@ -441,13 +387,13 @@ def test_a_prefetch_given_up_on_releases_its_locks_at_once_and_its_late_answer_i
         assert s.computed == 16 and time.monotonic() - t1 < 1.0, "the device was pinned by a prefetch given up on"
         assert cache.host_alloc.parked  # the read may still land in its host pages: they are held, not reused
         # 4. the late answer comes, and is discarded: nothing it brought is offered, the held pages go back
-        proxy.stop()
+        proxy.close()
         cache.wait_idle()
         assert not cache.host_alloc.parked
         cache.check_integrity(idle=True)
         cache.close()
     finally:
-        proxy.stop()
+        proxy.close()
         server.stop()
 
 
