@@ -75,6 +75,30 @@ def test_unknown_extra_config_key_lists_the_valid_ones(file_url):
         StorageBackendFactory.create_backend("dynamic", storage_config(file_url, io_threads=0), mha_pool())
 
 
+def test_the_keys_sglang_itself_puts_in_the_extra_config_are_accepted(tmp_path):
+    """SGLang adds file_storage_path for --file-storage-path (UnifiedRadixCache), and the PD decode-offload
+    path leaves the controller's prefetch keys in the JSON: each failed the attach with a ConfigError.
+    Now they are accepted; file_storage_path is the file store's root (as SGLang means it) when
+    storage_url is not given; a truly unknown key is still an error."""
+    from kvtier.integrations.sglang import extra_config
+
+    sglang_put = {"prefetch_threshold": 128, "prefetch_timeout_base": 2.0, "prefetch_timeout_per_ki_token": 0.5,
+                  "hicache_storage_pass_prefix_keys": True, "file_storage_path": str(tmp_path / "hicache")}
+    cfg = storage_config("unused")
+    cfg.extra_config = {k: v for k, v in extra_config("x").items() if k != "storage_url"} | sglang_put
+    src = mha_pool()
+    fill(src, seed=31)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, src)
+    backend.register_mem_pool_host(src)
+    keys = page_keys(list(range(8)), P)
+    idx = src.alloc(8)
+    assert backend.batch_set_v1(keys, idx) == [True, True]
+    assert store_files(tmp_path / "hicache")  # the pages went where SGLang's --file-storage-path said
+    cfg.extra_config = cfg.extra_config | {"prefetch_treshold": 1}
+    with pytest.raises(ConfigError, match="prefetch_treshold"):
+        StorageBackendFactory.create_backend("dynamic", cfg, mha_pool())
+
+
 # ---- bytes: every layout, both interfaces, through SGLang's controller --------------------
 @pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
 def test_mha_pages_round_trip_bit_exact_through_the_controller(file_url, layout):
@@ -421,6 +445,32 @@ def test_stats_follow_sglang_metrics_shape(file_url):
     assert again.backup_pgs == [] and again.pages_written == 4  # lists drained, counters kept
 
 
+def test_sglangs_own_storage_metrics_collector_takes_get_stats(file_url):
+    """With --enable-metrics, SGLang hands get_stats() to its StorageMetricsCollector, which asserts
+    isinstance(..., its StorageMetrics): before, every scheduler step raised AssertionError. SGLang's
+    real observability module here (not a stand-in), its real prometheus histograms."""
+    import prometheus_client
+    from sglang.srt.observability import metrics_collector
+
+    pool = mha_pool()
+    fill(pool, seed=15)
+    backend = attach(storage_config(file_url), pool)
+    keys = page_keys(list(range(16)), P)
+    assert backend.batch_set_v1(keys, pool.alloc(16)) == [True] * 4
+    stats = backend.get_stats()
+    assert isinstance(stats, metrics_collector.StorageMetrics) and stats.backup_pgs == [4]
+    registry = prometheus_client.CollectorRegistry()
+
+    class Collector(metrics_collector.StorageMetricsCollector):  # its metrics in a registry of the test's own
+        _counter_cls = staticmethod(lambda **kw: prometheus_client.Counter(registry=registry, **kw))
+        _gauge_cls = staticmethod(lambda **kw: prometheus_client.Gauge(registry=registry, **kw))
+        _histogram_cls = staticmethod(lambda **kw: prometheus_client.Histogram(registry=registry, **kw))
+
+    Collector(labels={"model_name": "m"}).log_storage_metrics(stats)  # SGLang's own code: no AssertionError
+    assert registry.get_sample_value("sglang:backup_pgs_count", {"model_name": "m"}) == 1
+    assert registry.get_sample_value("sglang:backup_pgs_sum", {"model_name": "m"}) == 4
+
+
 def test_sglang_host_pool_in_a_spawned_process_reads_what_this_one_wrote(file_url, tmp_path):
     """Two processes (two servers on one store): the second sees the first's pages bit-exact."""
     import subprocess
@@ -518,3 +568,60 @@ def test_a_key_that_is_not_utf8_is_a_miss_and_the_store_stays_up(file_url):
     got = dst.alloc(3 * P)
     assert backend.batch_exists(keys) == 3 and backend.batch_get_v1(keys, got) == [True] * 3  # every other key still hits
     assert same_pages(src, idx, dst, got)
+
+
+def _mamba_pool(seed: int | None = None):
+    """SGLang's own MambaPoolHost on CPU (page_first: its supported host layout), 2 layers of fp32
+    SSM state and bf16 conv state per slot; its get_data_page concatenates them into a copy."""
+    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
+    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
+
+    info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8, dtype=torch.float32),
+                                conv=(torch.zeros(2, 9, 3, 16, dtype=torch.bfloat16),))
+    pool = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        pool.temporal_buffer.copy_(torch.randn(pool.temporal_buffer.shape, generator=g))
+        pool.conv_buffer[0].copy_(torch.randn(pool.conv_buffer[0].shape, generator=g).to(torch.bfloat16))
+    return pool
+
+
+def test_mamba_state_pool_whose_pages_are_copies_round_trips_bit_exact(file_url):
+    """SGLang's MambaPoolHost hands out its pages as copies: kvtier's zero-copy view then read and wrote
+    a temporary, so batch_set_v2 / batch_get_v2 returned True and moved nothing (silent data loss). Now
+    such a pool is found at register time and moved by copy (read out whole, written back)."""
+    kv_src, mamba_src = mha_pool(), _mamba_pool(seed=41)
+    fill(kv_src, seed=40)
+    backend = attach(storage_config(file_url), kv_src, (PoolName.MAMBA, mamba_src))
+    assert not backend._pool(PoolName.MAMBA).pages.aliases and backend._pool(PoolName.KV).pages.aliases
+    keys = page_keys(list(range(12)), P)
+    slots = torch.tensor([3, 7, 11])  # state slots (page_size 1), one per key
+    done = backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=keys)])
+    assert done[PoolName.MAMBA] == [True] * 3
+    mamba_dst = _mamba_pool()
+    backend = attach(storage_config(file_url), mha_pool(), (PoolName.MAMBA, mamba_dst))
+    into = torch.tensor([0, 5, 16])
+    got = backend.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=into, keys=keys)])
+    assert got[PoolName.MAMBA] == [True] * 3
+    for s, d in zip(slots.tolist(), into.tolist()):
+        assert torch.equal(mamba_dst.get_data_page(d), mamba_src.get_data_page(s)), f"state slot {s} -> {d} differs"
+    untouched = [i for i in range(mamba_dst.size) if i not in into.tolist()]
+    assert all(not mamba_dst.get_data_page(i).any() for i in untouched)  # nothing written elsewhere
+
+
+def test_mamba_state_is_written_by_every_rank_under_mla(file_url):
+    """Mamba state is per rank even in an MLA model, so every rank writes its own shard; only the MLA
+    KV pool is left to SGLang's one storage writer (before, non-writer ranks never wrote the state)."""
+    for rank in (0, 1):
+        pool, state = mla_pool(), _mamba_pool(seed=50 + rank)
+        fill(pool, seed=52)
+        cfg = storage_config(file_url, tp_rank=rank, tp_size=2, mla=True)
+        assert cfg.is_storage_writer == (rank == 0)  # SGLang's own rule: one MLA writer
+        backend = attach(cfg, pool, (PoolName.MAMBA, state))
+        keys = page_keys(list(range(4)), P)
+        done = backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=keys)])
+        assert done[PoolName.MAMBA] == [True], rank
+        back = _mamba_pool()
+        reader = attach(cfg, mla_pool(), (PoolName.MAMBA, back))
+        assert reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([4]), keys=keys)])[PoolName.MAMBA] == [True]
+        assert torch.equal(back.get_data_page(4), state.get_data_page(2))  # each rank reads its own rank's state

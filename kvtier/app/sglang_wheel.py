@@ -42,11 +42,13 @@ _STAND_IN_PACKAGES = (
 )
 #: what is unpacked from the wheel: sglang/srt's top-level modules and these packages and files
 _UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/",
-             "sglang/srt/managers/cache_controller.py")
-#: real modules inside a stand-in package: the HiCache controller, whose storage calls the tests replay
-_REAL_MODULES = ("sglang.srt.managers.cache_controller",)
+             "sglang/srt/managers/cache_controller.py", "sglang/srt/observability/")
+#: real modules inside a stand-in package: the HiCache controller, whose storage calls the tests replay, and
+#: the storage-metrics collector SGLang feeds a storage backend's get_stats() to
+_REAL_MODULES = ("sglang.srt.managers.cache_controller", "sglang.srt.observability.metrics_collector", "sglang.srt.observability.utils",
+                 "sglang.srt.observability.scheduler_stage_metrics")
 #: bumped when _UNPACKED grows, so an older unpacked tree is not reused
-_UNPACK_VERSION = 2
+_UNPACK_VERSION = 3
 
 
 class _StandIn(types.ModuleType):

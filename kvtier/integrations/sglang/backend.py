@@ -39,6 +39,7 @@ What it guarantees:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -84,11 +85,22 @@ def _encodes(key: str) -> bool:
 _KV_SHAPED = {PoolName.KV, PoolName.INDEXER, PoolName.DRAFT, PoolName.DRAFT_INDEXER}
 
 
+def _sglang_storage_metrics() -> type:
+    """SGLang's own ``StorageMetrics`` dataclass when its observability module can be imported (its
+    ``StorageMetricsCollector`` asserts ``isinstance`` on what ``get_stats()`` returns), else ``object``."""
+    try:
+        from sglang.srt.observability.metrics_collector import StorageMetrics as theirs
+    except Exception:  # an SGLang without it, or one whose metrics module needs the GPU runtime
+        return object
+    return theirs if dataclasses.is_dataclass(theirs) else object
+
+
 @dataclass
-class StorageMetrics:
-    """What :meth:`KvtierStorage.get_stats` returns: the lists SGLang's ``StorageMetricsCollector``
-    reads (pages per batch, GB/s per batch; drained by each call, filled only with
-    ``enable_storage_metrics``), and kvtier's running counters."""
+class StorageMetrics(_sglang_storage_metrics()):
+    """What :meth:`KvtierStorage.get_stats` returns: SGLang's ``StorageMetrics`` (a subclass of it,
+    where SGLang is importable) -- the lists its ``StorageMetricsCollector`` reads (pages per batch,
+    GB/s per batch; drained by each call, filled only with ``enable_storage_metrics``) -- and
+    kvtier's running counters."""
 
     prefetch_pgs: list[int] = field(default_factory=list)
     backup_pgs: list[int] = field(default_factory=list)
@@ -114,6 +126,8 @@ class _Pool:
     prefix: str
     #: rides on the KV pool's slots and must be stored for every KV page (the DSA indexer)
     kv_derived: bool
+    #: this rank writes the pool's shard (MLA KV: SGLang's storage writer only; per-rank state: every rank)
+    writer: bool = True
 
     def names(self, keys: Sequence[str]) -> list[str]:
         return [f"{self.prefix}/{k}" for k in keys]
@@ -184,9 +198,9 @@ class KvtierStorage(HiCacheStorage):
         kv_derived = name != PoolName.KV and decl is not None and getattr(decl, "indices_from_pool", None) == PoolName.KV \
             and getattr(decl, "hit_policy", PoolHitPolicy.ALL_PAGES) == PoolHitPolicy.ALL_PAGES
         self._pools[name] = _Pool(name, pages, PageCodec(pages.fingerprint, pages.payload_bytes, pages.page_size),
-                                  str(namespace), kv_derived)
+                                  str(namespace), kv_derived, writer=self.writer or not mla_shared)
         self._grow_slabs()
-        if self.backend.capabilities.registers_buffers:
+        if self.backend.capabilities.registers_buffers and pages.buffer is not None:
             self.backend.register_buffer(pages.buffer)
         log.info("kvtier HiCache storage: pool %r (%s, %s layout), %d-byte pages, namespace %s", name, type(pool).__name__,
                  getattr(pool, "layout", "?"), pages.payload_bytes, namespace)
@@ -279,8 +293,13 @@ class KvtierStorage(HiCacheStorage):
         out: list[bool] = []
         if not self.breaker.available:
             return out
+        views = [pool.pages.views(p) for p in pages]
         with self._heads() as heads, self._guard("read", out):
-            out += self._get_objects(pool, keys, [pool.pages.views(p) for p in pages], heads, leading=True)
+            out += self._get_objects(pool, keys, views, heads, leading=True)
+        if not pool.pages.aliases:  # its pages were read into copies: into the pool with them
+            for p, v, ok in zip(pages, views, out):
+                if ok:
+                    pool.pages.write_back(p, v)
         return out
 
     def _get_objects(self, pool: _Pool, keys: Sequence[str], payloads: list[list[memoryview]], heads: np.ndarray, *,
@@ -333,7 +352,7 @@ class KvtierStorage(HiCacheStorage):
             return []
         t0 = time.perf_counter()
         have = self._stored_prefix(pool, keys)
-        if not self.writer:  # another rank writes this shard (MLA): report what the store has
+        if not pool.writer:  # another rank writes this shard (MLA): report what the store has
             return [i < have for i in range(len(keys))]
         done = [True] * have + self._chunked(pool, len(keys), have, lambda a, b: self._write_chunk(pool, keys[a:b], pages[a:b]))
         self._count_write(pool, have, sum(done) - have, time.perf_counter() - t0)
@@ -522,7 +541,7 @@ class KvtierStorage(HiCacheStorage):
             return False  # (a key that cannot name an object is not stored; the call stores none)
         t0 = time.perf_counter()
         have = self._stored_prefix(pool, keys)
-        if not self.writer:
+        if not pool.writer:
             return have == len(keys)
         if have == len(keys):
             self._count_write(pool, have, 0, 0.0)

@@ -2,21 +2,29 @@
 
 SGLang passes the whole JSON object to the backend; on its ``dynamic`` path it
 also carries SGLang's own keys (``backend_name``, ``module_path``,
-``class_name``, ``interface_v1``), which are accepted here and left to SGLang.
+``class_name``, ``interface_v1``, and the controller's prefetch keys), which are
+accepted here and left to SGLang; ``file_storage_path`` (SGLang adds it for
+``--file-storage-path``) is the file store's root when ``storage_url`` is unset.
 Any other unknown key is a :class:`~kvtier.errors.ConfigError` that lists the
 valid ones, so a typo never silently falls back to a default store.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 from typing import Any
 
 from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S, MAX_BATCH_PAGES, MAX_IO_THREADS, _help, check_number
 from kvtier.errors import ConfigError
 
-#: keys SGLang itself reads from the same object (its dynamic-backend loader and the cache controller)
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+#: keys SGLang itself reads from the same object (its dynamic-backend loader, and the cache controller's
+#: prefetch policy, which the PD decode-offload path leaves in the JSON): accepted, left to SGLang
+SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "prefetch_threshold", "prefetch_timeout_base",
+               "prefetch_timeout_per_ki_token", "hicache_storage_pass_prefix_keys")
+#: SGLang adds ``--file-storage-path`` under this key (UnifiedRadixCache): kvtier's file store root when
+#: ``storage_url`` is not given, as SGLang means it for its own file backend
+SGLANG_FILE_PATH_KEY = "file_storage_path"
 
 
 def default_storage_url() -> str:
@@ -68,11 +76,16 @@ class SGLangStorageOptions:
             extra = {}
         if not isinstance(extra, dict):
             raise ConfigError(f"extra_config must be a JSON object, got {type(extra).__name__}")
-        ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
+        ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS and k != SGLANG_FILE_PATH_KEY}
+        path = extra.get(SGLANG_FILE_PATH_KEY)
+        if path is not None:
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"extra_config {SGLANG_FILE_PATH_KEY} must be a directory path, got {path!r}")
+            ours.setdefault("storage_url", f"file://{os.path.abspath(path)}")  # an explicit storage_url wins
         unknown = sorted(set(ours) - set(cls.valid_keys()))
         if unknown:
             raise ConfigError(
                 f"kvtier SGLang storage: unknown extra_config key(s) {', '.join(unknown)}; "
-                f"valid: {', '.join(cls.valid_keys())} (and SGLang's own: {', '.join(SGLANG_KEYS)})"
+                f"valid: {', '.join(cls.valid_keys())} (and SGLang's own: {', '.join((*SGLANG_KEYS, SGLANG_FILE_PATH_KEY))})"
             )
         return cls(**ours)

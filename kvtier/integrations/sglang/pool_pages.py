@@ -63,6 +63,16 @@ def contiguous_runs(view: torch.Tensor) -> list[Run]:
     return runs
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Two views of one page, both alive: the same memory when the pool hands out views, two
+    temporaries when it hands out copies."""
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.data_ptr() == b.data_ptr()
+
+
+def _flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(-1)
+
+
 class PoolPages:
     """Page views and the page-object format of one registered SGLang host pool."""
 
@@ -71,14 +81,24 @@ class PoolPages:
         self.name = name
         self.page_size = int(pool.page_size)
         first = pool.get_data_page(0, flat=False)
-        storage = first.untyped_storage()
-        #: the pool's whole buffer as bytes (a CPU tensor's storage; pinned memory is CPU memory too)
-        self._bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
-        self.buffer = memoryview(self._bytes.numpy()).cast("B")
-        self.runs = contiguous_runs(first)
+        #: the pool's pages are views of its memory (two calls for one page give the same bytes); a pool
+        #: whose get_data_page builds a copy (SGLang's Mamba pool concatenates its states) is moved by
+        #: copy: a page is read out whole and written back with set_from_flat_data_page
+        self.aliases = _same_memory(first, pool.get_data_page(0, flat=False))
+        if self.aliases:
+            #: the pool's whole buffer as bytes (a CPU tensor's storage; pinned memory is CPU memory too)
+            self._bytes = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage())
+            self.buffer = memoryview(self._bytes.numpy()).cast("B")
+            self.runs = contiguous_runs(first)
+        else:
+            if not hasattr(pool, "set_from_flat_data_page"):
+                raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) returns its pages as copies and has no "
+                                  "set_from_flat_data_page to write a page back; kvtier cannot move its pages")
+            self.buffer = None  # nothing of the pool's memory to register with a store
+            self.runs = [Run(0, _flat_bytes(pool.get_data_page(0, flat=True)).numel())]
         self.payload_bytes = sum(r.nbytes for r in self.runs)
         self.num_pages = self._page_count()
-        self._stride = self._page_stride()
+        self._stride = self._page_stride() if self.aliases else None
         described = {"format": POOL_PAGE_FORMAT, "pool": type(pool).__name__, "name": name,
                      "layout": getattr(pool, "layout", None), "dtype": str(getattr(pool, "dtype", first.dtype)),
                      "page_size": self.page_size, "layers": getattr(pool, "layer_num", None),
@@ -118,12 +138,20 @@ class PoolPages:
         return pages.tolist()
 
     def views(self, page: int) -> list[memoryview]:
-        """Writable byte views of one page's runs, in payload order."""
+        """Writable byte views of one page's runs, in payload order (for a pool moved by copy: a copy of
+        the page, which :meth:`write_back` puts into the pool after a read)."""
+        if not self.aliases:
+            return [memoryview(_flat_bytes(self.pool.get_data_page(page * self.page_size, flat=True)).numpy()).cast("B")]
         if self._stride is None:
             runs = contiguous_runs(self.pool.get_data_page(page * self.page_size, flat=False))
             return [self.buffer[r.offset : r.offset + r.nbytes] for r in runs]
         shift = page * self._stride
         return [self.buffer[r.offset + shift : r.offset + shift + r.nbytes] for r in self.runs]
+
+    def write_back(self, page: int, views: list[memoryview]) -> None:
+        """After a read into :meth:`views`: a pool moved by copy gets the page; a pool of views has it."""
+        if not self.aliases:
+            self.pool.set_from_flat_data_page(page * self.page_size, torch.frombuffer(views[0], dtype=torch.uint8))
 
     def check_flat(self, value: torch.Tensor, what: str) -> memoryview:
         """A flat data page (the older ``set``/``get`` path) as bytes of exactly one payload."""
