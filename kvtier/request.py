@@ -115,12 +115,14 @@ class CacheRequest:
         full pages first (inserted) and at most one partial tail page (freed). Pages the
         request allocated but did not pass are freed too. Unlocks the prefix."""
         self._check_open("commit")
-        if not is_ordered_sequence(pages):
+        if type(pages) is not list and not is_ordered_sequence(pages):
             raise IndexTypeError(f"commit: pages must be a list of device page ids, in order, got {type(pages).__name__}")
         cache = self.cache
-        if self.load.ops:
-            self.load.wait()  # every load's outcome is known before anything is inserted over it
-        self._check_prefix()
+        load = self.load
+        if load.op is not None or load.pending:
+            load.wait()  # every load's outcome is known before anything is inserted over it
+        if self.failure_gen != cache.load_failure_gen:
+            self._check_prefix()
         full = len(self.keys)
         if not full <= len(pages) <= full + 1:
             raise PageOwnershipError(f"commit: {len(pages)} pages for a request of {full} full pages; pass its {full} full pages "

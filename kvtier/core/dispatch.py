@@ -58,6 +58,13 @@ class PlanDispatch:
         the core polls first, so on a closed cache every one of them is an :class:`InvalidStateError`."""
         if self._closed:
             raise InvalidStateError("the cache is closed: begin, match, insert and the other calls need an open cache; build a new one")
+        if self._lost is None:  # (the hot path, inlined: this runs on every call)
+            try:
+                done = self.port.poll()
+            except ExecutorError as e:
+                self._lost = str(e)
+            else:
+                return self._apply_all(done)
         return self._apply_all(self._ask(self.port.poll))
 
     def _ask(self, call, *args):
@@ -94,7 +101,8 @@ class PlanDispatch:
         return len(done)
 
     def _apply(self, c: Completion) -> None:
-        tag = self._inflight.pop(c.op, None) if type(c) in _COMPLETIONS else None
+        kind = type(c)
+        tag = self._inflight.pop(c.op, None) if kind is Done or kind is CutShort or kind is Failed else None
         if tag is None:
             held = self._held_for.pop(c.op, None) if type(c) in _COMPLETIONS else None
             if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
@@ -104,7 +112,7 @@ class PlanDispatch:
             self.stats.unknown_completions += 1
             log.warning("ignored a completion for no plan in flight: %r", c)
             return
-        if type(c) is Failed and c.reason is Reason.TIMEOUT:
+        if kind is Failed and c.reason is Reason.TIMEOUT:
             # the plan may still run late: its host pages must not be handed out again until it answers
             held = [n.host_page for n in tag.nodes if n.host_page != NO_PAGE]
             self.host_alloc.hold(held)

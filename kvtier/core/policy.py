@@ -141,7 +141,7 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage)
 
     def _keys(self, tokens_or_keys) -> list[PageHash]:
-        if not is_ordered_sequence(tokens_or_keys):
+        if type(tokens_or_keys) is not list and not is_ordered_sequence(tokens_or_keys):
             raise IndexTypeError(f"token ids (or page keys) must be an ordered sequence -- a list, tuple, numpy array or tensor -- "
                                  f"got {type(tokens_or_keys).__name__}; a set has no order and a generator no length: list() it first")
         if not len(tokens_or_keys):  # no full page (a prompt shorter than a page): nothing to hash
@@ -155,7 +155,6 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         """Start a request (see :mod:`kvtier.request`): match (counted once), lock, prefetch from L3
         when it can add pages the request will use (``usable_pages``, default all its full pages;
         ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
-        self.poll()  # a closed cache refuses here, before anything is hashed
         keys = self._keys(tokens_or_keys)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
         m = self.match(keys)
