@@ -625,3 +625,33 @@ def test_mamba_state_is_written_by_every_rank_under_mla(file_url):
         reader = attach(cfg, mla_pool(), (PoolName.MAMBA, back))
         assert reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([4]), keys=keys)])[PoolName.MAMBA] == [True]
         assert torch.equal(back.get_data_page(4), state.get_data_page(2))  # each rank reads its own rank's state
+
+
+def test_prefetches_never_wait_behind_a_burst_of_backups(file_url):
+    """SGLang's backup thread writes a burst while its prefetch thread reads: the reads used to queue in
+    the same I/O pool behind every write chunk. The store here is the real file backend with each write
+    call slowed to 0.2 s (a store that is slow to write, fast to read)."""
+    import threading
+
+    src = mha_pool()
+    fill(src, seed=61)
+    backend = attach(storage_config(file_url, batch_pages=1, io_threads=2), src)
+    stored = page_keys(list(range(1000, 1008)), P)
+    assert backend.batch_set_v1(stored, src.alloc(8)) == [True] * 2  # what the prefetch will read
+    real_set = backend.backend.set_scattered
+
+    def slow_set(*args):
+        time.sleep(0.2)
+        return real_set(*args)
+
+    backend.backend.set_scattered = slow_set
+    burst = page_keys(list(range(64)), P)  # 16 pages: 16 one-page write chunks, 2 at a time: ~1.6 s
+    writer = threading.Thread(target=backend.batch_set_v1, args=(burst, src.alloc(64)))
+    writer.start()
+    time.sleep(0.1)  # the burst is queued
+    t0 = time.monotonic()
+    got = backend.batch_get_v1(stored, mha_pool().alloc(8))
+    read_s = time.monotonic() - t0
+    writer.join(30)
+    assert got == [True, True]
+    assert read_s < 0.5, f"a 2-page prefetch took {read_s:.2f} s behind the backups"

@@ -158,7 +158,10 @@ class KvtierStorage(HiCacheStorage):
         self._pools: dict[str, _Pool] = {}
         caps = self.backend.capabilities
         self.io_threads = self.options.io_threads or caps.io_threads
-        self._io = ThreadPoolExecutor(self.io_threads, thread_name_prefix="kvtier-hicache") if self.io_threads > 1 else None
+        #: one pool of I/O threads per direction: a burst of backups never queues ahead of the prefetches
+        #: a request's TTFT waits on (SGLang calls each from its own thread; with one I/O thread, there)
+        self._io = {kind: ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-hicache-{kind}")
+                    for kind in ("read", "write")} if self.io_threads > 1 else None
         #: header slabs for scattered calls: registered once with stores that need it (Mooncake)
         self._slab_rows = 0
         self._slabs: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
@@ -245,8 +248,9 @@ class KvtierStorage(HiCacheStorage):
         finally:
             self._slabs.put(slab)
 
-    def _chunked(self, pool: _Pool, n: int, start: int, work: Callable[[int, int], list[bool]]) -> list[bool]:
-        """``work(a, b)`` over chunks of ``[start, n)``, up to ``io_threads`` at once; per-page results in order."""
+    def _chunked(self, pool: _Pool, n: int, start: int, work: Callable[[int, int], list[bool]], kind: str) -> list[bool]:
+        """``work(a, b)`` over chunks of ``[start, n)``, up to ``io_threads`` at once on the ``kind``
+        ("read" or "write") pool; per-page results in order."""
         step = self._step(pool)
         chunks = [(a, min(a + step, n)) for a in range(start, n, step)]
         if self._io is None or len(chunks) == 1:
@@ -257,7 +261,8 @@ class KvtierStorage(HiCacheStorage):
                 if len(r) < b - a or not all(r):
                     break  # a failed page ends the chained prefix; later chunks are not attempted
         else:
-            results = [f.result() for f in [self._io.submit(work, a, b) for a, b in chunks]]
+            io = self._io[kind]
+            results = [f.result() for f in [io.submit(work, a, b) for a, b in chunks]]
         out: list[bool] = []
         for (a, b), r in zip(chunks, results):
             out += r + [False] * (b - a - len(r))
@@ -284,7 +289,7 @@ class KvtierStorage(HiCacheStorage):
         if not keys:
             return []
         t0 = time.perf_counter()
-        got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]))
+        got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read")
         run = got.index(False) if False in got else len(got)
         self._count_read(pool, run, len(keys), time.perf_counter() - t0)
         return [True] * run + [False] * (len(keys) - run)
@@ -354,7 +359,7 @@ class KvtierStorage(HiCacheStorage):
         have = self._stored_prefix(pool, keys)
         if not pool.writer:  # another rank writes this shard (MLA): report what the store has
             return [i < have for i in range(len(keys))]
-        done = [True] * have + self._chunked(pool, len(keys), have, lambda a, b: self._write_chunk(pool, keys[a:b], pages[a:b]))
+        done = [True] * have + self._chunked(pool, len(keys), have, lambda a, b: self._write_chunk(pool, keys[a:b], pages[a:b]), "write")
         self._count_write(pool, have, sum(done) - have, time.perf_counter() - t0)
         return done
 
@@ -571,6 +576,6 @@ class KvtierStorage(HiCacheStorage):
         return ok
 
     def close(self) -> None:
-        if self._io is not None:
-            self._io.shutdown(wait=True)
+        for io in (self._io or {}).values():
+            io.shutdown(wait=True)
         self.backend.close()
