@@ -18,15 +18,18 @@ app.add_typer(bench_app, name="bench")
 
 @app.command()
 def spec(name: Optional[str] = typer.Argument(None, help="preset name; omit to list presets")) -> None:
-    """Show a preset KVSpec's per-token and per-page sizes."""
+    """Show a preset KVSpec's per-token and per-page sizes (a hybrid preset's per KV group)."""
+    from kvtier.groups import HYBRID_PRESETS
     from kvtier.spec import PRESETS, KVSpec
 
     if name is None:
-        _emit(
-            [{"preset": k, "attention": s.attention, "layers": s.num_layers, "page_bytes": s.page_bytes} for k, s in PRESETS.items()], False
-        )
+        rows = [{"preset": k, "attention": s.attention, "layers": s.num_layers, "page_bytes": s.page_bytes} for k, s in PRESETS.items()]
+        rows += [{"preset": k, "attention": "+".join(g.kind for g in m.groups), "layers": m.num_layers,
+                  "page_bytes": sum(g.attention.page_bytes for g in m.groups if g.attention is not None)}
+                 for k, m in HYBRID_PRESETS.items()]
+        _emit(rows, False)
         return
-    json.dump(KVSpec.preset(name).describe(), sys.stdout, indent=1)
+    json.dump(HYBRID_PRESETS[name].describe() if name in HYBRID_PRESETS else KVSpec.preset(name).describe(), sys.stdout, indent=1)
     sys.stdout.write("\n")
 
 

@@ -1,0 +1,215 @@
+"""Hybrid models as KV groups: which layers keep what, per token or per sequence.
+
+A model is a set of KV groups (DESIGN.md, "Hybrid models: KV groups"), as the
+engines model it (vLLM's KV cache groups, SGLang's FULL / SWA / MAMBA tree
+components):
+
+* ``full``: attention over every token (MHA/GQA, MLA, MLA+DSA): every page of a
+  prefix is needed. Its buffers are a :class:`~kvtier.spec.KVSpec` over the
+  group's layers.
+* ``sliding_window``: attention over the last ``window`` tokens: a prefix of ``n``
+  tokens needs only the pages that cover tokens ``[n - window, n)``.
+* ``state``: a fixed-size state per sequence (Mamba's SSM and conv states, linear
+  attention's recurrent state): a prefix is usable only where a snapshot of the
+  state was kept, at a whole-page boundary. A snapshot is one object per prefix.
+
+Today's specs are one full group: :meth:`ModelSpec.of` wraps a ``KVSpec``, with
+its fingerprint unchanged, so a store written before hybrid groups existed
+still hits. This module is the spec layer of hybrid support; the policy core's
+per-group residency builds on it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from kvtier.errors import SpecError, UnknownNameError
+from kvtier.spec import KVSpec, dtype_of
+
+GroupKind = Literal["full", "sliding_window", "state"]
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor of a state group's per-sequence state, per layer (e.g. ``conv`` ``[8192, 3]`` bf16)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def __post_init__(self) -> None:
+        dtype_of(self.dtype)
+        if not self.shape or any(not isinstance(d, int) or d <= 0 for d in self.shape):
+            raise SpecError(f"state tensor {self.name!r}: shape must be positive ints, got {self.shape!r}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtype_of(self.dtype).itemsize
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One group: its kind, the model layers it covers, and what each of them keeps."""
+
+    name: str
+    kind: GroupKind
+    layers: tuple[int, ...]
+    #: full and sliding_window: the per-layer buffers (a KVSpec whose ``num_layers`` is ``len(layers)``)
+    attention: KVSpec | None = None
+    #: sliding_window: tokens each query attends back over
+    window: int = 0
+    #: state: the tensors of one layer's per-sequence state
+    state: tuple[StateTensor, ...] = ()
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise SpecError(f"KV group {self.name!r} ({self.kind}): {msg}")
+
+        need(self.kind in ("full", "sliding_window", "state"), f"kind must be full, sliding_window or state, got {self.kind!r}")
+        need(len(self.layers) > 0 and len(set(self.layers)) == len(self.layers), f"layers must be distinct, got {self.layers!r}")
+        if self.kind == "state":
+            need(self.attention is None and self.state, "a state group has state tensors and no attention buffers")
+        else:
+            need(self.attention is not None and not self.state, "an attention group has attention buffers and no state")
+            need(self.attention.num_layers == len(self.layers),
+                 f"its attention spec has {self.attention.num_layers} layers for {len(self.layers)} group layers")
+        need((self.kind == "sliding_window") == (self.window > 0), "window is set for sliding_window groups only, and positive")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token costs in this group (all its layers); 0 for a state group."""
+        return self.attention.bytes_per_token if self.attention is not None else 0
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one state snapshot (all the group's layers); 0 for attention groups."""
+        return sum(t.nbytes for t in self.state) * len(self.layers)
+
+    def pages_needed(self, num_tokens: int, page_size: int) -> range:
+        """The pages of a ``num_tokens`` prefix (whole pages) this group reads to continue from it:
+        all of them (full), those covering the last ``window`` tokens (sliding_window), none (state:
+        its snapshot at the boundary instead)."""
+        if num_tokens % page_size:
+            raise SpecError(f"a prefix of {num_tokens} tokens is not whole pages of {page_size}: groups are matched on page boundaries")
+        pages = num_tokens // page_size
+        if self.kind == "full":
+            return range(pages)
+        if self.kind == "state":
+            return range(pages, pages)
+        first = max(0, num_tokens - self.window) // page_size
+        return range(first, pages)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model's KV groups over its ``num_layers`` layers, each layer in exactly one group."""
+
+    name: str
+    num_layers: int
+    groups: tuple[KVGroup, ...]
+
+    def __post_init__(self) -> None:
+        covered = sorted(layer for g in self.groups for layer in g.layers)
+        if covered != list(range(self.num_layers)):
+            raise SpecError(f"ModelSpec {self.name!r}: every one of its {self.num_layers} layers must be in exactly one group")
+        sizes = {g.attention.page_size for g in self.groups if g.attention is not None}
+        if len(sizes) > 1:
+            raise SpecError(f"ModelSpec {self.name!r}: its attention groups use page sizes {sorted(sizes)}; one page size for all")
+        if len({g.name for g in self.groups}) != len(self.groups):
+            raise SpecError(f"ModelSpec {self.name!r}: group names must be distinct")
+
+    @classmethod
+    def of(cls, spec: KVSpec) -> ModelSpec:
+        """Today's spec as one full group (same bytes, same fingerprint, same L3 keys)."""
+        return cls(spec.name, spec.num_layers, (KVGroup("full", "full", tuple(range(spec.num_layers)), attention=spec),))
+
+    @property
+    def is_hybrid(self) -> bool:
+        return len(self.groups) > 1 or self.groups[0].kind != "full"
+
+    @property
+    def page_size(self) -> int:
+        return next(g.attention.page_size for g in self.groups if g.attention is not None)
+
+    def group(self, name: str) -> KVGroup:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise UnknownNameError("KV group", name, [g.name for g in self.groups])
+
+    def fingerprint(self) -> str:
+        """One full group: its KVSpec's fingerprint, unchanged (stores written before groups still hit).
+        Hybrid: a digest of every group's kind, layers, window, buffers and state."""
+        if not self.is_hybrid:
+            return self.groups[0].attention.fingerprint()
+        import blake3
+
+        parts = [(g.kind, g.layers, g.window, g.attention.fingerprint() if g.attention else "",
+                  [(t.name, t.shape, t.dtype) for t in g.state]) for g in self.groups]
+        return blake3.blake3(repr(parts).encode()).hexdigest()[:16]
+
+    def describe(self) -> dict[str, object]:
+        return {"name": self.name, "num_layers": self.num_layers, "fingerprint": self.fingerprint(), "groups": [
+            {"name": g.name, "kind": g.kind, "layers": len(g.layers), "window": g.window or None,
+             "bytes_per_token": g.bytes_per_token, "state_bytes": g.state_bytes,
+             "page_bytes": g.attention.page_bytes if g.attention is not None else None} for g in self.groups]}
+
+    def kv_bytes(self, num_tokens: int) -> dict[str, int]:
+        """What each group holds for one sequence of ``num_tokens`` tokens (whole pages): its pages'
+        bytes (a sliding window's pages only) or its one state snapshot."""
+        ps = self.page_size
+        whole = num_tokens // ps * ps
+        out = {}
+        for g in self.groups:
+            if g.kind == "state":
+                out[g.name] = g.state_bytes
+            else:
+                out[g.name] = len(g.pages_needed(whole, ps)) * g.attention.page_bytes
+        return out
+
+
+def _alternating(name: str, num_layers: int, full_every: int, full_offset: int, window: int, attention: KVSpec) -> ModelSpec:
+    """Sliding-window layers with a full-attention layer every ``full_every`` (at ``i % full_every ==
+    full_offset``), both with the same per-layer buffers."""
+    full = tuple(i for i in range(num_layers) if i % full_every == full_offset)
+    slide = tuple(i for i in range(num_layers) if i % full_every != full_offset)
+    return ModelSpec(name, num_layers, (KVGroup("full", "full", full, attention=attention.with_(num_layers=len(full))),
+                                        KVGroup("sliding", "sliding_window", slide, attention=attention.with_(num_layers=len(slide)),
+                                                window=window)))
+
+
+def _linear_attention(name: str, num_layers: int, full_every: int, attention: KVSpec, state: tuple[StateTensor, ...]) -> ModelSpec:
+    """Linear-attention layers with a full-attention layer every ``full_every`` (the last of each run)."""
+    full = tuple(i for i in range(num_layers) if (i + 1) % full_every == 0)
+    linear = tuple(i for i in range(num_layers) if (i + 1) % full_every)
+    return ModelSpec(name, num_layers, (KVGroup("full", "full", full, attention=attention.with_(num_layers=len(full))),
+                                        KVGroup("linear", "state", linear, state=state)))
+
+
+#: Real hybrids at their published sizes (the configs' fields are written out in tests/test_groups.py).
+HYBRID_PRESETS: dict[str, ModelSpec] = {
+    # gpt-oss-120b: 36 layers alternating sliding (window 128) and full attention, 8 KV heads x 64, bf16
+    "gpt-oss-120b": _alternating("gpt-oss-120b", 36, 2, 1, 128, KVSpec.mha("gpt-oss-120b", 1, kv_heads=8, head_dim=64)),
+    # Gemma 3 27B: 62 layers, five local (window 1024) to one global, 16 KV heads x 128, bf16
+    "gemma-3-27b": _alternating("gemma-3-27b", 62, 6, 5, 1024, KVSpec.mha("gemma-3-27b", 1, kv_heads=16, head_dim=128)),
+    # Qwen3-Next-80B-A3B: 48 layers, full attention every 4th (2 KV heads x 256); the others gated
+    # DeltaNet: conv state [2 x 16 x 128 + 32 x 128 channels, kernel 4 - 1], recurrent state
+    # [32 value heads, 128, 128], bf16
+    "qwen3-next-80b-a3b": _linear_attention(
+        "qwen3-next-80b-a3b", 48, 4, KVSpec.mha("qwen3-next-80b-a3b", 1, kv_heads=2, head_dim=256),
+        (StateTensor("conv", (2 * 16 * 128 + 32 * 128, 3), "bfloat16"), StateTensor("recurrent", (32, 128, 128), "bfloat16"))),
+}
+
+
+def model_spec(name: str) -> ModelSpec:
+    """A hybrid preset, or one of :data:`kvtier.spec.PRESETS` as a single full group."""
+    if name in HYBRID_PRESETS:
+        return HYBRID_PRESETS[name]
+    from kvtier.spec import PRESETS
+
+    if name in PRESETS:
+        return ModelSpec.of(PRESETS[name])
+    raise UnknownNameError("model preset", name, [*PRESETS, *HYBRID_PRESETS])
