@@ -257,15 +257,18 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         tree = self.tree
         known = known or []
         start = len(known)
-        path = known + tree.walk(keys, start)  # cached already: a prefix, its leading part on device
-        if self._loading and self._settle_loads(path):  # a load in flight on the path: its outcome first
-            path = known + tree.walk(keys, start)
-        n_have = len(path)
-        n_dev = tree.device_prefix(path)
-        assert n_dev >= start and (not start or path[start - 1].device_page == device_pages[start - 1]), "a locked prefix moved"
-        canonical = device_pages[:start] + list(map(device_page_of, path[start:n_dev]))
-        if check:
-            self._check_caller_pages(device_pages, canonical)  # before anything changes
+        for settled in (False, True):
+            path = known + tree.walk(keys, start)  # cached already: a prefix, its leading part on device
+            n_have = len(path)
+            n_dev = tree.device_prefix(path)
+            assert n_dev >= start and (not start or path[start - 1].device_page == device_pages[start - 1]), "a locked prefix moved"
+            canonical = device_pages[:start] + list(map(device_page_of, path[start:n_dev]))
+            if check:
+                self._check_caller_pages(device_pages, canonical)  # before anything changes
+            # a load in flight on the path: its outcome first (a failed one takes its pages off the path),
+            # then the path again -- after the checks, so that misuse changes nothing
+            if settled or not self._loading or not self._settle_loads(path):
+                break
         freed: list[int] = []
         if canonical != device_pages[:n_dev]:  # the caller computed pages the cache already has
             freed = [p for p, c in zip(device_pages, canonical) if p != c]
