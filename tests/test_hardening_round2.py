@@ -142,7 +142,7 @@ def test_capped_file_store_in_a_shared_directory_keeps_every_user_file(tmp_path)
     from kvtier.l3.file import dir_name
     from kvtier.l3.page import MAGIC
 
-    root = tmp_path / "shared"
+    root = tmp_path / "with-user-files"
     ns_dir = dir_name("ns")
     # the user's files, all older than anything the store writes: at the root, in folders, named like a
     # temp file, and one laid out and named exactly like a page file but not a page object

@@ -20,7 +20,6 @@ from kvtier.executors.port import ExecutorPort
 from kvtier.radix import NO_PAGE
 
 log = logging.getLogger(__name__)
-_COMPLETIONS = (Done, CutShort, Failed)
 
 
 class PlanDispatch:
@@ -102,9 +101,10 @@ class PlanDispatch:
 
     def _apply(self, c: Completion) -> None:
         kind = type(c)
-        tag = self._inflight.pop(c.op, None) if kind is Done or kind is CutShort or kind is Failed else None
+        completion = kind is Done or kind is CutShort or kind is Failed
+        tag = self._inflight.pop(c.op, None) if completion else None
         if tag is None:
-            held = self._held_for.pop(c.op, None) if type(c) in _COMPLETIONS else None
+            held = self._held_for.pop(c.op, None) if completion else None
             if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
                 self.host_alloc.release_hold(held)
                 return
@@ -140,7 +140,7 @@ class PlanDispatch:
             self.stats.lost_plans += 1
             return Failed(op, Reason.ERROR, f"executor lost: {self._lost}")
         for c in self._deferred + arrived:
-            if type(c) in _COMPLETIONS and c.op == op:
+            if type(c) in (Done, CutShort, Failed) and c.op == op:
                 mine = c
             else:
                 others.append(c)

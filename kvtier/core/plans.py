@@ -121,12 +121,10 @@ def completed_pages(c: Completion, num_pages: int) -> int:
     return c.pages if type(c) is CutShort else 0
 
 
-def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
-    """Why an executor must refuse ``plan`` before any byte moves, or None: it is not a
-    :class:`Transfer`, names a tier pair no executor runs, a page id that is not an integer in
-    ``[0, pages)`` of its pool, a destination page twice, keys that are not bytes, or sides of
-    different lengths. A plan that crossed a pipe was unpickled without ``__post_init__``, so
-    nothing about it is taken on trust."""
+def plan_shape_error(plan: object) -> str | None:
+    """Why ``plan`` is no plan at all, or None: not a :class:`Transfer`, an op or ``after`` that is
+    not a plan op, or a tier pair no executor runs. (What an executor in front of another one, the
+    chain, can check without knowing the pools.)"""
     if type(plan) is not Transfer:
         return f"not a plan: {type(plan).__name__}"
     op = plan.op
@@ -137,6 +135,18 @@ def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
         return f"plan {op}: no executor moves {src!r} -> {dst!r}"
     if type(plan.after) is not int or plan.after < 0:
         return f"plan {op}: after={plan.after!r} is not a plan op"
+    return None
+
+
+def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
+    """Why an executor must refuse ``plan`` before any byte moves, or None: its shape
+    (:func:`plan_shape_error`), a page id that is not an integer in ``[0, pages)`` of its pool, a
+    destination page twice, keys that are not bytes, or sides of different lengths. A plan that
+    crossed a pipe was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
+    why = plan_shape_error(plan)
+    if why is not None:
+        return why
+    op, src, dst = plan.op, plan.src, plan.dst
     sizes = {Tier.DEVICE: device_pages, Tier.HOST: host_pages}
     n = None
     for side, pages, tier in (("source", plan.src_pages, src), ("destination", plan.dst_pages, dst)):
@@ -166,3 +176,8 @@ def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
     elif keys:
         return f"plan {op}: a device<->host copy names {len(keys)} storage keys"
     return None
+
+
+def refused(plan: object, why: str) -> Failed:
+    """The completion of a plan an executor refuses (``why``: :func:`plan_error`); op -1 when it has none."""
+    return Failed(plan.op if type(getattr(plan, "op", None)) is int else -1, Reason.INVALID, why)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Collection, Sequence
 
-from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer, completed_pages, plan_error
+from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer, completed_pages, plan_shape_error, refused
 from kvtier.executors.port import ExecutorPort
 
 
@@ -46,9 +46,9 @@ class ChainedExecutor:
     # ---- submission ------------------------------------------------------------------------
     def submit(self, plan: Transfer, *, layered: bool = False) -> None:
         """``layered``: see :meth:`LocalExecutor.submit` (only for a plan that follows none)."""
-        if type(plan) is not Transfer or type(plan.op) is not int or type(plan.after) is not int:
-            why = plan_error(plan, 0, 0) or f"plan {plan.op}: after={plan.after!r} is not a plan op"
-            self._out.append(Failed(plan.op if type(getattr(plan, "op", None)) is int else -1, Reason.INVALID, why))
+        why = plan_shape_error(plan)  # (its pages are checked where the pools are)
+        if why is not None:
+            self._out.append(refused(plan, why))
             return
         if layered:
             if plan.after:

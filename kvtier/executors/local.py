@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer, plan_error
+from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer, plan_error, refused
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.transfer.engine import TransferEngine, TransferJob
@@ -39,7 +39,7 @@ class LocalExecutor:
         is copied once :meth:`release_layer` says it is written (:meth:`release_rest`: all)."""
         why = plan_error(plan, self._device_pages, self._host_pages)
         if why is not None:  # before any byte moves, whatever sent it
-            self._ready.append(Failed(plan.op if type(getattr(plan, "op", None)) is int else -1, Reason.INVALID, why))
+            self._ready.append(refused(plan, why))
             return
         try:
             self._start(plan, layered)

@@ -58,7 +58,7 @@ class PlanConfig:
         if self.kv_min_match > 1:
             raise ConfigError(f"PlanConfig.kv_min_match is a fraction of a request's blocks, 0..1; got {self.kv_min_match!r}")
         check_number(self, "device_gb", above=0, at_most=MAX_TB * 1000)
-        for name in ("device_gb", "pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token", "arrival_speedup"):
+        for name in ("pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token", "arrival_speedup"):
             check_number(self, name, above=0)
 
 

@@ -29,7 +29,7 @@ import torch
 import xxhash
 
 from kvtier.errors import ConfigError, PageAlignmentError
-from kvtier.pages import as_index_tensor, check_pages_in_range, slots_to_pages
+from kvtier.pages import check_pages_in_range, slots_to_pages
 
 #: bumped when the way a pool's page maps to the payload changes
 POOL_PAGE_FORMAT = 1
@@ -127,8 +127,7 @@ class PoolPages:
         """Page numbers of ``count`` pages given as token slots; a :class:`PageAlignmentError` unless
         they are exactly ``count`` whole pages inside the pool."""
         pool = f"SGLang host pool {self.name!r} ({type(self.pool).__name__})"
-        # typed before anything else: floats would be truncated and 2-D flattened onto other pages
-        host_indices = as_index_tensor(host_indices, what=f"host indices for {pool}")
+        # (typed first, in slots_to_pages: floats would be truncated and 2-D flattened onto other pages)
         pages = slots_to_pages(host_indices, self.page_size, pool=pool, side="host")
         if pages.numel() != count:
             raise PageAlignmentError(
