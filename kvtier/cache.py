@@ -1,6 +1,6 @@
 """The hierarchical cache in one process: the policy core over this process's pools.
 
-:class:`HierarchicalCache` is :class:`~kvtier.core.policy.CacheCore` composed
+:class:`HierarchicalCache` is :class:`~kvtier.core.CacheCore` composed
 with a :class:`~kvtier.executors.local.LocalExecutor` over a device pool, a
 host pool, their :class:`~kvtier.transfer.engine.TransferEngine` and an optional
 L3 :class:`~kvtier.l3.tier.StorageTier`. It adds nothing to the policy: the
@@ -11,7 +11,7 @@ bytes in other processes composes the core with their ports instead.
 from __future__ import annotations
 
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core.policy import (Backup, CacheCore, EvictionBackup, EvictionSave, EvictResult, InsertResult, JobTag, LoadBack, LoadResult,
+from kvtier.core import (Backup, CacheCore, EvictionBackup, EvictionSave, EvictResult, InsertResult, JobTag, LoadBack, LoadResult,
                                 MatchResult, PrefetchHandle, Save)
 from kvtier.errors import SpecError
 from kvtier.executors.local import LocalExecutor

@@ -23,7 +23,6 @@ import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.engine_device import EngineDeviceCore, EngineLoad, HostLookup, OffloadResult
 from kvtier.errors import ConfigError
@@ -77,10 +76,8 @@ class OffloadCache:
         self.storage = storage
         self.storage_config = storage_config
         self.engine = TransferEngine(host, device, io_backend, name="kvtier-offload")
-        # the engine allocates its own blocks: the core's device allocator is a placeholder it never draws from
         self.core = EngineDeviceCore(
             self.spec,
-            PageAllocator(1, "engine device (not kvtier's)"),
             host.allocator,
             LocalExecutor(self.engine, storage),
             CacheConfig(io_backend=io_backend, preallocate_nodes=False),

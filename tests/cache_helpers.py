@@ -18,7 +18,7 @@ from kvtier import DevicePool, HostPool
 from kvtier.alloc import PageAllocator
 from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core.policy import CacheCore
+from kvtier.core import CacheCore
 from kvtier.executors.pipe import PipeExecutor, WorkerSpec
 from kvtier.hashing import Namespace
 

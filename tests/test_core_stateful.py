@@ -26,10 +26,10 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.core.plans import CutShort, Done, Failed, Reason, Tier, Transfer
-from kvtier.core.policy import CacheCore
+from kvtier.core import CacheCore
 from kvtier.errors import InvalidStateError, KVTierError, PageOwnershipError
 from kvtier.radix import NO_PAGE
-from kvtier.request import RequestState
+from kvtier.core import RequestState
 from conftest import tiny_specs
 
 PAGE = 4
@@ -309,7 +309,6 @@ class EngineDeviceMachine(ExecutorSide):
         spec = tiny_specs(page_size=PAGE, num_layers=1)["mla"]
         self.core = EngineDeviceCore(
             spec,
-            PageAllocator(1, "engine device"),
             PageAllocator(self.host_pages, "host pool"),
             ChainedExecutor(self.port),
             CacheConfig(preallocate_nodes=False),

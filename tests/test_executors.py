@@ -125,7 +125,7 @@ def test_every_port_declares_what_the_core_reads():
 
     from kvtier.executors.accounting import AccountingExecutor, AccountingStore
     from kvtier.executors.chain import ChainedExecutor
-    from kvtier.executors.port import ExecutorPort
+    from kvtier.core import ExecutorPort
     from kvtier.integrations.vllm.scheduler_port import SchedulerPort
 
     local, _, _ = _local_with_store()

@@ -144,7 +144,7 @@ def _split_core(url, host_pages=8):
     ns = Namespace("m", SPEC.fingerprint())
     storage = StorageConfig(url=url)
     port = PipeExecutor(WorkerSpec(SPEC, 12, host_pages, "page_first", storage=storage, namespace=ns))
-    return EngineDeviceCore(SPEC, PageAllocator(1, "engine device"), PageAllocator(host_pages, "host pool"), port,
+    return EngineDeviceCore(SPEC, PageAllocator(host_pages, "host pool"), port,
                             CacheConfig(preallocate_nodes=False), storage, namespace=ns), port
 
 

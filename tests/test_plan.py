@@ -132,7 +132,7 @@ def test_the_replay_makes_no_cyclic_garbage_while_the_collector_is_paused(trace,
     must find none, and the collector is on again after it (off, if it was off before)."""
     import gc
 
-    from kvtier.core.policy import CacheCore
+    from kvtier.core import CacheCore
 
     found, begin, seen = [], CacheCore.begin, [0]
 

@@ -1,7 +1,7 @@
 """A minimal paged engine around :class:`~kvtier.app.model.ReferenceModel`: it drives a prefix
 cache exactly as a serving engine would, one request at a time.
 
-Per request (:mod:`kvtier.request`): begin (match, lock, L3 prefetch, load back)
+Per request (:mod:`kvtier.core.request`): begin (match, lock, L3 prefetch, load back)
 -> allocate the rest -> prefill page by page, waiting for layer ``i``'s restored
 pages before attending layer ``i`` -> commit (insert the full pages, free the
 tail page, unlock). The last token is always computed (its logits are the output), so at

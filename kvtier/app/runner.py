@@ -17,7 +17,7 @@ from kvtier.config import CacheConfig, ConfigError, StorageConfig, TierConfig, _
 from kvtier.app.engine import ReferenceEngine, RequestResult
 from kvtier.l3.base import redact_url
 from kvtier.app.model import ModelConfig, ReferenceModel
-from kvtier.app.nullcache import NullCache
+from kvtier.core import NullCache
 from kvtier.pools import DevicePool
 from kvtier.app.workloads.synthetic import ChatWorkload
 

@@ -16,14 +16,14 @@ import logging
 from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason
 from kvtier.core.tags import JobTag, PrefetchHandle
 from kvtier.errors import ExecutorError, InvalidStateError
-from kvtier.executors.port import ExecutorPort
+from kvtier.core.port import ExecutorPort
 from kvtier.radix import NO_PAGE
 
 log = logging.getLogger(__name__)
 
 
 class PlanDispatch:
-    """The plan/completion bookkeeping :class:`~kvtier.core.policy.CacheCore` is built on."""
+    """The plan/completion bookkeeping :class:`~kvtier.core.base.CoreBase` is built on."""
 
     def _init_dispatch(self, port: ExecutorPort) -> None:
         self.port = port
@@ -86,8 +86,7 @@ class PlanDispatch:
             for c in done:
                 self._apply(c)
         self._deferred = []
-        if self._quarantine:
-            self._release_quarantine()
+        self._completions_applied()
 
     def _apply_all(self, done: list[Completion]) -> int:
         """Apply the completions deferred by :meth:`_await`, then ``done``; returns how many."""
@@ -95,9 +94,12 @@ class PlanDispatch:
             done, self._deferred = self._deferred + done, []
         for c in done:
             self._apply(c)
-        if self._quarantine and done:
-            self._release_quarantine()
+        if done:
+            self._completions_applied()
         return len(done)
+
+    def _completions_applied(self) -> None:
+        """Completions were applied (a core whose pages wait for plans to finish frees them here)."""
 
     def _apply(self, c: Completion) -> None:
         kind = type(c)

@@ -1,10 +1,11 @@
 """The policy core for an engine that owns its device memory (vLLM): kvtier keeps host and L3.
 
 vLLM keeps its own GPU blocks and its own device prefix cache; what it asks of
-kvtier is the tiers below. :class:`EngineDeviceCore` is the same
-:class:`~kvtier.core.policy.CacheCore` -- one prefix tree, host LRU, L3 save and
-prefetch state, write policies -- with three calls that name the *engine's*
-device blocks instead of pages of a device pool kvtier allocates:
+kvtier is the tiers below. :class:`EngineDeviceCore` is a sibling of
+:class:`~kvtier.core.cache_core.CacheCore` on the same :class:`~kvtier.core.base.CoreBase`
+-- one prefix tree, host LRU, L3 save and prefetch state, write policies -- with
+three calls that name the *engine's* device blocks instead of pages of a device
+pool kvtier allocates:
 
 * :meth:`~EngineDeviceCore.lookup` -- leading pages on host, then in L3;
 * :meth:`~EngineDeviceCore.offload` -- copy pages out of engine blocks into host
@@ -32,11 +33,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvtier.alloc import PageAllocator
+from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core.base import CoreBase
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
-from kvtier.core.policy import CacheCore, JobTag, MatchResult
+from kvtier.core.port import ExecutorPort
+from kvtier.core.results import MatchResult
+from kvtier.core.tags import JobTag
 from kvtier.errors import PageAlignmentError
-from kvtier.hashing import PageHash
+from kvtier.hashing import Namespace, PageHash
+from kvtier.metrics import CacheStats
 from kvtier.radix import NO_PAGE, PageNode
+from kvtier.spec import KVSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +91,7 @@ class EngineLoad:
     from_storage: int
     device_pages: list[int]
     op: int | None = None
-    core: CacheCore | None = field(default=None, repr=False)
+    core: CoreBase | None = field(default=None, repr=False)
     #: the completion of the copy, once applied (None while in flight)
     outcome: Completion | None = field(default=None, repr=False)
     _locked: PageNode | None = field(default=None, repr=False)
@@ -98,7 +106,7 @@ class EngineLoad:
 
     def wait_layer(self, layer: int) -> None:
         if self.op is not None and self.core is not None:
-            self.core._ask(self.core.port.wait_layer, self.op, layer)
+            self.core.wait_layer(self.op, layer)
 
 
 class OffloadCopy(JobTag):
@@ -120,16 +128,25 @@ class IntoEngine(JobTag):
     load: EngineLoad
 
 
-class EngineDeviceCore(CacheCore):
-    """See the module docstring. The device allocator the core is given is never used."""
+class EngineDeviceCore(CoreBase):
+    """See the module docstring: ``host`` allocates the ids of the host pool the executors hold;
+    the engine allocates its device blocks itself."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, spec: KVSpec, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
+                 storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None):
+        super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats)
         self._on[OffloadCopy] = self._offloaded
         self._on[IntoEngine] = self._finish_into_engine
         self._on[VoidSave] = self._applied_where_waited
         #: planned offload copy -> the write-through save that follows it
         self._save_after: dict[int, int] = {}
+
+    def check_integrity(self, caller_host_pages: set[int] = frozenset(), *, idle: bool = False) -> None:
+        """Prove the accounting: tree + caller-owned + free == total for the host pool, no page owned
+        twice, no node with a device page (the engine's blocks are not the tree's); ``idle=True``
+        also proves every cached page is evictable."""
+        self._check_host(caller_host_pages, idle)
+        assert all(n.device_page == NO_PAGE for n in self.tree.nodes.values()), "a node holds a device page in an engine-device core"
 
     # ---- queries ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[PageHash]) -> HostLookup:

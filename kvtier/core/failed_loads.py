@@ -11,7 +11,7 @@ be written under their feet. So they wait in a quarantine::
     load fails --> cleared from the tree, held in quarantine (allocated, owned by nobody)
                --> freed once every request begun before the failure has committed or aborted
 
-A :class:`~kvtier.request.CacheRequest` learns of the failure on ``wait()`` and
+A :class:`~kvtier.core.request.CacheRequest` learns of the failure on ``wait()`` and
 ``commit()``: its cached prefix shrinks to the last good page (``failed`` says how
 many it lost), the caller recomputes the rest into pages it allocates, and a
 commit that still names a quarantined page is a :class:`~kvtier.errors.PageOwnershipError`.
@@ -25,7 +25,7 @@ from kvtier.radix import NO_PAGE, PageNode
 
 
 class FailedLoads:
-    """Quarantine of failed loads' device pages, part of :class:`~kvtier.core.policy.CacheCore`."""
+    """Quarantine of failed loads' device pages, part of :class:`~kvtier.core.cache_core.CacheCore`."""
 
     def _init_failed_loads(self) -> None:
         #: bumped on every failed load: a request re-checks its prefix only when this moved
@@ -43,6 +43,10 @@ class FailedLoads:
         self._request_serial += 1
         self._open_requests[self._request_serial] = None
         return self._request_serial
+
+    def _completions_applied(self) -> None:
+        if self._quarantine:
+            self._release_quarantine()
 
     def request_finished(self, serial: int) -> None:
         self._open_requests.pop(serial, None)

@@ -12,7 +12,7 @@ from kvtier.hashing import PageHash
 from kvtier.radix import PageNode
 
 if TYPE_CHECKING:
-    from kvtier.core.policy import CacheCore
+    from kvtier.core.base import CoreBase
 
 
 @dataclass(slots=True)
@@ -64,7 +64,7 @@ class LoadResult:
     loaded: int
     requested: int
     pending: tuple[int, ...] = ()
-    core: CacheCore | None = field(default=None, compare=False, repr=False)
+    core: CoreBase | None = field(default=None, compare=False, repr=False)
 
     @property
     def ops(self) -> tuple[int, ...]:
@@ -75,7 +75,7 @@ class LoadResult:
         if self.core is not None:
             core = self.core
             for op in self.ops:
-                core._ask(core.port.wait_layer, op, layer)
+                core.wait_layer(op, layer)
 
     def wait(self) -> None:
         """Every load the prefix needs has finished (and its completion is applied)."""

@@ -17,7 +17,7 @@ from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_pag
 
 
 class StoragePolicy:
-    """L3 prefetch and save, part of :class:`~kvtier.core.policy.CacheCore`."""
+    """L3 prefetch and save, part of :class:`~kvtier.core.base.CoreBase`."""
 
     def prefetch(self, match: MatchResult) -> PrefetchHandle | None:
         """Start bringing ``match``'s storage pages into host pages; ``None`` when skipped.
@@ -109,8 +109,8 @@ class StoragePolicy:
                 computed.append(node)
             elif not node.num_children and not node.lock_ref and node.host_page == NO_PAGE:
                 self.tree.remove(node)
-        if computed and self.config.write_policy == "write_through":
-            self._backup(computed[::-1])  # a contiguous run of one path, root side first
+        if computed:
+            self._computed_under_prefetch(computed[::-1])  # a contiguous run of one path, root side first
 
     def _save(self, nodes: list[PageNode], *, after: int = 0) -> int | None:
         """Plan an L3 save of ready host pages on one root-to-leaf path; returns its op.

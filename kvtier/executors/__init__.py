@@ -8,10 +8,6 @@
 * :class:`~kvtier.executors.pipe.PipeExecutor` -- the core's side of a pipe to
   an executor in another process (plans and completions pickled across it).
 
-Each satisfies :class:`~kvtier.executors.port.ExecutorPort`, the only thing the
+Each satisfies :class:`~kvtier.core.port.ExecutorPort`, the only thing the
 policy core knows about where bytes are.
 """
-
-from kvtier.executors.port import ExecutorPort
-
-__all__ = ["ExecutorPort"]

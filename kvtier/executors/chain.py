@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Collection, Sequence
 
 from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer, completed_pages, plan_shape_error, refused
-from kvtier.executors.port import ExecutorPort
+from kvtier.core.port import ExecutorPort
 
 
 class ChainedExecutor:

@@ -94,7 +94,7 @@ def serve(conn, worker: WorkerSpec) -> None:
 
 
 class PipeExecutor:
-    """The core's side: an :class:`~kvtier.executors.port.ExecutorPort` whose executor runs in a
+    """The core's side: an :class:`~kvtier.core.port.ExecutorPort` whose executor runs in a
     spawned process. ``deadline_s`` bounds every query that does not wait on bytes;
     ``wait_deadline_s`` bounds every call that does (a wait, a settle, a layer, a ``run``) -- the
     worker's own L3 calls have deadlines, so only a wedged worker reaches it. A call past its

@@ -1,7 +1,7 @@
 """``kvtier bench cache``: prefix bookkeeping (page keys + match + insert + locks) on a Mooncake trace.
 
 Replays every request one at a time through the policy core
-(:class:`~kvtier.core.policy.CacheCore` on an executor that moves no bytes, page
+(:class:`~kvtier.core.CacheCore` on an executor that moves no bytes, page
 ids of ample capacity: bookkeeping only, no eviction), timing key
 hashing and tree work separately. Then, in the same run, it times moving one
 16k-token deepseek-v3.2 request's pages host->device (all 61 layers, direct
@@ -39,7 +39,7 @@ import torch
 from kvtier.app.bench.timing import median_seconds
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig
-from kvtier.core.policy import CacheCore
+from kvtier.core import CacheCore
 from kvtier.executors.accounting import AccountingExecutor
 from kvtier.errors import ConfigError
 from kvtier.hashing import NATIVE_KEYS

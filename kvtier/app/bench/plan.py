@@ -1,7 +1,7 @@
 """``kvtier bench plan``: how fast ``kvtier plan`` replays a Mooncake trace through the policy core.
 
 ``configurations``: the core's replay (``kvtier.app.plan.replay``: one
-:class:`~kvtier.core.policy.CacheCore` per node on accounting executors, the
+:class:`~kvtier.core.CacheCore` per node on accounting executors, the
 requests routed first) in each configuration that takes a different path
 through the policy -- the default (write_through, 1 TB host), a host smaller
 than the device plus two requests (backups skipped, pages dropped), write_back,

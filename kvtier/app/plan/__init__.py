@@ -1,6 +1,6 @@
 """``kvtier plan``: size the tiers for a workload at cluster scale, without tensors.
 
-The policy core itself (:class:`~kvtier.core.policy.CacheCore`: LRU per tier,
+The policy core itself (:class:`~kvtier.core.CacheCore`: LRU per tier,
 write policies, L3 prefetch) runs over page ids on executors that move no
 bytes, one core per node, all nodes sharing one L3 of ``storage_tb x nodes``
 (an LRU set of keys). Keys are the trace's own block hashes (Mooncake ``hash_ids``

@@ -1,6 +1,6 @@
 """Replay a trace through the policy core itself, on executors that move no bytes.
 
-The real policy (:class:`~kvtier.core.policy.CacheCore`: LRU per tier, write
+The real policy (:class:`~kvtier.core.CacheCore`: LRU per tier, write
 policies, L3 saves and wait_complete prefetch) over page ids alone, one core
 per node, each on an :class:`~kvtier.executors.accounting.AccountingExecutor`,
 all sharing one :class:`~kvtier.executors.accounting.AccountingStore` as their
@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core.policy import CacheCore
+from kvtier.core import CacheCore
 from kvtier.executors.accounting import AccountingExecutor, AccountingStore
 from kvtier.hashing import Namespace, PageHash
 from kvtier.app.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts

@@ -171,9 +171,8 @@ class ConnectorScheduler:
         probe = StoreProbe(self.options.storage, prefixes) if self.options.storage.url and all(prefixes) else None
         self.port = SchedulerPort(self.world_size, probe, self.options.rank_timeout_s)
         cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
-        # the engine allocates its own blocks: the core's device allocator is a placeholder it never draws from
-        self.core = EngineDeviceCore(first.spec, PageAllocator(1, "engine device (not kvtier's)"),
-                                     PageAllocator(host_pages, "host pages (every rank's shard)"), self.port, cache, self.options.storage)
+        host = PageAllocator(host_pages, "host pages (every rank's shard)")
+        self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage)
         self.core.on_host_evicted = self.events.evicted
         # page keys are the same on every rank (rank 0's namespace); L3 keys add each rank's prefix
         self._root = Namespace(self.model_name, first.spec.fingerprint(), 0, self.options.salt).root(self.options.cache.hash_algo)

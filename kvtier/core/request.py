@@ -37,7 +37,8 @@ from kvtier.pages import checked_page_list, first_duplicate, is_ordered_sequence
 
 
 if TYPE_CHECKING:
-    from kvtier.core.policy import CacheCore, InsertResult, LoadResult
+    from kvtier.core.cache_core import CacheCore
+    from kvtier.core.results import InsertResult, LoadResult
     from kvtier.hashing import PageHash
     from kvtier.radix import PageNode
 
@@ -145,7 +146,7 @@ class CacheRequest:
             handed = set(pages[:full])
             rest = [p for p in alloc if p not in handed]
             known = None
-        result = cache._insert(self.keys, pages[:full], check=False, known=known)  # ownership proven above, more strictly than insert's
+        result = cache.commit_request(self.keys, pages[:full], known)  # ownership proven above, more strictly than insert's
         if rest:
             cache.free_device(rest)
         self._finish(RequestState.COMMITTED)

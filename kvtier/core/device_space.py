@@ -1,11 +1,10 @@
-"""Space: page ids for requests, backups to host, eviction from device and host.
+"""Device pages kvtier owns: page ids for requests, backups to host, device eviction.
 
 Device eviction takes LRU leaves: first pages whose host copy is ready (free to
 drop), then device-only pages, backed up to host first (``on_device_evict=
 "backup"``) or dropped; a device-only page with host-only pages below it that
-can get no host copy leaves with them. Host eviction takes LRU host-only
-leaves, saving them to L3 first under ``write_back``. Locked pages, pages in
-flight and pages being saved are never taken.
+can get no host copy leaves with them. Locked pages and pages in flight are
+never taken. (Host eviction, which both cores share: :mod:`~kvtier.core.host_space`.)
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from __future__ import annotations
 from kvtier.alloc import Allocation
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult
-from kvtier.core.tags import Backup, EvictionBackup, LoadBack, PrefetchHandle, Save
+from kvtier.core.tags import Backup, EvictionBackup, LoadBack
 from kvtier.radix import NO_PAGE, SAVING, PageNode, device_page_of
 
 
@@ -38,8 +37,8 @@ class _Leaving:
             self.children_gone[parent] = self.children_gone.get(parent, 0) + 1
 
 
-class Eviction:
-    """Allocation, backups and eviction, part of :class:`~kvtier.core.policy.CacheCore`."""
+class DeviceSpace:
+    """Device allocation, backups and device eviction, part of :class:`~kvtier.core.cache_core.CacheCore`."""
 
     def alloc_device(self, n: int) -> Allocation:
         """``n`` device pages, evicting LRU device pages if needed; ``ok`` False if impossible."""
@@ -62,20 +61,6 @@ class Eviction:
     def free_device(self, pages: list[int]) -> None:
         """Return caller-owned device pages (e.g. a request's partial tail page)."""
         self.dev_alloc.free(pages)
-
-    def _alloc_host(self, n: int) -> Allocation:
-        got = self.host_alloc.alloc(n)
-        if got.ok:
-            return got
-        self.evict_host(n - self.host_alloc.num_free)
-        got = self.host_alloc.alloc(n)
-        if not got.ok and self.port.has_storage and self.port.can_wait:
-            # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
-            # (a port that cannot wait -- a scheduler's workers answer next step -- gets fewer pages now)
-            if self.wait_for(self._ops_for(Save, PrefetchHandle)) > 0:
-                self.evict_host(n - self.host_alloc.num_free)
-                got = self.host_alloc.alloc(n)
-        return got
 
     def _backup(self, nodes: list[PageNode]) -> int:
         """Start async device->host backups of ``nodes`` (one root-to-leaf path). Returns pages started."""
@@ -197,22 +182,3 @@ class Eviction:
         if self.port.has_storage and self.storage_config.write_policy == "write_through":
             self._save(self.tree.not_stored(victims))  # every new host copy goes to L3
         return len(victims)
-
-    def evict_host(self, n: int) -> EvictResult:
-        """Free at least ``n`` host pages whose device copy is gone, LRU leaves first."""
-        victims = self.tree.host_victims(n)
-        if victims and self.on_host_evicted is not None:
-            self.on_host_evicted([v.key for v in victims])
-        if self.port.has_storage and self.storage_config.write_policy == "write_back":
-            unsaved = self.tree.not_stored(victims)
-            if unsaved:
-                self._save_for_eviction(unsaved)
-        self.stats.host_evicted_pages += self._forget_host_only(victims)
-        return EvictResult(n, len(victims))
-
-    def _forget_host_only(self, nodes: list[PageNode]) -> int:
-        """Remove host-only ``nodes`` (deepest first: each is a leaf when it goes) and free their host
-        pages; returns how many."""
-        pages = self.tree.remove_host_only(nodes)
-        self.host_alloc.free(pages)
-        return len(pages)

@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.alloc import Allocation
-from kvtier.cache import InsertResult, LoadResult, MatchResult
+from kvtier.core.request import CacheRequest
+from kvtier.core.results import InsertResult, LoadResult, MatchResult
 from kvtier.metrics import CacheStats
-from kvtier.request import CacheRequest
 
 
 class NullCache:
@@ -67,7 +67,7 @@ class NullCache:
         self.dev_alloc.free(list(device_pages))
         return InsertResult([], 0, list(device_pages), None)
 
-    def _insert(self, keys, device_pages: Sequence[int], *, check: bool, known=None) -> InsertResult:
+    def commit_request(self, keys, device_pages: Sequence[int], prefix) -> InsertResult:
         return self.insert(keys, device_pages)
 
     def wait_idle(self) -> None:

@@ -1,6 +1,7 @@
-"""The policy core: what is cached where, decided without touching a byte.
+"""The policy core when kvtier owns the device pool too: what is cached where, decided without touching a byte.
 
-It holds the page-keyed prefix index (:class:`~kvtier.radix.PrefixTree`) with
+On top of :class:`~kvtier.core.base.CoreBase` (shared with the engine-owned-device
+core, :mod:`~kvtier.core.engine_device`), it holds the page-keyed prefix index (:class:`~kvtier.radix.PrefixTree`) with
 residency per tier (device, host, L3), locks and per-tier LRU, the page ids of
 both pools (two :class:`~kvtier.alloc.PageAllocator`, which own no memory),
 the write policies and the L3 save/prefetch state. It never holds a tensor, a
@@ -15,7 +16,7 @@ port's business.
 Threading: one thread (the engine's scheduler) calls every method. Completions
 are applied by :meth:`CacheCore.poll`, which every public method calls first.
 
-Request flow (:meth:`CacheCore.begin` does the first three steps; see :mod:`kvtier.request`)::
+Request flow (:meth:`CacheCore.begin` does the first three steps; see :mod:`kvtier.core.request`)::
 
     m = core.match(tokens)           # device pages usable now, host pages that follow
     core.lock(m.last_node)           # keep the matched path while the request runs
@@ -42,20 +43,19 @@ import numpy as np
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core.dispatch import PlanDispatch
-from kvtier.core.eviction import Eviction
+from kvtier.core.base import CoreBase
+from kvtier.core.device_space import DeviceSpace
 from kvtier.core.failed_loads import FailedLoads
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
+from kvtier.core.port import ExecutorPort
+from kvtier.core.request import CacheRequest
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
-from kvtier.core.storage_policy import StoragePolicy
 from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
-from kvtier.errors import ExecutorError, IndexTypeError, PageAlignmentError, PageOwnershipError
-from kvtier.executors.port import ExecutorPort
-from kvtier.hashing import Namespace, PageHash, page_keys
+from kvtier.errors import ExecutorError, PageAlignmentError, PageOwnershipError
+from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
-from kvtier.pages import at_own_place, checked_page_list, first_duplicate, is_ordered_sequence
-from kvtier.radix import NO_PAGE, SAVING, PageNode, PrefixTree, device_page_of, host_page_of
-from kvtier.request import CacheRequest
+from kvtier.pages import at_own_place, checked_page_list, first_duplicate
+from kvtier.radix import NO_PAGE, PageNode, device_page_of, host_page_of
 from kvtier.spec import KVSpec
 
 __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave", "InsertResult", "JobTag", "LoadBack", "LoadResult",
@@ -64,45 +64,26 @@ __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave
 log = logging.getLogger(__name__)
 
 
-class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
+class CacheCore(DeviceSpace, FailedLoads, CoreBase):
     """The policy over page ids (see the module docstring). ``device`` and ``host`` allocate the
     ids of the pools the executors hold; ``port`` carries plans to those executors.
 
-    Its parts, one module each: :mod:`~kvtier.core.dispatch` (plans out, completions in),
-    :mod:`~kvtier.core.eviction` (space, backups, eviction), :mod:`~kvtier.core.storage_policy`
-    (L3 prefetch and save), :mod:`~kvtier.core.failed_loads` (device pages a failed load left);
-    here, matching, the request protocol, loads back and inserts."""
+    Its parts, one module each: :mod:`~kvtier.core.base` (the tree, host pages, plans, L3; shared
+    with :class:`~kvtier.core.engine_device.EngineDeviceCore`), :mod:`~kvtier.core.device_space`
+    (device pages, backups, device eviction), :mod:`~kvtier.core.failed_loads` (device pages a
+    failed load left); here, matching, the request protocol, loads back and inserts."""
 
     def __init__(self, spec: KVSpec, device: PageAllocator, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None):
-        self.spec = spec
-        self.config = config
-        self.storage_config = storage_config
-        self._init_dispatch(port)
-        self.namespace = namespace or Namespace("default", spec.fingerprint())
-        self.root_key = self.namespace.root(config.hash_algo)
-        self.stats = stats or CacheStats()
+        super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats, device_pages=device.num_pages)
         self.dev_alloc = device
-        self.host_alloc = host
-        self.tree = PrefixTree(reserve=device.num_pages + host.num_pages if config.preallocate_nodes else 0, device_pages=device.num_pages)
-        self._page_bytes = spec.page_bytes
         #: device pages whose host->device load is still in flight: node -> the load's op
         self._loading: dict[PageNode, int] = {}
         #: live views of who holds each device page (tree / allocator), for insert's ownership check
         self._tree_owned = np.frombuffer(self.tree.device_owned, dtype=np.uint8)
         self._allocated = self.dev_alloc.allocated_view()
         self._init_failed_loads()
-        #: called with the keys of host pages eviction is about to free (an engine's event stream)
-        self.on_host_evicted = None
-        self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited,
-                    Save: self._finish_save, EvictionSave: self._applied_where_waited, PrefetchHandle: self._finish_prefetch}
-
-    @property
-    def has_storage(self) -> bool:
-        return self.port.has_storage
-
-    def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
-        return page_keys(token_ids, self.spec.page_size, self.root_key, self.config.hash_algo)
+        self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited}
 
     def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True) -> MatchResult:
         """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
@@ -140,19 +121,9 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
             st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage)
 
-    def _keys(self, tokens_or_keys) -> list[PageHash]:
-        if type(tokens_or_keys) is not list and not is_ordered_sequence(tokens_or_keys):
-            raise IndexTypeError(f"token ids (or page keys) must be an ordered sequence -- a list, tuple, numpy array or tensor -- "
-                                 f"got {type(tokens_or_keys).__name__}; a set has no order and a generator no length: list() it first")
-        if not len(tokens_or_keys):  # no full page (a prompt shorter than a page): nothing to hash
-            return []
-        if isinstance(tokens_or_keys[0], bytes):
-            return list(tokens_or_keys)
-        return self.page_keys(tokens_or_keys)
-
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
-        """Start a request (see :mod:`kvtier.request`): match (counted once), lock, prefetch from L3
+        """Start a request (see :mod:`kvtier.core.request`): match (counted once), lock, prefetch from L3
         when it can add pages the request will use (``usable_pages``, default all its full pages;
         ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
         keys = self._keys(tokens_or_keys)
@@ -178,13 +149,6 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
         return CacheRequest(self, keys, m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld, m.last_node,
                             m.nodes[: len(ld.device_pages)], serial=self._request_opened(), failure_gen=self.load_failure_gen)
-
-    def lock(self, node: PageNode | None) -> None:
-        """Protect ``node`` and its ancestors from eviction until :meth:`unlock`."""
-        self.tree.lock(node)
-
-    def unlock(self, node: PageNode | None) -> None:
-        self.tree.unlock(node)
 
     def load_back(self, match: MatchResult) -> LoadResult:
         """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
@@ -244,6 +208,16 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         keys = self._keys(tokens_or_keys)
         device_pages = checked_page_list(device_pages, self.dev_alloc.num_pages, pool=self.dev_alloc.name, side="device")
         return self._insert(keys, device_pages, check=True)
+
+    def commit_request(self, keys: list[PageHash], device_pages: list[int], prefix: list[PageNode] | None) -> InsertResult:
+        """:meth:`insert` for a :class:`~kvtier.core.request.CacheRequest`, which has proven (more strictly
+        than insert's own check) that ``device_pages`` are its own. ``prefix``: the nodes of its cached
+        pages, locked since its match and so still exactly where they were, not looked up again."""
+        return self._insert(keys, device_pages, check=False, known=prefix)
+
+    def _computed_under_prefetch(self, nodes: list[PageNode]) -> None:
+        if self.config.write_policy == "write_through":
+            self._backup(nodes)
 
     def _insert(self, keys: list[PageHash], device_pages: list[int], *, check: bool, known: list[PageNode] | None = None) -> InsertResult:
         """``check=False``: the caller (a :class:`CacheRequest`) has proven the pages are its own.
@@ -341,27 +315,15 @@ class CacheCore(PlanDispatch, Eviction, StoragePolicy, FailedLoads):
         ``idle=True`` (no request holds a lock, :meth:`wait_idle` returned) also proves liveness:
         every cached page is evictable -- nothing locked, no host page that is not readable,
         no L3 save still marked in flight -- so the pools can never silently shrink."""
-        self.tree.check()
+        self._check_host(caller_host_pages, idle)
         if idle:
-            assert not self._inflight and not self._deferred, f"idle, yet {len(self._inflight)} plans are in flight"
             assert not self._loading, "idle, yet host->device loads are recorded in flight"
             assert not self._quarantine, "idle, yet device pages of a failed load are still quarantined"
-            for n in self.tree.nodes.values():
-                assert n.lock_ref == 0, f"idle, yet a node is locked ({n.lock_ref}): a lock or transfer completion was lost"
-                assert n.host_page == NO_PAGE or n.host_ready, "idle, yet a host page is not readable: it could never be evicted or used"
-                assert n.stored != SAVING, "idle, yet an L3 save is marked in flight: its host page could never be evicted"
         dev_owned = [n.device_page for n in self.tree.nodes.values() if n.device_page != NO_PAGE]
-        host_owned = [n.host_page for n in self.tree.nodes.values() if n.host_page != NO_PAGE]
         assert len(dev_owned) == len(set(dev_owned)), "a device page is owned by two nodes"
-        assert len(host_owned) == len(set(host_owned)), "a host page is owned by two nodes"
         assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"
         quarantined = self.quarantined_pages()
         assert not (set(dev_owned) | set(caller_device_pages)) & quarantined, "a quarantined device page is in use"
         assert set(dev_owned) | set(caller_device_pages) | quarantined == self.dev_alloc.allocated_pages() - (
             {0} if self.dev_alloc.reserve_padding_page else set()
         ), "device allocator and tree disagree (leak or foreign page)"
-        parked = self.host_alloc.parked  # freed, held for a plan that timed out (see PageAllocator.hold)
-        assert not set(host_owned) & parked, "a host page held for a timed-out plan is in the tree"
-        assert set(host_owned) | set(caller_host_pages) | parked == self.host_alloc.allocated_pages(), (
-            "host allocator and tree disagree (leak or foreign page)"
-        )
