@@ -632,12 +632,13 @@ class PrefixTree:
             eligible = lambda n: not n.lock_ref  # noqa: E731
         return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children)
 
-    def drop_backed_up(self, limit: int) -> list[int]:
+    def drop_backed_up(self, limit: int, dropped: list[PageNode] | None = None) -> list[int]:
         """Drop up to ``limit`` device copies whose host copy is ready (free to drop), LRU device
         leaves first, and return their device pages: :meth:`device_victims` with
         ``require_host_copy`` and :meth:`clear_devices` in one walk, the eviction hot path. A
         leaf is cleared as it is taken, so its parent is a real leaf at once: taken next when
-        it is older than every queued leaf (a chain), else queued with its inherited stamp."""
+        it is older than every queued leaf (a chain), else queued with its inherited stamp.
+        ``dropped``: collects the nodes cleared."""
         self._maybe_compact()
         heap = self.device_heap
         entries, seq = heap.entries, heap.seq
@@ -663,6 +664,8 @@ class PrefixTree:
             page = node.device_page
             node.device_page = NO_PAGE
             pages.append(page)
+            if dropped is not None:
+                dropped.append(node)
             if owned:
                 owned[page] = 0
             left -= 1

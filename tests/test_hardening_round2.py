@@ -198,11 +198,11 @@ def _stored(executor, keys) -> int:
 def _malformed_plans(keys):
     import dataclasses
 
-    from kvtier.core.plans import Tier, Transfer, copy_plan, fetch_plan, save_plan
+    from kvtier.core.plans import GroupRun, Tier, Transfer, copy_plan, fetch_plan, save_plan
 
     def forged(**fields):  # what an unpickled plan can hold: __post_init__ never ran
         t = object.__new__(Transfer)
-        base = dict(op=fields.pop("op", 90), src=Tier.HOST, dst=Tier.DEVICE, src_pages=(0,), dst_pages=(1,), keys=(), after=0)
+        base = dict(op=fields.pop("op", 90), src=Tier.HOST, dst=Tier.DEVICE, src_pages=(0,), dst_pages=(1,), keys=(), after=0, groups=())
         for f in dataclasses.fields(Transfer):
             object.__setattr__(t, f.name, fields.get(f.name, base[f.name]))
         return t
@@ -219,6 +219,8 @@ def _malformed_plans(keys):
         "key that is a str": forged(op=79, src=Tier.HOST, dst=Tier.STORAGE, src_pages=(0,), dst_pages=(), keys=("k",)),
         "pages as a list": forged(op=80, src_pages=[0]),
         "device to storage": forged(op=81, src=Tier.DEVICE, dst=Tier.STORAGE, dst_pages=(), keys=(keys[0],)),
+        "groups that are not group runs": forged(op=82, groups=("swa",)),
+        "another KV group's objects": copy_plan(83, Tier.HOST, [0], Tier.DEVICE, [1], 0, (GroupRun("swa", (0,), (0,), (1,)),)),
     }
 
 

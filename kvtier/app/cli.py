@@ -59,13 +59,16 @@ def bench_cache(
     ),
     sglang_wheel: Optional[str] = typer.Option(None, help="sglang-0.5.23 wheel (default: $KVTIER_SGLANG_WHEEL, else .kvtier/wheels/)"),
     reps: int = typer.Option(3, help="rounds, each system's replay once per round in turn (each system's best round reported)"),
+    model: Optional[str] = typer.Option(None, help="a hybrid preset (gpt-oss-120b, gemma-3-27b, qwen3-next-80b-a3b) replayed too, "
+                                                   "with its KV groups, beside the full-attention replay"),
 ) -> None:
     """Prefix bookkeeping throughput (keys + match + insert) on a trace, and its share of a 16k-token load."""
     from kvtier.app.bench.cache import as_json as to_json, run_cache_bench
     from kvtier.app.workloads.mooncake import default_trace_path
 
     _emit(
-        to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm, sglang=sglang, sglang_wheel=sglang_wheel, reps=reps)),
+        to_json(run_cache_bench(trace or str(default_trace_path()), limit, vllm=vllm, sglang=sglang, sglang_wheel=sglang_wheel, reps=reps,
+                                model=model)),
         as_json,
     )
 

@@ -23,6 +23,7 @@ from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.dispatch import PlanDispatch
 from kvtier.core.host_space import HostSpace
+from kvtier.core.plans import Tier
 from kvtier.core.port import ExecutorPort
 from kvtier.core.storage_policy import StoragePolicy
 from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
@@ -83,6 +84,10 @@ class CoreBase(PlanDispatch, HostSpace, StoragePolicy):
     def wait_layer(self, op: int, layer: int) -> None:
         """Layer ``layer`` of plan ``op``'s pages is in place (the executor's per-layer wait)."""
         self._ask(self.port.wait_layer, op, layer)
+
+    def _groups_left(self, tier: Tier, nodes) -> None:
+        """``nodes``' pages leave ``tier``; a core that keeps other KV groups' objects beside them frees
+        those too (:mod:`~kvtier.core.group_residency`). Called wherever a page is cleared."""
 
     def _computed_under_prefetch(self, nodes: list[PageNode]) -> None:
         """``nodes`` (one path's run, root side first) got device pages while a prefetch that gave

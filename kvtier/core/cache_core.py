@@ -46,6 +46,7 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.base import CoreBase
 from kvtier.core.device_space import DeviceSpace
 from kvtier.core.failed_loads import FailedLoads
+from kvtier.core.group_residency import GroupResidency
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.request import CacheRequest
@@ -56,6 +57,7 @@ from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
 from kvtier.pages import at_own_place, checked_page_list, first_duplicate
 from kvtier.radix import NO_PAGE, PageNode, device_page_of, host_page_of
+from kvtier.groups import ModelSpec
 from kvtier.spec import KVSpec
 
 __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave", "InsertResult", "JobTag", "LoadBack", "LoadResult",
@@ -64,17 +66,26 @@ __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave
 log = logging.getLogger(__name__)
 
 
-class CacheCore(DeviceSpace, FailedLoads, CoreBase):
+class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
     """The policy over page ids (see the module docstring). ``device`` and ``host`` allocate the
     ids of the pools the executors hold; ``port`` carries plans to those executors.
 
     Its parts, one module each: :mod:`~kvtier.core.base` (the tree, host pages, plans, L3; shared
     with :class:`~kvtier.core.engine_device.EngineDeviceCore`), :mod:`~kvtier.core.device_space`
     (device pages, backups, device eviction), :mod:`~kvtier.core.failed_loads` (device pages a
-    failed load left); here, matching, the request protocol, loads back and inserts."""
+    failed load left), :mod:`~kvtier.core.group_residency` (a hybrid model's other KV groups); here,
+    matching, the request protocol, loads back and inserts.
+
+    ``model``: a hybrid :class:`~kvtier.groups.ModelSpec` whose full-attention groups ``spec`` describes;
+    ``group_pools``: each other group's (device, host) allocators; ``state_every``: the cadence of
+    state snapshots, in pages."""
 
     def __init__(self, spec: KVSpec, device: PageAllocator, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
-                 storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None):
+                 storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
+                 model: ModelSpec | None = None, group_pools: dict[str, tuple[PageAllocator, PageAllocator]] | None = None,
+                 state_every: int = 1):
+        if namespace is None and model is not None and model.is_hybrid:
+            namespace = Namespace("default", model.fingerprint())
         super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats, device_pages=device.num_pages)
         self.dev_alloc = device
         #: device pages whose host->device load is still in flight: node -> the load's op
@@ -83,6 +94,7 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         self._tree_owned = np.frombuffer(self.tree.device_owned, dtype=np.uint8)
         self._allocated = self.dev_alloc.allocated_view()
         self._init_failed_loads()
+        self._init_groups(model, group_pools, state_every)
         self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited}
 
     def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True) -> MatchResult:
@@ -97,12 +109,17 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         tree.touch(path)
         n_dev = tree.device_prefix(path)
         matched = path[: n_dev + tree.readable_host_run(path[n_dev:])]  # the device pages, then readable host copies
+        limited_by = None
+        if self.components:  # a hybrid model: the longest prefix every group can continue from
+            hybrid = self._hybrid_prefix(path, n_dev, len(matched))
+            matched, limited_by = matched[: hybrid.pages], hybrid.limited_by
+            n_dev = min(n_dev, hybrid.pages)
         pending: tuple[int, ...] = ()
         if self._loading:
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending)
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -111,6 +128,8 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         st.lookup_pages += len(keys)
         st.device_hit_pages += n_dev
         st.host_hit_pages += len(matched) - n_dev
+        if limited_by is not None:
+            self.component(limited_by).limited += 1
         if self.config.write_policy == "write_through_selective":
             due = [n for n in path[:n_dev] if n.host_page == NO_PAGE and n.hit_count >= self.config.write_through_threshold]
             if due:
@@ -119,7 +138,7 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         if self.port.has_storage and len(matched) == len(path) < len(keys):
             n_storage = self._ask(self.port.stored_prefix, keys[len(path) :])
             st.storage_hit_pages += n_storage
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage)
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
@@ -145,10 +164,19 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
                 self.unlock(m.last_node)
                 m = again
         ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
-        host_hit = min(ld.loaded, host_before)
         # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
-        return CacheRequest(self, keys, m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld, m.last_node,
-                            m.nodes[: len(ld.device_pages)], serial=self._request_opened(), failure_gen=self.load_failure_gen)
+        nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
+        given: dict[str, dict[int, int]] = {}
+        held: list[PageNode] = []
+        if self.components:  # what the loads could bring: the prefix every group continues from, its objects held
+            if ld.op is not None:  # (else the match's own answer stands: nothing was loaded)
+                usable = self._hybrid_prefix(nodes, len(nodes), len(nodes)).pages
+                nodes, cached = nodes[:usable], cached[:usable]
+            given, held = self._given_objects(nodes)
+        device_hit = min(m.num_device_pages, len(cached))
+        host_hit = min(ld.loaded, host_before, len(cached) - device_hit)
+        return CacheRequest(self, keys, device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node, nodes,
+                            serial=self._request_opened(), failure_gen=self.load_failure_gen, groups=given, _held=held)
 
     def load_back(self, match: MatchResult) -> LoadResult:
         """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
@@ -176,7 +204,12 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         self.tree.set_device_run(served, got.pages)
         self.tree.touch(served)
         self.tree.lock(served[-1])  # released when the load completes (poll)
-        op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, got.pages)
+        groups = ()
+        if self.components:  # only what the matched boundary reads: its window's pages, its snapshot
+            first, end = len(prefix_pages), len(prefix_pages) + len(served)
+            wanted = {c.name: [i - first for i in self.needed_places(c, len(match.nodes)) if first <= i < end] for c in self.components}
+            groups = self._group_runs(served, Tier.HOST, Tier.DEVICE, wanted)
+        op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, got.pages, 0, groups)
         for n in served:
             self._loading[n] = op
         return LoadResult(op, prefix_pages + got.pages, len(served), len(host_nodes), match.pending, self)
@@ -196,30 +229,38 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         self.stats.loaded_bytes += len(nodes) * self._page_bytes
         self.tree.unlock(nodes[-1])
 
-    def insert(self, tokens_or_keys, device_pages: Sequence[int]) -> InsertResult:
+    def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
 
         Ownership of every page in ``device_pages`` passes to the cache. Pages
         whose key is already on device are freed (``freed``); use
         ``device_pages`` of the result afterwards. Pages that are not the caller's
         to give (see :meth:`_check_caller_pages`) are refused, nothing changed.
+
+        A hybrid model's other groups: ``groups[name][i]`` is the device id of page ``i``'s object
+        of that group (a sliding-window page; a state group's snapshot at the end of page ``i``),
+        or None where the caller keeps none. Objects the cache holds already are freed.
         """
         self.poll()
         keys = self._keys(tokens_or_keys)
         device_pages = checked_page_list(device_pages, self.dev_alloc.num_pages, pool=self.dev_alloc.name, side="device")
-        return self._insert(keys, device_pages, check=True)
+        if groups:
+            self._check_group_ids(groups, len(keys))
+        return self._insert(keys, device_pages, check=True, groups=groups)
 
-    def commit_request(self, keys: list[PageHash], device_pages: list[int], prefix: list[PageNode] | None) -> InsertResult:
+    def commit_request(self, keys: list[PageHash], device_pages: list[int], prefix: list[PageNode] | None,
+                       groups: dict[str, list[int | None]] | None = None) -> InsertResult:
         """:meth:`insert` for a :class:`~kvtier.core.request.CacheRequest`, which has proven (more strictly
-        than insert's own check) that ``device_pages`` are its own. ``prefix``: the nodes of its cached
-        pages, locked since its match and so still exactly where they were, not looked up again."""
-        return self._insert(keys, device_pages, check=False, known=prefix)
+        than insert's own check) that ``device_pages`` and ``groups`` are its own. ``prefix``: the nodes of
+        its cached pages, locked since its match and so still exactly where they were, not looked up again."""
+        return self._insert(keys, device_pages, check=False, known=prefix, groups=groups)
 
     def _computed_under_prefetch(self, nodes: list[PageNode]) -> None:
         if self.config.write_policy == "write_through":
             self._backup(nodes)
 
-    def _insert(self, keys: list[PageHash], device_pages: list[int], *, check: bool, known: list[PageNode] | None = None) -> InsertResult:
+    def _insert(self, keys: list[PageHash], device_pages: list[int], *, check: bool, known: list[PageNode] | None = None,
+                groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """``check=False``: the caller (a :class:`CacheRequest`) has proven the pages are its own.
         ``known``: the nodes of ``keys[:len(known)]``, on device in ``device_pages[:len(known)]`` and
         locked by the caller since its match (so still exactly there): not looked up again."""
@@ -249,6 +290,8 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         tree.set_device_run(path[n_dev:], device_pages[n_dev:n_have])
         canonical += device_pages[n_dev:]
         fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
+        if groups:  # before any backup below: it copies the objects its pages hold
+            self._attach_groups(path + fresh, groups, len(path))
         last = fresh[-1] if fresh else (path[-1] if path else None)
         if freed:
             self.dev_alloc.free(freed)
@@ -308,7 +351,8 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         return bool(ops)
 
     def check_integrity(
-        self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset(), *, idle: bool = False
+        self, caller_device_pages: set[int] = frozenset(), caller_host_pages: set[int] = frozenset(), *, idle: bool = False,
+        caller_group_pages: dict[str, set[int]] | None = None,
     ) -> None:
         """Prove the accounting: tree + caller-owned + free == total for each pool, no page owned twice.
 
@@ -316,6 +360,8 @@ class CacheCore(DeviceSpace, FailedLoads, CoreBase):
         every cached page is evictable -- nothing locked, no host page that is not readable,
         no L3 save still marked in flight -- so the pools can never silently shrink."""
         self._check_host(caller_host_pages, idle)
+        if self.components:
+            self._check_groups(caller_group_pages or {}, self.quarantined_group_pages(), idle)
         if idle:
             assert not self._loading, "idle, yet host->device loads are recorded in flight"
             assert not self._quarantine, "idle, yet device pages of a failed load are still quarantined"

@@ -74,7 +74,8 @@ class DeviceSpace:
             return 0
         self.tree.set_hosts(nodes, got.pages, ready=False)
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
-        self._submit(copy_plan, Backup(nodes), Tier.DEVICE, list(map(device_page_of, nodes)), Tier.HOST, got.pages)
+        groups = self._group_runs(nodes, Tier.DEVICE, Tier.HOST) if self.components else ()
+        self._submit(copy_plan, Backup(nodes), Tier.DEVICE, list(map(device_page_of, nodes)), Tier.HOST, got.pages, 0, groups)
         return len(nodes)
 
     def _finish_backup(self, c: Completion, tag: Backup) -> None:
@@ -87,6 +88,7 @@ class DeviceSpace:
             self.stats.backed_up_bytes += len(nodes) * self._page_bytes
         else:
             self.stats.transfer_failures += 1
+            self._groups_left(Tier.HOST, nodes)
             self.host_alloc.free([tree.clear_host(n) for n in nodes])
         tree.unlock(nodes[-1])
         if ok and self.port.has_storage and self.storage_config.write_policy == "write_through":
@@ -103,7 +105,10 @@ class DeviceSpace:
         tree = self.tree
         while freed < n:
             before = freed
-            cheap = tree.drop_backed_up(n - freed)
+            cleared: list[PageNode] | None = [] if self.components else None
+            cheap = tree.drop_backed_up(n - freed, cleared)
+            if cleared:
+                self._groups_left(Tier.DEVICE, cleared)
             self.dev_alloc.free(cheap)
             freed += len(cheap)
             if freed < n:
@@ -141,6 +146,7 @@ class DeviceSpace:
         tree, free their device pages; empties the batch."""
         if batch.leaving:
             tree = self.tree
+            self._groups_left(Tier.DEVICE, batch.leaving)
             pages = tree.clear_devices(batch.leaving)
             for node in batch.gone:
                 tree.remove(node)
@@ -155,6 +161,7 @@ class DeviceSpace:
             return False
         tree = self.tree
         self.stats.host_evicted_pages += self._forget_host_only(below)
+        self._groups_left(Tier.DEVICE, (v,))
         self.dev_alloc.free([tree.clear_device(v)])
         tree.remove(v)
         return True
@@ -169,11 +176,14 @@ class DeviceSpace:
             return 0
         self.tree.set_hosts(victims, got.pages, ready=False)  # victims are LRU-ordered, descendants first
         self.tree.pin(victims)  # on device: each lock covers its node alone
-        op = self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages)
+        groups = self._group_runs(victims, Tier.DEVICE, Tier.HOST) if self.components else ()
+        op = self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages, 0,
+                          groups)
         c = self._await(op)
         self.tree.unpin(victims)
         if type(c) is not Done:
             self.stats.transfer_failures += 1
+            self._groups_left(Tier.HOST, victims)
             self.host_alloc.free([self.tree.clear_host(v) for v in victims])
             return 0
         self.tree.mark_host_ready(victims)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvtier.core.plans import Tier
 from kvtier.radix import NO_PAGE, PageNode
 
 
@@ -64,9 +65,10 @@ class FailedLoads:
         victims = tree.device_subtree(bad[:1]) if below_outside else bad[::-1]
         for n in victims:
             self._loading.pop(n, None)  # a load of a page below is moot: its page is quarantined too
+        groups = self._groups_quarantined(victims) if self.components else {}
         pages = tree.clear_devices(victims)
         self.load_failure_gen += 1
-        self._quarantine.append((pages, self._request_serial, self._last_op))
+        self._quarantine.append((pages, self._request_serial, self._last_op, groups))
         self._quarantined[pages] = 1
         self._release_quarantine()
         return len(pages)
@@ -78,13 +80,23 @@ class FailedLoads:
         oldest_op = next(iter(self._inflight), None)
         keep = []
         for entry in self._quarantine:
-            pages, last_request, last_op = entry
+            pages, last_request, last_op, groups = entry
             if (oldest_request is None or oldest_request > last_request) and (oldest_op is None or oldest_op > last_op):
                 self._quarantined[pages] = 0
                 self.dev_alloc.free(pages)
+                if groups:
+                    self._free_group_ids(Tier.DEVICE, groups)
             else:
                 keep.append(entry)
         self._quarantine = keep
 
     def quarantined_pages(self) -> set[int]:
-        return {p for pages, _, _ in self._quarantine for p in pages}
+        return {p for pages, _, _, _ in self._quarantine for p in pages}
+
+    def quarantined_group_pages(self) -> dict[str, set[int]]:
+        """Device ids of other KV groups' objects a failed load left, per group (freed with its pages)."""
+        out: dict[str, set[int]] = {}
+        for _, _, _, groups in self._quarantine:
+            for name, ids in groups.items():
+                out.setdefault(name, set()).update(ids)
+        return out

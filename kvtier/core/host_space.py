@@ -9,6 +9,7 @@ whoever owns the device, kvtier owns the host pool.
 from __future__ import annotations
 
 from kvtier.alloc import Allocation
+from kvtier.core.plans import Tier
 from kvtier.core.results import EvictResult
 from kvtier.core.tags import PrefetchHandle, Save
 from kvtier.radix import PageNode
@@ -46,6 +47,7 @@ class HostSpace:
     def _forget_host_only(self, nodes: list[PageNode]) -> int:
         """Remove host-only ``nodes`` (deepest first: each is a leaf when it goes) and free their host
         pages; returns how many."""
+        self._groups_left(Tier.HOST, nodes)
         pages = self.tree.remove_host_only(nodes)
         self.host_alloc.free(pages)
         return len(pages)

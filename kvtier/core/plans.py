@@ -29,6 +29,19 @@ class Tier(IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
+class GroupRun:
+    """A hybrid model's other KV group riding on a plan: its objects (sliding-window pages or state
+    snapshots, ids of that group's pools) for some of the plan's pages. ``at[i]`` is the place, in
+    the plan's page run, of the page object ``i`` belongs to: it moves with that page, and is done
+    when that page is (a plan cut short after ``k`` pages completed the objects of places ``< k``)."""
+
+    group: str
+    at: tuple[int, ...]
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class Transfer:
     """Move whole pages ``src_pages`` of ``src`` to ``dst_pages`` of ``dst``, in order.
 
@@ -44,6 +57,8 @@ class Transfer:
     #: the plan this one follows (0: none): it starts when that one finished, see
     #: :mod:`kvtier.executors.chain` (a copy out of fetched pages copies what arrived)
     after: int = 0
+    #: hybrid models: the other groups' objects that move with these pages (:class:`GroupRun`)
+    groups: tuple[GroupRun, ...] = ()
 
     def __post_init__(self) -> None:
         n = self.num_pages
@@ -62,8 +77,8 @@ class Transfer:
         return self.src_pages if self.src is Tier.HOST else self.dst_pages
 
 
-def copy_plan(op: int, src: Tier, src_pages, dst: Tier, dst_pages, after: int = 0) -> Transfer:
-    return Transfer(op, src, dst, tuple(src_pages), tuple(dst_pages), after=after)
+def copy_plan(op: int, src: Tier, src_pages, dst: Tier, dst_pages, after: int = 0, groups: tuple[GroupRun, ...] = ()) -> Transfer:
+    return Transfer(op, src, dst, tuple(src_pages), tuple(dst_pages), after=after, groups=groups)
 
 
 def save_plan(op: int, keys, host_pages, after: int = 0) -> Transfer:
@@ -135,17 +150,23 @@ def plan_shape_error(plan: object) -> str | None:
         return f"plan {op}: no executor moves {src!r} -> {dst!r}"
     if type(plan.after) is not int or plan.after < 0:
         return f"plan {op}: after={plan.after!r} is not a plan op"
+    if type(plan.groups) is not tuple or any(type(g) is not GroupRun for g in plan.groups):
+        return f"plan {op}: groups must be a tuple of GroupRun"
     return None
 
 
 def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
     """Why an executor must refuse ``plan`` before any byte moves, or None: its shape
     (:func:`plan_shape_error`), a page id that is not an integer in ``[0, pages)`` of its pool, a
-    destination page twice, keys that are not bytes, or sides of different lengths. A plan that
+    destination page twice, keys that are not bytes, sides of different lengths, or other KV
+    groups' objects (an executor over one KV spec's pools holds none of theirs). A plan that
     crossed a pipe was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
     why = plan_shape_error(plan)
     if why is not None:
         return why
+    if plan.groups:
+        return (f"plan {plan.op}: moves objects of KV groups {sorted({g.group for g in plan.groups})}, and this executor's pools "
+                "hold one KV spec: a hybrid model's other groups need their own pools")
     op, src, dst = plan.op, plan.src, plan.dst
     sizes = {Tier.DEVICE: device_pages, Tier.HOST: host_pages}
     n = None

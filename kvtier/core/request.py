@@ -13,6 +13,13 @@ request twice, leak a lock, free a page the tree maps). Here it is::
     req.commit(pages)                        # all the request's pages in order: full ones are
                                              # inserted, the partial tail is freed, locks released
 
+A hybrid model (:mod:`~kvtier.core.group_residency`): ``req.groups[name]`` maps
+places to the device ids of the other groups' objects the request continues
+from (its window's pages, the snapshot at its boundary), held until it ends;
+``req.alloc_group(name, n)`` gives ids for the objects it computes, and
+``commit(pages, groups={name: [id or None per full page]})`` hands them over
+(``req.snapshot_boundaries()`` says where the cache wants state snapshots).
+
 Lifecycle (enforced; a second ``commit`` or ``abort`` is an :class:`InvalidStateError`)::
 
     begin() --> OPEN --commit(pages)--> COMMITTED
@@ -32,6 +39,7 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from kvtier.alloc import Allocation
+from kvtier.core.hybrid_match import usable_prefix
 from kvtier.errors import IndexTypeError, InvalidStateError, PageOwnershipError
 from kvtier.pages import checked_page_list, first_duplicate, is_ordered_sequence
 
@@ -76,14 +84,36 @@ class CacheRequest:
     failure_gen: int = 0
     #: cached pages this request lost to a failed host->device load (they must be recomputed)
     failed: int = 0
+    #: a hybrid model: group -> place -> device id of the objects the cached prefix continues from
+    groups: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: the nodes whose objects are held for this request
+    _held: list[PageNode] = field(default_factory=list)
+    #: group -> device ids this request allocated (alloc_group) and not yet handed over
+    _group_alloc: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def num_cached(self) -> int:
         return len(self.cached_pages)
 
     def usable(self, max_pages: int) -> int:
-        """Cached pages a request that may use at most ``max_pages`` of them will use."""
-        return max(0, min(self.num_cached, max_pages))
+        """Cached pages a request that may use at most ``max_pages`` of them will use (a hybrid model: the
+        longest such prefix every group can continue from with the objects this request holds)."""
+        n = max(0, min(self.num_cached, max_pages))
+        if self.groups and n < self.num_cached:
+            n = self._hybrid_usable(n)
+        return n
+
+    def snapshot_boundaries(self) -> list[int]:
+        """Where the cache wants this request's state snapshots: boundaries (pages from the start) past its
+        cached prefix, every ``state_every`` pages and at its last full page."""
+        return self.cache.snapshot_boundaries(self.num_cached, len(self.keys))
+
+    def alloc_group(self, name: str, n: int) -> list[int]:
+        """Up to ``n`` device ids of group ``name``'s pool, the request's until commit or abort."""
+        self._check_open("alloc_group")
+        ids = self.cache.alloc_group(name, n)
+        self._group_alloc.setdefault(name, []).extend(ids)
+        return ids
 
     def served(self, used: int) -> tuple[int, int, int]:
         """Where the first ``used`` cached pages came from, in prefix order: (device, host, storage)."""
@@ -111,7 +141,7 @@ class CacheRequest:
         self._allocated += got.pages
         return got
 
-    def commit(self, pages: Sequence[int]) -> InsertResult:
+    def commit(self, pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand the request's pages to the cache, in order: one per page of the request, the
         full pages first (inserted) and at most one partial tail page (freed). Pages the
         request allocated but did not pass are freed too. Unlocks the prefix."""
@@ -146,9 +176,11 @@ class CacheRequest:
             handed = set(pages[:full])
             rest = [p for p in alloc if p not in handed]
             known = None
-        result = cache.commit_request(self.keys, pages[:full], known)  # ownership proven above, more strictly than insert's
+        handed = self._check_groups(groups or {}, full) if (groups or self._group_alloc) else None
+        result = cache.commit_request(self.keys, pages[:full], known, handed)  # ownership proven above, more strictly than insert's
         if rest:
             cache.free_device(rest)
+        self._free_group_alloc(handed or {})
         self._finish(RequestState.COMMITTED)
         return result
 
@@ -157,6 +189,7 @@ class CacheRequest:
         self._check_open("abort")
         if self._allocated:
             self.cache.free_device(list(self._allocated))
+        self._free_group_alloc({})
         self._finish(RequestState.ABORTED)
 
     # ---- internals -----------------------------------------------------------------
@@ -171,10 +204,69 @@ class CacheRequest:
         good = 0
         while good < len(cached) and prefix[good].device_page == cached[good]:
             good += 1
+        if self.groups:  # the objects the failure took; then the prefix the rest still continues from
+            cache = self.cache
+            self.groups = {name: {i: gid for i, gid in objs.items() if i < good and cache.holds_object(name, prefix[i], gid)}
+                           for name, objs in self.groups.items()}
+            good = self._hybrid_usable(good)
+            self.groups = {c.name: {i: self.groups[c.name][i] for i in cache.needed_places(c, good)} for c in cache.components}
         if good < len(cached):
             self.failed += len(cached) - good
             self.cached_pages = cached[:good]
             self._prefix = prefix[:good]
+
+    def _hybrid_usable(self, n: int) -> int:
+        groups = self.groups
+        has = {name: (lambda i, objs=objs: i in objs) for name, objs in groups.items()}
+        for c in self.cache.components:  # a state group's snapshot at boundary b hangs on page b - 1
+            if c.is_state:
+                has[c.name] = lambda b, objs=groups[c.name]: (b - 1) in objs
+        return usable_prefix(n, self.cache.model.groups, self.cache.spec.page_size, has).pages
+
+    def _check_groups(self, groups: dict[str, Sequence[int | None]], full: int) -> dict[str, list[int | None]]:
+        """The other groups' ids handed to commit: one entry per full page, each None, the object the
+        request was given at that place, or one it allocated; once. Nothing changes on an error."""
+        out = {}
+        for name, ids in groups.items():
+            self.cache.component(name)  # an unknown group is an UnknownNameError
+            if type(ids) is not list and not is_ordered_sequence(ids) or len(ids) != full:
+                raise PageOwnershipError(f"commit, KV group {name!r}: pass one entry per full page ({full}): an id from "
+                                         f"alloc_group, the id the request was given there, or None")
+            ids = list(ids)
+            alloc = self._group_alloc.get(name, [])
+            k = full - len(alloc)
+            if k >= 0 and ids[k:] == alloc and ids[:k].count(None) == k:  # the usual shape, in C: None, then what it allocated
+                out[name] = ids
+                continue
+            mine = set(alloc)
+            distinct = set(ids)
+            distinct.discard(None)
+            if len(distinct) == len(ids) - ids.count(None) and distinct <= mine:  # the usual shape: ids it allocated, each once
+                out[name] = ids
+                continue
+            given, seen = self.groups.get(name, {}), set()
+            for place, gid in enumerate(ids):
+                if gid is None:
+                    continue
+                if type(gid) is not int or gid in seen or not (gid in mine or given.get(place) == gid):
+                    raise PageOwnershipError(f"commit, KV group {name!r}: id {gid!r} (place {place}) is not this request's "
+                                             f"to hand over, or is listed twice: pass ids from alloc_group, or the id it was given there")
+                seen.add(gid)
+            # the objects it was given, handed back at their places, are the cache's already
+            out[name] = [None if gid is not None and gid not in mine else gid for gid in ids]
+        return out
+
+    def _free_group_alloc(self, handed: dict[str, list[int | None]]) -> None:
+        """Free the group ids this request allocated and did not hand over."""
+        for name, ids in self._group_alloc.items():
+            given = handed.get(name, ())
+            if len(given) - given.count(None) == len(ids):  # (handed ids are distinct and its own: all of them)
+                continue
+            kept = set(given)
+            rest = [i for i in ids if i not in kept]
+            if rest:
+                self.cache.free_group(name, rest)
+        self._group_alloc = {}
 
     def _check_open(self, what: str) -> None:
         if self.state is not RequestState.OPEN:
@@ -205,6 +297,9 @@ class CacheRequest:
                 )
 
     def _finish(self, state: RequestState) -> None:
+        if self._held:
+            self.cache.release_groups(self._held)
+            self._held = []
         self.cache.unlock(self._locked)
         self.cache.request_finished(self.serial)
         self._locked = None

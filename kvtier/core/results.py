@@ -30,6 +30,9 @@ class MatchResult:
     pending: tuple[int, ...] = ()
     #: pages after the host run that the L3 store holds (prefetch them with :meth:`CacheCore.prefetch`)
     num_storage_pages: int = 0
+    #: a hybrid model: the KV group whose objects were missing where the full pages ran on (None: the
+    #: full pages themselves are the limit); see :mod:`kvtier.core.hybrid_match`
+    limited_by: str | None = None
 
     @property
     def host_nodes(self) -> list[PageNode]:

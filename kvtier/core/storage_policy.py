@@ -10,7 +10,7 @@ its completion marks the leading pages the store now holds ``STORED``.
 
 from __future__ import annotations
 
-from kvtier.core.plans import Completion, CutShort, Failed, completed_pages, fetch_plan, save_plan
+from kvtier.core.plans import Completion, CutShort, Failed, Tier, completed_pages, fetch_plan, save_plan
 from kvtier.core.results import MatchResult
 from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
 from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_page_of
@@ -104,6 +104,7 @@ class StoragePolicy:
         computed: list[PageNode] = []
         for node in reversed(handle.nodes[handle.applied :]):  # deepest first
             if node.host_page != NO_PAGE and not node.host_ready:
+                self._groups_left(Tier.HOST, (node,))
                 self.host_alloc.free([self.tree.clear_host(node)])
             if node.device_page != NO_PAGE:
                 computed.append(node)

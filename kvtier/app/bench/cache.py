@@ -20,6 +20,13 @@ SGLang's wheel is at hand (``--sglang-wheel``, ``$KVTIER_SGLANG_WHEEL`` or
 through SGLang's ``RadixCache`` (``sglang``, see :mod:`kvtier.app.bench.sglang_replay`)
 and ``vs_sglang`` is the same ratio against it.
 
+``--model`` names a hybrid preset (:data:`kvtier.groups.HYBRID_PRESETS`): the
+same trace is replayed, in the same rounds, through the core with that model's
+other KV groups (each request hands over its window pages and its state
+snapshots, as an engine would), and ``hybrid`` reports its pages/s, its hits
+(cut where a group's objects end) and ``cost_over_full``: the full-attention
+replay's pages/s over the hybrid one's, the price of per-group bookkeeping.
+
 Rounds: on a shared machine a system's speed drifts by tens of percent within
 seconds, so one timing per system gives a ratio that swings with the moment it
 was taken (0.89 to 1.25 against SGLang in consecutive runs on a 2-core VM). The
@@ -76,6 +83,8 @@ class CacheBenchResult:
     reps: int = 1
     vs_vllm_per_round: list[float] | None = None
     vs_sglang_per_round: list[float] | None = None
+    #: ``--model``: the hybrid replay (see the module docstring)
+    hybrid: dict | None = None
 
 
 def replay(cache: CacheCore, requests, page_size: int) -> tuple[int, int, int, float, float]:
@@ -100,6 +109,59 @@ def replay(cache: CacheCore, requests, page_size: int) -> tuple[int, int, int, f
         hit_pages += have
         hit_tokens += have * page_size
     return pages, hit_pages, hit_tokens, t_hash, t_tree
+
+
+def replay_hybrid(cache: CacheCore, requests, page_size: int) -> tuple[int, int, float, float]:
+    """:func:`replay` with a hybrid model's groups: each request also allocates and hands over the
+    objects an engine keeps (the window pages it computed, its state snapshots at the core's cadence).
+    Returns (pages, hit pages, hash s, tree s)."""
+    pages = hit_pages = 0
+    t_hash = t_tree = 0.0
+    comps = cache.components
+    for req in requests:
+        toks = trace_tokens(req)
+        t0 = time.perf_counter()
+        keys = cache.page_keys(toks)
+        t1 = time.perf_counter()
+        req = cache.begin(keys)
+        have, full = req.num_cached, len(keys)
+        new = req.alloc(full - have)
+        got = {}  # its state at the core's cadence; every window page it computed (vLLM keeps them as cached
+        for c in comps:  # free blocks: the pool's LRU decides)
+            places = [b - 1 for b in req.snapshot_boundaries()] if c.is_state else range(have, full)
+            got[c.name] = (places, req.alloc_group(c.name, len(places)))
+        t2 = time.perf_counter()
+        groups = {}  # the engine's own work, not timed: one entry per full page
+        for name, (places, ids) in got.items():
+            if type(places) is range:
+                groups[name] = [None] * have + ids + [None] * (full - have - len(ids))
+            else:
+                groups[name] = entry = [None] * full
+                for place, gid in zip(places, ids):
+                    entry[place] = gid
+        t3 = time.perf_counter()
+        req.commit(req.cached_pages + new.pages, groups)
+        t4 = time.perf_counter()
+        t_hash += t1 - t0
+        t_tree += (t2 - t1) + (t4 - t3)
+        pages += full
+        hit_pages += have
+    return pages, hit_pages, t_hash, t_tree
+
+
+def _hybrid_cache(requests, model_name: str) -> CacheCore:
+    """The core with a hybrid preset's groups and room for every page and object of the trace."""
+    from kvtier.groups import HYBRID_PRESETS
+
+    if model_name not in HYBRID_PRESETS:
+        raise ConfigError(f"--model {model_name!r} is not a hybrid preset; choose one of {', '.join(HYBRID_PRESETS)}")
+    model = HYBRID_PRESETS[model_name]
+    full = next(g.attention for g in model.groups if g.kind == "full")
+    total = sum(r.input_length // full.page_size for r in requests) + 1
+    pools = {g.name: (PageAllocator(total, f"{g.name} device"), PageAllocator(1, f"{g.name} host"))
+             for g in model.groups if g.kind != "full"}
+    return CacheCore(full, PageAllocator(total, "device"), PageAllocator(1, "host"), AccountingExecutor(),
+                     CacheConfig(write_policy="write_back", preallocate_nodes=True), model=model, group_pools=pools, state_every=4)
 
 
 def bookkeeping_bytes_per_page(requests, spec: KVSpec) -> tuple[float, int]:
@@ -159,7 +221,7 @@ def _transfer_16k_ms(reps: int = 3) -> float:
 
 def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = True, memory: bool = True,
                     vllm: bool | None = None, sglang: bool | None = None, sglang_wheel: str | None = None,
-                    reps: int = 3) -> CacheBenchResult:
+                    reps: int = 3, model: str | None = None) -> CacheBenchResult:
     """``vllm`` / ``sglang``: None runs that comparison when it is available (vLLM importable; SGLang's
     wheel found), True insists on it, False skips it. ``reps``: rounds (see the module docstring)."""
     from kvtier.app.bench.sglang_replay import SGLANG_VERSION, find_sglang_wheel, replay_sglang
@@ -180,7 +242,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     requests = load_mooncake_trace(trace_path, limit)
     spec = KVSpec.preset("deepseek-v3.2")
     ours: list[tuple[float, float, float]] = []  # per round: (hash s, tree s, wall s)
-    vllm_rounds, sglang_rounds = [], []
+    vllm_rounds, sglang_rounds, hybrid_rounds = [], [], []
     counts = None
     for i in range(reps):
         cache = _bookkeeping_cache(requests, spec)
@@ -205,6 +267,11 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
             vllm_rounds.append(replay_vllm(requests, spec.page_size))
         if wheel is not None:
             sglang_rounds.append(replay_sglang(requests, spec.page_size, wheel))
+        if model is not None:
+            hybrid = _hybrid_cache(requests, model)
+            gc.collect()
+            hybrid_rounds.append(replay_hybrid(hybrid, requests, hybrid.spec.page_size))
+            hybrid.close()
     assert counts is not None
     pages, hit_pages, hit_tokens, distinct = counts
     t_hash, t_tree, elapsed = min(ours, key=lambda r: r[0] + r[1])
@@ -213,6 +280,13 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     per_round = [pages / (h + t) for h, t, _ in ours]
     theirs = max(vllm_rounds, key=lambda r: r.pages_per_s) if vllm_rounds else None
     sgl = max(sglang_rounds, key=lambda r: r.pages_per_s) if sglang_rounds else None
+    hybrid_report = None
+    if hybrid_rounds:
+        h_pages, h_hits, h_hash, h_tree = min(hybrid_rounds, key=lambda r: r[2] + r[3])
+        h_rate = h_pages / (h_hash + h_tree)
+        hybrid_report = {"model": model, "pages_per_s": round(h_rate), "page_hit_ratio": round(h_hits / h_pages, 4),
+                         "cost_over_full": round(rate / h_rate, 2),
+                         "cost_over_full_per_round": [round(o / (p / (h + t)), 2) for o, (p, _, h, t) in zip(per_round, hybrid_rounds)]}
     return CacheBenchResult(
         trace=str(trace_path),
         requests=len(requests),
@@ -239,6 +313,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         reps=reps,
         vs_vllm_per_round=[round(o / v.pages_per_s, 2) for o, v in zip(per_round, vllm_rounds)] if vllm_rounds else None,
         vs_sglang_per_round=[round(o / g.pages_per_s, 2) for o, g in zip(per_round, sglang_rounds)] if sglang_rounds else None,
+        hybrid=hybrid_report,
     )
 
 

@@ -1,0 +1,342 @@
+"""A hybrid model's other KV groups on the prefix tree: sliding-window pages and state snapshots.
+
+The tree's own pages are the full-attention groups' (every page of a prefix is
+needed). Each other group (:mod:`kvtier.groups`) is a :class:`Component`: objects
+of its own pools, per tier, attached to tree nodes --
+
+* ``sliding_window``: the node's page of the window layers, needed only by
+  boundaries whose window covers it (:func:`~kvtier.core.hybrid_match.window_pages`);
+* ``state``: a snapshot of the recurrent state at the node's end boundary, taken
+  every ``state_every`` pages and at a prompt's last full page.
+
+Rules that keep this small and safe:
+
+* **An object lives in a tier only beside its node's page there.** When a node's
+  page leaves a tier (evicted, a failed copy, a failed load), its objects in that
+  tier leave with it (:meth:`GroupResidency._groups_left`, called wherever the tree
+  clears a page); a failed load's objects are quarantined with its pages.
+* **Objects move in the plan that moves their node's page** (a
+  :class:`~kvtier.core.plans.GroupRun` on the same :class:`~kvtier.core.plans.Transfer`),
+  so they are readable exactly when that page is: no second completion to join.
+  A load back moves only the objects the request's boundary needs (its window,
+  its snapshot); a backup moves every object the node holds on device.
+* **An object a request reads is held** (:meth:`GroupResidency.hold_groups`) until
+  the request ends; objects a plan in flight moves are never taken either. Other
+  objects go under their own pool's pressure, least recently used first; a
+  snapshot that is the last one on its branch goes only after every other.
+
+The core stays tensorless: ids only, the executors move the bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import is_not
+
+from kvtier.alloc import PageAllocator
+from kvtier.core.hybrid_match import HybridPrefix, usable_prefix, window_pages
+from kvtier.core.plans import GroupRun, Tier
+from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, UnknownNameError
+from kvtier.groups import KVGroup, ModelSpec
+from kvtier.pages import first_duplicate
+from kvtier.radix import NO_PAGE, PageNode
+
+#: the tiers a component keeps objects in (L3 objects of groups are a later step)
+TIERS = (Tier.DEVICE, Tier.HOST)
+
+
+class Component:
+    """One non-full KV group: its pools' page ids and, per tier, node -> object id."""
+
+    __slots__ = ("group", "name", "alloc", "at", "loaded", "backed_up", "evicted", "limited")
+
+    def __init__(self, group: KVGroup, device: PageAllocator, host: PageAllocator):
+        self.group = group
+        self.name = group.name
+        self.alloc = {Tier.DEVICE: device, Tier.HOST: host}
+        self.at: dict[Tier, dict[PageNode, int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
+        #: objects moved host -> device / device -> host, evicted under the pool's pressure, and
+        #: matches this group stopped short of what the full groups had
+        self.loaded = self.backed_up = self.evicted = self.limited = 0
+
+    @property
+    def is_state(self) -> bool:
+        return self.group.kind == "state"
+
+    def stats(self) -> dict[str, int]:
+        return {"device_objects": len(self.at[Tier.DEVICE]), "host_objects": len(self.at[Tier.HOST]), "loaded": self.loaded,
+                "backed_up": self.backed_up, "evicted": self.evicted, "limited_matches": self.limited}
+
+
+class GroupResidency:
+    """The other groups' residency, part of :class:`~kvtier.core.cache_core.CacheCore` (a no-op for
+    a model that is full attention only)."""
+
+    def _init_groups(self, model: ModelSpec | None, pools: dict[str, tuple[PageAllocator, PageAllocator]] | None,
+                     state_every: int) -> None:
+        self.model = model
+        self.components: list[Component] = []
+        #: node -> how many requests read its objects now (never evicted while held)
+        self._group_holds: dict[PageNode, int] = {}
+        self.state_every = state_every
+        self._has_state = False
+        if model is None or not model.is_hybrid:
+            return
+        if type(state_every) is not int or state_every < 1:
+            raise ConfigError(f"state_every must be a whole number of pages >= 1, got {state_every!r}")
+        if self.spec.page_size != model.page_size:
+            raise ConfigError(f"the cache's spec has pages of {self.spec.page_size} tokens and model {model.name!r} of "
+                              f"{model.page_size}: build the cache from the model's full group")
+        if self.port.has_storage:
+            raise ConfigError(f"model {model.name!r} has KV groups beside full attention, and L3 does not hold their objects yet: "
+                              "run a hybrid model without storage (device and host tiers)")
+        pools = pools or {}
+        for g in model.groups:
+            if g.kind == "full":
+                continue
+            if g.name not in pools:
+                raise ConfigError(f"KV group {g.name!r} ({g.kind}) of model {model.name!r} has no pools: pass "
+                                  f"group_pools={{{g.name!r}: (device allocator, host allocator)}}")
+            self.components.append(Component(g, *pools[g.name]))
+        self._has_state = any(c.is_state for c in self.components)
+        unknown = set(pools) - {c.name for c in self.components}
+        if unknown:
+            raise ConfigError(f"group_pools names {sorted(unknown)}, which are not groups of {model.name!r} beside full attention")
+
+    def component(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise UnknownNameError("KV group beside full attention", name, [c.name for c in self.components])
+
+    def holds_object(self, name: str, node: PageNode, gid: int) -> bool:
+        """Whether ``node`` still holds device object ``gid`` of group ``name`` (a failed load takes them)."""
+        return self.component(name).at[Tier.DEVICE].get(node) == gid
+
+    # ---- the prefix every group can continue from -----------------------------------------
+    def _hybrid_prefix(self, path: Sequence[PageNode], n_dev: int, full: int) -> HybridPrefix:
+        """The longest prefix of ``path[:full]`` usable in every group: an object counts where its node's
+        page is usable -- on device for the first ``n_dev`` nodes, a readable host copy after them
+        (the load back brings it along)."""
+        has = {}
+        for c in self.components:
+            dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
+            if c.is_state:
+                has[c.name] = lambda b, dev=dev, host=host: (path[b - 1] in dev) if b <= n_dev else (path[b - 1] in host)
+            else:
+                has[c.name] = lambda i, dev=dev, host=host: (path[i] in dev) if i < n_dev else (path[i] in host)
+        return usable_prefix(full, self.model.groups, self.spec.page_size, has)
+
+    def needed_places(self, c: Component, pages: int) -> Iterable[int]:
+        """The places of the objects of ``c`` a prefix of ``pages`` pages reads: its window's pages, or the
+        node of its end boundary."""
+        if c.is_state:
+            return (pages - 1,) if pages else ()
+        return window_pages(c.group, pages, self.spec.page_size)
+
+    def _given_objects(self, nodes: Sequence[PageNode]) -> tuple[dict[str, dict[int, int]], list[PageNode]]:
+        """The device objects a request continuing from the end of ``nodes`` reads (group -> place -> id),
+        and the nodes they hang on, held for it (:meth:`hold_groups`)."""
+        given: dict[str, dict[int, int]] = {}
+        places: set[int] = set()
+        for c in self.components:
+            dev = c.at[Tier.DEVICE]
+            mine = {i: dev[nodes[i]] for i in self.needed_places(c, len(nodes))}
+            given[c.name] = mine
+            places.update(mine)
+        held = [nodes[i] for i in sorted(places)]
+        self.hold_groups(held)
+        return given, held
+
+    def snapshot_boundaries(self, first: int, pages: int) -> list[int]:
+        """Boundaries in ``(first, pages]`` a request should keep its state at: every ``state_every``
+        pages, and its last full page."""
+        if not self._has_state:
+            return []
+        every = self.state_every
+        out = list(range((first // every + 1) * every, pages + 1, every))
+        if pages > first and (not out or out[-1] != pages):
+            out.append(pages)
+        return out
+
+    # ---- objects handed in ----------------------------------------------------------------------
+    def _check_group_ids(self, groups: dict[str, Sequence[int | None]], num_pages: int) -> None:
+        """:meth:`insert`'s check of the other groups' ids, before anything changes: known groups, one
+        entry per page, ids of the group's device pool that are allocated, not the cache's, each once."""
+        for name, ids in groups.items():
+            c = self.component(name)
+            where = f"insert, KV group {name!r}"
+            if not isinstance(ids, (list, tuple)) or len(ids) != num_pages:
+                raise PageOwnershipError(f"{where}: pass a list of one entry per full page ({num_pages}): an id of the "
+                                         f"group's device pool, or None; got {type(ids).__name__}")
+            given = [i for i in ids if i is not None]
+            alloc = c.alloc[Tier.DEVICE]
+            bad = [i for i in given if type(i) is not int or not 0 <= i < alloc.num_pages]
+            if bad:
+                raise PageIndexError(f"{where}: {bad[0]!r} is not an id of its device pool of {alloc.num_pages}")
+            if len(set(given)) != len(given):
+                raise PageOwnershipError(f"{where}: id {first_duplicate(given)} is listed twice")
+            owned = set(c.at[Tier.DEVICE].values())
+            for i in given:
+                if i in owned or not alloc.is_allocated(i):
+                    raise PageOwnershipError(f"{where}: id {i} is not the caller's (the cache holds it, or it was never "
+                                             f"allocated): pass ids from alloc_group")
+
+    def _attach_groups(self, nodes: Sequence[PageNode], groups: dict[str, Sequence[int | None]], fresh: int) -> None:
+        """Hang the caller's objects on ``nodes`` (all on device now; ``nodes[fresh:]`` new, holding none);
+        where a node holds one already, the caller's copy goes back to the pool."""
+        new_nodes = nodes[fresh:]
+        for name, ids in groups.items():
+            c = self.component(name)
+            dev = c.at[Tier.DEVICE]
+            new_ids = ids[fresh:]
+            if None in new_ids:  # (in C too: the pairs whose id is not None)
+                dev.update(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
+            else:  # the usual case, in C: an object for every new page
+                dev.update(zip(new_nodes, new_ids))
+            old_ids = ids[:fresh]
+            if old_ids.count(None) == fresh:  # the usual case: nothing handed for pages the cache had
+                continue
+            dup = []
+            for node, i in compress(zip(nodes[:fresh], old_ids), map(is_not, old_ids, repeat(None))):
+                have = dev.get(node)
+                if have is None:
+                    dev[node] = i
+                elif have != i:
+                    dup.append(i)
+            if dup:
+                c.alloc[Tier.DEVICE].free(dup)
+
+    def alloc_group(self, name: str, n: int) -> list[int]:
+        """Up to ``n`` device ids of group ``name``'s pool (evicting its unheld objects if needed)."""
+        self.poll()
+        return self._alloc_group(self.component(name), Tier.DEVICE, n)
+
+    def free_group(self, name: str, ids: list[int]) -> None:
+        """Return caller-owned ids of group ``name``'s device pool."""
+        self.component(name).alloc[Tier.DEVICE].free(ids)
+
+    # ---- holds --------------------------------------------------------------------------------
+    def hold_groups(self, nodes: Sequence[PageNode]) -> None:
+        """Keep the objects of ``nodes`` (every group) from eviction until :meth:`release_groups`."""
+        holds = self._group_holds
+        for n in nodes:
+            holds[n] = holds.get(n, 0) + 1
+
+    def release_groups(self, nodes: Sequence[PageNode]) -> None:
+        holds = self._group_holds
+        for n in nodes:
+            left = holds[n] - 1
+            if left:
+                holds[n] = left
+            else:
+                del holds[n]
+
+    # ---- objects moving with their pages ----------------------------------------------------------
+    def _group_runs(self, nodes: Sequence[PageNode], src: Tier, dst: Tier,
+                    wanted: dict[str, list[int]] | None = None) -> tuple[GroupRun, ...]:
+        """The objects of ``nodes`` held in ``src`` (``wanted``: only these places, per group), each given
+        an id in ``dst`` (as many as that pool can give after eviction; the rest stay behind) and attached
+        there at once: readable when their nodes' pages are, which this plan decides."""
+        runs = []
+        for c in self.components:
+            have = c.at[src]
+            places = wanted.get(c.name, ()) if wanted is not None else range(len(nodes))
+            at = [i for i in places if nodes[i] in have and nodes[i] not in c.at[dst]]
+            if not at:
+                continue
+            ids = self._alloc_group(c, dst, len(at))
+            at = at[: len(ids)]
+            if not at:
+                continue
+            c.at[dst].update(zip((nodes[i] for i in at), ids))
+            runs.append(GroupRun(c.name, tuple(at), tuple(have[nodes[i]] for i in at), tuple(ids)))
+            if dst is Tier.DEVICE:
+                c.loaded += len(at)
+            else:
+                c.backed_up += len(at)
+        return tuple(runs)
+
+    def _groups_left(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
+        """``nodes``' pages left ``tier``: so do their objects there (their ids go back to the pools)."""
+        for c in self.components:
+            at = c.at[tier]
+            if at:
+                gone = [at.pop(n) for n in nodes if n in at]
+                if gone:
+                    c.alloc[tier].free(gone)
+
+    def _groups_quarantined(self, nodes: Iterable[PageNode]) -> dict[str, list[int]]:
+        """A failed load's nodes: their device objects leave the tree, ids kept until the quarantine ends."""
+        out = {}
+        for c in self.components:
+            at = c.at[Tier.DEVICE]
+            gone = [at.pop(n) for n in nodes if n in at]
+            if gone:
+                out[c.name] = gone
+        return out
+
+    def _free_group_ids(self, tier: Tier, ids: dict[str, list[int]]) -> None:
+        for name, pages in ids.items():
+            self.component(name).alloc[tier].free(pages)
+
+    # ---- each group's own pool pressure ---------------------------------------------------------
+    def _alloc_group(self, c: Component, tier: Tier, n: int) -> list[int]:
+        """Up to ``n`` ids of ``c``'s pool in ``tier``, evicting its unheld objects, LRU first, if needed."""
+        alloc = c.alloc[tier]
+        if alloc.num_free < n:
+            self._evict_group(c, tier, n - alloc.num_free)
+        return alloc.alloc(min(n, alloc.num_free)).pages
+
+    def _movable(self, node: PageNode, tier: Tier) -> bool:
+        """An object of ``node`` in ``tier`` that no plan in flight reads or writes and no request holds."""
+        if node in self._group_holds or node in self._loading:
+            return False
+        # a host copy being made (a backup reads the device object, writes the host one) is not readable yet
+        return node.host_page == NO_PAGE or node.host_ready
+
+    def _evict_group(self, c: Component, tier: Tier, n: int) -> int:
+        """Free ``n`` of ``c``'s ids in ``tier``: least recently used unheld objects first; for a state
+        group, snapshots with a later snapshot below them on their branch before the last ones."""
+        at = c.at[tier]
+        candidates = [node for node in at if self._movable(node, tier)]
+        if c.is_state and len(candidates) > n:
+            below: set[PageNode] = set()  # nodes with a snapshot somewhere beneath them in this tier
+            for node in at:
+                p = node.parent
+                while p is not None and p not in below:
+                    below.add(p)
+                    p = p.parent
+            inner = [node for node in candidates if node in below]
+            if len(inner) >= n:
+                candidates = inner
+            else:
+                candidates = inner + heapq.nsmallest(n - len(inner), (node for node in candidates if node not in below),
+                                                     key=lambda node: node.last_access)
+        victims = heapq.nsmallest(n, candidates, key=lambda node: node.last_access)
+        if victims:
+            c.alloc[tier].free([at.pop(node) for node in victims])
+            c.evicted += len(victims)
+        return len(victims)
+
+    # ---- accounting ------------------------------------------------------------------------------
+    def _check_groups(self, caller: dict[str, set[int]], quarantined: dict[str, set[int]], idle: bool) -> None:
+        nodes = self.tree.nodes
+        if idle:
+            assert not self._group_holds, f"idle, yet {len(self._group_holds)} nodes' group objects are held"
+        for c in self.components:
+            for tier in TIERS:
+                at = c.at[tier]
+                ids = list(at.values())
+                assert len(ids) == len(set(ids)), f"group {c.name}: a {tier.name.lower()} object is owned by two nodes"
+                for node in at:
+                    assert nodes.get(node.key) is node, f"group {c.name}: an object hangs on a node that left the tree"
+                    page = node.device_page if tier is Tier.DEVICE else node.host_page
+                    assert page != NO_PAGE, f"group {c.name}: a {tier.name.lower()} object without its node's page there"
+                mine = caller.get(c.name, set()) if tier is Tier.DEVICE else set()
+                held = quarantined.get(c.name, set()) if tier is Tier.DEVICE else set()
+                assert not set(ids) & (mine | held), f"group {c.name}: an object owned by the tree and a caller or the quarantine"
+                assert set(ids) | mine | held == c.alloc[tier].allocated_pages(), (
+                    f"group {c.name}: its {tier.name.lower()} allocator and the tree disagree (leak or foreign id)")
