@@ -14,6 +14,7 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import (Backup, CacheCore, EvictionBackup, EvictionSave, EvictResult, InsertResult, JobTag, LoadBack, LoadResult,
                                 MatchResult, PrefetchHandle, Save)
 from kvtier.errors import SpecError
+from kvtier.groups import ModelSpec
 from kvtier.executors.local import LocalExecutor
 from kvtier.hashing import Namespace
 from kvtier.l3.tier import StorageTier
@@ -38,7 +39,11 @@ __all__ = [
 
 class HierarchicalCache(CacheCore):
     """The core over ``device_pool`` and ``host_pool`` (their allocators are the core's page ids)
-    with a local executor; ``storage`` adds L3."""
+    with a local executor; ``storage`` adds L3.
+
+    A hybrid ``model``: ``device_pool`` / ``host_pool`` hold its full-attention layers, and
+    ``group_pools`` each other group's (device pool, host pool), built from the group's
+    :meth:`~kvtier.groups.KVGroup.object_spec` (sliding-window pages, state snapshots)."""
 
     def __init__(
         self,
@@ -51,6 +56,9 @@ class HierarchicalCache(CacheCore):
         stats: CacheStats | None = None,
         storage: StorageTier | None = None,
         storage_config: StorageConfig = StorageConfig(),
+        model: ModelSpec | None = None,
+        group_pools: dict[str, tuple[object, object]] | None = None,
+        state_every: int = 1,
     ):
         if device_pool.spec != host_pool.spec:
             raise SpecError("device and host pools must be built from the same KVSpec")
@@ -58,13 +66,28 @@ class HierarchicalCache(CacheCore):
         self.host = host_pool
         self.engine = engine or TransferEngine(host_pool, device_pool, config.io_backend)
         self.storage = storage
-        super().__init__(
-            device_pool.spec,
-            device_pool.allocator,
-            host_pool.allocator,
-            LocalExecutor(self.engine, storage),
-            config,
-            storage_config,
-            namespace=namespace,
-            stats=stats,
-        )
+        self.group_pools = dict(group_pools or {})
+        for name, (dev, host) in self.group_pools.items():
+            want = model.group(name).object_spec() if model is not None else None
+            if dev.spec != host.spec or (want is not None and dev.spec != want):
+                raise SpecError(f"KV group {name!r}: its device and host pools must both be built from the group's object_spec()")
+        engines = {name: TransferEngine(host, dev, config.io_backend, name=f"kvtier-{name}")
+                   for name, (dev, host) in self.group_pools.items()}
+        executor = LocalExecutor(self.engine, storage, engines)
+        try:
+            super().__init__(
+                device_pool.spec,
+                device_pool.allocator,
+                host_pool.allocator,
+                executor,
+                config,
+                storage_config,
+                namespace=namespace,
+                stats=stats,
+                model=model,
+                group_pools={name: (dev.allocator, host.allocator) for name, (dev, host) in self.group_pools.items()},
+                state_every=state_every,
+            )
+        except Exception:
+            executor.close()  # (its transfer threads: a refused configuration leaves nothing running)
+            raise

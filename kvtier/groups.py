@@ -88,6 +88,14 @@ class KVGroup:
         """Bytes of one state snapshot (all the group's layers); 0 for attention groups."""
         return sum(t.nbytes for t in self.state) * len(self.layers)
 
+    def object_spec(self) -> KVSpec:
+        """What one of this group's objects is, as a spec pools and stores take: a sliding-window
+        page is a page of its attention spec; a state snapshot is a one-slot page of a state spec
+        (every tensor of one layer's state, packed, per layer). Full groups: their attention spec."""
+        if self.kind != "state":
+            return self.attention
+        return KVSpec.state(f"{self.name}-state", len(self.layers), sum(t.nbytes for t in self.state))
+
     def pages_needed(self, num_tokens: int, page_size: int) -> range:
         """The pages of a ``num_tokens`` prefix (whole pages) this group reads to continue from it:
         all of them (full), those covering the last ``window`` tokens (sliding_window), none (state:

@@ -25,7 +25,9 @@ import torch
 
 from kvtier.errors import SpecError, UnknownNameError
 
-AttentionKind = Literal["mha", "mla", "dsa"]
+#: ``state``: not attention but a hybrid model's per-sequence state (Mamba, linear attention) as the
+#: objects kvtier moves: one-token "pages" (snapshots) of one opaque ``state`` buffer per layer.
+AttentionKind = Literal["mha", "mla", "dsa", "state"]
 BufferGranularity = Literal["token", "page"]
 #: How an MHA/GQA page is laid out in memory. ``nhd``: DESIGN.md's ``k`` and ``v`` buffers,
 #: token-major ``[slots, kv_heads, head_dim]`` (vLLM's GPU flash layout). ``hnd_paired``: one
@@ -110,18 +112,23 @@ class KVSpec:
     quant_block_size: int = 0
     #: MHA/GQA page layout (see :data:`KVLayout`); part of the fingerprint when not ``nhd``.
     kv_layout: KVLayout = "nhd"
+    #: state: bytes of one snapshot per layer; part of the fingerprint when set.
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         def need(cond: bool, field: str, msg: str) -> None:
             if not cond:
                 raise SpecError(f"KVSpec {self.name!r}: {field} {msg}")
 
-        need(self.attention in ("mha", "mla", "dsa"), "attention", f"must be mha, mla or dsa, got {self.attention!r}")
+        need(self.attention in ("mha", "mla", "dsa", "state"), "attention", f"must be mha, mla, dsa or state, got {self.attention!r}")
+        need((self.attention == "state") == (self.state_bytes > 0), "state_bytes", "is set for (and only for) a state spec, positive")
         need(self.num_layers > 0, "num_layers", f"must be positive, got {self.num_layers}")
         ps = self.page_size
         need(isinstance(ps, int) and ps > 0 and ps & (ps - 1) == 0, "page_size", f"must be a positive power of two, got {ps}")
         dtype_of(self.dtype)
-        if self.attention == "mha":
+        if self.attention == "state":
+            need(ps == 1 and self.dtype == "uint8", "page_size", "of a state spec is 1 (a snapshot is one slot) and its dtype uint8")
+        elif self.attention == "mha":
             need(self.kv_heads > 0, "kv_heads", f"must be positive for mha, got {self.kv_heads}")
             need(self.head_dim > 0, "head_dim", f"must be positive for mha, got {self.head_dim}")
             need(self.kv_layout in KV_LAYOUTS, "kv_layout", f"must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
@@ -143,6 +150,8 @@ class KVSpec:
     def buffers(self) -> tuple[BufferSpec, ...]:
         item = dtype_of(self.dtype).itemsize
         ps = self.page_size
+        if self.attention == "state":
+            return (BufferSpec("state", "page", "uint8", (self.state_bytes,), self.state_bytes, self.state_bytes),)
         if self.attention == "mha":
             shape = (self.kv_heads, self.head_dim)
             bpt = self.kv_heads * self.head_dim * item
@@ -206,6 +215,8 @@ class KVSpec:
         fields.pop("name")
         if fields["kv_layout"] == "nhd":
             fields.pop("kv_layout")
+        if not fields["state_bytes"]:  # (specs from before state specs existed keep their fingerprint)
+            fields.pop("state_bytes")
         fields["layout_version"] = LAYOUT_VERSION
         fp = blake3.blake3(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
         object.__setattr__(self, "_fingerprint", fp)
@@ -257,6 +268,11 @@ class KVSpec:
             index_head_dim=index_head_dim,
             quant_block_size=quant_block_size,
         )
+
+    @classmethod
+    def state(cls, name: str, num_layers: int, state_bytes: int) -> KVSpec:
+        """Snapshots of a per-sequence state: one slot holds ``state_bytes`` per layer."""
+        return cls(name, "state", num_layers, 1, "uint8", state_bytes=state_bytes)
 
     @classmethod
     def preset(cls, name: str, **overrides: object) -> KVSpec:

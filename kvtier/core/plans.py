@@ -155,18 +155,20 @@ def plan_shape_error(plan: object) -> str | None:
     return None
 
 
-def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
+def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: dict[str, tuple[int, int]] | None = None) -> str | None:
     """Why an executor must refuse ``plan`` before any byte moves, or None: its shape
     (:func:`plan_shape_error`), a page id that is not an integer in ``[0, pages)`` of its pool, a
-    destination page twice, keys that are not bytes, sides of different lengths, or other KV
-    groups' objects (an executor over one KV spec's pools holds none of theirs). A plan that
-    crossed a pipe was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
+    destination page twice, keys that are not bytes, sides of different lengths, or objects of a
+    KV group the executor has no pools for (``group_pages``: each group's (device, host) pool
+    sizes), named the same way. A plan that crossed a pipe was unpickled without
+    ``__post_init__``, so nothing about it is taken on trust."""
     why = plan_shape_error(plan)
     if why is not None:
         return why
-    if plan.groups:
-        return (f"plan {plan.op}: moves objects of KV groups {sorted({g.group for g in plan.groups})}, and this executor's pools "
-                "hold one KV spec: a hybrid model's other groups need their own pools")
+    for run in plan.groups:
+        why = _group_run_error(plan, run, group_pages or {})
+        if why is not None:
+            return why
     op, src, dst = plan.op, plan.src, plan.dst
     sizes = {Tier.DEVICE: device_pages, Tier.HOST: host_pages}
     n = None
@@ -196,6 +198,32 @@ def plan_error(plan: object, device_pages: int, host_pages: int) -> str | None:
             return f"plan {op}: {len(keys)} keys for {n} host pages"
     elif keys:
         return f"plan {op}: a device<->host copy names {len(keys)} storage keys"
+    return None
+
+
+def _group_run_error(plan: Transfer, run: GroupRun, group_pages: dict[str, tuple[int, int]]) -> str | None:
+    op = plan.op
+    if run.group not in group_pages:
+        return (f"plan {op}: moves objects of KV group {run.group!r}, and this executor has no pools for it: a hybrid model's other "
+                "groups need their own pools (groups= of the executor)")
+    if Tier.STORAGE in (plan.src, plan.dst):
+        return f"plan {op}: KV group {run.group!r}: group objects move between device and host only"
+    dev, host = group_pages[run.group]
+    sizes = {Tier.DEVICE: dev, Tier.HOST: host}
+    n = len(plan.src_pages)
+    for name, pages in (("at", run.at), ("source", run.src_pages), ("destination", run.dst_pages)):
+        if type(pages) is not tuple or any(type(p) is not int for p in pages):
+            return f"plan {op}: KV group {run.group!r}: {name} ids must be a tuple of ints"
+    if not len(run.at) == len(run.src_pages) == len(run.dst_pages):
+        return (f"plan {op}: KV group {run.group!r}: {len(run.at)} places, {len(run.src_pages)} source and "
+                f"{len(run.dst_pages)} destination ids")
+    if any(not 0 <= p < n for p in run.at):
+        return f"plan {op}: KV group {run.group!r}: a place outside the plan's {n} pages"
+    for pages, tier in ((run.src_pages, plan.src), (run.dst_pages, plan.dst)):
+        if any(not 0 <= p < sizes[tier] for p in pages):
+            return f"plan {op}: KV group {run.group!r}: a {tier.name.lower()} id outside its pool of {sizes[tier]}"
+    if len(set(run.dst_pages)) != len(run.dst_pages):
+        return f"plan {op}: KV group {run.group!r}: destination ids repeat: two objects would land in one"
     return None
 
 

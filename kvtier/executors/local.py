@@ -3,6 +3,11 @@
 It keeps one job per plan in flight, by the plan's op, and turns each finished
 job into a typed completion. It never decides anything: which pages, which
 keys and what a failure means for the cache are the core's business.
+
+A hybrid model's other KV groups (``groups``: a transfer engine over each
+group's own device and host pools) ride on the plans that move their pages
+(:class:`~kvtier.core.plans.GroupRun`): a plan completes once its pages and
+every group's objects are moved, ``Done`` only if all of them were.
 """
 
 from __future__ import annotations
@@ -18,14 +23,21 @@ _MEDIUM = {Tier.DEVICE: "device", Tier.HOST: "host"}
 
 
 class LocalExecutor:
-    def __init__(self, engine: TransferEngine, storage: StorageTier | None = None):
+    def __init__(self, engine: TransferEngine, storage: StorageTier | None = None, groups: dict[str, TransferEngine] | None = None):
         self.engine = engine
         self.storage = storage
+        self.groups = dict(groups or {})
         self.has_storage = storage is not None
         self.can_wait = True
         self._device_pages = engine.device.num_pages
         self._host_pages = engine.host.num_pages
+        self._group_pages = {name: (e.device.num_pages, e.host.num_pages) for name, e in self.groups.items()}
         self._jobs: dict[int, TransferJob | StorageJob] = {}
+        #: a plan's group objects still moving: op -> their jobs; and the first error among them
+        self._parts: dict[int, list[TransferJob]] = {}
+        self._part_errors: dict[int, str] = {}
+        #: plans whose pages are moved while group objects still are: op -> the pages' error (or None)
+        self._main_done: dict[int, str | None] = {}
         #: completions decided at submission (a plan that could not start)
         self._ready: list[Completion] = []
 
@@ -37,7 +49,7 @@ class LocalExecutor:
 
         ``layered`` (a copy out of device pages an engine is computing now): each layer
         is copied once :meth:`release_layer` says it is written (:meth:`release_rest`: all)."""
-        why = plan_error(plan, self._device_pages, self._host_pages)
+        why = plan_error(plan, self._device_pages, self._host_pages, self._group_pages)
         if why is not None:  # before any byte moves, whatever sent it
             self._ready.append(refused(plan, why))
             return
@@ -56,27 +68,57 @@ class LocalExecutor:
                 self._ready.append(Failed(plan.op, Reason.SKIPPED, "storage queue full" if self.storage is not None else "no storage tier"))
                 return
         else:
-            job = self.engine.submit(_MEDIUM[plan.src], _MEDIUM[plan.dst], list(plan.src_pages), list(plan.dst_pages), tag=plan.op,
-                                     layered=layered)
+            src, dst = _MEDIUM[plan.src], _MEDIUM[plan.dst]
+            parts = [self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op) for run in plan.groups]
+            job = self.engine.submit(src, dst, list(plan.src_pages), list(plan.dst_pages), tag=plan.op, layered=layered)
+            if parts:
+                self._parts[plan.op] = parts
         self._jobs[plan.op] = job
 
     def poll(self) -> list[Completion]:
         out, self._ready = self._ready, []
         jobs = self._jobs
+        for engine in self.groups.values():
+            for part in engine.take_finished():
+                self._part_finished(part, out)
         for job in self.engine.take_finished():
             if jobs.pop(job.tag, None) is not None:
-                out.append(Done(job.tag) if job.error is None else Failed(job.tag, Reason.ERROR, repr(job.error)))
+                error = None if job.error is None else repr(job.error)
+                if job.tag in self._parts:  # group objects still moving: complete with the last of them
+                    self._main_done[job.tag] = error
+                else:
+                    out.append(self._copy_completion(job.tag, error))
         if self.storage is not None:
             for sjob in self.storage.take_finished():
                 if jobs.pop(sjob.tag, None) is not None:
                     out.append(storage_completion(sjob))
         return out
 
+    def _part_finished(self, part: TransferJob, out: list[Completion]) -> None:
+        op = part.tag
+        parts = self._parts.get(op)
+        if parts is None:
+            return
+        parts.remove(part)
+        if part.error is not None:
+            self._part_errors.setdefault(op, repr(part.error))
+        if not parts:
+            del self._parts[op]
+            if op in self._main_done:
+                out.append(self._copy_completion(op, self._main_done.pop(op)))
+
+    def _copy_completion(self, op: int, error: str | None) -> Completion:
+        error = error or self._part_errors.pop(op, None)
+        self._part_errors.pop(op, None)
+        return Done(op) if error is None else Failed(op, Reason.ERROR, error)
+
     def wait(self, ops: Collection[int]) -> list[Completion]:
         for op in ops:
             job = self._jobs.get(op)
             if job is not None:
                 job.finished.wait()
+            for part in list(self._parts.get(op, ())):
+                part.finished.wait()
         return self.poll()
 
     def settle(self, op: int, policy: str, budget_s: float) -> int:
@@ -112,6 +154,8 @@ class LocalExecutor:
 
     def close(self) -> None:
         self.engine.close()
+        for engine in self.groups.values():
+            engine.close()
         if self.storage is not None:
             self.storage.close()
 
