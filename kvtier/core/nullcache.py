@@ -67,7 +67,7 @@ class NullCache:
         self.dev_alloc.free(list(device_pages))
         return InsertResult([], 0, list(device_pages), None)
 
-    def commit_request(self, keys, device_pages: Sequence[int], prefix) -> InsertResult:
+    def commit_request(self, keys, device_pages: Sequence[int], prefix, groups=None) -> InsertResult:
         return self.insert(keys, device_pages)
 
     def wait_idle(self) -> None:
