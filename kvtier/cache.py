@@ -73,7 +73,12 @@ class HierarchicalCache(CacheCore):
                 raise SpecError(f"KV group {name!r}: its device and host pools must both be built from the group's object_spec()")
         engines = {name: TransferEngine(host, dev, config.io_backend, name=f"kvtier-{name}")
                    for name, (dev, host) in self.group_pools.items()}
-        executor = LocalExecutor(self.engine, storage, engines)
+        # each group's objects go to the same store under their own keys, through a tier over its host pool
+        group_storage = {} if storage is None else {
+            name: StorageTier(storage.backend, host, storage.namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads,
+                              owns_backend=False)
+            for name, (_dev, host) in self.group_pools.items()}
+        executor = LocalExecutor(self.engine, storage, engines, group_storage)
         try:
             super().__init__(
                 device_pool.spec,

@@ -112,6 +112,12 @@ class Namespace:
 _I32 = np.iinfo(np.int32)
 
 
+def group_object_key(key: PageHash, group: str) -> PageHash:
+    """The L3 key of KV group ``group``'s object for page ``key`` (a hybrid model's sliding-window
+    page or state snapshot): 16 bytes, like a page key, distinct per group."""
+    return xxhash.xxh3_128_digest(key + b"\x00group\x00" + group.encode())
+
+
 def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Token ids as a flat int64 array, or :class:`ConfigError` for anything else: floats (which
     would be truncated), nested lists, strings, or ids that do not fit in int64."""

@@ -4,7 +4,8 @@ Sliding windows smaller than a page, of a page and a half, and longer than any
 prefix; state cadences 1 and 3; windows and state together; tiny pools for
 every group and tier, so every step evicts. :class:`BytesExecutor` keeps a label
 per page and per group object in each tier and moves labels as plans say --
-a plan that fails writes garbage into its destinations -- so a request that is
+a plan that fails writes garbage into its destinations, a fetch cut short too, and
+L3 saves, fetches, settles and lost keys are drawn -- so a request that is
 offered a page or an object whose bytes are not its own fails the test, the
 way wrong bytes would fail a model.
 
@@ -22,15 +23,15 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvtier.alloc import PageAllocator
-from kvtier.config import CacheConfig
-from kvtier.core import CacheCore, Done, Failed, Reason, RequestState, Tier, Transfer
+from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core import CacheCore, CutShort, Done, Failed, Reason, RequestState, Tier, Transfer
 from kvtier.core.hybrid_match import window_pages
 from kvtier.groups import KVGroup, ModelSpec, StateTensor
 from conftest import tiny_specs
 
 PAGE = 4
 PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
-STEPS = {"total": 0, "group_hits": 0, "limited": 0, "failed": 0}
+STEPS = {"total": 0, "group_hits": 0, "l3_hits": 0, "limited": 0, "failed": 0}
 
 
 def hybrid_model(window: int | None, state: bool) -> tuple[ModelSpec, object]:
@@ -44,9 +45,11 @@ def hybrid_model(window: int | None, state: bool) -> tuple[ModelSpec, object]:
 
 
 class BytesExecutor:
-    """Plans wait until the machine completes them; labels move as they say (no storage)."""
+    """Plans wait until the machine completes them; labels move as they say. L3 is a dict of labels by
+    key: a save stores what the host pages and objects hold, a fetch brings back the leading pages
+    whose page and objects are all there; the store forgets keys at random."""
 
-    has_storage = False
+    has_storage = True
     can_wait = True
 
     def __init__(self, rnd: random.Random):
@@ -55,13 +58,54 @@ class BytesExecutor:
         self.done: list = []
         #: (tier, group ("" for the tree's pages), id) -> label
         self.mem: dict[tuple[Tier, str, int], object] = {}
+        self.store: dict[bytes, object] = {}
+        #: fetches a settle answered: op -> places reported arrived (their bytes are in place)
+        self.settled: dict[int, int] = {}
 
     def submit(self, plan: Transfer) -> None:
+        if Tier.STORAGE in (plan.src, plan.dst) and self.rnd.random() < 0.05:
+            self.done.append(Failed(plan.op, Reason.SKIPPED))  # queue full
+            return
         self.inflight[plan.op] = plan
 
-    def finish(self, op: int, outcome: str) -> None:
+    def _fetchable(self, plan: Transfer) -> int:
+        """Leading places whose page and objects the store holds."""
+        n = 0
+        while n < plan.num_pages and plan.keys[n] in self.store and all(
+                k in self.store for g in plan.groups for at, k in zip(g.at, g.keys) if at == n):
+            n += 1
+        return n
+
+    def _land(self, plan: Transfer, k: int, op: int) -> None:
+        """A fetch's first ``k`` places are in host memory; the rest is garbage."""
+        mem, store = self.mem, self.store
+        for i, page in enumerate(plan.dst_pages):
+            mem[(Tier.HOST, "", page)] = store.get(plan.keys[i]) if i < k else ("garbage", op)
+        for g in plan.groups:
+            for at, gid, key in zip(g.at, g.dst_pages, g.keys):
+                mem[(Tier.HOST, g.group, gid)] = store.get(key) if at < k else ("garbage", op)
+
+    def finish(self, op: int, outcome: str, cut: float = 0.5) -> None:
         plan = self.inflight.pop(op)
-        mem = self.mem
+        mem, n = self.mem, plan.num_pages
+        if plan.src is Tier.STORAGE:  # never more than the store holds, never less than settled
+            floor = self.settled.pop(op, 0)
+            ceiling = max(self._fetchable(plan), floor)
+            k = ceiling if outcome == "done" else floor if outcome == "fail" else floor + int(cut * (ceiling - floor))
+            if k > floor or not floor:
+                self._land(plan, k, op)
+            self.done.append(Done(op) if k == n else CutShort(op, k, Reason.MISS if outcome != "fail" else Reason.ERROR))
+            return
+        if plan.dst is Tier.STORAGE:
+            k = n if outcome == "done" else int(cut * n) if outcome == "cut" else 0
+            for i in range(k):
+                self.store[plan.keys[i]] = mem.get((Tier.HOST, "", plan.src_pages[i]))
+            for g in plan.groups:
+                for at, gid, key in zip(g.at, g.src_pages, g.keys):
+                    if at < k:
+                        self.store[key] = mem.get((Tier.HOST, g.group, gid))
+            self.done.append(Done(op) if k == n else CutShort(op, k, Reason.ERROR) if k else Failed(op, Reason.ERROR))
+            return
         runs = [("", plan.src_pages, plan.dst_pages)] + [(g.group, g.src_pages, g.dst_pages) for g in plan.groups]
         for group, src, dst in runs:
             for s, d in zip(src, dst):
@@ -75,17 +119,29 @@ class BytesExecutor:
     def wait(self, ops):
         for op in ops:
             if op in self.inflight:
-                self.finish(op, self.rnd.choice(["done", "done", "done", "fail"]))
+                self.finish(op, self.rnd.choice(["done", "done", "done", "cut", "fail"]), self.rnd.random())
         return self.poll()
 
     def settle(self, op, policy, budget_s):
-        return 0
+        plan = self.inflight[op]
+        if policy == "wait_complete":
+            self.finish(op, "done")
+            return self._fetchable(plan)
+        k = self.rnd.randint(0, self._fetchable(plan))
+        self._land(plan, k, op)  # what a settle reports arrived is in place
+        self.settled[op] = k
+        return k
 
     def wait_layer(self, op, layer):
         pass
 
     def stored_prefix(self, keys):
-        return 0
+        n = 0
+        for k in keys:
+            if k not in self.store:
+                break
+            n += 1
+        return n
 
     def close(self):
         pass
@@ -98,6 +154,7 @@ class HybridMachine(RuleBasedStateMachine):
     dev_pages, host_pages = 6, 8
     group_pages = {"swa": (4, 6), "ssm": (3, 4)}  # (device, host) ids per group
     write_policy = "write_through"
+    l3_policy = "write_through"
 
     def __init__(self):
         super().__init__()
@@ -108,8 +165,9 @@ class HybridMachine(RuleBasedStateMachine):
                                                                                                        f"{g.name} host"))
                  for g in self.model.groups if g.kind != "full"}
         self.core = CacheCore(full, PageAllocator(self.dev_pages, "device pool"), PageAllocator(self.host_pages, "host pool"), self.port,
-                              CacheConfig(write_policy=self.write_policy, preallocate_nodes=False), model=self.model, group_pools=pools,
-                              state_every=self.state_every)
+                              CacheConfig(write_policy=self.write_policy, preallocate_nodes=False),
+                              StorageConfig(url="memory://", write_policy=self.l3_policy, min_prefetch_pages=1), model=self.model,
+                              group_pools=pools, state_every=self.state_every)
         self.open: list = []
 
     # ---- the bytes a request is offered are its own ---------------------------------------------------
@@ -126,13 +184,15 @@ class HybridMachine(RuleBasedStateMachine):
                 assert mem.get((Tier.DEVICE, c.name, gid)) == (req.keys[i], c.name), f"group {c.name}: object {i} holds wrong bytes"
         if n and any(req.groups.values()):
             STEPS["group_hits"] += 1
+            STEPS["l3_hits"] += bool(req.storage_hit)
 
     # ---- requests ----------------------------------------------------------------------------------
     @precondition(lambda self: len(self.open) < 2)
-    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), tail=st.integers(0, PAGE - 1))
-    def begin(self, prefix, pages, tail):
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), tail=st.integers(0, PAGE - 1),
+          policy=st.sampled_from(["best_effort", "timeout", "wait_complete"]))
+    def begin(self, prefix, pages, tail, policy):
         toks = PREFIXES[prefix][: pages * PAGE] + [50_000] * tail
-        req = self.core.begin(toks)
+        req = self.core.begin(toks, prefetch_policy=policy)
         assert req.num_cached <= len(req.keys)
         self.open.append(req)
 
@@ -180,11 +240,17 @@ class HybridMachine(RuleBasedStateMachine):
 
     # ---- plans finish in any order, some fail; pools are squeezed --------------------------------------
     @precondition(lambda self: self.port.inflight)
-    @rule(pick=st.integers(0, 10**6), ok=st.booleans())
-    def complete(self, pick, ok):
+    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
+    def complete(self, pick, outcome, cut):
         ops = sorted(self.port.inflight)
-        self.port.finish(ops[pick % len(ops)], "done" if ok else "fail")
+        self.port.finish(ops[pick % len(ops)], outcome, cut)
         self.core.poll()
+
+    @precondition(lambda self: self.port.store)
+    @rule(pick=st.integers(0, 10**6))
+    def storage_loses_a_key(self, pick):
+        keys = sorted(self.port.store)
+        del self.port.store[keys[pick % len(keys)]]
 
     @rule(n=st.integers(1, 8))
     def evict_device(self, n):
@@ -220,7 +286,7 @@ class HybridMachine(RuleBasedStateMachine):
         for c in core.components:
             dev, host = c.alloc[Tier.DEVICE], c.alloc[Tier.HOST]
             assert dev.num_free + len(c.at[Tier.DEVICE]) + len(mine_groups[c.name]) + len(quarantined.get(c.name, ())) == dev.num_pages
-            assert host.num_free + len(c.at[Tier.HOST]) == host.num_pages
+            assert host.num_free + len(c.at[Tier.HOST]) + len(host.parked) == host.num_pages
         if not self.open and not core._inflight:
             core.check_integrity(idle=True)
 
@@ -246,7 +312,7 @@ CONFIGS = [  # window (tokens), state, cadence, device, host, write policy, grou
 
 
 def test_hybrid_core_state_machine_ten_thousand_steps():
-    STEPS.update(total=0, group_hits=0, limited=0, failed=0)
+    STEPS.update(total=0, group_hits=0, l3_hits=0, limited=0, failed=0)
     for window, state, every, dev, host, wp, g in CONFIGS:
         machine = type(f"Hybrid_{window}_{state}_{every}_{wp}_{dev}", (HybridMachine,),
                        {"window": window, "state": state, "state_every": every, "dev_pages": dev, "host_pages": host, "write_policy": wp,
@@ -254,5 +320,6 @@ def test_hybrid_core_state_machine_ten_thousand_steps():
         run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=70, derandomize=True, deadline=None,
                                                              database=None, suppress_health_check=list(HealthCheck)))
     assert STEPS["total"] >= 10_000, STEPS
-    # the runs did what they are for: hits that read group objects, prefixes a group cut short, failed loads
-    assert STEPS["group_hits"] > 100 and STEPS["limited"] > 0 and STEPS["failed"] > 0, STEPS
+    # the runs did what they are for: hits that read group objects (some through L3), prefixes a group cut
+    # short, failed loads
+    assert STEPS["group_hits"] > 100 and STEPS["l3_hits"] > 5 and STEPS["limited"] > 0 and STEPS["failed"] > 0, STEPS

@@ -131,3 +131,105 @@ def test_group_pools_must_be_built_from_the_groups_object_spec():
              "ssm": (DevicePool(MODEL.group("ssm").object_spec(), 4), HostPool(MODEL.group("ssm").object_spec(), 4))}
     with pytest.raises(SpecError, match="object_spec"):
         HierarchicalCache(DevicePool(FULL, 4), HostPool(FULL, 4), model=MODEL, group_pools=pools)
+
+
+# ---- L3: every group's objects under their own keys, a hit only where all of them are there ----------
+def build_with_store(root, dev: int = 8, host: int = 16) -> HierarchicalCache:
+    from kvtier.build import open_storage_tier
+    from kvtier.config import StorageConfig
+    from kvtier.hashing import Namespace
+
+    storage = StorageConfig(url=f"file://{root}", write_policy="write_through", min_prefetch_pages=1)
+    host_pool = HostPool(FULL, host)
+    ns = Namespace("hy", MODEL.fingerprint())
+    pools = {g.name: (DevicePool(g.object_spec(), dev), HostPool(g.object_spec(), host)) for g in MODEL.groups if g.kind != "full"}
+    return HierarchicalCache(DevicePool(FULL, dev), host_pool, CacheConfig(write_policy="write_through"), namespace=ns,
+                             storage=open_storage_tier(storage, host_pool, ns), storage_config=storage, model=MODEL, group_pools=pools,
+                             state_every=2)
+
+
+def _check_served(cache: HierarchicalCache, req, pages: int) -> None:
+    assert req.wait() == pages
+    for i, page in enumerate(req.cached_pages):
+        assert cache.device.page_bytes(page) == expected(FULL, ("full", req.keys[i])), f"page {i}"
+    for c in cache.components:
+        dev = cache.group_pools[c.name][0]
+        needed = ([pages - 1] if pages else []) if c.is_state else list(window_pages(c.group, pages, P))
+        assert sorted(req.groups[c.name]) == needed
+        for place, gid in req.groups[c.name].items():
+            assert dev.page_bytes(gid) == expected(dev.spec, (c.name, req.keys[place])), f"{c.name} object {place}"
+
+
+def test_a_restarted_cache_hits_l3_with_every_groups_objects_bit_exact(tmp_path):
+    cache = build_with_store(tmp_path)
+    try:
+        compute(cache, TOKENS)
+        cache.wait_idle()
+        saved = {c.name: c.saved for c in cache.components}
+    finally:
+        cache.close()
+    assert saved == {"swa": 6, "ssm": 3}  # every window page, the snapshots at 2, 4 and 6
+    fresh = build_with_store(tmp_path)
+    try:
+        req = fresh.begin(TOKENS)
+        assert req.served(6) == (0, 0, 6)
+        _check_served(fresh, req, 6)
+        # from L3 only what the boundary reads: its window's pages and its snapshot
+        assert {c.name: c.fetched for c in fresh.components} == {"swa": 2, "ssm": 1}
+        req.commit(req.cached_pages, {})
+        fresh.check_integrity(idle=True)
+    finally:
+        fresh.close()
+
+
+@pytest.mark.parametrize("lost, hit", [("ssm", 4), ("swa", 4)])
+def test_a_group_object_missing_in_l3_stops_the_hit_where_every_group_still_has_one(tmp_path, lost, hit):
+    from kvtier.hashing import group_object_key
+
+    cache = build_with_store(tmp_path)
+    try:
+        compute(cache, TOKENS)
+        cache.wait_idle()
+        keys = cache.page_keys(TOKENS)
+        tier = cache.storage
+        tier.backend.delete([tier.key(group_object_key(keys[5], lost))])  # the snapshot at 6 / the window page 5
+    finally:
+        cache.close()
+    fresh = build_with_store(tmp_path)
+    try:
+        m = fresh.match(TOKENS)
+        assert m.num_storage_pages == hit
+        req = fresh.begin(TOKENS)
+        assert req.served(hit) == (0, 0, hit)
+        _check_served(fresh, req, hit)
+        req.abort()
+    finally:
+        fresh.close()
+
+
+def test_a_corrupt_group_object_in_l3_is_a_miss_and_is_deleted(tmp_path):
+    from kvtier.hashing import group_object_key
+
+    cache = build_with_store(tmp_path)
+    try:
+        compute(cache, TOKENS)
+        cache.wait_idle()
+        keys = cache.page_keys(TOKENS)
+        name = cache.storage.key(group_object_key(keys[5], "ssm"))
+    finally:
+        cache.close()
+    path = next(p for p in tmp_path.rglob("*") if p.is_file() and name.split("/")[-1] in p.name)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF  # one flipped byte in the snapshot's payload
+    path.write_bytes(bytes(raw))
+    fresh = build_with_store(tmp_path)
+    try:
+        req = fresh.begin(TOKENS)
+        req.wait()
+        assert req.num_cached < 6  # the snapshot at 6 failed its check: that boundary is not offered
+        _check_served(fresh, req, req.num_cached)
+        req.abort()
+        fresh.wait_idle()
+        assert not path.exists()  # deleted, so the next save repairs it
+    finally:
+        fresh.close()

@@ -15,7 +15,7 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, Tier
 from kvtier.core.hybrid_match import window_pages
 from kvtier.errors import ConfigError, KVTierError, PageOwnershipError, UnknownNameError
-from kvtier.executors.accounting import AccountingExecutor, AccountingStore
+from kvtier.executors.accounting import AccountingExecutor
 from kvtier.groups import ModelSpec
 from test_core_hybrid_stateful import PAGE, hybrid_model
 
@@ -193,8 +193,6 @@ def test_what_the_core_refuses_at_construction():
         return CacheCore(args.pop("spec", full), PageAllocator(4), PageAllocator(4), port, CacheConfig(),
                          StorageConfig(url="memory://") if port.has_storage else StorageConfig(), **args)
 
-    with pytest.raises(ConfigError, match="L3 does not hold their objects yet"):
-        build(port=AccountingExecutor(AccountingStore()))
     with pytest.raises(ConfigError, match="has no pools"):
         build(group_pools={"swa": pools["swa"]})
     with pytest.raises(ConfigError, match="not groups of"):

@@ -85,6 +85,9 @@ class CoreBase(PlanDispatch, HostSpace, StoragePolicy):
         """Layer ``layer`` of plan ``op``'s pages is in place (the executor's per-layer wait)."""
         self._ask(self.port.wait_layer, op, layer)
 
+    #: a hybrid model's other KV groups (:mod:`~kvtier.core.group_residency`); none in this core
+    components: tuple = ()
+
     def _groups_left(self, tier: Tier, nodes) -> None:
         """``nodes``' pages leave ``tier``; a core that keeps other KV groups' objects beside them frees
         those too (:mod:`~kvtier.core.group_residency`). Called wherever a page is cleared."""

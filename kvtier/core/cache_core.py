@@ -137,6 +137,8 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         n_storage = 0
         if self.port.has_storage and len(matched) == len(path) < len(keys):
             n_storage = self._ask(self.port.stored_prefix, keys[len(path) :])
+            if n_storage and self.components:  # a hybrid model: as far as every group's objects are there too
+                n_storage = self._stored_usable(path, n_dev, keys, n_storage)
             st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by)
 
@@ -169,7 +171,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         given: dict[str, dict[int, int]] = {}
         held: list[PageNode] = []
         if self.components:  # what the loads could bring: the prefix every group continues from, its objects held
-            if ld.op is not None:  # (else the match's own answer stands: nothing was loaded)
+            if ld.op is not None or len(nodes) < len(m.nodes):  # (else the match's answer stands: all of it was on device)
                 usable = self._hybrid_prefix(nodes, len(nodes), len(nodes)).pages
                 nodes, cached = nodes[:usable], cached[:usable]
             given, held = self._given_objects(nodes)

@@ -40,17 +40,20 @@ from kvtier.core.hybrid_match import HybridPrefix, usable_prefix, window_pages
 from kvtier.core.plans import GroupRun, Tier
 from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, UnknownNameError
 from kvtier.groups import KVGroup, ModelSpec
+from kvtier.hashing import PageHash, group_object_key
 from kvtier.pages import first_duplicate
 from kvtier.radix import NO_PAGE, PageNode
 
-#: the tiers a component keeps objects in (L3 objects of groups are a later step)
+#: the tiers whose object ids a component keeps (L3 objects are named by their keys)
 TIERS = (Tier.DEVICE, Tier.HOST)
+#: questions to L3 about group objects per match, at most (a bound on a lookup's round trips)
+_L3_PROBES = 8
 
 
 class Component:
     """One non-full KV group: its pools' page ids and, per tier, node -> object id."""
 
-    __slots__ = ("group", "name", "alloc", "at", "loaded", "backed_up", "evicted", "limited")
+    __slots__ = ("group", "name", "alloc", "at", "loaded", "backed_up", "evicted", "limited", "saved", "fetched")
 
     def __init__(self, group: KVGroup, device: PageAllocator, host: PageAllocator):
         self.group = group
@@ -60,6 +63,8 @@ class Component:
         #: objects moved host -> device / device -> host, evicted under the pool's pressure, and
         #: matches this group stopped short of what the full groups had
         self.loaded = self.backed_up = self.evicted = self.limited = 0
+        #: objects planned into L3 and out of it
+        self.saved = self.fetched = 0
 
     @property
     def is_state(self) -> bool:
@@ -67,7 +72,8 @@ class Component:
 
     def stats(self) -> dict[str, int]:
         return {"device_objects": len(self.at[Tier.DEVICE]), "host_objects": len(self.at[Tier.HOST]), "loaded": self.loaded,
-                "backed_up": self.backed_up, "evicted": self.evicted, "limited_matches": self.limited}
+                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "evicted": self.evicted,
+                "limited_matches": self.limited}
 
 
 class GroupResidency:
@@ -89,9 +95,6 @@ class GroupResidency:
         if self.spec.page_size != model.page_size:
             raise ConfigError(f"the cache's spec has pages of {self.spec.page_size} tokens and model {model.name!r} of "
                               f"{model.page_size}: build the cache from the model's full group")
-        if self.port.has_storage:
-            raise ConfigError(f"model {model.name!r} has KV groups beside full attention, and L3 does not hold their objects yet: "
-                              "run a hybrid model without storage (device and host tiers)")
         pools = pools or {}
         for g in model.groups:
             if g.kind == "full":
@@ -120,14 +123,7 @@ class GroupResidency:
         """The longest prefix of ``path[:full]`` usable in every group: an object counts where its node's
         page is usable -- on device for the first ``n_dev`` nodes, a readable host copy after them
         (the load back brings it along)."""
-        has = {}
-        for c in self.components:
-            dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
-            if c.is_state:
-                has[c.name] = lambda b, dev=dev, host=host: (path[b - 1] in dev) if b <= n_dev else (path[b - 1] in host)
-            else:
-                has[c.name] = lambda i, dev=dev, host=host: (path[i] in dev) if i < n_dev else (path[i] in host)
-        return usable_prefix(full, self.model.groups, self.spec.page_size, has)
+        return usable_prefix(full, self.model.groups, self.spec.page_size, self._tree_has(path, n_dev))
 
     def needed_places(self, c: Component, pages: int) -> Iterable[int]:
         """The places of the objects of ``c`` a prefix of ``pages`` pages reads: its window's pages, or the
@@ -239,12 +235,26 @@ class GroupResidency:
                     wanted: dict[str, list[int]] | None = None) -> tuple[GroupRun, ...]:
         """The objects of ``nodes`` held in ``src`` (``wanted``: only these places, per group), each given
         an id in ``dst`` (as many as that pool can give after eviction; the rest stay behind) and attached
-        there at once: readable when their nodes' pages are, which this plan decides."""
+        there at once: readable when their nodes' pages are, which this plan decides.
+
+        L3: a save takes every object its nodes hold on host, named by its key; a fetch brings the
+        ``wanted`` places (the store was asked that they are there) into new host ids."""
         runs = []
         for c in self.components:
-            have = c.at[src]
             places = wanted.get(c.name, ()) if wanted is not None else range(len(nodes))
-            at = [i for i in places if nodes[i] in have and nodes[i] not in c.at[dst]]
+            if dst is Tier.STORAGE:
+                have = c.at[src]
+                at = [i for i in places if nodes[i] in have]
+                if at:
+                    runs.append(GroupRun(c.name, tuple(at), tuple(have[nodes[i]] for i in at), (),
+                                         tuple(group_object_key(nodes[i].key, c.name) for i in at)))
+                    c.saved += len(at)
+                continue
+            if src is Tier.STORAGE:
+                at = [i for i in places if nodes[i] not in c.at[dst]]
+            else:
+                have = c.at[src]
+                at = [i for i in places if nodes[i] in have and nodes[i] not in c.at[dst]]
             if not at:
                 continue
             ids = self._alloc_group(c, dst, len(at))
@@ -252,12 +262,72 @@ class GroupResidency:
             if not at:
                 continue
             c.at[dst].update(zip((nodes[i] for i in at), ids))
+            if src is Tier.STORAGE:
+                runs.append(GroupRun(c.name, tuple(at), (), tuple(ids), tuple(group_object_key(nodes[i].key, c.name) for i in at)))
+                c.fetched += len(at)
+                continue
             runs.append(GroupRun(c.name, tuple(at), tuple(have[nodes[i]] for i in at), tuple(ids)))
             if dst is Tier.DEVICE:
                 c.loaded += len(at)
             else:
                 c.backed_up += len(at)
         return tuple(runs)
+
+    def _prefetch_groups(self, match, nodes: Sequence[PageNode]) -> tuple[GroupRun, ...]:
+        """A prefetch of ``nodes`` (the match's storage pages) brings the objects its boundary reads that
+        fall among them: the window's pages, the snapshot at its end."""
+        first = len(match.nodes)
+        end = first + len(nodes)
+        wanted = {c.name: [i - first for i in self.needed_places(c, end) if i >= first] for c in self.components}
+        return self._group_runs(nodes, Tier.STORAGE, Tier.HOST, wanted)
+
+    def _stored_usable(self, path: Sequence[PageNode], n_dev: int, keys: Sequence[PageHash], stored: int) -> int:
+        """Of the ``stored`` pages after ``path`` (all of it usable) that L3 holds, how many a request can
+        continue from: the longest prefix whose objects are present -- in the tree for its nodes, in
+        L3 (asked per group, a few keys per question, at most ``_L3_PROBES`` questions) after them."""
+        start = len(path)
+        known: dict[tuple[str, int], bool] = {}
+        probes = [0]
+        tree_has = self._tree_has(path, n_dev)
+
+        def in_store(c: Component, i: int, span: int) -> bool:
+            """Whether L3 holds ``c``'s object for place ``i``: asked with the places below it, up to
+            ``span`` of them (a window's worth: one question usually answers a whole window)."""
+            lo = max(start, i - span + 1)
+            while (c.name, i) not in known:
+                if probes[0] >= _L3_PROBES:
+                    return False  # asked enough: the rest counts as absent
+                probes[0] += 1
+                asked = keys[lo : i + 1]
+                n = self._ask(self.port.stored_prefix, [group_object_key(k, c.name) for k in asked])
+                for j in range(n):
+                    known[(c.name, lo + j)] = True
+                if n < len(asked):
+                    known[(c.name, lo + n)] = False
+                lo += n + 1
+            return known[(c.name, i)]
+
+        has = {}
+        for c in self.components:
+            inside = tree_has[c.name]
+            if c.is_state:
+                has[c.name] = lambda b, c=c, inside=inside: inside(b) if b <= start else in_store(c, b - 1, 1)
+            else:
+                span = len(window_pages(c.group, start + stored, self.spec.page_size))
+                has[c.name] = lambda i, c=c, inside=inside, span=span: inside(i) if i < start else in_store(c, i, span)
+        return usable_prefix(start + stored, self.model.groups, self.spec.page_size, has).pages - start
+
+    def _tree_has(self, path: Sequence[PageNode], n_dev: int) -> dict[str, object]:
+        """Per group, whether the object a boundary (state) or a page (window) of ``path`` reads is in the
+        tree where it counts: on device for the first ``n_dev`` nodes, on host after them."""
+        has = {}
+        for c in self.components:
+            dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
+            if c.is_state:
+                has[c.name] = lambda b, dev=dev, host=host: (path[b - 1] in dev) if b <= n_dev else (path[b - 1] in host)
+            else:
+                has[c.name] = lambda i, dev=dev, host=host: (path[i] in dev) if i < n_dev else (path[i] in host)
+        return has
 
     def _groups_left(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
         """``nodes``' pages left ``tier``: so do their objects there (their ids go back to the pools)."""

@@ -14,6 +14,7 @@ so no partial page can be expressed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 
@@ -39,6 +40,9 @@ class GroupRun:
     at: tuple[int, ...]
     src_pages: tuple[int, ...]
     dst_pages: tuple[int, ...]
+    #: a save or a fetch: the objects' L3 keys (:func:`~kvtier.hashing.group_object_key`); the storage
+    #: side's ids are empty, as a plan's are
+    keys: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,12 +85,12 @@ def copy_plan(op: int, src: Tier, src_pages, dst: Tier, dst_pages, after: int = 
     return Transfer(op, src, dst, tuple(src_pages), tuple(dst_pages), after=after, groups=groups)
 
 
-def save_plan(op: int, keys, host_pages, after: int = 0) -> Transfer:
-    return Transfer(op, Tier.HOST, Tier.STORAGE, tuple(host_pages), (), tuple(keys), after)
+def save_plan(op: int, keys, host_pages, after: int = 0, groups: tuple[GroupRun, ...] = ()) -> Transfer:
+    return Transfer(op, Tier.HOST, Tier.STORAGE, tuple(host_pages), (), tuple(keys), after, groups)
 
 
-def fetch_plan(op: int, keys, host_pages) -> Transfer:
-    return Transfer(op, Tier.STORAGE, Tier.HOST, (), tuple(host_pages), tuple(keys))
+def fetch_plan(op: int, keys, host_pages, groups: tuple[GroupRun, ...] = ()) -> Transfer:
+    return Transfer(op, Tier.STORAGE, Tier.HOST, (), tuple(host_pages), tuple(keys), 0, groups)
 
 
 class Reason(Enum):
@@ -155,18 +159,19 @@ def plan_shape_error(plan: object) -> str | None:
     return None
 
 
-def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: dict[str, tuple[int, int]] | None = None) -> str | None:
+def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: dict[str, tuple[int, int]] | None = None,
+               group_storage: Collection[str] = ()) -> str | None:
     """Why an executor must refuse ``plan`` before any byte moves, or None: its shape
     (:func:`plan_shape_error`), a page id that is not an integer in ``[0, pages)`` of its pool, a
     destination page twice, keys that are not bytes, sides of different lengths, or objects of a
     KV group the executor has no pools for (``group_pages``: each group's (device, host) pool
-    sizes), named the same way. A plan that crossed a pipe was unpickled without
-    ``__post_init__``, so nothing about it is taken on trust."""
+    sizes; ``group_storage``: the groups it can save and fetch), named the same way. A plan that
+    crossed a pipe was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
     why = plan_shape_error(plan)
     if why is not None:
         return why
     for run in plan.groups:
-        why = _group_run_error(plan, run, group_pages or {})
+        why = _group_run_error(plan, run, group_pages or {}, group_storage)
         if why is not None:
             return why
     op, src, dst = plan.op, plan.src, plan.dst
@@ -201,26 +206,31 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
     return None
 
 
-def _group_run_error(plan: Transfer, run: GroupRun, group_pages: dict[str, tuple[int, int]]) -> str | None:
+def _group_run_error(plan: Transfer, run: GroupRun, group_pages: dict[str, tuple[int, int]], group_storage: Collection[str]) -> str | None:
     op = plan.op
     if run.group not in group_pages:
         return (f"plan {op}: moves objects of KV group {run.group!r}, and this executor has no pools for it: a hybrid model's other "
                 "groups need their own pools (groups= of the executor)")
-    if Tier.STORAGE in (plan.src, plan.dst):
-        return f"plan {op}: KV group {run.group!r}: group objects move between device and host only"
+    storage = Tier.STORAGE in (plan.src, plan.dst)
+    if storage and run.group not in group_storage:
+        return f"plan {op}: KV group {run.group!r}: this executor has no L3 tier for the group's objects"
     dev, host = group_pages[run.group]
     sizes = {Tier.DEVICE: dev, Tier.HOST: host}
-    n = len(plan.src_pages)
+    n = plan.num_pages
     for name, pages in (("at", run.at), ("source", run.src_pages), ("destination", run.dst_pages)):
         if type(pages) is not tuple or any(type(p) is not int for p in pages):
             return f"plan {op}: KV group {run.group!r}: {name} ids must be a tuple of ints"
-    if not len(run.at) == len(run.src_pages) == len(run.dst_pages):
-        return (f"plan {op}: KV group {run.group!r}: {len(run.at)} places, {len(run.src_pages)} source and "
-                f"{len(run.dst_pages)} destination ids")
+    if type(run.keys) is not tuple or any(type(k) is not bytes for k in run.keys):
+        return f"plan {op}: KV group {run.group!r}: keys must be a tuple of bytes"
+    sides = [(run.src_pages, plan.src), (run.dst_pages, plan.dst)]
+    named = [len(ids) if tier is not Tier.STORAGE else len(run.keys) for ids, tier in sides]
+    if not len(run.at) == named[0] == named[1] or (not storage and run.keys) or any(ids and t is Tier.STORAGE for ids, t in sides):
+        return (f"plan {op}: KV group {run.group!r}: {len(run.at)} places, {len(run.src_pages)} source ids, {len(run.dst_pages)} "
+                f"destination ids and {len(run.keys)} keys do not name one object each")
     if any(not 0 <= p < n for p in run.at):
         return f"plan {op}: KV group {run.group!r}: a place outside the plan's {n} pages"
-    for pages, tier in ((run.src_pages, plan.src), (run.dst_pages, plan.dst)):
-        if any(not 0 <= p < sizes[tier] for p in pages):
+    for pages, tier in sides:
+        if tier is not Tier.STORAGE and any(not 0 <= p < sizes[tier] for p in pages):
             return f"plan {op}: KV group {run.group!r}: a {tier.name.lower()} id outside its pool of {sizes[tier]}"
     if len(set(run.dst_pages)) != len(run.dst_pages):
         return f"plan {op}: KV group {run.group!r}: destination ids repeat: two objects would land in one"

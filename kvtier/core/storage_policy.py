@@ -49,7 +49,8 @@ class StoragePolicy:
         self.tree.touch(nodes)
         self.tree.lock(nodes[-1])  # released when the plan completes
         handle = PrefetchHandle(nodes)
-        handle.op = self._submit(fetch_plan, handle, keys, got.pages)
+        groups = self._prefetch_groups(match, nodes) if self.components else ()
+        handle.op = self._submit(fetch_plan, handle, keys, got.pages, groups)
         return handle
 
     def resolve_prefetch(self, handle: PrefetchHandle | None, policy: str | None = None) -> int:
@@ -122,7 +123,8 @@ class StoragePolicy:
         if not self.port.has_storage or not nodes:
             return None
         self.tree.set_stored(nodes, SAVING)
-        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after)
+        groups = self._group_runs(nodes, Tier.HOST, Tier.STORAGE) if self.components else ()
+        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after, groups)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
         """The leading pages the store holds now are STORED; the rest may be saved again later."""
@@ -144,5 +146,6 @@ class StoragePolicy:
         Victims are leaves of possibly different paths; a save that stops early leaves the
         rest unstored (they are freed all the same: write_back is best effort)."""
         self.tree.set_stored(victims, SAVING)
-        c = self._await(self._submit(save_plan, EvictionSave(victims), [v.key for v in victims], [v.host_page for v in victims]))
+        groups = self._group_runs(victims, Tier.HOST, Tier.STORAGE) if self.components else ()
+        c = self._await(self._submit(save_plan, EvictionSave(victims), [v.key for v in victims], [v.host_page for v in victims], 0, groups))
         self._apply_saved(c, victims)

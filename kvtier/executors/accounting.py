@@ -80,9 +80,15 @@ class AccountingExecutor:
     def submit(self, plan: Transfer) -> None:
         if plan.dst is Tier.STORAGE:
             existing = self.store.save(plan.keys)
+            for run in plan.groups:  # a hybrid model's objects, under their own keys
+                self.store.save(run.keys)
             self._done.append(Done(plan.op, existing))
         elif plan.src is Tier.STORAGE:
             n = self.store.fetch(plan.keys)
+            for run in plan.groups:  # a page counts as arrived once its objects did too
+                got = self.store.fetch(run.keys)
+                if got < len(run.keys):
+                    n = min(n, run.at[got])
             self._arrived[plan.op] = n
             self._done.append(Done(plan.op) if n == len(plan.keys) else CutShort(plan.op, n, Reason.MISS))
         else:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason, Tier, Transfer, plan_error, refused
+from kvtier.core.plans import Completion, CutShort, Done, Failed, GroupRun, Reason, Tier, Transfer, completed_pages, plan_error, refused
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.transfer.engine import TransferEngine, TransferJob
@@ -23,21 +23,22 @@ _MEDIUM = {Tier.DEVICE: "device", Tier.HOST: "host"}
 
 
 class LocalExecutor:
-    def __init__(self, engine: TransferEngine, storage: StorageTier | None = None, groups: dict[str, TransferEngine] | None = None):
+    def __init__(self, engine: TransferEngine, storage: StorageTier | None = None, groups: dict[str, TransferEngine] | None = None,
+                 group_storage: dict[str, StorageTier] | None = None):
         self.engine = engine
         self.storage = storage
         self.groups = dict(groups or {})
+        self.group_storage = dict(group_storage or {})
         self.has_storage = storage is not None
         self.can_wait = True
         self._device_pages = engine.device.num_pages
         self._host_pages = engine.host.num_pages
         self._group_pages = {name: (e.device.num_pages, e.host.num_pages) for name, e in self.groups.items()}
         self._jobs: dict[int, TransferJob | StorageJob] = {}
-        #: a plan's group objects still moving: op -> their jobs; and the first error among them
-        self._parts: dict[int, list[TransferJob]] = {}
-        self._part_errors: dict[int, str] = {}
-        #: plans whose pages are moved while group objects still are: op -> the pages' error (or None)
-        self._main_done: dict[int, str | None] = {}
+        #: a plan's group objects, moving as jobs of their own: op -> (run, its job or None if it could not start)
+        self._parts: dict[int, list[tuple[GroupRun, TransferJob | StorageJob | None]]] = {}
+        #: plans whose pages' job finished while group objects may still be moving: op -> that job
+        self._main_done: dict[int, TransferJob | StorageJob] = {}
         #: completions decided at submission (a plan that could not start)
         self._ready: list[Completion] = []
 
@@ -49,7 +50,7 @@ class LocalExecutor:
 
         ``layered`` (a copy out of device pages an engine is computing now): each layer
         is copied once :meth:`release_layer` says it is written (:meth:`release_rest`: all)."""
-        why = plan_error(plan, self._device_pages, self._host_pages, self._group_pages)
+        why = plan_error(plan, self._device_pages, self._host_pages, self._group_pages, self.group_storage)
         if why is not None:  # before any byte moves, whatever sent it
             self._ready.append(refused(plan, why))
             return
@@ -67,58 +68,44 @@ class LocalExecutor:
             if job is None:
                 self._ready.append(Failed(plan.op, Reason.SKIPPED, "storage queue full" if self.storage is not None else "no storage tier"))
                 return
+            parts = [(run, self.group_storage[run.group].submit(kind, list(run.keys), list(run.src_pages or run.dst_pages), tag=plan.op))
+                     for run in plan.groups]
         else:
             src, dst = _MEDIUM[plan.src], _MEDIUM[plan.dst]
-            parts = [self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op) for run in plan.groups]
+            parts = [(run, self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op))
+                     for run in plan.groups]
             job = self.engine.submit(src, dst, list(plan.src_pages), list(plan.dst_pages), tag=plan.op, layered=layered)
-            if parts:
-                self._parts[plan.op] = parts
+        if parts:
+            self._parts[plan.op] = parts
         self._jobs[plan.op] = job
 
     def poll(self) -> list[Completion]:
         out, self._ready = self._ready, []
-        jobs = self._jobs
-        for engine in self.groups.values():
-            for part in engine.take_finished():
-                self._part_finished(part, out)
-        for job in self.engine.take_finished():
-            if jobs.pop(job.tag, None) is not None:
-                error = None if job.error is None else repr(job.error)
-                if job.tag in self._parts:  # group objects still moving: complete with the last of them
-                    self._main_done[job.tag] = error
-                else:
-                    out.append(self._copy_completion(job.tag, error))
+        jobs, parts = self._jobs, self._parts
+        for mover in [*self.groups.values(), *self.group_storage.values()]:
+            mover.take_finished()  # (a plan's group jobs are read through their own finished flags)
+        finished: list[TransferJob | StorageJob] = self.engine.take_finished()
         if self.storage is not None:
-            for sjob in self.storage.take_finished():
-                if jobs.pop(sjob.tag, None) is not None:
-                    out.append(storage_completion(sjob))
+            finished += self.storage.take_finished()
+        for job in finished:
+            if jobs.pop(job.tag, None) is None:
+                continue
+            if job.tag in parts:  # group objects move too: the plan completes with the last of its jobs
+                self._main_done[job.tag] = job
+            else:
+                out.append(storage_completion(job) if isinstance(job, StorageJob) else _copy_completion(job.tag, job.error))
+        for op in [op for op in self._main_done if all(j is None or j.finished.is_set() for _, j in parts[op])]:
+            out.append(_joined_completion(self._main_done.pop(op), parts.pop(op)))
         return out
-
-    def _part_finished(self, part: TransferJob, out: list[Completion]) -> None:
-        op = part.tag
-        parts = self._parts.get(op)
-        if parts is None:
-            return
-        parts.remove(part)
-        if part.error is not None:
-            self._part_errors.setdefault(op, repr(part.error))
-        if not parts:
-            del self._parts[op]
-            if op in self._main_done:
-                out.append(self._copy_completion(op, self._main_done.pop(op)))
-
-    def _copy_completion(self, op: int, error: str | None) -> Completion:
-        error = error or self._part_errors.pop(op, None)
-        self._part_errors.pop(op, None)
-        return Done(op) if error is None else Failed(op, Reason.ERROR, error)
 
     def wait(self, ops: Collection[int]) -> list[Completion]:
         for op in ops:
             job = self._jobs.get(op)
             if job is not None:
                 job.finished.wait()
-            for part in list(self._parts.get(op, ())):
-                part.finished.wait()
+            for _, part in self._parts.get(op, ()):
+                if part is not None:
+                    part.finished.wait()
         return self.poll()
 
     def settle(self, op: int, policy: str, budget_s: float) -> int:
@@ -126,7 +113,12 @@ class LocalExecutor:
         if job is None:
             return 0
         job.settle(policy, budget_s)
-        return job.arrived
+        arrived = job.arrived
+        for run, part in self._parts.get(op, ()):  # a page has arrived once its objects have too
+            got = 0 if part is None else (part.settle(policy, budget_s), part.arrived)[1]
+            if got < len(run.at):
+                arrived = min(arrived, run.at[got])
+        return arrived
 
     def wait_layer(self, op: int, layer: int) -> None:
         job = self._jobs.get(op)
@@ -156,21 +148,65 @@ class LocalExecutor:
         self.engine.close()
         for engine in self.groups.values():
             engine.close()
+        for tier in self.group_storage.values():
+            tier.close()
         if self.storage is not None:
             self.storage.close()
+
+
+def _copy_completion(op: int, error: BaseException | str | None) -> Completion:
+    return Done(op) if error is None else Failed(op, Reason.ERROR, error if isinstance(error, str) else repr(error))
+
+
+def _objects_done(job: TransferJob | StorageJob | None) -> int:
+    """Leading objects a group's job moved (a copy: all or none)."""
+    if job is None:
+        return 0
+    if isinstance(job, TransferJob):
+        return job.num_pages if job.error is None else 0
+    return job.arrived if job.kind == "prefetch" else _leading_ok(job.statuses)
+
+
+def _joined_completion(main: TransferJob | StorageJob, parts: list[tuple[GroupRun, TransferJob | StorageJob | None]]) -> Completion:
+    """A plan's completion from its pages' job and its group objects' jobs: a page is done once it and
+    every object that moves with it are."""
+    op = main.tag
+    if isinstance(main, TransferJob):
+        error = main.error or next((p.error for _, p in parts if p is not None and p.error is not None), None)
+        if error is None and any(p is None for _, p in parts):
+            error = "a KV group's copy could not start"
+        return _copy_completion(op, error)
+    base = storage_completion(main)
+    n = len(main.keys)
+    k = completed_pages(base, n)
+    corrupt = base.corrupt if type(base) is CutShort else 0
+    group_reason = None
+    for run, part in parts:
+        got = _objects_done(part)
+        if got < len(run.at) and run.at[got] < k:
+            k = run.at[got]
+            group_reason = Reason.SKIPPED if part is None else storage_completion(part).reason
+        corrupt += part.corrupt if part is not None else 0
+    if k == n and type(base) is Done:
+        return base
+    reason = base.reason if type(base) is CutShort and group_reason is None else group_reason or Reason.ERROR
+    existing = base.existing if type(base) is not Failed else 0
+    return CutShort(op, k, reason, corrupt, existing)
+
+
+def _leading_ok(statuses: list[KeyStatus]) -> int:
+    done = 0
+    for st in statuses:
+        if st is not KeyStatus.OK:
+            break
+        done += 1
+    return done
 
 
 def storage_completion(job: StorageJob) -> Completion:
     """A finished storage job as a completion: the leading pages that succeeded, and why the rest did not."""
     n = len(job.keys)
-    if job.kind == "prefetch":
-        done = job.arrived
-    else:
-        done = 0
-        for st in job.statuses:
-            if st is not KeyStatus.OK:
-                break
-            done += 1
+    done = job.arrived if job.kind == "prefetch" else _leading_ok(job.statuses)
     if done == n:
         return Done(job.tag, job.skipped_existing)
     statuses = job.statuses

@@ -112,8 +112,11 @@ class StorageTier:
         backpressure_s: float = 0.0,
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
+        owns_backend: bool = True,
     ):
         self.backend = backend
+        #: False for a tier sharing another's backend (a hybrid model's group objects): it leaves closing it to that one
+        self.owns_backend = owns_backend
         self.host = host_pool
         self.spec = host_pool.spec
         self.namespace = namespace
@@ -489,4 +492,5 @@ class StorageTier:
                 pass
             self._worker.join(timeout_s)
             self._io.shutdown(wait=False, cancel_futures=True)
-        self.backend.close()
+        if self.owns_backend:
+            self.backend.close()
