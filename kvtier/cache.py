@@ -15,7 +15,7 @@ from kvtier.core import (Backup, CacheCore, EvictionBackup, EvictionSave, EvictR
                                 MatchResult, PrefetchHandle, Save)
 from kvtier.errors import SpecError
 from kvtier.groups import ModelSpec
-from kvtier.executors.local import LocalExecutor
+from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace
 from kvtier.l3.tier import StorageTier
 from kvtier.metrics import CacheStats
@@ -71,14 +71,8 @@ class HierarchicalCache(CacheCore):
             want = model.group(name).object_spec() if model is not None else None
             if dev.spec != host.spec or (want is not None and dev.spec != want):
                 raise SpecError(f"KV group {name!r}: its device and host pools must both be built from the group's object_spec()")
-        engines = {name: TransferEngine(host, dev, config.io_backend, name=f"kvtier-{name}")
-                   for name, (dev, host) in self.group_pools.items()}
-        # each group's objects go to the same store under their own keys, through a tier over its host pool
-        group_storage = {} if storage is None else {
-            name: StorageTier(storage.backend, host, storage.namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads,
-                              owns_backend=False)
-            for name, (_dev, host) in self.group_pools.items()}
-        executor = LocalExecutor(self.engine, storage, engines, group_storage)
+        # each group's objects: its own transfer engine, and the same store under their own keys
+        executor = LocalExecutor(self.engine, storage, *group_movers(self.group_pools, config.io_backend, storage))
         try:
             super().__init__(
                 device_pool.spec,

@@ -154,6 +154,15 @@ class LocalExecutor:
             self.storage.close()
 
 
+def group_movers(pools: dict[str, tuple[object, object]], io_backend: str, storage: StorageTier | None
+                 ) -> tuple[dict[str, TransferEngine], dict[str, StorageTier]]:
+    """A hybrid model's other groups' movers over their (device pool, host pool): a transfer engine
+    each, and an L3 tier each on ``storage``'s store (none without it)."""
+    engines = {name: TransferEngine(host, dev, io_backend, name=f"kvtier-{name}") for name, (dev, host) in pools.items()}
+    tiers = {} if storage is None else {name: storage.sharing(host) for name, (_dev, host) in pools.items()}
+    return engines, tiers
+
+
 def _copy_completion(op: int, error: BaseException | str | None) -> Completion:
     return Done(op) if error is None else Failed(op, Reason.ERROR, error if isinstance(error, str) else repr(error))
 

@@ -18,11 +18,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.config import StorageConfig
 from kvtier.core.plans import Completion, Transfer
 from kvtier.errors import ExecutorError
+from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace
 from kvtier.spec import KVSpec
 
@@ -40,18 +41,27 @@ class WorkerSpec:
     storage: StorageConfig = StorageConfig()
     #: the L3 namespace; give the core the same one (both default to ``Namespace("default", fingerprint)``)
     namespace: Namespace | None = None
+    #: a hybrid model: its other KV groups' pools, (device objects, host objects) per group name
+    model: ModelSpec | None = None
+    group_pages: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def build(self):
         """The worker's :class:`LocalExecutor` (called in the worker's process)."""
         from kvtier.build import open_storage_tier
-        from kvtier.executors.local import LocalExecutor
+        from kvtier.executors.local import LocalExecutor, group_movers
         from kvtier.pools import DevicePool, HostPool
         from kvtier.transfer.engine import TransferEngine
 
         device = DevicePool(self.spec, self.device_pages, self.device)
         host = HostPool(self.spec, self.host_pages, self.host_layout)
-        namespace = self.namespace or Namespace("default", self.spec.fingerprint())  # the core's default too
-        return LocalExecutor(TransferEngine(host, device, self.io_backend), open_storage_tier(self.storage, host, namespace))
+        hybrid = self.model is not None and self.model.is_hybrid
+        # the core's default namespace too
+        namespace = self.namespace or Namespace("default", (self.model if hybrid else self.spec).fingerprint())
+        tier = open_storage_tier(self.storage, host, namespace)
+        pools = {name: (DevicePool(self.model.group(name).object_spec(), dev, self.device),
+                        HostPool(self.model.group(name).object_spec(), hst, self.host_layout))
+                 for name, (dev, hst) in self.group_pages.items()} if self.group_pages else {}
+        return LocalExecutor(TransferEngine(host, device, self.io_backend), tier, *group_movers(pools, self.io_backend, tier))
 
 
 #: what the owner may ask of the worker (``submit`` is one-way)

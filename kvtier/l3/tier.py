@@ -117,6 +117,8 @@ class StorageTier:
         self.backend = backend
         #: False for a tier sharing another's backend (a hybrid model's group objects): it leaves closing it to that one
         self.owns_backend = owns_backend
+        self._settings = dict(batch_pages=batch_pages, io_threads=io_threads, queue_depth=queue_depth, backpressure_s=backpressure_s,
+                              cooldown_s=cooldown_s, max_cooldown_s=max_cooldown_s)
         self.host = host_pool
         self.spec = host_pool.spec
         self.namespace = namespace
@@ -170,6 +172,11 @@ class StorageTier:
                 register(pool_bytes)
         if self._worker is not None:
             self._worker.start()
+
+    def sharing(self, host_pool) -> StorageTier:
+        """A tier over ``host_pool`` (a hybrid model's group objects) on this tier's store, namespace and
+        settings; closing it leaves the store open (this tier closes it)."""
+        return StorageTier(self.backend, host_pool, self.namespace, owns_backend=False, **self._settings)
 
     def key(self, page: PageHash) -> str:
         return f"{self.prefix}/{page.hex()}"
