@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig, StorageConfig, TierConfig
+from kvtier.errors import ConfigError
+from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 
-__all__ = ["TierConfig", "build_cache", "open_storage_tier"]
+__all__ = ["TierConfig", "build_cache", "build_hybrid_cache", "open_storage_tier"]
 
 
 def open_storage_tier(storage: StorageConfig, host: HostPool, namespace: Namespace):
@@ -37,3 +39,30 @@ def build_cache(
     host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)
     tier = open_storage_tier(storage, host, namespace)
     return HierarchicalCache(device, host, cache, namespace=namespace, storage=tier, storage_config=storage)
+
+
+def build_hybrid_cache(
+    model: ModelSpec,
+    tiers: TierConfig = TierConfig(),
+    cache: CacheConfig = CacheConfig(),
+    storage: StorageConfig = StorageConfig(),
+    namespace: Namespace | None = None,
+    *,
+    state_every: int = 1,
+) -> HierarchicalCache:
+    """:func:`build_cache` for a hybrid model: the tiers' pools hold its full-attention groups' layers
+    (one full group), and each other group gets as many objects per tier as there are pages there."""
+    fulls = [g for g in model.groups if g.kind == "full"]
+    if len(fulls) != 1:
+        raise ConfigError(f"model {model.name!r}: the cache keeps one full-attention group's pages, it has {len(fulls)}; "
+                          "merge the full-attention layers into one group")
+    spec = fulls[0].attention
+    namespace = namespace or Namespace(model.name, model.fingerprint())
+    device = DevicePool(spec, tiers.device_pages, tiers.device)
+    host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)
+    pools = {g.name: (DevicePool(g.object_spec(), device.num_pages, tiers.device), HostPool(g.object_spec(), host.num_pages,
+                                                                                            tiers.host_layout))
+             for g in model.groups if g.kind != "full"}
+    tier = open_storage_tier(storage, host, namespace)
+    return HierarchicalCache(device, host, cache, namespace=namespace, storage=tier, storage_config=storage, model=model,
+                             group_pools=pools, state_every=state_every)

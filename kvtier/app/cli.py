@@ -162,6 +162,8 @@ def run(
     as_json: Optional[str] = typer.Option(None, "--json", help="write the report as JSON to this path ('-' for stdout)"),
     plot: Optional[str] = typer.Option(None, "--plot", help="draw hit ratio and TTFT over the run to this PNG"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar"),
+    model: str = typer.Option("dsa", "--model", help="dsa (the MLA + DSA reference model) or hybrid (its variant with sliding-window "
+                                                      "and linear-attention state layers beside the MLA + DSA ones)"),
     **flags,
 ) -> None:
     """Replay a workload through the reference MLA+DSA model with kvtier and with recompute; report hits, bytes, TTFT, equality."""
@@ -171,7 +173,7 @@ def run(
     sections = build_sections(_run_sections(), load_config_file(config), flags)
     for what, path in (("--json", as_json if as_json != "-" else None), ("--plot", plot)):
         check_output_path(what, path)  # before the run: minutes of work must not end in "cannot write"
-    report = run_workload(RunConfig(**sections), progress=progress)
+    report = run_workload(RunConfig(**sections, model_kind=model), progress=progress)
     if as_json == "-":
         json.dump(report.as_dict(), sys.stdout, indent=1)
         sys.stdout.write("\n")
@@ -209,6 +211,17 @@ def _print_run_report(r) -> None:
         f"{r.logits_equal} (bit-exact: {r.logits_bit_exact}, max |diff| {r.max_abs_logit_diff:g}, tol {r.logit_tolerance:g})",
     )
     t.add_row("DSA indexer top-k equal", str(r.indexer_topk_equal))
+    for name, g in (r.groups or {}).items():
+        if not isinstance(g, dict) or "bytes" not in g or name == "full":
+            continue
+        if "snapshots_loaded" in g:
+            t.add_row(f"group {name} (state)", f"{g['snapshots_loaded']} snapshots loaded ({g['snapshots_from_l3']} from L3)")
+        else:
+            t.add_row(f"group {name} (window)",
+                      f"{g['pages_loaded']} pages loaded ({g['pages_from_l3']} from L3), {g['pages_skipped']} skipped")
+    if r.groups:
+        t.add_row("bytes per loaded page", f"{r.groups['bytes_per_loaded_page']} ({r.groups['vs_full_attention_twin']:.2f} of a "
+                                           "full-attention model of the same size)")
     c.print(t)
 
 

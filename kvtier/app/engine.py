@@ -17,6 +17,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.app.model import ReferenceModel
+from kvtier.app.model.hybrid import FULL
 
 
 @dataclass(frozen=True)
@@ -78,3 +79,78 @@ class ReferenceEngine:
         req.commit(pages.tolist())
         dev_hit, host_hit, from_storage = req.served(usable)
         return RequestResult(n, dev_hit * ps, host_hit * ps, from_storage * ps, n - usable * ps, ttft, logits, selections)
+
+
+class HybridEngine:
+    """The same request loop for :class:`~kvtier.app.model.hybrid.HybridReferenceModel`: besides its
+    full pages, a request continues from the window pages and the state snapshot the cache gives it
+    (``req.groups``), computes window pages for every page it computes, keeps its state at the
+    boundaries the cache asks for (``snapshot_boundaries``) and hands all of them over at commit.
+
+    The window pages and the snapshot arrive with the load of the full pages (one plan); the engine
+    waits for that load before its first page (no per-layer overlap for hybrid requests)."""
+
+    def __init__(self, model, cache, pools: dict):
+        from kvtier.app.model.hybrid import SLIDING, STATE
+
+        self.model = model
+        self.cache = cache
+        self.pools = pools
+        self.ps = model.cfg.base.page_size
+        self.sliding = SLIDING if SLIDING in pools else None
+        self.state = STATE if STATE in pools else None
+
+    def _state_rows(self, slot: int) -> torch.Tensor:
+        """The snapshot ``slot`` as ``[state layers, heads, dim, dim]`` fp32 views of the state pool."""
+        c = self.model.cfg
+        pool = self.pools[self.state]
+        return torch.stack([pool.buffer("state", i)[slot].view(torch.float32).view(c.state_heads, c.state_dim, c.state_dim)
+                            for i in range(pool.spec.num_layers)])
+
+    def _write_state(self, slot: int, state: torch.Tensor) -> None:
+        pool = self.pools[self.state]
+        for i in range(pool.spec.num_layers):
+            pool.buffer("state", i)[slot].view(torch.float32).copy_(state[i].reshape(-1))
+
+    def prefill(self, token_ids: list[int] | torch.Tensor) -> RequestResult:
+        tokens = torch.as_tensor(token_ids, dtype=torch.int64)
+        n, ps, cache, c = tokens.numel(), self.ps, self.cache, self.model.cfg
+        t0 = time.perf_counter()
+        req = cache.begin(tokens.tolist(), usable_pages=(n - 1) // ps)
+        req.wait()  # its window pages and its snapshot land with the load of its pages (a failed load shrank it)
+        usable = req.usable((n - 1) // ps)
+        total_pages, full = -(-n // ps), n // ps
+        new = req.alloc(total_pages - usable)
+        window = req.alloc_group(self.sliding, total_pages - usable) if self.sliding else []
+        if not new.ok or len(window) < (total_pages - usable if self.sliding else 0):
+            req.abort()
+            raise ConfigError(f"device pools too small: a {n}-token request needs {total_pages - usable} free pages (and as many "
+                              "sliding-window pages) after eviction; raise the device pool size")
+        bounds = cache.snapshot_boundaries(usable, full) if self.state else []
+        slots = dict(zip(bounds, req.alloc_group(self.state, len(bounds)))) if bounds else {}
+        tables = {FULL: torch.tensor(req.cached_pages[:usable] + new.pages, dtype=torch.int64)}
+        if self.sliding:
+            given = req.groups.get(self.sliding, {})
+            tables[self.sliding] = torch.tensor([given.get(i, -1) for i in range(usable)] + window, dtype=torch.int64)
+        n_state = len(c.layers("state"))
+        if self.state and usable:
+            state = self._state_rows(req.groups[self.state][usable - 1]).clone()
+        else:
+            state = torch.zeros(n_state, c.state_heads, c.state_dim, c.state_dim)
+        logits, selections = None, []
+        for p in range(usable, total_pages):
+            end = min(n, (p + 1) * ps)
+            logits, sel = self.model.prefill_page(self.pools, tokens[p * ps : end], p * ps, tables, state, want_logits=end == n)
+            selections.append(sel)
+            if p + 1 in slots:
+                self._write_state(slots[p + 1], state)
+        ttft = time.perf_counter() - t0
+        groups = {}
+        if self.sliding:
+            groups[self.sliding] = [None] * usable + window[: full - usable]
+        if self.state:
+            groups[self.state] = [slots.get(b + 1) for b in range(full)]
+        req.commit(tables[FULL].tolist(), groups)
+        dev_hit, host_hit, from_storage = req.served(usable)
+        return RequestResult(n, dev_hit * ps, host_hit * ps, from_storage * ps, n - usable * ps, ttft, logits, selections)
+

@@ -12,11 +12,12 @@ from typing import Literal
 
 import torch
 
-from kvtier.build import build_cache
+from kvtier.build import build_cache, build_hybrid_cache
 from kvtier.config import CacheConfig, ConfigError, StorageConfig, TierConfig, _help, check_number
-from kvtier.app.engine import ReferenceEngine, RequestResult
+from kvtier.app.engine import HybridEngine, ReferenceEngine, RequestResult
 from kvtier.l3.base import redact_url
 from kvtier.app.model import ModelConfig, ReferenceModel
+from kvtier.app.model.hybrid import FULL, HybridConfig, HybridReferenceModel
 from kvtier.core import NullCache
 from kvtier.pools import DevicePool
 from kvtier.app.workloads.synthetic import ChatWorkload
@@ -71,6 +72,14 @@ class RunConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    #: ``dsa``: the MLA + DSA reference model; ``hybrid``: its hybrid variant (full, sliding-window and
+    #: linear-attention state layers, :mod:`kvtier.app.model.hybrid`)
+    model_kind: Literal["dsa", "hybrid"] = "dsa"
+    hybrid: HybridConfig = field(default_factory=HybridConfig)
+
+    def __post_init__(self) -> None:
+        if self.model_kind not in ("dsa", "hybrid"):
+            raise ConfigError(f"--model must be dsa or hybrid; got {self.model_kind!r}")
 
 
 @dataclass
@@ -93,6 +102,9 @@ class RunReport:
     storage_url: str | None
     stats: dict[str, int]
     per_request: list[dict] = field(default_factory=list)
+    model: str = "dsa"
+    #: a hybrid model: per KV group, what it held and moved (see :func:`_group_report`)
+    groups: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -118,8 +130,15 @@ def _ratio_spread(ours: list[float], base: list[float]) -> dict[str, float]:
 
 
 def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
-    model = ReferenceModel(cfg.model)
-    spec = cfg.model.kv_spec()
+    hybrid = cfg.model_kind == "hybrid"
+    if hybrid:
+        hcfg = replace(cfg.hybrid, base=cfg.model)
+        model = HybridReferenceModel(hcfg)
+        model_spec = hcfg.model_spec()
+        spec = model_spec.group(FULL).attention
+    else:
+        model = ReferenceModel(cfg.model)
+        spec = cfg.model.kv_spec()
     requests = cfg.workload.requests(cfg.model.vocab_size)
     tmp = None
     storage = cfg.storage
@@ -129,15 +148,25 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
     bar = None
     cache = None
     try:
-        cache = build_cache(spec, cfg.tiers, cfg.cache, storage)  # first: a bad size fails before any work
+        # first: a bad size fails before any work
+        if hybrid:
+            cache = build_hybrid_cache(model_spec, cfg.tiers, cfg.cache, storage, state_every=hcfg.state_every)
+        else:
+            cache = build_cache(spec, cfg.tiers, cfg.cache, storage)
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=2 * len(requests), desc="kvtier run", unit="req")
         base_pages = max(cfg.tiers.device_pages, max(-(-len(r) // spec.page_size) for r in requests) + 1)
-        baseline = ReferenceEngine(model, NullCache(DevicePool(spec, base_pages)))
+        if hybrid:
+            group_pools = {name: DevicePool(dev.spec, base_pages) for name, (dev, _host) in cache.group_pools.items()}
+            null = NullCache(DevicePool(spec, base_pages), group_pools)
+            baseline = HybridEngine(model, null, {FULL: null.device, **group_pools})
+            engine = HybridEngine(model, cache, {FULL: cache.device, **{n: dev for n, (dev, _h) in cache.group_pools.items()}})
+        else:
+            baseline = ReferenceEngine(model, NullCache(DevicePool(spec, base_pages)))
+            engine = ReferenceEngine(model, cache)
         baseline.prefill(requests[0][: spec.page_size * 2])  # warm-up, not measured
-        engine = ReferenceEngine(model, cache)
         # Interleaved, who goes first alternating per request, so load on the machine lands on both
         # sides alike. kvtier's background saves are drained (untimed) before each recompute request
         # so they never slow the baseline down; they still overlap kvtier's own next request.
@@ -155,6 +184,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
         cache.wait_idle()
         cache.check_integrity(idle=True)
         stats = cache.stats.snapshot()
+        groups = _group_report(cache, hcfg, ours) if hybrid else None
         busy = dict(cache.engine.busy_s)
         sbusy = dict(cache.storage.busy_s) if cache.storage else {}
     finally:
@@ -164,7 +194,32 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
             bar.close()
         if tmp is not None:
             tmp.cleanup()
-    return _report(requests, base, ours, stats, busy, sbusy, storage.url if cfg.storage.url else None)
+    report = _report(requests, base, ours, stats, busy, sbusy, storage.url if cfg.storage.url else None)
+    report.model, report.groups = cfg.model_kind, groups
+    return report
+
+
+def _group_report(cache, hcfg: HybridConfig, ours: list[RequestResult]) -> dict:
+    """Per KV group of the hybrid model: what moved for the pages a hit loaded (host and L3 hits), and
+    the bytes moved per such page against a full-attention model of the same size."""
+    ps = hcfg.base.page_size
+    loaded_pages = sum(r.host_hit_tokens + r.storage_hit_tokens for r in ours) // ps
+    full_bytes = cache.spec.page_bytes * loaded_pages
+    out: dict = {FULL: {"pages_loaded": loaded_pages, "bytes": full_bytes}}
+    moved = full_bytes
+    for c in cache.components:
+        nbytes = c.group.object_spec().page_bytes * c.loaded
+        moved += nbytes
+        what = "snapshots" if c.is_state else "pages"
+        stats = c.stats()
+        out[c.name] = {f"{what}_loaded": stats.pop("loaded"), f"{what}_from_l3": stats.pop("fetched"), "bytes": nbytes, **stats}
+        if not c.is_state:
+            out[c.name]["pages_skipped"] = loaded_pages - c.loaded  # pages of the hits outside every window
+    twin = hcfg.full_attention_twin().page_bytes
+    out["bytes_per_loaded_page"] = round(moved / loaded_pages) if loaded_pages else 0
+    out["full_attention_twin_bytes_per_page"] = twin
+    out["vs_full_attention_twin"] = round(moved / loaded_pages / twin, 4) if loaded_pages else None
+    return out
 
 
 def _report(requests, base, ours, stats, busy, sbusy, url) -> RunReport:

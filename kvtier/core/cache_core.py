@@ -97,11 +97,12 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         self._init_groups(model, group_pools, state_every)
         self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited}
 
-    def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True) -> MatchResult:
+    def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True, limit: int | None = None) -> MatchResult:
         """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
 
         ``count=False`` re-matches a request already counted (e.g. after its prefetch) without
-        touching hit counts or stats."""
+        touching hit counts or stats. ``limit`` (a hybrid model): the request uses at most that many
+        pages, so the prefix is the longest one every group can continue from within them."""
         self.poll()
         keys = self._keys(tokens_or_keys)
         tree = self.tree
@@ -110,7 +111,11 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         n_dev = tree.device_prefix(path)
         matched = path[: n_dev + tree.readable_host_run(path[n_dev:])]  # the device pages, then readable host copies
         limited_by = None
+        end = len(keys)
         if self.components:  # a hybrid model: the longest prefix every group can continue from
+            if limit is not None:
+                end = min(end, limit)
+                matched, path = matched[:end], path[:end]
             hybrid = self._hybrid_prefix(path, n_dev, len(matched))
             matched, limited_by = matched[: hybrid.pages], hybrid.limited_by
             n_dev = min(n_dev, hybrid.pages)
@@ -135,10 +140,10 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             if due:
                 self._backup(due)
         n_storage = 0
-        if self.port.has_storage and len(matched) == len(path) < len(keys):
-            n_storage = self._ask(self.port.stored_prefix, keys[len(path) :])
+        if self.port.has_storage and len(matched) == len(path) < end:
+            n_storage = self._ask(self.port.stored_prefix, keys[len(path) : end])
             if n_storage and self.components:  # a hybrid model: as far as every group's objects are there too
-                n_storage = self._stored_usable(path, n_dev, keys, n_storage)
+                n_storage = self._stored_usable(path, n_dev, keys[:end], n_storage)
             st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by)
 
@@ -149,7 +154,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
         keys = self._keys(tokens_or_keys)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
-        m = self.match(keys)
+        m = self.match(keys, limit=want)
         self.lock(m.last_node)
         host_before = m.num_host_pages
         if prefetch and m.num_storage_pages and m.num_device_pages + m.num_host_pages < want:
@@ -157,7 +162,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 handle = self.prefetch(m)
                 if handle is not None:
                     self.resolve_prefetch(handle, prefetch_policy)
-                    again = self.match(keys, count=False)
+                    again = self.match(keys, count=False, limit=want)
             except ExecutorError:
                 self.unlock(m.last_node)  # the port is gone: nothing of this request stays locked
                 raise

@@ -11,14 +11,22 @@ from collections.abc import Sequence
 from kvtier.alloc import Allocation
 from kvtier.core.request import CacheRequest
 from kvtier.core.results import InsertResult, LoadResult, MatchResult
+from kvtier.errors import UnknownNameError
 from kvtier.metrics import CacheStats
 
 
 class NullCache:
-    def __init__(self, device_pool):
+    """``group_pools``: a hybrid model's other groups' device pools (by group name): a request computes
+    their objects too, and they are freed at commit like its pages."""
+
+    #: nothing is matched, so no request is ever given a group's objects
+    components = ()
+
+    def __init__(self, device_pool, group_pools: dict | None = None):
         self.device = device_pool
         self.spec = device_pool.spec
         self.dev_alloc = device_pool.allocator
+        self.group_pools = dict(group_pools or {})
         self.stats = CacheStats()
         self.storage = None
         #: no load ever fails here (nothing is loaded): the request's failed-load checks stay idle
@@ -68,13 +76,33 @@ class NullCache:
         return InsertResult([], 0, list(device_pages), None)
 
     def commit_request(self, keys, device_pages: Sequence[int], prefix, groups=None) -> InsertResult:
+        for name, ids in (groups or {}).items():
+            self.free_group(name, [i for i in ids if i is not None])
         return self.insert(keys, device_pages)
+
+    def component(self, name: str):
+        if name not in self.group_pools:
+            raise UnknownNameError("KV group beside full attention", name, self.group_pools)
+        return self.group_pools[name]
+
+    def alloc_group(self, name: str, n: int) -> list[int]:
+        alloc = self.component(name).allocator
+        return alloc.alloc(min(n, alloc.num_free)).pages
+
+    def free_group(self, name: str, ids: list[int]) -> None:
+        if ids:
+            self.component(name).allocator.free(ids)
+
+    def snapshot_boundaries(self, first: int, pages: int) -> list[int]:
+        return []  # nothing is kept: no state snapshot is worth taking
 
     def wait_idle(self) -> None:
         pass
 
     def check_integrity(self, *a, **k) -> None:
         assert self.dev_alloc.num_used == 0, "recompute baseline leaked device pages"
+        for name, pool in self.group_pools.items():
+            assert pool.allocator.num_used == 0, f"recompute baseline leaked {name} objects"
 
     def close(self) -> None:
         pass

@@ -111,54 +111,62 @@ class ReferenceModel:
         ``pages`` is the request's page table up to and including this page.
         Returns (last-token logits if asked, per-layer top-k selections).
         """
+        pos = torch.arange(start, start + tokens.numel())
+        x = self.embed[tokens]
+        selections = []
+        for i, L in enumerate(self.layers):
+            x, sel = self.mla_dsa_layer(L, device_pool, i, x, pos, pages, wait_layer)
+            selections.append(sel)
+        logits = (_rmsnorm(x[-1:]) @ self.lm_head)[0] if want_logits else None
+        return logits, selections
+
+    def mla_dsa_layer(self, L: dict, device_pool, layer: int, x: torch.Tensor, pos: torch.Tensor, pages: torch.Tensor,
+                      wait_layer: Callable[[int], None]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One MLA + DSA layer over tokens at ``pos`` (within one page), its KV in ``device_pool``'s layer
+        ``layer`` through the page table ``pages``. Returns (the residual stream, the indexer's top-k)."""
         c = self.cfg
         ps = c.page_size
-        n = tokens.numel()
-        pos = torch.arange(start, start + n)
-        total = start + n
+        n = pos.numel()
+        total = int(pos[-1]) + 1
         slot_pages = pages[pos // ps]
         offsets = pos % ps
         slots = slot_pages * ps + offsets
         all_pos = torch.arange(total)
         all_slots = pages[all_pos // ps] * ps + all_pos % ps
-        x = self.embed[tokens]
-        selections = []
-        for i, L in enumerate(self.layers):
-            h = _rmsnorm(x)
-            ckv = h @ L["dkv"]
-            ckv = torch.cat((ckv[:, : c.kv_lora_rank], _rope(ckv[:, c.kv_lora_rank :], pos)), dim=-1)
-            kI, scales = quantize(h @ L["ik"], c.quant_block_size)
-            wait_layer(i)  # restored pages of this layer must have landed before we read them
-            latent_buf = device_pool.buffer("latent", i)
-            latent_buf[slots, 0] = ckv.to(latent_buf.dtype)
-            index_buf = device_pool.buffer("indexer", i)
-            write_tokens(index_buf, slot_pages, offsets, kI, scales, ps)
-            # read everything back from the pool, as a paged engine would
-            latent = latent_buf[all_slots, 0].float()  # [T, rank + rope]
-            kq, ks = read_pages(index_buf, pages[: (total + ps - 1) // ps], ps, c.index_head_dim, c.quant_block_size)
-            keys_idx = dequantize(kq[:total], ks[:total], c.quant_block_size)  # [T, d]
-            # DSA indexer: sum_h w_h * relu(q_h . k), causal, then top-k
-            qI = (h @ L["iq"]).view(n, c.index_heads, c.index_head_dim)
-            wI = h @ L["iw"]
-            score = (torch.einsum("nhd,td->nht", qI, keys_idx).relu() * wI[..., None]).sum(1)
-            causal = all_pos[None, :] <= pos[:, None]
-            score = score.masked_fill(~causal, float("-inf"))
-            k = min(c.index_topk, total)
-            top = score.topk(k, dim=-1)
-            sel_idx, sel_ok = top.indices, torch.isfinite(top.values)
-            selections.append(sel_idx.masked_fill(~sel_ok, -1))
-            # MLA (absorbed) attention over the selected tokens
-            q = (h @ L["q"]).view(n, c.num_heads, c.qk_nope_dim + c.qk_rope_dim)
-            q_nope, q_rope = q[..., : c.qk_nope_dim], _rope(q[..., c.qk_nope_dim :], pos)
-            q_lat = torch.einsum("nhd,hdr->nhr", q_nope, L["uk"])
-            sel = latent[sel_idx]  # [n, k, rank + rope]
-            att = torch.einsum("nhr,nkr->nhk", q_lat, sel[..., : c.kv_lora_rank]) + torch.einsum(
-                "nhe,nke->nhk", q_rope, sel[..., c.kv_lora_rank :]
-            )
-            att = (att / math.sqrt(c.qk_nope_dim + c.qk_rope_dim)).masked_fill(~sel_ok[:, None, :], float("-inf")).softmax(-1)
-            o_lat = torch.einsum("nhk,nkr->nhr", att, sel[..., : c.kv_lora_rank])
-            o = torch.einsum("nhr,hrv->nhv", o_lat, L["uv"]).reshape(n, -1)
-            x = x + o @ L["o"]
-            x = x + torch.relu(_rmsnorm(x) @ L["up"]) @ L["down"]
-        logits = (_rmsnorm(x[-1:]) @ self.lm_head)[0] if want_logits else None
-        return logits, selections
+        h = _rmsnorm(x)
+        ckv = h @ L["dkv"]
+        ckv = torch.cat((ckv[:, : c.kv_lora_rank], _rope(ckv[:, c.kv_lora_rank :], pos)), dim=-1)
+        kI, scales = quantize(h @ L["ik"], c.quant_block_size)
+        wait_layer(layer)  # restored pages of this layer must have landed before we read them
+        latent_buf = device_pool.buffer("latent", layer)
+        latent_buf[slots, 0] = ckv.to(latent_buf.dtype)
+        index_buf = device_pool.buffer("indexer", layer)
+        write_tokens(index_buf, slot_pages, offsets, kI, scales, ps)
+        # read everything back from the pool, as a paged engine would
+        latent = latent_buf[all_slots, 0].float()  # [T, rank + rope]
+        kq, ks = read_pages(index_buf, pages[: (total + ps - 1) // ps], ps, c.index_head_dim, c.quant_block_size)
+        keys_idx = dequantize(kq[:total], ks[:total], c.quant_block_size)  # [T, d]
+        # DSA indexer: sum_h w_h * relu(q_h . k), causal, then top-k
+        qI = (h @ L["iq"]).view(n, c.index_heads, c.index_head_dim)
+        wI = h @ L["iw"]
+        score = (torch.einsum("nhd,td->nht", qI, keys_idx).relu() * wI[..., None]).sum(1)
+        causal = all_pos[None, :] <= pos[:, None]
+        score = score.masked_fill(~causal, float("-inf"))
+        k = min(c.index_topk, total)
+        top = score.topk(k, dim=-1)
+        sel_idx, sel_ok = top.indices, torch.isfinite(top.values)
+        selection = sel_idx.masked_fill(~sel_ok, -1)
+        # MLA (absorbed) attention over the selected tokens
+        q = (h @ L["q"]).view(n, c.num_heads, c.qk_nope_dim + c.qk_rope_dim)
+        q_nope, q_rope = q[..., : c.qk_nope_dim], _rope(q[..., c.qk_nope_dim :], pos)
+        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, L["uk"])
+        sel = latent[sel_idx]  # [n, k, rank + rope]
+        att = torch.einsum("nhr,nkr->nhk", q_lat, sel[..., : c.kv_lora_rank]) + torch.einsum(
+            "nhe,nke->nhk", q_rope, sel[..., c.kv_lora_rank :]
+        )
+        att = (att / math.sqrt(c.qk_nope_dim + c.qk_rope_dim)).masked_fill(~sel_ok[:, None, :], float("-inf")).softmax(-1)
+        o_lat = torch.einsum("nhk,nkr->nhr", att, sel[..., : c.kv_lora_rank])
+        o = torch.einsum("nhr,hrv->nhv", o_lat, L["uv"]).reshape(n, -1)
+        x = x + o @ L["o"]
+        x = x + torch.relu(_rmsnorm(x) @ L["up"]) @ L["down"]
+        return x, selection

@@ -1,0 +1,147 @@
+"""The hybrid reference model (MLA + DSA, sliding-window and linear-attention state layers): outputs
+with hits from every tier equal a full recompute bit for bit, and a hit moves only what each group
+needs -- the window's pages, one snapshot."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kvtier import DevicePool
+from kvtier.app.engine import HybridEngine
+from kvtier.app.model import ModelConfig
+from kvtier.app.model.hybrid import FULL, SLIDING, STATE, HybridConfig, HybridReferenceModel
+from kvtier.build import TierConfig, build_hybrid_cache
+from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core import NullCache
+from kvtier.core.hybrid_match import window_pages
+from test_cli import SMALL, kvtier
+
+BASE = ModelConfig(hidden=64, num_layers=3, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
+                   index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)
+CFG = HybridConfig(base=BASE, window=12, swa_heads=2, swa_head_dim=16, state_heads=2, state_dim=8, state_every=2)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, BASE.vocab_size, (n,), generator=g).tolist()
+
+
+def engines(tmp_path, device_pages=24, host_pages=24):
+    model = HybridReferenceModel(CFG)
+    spec = CFG.model_spec()
+    cache = build_hybrid_cache(spec, TierConfig(device_pages=device_pages, host_pages=host_pages), CacheConfig(),
+                               StorageConfig(url=f"file://{tmp_path}"), state_every=CFG.state_every)
+    pools = {name: DevicePool(dev.spec, 64) for name, (dev, _h) in cache.group_pools.items()}
+    null = NullCache(DevicePool(spec.group(FULL).attention, 64), pools)
+    base = HybridEngine(model, null, {FULL: null.device, **pools})
+    ours = HybridEngine(model, cache, {FULL: cache.device, **{n: dev for n, (dev, _h) in cache.group_pools.items()}})
+    return base, ours, cache
+
+
+def same(a, b):
+    assert torch.equal(a.logits, b.logits)
+    for sa, sb in zip(a.selections[len(a.selections) - len(b.selections):], b.selections):
+        assert all(torch.equal(x, y) for x, y in zip(sa, sb)), "DSA top-k differs"
+
+
+def moved(cache) -> dict[str, int]:
+    return {c.name: c.loaded for c in cache.components}
+
+
+def test_model_spec_groups():
+    spec = CFG.model_spec()
+    assert [(g.name, g.kind, g.layers) for g in spec.groups] == [(FULL, "full", (0, 3)), (SLIDING, "sliding_window", (1, 4)),
+                                                                 (STATE, "state", (2, 5))]
+    assert spec.group(STATE).state_bytes == 2 * (2 * 8 * 8 * 4)
+
+
+def test_outputs_with_hits_from_every_tier_equal_recompute_and_move_only_what_each_group_needs(tmp_path):
+    base, eng, cache = engines(tmp_path, device_pages=16, host_pages=16)
+    system = prompt(0, 64)  # 8 pages
+    a = system + prompt(1, 37)
+    try:
+        # 1. cold: everything computed
+        r = eng.prefill(a)
+        same(base.prefill(a), r)
+        assert r.computed_tokens == len(a)
+        cache.wait_idle()
+        # 2. device hit: the system prompt's 8 pages (a snapshot sits at 8: state_every=2)
+        b = system + prompt(2, 21)
+        r = eng.prefill(b)
+        same(base.prefill(b), r)
+        assert r.device_hit_tokens == 64
+        # 3. host hit: evict device, ask again; one load brings the pages, the window's 2 pages, 1 snapshot
+        cache.wait_idle()
+        cache.evict_device(16)
+        before = moved(cache)
+        r = eng.prefill(a)
+        same(base.prefill(a), r)
+        hit = r.host_hit_tokens // BASE.page_size
+        assert hit > 0 and r.device_hit_tokens == 0
+        window = len(window_pages(CFG.model_spec().group(SLIDING), hit, BASE.page_size))
+        assert {k: v - before[k] for k, v in moved(cache).items()} == {SLIDING: window, STATE: 1} and window < hit
+        # 4. storage hit: evict device and host; pages, window pages and the snapshot come back from the file store
+        cache.wait_idle()
+        cache.evict_device(16)
+        cache.evict_host(16)
+        fetched = {c.name: c.fetched for c in cache.components}
+        r = eng.prefill(b)
+        same(base.prefill(b), r)
+        assert r.storage_hit_tokens > 0 and r.device_hit_tokens == r.host_hit_tokens == 0
+        hit = r.storage_hit_tokens // BASE.page_size
+        window = len(window_pages(CFG.model_spec().group(SLIDING), hit, BASE.page_size))
+        assert {c.name: c.fetched - fetched[c.name] for c in cache.components} == {SLIDING: window, STATE: 1}
+        cache.wait_idle()
+        cache.check_integrity(idle=True)
+    finally:
+        cache.close()
+
+
+def test_a_failed_load_is_recomputed_and_logits_still_equal(tmp_path):
+    base, eng, cache = engines(tmp_path, device_pages=32, host_pages=16)
+    a = prompt(0, 64) + prompt(1, 37)
+    try:
+        eng.prefill(a)
+        cache.wait_idle()
+        cache.evict_device(32)
+        for dev, _h in cache.group_pools.values():  # what a failed load leaves behind is not the object
+            for layer in range(dev.spec.num_layers):
+                for b in dev.spec.buffers:
+                    dev.rows(b.name, layer).view(torch.uint8).fill_(7)
+        real = cache.engine.submit
+
+        def refuse_loads(src, dst, *args, **kwargs):
+            if (src, dst) == ("host", "device"):
+                raise RuntimeError("injected: the copy engine failed")
+            return real(src, dst, *args, **kwargs)
+
+        cache.engine.submit = refuse_loads
+        r = eng.prefill(a)
+        same(base.prefill(a), r)
+        assert r.computed_tokens == len(a) and cache.stats.load_failed_pages > 0
+        cache.engine.submit = real
+        cache.wait_idle()
+        cache.check_integrity(idle=True)
+    finally:
+        cache.close()
+
+
+def test_kvtier_run_model_hybrid_is_bit_exact_with_hits_from_every_tier():
+    r = kvtier("run", "--model", "hybrid", "--no-progress", "--json", "-", *SMALL)
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["model"] == "hybrid"
+    assert all(report["hit_ratio"][t] > 0 for t in ("device", "host", "storage")), report["hit_ratio"]
+    assert report["logits_bit_exact"] is True and report["indexer_topk_equal"] is True
+    g = report["groups"]
+    # a sliding-window group loads only its window: fewer pages than the full group, the rest skipped
+    assert 0 < g[SLIDING]["pages_loaded"] < g[FULL]["pages_loaded"] == g[SLIDING]["pages_loaded"] + g[SLIDING]["pages_skipped"]
+    assert 0 < g[STATE]["snapshots_loaded"] < g[FULL]["pages_loaded"]
+    assert 0 < g["vs_full_attention_twin"] < 1
+
+
+def test_kvtier_run_refuses_an_unknown_model_in_one_line():
+    r = kvtier("run", "--model", "mamba", "--no-progress")
+    assert r.returncode == 2 and "dsa or hybrid" in r.stderr and "Traceback" not in r.stderr
