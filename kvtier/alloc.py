@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvtier.errors import DoubleFreeError
 
 
@@ -40,6 +42,7 @@ class PageAllocator:
     reserve_padding_page: bool = False
     _free: list[int] = field(init=False, repr=False)
     _owned: bytearray = field(init=False, repr=False)
+    _owned_np: np.ndarray = field(init=False, repr=False)
     #: pages a plan that timed out may still read or write (:meth:`hold`): freed, they stay allocated
     #: ("parked") until the hold is released, so nobody else gets them meanwhile
     _held: set[int] = field(init=False, repr=False, default_factory=set)
@@ -51,8 +54,18 @@ class PageAllocator:
         first = 1 if self.reserve_padding_page else 0
         self._free = list(range(self.num_pages - 1, first - 1, -1))
         self._owned = bytearray(self.num_pages)
+        self._owned_np = np.frombuffer(self._owned, dtype=np.uint8)
         if self.reserve_padding_page:
             self._owned[0] = 1
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["_owned_np"]  # a view: made again over the unpickled bytes, never a stale copy
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._owned_np = np.frombuffer(self._owned, dtype=np.uint8)
 
     @property
     def capacity(self) -> int:
@@ -76,8 +89,11 @@ class PageAllocator:
             return Allocation([], n, free_before)
         pages = self._free[free_before - n :][::-1]
         del self._free[free_before - n :]
-        for p in pages:
-            self._owned[p] = 1
+        if n > 32:  # one scatter in C (a request's pages, a window's objects)
+            self._owned_np[pages] = 1
+        else:
+            for p in pages:
+                self._owned[p] = 1
         return Allocation(pages, n, free_before)
 
     def free(self, pages: list[int]) -> None:
@@ -123,9 +139,7 @@ class PageAllocator:
 
     def allocated_view(self):
         """A live numpy ``uint8`` view of the ownership bytes (1 = allocated), for vectorized checks."""
-        import numpy as np
-
-        return np.frombuffer(self._owned, dtype=np.uint8)
+        return self._owned_np
 
     def allocated_pages(self) -> set[int]:
         first = 1 if self.reserve_padding_page else 0
