@@ -51,7 +51,7 @@ from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.request import CacheRequest
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
-from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
+from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, GroupBackup, JobTag, LoadBack, PrefetchHandle, Save
 from kvtier.errors import ExecutorError, PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
@@ -95,7 +95,8 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         self._allocated = self.dev_alloc.allocated_view()
         self._init_failed_loads()
         self._init_groups(model, group_pools, state_every)
-        self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited}
+        self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited,
+                     GroupBackup: self._finish_group_backup}
 
     def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True, limit: int | None = None) -> MatchResult:
         """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
@@ -297,8 +298,9 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         tree.set_device_run(path[n_dev:], device_pages[n_dev:n_have])
         canonical += device_pages[n_dev:]
         fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
+        gained: list[PageNode] = []
         if groups:  # before any backup below: it copies the objects its pages hold
-            self._attach_groups(path + fresh, groups, len(path))
+            gained = self._attach_groups(path + fresh, groups, len(path))
         last = fresh[-1] if fresh else (path[-1] if path else None)
         if freed:
             self.dev_alloc.free(freed)
@@ -313,6 +315,8 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             due += fresh
             if due:
                 self._backup(due)
+            if gained:  # objects new to pages whose host copies are made already: copied alone
+                self._backup_objects([n for n in gained if n.host_page != NO_PAGE and n.host_ready])
         return InsertResult(canonical, len(fresh), freed, last)
 
     def _check_caller_pages(self, pages: list[int], canonical: list[int]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvtier.alloc import Allocation
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.results import EvictResult
-from kvtier.core.tags import Backup, EvictionBackup, LoadBack
+from kvtier.core.tags import Backup, EvictionBackup, GroupBackup, LoadBack
 from kvtier.radix import NO_PAGE, SAVING, PageNode, device_page_of
 
 
@@ -56,7 +56,7 @@ class DeviceSpace:
 
     def poll_inflight(self) -> bool:
         """Wait for device<->host plans in flight and apply them; True if any finished."""
-        return self.wait_for(self._ops_for(Backup, LoadBack)) > 0
+        return self.wait_for(self._ops_for(Backup, LoadBack, GroupBackup)) > 0
 
     def free_device(self, pages: list[int]) -> None:
         """Return caller-owned device pages (e.g. a request's partial tail page)."""

@@ -31,13 +31,15 @@ The core stays tensorless: ids only, the executors move the bytes.
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 from operator import is_not
 
 from kvtier.alloc import PageAllocator
 from kvtier.core.hybrid_match import HybridPrefix, usable_prefix, window_pages
-from kvtier.core.plans import GroupRun, Tier
+from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
+from kvtier.core.tags import GroupBackup
 from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, UnknownNameError
 from kvtier.groups import KVGroup, ModelSpec
 from kvtier.hashing import PageHash, group_object_key
@@ -53,13 +55,21 @@ _L3_PROBES = 8
 class Component:
     """One non-full KV group: its pools' page ids and, per tier, node -> object id."""
 
-    __slots__ = ("group", "name", "alloc", "at", "loaded", "backed_up", "evicted", "limited", "saved", "fetched")
+    __slots__ = ("group", "name", "alloc", "at", "heap", "fresh", "seq", "unready", "loaded", "backed_up", "evicted", "limited", "saved",
+                 "fetched")
 
     def __init__(self, group: KVGroup, device: PageAllocator, host: PageAllocator):
         self.group = group
         self.name = group.name
         self.alloc = {Tier.DEVICE: device, Tier.HOST: host}
         self.at: dict[Tier, dict[PageNode, int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
+        #: per tier, a lazy heap of (recency, seq, node) for eviction, and the nodes attached since it
+        #: was last brought up to date (pushed when eviction next needs it)
+        self.heap: dict[Tier, list] = {Tier.DEVICE: [], Tier.HOST: []}
+        self.fresh: dict[Tier, list[PageNode]] = {Tier.DEVICE: [], Tier.HOST: []}
+        self.seq = itertools.count()
+        #: host objects being copied on their own (their pages were on host already): not readable yet
+        self.unready: set[PageNode] = set()
         #: objects moved host -> device / device -> host, evicted under the pool's pressure, and
         #: matches this group stopped short of what the full groups had
         self.loaded = self.backed_up = self.evicted = self.limited = 0
@@ -180,18 +190,24 @@ class GroupResidency:
                     raise PageOwnershipError(f"{where}: id {i} is not the caller's (the cache holds it, or it was never "
                                              f"allocated): pass ids from alloc_group")
 
-    def _attach_groups(self, nodes: Sequence[PageNode], groups: dict[str, Sequence[int | None]], fresh: int) -> None:
+    def _attach_groups(self, nodes: Sequence[PageNode], groups: dict[str, Sequence[int | None]], fresh: int) -> list[PageNode]:
         """Hang the caller's objects on ``nodes`` (all on device now; ``nodes[fresh:]`` new, holding none);
-        where a node holds one already, the caller's copy goes back to the pool."""
+        where a node holds one already, the caller's copy goes back to the pool. Returns the nodes the
+        cache had already that got an object."""
         new_nodes = nodes[fresh:]
+        gained: dict[PageNode, None] = {}
         for name, ids in groups.items():
             c = self.component(name)
             dev = c.at[Tier.DEVICE]
             new_ids = ids[fresh:]
+            recent = c.fresh[Tier.DEVICE]
             if None in new_ids:  # (in C too: the pairs whose id is not None)
-                dev.update(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
+                pairs = list(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
+                dev.update(pairs)
+                recent.extend(node for node, _ in pairs)
             else:  # the usual case, in C: an object for every new page
                 dev.update(zip(new_nodes, new_ids))
+                recent.extend(new_nodes)
             old_ids = ids[:fresh]
             if old_ids.count(None) == fresh:  # the usual case: nothing handed for pages the cache had
                 continue
@@ -200,10 +216,13 @@ class GroupResidency:
                 have = dev.get(node)
                 if have is None:
                     dev[node] = i
+                    recent.append(node)
+                    gained[node] = None
                 elif have != i:
                     dup.append(i)
             if dup:
                 c.alloc[Tier.DEVICE].free(dup)
+        return list(gained)
 
     def alloc_group(self, name: str, n: int) -> list[int]:
         """Up to ``n`` device ids of group ``name``'s pool (evicting its unheld objects if needed)."""
@@ -244,7 +263,7 @@ class GroupResidency:
             places = wanted.get(c.name, ()) if wanted is not None else range(len(nodes))
             if dst is Tier.STORAGE:
                 have = c.at[src]
-                at = [i for i in places if nodes[i] in have]
+                at = [i for i in places if nodes[i] in have and nodes[i] not in c.unready]
                 if at:
                     runs.append(GroupRun(c.name, tuple(at), tuple(have[nodes[i]] for i in at), (),
                                          tuple(group_object_key(nodes[i].key, c.name) for i in at)))
@@ -254,7 +273,7 @@ class GroupResidency:
                 at = [i for i in places if nodes[i] not in c.at[dst]]
             else:
                 have = c.at[src]
-                at = [i for i in places if nodes[i] in have and nodes[i] not in c.at[dst]]
+                at = [i for i in places if nodes[i] in have and nodes[i] not in c.at[dst] and nodes[i] not in c.unready]
             if not at:
                 continue
             ids = self._alloc_group(c, dst, len(at))
@@ -262,6 +281,7 @@ class GroupResidency:
             if not at:
                 continue
             c.at[dst].update(zip((nodes[i] for i in at), ids))
+            c.fresh[dst].extend(nodes[i] for i in at)
             if src is Tier.STORAGE:
                 runs.append(GroupRun(c.name, tuple(at), (), tuple(ids), tuple(group_object_key(nodes[i].key, c.name) for i in at)))
                 c.fetched += len(at)
@@ -280,6 +300,44 @@ class GroupResidency:
         end = first + len(nodes)
         wanted = {c.name: [i - first for i in self.needed_places(c, end) if i >= first] for c in self.components}
         return self._group_runs(nodes, Tier.STORAGE, Tier.HOST, wanted)
+
+    def _backup_objects(self, nodes: Sequence[PageNode]) -> None:
+        """``nodes`` (on device, their host copies ready) hold device objects those copies lack -- objects
+        attached after the page went to host, a shorter prompt's last snapshot on a shared prefix:
+        copy those alone (a plan of no pages). The nodes stay pinned and the host objects unreadable
+        until it completes."""
+        runs, moving = [], {}
+        for c in self.components:
+            dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
+            todo = [n for n in nodes if n in dev and n not in host]
+            if not todo:
+                continue
+            ids = self._alloc_group(c, Tier.HOST, len(todo))
+            todo = todo[: len(ids)]
+            if not todo:
+                continue
+            host.update(zip(todo, ids))
+            c.fresh[Tier.HOST].extend(todo)
+            c.unready.update(todo)
+            c.backed_up += len(todo)
+            runs.append(GroupRun(c.name, (), tuple(dev[n] for n in todo), tuple(ids)))
+            moving.update(dict.fromkeys(todo))
+        if runs:
+            pinned = list(moving)
+            self.tree.pin(pinned)
+            self._submit(copy_plan, GroupBackup(pinned), Tier.DEVICE, [], Tier.HOST, [], 0, tuple(runs))
+
+    def _finish_group_backup(self, c: Completion, tag: GroupBackup) -> None:
+        self.tree.unpin(tag.nodes)
+        ok = type(c) is Done
+        for comp in self.components:
+            moved = [n for n in tag.nodes if n in comp.unready]
+            comp.unready.difference_update(moved)
+            if not ok:  # the host objects hold nothing good: back to the pool
+                host = comp.at[Tier.HOST]
+                comp.alloc[Tier.HOST].free([host.pop(n) for n in moved if n in host])
+        if not ok:
+            self.stats.transfer_failures += 1
 
     def _stored_usable(self, path: Sequence[PageNode], n_dev: int, keys: Sequence[PageHash], stored: int) -> int:
         """Of the ``stored`` pages after ``path`` (all of it usable) that L3 holds, how many a request can
@@ -323,10 +381,13 @@ class GroupResidency:
         has = {}
         for c in self.components:
             dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
+            unready = c.unready
             if c.is_state:
-                has[c.name] = lambda b, dev=dev, host=host: (path[b - 1] in dev) if b <= n_dev else (path[b - 1] in host)
+                has[c.name] = lambda b, dev=dev, host=host, unready=unready: (
+                    (path[b - 1] in dev) if b <= n_dev else (path[b - 1] in host and path[b - 1] not in unready))
             else:
-                has[c.name] = lambda i, dev=dev, host=host: (path[i] in dev) if i < n_dev else (path[i] in host)
+                has[c.name] = lambda i, dev=dev, host=host, unready=unready: (
+                    (path[i] in dev) if i < n_dev else (path[i] in host and path[i] not in unready))
         return has
 
     def _groups_left(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
@@ -360,32 +421,49 @@ class GroupResidency:
             self._evict_group(c, tier, n - alloc.num_free)
         return alloc.alloc(min(n, alloc.num_free)).pages
 
-    def _movable(self, node: PageNode, tier: Tier) -> bool:
+    def _movable(self, node: PageNode, tier: Tier, c: Component) -> bool:
         """An object of ``node`` in ``tier`` that no plan in flight reads or writes and no request holds."""
-        if node in self._group_holds or node in self._loading:
+        if node in self._group_holds or node in self._loading or node in c.unready:
             return False
         # a host copy being made (a backup reads the device object, writes the host one) is not readable yet
         return node.host_page == NO_PAGE or node.host_ready
 
     def _evict_group(self, c: Component, tier: Tier, n: int) -> int:
-        """Free ``n`` of ``c``'s ids in ``tier``: least recently used unheld objects first; for a state
-        group, snapshots with a later snapshot below them on their branch before the last ones."""
-        at = c.at[tier]
-        candidates = [node for node in at if self._movable(node, tier)]
-        if c.is_state and len(candidates) > n:
-            below: set[PageNode] = set()  # nodes with a snapshot somewhere beneath them in this tier
-            for node in at:
-                p = node.parent
-                while p is not None and p not in below:
-                    below.add(p)
-                    p = p.parent
-            inner = [node for node in candidates if node in below]
-            if len(inner) >= n:
-                candidates = inner
+        """Free ``n`` of ``c``'s ids in ``tier``: least recently used unheld objects first (by their node's
+        recency, a lazy heap as the tree keeps per tier); a state group's snapshots on leaves -- the
+        last snapshot a cached prefix ends on -- only after every other."""
+        heap, at, seq = c.heap[tier], c.at[tier], c.seq
+        fresh = c.fresh[tier]
+        if len(heap) + len(fresh) > 2 * len(at) + 64:  # mostly stale: rebuilt from what the tier holds
+            heap[:] = [(node.last_access, next(seq), node) for node in at]
+            heapq.heapify(heap)
+        else:
+            for node in fresh:
+                heapq.heappush(heap, (node.last_access, next(seq), node))
+        fresh.clear()
+        victims: dict[PageNode, None] = {}
+        aside, leaves = [], []
+        while len(victims) < n and heap:
+            entry = heapq.heappop(heap)
+            stamp, _, node = entry
+            if node not in at or node in victims:
+                continue  # stale: the object left (or is taken already)
+            if stamp != node.last_access:
+                heapq.heappush(heap, (node.last_access, next(seq), node))  # used since: back in at its new place
+                continue
+            if not self._movable(node, tier, c):
+                aside.append(entry)
+            elif c.is_state and not node.num_children:
+                leaves.append(entry)
             else:
-                candidates = inner + heapq.nsmallest(n - len(inner), (node for node in candidates if node not in below),
-                                                     key=lambda node: node.last_access)
-        victims = heapq.nsmallest(n, candidates, key=lambda node: node.last_access)
+                victims[node] = None
+        for entry in leaves:
+            if len(victims) < n:
+                victims[entry[2]] = None
+            else:
+                aside.append(entry)
+        for entry in aside:
+            heapq.heappush(heap, entry)
         if victims:
             c.alloc[tier].free([at.pop(node) for node in victims])
             c.evicted += len(victims)
@@ -396,6 +474,7 @@ class GroupResidency:
         nodes = self.tree.nodes
         if idle:
             assert not self._group_holds, f"idle, yet {len(self._group_holds)} nodes' group objects are held"
+            assert not any(c.unready for c in self.components), "idle, yet a group object's copy to host is recorded in flight"
         for c in self.components:
             for tier in TIERS:
                 at = c.at[tier]

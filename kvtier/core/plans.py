@@ -34,7 +34,8 @@ class GroupRun:
     """A hybrid model's other KV group riding on a plan: its objects (sliding-window pages or state
     snapshots, ids of that group's pools) for some of the plan's pages. ``at[i]`` is the place, in
     the plan's page run, of the page object ``i`` belongs to: it moves with that page, and is done
-    when that page is (a plan cut short after ``k`` pages completed the objects of places ``< k``)."""
+    when that page is (a plan cut short after ``k`` pages completed the objects of places ``< k``).
+    A plan of no pages moves objects alone (their pages are in place already): ``at`` is empty."""
 
     group: str
     at: tuple[int, ...]
@@ -224,7 +225,9 @@ def _group_run_error(plan: Transfer, run: GroupRun, group_pages: dict[str, tuple
         return f"plan {op}: KV group {run.group!r}: keys must be a tuple of bytes"
     sides = [(run.src_pages, plan.src), (run.dst_pages, plan.dst)]
     named = [len(ids) if tier is not Tier.STORAGE else len(run.keys) for ids, tier in sides]
-    if not len(run.at) == named[0] == named[1] or (not storage and run.keys) or any(ids and t is Tier.STORAGE for ids, t in sides):
+    places = len(run.at) if n else named[0]  # (a plan of no pages: objects alone, no places)
+    if n == 0 and run.at or not places == named[0] == named[1] or (not storage and run.keys) or any(
+            ids and t is Tier.STORAGE for ids, t in sides):
         return (f"plan {op}: KV group {run.group!r}: {len(run.at)} places, {len(run.src_pages)} source ids, {len(run.dst_pages)} "
                 f"destination ids and {len(run.keys)} keys do not name one object each")
     if any(not 0 <= p < n for p in run.at):

@@ -46,6 +46,13 @@ class EvictionBackup(JobTag):
     __slots__ = ()
 
 
+class GroupBackup(JobTag):
+    """device -> host copies of a hybrid model's group objects alone, for nodes whose pages are on host
+    already (pinned until it completes); applied by :meth:`CacheCore.poll`."""
+
+    __slots__ = ()
+
+
 class Save(JobTag):
     """host -> L3 writes of one path's ready host pages; applied by :meth:`CacheCore.poll`."""
 

@@ -74,6 +74,10 @@ class LocalExecutor:
             src, dst = _MEDIUM[plan.src], _MEDIUM[plan.dst]
             parts = [(run, self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op))
                      for run in plan.groups]
+            if not plan.src_pages:  # objects alone: the plan completes with them
+                self._parts[plan.op] = parts
+                self._main_done[plan.op] = None
+                return
             job = self.engine.submit(src, dst, list(plan.src_pages), list(plan.dst_pages), tag=plan.op, layered=layered)
         if parts:
             self._parts[plan.op] = parts
@@ -95,7 +99,7 @@ class LocalExecutor:
             else:
                 out.append(storage_completion(job) if isinstance(job, StorageJob) else _copy_completion(job.tag, job.error))
         for op in [op for op in self._main_done if all(j is None or j.finished.is_set() for _, j in parts[op])]:
-            out.append(_joined_completion(self._main_done.pop(op), parts.pop(op)))
+            out.append(_joined_completion(op, self._main_done.pop(op), parts.pop(op)))
         return out
 
     def wait(self, ops: Collection[int]) -> list[Completion]:
@@ -176,12 +180,13 @@ def _objects_done(job: TransferJob | StorageJob | None) -> int:
     return job.arrived if job.kind == "prefetch" else _leading_ok(job.statuses)
 
 
-def _joined_completion(main: TransferJob | StorageJob, parts: list[tuple[GroupRun, TransferJob | StorageJob | None]]) -> Completion:
-    """A plan's completion from its pages' job and its group objects' jobs: a page is done once it and
-    every object that moves with it are."""
-    op = main.tag
-    if isinstance(main, TransferJob):
-        error = main.error or next((p.error for _, p in parts if p is not None and p.error is not None), None)
+def _joined_completion(op: int, main: TransferJob | StorageJob | None,
+                       parts: list[tuple[GroupRun, TransferJob | StorageJob | None]]) -> Completion:
+    """A plan's completion from its pages' job (None: a plan of objects alone) and its group objects'
+    jobs: a page is done once it and every object that moves with it are."""
+    if main is None or isinstance(main, TransferJob):
+        error = (main.error if main is not None else None) or next((p.error for _, p in parts if p is not None and p.error is not None),
+                                                                    None)
         if error is None and any(p is None for _, p in parts):
             error = "a KV group's copy could not start"
         return _copy_completion(op, error)

@@ -31,7 +31,8 @@ import time
 from dataclasses import replace
 
 from kvtier.config import CacheConfig, ConfigError
-from kvtier.app.plan.config import GB, TB, PlanConfig, PlanReport, ReplayCounts, TokenCosts, capacity, planning_spec
+from kvtier.app.plan.config import (GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts, TokenCosts, block_bytes, capacity,
+                                    planning_model, planning_spec)
 from kvtier.app.plan.replay_cache import replay_cache
 from kvtier.app.plan.routing import ROUTING_POLICIES, route
 from kvtier.app.plan.timing import simulate
@@ -63,7 +64,7 @@ def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_c
     """Replay ``requests`` through the policy core, one core per node (no size checks: see :func:`run_plan`).
     ``nodes_of``: the node of each request (default: :func:`route` by ``cfg.routing``)."""
     spec = planning_spec(cfg)
-    cap = capacity(cfg, spec.page_bytes)
+    cap = capacity(cfg, block_bytes(cfg))
     return replay_cache(
         requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request
     )
@@ -112,14 +113,20 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
     the generated chat trace (tested) and, with kv_aware routing, on the shipped
     trace, without a proof.
     """
-    spec = planning_spec(cfg)
-    cap = capacity(cfg, spec.page_bytes)
+    cost = block_bytes(cfg)
+    cap = capacity(cfg, cost)
     longest = _longest_blocks(requests)
     refused = "hit ratios could fall as a tier grows, so kvtier plan refuses it"
+    if planning_model(cfg) is not None and cfg.window_share != 1:
+        raise ConfigError(
+            f"--plan-window-share {cfg.window_share:g}: below 1, sliding-window pages compete in their own LRU, and a bigger tier "
+            f"can serve fewer hits (seen: gpt-oss-120b at 0.8 gave 0.2446 / 0.2446 / 0.2428 at 20 / 40 / 80 GB of device): {refused}; "
+            "give --plan-window-share 1"
+        )
     if cap.device < longest:
         raise ConfigError(
             f"device tier of {cap.device} blocks ({cfg.device_gb:g} GB) cannot hold the longest request ({longest} blocks): {refused}; "
-            f"give --plan-device-gb {round_up(longest * spec.page_bytes / GB)} or more"
+            f"give --plan-device-gb {round_up(longest * cost / GB)} or more"
         )
     if cap.host < cap.device + 2 * longest:
         raise ConfigError(
@@ -130,7 +137,7 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
     if cap.storage and cap.storage < sum(r.input_length // MOONCAKE_BLOCK_TOKENS for r in requests):  # else it holds all
         distinct = distinct_blocks(requests)
         if cap.storage < distinct:
-            need = distinct * spec.page_bytes / TB / cfg.nodes
+            need = distinct * cost / TB / cfg.nodes
             raise ConfigError(
                 f"L3 of {cap.storage} blocks ({cfg.storage_tb:g} TB x {cfg.nodes} nodes) is smaller than the trace's {distinct} distinct "
                 f"blocks: a finite L3 ages out what the host keeps serving, so {refused}; give --plan-storage-tb 0 (no L3) "
@@ -149,8 +156,8 @@ def run_plan(
     check_plannable(requests, cfg)
     spec = planning_spec(cfg)
     block = MOONCAKE_BLOCK_TOKENS
-    block_bytes = spec.page_bytes
-    cap = capacity(cfg, block_bytes)
+    block_cost = block_bytes(cfg)
+    cap = capacity(cfg, block_cost)
     t0 = time.perf_counter()
     if nodes_of is None:
         nodes_of = route(requests, cfg)
@@ -162,11 +169,13 @@ def run_plan(
     duration = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0, 1e-3) if requests else 1.0
     total_hits = sum(hits.values())
     bound = infinite_cache_hit_ratio(requests, block)
+    groups = _group_report(cfg, cap, counts) if counts.groups else None
+    extra = groups["moved_bytes"] if groups else {}
     per_node = {
-        "host_to_device": (hits["host"] + hits["storage"]) * spec.bytes_per_token / duration / cfg.nodes,
-        "device_to_host": counts.backed_up_blocks * block_bytes / duration / cfg.nodes,
-        "storage_to_host": hits["storage"] * spec.bytes_per_token / duration / cfg.nodes,
-        "host_to_storage": counts.storage_saved_blocks * block_bytes / duration / cfg.nodes,
+        "host_to_device": ((hits["host"] + hits["storage"]) * spec.bytes_per_token + extra.get("loaded", 0)) / duration / cfg.nodes,
+        "device_to_host": (counts.backed_up_blocks * spec.page_bytes + extra.get("backed_up", 0)) / duration / cfg.nodes,
+        "storage_to_host": (hits["storage"] * spec.bytes_per_token + extra.get("fetched", 0)) / duration / cfg.nodes,
+        "host_to_storage": (counts.storage_saved_blocks * spec.page_bytes + extra.get("saved", 0)) / duration / cfg.nodes,
     }
     link = {
         "pcie_host_to_device": per_node["host_to_device"] / (cfg.pcie_gbps * GB),
@@ -181,7 +190,7 @@ def run_plan(
         trace_seconds=round(duration, 3),
         nodes=cfg.nodes,
         block_tokens=block,
-        block_bytes=block_bytes,
+        block_bytes=round(block_cost),
         capacity_blocks={"device": cap.device, "host": cap.host, "storage_shared": cap.storage or 0},
         hit_ratio={k: ratio(v) for k, v in hits.items()} | {"total": ratio(total_hits)},
         infinite_cache_hit_ratio=round(bound, 4),
@@ -202,7 +211,40 @@ def run_plan(
         per_node=timing.per_node,
         load_balance=timing.imbalance,
         warnings=timing.warnings,
+        groups=groups,
     )
+
+
+def _group_report(cfg: PlanConfig, cap: Capacity, counts: ReplayCounts) -> dict:
+    """A hybrid model, per KV group: what one of its objects costs, how many each tier holds, what moved
+    (summed over nodes); and the blocks a tier holds against a full-attention model of the same size."""
+    model = planning_model(cfg)
+    spec = planning_spec(cfg)
+    out: dict = {"full": {"kind": "full", "bytes_per_block": spec.page_bytes, "layers": len(model.group("full").layers),
+                          "device_blocks": cap.device, "host_blocks": cap.host}}
+    moved_bytes: dict[str, int] = {}
+    for g in model.groups:
+        if g.kind == "full":
+            continue
+        nbytes = g.attention.page_bytes if g.attention is not None else g.state_bytes
+        moved = counts.groups.get(g.name, {})
+        share = 1.0 if g.kind == "sliding_window" else 1 / cfg.state_every
+        budget = {"device": int(cap.device * share), "host": int(cap.host * share)}
+        peak = dict(zip(("device", "host"), counts.peaks.get(g.name, [0, 0])))
+        out[g.name] = {"kind": g.kind, "layers": len(g.layers), "bytes_per_object": nbytes, "window_tokens": g.window or None,
+                       "objects_reserved_per_node": budget, "objects_held_at_most": peak, **moved}
+        over = [t for t in budget if peak[t] > budget[t]]
+        if over:
+            out[g.name]["warning"] = (f"a node held up to {', '.join(f'{peak[t]} {t}' for t in over)} objects, over the "
+                                      f"{', '.join(str(budget[t]) for t in over)} its block size reserves: snapshots at "
+                                      f"depths that branch out share their pages; raise --plan-state-every or the tier")
+        for k in ("loaded", "backed_up", "saved", "fetched"):
+            moved_bytes[k] = moved_bytes.get(k, 0) + moved.get(k, 0) * nbytes
+    twin = spec.with_(num_layers=model.num_layers)  # every layer full attention, the full layers' buffers
+    twin_cap = capacity(cfg, twin.page_bytes)
+    out["full_attention_twin"] = {"bytes_per_block": twin.page_bytes, "device_blocks": twin_cap.device, "host_blocks": twin_cap.host}
+    out["moved_bytes"] = moved_bytes
+    return out
 
 
 #: the capacity fields a sweep may vary
@@ -263,6 +305,6 @@ def compare_routing(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Ca
 
 def min_host_tb(requests: list[TraceRequest], cfg: PlanConfig) -> float:
     """The smallest host per node (TB) :func:`check_plannable` accepts for this trace and device."""
-    spec = planning_spec(cfg)
-    need = capacity(cfg, spec.page_bytes).device + 2 * _longest_blocks(requests)
-    return need * spec.page_bytes / TB
+    cost = block_bytes(cfg)
+    need = capacity(cfg, cost).device + 2 * _longest_blocks(requests)
+    return need * cost / TB

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
 from kvtier.config import ConfigError, _help, check_number
+from kvtier.groups import HYBRID_PRESETS, ModelSpec, model_spec
 from kvtier.spec import KVSpec
 
 GB = 1e9
@@ -25,7 +27,7 @@ MAX_TB = 1e6
 class PlanConfig:
     """Cluster shape and link speeds; sizes are per node."""
 
-    spec: str = _help("model preset (KVSpec)", "deepseek-v3.2")
+    spec: str = _help("model preset: a KVSpec preset, or a hybrid one (gpt-oss-120b, gemma-3-27b, qwen3-next-80b-a3b)", "deepseek-v3.2")
     nodes: int = _help("engine nodes; requests are routed to them", 1)
     device_gb: float = _help("KV cache memory on the GPUs of one node (L1), GB", 40.0)
     host_tb: float = _help("pinned host memory for KV per node (L2), TB", 1.0)
@@ -43,6 +45,9 @@ class PlanConfig:
     network_gbps: float = _help("storage network bandwidth per node, GB/s", 25.0)
     prefill_tflops: float = _help("effective prefill compute of one node, TFLOP/s (e.g. 8 GPUs x 400 at ~50% MFU)", 3200.0)
     flops_per_token: float = _help("prefill FLOPs per token (2 x active parameters; DeepSeek-V3.2: 37e9 active)", 74e9)
+    window_share: float = _help("hybrid models: sliding-window pages a tier keeps per full-attention block it keeps; only 1 "
+                                "is accepted (below it windows compete in their own LRU and a bigger tier can serve fewer hits)", 1.0)
+    state_every: int = _help("hybrid models: a state snapshot every this many blocks, and at each prompt's last block", 4)
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -60,6 +65,8 @@ class PlanConfig:
         check_number(self, "device_gb", above=0, at_most=MAX_TB * 1000)
         for name in ("pcie_gbps", "network_gbps", "prefill_tflops", "flops_per_token", "arrival_speedup"):
             check_number(self, name, above=0)
+        check_number(self, "window_share", above=0, at_most=1)
+        check_number(self, "state_every", at_least=1, integer=True)
 
 
 @dataclass(frozen=True)
@@ -73,14 +80,50 @@ class Capacity:
 
 
 def planning_spec(cfg: PlanConfig) -> KVSpec:
-    """The spec with one page per trace block (``512 / page_size`` pages of the real spec)."""
-    base = KVSpec.preset(cfg.spec)
+    """The spec with one page per trace block (``512 / page_size`` pages of the real spec); a hybrid
+    model's: its full-attention group's."""
+    base = model_spec(cfg.spec).group("full").attention  # (an unknown name lists every preset, hybrid ones too)
     if MOONCAKE_BLOCK_TOKENS % base.page_size:
         raise ConfigError(f"spec page_size {base.page_size} must divide the trace block of {MOONCAKE_BLOCK_TOKENS} tokens")
     return base.with_(page_size=MOONCAKE_BLOCK_TOKENS)
 
 
-def capacity(cfg: PlanConfig, block_bytes: int) -> Capacity:
+def planning_model(cfg: PlanConfig) -> ModelSpec | None:
+    """A hybrid preset's groups with one page per trace block (None for a full-attention preset)."""
+    if cfg.spec not in HYBRID_PRESETS:
+        return None
+    model = HYBRID_PRESETS[cfg.spec]
+    groups = tuple(dataclasses.replace(g, attention=g.attention.with_(page_size=MOONCAKE_BLOCK_TOKENS)) if g.attention is not None else g
+                   for g in model.groups)
+    return ModelSpec(model.name, model.num_layers, groups)
+
+
+def block_bytes(cfg: PlanConfig) -> float:
+    """What one cached block costs a tier: its full-attention page, and for a hybrid model the share of a
+    sliding-window page (``window_share``) and of a state snapshot (one every ``state_every``
+    blocks) the tier keeps beside it. Tiers are sized in such blocks."""
+    spec = planning_spec(cfg)
+    model = planning_model(cfg)
+    cost = float(spec.page_bytes)
+    for g in model.groups if model is not None else ():
+        if g.kind == "sliding_window":
+            cost += cfg.window_share * g.attention.page_bytes
+        elif g.kind == "state":
+            cost += g.state_bytes / cfg.state_every
+    return cost
+
+
+def group_capacity(cfg: PlanConfig, cap: Capacity) -> dict[str, Capacity]:
+    """Object ids each of a hybrid model's other groups has per tier: one per block the tier holds, so
+    objects never compete for their pool and live exactly as long as their pages -- the regime in
+    which a bigger tier never serves fewer hits (tests/test_plan_hybrid.py sweeps it). The bytes are
+    what :func:`block_bytes` reserves: a window page per block (``window_share`` 1), a snapshot per
+    ``state_every`` blocks (the planner's engine keeps snapshots at that cadence only)."""
+    model = planning_model(cfg)
+    return {g.name: Capacity(cap.device, cap.host, cap.storage) for g in (model.groups if model is not None else ()) if g.kind != "full"}
+
+
+def capacity(cfg: PlanConfig, block_bytes: float) -> Capacity:
     """Tier sizes in blocks of ``block_bytes``: per node for device and host, the shared L3 for all nodes."""
     return Capacity(
         device=max(1, _blocks(cfg.device_gb * GB, block_bytes)),
@@ -106,7 +149,7 @@ class TokenCosts:
 
     @classmethod
     def of(cls, cfg: PlanConfig) -> TokenCosts:
-        bytes_per_token = planning_spec(cfg).bytes_per_token
+        bytes_per_token = planning_spec(cfg).bytes_per_token  # (a hybrid model's full pages; its window and snapshot are per hit)
         return cls(cfg.flops_per_token / (cfg.prefill_tflops * 1e12), bytes_per_token / (cfg.pcie_gbps * GB),
                    bytes_per_token / (min(cfg.pcie_gbps, cfg.network_gbps) * GB))
 
@@ -121,6 +164,10 @@ class ReplayCounts:
     storage_saved_blocks: int = 0
     #: (device, host, storage) blocks served per request, when asked for (equivalence tests)
     per_request: list[tuple[int, int, int]] | None = None
+    #: a hybrid model: per other group, its objects moved and evicted, summed over nodes
+    groups: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: per other group, the most objects one node's device and host held at once
+    peaks: dict[str, list[int]] = field(default_factory=dict)
 
 
 def attribute_hits(usable: int, on_device: int, on_host: int) -> tuple[int, int, int]:
@@ -159,6 +206,8 @@ class PlanReport:
     warnings: list[str] = field(default_factory=list)
     sweep: list[dict] = field(default_factory=list)
     routing_comparison: list[dict] = field(default_factory=list)
+    #: a hybrid model: per group, what a block costs, what each tier holds and what moved
+    groups: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)

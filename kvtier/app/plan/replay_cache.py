@@ -17,10 +17,11 @@ from dataclasses import replace
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core import CacheCore
+from kvtier.core import CacheCore, Tier
 from kvtier.executors.accounting import AccountingExecutor, AccountingStore
 from kvtier.hashing import Namespace, PageHash
-from kvtier.app.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts
+from kvtier.app.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts, group_capacity, planning_model
+from kvtier.groups import ModelSpec
 from kvtier.spec import KVSpec
 from kvtier.app.workloads.mooncake import TraceRequest
 
@@ -30,7 +31,8 @@ def _block_keys(requests: list[TraceRequest]) -> dict[int, PageHash]:
     return {h: PageHash(h.to_bytes(16, "little", signed=False)) for h in {h for r in requests for h in r.hash_ids}}
 
 
-def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, cache_cfg: CacheConfig) -> CacheCore:
+def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, cache_cfg: CacheConfig, model: ModelSpec | None = None,
+                group_caps: dict[str, Capacity] | None = None, state_every: int = 1) -> CacheCore:
     # no preallocated nodes: they keep a long-running server's collector idle, while a replay would
     # build one per page of every node's pools up front (16 nodes: ~400k) for a trace that needs fewer
     return CacheCore(
@@ -40,7 +42,11 @@ def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, ca
         AccountingExecutor(storage),
         replace(cache_cfg, preallocate_nodes=False),
         StorageConfig(url="memory://"),
-        namespace=Namespace(spec.name, spec.fingerprint()),
+        namespace=Namespace(spec.name, (model or spec).fingerprint()),
+        model=model,
+        group_pools={name: (PageAllocator(c.device, f"{name} device"), PageAllocator(c.host, f"{name} host"))
+                     for name, c in (group_caps or {}).items()},
+        state_every=state_every,
     )
 
 
@@ -73,15 +79,20 @@ def replay_cache(
     per_request: bool = False,
 ) -> ReplayCounts:
     block = spec.page_size
-    storage = AccountingStore(cap.storage, L3_BATCH_PAGES) if cap.storage is not None else None
+    model = planning_model(cfg)
+    # the store is one LRU of keys: beside each block it holds at most one window page and one snapshot
+    objects_per_block = 1 + sum(1 for g in model.groups if g.kind != "full") if model is not None else 1
+    storage = AccountingStore(cap.storage * objects_per_block, L3_BATCH_PAGES) if cap.storage is not None else None
     # a node's pools are sized from the blocks routed to it: it can never hold more, so larger pools
     # change nothing and would only be allocated (1000 TB of host is 2e9 page ids; 4096 nodes, 4096 cores)
     need = [1] * cfg.nodes
     for r, j in zip(requests, nodes_of):
         need[j] += len(r.hash_ids)
-    caches = [
-        _node_cache(spec, Capacity(min(cap.device, n), min(cap.host, n), cap.storage), storage, cache_cfg) if n > 1 else None for n in need
-    ]
+    caches = []
+    for n in need:
+        node_cap = Capacity(min(cap.device, n), min(cap.host, n), cap.storage)
+        caches.append(_node_cache(spec, node_cap, storage, cache_cfg, model, group_capacity(cfg, node_cap), cfg.state_every)
+                      if n > 1 else None)
     out = ReplayCounts(per_request=[] if per_request else None)
     with collector_paused():
         _replay(requests, caches, nodes_of, block, out)
@@ -90,7 +101,30 @@ def replay_cache(
     out.backed_up_blocks = sum(c.stats.backed_up_pages for c in used)
     out.storage_saved_blocks = sum(c.stats.storage_saved_pages for c in used)
     for c in used:
+        for comp in c.components:
+            moved = out.groups.setdefault(comp.name, {})
+            for k, v in comp.stats().items():
+                if k not in ("device_objects", "host_objects"):
+                    moved[k] = moved.get(k, 0) + v
+    for c in used:
         c.close()
+    return out
+
+
+def _group_objects(node: CacheCore, req, usable: int) -> dict[str, list[int | None]]:
+    """What an engine hands over for a hybrid model: a window page for every block it computed (vLLM and
+    SGLang keep them until their block goes), and a snapshot at each ``state_every``-th boundary --
+    not at the prompt's end, which the core would also take: the tiers' snapshot bytes are then
+    exactly one per ``state_every`` blocks, as :func:`~kvtier.app.plan.config.block_bytes` reserves."""
+    full = len(req.keys)
+    every = node.state_every
+    out = {}
+    for c in node.components:
+        ids: list[int | None] = [None] * full
+        places = [b - 1 for b in node.snapshot_boundaries(usable, full) if b % every == 0] if c.is_state else range(usable, full)
+        for place, gid in zip(places, req.alloc_group(c.name, len(places))):
+            ids[place] = gid
+        out[c.name] = ids
     return out
 
 
@@ -107,7 +141,7 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
         total = -(-r.input_length // block)
         new = req.alloc(total - usable)
         if new.ok:
-            req.commit(req.cached_pages[:usable] + new.pages)
+            req.commit(req.cached_pages[:usable] + new.pages, _group_objects(node, req, usable) if node.components else None)
         else:
             req.abort()
         served = req.served(usable)
@@ -115,4 +149,8 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
             hits[tier] += n
         if out.per_request is not None:
             out.per_request.append(served)
+        for c in node.components:  # the most objects a node's tiers held at once
+            peak = out.peaks.setdefault(c.name, [0, 0])
+            peak[0] = max(peak[0], len(c.at[Tier.DEVICE]))
+            peak[1] = max(peak[1], len(c.at[Tier.HOST]))
         out.input_tokens += r.input_length

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.app.plan.config import PlanConfig, TokenCosts, capacity, planning_spec
+from kvtier.app.plan.config import PlanConfig, TokenCosts, block_bytes, capacity
 from kvtier.radix import leading_present
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -109,7 +109,7 @@ class KvAwareRouter:
 
     def __init__(self, cfg: PlanConfig) -> None:
         n = self.nodes = cfg.nodes
-        self.device_blocks = capacity(cfg, planning_spec(cfg).page_bytes).device
+        self.device_blocks = capacity(cfg, block_bytes(cfg)).device
         self.w_host = host_weight(cfg)
         self.rate = prefill_tokens_per_second(cfg)
         self.blocks_per_second = self.rate / MOONCAKE_BLOCK_TOKENS
