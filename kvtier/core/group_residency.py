@@ -44,7 +44,7 @@ from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, Unkno
 from kvtier.groups import KVGroup, ModelSpec
 from kvtier.hashing import PageHash, group_object_key
 from kvtier.pages import first_duplicate
-from kvtier.radix import NO_PAGE, PageNode
+from kvtier.radix import NO_PAGE, SAVING, PageNode
 
 #: the tiers whose object ids a component keeps (L3 objects are named by their keys)
 TIERS = (Tier.DEVICE, Tier.HOST)
@@ -63,9 +63,9 @@ class Component:
         self.name = group.name
         self.alloc = {Tier.DEVICE: device, Tier.HOST: host}
         self.at: dict[Tier, dict[PageNode, int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
-        #: per tier, a lazy heap of (recency, seq, node) for eviction, and the nodes attached since it
-        #: was last brought up to date (pushed when eviction next needs it)
-        self.heap: dict[Tier, list] = {Tier.DEVICE: [], Tier.HOST: []}
+        #: per tier, a lazy heap of (recency, seq, node) for eviction (None until the first eviction needs
+        #: it, then built from what the tier holds), and the nodes attached since (pushed when next needed)
+        self.heap: dict[Tier, list | None] = {Tier.DEVICE: None, Tier.HOST: None}
         self.fresh: dict[Tier, list[PageNode]] = {Tier.DEVICE: [], Tier.HOST: []}
         self.seq = itertools.count()
         #: host objects being copied on their own (their pages were on host already): not readable yet
@@ -75,6 +75,18 @@ class Component:
         self.loaded = self.backed_up = self.evicted = self.limited = 0
         #: objects planned into L3 and out of it
         self.saved = self.fetched = 0
+
+    def note(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
+        """``nodes``' objects just arrived in ``tier``: the eviction heap learns of them when next needed.
+        Nothing is kept while no heap exists (a cache whose pool never fills pays nothing), and a
+        backlog larger than the tier is dropped for a rebuild."""
+        if self.heap[tier] is None:
+            return
+        fresh = self.fresh[tier]
+        fresh.extend(nodes)
+        if len(fresh) > 2 * len(self.at[tier]) + 64:
+            self.heap[tier] = None
+            fresh.clear()
 
     @property
     def is_state(self) -> bool:
@@ -98,6 +110,8 @@ class GroupResidency:
         self._group_holds: dict[PageNode, int] = {}
         self.state_every = state_every
         self._has_state = False
+        #: plans given up on (a prefetch past its budget, a timeout) -> the host object ids they may still write
+        self._group_held_for: dict[int, dict[str, list[int]]] = {}
         if model is None or not model.is_hybrid:
             return
         if type(state_every) is not int or state_every < 1:
@@ -200,14 +214,13 @@ class GroupResidency:
             c = self.component(name)
             dev = c.at[Tier.DEVICE]
             new_ids = ids[fresh:]
-            recent = c.fresh[Tier.DEVICE]
             if None in new_ids:  # (in C too: the pairs whose id is not None)
                 pairs = list(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
                 dev.update(pairs)
-                recent.extend(node for node, _ in pairs)
+                c.note(Tier.DEVICE, [node for node, _ in pairs])
             else:  # the usual case, in C: an object for every new page
                 dev.update(zip(new_nodes, new_ids))
-                recent.extend(new_nodes)
+                c.note(Tier.DEVICE, new_nodes)
             old_ids = ids[:fresh]
             if old_ids.count(None) == fresh:  # the usual case: nothing handed for pages the cache had
                 continue
@@ -216,7 +229,7 @@ class GroupResidency:
                 have = dev.get(node)
                 if have is None:
                     dev[node] = i
-                    recent.append(node)
+                    c.note(Tier.DEVICE, (node,))
                     gained[node] = None
                 elif have != i:
                     dup.append(i)
@@ -281,7 +294,7 @@ class GroupResidency:
             if not at:
                 continue
             c.at[dst].update(zip((nodes[i] for i in at), ids))
-            c.fresh[dst].extend(nodes[i] for i in at)
+            c.note(dst, [nodes[i] for i in at])
             if src is Tier.STORAGE:
                 runs.append(GroupRun(c.name, tuple(at), (), tuple(ids), tuple(group_object_key(nodes[i].key, c.name) for i in at)))
                 c.fetched += len(at)
@@ -301,6 +314,21 @@ class GroupResidency:
         wanted = {c.name: [i - first for i in self.needed_places(c, end) if i >= first] for c in self.components}
         return self._group_runs(nodes, Tier.STORAGE, Tier.HOST, wanted)
 
+    def _hold_late(self, op: int, nodes) -> None:
+        held = {}
+        for c in self.components:
+            host = c.at[Tier.HOST]
+            ids = [host[n] for n in nodes if n in host]
+            if ids:
+                c.alloc[Tier.HOST].hold(ids)  # freed meanwhile, they stay out of the pool until the late answer
+                held[c.name] = ids
+        if held:
+            self._group_held_for[op] = held
+
+    def _released_late(self, op: int) -> None:
+        for name, ids in self._group_held_for.pop(op, {}).items():
+            self.component(name).alloc[Tier.HOST].release_hold(ids)
+
     def _backup_objects(self, nodes: Sequence[PageNode]) -> None:
         """``nodes`` (on device, their host copies ready) hold device objects those copies lack -- objects
         attached after the page went to host, a shorter prompt's last snapshot on a shared prefix:
@@ -317,7 +345,7 @@ class GroupResidency:
             if not todo:
                 continue
             host.update(zip(todo, ids))
-            c.fresh[Tier.HOST].extend(todo)
+            c.note(Tier.HOST, todo)
             c.unready.update(todo)
             c.backed_up += len(todo)
             runs.append(GroupRun(c.name, (), tuple(dev[n] for n in todo), tuple(ids)))
@@ -425,6 +453,8 @@ class GroupResidency:
         """An object of ``node`` in ``tier`` that no plan in flight reads or writes and no request holds."""
         if node in self._group_holds or node in self._loading or node in c.unready:
             return False
+        if tier is Tier.HOST and node.stored == SAVING:  # an L3 save reads it
+            return False
         # a host copy being made (a backup reads the device object, writes the host one) is not readable yet
         return node.host_page == NO_PAGE or node.host_ready
 
@@ -434,8 +464,8 @@ class GroupResidency:
         last snapshot a cached prefix ends on -- only after every other."""
         heap, at, seq = c.heap[tier], c.at[tier], c.seq
         fresh = c.fresh[tier]
-        if len(heap) + len(fresh) > 2 * len(at) + 64:  # mostly stale: rebuilt from what the tier holds
-            heap[:] = [(node.last_access, next(seq), node) for node in at]
+        if heap is None or len(heap) + len(fresh) > 2 * len(at) + 64:  # none yet, or mostly stale: built from the tier
+            heap = c.heap[tier] = [(node.last_access, next(seq), node) for node in at]
             heapq.heapify(heap)
         else:
             for node in fresh:
@@ -485,7 +515,7 @@ class GroupResidency:
                     page = node.device_page if tier is Tier.DEVICE else node.host_page
                     assert page != NO_PAGE, f"group {c.name}: a {tier.name.lower()} object without its node's page there"
                 mine = caller.get(c.name, set()) if tier is Tier.DEVICE else set()
-                held = quarantined.get(c.name, set()) if tier is Tier.DEVICE else set()
+                held = quarantined.get(c.name, set()) if tier is Tier.DEVICE else set(c.alloc[tier].parked)
                 assert not set(ids) & (mine | held), f"group {c.name}: an object owned by the tree and a caller or the quarantine"
                 assert set(ids) | mine | held == c.alloc[tier].allocated_pages(), (
                     f"group {c.name}: its {tier.name.lower()} allocator and the tree disagree (leak or foreign id)")

@@ -77,6 +77,7 @@ class StoragePolicy:
         held = [n.host_page for n in handle.nodes[handle.applied :] if n.host_page != NO_PAGE and not n.host_ready]
         self.host_alloc.hold(held)
         self._held_for[handle.op] = held
+        self._hold_late(handle.op, [n for n in handle.nodes[handle.applied :] if not n.host_ready])
         self.stats.prefetches_given_up += 1
         self.tree.unlock(handle.nodes[-1])
         self._drop_unarrived(handle)
