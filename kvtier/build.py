@@ -34,11 +34,8 @@ def build_cache(
     storage: StorageConfig = StorageConfig(),
     namespace: Namespace | None = None,
 ) -> HierarchicalCache:
-    namespace = namespace or Namespace(spec.name, spec.fingerprint())
-    device = DevicePool(spec, tiers.device_pages, tiers.device)
-    host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)
-    tier = open_storage_tier(storage, host, namespace)
-    return HierarchicalCache(device, host, cache, namespace=namespace, storage=tier, storage_config=storage)
+    # one full group: same name, fingerprint and pools as the spec's, no other group's pools
+    return build_hybrid_cache(ModelSpec.of(spec), tiers, cache, storage, namespace)
 
 
 def build_hybrid_cache(
@@ -50,8 +47,9 @@ def build_hybrid_cache(
     *,
     state_every: int = 1,
 ) -> HierarchicalCache:
-    """:func:`build_cache` for a hybrid model: the tiers' pools hold its full-attention groups' layers
-    (one full group), and each other group gets as many objects per tier as there are pages there."""
+    """:func:`build_cache` for a hybrid model (any :class:`~kvtier.groups.ModelSpec`): the tiers' pools
+    hold its full-attention group's layers, and each other group gets as many objects per tier as
+    there are pages there."""
     fulls = [g for g in model.groups if g.kind == "full"]
     if len(fulls) != 1:
         raise ConfigError(f"model {model.name!r}: the cache keeps one full-attention group's pages, it has {len(fulls)}; "

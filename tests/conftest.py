@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from kvtier import DevicePool, HostPool, KVSpec
@@ -36,3 +38,27 @@ def device_page(pool: DevicePool, page: int) -> bytes:
 
 def slots(pages: list[int], page_size: int) -> torch.Tensor:
     return torch.tensor([p * page_size + i for p in pages for i in range(page_size)], dtype=torch.int64)
+
+
+def fill_pool(pool: DevicePool, value: int) -> None:
+    """Every byte of every buffer of every layer set to ``value`` (what a failed copy leaves: not the page)."""
+    for layer in range(pool.spec.num_layers):
+        for b in pool.spec.buffers:
+            pool.rows(b.name, layer).view(torch.uint8).fill_(value)
+
+
+@contextmanager
+def loads_refused(cache):
+    """While open, every host->device copy of ``cache``'s transfer engine fails at submission."""
+    real = cache.engine.submit
+
+    def refuse_loads(src, dst, *args, **kwargs):
+        if (src, dst) == ("host", "device"):
+            raise RuntimeError("injected: the copy engine failed")
+        return real(src, dst, *args, **kwargs)
+
+    cache.engine.submit = refuse_loads
+    try:
+        yield
+    finally:
+        cache.engine.submit = real

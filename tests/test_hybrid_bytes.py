@@ -19,6 +19,7 @@ from kvtier.errors import SpecError
 from kvtier.groups import KVGroup, ModelSpec, StateTensor
 from kvtier.hashing import Namespace, group_object_key
 from kvtier.spec import KVSpec
+from conftest import fill_pool
 
 P = 4
 FULL = KVSpec.mla("hy-full", 2, kv_lora_rank=16, qk_rope_dim=8, page_size=P)
@@ -60,10 +61,7 @@ def _bytes(executor, group: str, slot: int) -> bytes:
 
 def _garbage(executor) -> None:
     for group in ["full", *executor.groups]:
-        pool = _pool(executor, group)
-        for layer in range(pool.spec.num_layers):
-            for b in pool.spec.buffers:
-                pool.rows(b.name, layer).view(torch.uint8).fill_(0xEE)
+        fill_pool(_pool(executor, group), 0xEE)
 
 
 def _store_name(executor, key: bytes) -> str:

@@ -16,6 +16,7 @@ from kvtier.build import TierConfig, build_hybrid_cache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
 from kvtier.core.hybrid_match import window_pages
+from conftest import fill_pool, loads_refused
 from test_cli import SMALL, kvtier
 
 BASE = ModelConfig(hidden=64, num_layers=3, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
@@ -107,21 +108,11 @@ def test_a_failed_load_is_recomputed_and_logits_still_equal(tmp_path):
         cache.wait_idle()
         cache.evict_device(32)
         for dev, _h in cache.group_pools.values():  # what a failed load leaves behind is not the object
-            for layer in range(dev.spec.num_layers):
-                for b in dev.spec.buffers:
-                    dev.rows(b.name, layer).view(torch.uint8).fill_(7)
-        real = cache.engine.submit
-
-        def refuse_loads(src, dst, *args, **kwargs):
-            if (src, dst) == ("host", "device"):
-                raise RuntimeError("injected: the copy engine failed")
-            return real(src, dst, *args, **kwargs)
-
-        cache.engine.submit = refuse_loads
-        r = eng.prefill(a)
+            fill_pool(dev, 7)
+        with loads_refused(cache):
+            r = eng.prefill(a)
         same(base.prefill(a), r)
         assert r.computed_tokens == len(a) and cache.stats.load_failed_pages > 0
-        cache.engine.submit = real
         cache.wait_idle()
         cache.check_integrity(idle=True)
     finally:

@@ -10,6 +10,7 @@ from kvtier.app.model.dsa import quantize, read_pages, write_tokens
 from kvtier.app.engine import ReferenceEngine
 from kvtier.app.model import ModelConfig, ReferenceModel
 from kvtier.core import NullCache
+from conftest import loads_refused
 
 CFG = ModelConfig(hidden=64, num_layers=3, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
                   index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)
@@ -145,18 +146,10 @@ def test_a_failed_load_is_recomputed_and_logits_still_equal(tmp_path):
     cache.wait_idle()
     cache.evict_device(32)
     cache.device.buffers["latent"][0].fill_(7)  # what a failed load leaves behind is not the page
-    real = cache.engine.submit
-
-    def refuse_loads(src, dst, *args, **kwargs):
-        if (src, dst) == ("host", "device"):
-            raise RuntimeError("injected: the copy engine failed")
-        return real(src, dst, *args, **kwargs)
-
-    cache.engine.submit = refuse_loads
-    r = eng.prefill(a)
+    with loads_refused(cache):
+        r = eng.prefill(a)
     same(base.prefill(a), r)
     assert r.computed_tokens == len(a) and cache.stats.load_failed_pages > 0
-    cache.engine.submit = real
     cache.wait_idle()
     cache.check_integrity(idle=True)
     cache.close()

@@ -214,9 +214,8 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         self.tree.lock(served[-1])  # released when the load completes (poll)
         groups = ()
         if self.components:  # only what the matched boundary reads: its window's pages, its snapshot
-            first, end = len(prefix_pages), len(prefix_pages) + len(served)
-            wanted = {c.name: [i - first for i in self.needed_places(c, len(match.nodes)) if first <= i < end] for c in self.components}
-            groups = self._group_runs(served, Tier.HOST, Tier.DEVICE, wanted)
+            first = len(prefix_pages)
+            groups = self._group_runs(served, Tier.HOST, Tier.DEVICE, self._wanted(len(match.nodes), first, first + len(served)))
         op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, got.pages, 0, groups)
         for n in served:
             self._loading[n] = op

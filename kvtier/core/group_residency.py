@@ -306,13 +306,17 @@ class GroupResidency:
                 c.backed_up += len(at)
         return tuple(runs)
 
+    def _wanted(self, boundary: int, first: int, end: int) -> dict[str, list[int]]:
+        """Per group, the objects a prefix of ``boundary`` pages reads (its window's pages, its snapshot)
+        that fall among pages ``first .. end - 1``, as places counted from ``first``."""
+        return {c.name: [i - first for i in self.needed_places(c, boundary) if first <= i < end] for c in self.components}
+
     def _prefetch_groups(self, match, nodes: Sequence[PageNode]) -> tuple[GroupRun, ...]:
         """A prefetch of ``nodes`` (the match's storage pages) brings the objects its boundary reads that
         fall among them: the window's pages, the snapshot at its end."""
         first = len(match.nodes)
         end = first + len(nodes)
-        wanted = {c.name: [i - first for i in self.needed_places(c, end) if i >= first] for c in self.components}
-        return self._group_runs(nodes, Tier.STORAGE, Tier.HOST, wanted)
+        return self._group_runs(nodes, Tier.STORAGE, Tier.HOST, self._wanted(end, first, end))
 
     def _hold_late(self, op: int, nodes) -> None:
         held = {}
