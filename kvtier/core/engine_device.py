@@ -22,6 +22,15 @@ the copy into engine blocks together (the copy follows the fetch,
 plans the copy out of engine blocks and its write-through save together, and
 each outcome is applied when its completion comes back.
 
+Hybrid models (``model=``, :mod:`~kvtier.core.group_residency`): the engine owns
+every group's device blocks too, so the calls take them per group -- ``groups``
+maps each non-full group to one engine id (or None) per page: a sliding-window
+group's block of that page, a state group's slot holding the snapshot at the
+page's end. kvtier keeps those objects on host and in L3 beside their pages
+(ids of ``group_hosts``' allocators), a lookup offers the longest prefix every
+group can continue from, a load copies the objects its boundary reads into the
+engine's ids, and a copy out takes the objects the engine still has.
+
 Nothing here holds a device page: tree nodes are host-only, and every copy is
 a :class:`~kvtier.core.plans.Transfer` the executor runs against the engine's
 tensors. Pages are whole by construction (keys name full pages, blocks are
@@ -36,11 +45,14 @@ from dataclasses import dataclass, field
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.base import CoreBase
-from kvtier.core.plans import Completion, Done, Tier, copy_plan
+from kvtier.core.group_residency import GroupResidency
+from kvtier.core.hybrid_match import usable_prefix
+from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import MatchResult
 from kvtier.core.tags import JobTag
-from kvtier.errors import PageAlignmentError
+from kvtier.errors import PageAlignmentError, PageIndexError
+from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
 from kvtier.radix import NO_PAGE, PageNode
@@ -55,6 +67,9 @@ class HostLookup:
     storage_pages: int
     #: the storage tier was asked (so when ``pages`` < the keys asked, key ``pages`` is not in L3)
     probed: bool = False
+    #: a hybrid model: the KV group whose objects were missing where the full pages ran on (None: the
+    #: full pages themselves are the limit)
+    limited_by: str | None = None
 
     @property
     def pages(self) -> int:
@@ -98,6 +113,8 @@ class EngineLoad:
     _released: bool = field(default=False, repr=False)
     #: planned (:meth:`EngineDeviceCore.plan_load`): released when its completion is applied
     release_on_completion: bool = field(default=False, repr=False)
+    #: a hybrid model: the nodes whose group objects the copy reads (held until it is released)
+    _held: list[PageNode] = field(default_factory=list, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -128,13 +145,19 @@ class IntoEngine(JobTag):
     load: EngineLoad
 
 
-class EngineDeviceCore(CoreBase):
+class EngineDeviceCore(GroupResidency, CoreBase):
     """See the module docstring: ``host`` allocates the ids of the host pool the executors hold;
-    the engine allocates its device blocks itself."""
+    the engine allocates its device blocks itself. ``model``: a hybrid model whose full group is
+    ``spec``; ``group_hosts``: each other group's host allocator; ``state_every``: see
+    :meth:`~kvtier.core.group_residency.GroupResidency.snapshot_boundaries`."""
 
     def __init__(self, spec: KVSpec, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
-                 storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None):
+                 storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
+                 model: ModelSpec | None = None, group_hosts: dict[str, PageAllocator] | None = None, state_every: int = 1):
         super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats)
+        #: (no device loads of the tree's own: the engine's copies hold their objects instead)
+        self._loading: dict[PageNode, int] = {}
+        self._init_groups(model, {name: (None, alloc) for name, alloc in (group_hosts or {}).items()}, state_every)
         self._on[OffloadCopy] = self._offloaded
         self._on[IntoEngine] = self._finish_into_engine
         self._on[VoidSave] = self._applied_where_waited
@@ -147,31 +170,56 @@ class EngineDeviceCore(CoreBase):
         also proves every cached page is evictable."""
         self._check_host(caller_host_pages, idle)
         assert all(n.device_page == NO_PAGE for n in self.tree.nodes.values()), "a node holds a device page in an engine-device core"
+        if self.components:
+            self._check_groups({}, {}, idle)
 
     # ---- queries ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[PageHash]) -> HostLookup:
+        """Leading pages of ``keys`` a load can bring: readable host pages, then what L3 holds after them
+        (a hybrid model: the longest prefix every group can continue from)."""
         self.poll()
-        keys = list(keys)
-        path = self.tree.walk(keys)
-        host = self.tree.readable_host_run(path)
+        path, host, stored, limited_by, probed = self._usable(list(keys))
         self.tree.touch(path[:host])
-        probed = self.port.has_storage and host == len(path) < len(keys)
-        stored = self._ask(self.port.stored_prefix, keys[host:]) if probed else 0
         st = self.stats
         st.requests += 1
         st.lookup_pages += len(keys)
         st.host_hit_pages += host
         st.storage_hit_pages += stored
-        return HostLookup(host, stored, probed)
+        if limited_by is not None:
+            self.component(limited_by).limited += 1
+        return HostLookup(host, stored, probed, limited_by)
+
+    def _usable(self, keys: list[PageHash]) -> tuple[list[PageNode], int, int, str | None, bool]:
+        """(the tree's path of ``keys``, leading pages usable from host, pages after them usable from L3,
+        the group that cut the host prefix short, whether L3 was asked). L3 is asked only where every
+        page of the path is readable on host; a hybrid model's prefix from L3 needs every group's
+        objects, in the tree before the path's end, in L3 after it."""
+        path = self.tree.walk(keys)
+        host = self.tree.readable_host_run(path)
+        limited_by = None
+        usable = host
+        if self.components:
+            hybrid = self._hybrid_prefix(path, 0, host)
+            usable, limited_by = hybrid.pages, hybrid.limited_by
+        probed = self.port.has_storage and host == len(path) < len(keys)
+        stored = self._ask(self.port.stored_prefix, keys[host:]) if probed else 0
+        if stored and self.components:
+            stored = self._stored_usable(path, 0, keys[: host + stored], stored)
+        if stored:
+            return path, host, stored, None, probed
+        return path, usable, 0, limited_by, probed
 
     def holds(self, key: PageHash) -> bool:
         node = self.tree.nodes.get(key)
         return node is not None and node.host_page != NO_PAGE and node.host_ready
 
     # ---- engine device -> host -> L3 ----------------------------------------------------------
-    def offload(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, wait: bool = True) -> OffloadResult:
+    def offload(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, wait: bool = True,
+                groups: dict[str, Sequence[int | None]] | None = None) -> OffloadResult:
         """Copy the pages of ``keys`` the cache does not hold yet out of ``engine_pages[i]`` (all layers)
-        into host pages, then write them through to L3 (in the background).
+        into host pages, then write them through to L3 (in the background). ``groups`` (a hybrid
+        model): per other group, the engine's id of each page's object, or None where it has none
+        (a sliding-window block that left the window); the objects of the new pages go with them.
 
         ``wait=True``: returns once the copy landed (the engine may reuse its blocks). ``wait=False``:
         returns at once with the copy's ``op``; the pages count as cached when it completes (a
@@ -179,6 +227,7 @@ class EngineDeviceCore(CoreBase):
         its blocks. Either way a failed copy leaves nothing cached."""
         if len(keys) != len(engine_pages):
             raise PageAlignmentError(f"offload: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
+        self._check_engine_groups("offload", groups, len(keys))
         self.poll()
         keys, tree = list(keys), self.tree
         path = tree.walk(keys)
@@ -204,7 +253,8 @@ class EngineDeviceCore(CoreBase):
             tree.lock(nodes[-1])  # released when the copy completes
             tree.touch(path + nodes)
             tag = OffloadCopy(nodes)
-            op = self._submit(copy_plan, tag, Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages)
+            runs = self._objects_out(nodes, groups, have) if groups and self.components else ()
+            op = self._submit(copy_plan, tag, Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages, 0, runs)
             if not wait:  # the engine keeps its blocks until this op completes (a connector's get_finished)
                 if self.port.has_storage and self.storage_config.write_policy == "write_through":
                     # planned now, behind the copy: an executor elsewhere gets both in one batch
@@ -241,51 +291,133 @@ class EngineDeviceCore(CoreBase):
         self._forget_host_only(nodes[::-1])  # nothing can hang below pages that were never readable
         return None
 
+    def _check_engine_groups(self, call: str, groups: dict[str, Sequence[int | None]] | None, num_pages: int) -> None:
+        """The engine's per-group ids, before anything changes: known groups, one entry per page, ids
+        that are whole numbers >= 0 or None."""
+        for name, ids in (groups or {}).items():
+            self.component(name)
+            if not isinstance(ids, (list, tuple)) or len(ids) != num_pages:
+                raise PageAlignmentError(f"{call}, KV group {name!r}: pass one engine id (or None) per page ({num_pages}), got "
+                                         f"{len(ids) if isinstance(ids, (list, tuple)) else type(ids).__name__}")
+            bad = next((i for i in ids if i is not None and (type(i) is not int or i < 0)), None)
+            if bad is not None:
+                raise PageIndexError(f"{call}, KV group {name!r}: {bad!r} is not an engine id (a whole number >= 0, or None)")
+
+    def _objects_out(self, nodes: list[PageNode], groups: dict[str, Sequence[int | None]], first: int) -> tuple[GroupRun, ...]:
+        """The objects of new ``nodes`` (pages ``first:`` of the call) the engine has, each given a host
+        id of its group (as many as its pool can give) and attached now: they are readable when
+        their pages are, and leave with them if the copy fails."""
+        runs = []
+        for c in self.components:
+            ids = groups.get(c.name)
+            if ids is None:
+                continue
+            at = [j for j in range(len(nodes)) if ids[first + j] is not None]
+            got = self._alloc_group(c, Tier.HOST, len(at)) if at else []
+            at = at[: len(got)]
+            if not at:
+                continue
+            host = c.at[Tier.HOST]
+            host.update(zip((nodes[j] for j in at), got))
+            c.note(Tier.HOST, [nodes[j] for j in at])
+            c.backed_up += len(at)
+            runs.append(GroupRun(c.name, tuple(at), tuple(ids[first + j] for j in at), tuple(got)))
+        return tuple(runs)
+
+    def _objects_in(self, nodes: list[PageNode], groups: dict[str, Sequence[int | None]] | None,
+                    first: int) -> tuple[int, tuple[GroupRun, ...], list[PageNode]]:
+        """A hybrid load of ``nodes`` into the engine, whose own blocks hold pages ``:first``: the
+        largest boundary ``d <= len(nodes)`` every group can continue from -- its objects on host (or
+        arriving with the fetch), and an engine id for each one after ``first`` -- and the runs that
+        copy those objects into the engine's ids (places counted from ``first``), and the nodes they
+        hang on, held until the load is released. Without groups: every node, no runs."""
+        if not self.components:
+            return len(nodes), (), []
+        groups = groups or {}
+        host = {c.name: c.at[Tier.HOST] for c in self.components}
+        none = [None] * len(nodes)
+        has = {}
+        for c in self.components:
+            ids, at = groups.get(c.name) or none, host[c.name]
+            if c.is_state:
+                has[c.name] = lambda b, ids=ids, at=at: b <= first or (ids[b - 1] is not None and nodes[b - 1] in at)
+            else:
+                has[c.name] = lambda i, ids=ids, at=at: i < first or (ids[i] is not None and nodes[i] in at)
+        d = usable_prefix(len(nodes), self.model.groups, self.spec.page_size, has).pages
+        if d <= first:
+            return d, (), []
+        runs, held = [], {}
+        for c in self.components:
+            ids, at = groups[c.name], host[c.name]
+            places = [i for i in self.needed_places(c, d) if i >= first]
+            if places:
+                runs.append(GroupRun(c.name, tuple(i - first for i in places), tuple(at[nodes[i]] for i in places),
+                                     tuple(ids[i] for i in places)))
+                c.loaded += len(places)
+                held.update(dict.fromkeys(nodes[i] for i in places))
+        self.hold_groups(list(held))
+        return d, tuple(runs), list(held)
+
     # ---- L3 -> host -> engine device ----------------------------------------------------------
-    def _start_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int]):
+    def _start_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None):
         """Both loads' start: lock the host-ready prefix of ``keys`` and, when the store holds what follows
-        it, start fetching that into new host pages. Returns (keys, path, host-ready count, the locked
-        node, the prefetch handle or None)."""
+        it, start fetching that into new host pages. Returns (keys, path, pages usable from host, the
+        locked node, the prefetch handle or None)."""
         if len(keys) != len(engine_pages):
             raise PageAlignmentError(f"load: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
+        self._check_engine_groups("load", groups, len(keys))
         self.poll()
         keys = list(keys)
-        path = self.tree.walk(keys)
-        host = self.tree.readable_host_run(path)
-        locked = path[host - 1] if host else None
+        path, host, stored, _, _ = self._usable(keys)
+        run = self.tree.readable_host_run(path)
+        locked = path[run - 1] if run else None
         self.tree.lock(locked)
         handle = None
-        if self.port.has_storage and host == len(path) < len(keys):
-            stored = self._ask(self.port.stored_prefix, keys[host:])
-            if stored >= self.storage_config.min_prefetch_pages:
-                handle = self.prefetch(MatchResult(keys, [], path[:host], (), stored))
+        if stored >= max(1, self.storage_config.min_prefetch_pages):  # (L3 counts only after every path page: host == run)
+            handle = self.prefetch(MatchResult(keys, [], path, (), stored))
         return keys, path, host, locked, handle
 
-    def load_into(self, keys: Sequence[PageHash], engine_pages: Sequence[int]) -> EngineLoad:
+    def _engine_load(self, keys: list[PageHash], engine_pages: Sequence[int], nodes: list[PageNode], host: int, first: int,
+                     groups: dict[str, Sequence[int | None]] | None, locked: PageNode | None, planned: bool, after: int = 0) -> EngineLoad:
+        """The copy of ``nodes`` (a hybrid model: as far as every group can continue) into the engine."""
+        n, runs, held = self._objects_in(nodes, groups, first)
+        nodes = nodes[:n]
+        load = EngineLoad(len(keys), n, min(host, n), max(0, n - host), list(engine_pages[first:n]), core=self, _locked=locked,
+                          release_on_completion=planned, _held=held)
+        if n:
+            self.tree.touch(nodes)
+        if n > first:
+            load.op = self._submit(copy_plan, IntoEngine(nodes[first:], load), Tier.HOST, [node.host_page for node in nodes[first:]],
+                                   Tier.DEVICE, list(engine_pages[first:n]), after, runs)
+        elif planned:
+            self.release(load)  # (a fetch planned anyway still lands in host pages for later requests)
+        self.stats.load_shortfall_pages += len(keys) - n
+        return load
+
+    def load_into(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *,
+                  groups: dict[str, Sequence[int | None]] | None = None) -> EngineLoad:
         """Bring the leading available pages of ``keys`` into ``engine_pages``, layer by layer: those on
-        host, then those the store holds (prefetched per the storage config's policy)."""
-        keys, path, host, locked, handle = self._start_load(keys, engine_pages)
+        host, then those the store holds (prefetched per the storage config's policy). ``groups`` (a
+        hybrid model): per other group, the engine's id of each page's object, or None."""
+        keys, path, host, locked, handle = self._start_load(keys, engine_pages, groups)
         tree = self.tree
-        n = host
         if handle is not None:
             self.resolve_prefetch(handle)
             path = tree.walk(keys)
-            n = self.tree.readable_host_run(path)
-            if n > host:
-                tree.lock(path[n - 1])
+            arrived = tree.readable_host_run(path)
+            if arrived > host:
+                tree.lock(path[arrived - 1])
                 tree.unlock(locked)
-                locked = path[n - 1]
-        nodes = path[:n]
-        load = EngineLoad(len(keys), n, host, n - host, list(engine_pages[:n]), core=self, _locked=locked)
-        if n:
-            tree.touch(nodes)
-            load.op = self._submit(copy_plan, IntoEngine(nodes, load), Tier.HOST, [node.host_page for node in nodes], Tier.DEVICE,
-                                   list(engine_pages[:n]))
-        st = self.stats
-        st.load_shortfall_pages += len(keys) - n
-        return load
+                locked = path[arrived - 1]
+                host_now = arrived
+            else:
+                host_now = host
+        else:
+            host_now = host
+        return self._engine_load(keys, engine_pages, path[:host_now], host, 0, groups, locked, planned=False)
 
-    def plan_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, first: int = 0) -> EngineLoad:
+    def plan_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, first: int = 0,
+                  groups: dict[str, Sequence[int | None]] | None = None) -> EngineLoad:
         """:meth:`load_into` for a core whose executors run elsewhere: nothing waits.
 
         The host pages ready now and the pages the store holds (fetched into new host pages,
@@ -293,32 +425,15 @@ class EngineDeviceCore(CoreBase):
         executor copies what arrived and completes the copy cut short at the first page that did
         not, and the engine recomputes from there. The host pages stay locked until the copy's
         completion is applied; then the load releases itself. ``first``: the engine already holds
-        the first pages (its own prefix cache); only pages ``first:`` are copied."""
-        keys, path, host, locked, handle = self._start_load(keys, engine_pages)
-        tree = self.tree
+        the first pages (its own prefix cache); only pages ``first:`` are copied. ``groups``: as
+        for :meth:`load_into`; the ids at pages before ``first`` are the engine's own objects."""
+        keys, path, host, locked, handle = self._start_load(keys, engine_pages, groups)
         nodes = path[:host]
         fetch_op = 0
         if handle is not None:  # its own lock holds the fetched pages until the fetch completes
             nodes = nodes + handle.nodes
             fetch_op = handle.op
-        n = len(nodes)
-        load = EngineLoad(len(keys), n, host, n - host, list(engine_pages[first:n]), core=self, _locked=locked, release_on_completion=True)
-        if n:
-            tree.touch(nodes)
-        if n > first:
-            load.op = self._submit(
-                copy_plan,
-                IntoEngine(nodes[first:], load),
-                Tier.HOST,
-                [node.host_page for node in nodes[first:]],
-                Tier.DEVICE,
-                list(engine_pages[first:n]),
-                fetch_op,
-            )
-        else:
-            self.release(load)  # (a fetch planned anyway still lands in host pages for later requests)
-        self.stats.load_shortfall_pages += len(keys) - n
-        return load
+        return self._engine_load(keys, engine_pages, nodes, host, first, groups, locked, planned=True, after=fetch_op)
 
     def _finish_into_engine(self, c: Completion, tag: IntoEngine) -> None:
         tag.load.outcome = c
@@ -329,8 +444,7 @@ class EngineDeviceCore(CoreBase):
             self.stats.transfer_failures += 1
         if tag.load.release_on_completion:
             tag.load._released = True
-            self.tree.unlock(tag.load._locked)
-            tag.load._locked = None
+            self._unlock_load(tag.load)
 
     def release(self, load: EngineLoad) -> None:
         """Wait for ``load``'s copy to land, then unlock its host pages. Idempotent."""
@@ -341,5 +455,11 @@ class EngineDeviceCore(CoreBase):
             if load.op is not None and load.op in self._inflight:
                 self.wait_for((load.op,))
         finally:
-            self.tree.unlock(load._locked)
-            load._locked = None
+            self._unlock_load(load)
+
+    def _unlock_load(self, load: EngineLoad) -> None:
+        self.tree.unlock(load._locked)
+        load._locked = None
+        if load._held:
+            self.release_groups(load._held)
+            load._held = []

@@ -511,6 +511,8 @@ class GroupResidency:
             assert not any(c.unready for c in self.components), "idle, yet a group object's copy to host is recorded in flight"
         for c in self.components:
             for tier in TIERS:
+                if c.alloc[tier] is None:  # an engine-device core: the engine owns the group's device blocks
+                    continue
                 at = c.at[tier]
                 ids = list(at.values())
                 assert len(ids) == len(set(ids)), f"group {c.name}: a {tier.name.lower()} object is owned by two nodes"

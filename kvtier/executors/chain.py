@@ -8,6 +8,8 @@ starts when plan ``op`` finished, and what it does depends on how that went:
 * a copy out of host pages that a storage fetch fills (L3 -> host -> engine
   blocks) copies only the pages that arrived, in order, and completes
   :class:`CutShort` at the first page that did not (with the fetch's reason);
+  one that carries a hybrid model's objects (read for its end boundary) copies
+  all of it or nothing (``CutShort`` at 0);
 * any other plan (a save after the copy that fills its host pages) runs only
   if the plan it follows completed in full, else completes
   :class:`Failed` (``Reason.SKIPPED``) without touching a byte.
@@ -82,6 +84,8 @@ class ChainedExecutor:
             arrived = completed_pages(outcome, parent.num_pages)
             lost = set(parent.dst_pages[arrived:])
             keep = next((i for i, p in enumerate(plan.src_pages) if p in lost), plan.num_pages)
+            if keep < plan.num_pages and plan.groups:  # a hybrid copy reads its objects for its end boundary: whole or nothing
+                keep = 0
             if keep < plan.num_pages:
                 reason = outcome.reason if type(outcome) is not Done else Reason.ERROR
                 if keep == 0:
