@@ -605,16 +605,16 @@ class PrefixTree:
 
     @staticmethod
     def pin(nodes: Sequence[PageNode]) -> None:
-        """Lock each of ``nodes``, all on device: a lock on a device node covers the node alone (it is
-        its own anchor), so no walk and no anchor to record. Release with :meth:`unpin`."""
+        """Lock each of ``nodes`` alone: no walk and no anchor to record. A device node is its own
+        anchor; a host-only one keeps its ancestors too, since eviction takes leaves only and a pinned
+        node never leaves. Release with :meth:`unpin`."""
         for node in nodes:
-            assert node.device_page != NO_PAGE, node
             node.lock_ref += 1
 
     @staticmethod
     def unpin(nodes: Sequence[PageNode]) -> None:
         for node in nodes:
-            assert node.lock_ref > 0 and node.device_page != NO_PAGE, node
+            assert node.lock_ref > 0, node
             node.lock_ref -= 1
 
     # ---- eviction candidates ---------------------------------------------------

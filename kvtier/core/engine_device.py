@@ -50,7 +50,7 @@ from kvtier.core.hybrid_match import usable_prefix
 from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import MatchResult
-from kvtier.core.tags import JobTag
+from kvtier.core.tags import GroupBackup, JobTag, PrefetchHandle
 from kvtier.errors import PageAlignmentError, PageIndexError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
@@ -90,6 +90,9 @@ class OffloadResult:
     l3_save_op: int | None = None
     #: ``wait=False``: the device -> host copy in flight (``saved`` pages count once it completes)
     copy_op: int | None = None
+    #: ``wait=False``, a hybrid model: the copy of objects the engine has beside pages the cache held
+    #: already without them (the engine keeps those blocks until it completes too)
+    objects_op: int | None = None
 
 
 @dataclass(eq=False)
@@ -115,6 +118,8 @@ class EngineLoad:
     release_on_completion: bool = field(default=False, repr=False)
     #: a hybrid model: the nodes whose group objects the copy reads (held until it is released)
     _held: list[PageNode] = field(default_factory=list, repr=False)
+    #: the deepest page a fetch before the copy brought, locked from the fetch's completion to the copy's
+    _fetch_locked: PageNode | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -161,6 +166,7 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         self._on[OffloadCopy] = self._offloaded
         self._on[IntoEngine] = self._finish_into_engine
         self._on[VoidSave] = self._applied_where_waited
+        self._on[GroupBackup] = self._finish_group_backup
         #: planned offload copy -> the write-through save that follows it
         self._save_after: dict[int, int] = {}
 
@@ -237,6 +243,13 @@ class EngineDeviceCore(GroupResidency, CoreBase):
             # part of the prefix is still arriving (a copy or a prefetch in flight): pages hang only
             # below readable ones, so that a copy that fails never strands pages below it
             return OffloadResult(len(keys), have, 0, want)
+        objects_op = None
+        if groups and self.components and have:  # objects the engine has beside pages held without them
+            sources = {name: {path[i]: ids[i] for i in range(have) if ids[i] is not None} for name, ids in groups.items()}
+            objects_op = self._backup_objects(path, sources)
+            if objects_op is not None and wait:  # (applied through its handler: the nodes are unpinned there)
+                self.wait_for((objects_op,))
+                objects_op = None
         if path:
             tree.lock(path[-1])  # room for the new pages must not come from this prefix's own pages
         try:
@@ -261,14 +274,14 @@ class EngineDeviceCore(GroupResidency, CoreBase):
                     save_op = self._save(nodes, after=op)
                     if save_op is not None:
                         self._save_after[op] = save_op
-                return OffloadResult(len(keys), have, n, want - n, 0, save_op, op)
+                return OffloadResult(len(keys), have, n, want - n, 0, save_op, op, objects_op)
             c = self._await(op)
             save_op = self._offloaded(c, tag)
             if type(c) is not Done:
                 failed, n = n, 0
         elif path:
             tree.touch(path)
-        return OffloadResult(len(keys), have, n, want - n - failed, failed, save_op)
+        return OffloadResult(len(keys), have, n, want - n - failed, failed, save_op, None, objects_op)
 
     def _offloaded(self, c: Completion, tag: OffloadCopy) -> int | None:
         """The copy out of engine blocks completed: the pages are cached (and written through to L3,
@@ -378,7 +391,8 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         return keys, path, host, locked, handle
 
     def _engine_load(self, keys: list[PageHash], engine_pages: Sequence[int], nodes: list[PageNode], host: int, first: int,
-                     groups: dict[str, Sequence[int | None]] | None, locked: PageNode | None, planned: bool, after: int = 0) -> EngineLoad:
+                     groups: dict[str, Sequence[int | None]] | None, locked: PageNode | None, planned: bool,
+                     handle: PrefetchHandle | None = None) -> EngineLoad:
         """The copy of ``nodes`` (a hybrid model: as far as every group can continue) into the engine."""
         n, runs, held = self._objects_in(nodes, groups, first)
         nodes = nodes[:n]
@@ -388,7 +402,9 @@ class EngineDeviceCore(GroupResidency, CoreBase):
             self.tree.touch(nodes)
         if n > first:
             load.op = self._submit(copy_plan, IntoEngine(nodes[first:], load), Tier.HOST, [node.host_page for node in nodes[first:]],
-                                   Tier.DEVICE, list(engine_pages[first:n]), after, runs)
+                                   Tier.DEVICE, list(engine_pages[first:n]), handle.op if handle is not None else 0, runs)
+            if handle is not None:  # the pages it fetches stay locked for this copy once they arrived
+                handle.then = load
         elif planned:
             self.release(load)  # (a fetch planned anyway still lands in host pages for later requests)
         self.stats.load_shortfall_pages += len(keys) - n
@@ -429,11 +445,9 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         for :meth:`load_into`; the ids at pages before ``first`` are the engine's own objects."""
         keys, path, host, locked, handle = self._start_load(keys, engine_pages, groups)
         nodes = path[:host]
-        fetch_op = 0
-        if handle is not None:  # its own lock holds the fetched pages until the fetch completes
+        if handle is not None:  # its own lock holds the fetched pages until the fetch completes, the copy's after that
             nodes = nodes + handle.nodes
-            fetch_op = handle.op
-        return self._engine_load(keys, engine_pages, nodes, host, first, groups, locked, planned=True, after=fetch_op)
+        return self._engine_load(keys, engine_pages, nodes, host, first, groups, locked, planned=True, handle=handle)
 
     def _finish_into_engine(self, c: Completion, tag: IntoEngine) -> None:
         tag.load.outcome = c
@@ -457,9 +471,16 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         finally:
             self._unlock_load(load)
 
+    def _fetched_for(self, load: EngineLoad, node: PageNode) -> None:
+        if not load._released:
+            self.tree.lock(node)
+            load._fetch_locked = node
+
     def _unlock_load(self, load: EngineLoad) -> None:
         self.tree.unlock(load._locked)
         load._locked = None
+        self.tree.unlock(load._fetch_locked)
+        load._fetch_locked = None
         if load._held:
             self.release_groups(load._held)
             load._held = []

@@ -333,14 +333,16 @@ class GroupResidency:
         for name, ids in self._group_held_for.pop(op, {}).items():
             self.component(name).alloc[Tier.HOST].release_hold(ids)
 
-    def _backup_objects(self, nodes: Sequence[PageNode]) -> None:
-        """``nodes`` (on device, their host copies ready) hold device objects those copies lack -- objects
-        attached after the page went to host, a shorter prompt's last snapshot on a shared prefix:
-        copy those alone (a plan of no pages). The nodes stay pinned and the host objects unreadable
-        until it completes."""
+    def _backup_objects(self, nodes: Sequence[PageNode], sources: dict[str, dict[PageNode, int]] | None = None) -> int | None:
+        """``nodes`` (their host copies ready) have device objects those copies lack -- objects attached
+        after the page went to host, a shorter prompt's last snapshot on a shared prefix, an engine's
+        window pages beside pages cached without them: copy those alone (a plan of no pages), from the
+        tree's device objects or (``sources``, an engine's) the ids given per group and node. The nodes
+        stay pinned and the host objects unreadable until it completes. Returns its op (None: nothing
+        to copy)."""
         runs, moving = [], {}
         for c in self.components:
-            dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
+            dev, host = c.at[Tier.DEVICE] if sources is None else sources.get(c.name, {}), c.at[Tier.HOST]
             todo = [n for n in nodes if n in dev and n not in host]
             if not todo:
                 continue
@@ -354,10 +356,11 @@ class GroupResidency:
             c.backed_up += len(todo)
             runs.append(GroupRun(c.name, (), tuple(dev[n] for n in todo), tuple(ids)))
             moving.update(dict.fromkeys(todo))
-        if runs:
-            pinned = list(moving)
-            self.tree.pin(pinned)
-            self._submit(copy_plan, GroupBackup(pinned), Tier.DEVICE, [], Tier.HOST, [], 0, tuple(runs))
+        if not runs:
+            return None
+        pinned = list(moving)
+        self.tree.pin(pinned)
+        return self._submit(copy_plan, GroupBackup(pinned), Tier.DEVICE, [], Tier.HOST, [], 0, tuple(runs))
 
     def _finish_group_backup(self, c: Completion, tag: GroupBackup) -> None:
         self.tree.unpin(tag.nodes)

@@ -95,8 +95,14 @@ class StoragePolicy:
             self.stats.storage_corrupt_pages += c.corrupt
         if self._is_fault(c):
             self.stats.storage_failures += 1
+        if handle.then is not None and handle.applied:  # a copy still reads what arrived: its lock takes over
+            self._fetched_for(handle.then, handle.nodes[handle.applied - 1])
         self.tree.unlock(handle.nodes[-1])
         self._drop_unarrived(handle)
+
+    def _fetched_for(self, load, node: PageNode) -> None:
+        """A core whose copies follow its fetches (:class:`~kvtier.core.engine_device.EngineDeviceCore`)
+        locks ``node`` -- the deepest page that arrived -- for the copy ``load``; others have none."""
 
     def _drop_unarrived(self, handle: PrefetchHandle) -> None:
         """Pages that never arrived: their host page will never be readable, so it goes back now.

@@ -14,6 +14,9 @@ class PrefetchHandle:
     nodes: list[PageNode]
     op: int = 0
     applied: int = 0
+    #: a planned copy out of these host pages that runs after the fetch (an engine-device core's load):
+    #: when the fetch completes, the pages that arrived stay locked for it (see ``on_fetched``)
+    then: object = None
 
     @property
     def requested(self) -> int:

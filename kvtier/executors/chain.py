@@ -166,16 +166,22 @@ class ChainedExecutor:
     def settle(self, op: int, policy: str, budget_s: float) -> int:
         return self.inner.settle(op, policy, budget_s)
 
-    def wait_layer(self, op: int, layer: int) -> None:
+    def wait_layer(self, op: int, layer: int, group: str | None = None) -> None:
         parent = self._held_op(op)
         while parent is not None:  # not started yet: its fetch decides what it copies
             self._collect(self.inner.wait([parent]))
             parent = self._held_op(op)
         if op in self._plans and op not in self._outcome:
-            self.inner.wait_layer(op, layer)
+            if group is None:
+                self.inner.wait_layer(op, layer)
+            else:
+                self.inner.wait_layer(op, layer, group)
 
-    def release_layer(self, op: int, layer: int) -> None:
-        self.inner.release_layer(op, layer)
+    def release_layer(self, op: int, layer: int, group: str | None = None) -> None:
+        if group is None:
+            self.inner.release_layer(op, layer)
+        else:
+            self.inner.release_layer(op, layer, group)
 
     def release_rest(self, op: int) -> None:
         self.inner.release_rest(op)

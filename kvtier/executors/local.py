@@ -72,7 +72,8 @@ class LocalExecutor:
                      for run in plan.groups]
         else:
             src, dst = _MEDIUM[plan.src], _MEDIUM[plan.dst]
-            parts = [(run, self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op))
+            # (a layered copy out: each group's objects are copied as that group's layers are written, release_layer)
+            parts = [(run, self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op, layered=layered))
                      for run in plan.groups]
             if not plan.src_pages:  # objects alone: the plan completes with them
                 self._parts[plan.op] = parts
@@ -124,22 +125,30 @@ class LocalExecutor:
                 arrived = min(arrived, run.at[got])
         return arrived
 
-    def wait_layer(self, op: int, layer: int) -> None:
-        job = self._jobs.get(op)
+    def wait_layer(self, op: int, layer: int, group: str | None = None) -> None:
+        """Layer ``layer`` of a host->device plan's pages (``group``: of that KV group's objects) is in place."""
+        job = self._jobs.get(op) if group is None else self._part(op, group)
         if job is not None:
             job.wait_layer(layer)
 
-    def release_layer(self, op: int, layer: int) -> None:
-        """Layer ``layer`` of a layered plan's device pages is written: its copy may start."""
-        job = self._jobs.get(op)
+    def _part(self, op: int, group: str) -> TransferJob | None:
+        return next((job for run, job in self._parts.get(op, ()) if run.group == group and isinstance(job, TransferJob)), None)
+
+    def release_layer(self, op: int, layer: int, group: str | None = None) -> None:
+        """Layer ``layer`` of a layered plan's device pages (``group``: of that KV group's objects, whose
+        layers are its own) is written: its copy may start."""
+        job = self._jobs.get(op) if group is None else self._part(op, group)
         if isinstance(job, TransferJob) and job.released is not None:
-            self.engine.release_layer(job, layer)
+            (self.engine if group is None else self.groups[group]).release_layer(job, layer)
 
     def release_rest(self, op: int) -> None:
-        """Every layer of a layered plan is written: the copies not started yet may start."""
+        """Every layer of a layered plan is written (every group's): the copies not started yet may start."""
         job = self._jobs.get(op)
         if isinstance(job, TransferJob):
             self.engine.release_rest(job)
+        for run, part in self._parts.get(op, ()):
+            if isinstance(part, TransferJob) and part.released is not None:
+                self.groups[run.group].release_rest(part)
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         return self.storage.stored_prefix(list(keys)) if self.storage is not None else 0

@@ -17,6 +17,10 @@ vLLM's default engine-core process with its workers, any tensor-parallel size:
   completions back (``build_connector_worker_meta``), joined over ranks before
   the core sees them: a page is loaded or saved only when every rank has it.
 
+Hybrid models (:class:`SupportsHMA`): vLLM keeps its hybrid KV cache manager on,
+and the connector serves its full-attention and sliding-window groups
+(:mod:`.groups`; anything else is refused at start-up with the group and why).
+
 Start-up: each worker tells the scheduler, once, what its tensors make
 (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``, vLLM's
 handshake path), and the scheduler builds the core from it. Messages:
@@ -32,9 +36,16 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.groups import groups_of
 from kvtier.integrations.vllm.layout import ModelShape
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats, KVTierPromMetrics
@@ -72,9 +83,10 @@ def _model_shape(vllm_config: VllmConfig, name: str) -> ModelShape:
     )
 
 
-class KVTierConnector(KVConnectorBase_V1):
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        groups = groups_of(kv_cache_config) if kv_cache_config is not None else None
         self.options = ConnectorOptions.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         parallel = vllm_config.parallel_config
         if parallel.pipeline_parallel_size != 1:
@@ -85,9 +97,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler: ConnectorScheduler | None = None
         self.worker: ConnectorWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = ConnectorScheduler(self.options, self.block_size, parallel.world_size, self.model_name)
+            self.scheduler = ConnectorScheduler(self.options, self.block_size, parallel.world_size, self.model_name, groups)
         else:
-            self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank)
+            self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank, groups)
         self._handshake: KVTierHandshake | None = None
         #: the metadata of the step the worker has begun (see _begin_step)
         self._step_meta: KVTierConnectorMetadata | None = None
@@ -112,7 +124,8 @@ class KVTierConnector(KVConnectorBase_V1):
         if meta is not self._step_meta:
             assert isinstance(meta, KVTierConnectorMetadata)
             self._step_meta = meta
-            self.worker.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed)
+            self.worker.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed,
+                                    meta.preempted_copies)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._begin_step()
@@ -135,8 +148,18 @@ class KVTierConnector(KVConnectorBase_V1):
         """Finished requests whose blocks vLLM kept for kvtier's copies out of them: those copies are done."""
         return (self.worker.finished_sending() or None) if self.worker is not None else None, None
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """:meth:`get_finished`, and a hybrid model's asynchronous loads: the requests whose load ended on
+        this worker, and those of them that failed (vLLM recomputes them)."""
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        recving, failed = self.worker.finished_recving()
+        return KVConnectorTransferResults(finished_sending=self.worker.finished_sending(), finished_recving=recving,
+                                          failed_recving=failed)
+
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
-        """Before a step may overwrite preempted requests' blocks: kvtier's copies out of them are done."""
+        """Before a step may overwrite blocks -- preempted requests', window blocks vLLM allocated again --
+        kvtier's copies out of them are done."""
         if self.worker is not None and isinstance(kv_connector_metadata, KVTierConnectorMetadata):
             self.worker.wait_copies(kv_connector_metadata.preempted_copies)
 
@@ -171,7 +194,7 @@ class KVTierConnector(KVConnectorBase_V1):
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.scheduler.update_state_after_alloc(request, num_external_tokens)
+        self.scheduler.update_state_after_alloc(request, num_external_tokens, blocks.get_block_ids() if self.scheduler.groups else ())
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_meta(scheduler_output)
@@ -180,6 +203,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output.kv_connector_worker_meta)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid KV cache manager: once per request, every group's blocks kept while kvtier may still
+        copy out of (or load into) any of them."""
         return self.scheduler.request_finished(request)
 
     def take_events(self):

@@ -38,6 +38,8 @@ class KVTierHandshake(KVConnectorHandshakeMetadata):
     host_pages: int
     #: the L3 key prefix of this rank's pages (``Namespace`` string), None without L3
     storage_prefix: str | None
+    #: a hybrid model: each sliding-window group's spec (its layers' tensors) and host objects
+    group_pages: dict[str, tuple[KVSpec, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -49,9 +51,15 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     #: finished requests whose blocks vLLM keeps (request_finished said so) until these copies out of
     #: them completed: each worker reports the request in ``get_finished`` once its own copies are done
     delayed: dict[str, list[int]] = field(default_factory=dict)
-    #: copies out of the blocks of requests vLLM preempted: ``handle_preemptions`` waits for them before
-    #: the step may overwrite those blocks
+    #: copies out of blocks the step may overwrite -- preempted requests' blocks, a hybrid model's window
+    #: blocks vLLM freed and allocated again: ``handle_preemptions`` waits for them before the forward
     preempted_copies: list[int] = field(default_factory=list)
+    #: a hybrid model's asynchronous loads among ``plans``: op -> (request, whether it brings all that was
+    #: offered); every worker reports the request finished (and failed, unless the load was whole and
+    #: completed) once the load ended on it
+    async_loads: dict[int, tuple[str, bool]] = field(default_factory=dict)
+    #: requests whose asynchronous load could not be planned: reported finished and failed at once
+    async_failed: list[str] = field(default_factory=list)
 
 
 @dataclass

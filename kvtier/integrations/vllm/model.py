@@ -82,26 +82,32 @@ def ensure_model(cache_dir: str | os.PathLike | None = None) -> Path:
     return out
 
 
-def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
-    """A 2-layer, 256-wide Llama config (4 query / 2 KV heads: both split over 2 tensor-parallel ranks)
-    with SmolLM2's tokenizer and no weights: vLLM loads it with ``load_format="dummy"`` (its seeded
-    dummy weights, the same in every engine), for tensor-parallel runs on a CPU."""
+def _tiny_config(folder: str, config: dict, cache_dir: str | os.PathLike | None, *, weights: bool = False) -> Path:
+    """A tiny model folder (``config`` over SmolLM2's, SmolLM2's tokenizer), written once. Without
+    ``weights`` it has none: vLLM loads it with ``load_format="dummy"`` (seeded, the same in every engine,
+    but so small that every prompt answers the same token); with them, transformers' own initialisation
+    under a fixed seed, so outputs depend on the prompt and its KV."""
     import json
 
-    out = Path(cache_dir or default_cache_dir()) / "models" / "tiny-llama-tp"
+    out = Path(cache_dir or default_cache_dir()) / "models" / folder
     if (out / "config.json").exists():
         return out
     smol = ensure_model(cache_dir)
     base = json.loads((smol / "config.json").read_text())
-    config = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
-              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-llama-", dir=out.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder}-", dir=out.parent))
     try:
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             if (smol / name).exists():
                 shutil.copy(smol / name, tmp / name)
-        (tmp / "config.json").write_text(json.dumps(config, indent=1))
+        (tmp / "config.json").write_text(json.dumps({**base, **config}, indent=1))
+        if weights:
+            import torch
+            from transformers import AutoConfig, AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp), dtype=torch.float32)
+            model.save_pretrained(tmp, safe_serialization=True)
         try:
             os.rename(tmp, out)
         except OSError:
@@ -110,3 +116,27 @@ def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A 2-layer, 256-wide Llama config (4 query / 2 KV heads: both split over 2 tensor-parallel ranks),
+    for tensor-parallel runs on a CPU."""
+    return _tiny_config("tiny-llama-tp", {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+                                          "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                          "num_key_value_heads": 2, "head_dim": 64}, cache_dir)
+
+
+#: the sliding window of :func:`ensure_tiny_gemma3`, in tokens
+TINY_GEMMA3_WINDOW = 128
+
+
+def ensure_tiny_gemma3(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A 4-layer Gemma 3 text model, sliding-window and full-attention layers alternating (window 128
+    tokens, 4 query / 2 KV heads of 64), seeded random weights: vLLM's hybrid KV cache manager gives it
+    two KV cache groups."""
+    return _tiny_config("tiny-gemma3-swa", {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": TINY_GEMMA3_WINDOW,
+        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 64,
+        "tie_word_embeddings": True}, cache_dir, weights=True)

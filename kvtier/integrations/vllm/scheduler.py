@@ -25,6 +25,17 @@ from the workers, joined over ranks, before the scheduler looks again.
   vLLM keeps the blocks: the next steps plan what is left, and every worker
   reports the request in ``get_finished`` once its copies are done.
 
+Hybrid models (vLLM's hybrid KV cache manager, :mod:`.groups`): a request has a
+block list per KV cache group; the full group's pages are the tree's, each
+sliding-window group's blocks go out and come back as that group's objects
+(only the window a boundary reads comes back). vLLM takes block-level load
+failures from single-group models only, so a hybrid model's loads are
+asynchronous (``load_kv_async``): the request waits while its load runs and is
+reported finished -- or failed, and then recomputed -- by every worker. A
+sliding-window block vLLM frees mid-request (it left the window) may be handed
+out again at once: a copy out of it still running is waited for
+(``handle_preemptions``) before a step that allocated it runs.
+
 A page whose load failed on any rank is recomputed by vLLM, and for
 ``load_retry_s`` no lookup offers it (or anything after it) again
 (:class:`RecentFailures`), so a page that keeps failing -- a store that
@@ -47,6 +58,7 @@ from kvtier.core.plans import completed_pages
 from kvtier.errors import ConfigError
 from kvtier.hashing import Namespace, PageHash, hasher, page_keys
 from kvtier.integrations.vllm.events import TierEvents
+from kvtier.integrations.vllm.groups import VllmGroup, model_spec
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler_port import SchedulerPort, StoreProbe
@@ -127,10 +139,15 @@ class _RequestState:
     full: int = 0
     #: steps a finished request's remaining blocks have waited to be planned (see request_finished)
     finish_steps: int = 0
+    #: a hybrid model: each sliding-window group's block list (vLLM's null block 0 where it dropped one)
+    group_blocks: dict[str, list[int]] = field(default_factory=dict)
+    #: a hybrid model's asynchronous load still running into this request's blocks
+    async_op: int | None = None
 
 
 class ConnectorScheduler:
-    def __init__(self, options: ConnectorOptions, block_size: int, world_size: int, model_name: str):
+    def __init__(self, options: ConnectorOptions, block_size: int, world_size: int, model_name: str,
+                 groups: list[VllmGroup] | None = None):
         if options.storage.url and options.storage.write_policy != "write_through":
             raise ConfigError("kvtier connector: storage_write_policy must be write_through (a write_back save would make the "
                               "scheduler wait for a worker when host memory evicts)")
@@ -154,6 +171,18 @@ class ConnectorScheduler:
         self.events = TierEvents(block_size)
         #: the latest lookups (bounded: a server runs for weeks)
         self.hits: deque[HitRecord] = deque(maxlen=1024)
+        #: vLLM's KV cache groups (None or one: a model of full attention only)
+        self.groups = groups if groups is not None and len(groups) > 1 else None
+        self._full_index = next(g.index for g in groups if g.kind == "full") if self.groups else 0
+        self._windows = [g for g in self.groups if g.kind != "full"] if self.groups else []
+        #: hybrid: asynchronous loads planned since the last metadata (op -> (request, whether it brings all
+        #: that was offered)), requests whose load
+        #: could not be planned, and block ids vLLM allocated this step (a copy out of them must finish first)
+        self._async_loads: dict[int, tuple[str, bool]] = {}
+        self._async_failed: list[str] = []
+        self._allocated: set[int] = set()
+        #: hybrid: window blocks copies out are reading -> those copies' ops
+        self._window_sources: dict[int, set[int]] = {}
 
     # ---- start-up: what the workers built ------------------------------------------------------
     def handshake(self, metas: dict[int, KVTierHandshake]) -> None:
@@ -172,10 +201,22 @@ class ConnectorScheduler:
         self.port = SchedulerPort(self.world_size, probe, self.options.rank_timeout_s)
         cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
         host = PageAllocator(host_pages, "host pages (every rank's shard)")
-        self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage)
+        fingerprint = first.spec.fingerprint()
+        if self.groups:
+            missing = [r for r in ranks if set(metas[r].group_pages) != {g.name for g in self._windows}]
+            if missing:
+                raise ConfigError(f"kvtier connector: rank {missing[0]} registered KV groups {sorted(metas[missing[0]].group_pages)}, the "
+                                  f"scheduler has {[g.name for g in self._windows]}")
+            model = model_spec(self.model_name, self.groups, {"full": first.spec, **{n: sp for n, (sp, _) in first.group_pages.items()}})
+            group_hosts = {g.name: PageAllocator(min(metas[r].group_pages[g.name][1] for r in ranks), f"{g.name} host objects")
+                           for g in self._windows}
+            self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, model=model, group_hosts=group_hosts)
+            fingerprint = model.fingerprint()
+        else:
+            self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage)
         self.core.on_host_evicted = self.events.evicted
         # page keys are the same on every rank (rank 0's namespace); L3 keys add each rank's prefix
-        self._root = Namespace(self.model_name, first.spec.fingerprint(), 0, self.options.salt).root(self.options.cache.hash_algo)
+        self._root = Namespace(self.model_name, fingerprint, 0, self.options.salt).root(self.options.cache.hash_algo)
         log.info("kvtier scheduler: %d ranks, %d host pages each, L3 %s", self.world_size, host_pages, "on" if probe else "off")
 
     # ---- keys --------------------------------------------------------------------------------
@@ -224,23 +265,59 @@ class ConnectorScheduler:
             request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages
         )
         self.hits.append(state.hit)
-        return external, False
+        return external, bool(self.groups) and external > 0
 
-    def update_state_after_alloc(self, request: Request, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, num_external_tokens: int, block_ids: tuple[list[int], ...] = ()) -> None:
+        """``block_ids``: every block of the request, per KV cache group (vLLM's ``get_blocks``)."""
+        if self.groups:
+            for ids in block_ids:
+                self._allocated.update(ids)
         state = self._requests.get(request.request_id)
         if state is None:
             return
         if num_external_tokens > 0:
             state.load_end = state.load_start + num_external_tokens // self.block_size
             state.load_pending = True
+            if self.groups:  # asynchronous: planned now, into the blocks vLLM just allocated
+                self._set_blocks(state, block_ids)
+                self._plan_async_load(state)
+
+    def _set_blocks(self, state: _RequestState, block_ids) -> None:
+        state.block_ids = list(block_ids[self._full_index])
+        state.group_blocks = {g.name: list(block_ids[g.index]) for g in self._windows}
+
+    def _group_ids(self, state: _RequestState, pages: int) -> dict[str, list[int | None]]:
+        """Each window group's block of the first ``pages`` pages, None where vLLM has none (its null block 0)."""
+        out = {}
+        for name, ids in state.group_blocks.items():
+            ids = ids[:pages]
+            out[name] = [b or None for b in ids] + [None] * (pages - len(ids))
+        return out
+
+    def _plan_async_load(self, state: _RequestState) -> None:
+        """A hybrid model's load, whole or nothing: what every group reads at the offered boundary, into
+        the request's blocks; every worker reports the request when it is done, or failed."""
+        self._extend_keys(state, state.load_end)
+        e, first = state.load_end, state.load_start
+        load = self.core.plan_load(state.keys[:e], state.block_ids[:e], first=first, groups=self._group_ids(state, e))
+        state.load_pending = False
+        req_id = state.request.request_id
+        if load.op is None:  # nothing left to copy (gone since the lookup): every worker reports it failed at once
+            self._async_failed.append(req_id)
+            return
+        # a load short of the offered boundary still runs (its plans are out), and is reported failed when it ends
+        self._async_loads[load.op] = (req_id, load.loaded >= e)
+        state.async_op = load.op
+        self._loads.append((load, state.keys[first:e]))
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
+        fence = self._fenced(scheduler_output) if self.groups else []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._requests.get(new.req_id)
             if state is None:
                 continue
-            state.block_ids = list(new.block_ids[0])
+            self._set_blocks(state, new.block_ids)
             self._plan(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -249,10 +326,12 @@ class ConnectorScheduler:
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:  # after preemption the block table is replaced
-                state.block_ids = list(new_blocks[0]) if new_blocks else []
+                self._set_blocks(state, new_blocks or tuple([] for _ in range(len(self.groups or [0]))))
                 state.saved = 0
             elif new_blocks:
-                state.block_ids.extend(new_blocks[0])
+                state.block_ids.extend(new_blocks[self._full_index])
+                for g in self._windows:
+                    state.group_blocks[g.name].extend(new_blocks[g.index])
             self._plan(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id, state in list(self._finishing.items()):
             self._offload(state)
@@ -268,7 +347,28 @@ class ConnectorScheduler:
             if req_id in self._requests
             for op in self._copies_running(self._requests[req_id])
         ]
-        return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed, preempted)
+        async_loads, self._async_loads = self._async_loads, {}
+        async_failed, self._async_failed = self._async_failed, []
+        return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed,
+                                       preempted + fence, async_loads, async_failed)
+
+    def _fenced(self, scheduler_output: SchedulerOutput) -> list[int]:
+        """Copies out of window blocks that vLLM freed (they left the window) and allocated again this
+        step: each worker finishes them before the step may write those blocks."""
+        allocated = self._allocated
+        self._allocated = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            for ids in new.block_ids:
+                allocated.update(ids)
+        for new_blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            for ids in new_blocks or ():
+                allocated.update(ids)
+        sources = self._window_sources
+        if not sources:
+            return []
+        for bid in [b for b, ops in sources.items() if not any(self.core.in_flight(op) for op in ops)]:
+            del sources[bid]  # those copies are done
+        return sorted({op for bid in allocated & sources.keys() for op in sources[bid] if self.core.in_flight(op)})
 
     def _copies_running(self, state: _RequestState) -> list[int]:
         """The request's copies out of its blocks whose completion has not come back from every rank."""
@@ -300,9 +400,22 @@ class ConnectorScheduler:
         full, core = state.full, self.core
         if full > state.saved:
             self._extend_keys(state, full)
-            result = core.offload(state.keys[:full], state.block_ids[:full], wait=False)
+            groups = self._group_ids(state, full) if self.groups else None
+            result = core.offload(state.keys[:full], state.block_ids[:full], wait=False, groups=groups)
             if result.copy_op is not None:
                 self._copies_running(state).append(result.copy_op)
+                if groups:  # window blocks vLLM may free and hand out again before this copy ends
+                    have = result.already_held
+                    for ids in groups.values():
+                        for b in ids[have : have + result.saved]:
+                            if b is not None:
+                                self._window_sources.setdefault(b, set()).add(result.copy_op)
+            if result.objects_op is not None:  # window blocks beside pages kvtier held without them
+                self._copies_running(state).append(result.objects_op)
+                for ids in groups.values():
+                    for b in ids[: result.already_held]:
+                        if b is not None:
+                            self._window_sources.setdefault(b, set()).add(result.objects_op)
             if result.saved:
                 have = result.already_held
                 self.events.planned(state.request, have, state.keys[have : have + result.saved], result.copy_op, result.l3_save_op)
@@ -340,6 +453,9 @@ class ConnectorScheduler:
         if state is None:
             return False, None
         params = {"kvtier": asdict(state.hit)} if state.hit is not None else None
+        if state.async_op is not None and self.core is not None and self.core.in_flight(state.async_op):
+            # aborted while its load runs into its blocks: vLLM frees them when the workers report the load ended
+            return True, params
         if self.core is not None and state.saved < state.full:  # blocks not planned yet (a copy before them ran)
             self._finishing[request.request_id] = state
             return True, params

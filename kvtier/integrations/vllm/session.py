@@ -45,6 +45,8 @@ class SessionReport:
     startup_s: float = 0.0
     #: ``chat_turns``: the conversation's total time (every turn's generate call)
     chat_s: float = 0.0
+    #: each rank's L3 namespace (Namespace fields), with kvtier
+    namespaces: list[dict] = field(default_factory=list)
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
@@ -55,15 +57,34 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
+#: ``--model`` choices: SmolLM2-135M (the default; tensor parallel runs take the tiny Llama, whose heads split),
+#: a tiny Llama with dummy weights, a tiny Gemma 3 of sliding-window and full-attention layers
+MODELS = ("smollm2", "tiny-llama", "tiny-gemma3")
+
+
+def _model_args(model: str, tp: int) -> dict:
+    from kvtier.integrations.vllm.model import ensure_model, ensure_tiny_gemma3, ensure_tiny_llama
+
+    if model == "smollm2" and tp > 1:
+        model = "tiny-llama"  # SmolLM2's 9 query / 3 KV heads do not split
+    if model == "smollm2":
+        return dict(model=str(ensure_model()))
+    if model == "tiny-llama":
+        return dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
+    if model == "tiny-gemma3":
+        return dict(model=str(ensure_tiny_gemma3()), tensor_parallel_size=tp)
+    from kvtier.errors import ConfigError
+
+    raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
+
+
 def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: str | None = None, block_size: int = 32,
                 max_tokens: int = 8, host_gb: float = 0.25, extra: dict | None = None, warmup: bool = False, tp: int = 1,
-                dtype: str = "bfloat16", chat_turns: int = 0, between_prompts=None) -> SessionReport:
+                dtype: str = "bfloat16", chat_turns: int = 0, between_prompts=None, model: str = "smollm2") -> SessionReport:
     """``between_prompts(i)``: called after prompt ``i`` is done (a test injects a fault there)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-
-    from kvtier.integrations.vllm.model import ensure_model, ensure_tiny_llama
 
     t0 = time.perf_counter()
     transfer = None
@@ -71,12 +92,8 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         cfg = {"host_gb": host_gb, **({"storage_url": storage_url} if storage_url else {}), **(extra or {})}
         transfer = KVTransferConfig(kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm.connector",
                                     kv_role="kv_both", kv_load_failure_policy="recompute", kv_connector_extra_config=cfg)
-    # tp > 1: SmolLM2's 9 query / 3 KV heads do not split, so a tiny Llama with vLLM's seeded dummy weights
-    model = (
-        dict(model=str(ensure_model())) if tp == 1 else dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
-    )
     llm = LLM(
-        **model,
+        **_model_args(model, tp),
         dtype=dtype,
         max_model_len=4096,
         block_size=block_size,
@@ -135,6 +152,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         reset_prefix_cache(llm)  # a busy server's device cache has moved on: the history is not on device
     if kvtier:
         report.worker_stats = llm.collective_rpc("kvtier_stats")
+        report.namespaces = llm.collective_rpc("kvtier_namespace")
     llm.llm_engine.engine_core.shutdown()  # the worker connectors drain their L3 writes here
     return report
 
@@ -157,6 +175,14 @@ class KVTierWorkerExtension:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         return get_kv_transfer_group().worker.drained_stats().as_dict()
+
+    def kvtier_namespace(self) -> dict:
+        """This rank's L3 namespace (the fields of :class:`~kvtier.hashing.Namespace`): what names its pages."""
+        from dataclasses import asdict
+
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        return asdict(get_kv_transfer_group().worker.namespace)
 
 
 MARKER = "KVTIER_SESSION "
@@ -233,6 +259,7 @@ def main(
         "prefill (bf16 rounding differs between a full prefill and one after a prefix hit)",
     ),
     storage_options: str = typer.Option("{}", help="extra kv_connector_extra_config keys as JSON"),
+    model: str = typer.Option("smollm2", help=f"the model: {', '.join(MODELS)} (tiny-gemma3: sliding-window layers beside full ones)"),
     prompt_json: str = typer.Option(None, help="explicit prompts as a JSON list of token-id lists (instead of --prompt-tokens)"),
     chat_turns: int = typer.Option(
         0,
@@ -263,6 +290,7 @@ def main(
         extra=json.loads(storage_options),
         chat_turns=chat_turns,
         between_prompts=_pause if pause_between_prompts else None,
+        model=model,
     )
     print(MARKER + json.dumps(asdict(report)))
 

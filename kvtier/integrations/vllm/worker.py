@@ -28,6 +28,11 @@ Per step, in vLLM's order:
   follow read kvtier's host pages, never vLLM's blocks;
 * ``get_block_ids_with_load_errors`` -> the blocks whose pages did not arrive
   (vLLM recomputes them);
+* a hybrid model (:mod:`.groups`): each sliding-window group's layers are a pool
+  of their own beside the full group's, moved by the same plans (a layer of a
+  group's objects is copied out once vLLM wrote that layer); its loads are
+  asynchronous (``get_transfer_results`` reports each request once its load
+  ended here, and as failed unless it brought everything);
 * ``build_connector_worker_meta`` -> :meth:`ConnectorWorker.take_results`: every
   completion since the last step, once.
 """
@@ -43,8 +48,9 @@ import torch
 from kvtier.build import open_storage_tier
 from kvtier.core.plans import Completion, Done, Tier, Transfer, completed_pages
 from kvtier.executors.chain import ChainedExecutor
-from kvtier.executors.local import LocalExecutor
+from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace
+from kvtier.integrations.vllm.groups import VllmGroup, model_spec
 from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches
 from kvtier.integrations.vllm.messages import KVTierHandshake, KVTierWorkerMeta, RankResult
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats
@@ -72,21 +78,34 @@ class WorkerStats:
     offload_layers_at_step_end: int = 0
     #: copies out of vLLM's blocks given up after rank_timeout_s (the blocks went back to vLLM)
     copies_abandoned: int = 0
+    #: a hybrid model: sliding-window pages copied into vLLM's blocks (a load brings only its window) and out
+    window_pages_loaded: int = 0
+    window_pages_offloaded: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
 
 
 class ConnectorWorker:
-    def __init__(self, options: ConnectorOptions, model: ModelShape, model_name: str, tp_rank: int):
+    def __init__(self, options: ConnectorOptions, model: ModelShape, model_name: str, tp_rank: int,
+                 groups: list[VllmGroup] | None = None):
         self.options = options
         self.model = model
         self.model_name = model_name
         self.tp_rank = tp_rank
+        self.groups = groups if groups is not None and len(groups) > 1 else None
         self.stats = WorkerStats()
         self.executor: ChainedExecutor | None = None
         self.storage = None
-        self._layer_index: dict[str, int] = {}
+        #: this rank's L3 namespace (set when the KV caches are registered)
+        self.namespace: Namespace | None = None
+        #: layer name -> (its KV group, None for the full one; its layer index in that group)
+        self._layer_index: dict[str, tuple[str | None, int]] = {}
+        #: a hybrid model's asynchronous loads running here (op -> (request, whether whole)), and the
+        #: requests whose load ended since vLLM last asked (and those of them that failed)
+        self._async: dict[int, tuple[str, bool]] = {}
+        self._recv_done: set[str] = set()
+        self._recv_failed: set[str] = set()
         #: copies into vLLM's blocks started this step
         self._loads: list[int] = []
         #: this step's copies out of vLLM's blocks (layered) and the layers released so far
@@ -108,24 +127,50 @@ class ConnectorWorker:
 
     # ---- start-up --------------------------------------------------------------------------
     def register(self, kv_caches: dict[str, torch.Tensor]) -> KVTierHandshake:
-        spec, device, self._layer_index = map_kv_caches(kv_caches, self.model)
-        host = HostPool(spec, self.options.tiers.host_pages_for(spec.page_bytes), self.options.tiers.host_layout)
-        namespace = Namespace(self.model_name, spec.fingerprint(), self.tp_rank, self.options.salt)
+        tiers = self.options.tiers
+        if self.groups is None:
+            spec, device, index = map_kv_caches(kv_caches, self.model)
+            self._layer_index = {n: (None, i) for n, i in index.items()}
+            host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)
+            fingerprint, pools = spec.fingerprint(), {}
+        else:  # each group's layers are a pool of their own (vLLM's block ids index every one of them)
+            built = {}
+            for g in self.groups:
+                gspec, gdev, index = map_kv_caches({n: kv_caches[n] for n in g.layer_names}, self.model)
+                built[g.name] = (gspec, gdev)
+                self._layer_index.update({n: (None if g.kind == "full" else g.name, i) for n, i in index.items()})
+            spec, device = built.pop("full")
+            # one host budget: as many objects of every window group as full pages
+            pages = tiers.host_pages_for(spec.page_bytes + sum(gspec.page_bytes for gspec, _ in built.values()))
+            host = HostPool(spec, pages, tiers.host_layout)
+            pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
+            fingerprint = model_spec(self.model_name, self.groups, {"full": spec, **{n: sp for n, (sp, _) in built.items()}}).fingerprint()
+        namespace = self.namespace = Namespace(self.model_name, fingerprint, self.tp_rank, self.options.salt)
         self.storage = open_storage_tier(self.options.storage, host, namespace)
-        engine = TransferEngine(host, device, self.options.cache.io_backend, name=f"kvtier-worker{self.tp_rank}")
-        self.executor = ChainedExecutor(LocalExecutor(engine, self.storage))
+        io = self.options.cache.io_backend
+        engine = TransferEngine(host, device, io, name=f"kvtier-worker{self.tp_rank}")
+        self.executor = ChainedExecutor(LocalExecutor(engine, self.storage, *group_movers(pools, io, self.storage)))
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
-        self._num_layers = spec.num_layers
-        log.info("kvtier worker rank %d: %s, %d host pages (%s), L3 %s", self.tp_rank, spec.name, host.num_pages, host.layout.kind,
-                 redact_url(self.options.storage.url) or "off")
-        return KVTierHandshake(self.tp_rank, spec, host.num_pages, str(namespace) if self.storage is not None else None)
+        self._num_layers = len(self._layer_index)
+        log.info("kvtier worker rank %d: %s, %d host pages (%s)%s, L3 %s", self.tp_rank, spec.name, host.num_pages, host.layout.kind,
+                 f", KV groups {sorted(pools)} beside full attention" if pools else "", redact_url(self.options.storage.url) or "off")
+        return KVTierHandshake(self.tp_rank, spec, host.num_pages, str(namespace) if self.storage is not None else None,
+                               {name: (hp.spec, hp.num_pages) for name, (_, hp) in pools.items()})
 
     # ---- one step --------------------------------------------------------------------------
-    def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = (), delayed: dict[str, list[int]] | None = None) -> None:
+    def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = (), delayed: dict[str, list[int]] | None = None,
+                    async_loads: dict[int, tuple[str, bool]] | None = None, async_failed: list[str] = (),
+                    fenced: list[int] = ()) -> None:
+        """``fenced``: copies out of blocks this step may write (they finish first); ``async_loads``: loads
+        among ``plans`` the step does not wait for (reported by :meth:`finished_recving`)."""
         ex = self.executor
+        self.wait_copies(list(fenced))
         self._loads, self._offloads, self._released = [], [], set()
         self._failed_blocks.update(unavailable_blocks)
         self._delayed.update(delayed or {})
+        self._async.update(async_loads or {})
+        self._recv_done.update(async_failed)
+        self._recv_failed.update(async_failed)
         self._load_started = time.perf_counter() if any(p.dst is Tier.DEVICE or p.src is Tier.STORAGE for p in plans) else None
         for p in plans:  # in plan order: a save follows the copy that fills its host pages (Transfer.after)
             self._open[p.op] = p
@@ -134,7 +179,7 @@ class ConnectorWorker:
                 self._offloads.append(p.op)
             else:
                 ex.submit(p)
-                if p.dst is Tier.DEVICE:
+                if p.dst is Tier.DEVICE and p.op not in self._async:
                     self._loads.append(p.op)
         cfg = self.options.storage
         for p in plans:
@@ -143,20 +188,28 @@ class ConnectorWorker:
         self._collect(ex.poll())
 
     def wait_layer(self, layer_name: str) -> None:
-        layer = self._layer_index.get(layer_name)
-        if layer is None:
+        where = self._layer_index.get(layer_name)
+        if where is None or not self._loads:
             return
+        group, layer = where
         for op in self._loads:
-            self.executor.wait_layer(op, layer)
+            if group is None:
+                self.executor.wait_layer(op, layer)
+            else:
+                self.executor.wait_layer(op, layer, group)
 
     def save_layer(self, layer_name: str) -> None:
         """vLLM wrote layer ``layer_name`` of this step's blocks: copy that layer of the step's offloads out now."""
-        layer = self._layer_index.get(layer_name)
-        if layer is None or not self._offloads or layer in self._released:
+        where = self._layer_index.get(layer_name)
+        if where is None or not self._offloads or layer_name in self._released:
             return
-        self._released.add(layer)
+        self._released.add(layer_name)
+        group, layer = where
         for op in self._offloads:
-            self.executor.release_layer(op, layer)
+            if group is None:
+                self.executor.release_layer(op, layer)
+            else:
+                self.executor.release_layer(op, layer, group)
 
     def finish_step(self) -> None:
         ex = self.executor
@@ -202,6 +255,14 @@ class ConnectorWorker:
                 log.warning("kvtier worker rank %d: copy %d out of vLLM's blocks still running after %.1f s; its blocks go back "
                             "to vLLM and the copy counts as failed", self.tp_rank, op, self.options.rank_timeout_s)
 
+    def finished_recving(self) -> tuple[set[str], set[str]]:
+        """(requests whose asynchronous load ended here since the last call, those of them that failed)."""
+        if self._async and self.executor is not None:
+            self._collect(self.executor.poll())
+        done, failed = self._recv_done, self._recv_failed
+        self._recv_done, self._recv_failed = set(), set()
+        return done, failed
+
     def wait_copies(self, ops: list[int]) -> None:
         """Block until these copies out of vLLM's blocks completed here (preempted requests' blocks)."""
         running = [op for op in ops if op in self._copying]
@@ -225,9 +286,21 @@ class ConnectorWorker:
             self.interval.record(tier, direction, moved * self._page_tokens, moved * self._page_bytes)
             if plan.dst is Tier.DEVICE and done < plan.num_pages:
                 self.interval.data["load_failed_tokens"] += (plan.num_pages - done) * self._page_tokens
+            waiting = self._async.pop(c.op, None)
+            if waiting is not None:  # a hybrid model's load, whole or nothing: vLLM recomputes the request if not
+                req, whole = waiting
+                self._recv_done.add(req)
+                if not whole or done < plan.num_pages:
+                    self._recv_failed.add(req)
+            whole = type(c) is Done
             if plan.dst is Tier.DEVICE:
+                st.window_pages_loaded += sum(len(run.dst_pages) for run in plan.groups) if whole else 0
                 st.loaded_pages += done
-                if done < plan.num_pages:
+                if done < plan.num_pages and waiting is not None:
+                    st.load_failed_pages += plan.num_pages - done
+                    log.info("kvtier worker rank %d: a load of %d pages failed (%s); vLLM recomputes request %s", self.tp_rank,
+                             plan.num_pages, getattr(c, "reason", "?"), waiting[0])
+                elif done < plan.num_pages:
                     st.load_failed_pages += plan.num_pages - done
                     self._failed_blocks.update(plan.dst_pages[done:])
                     log.info("kvtier worker rank %d: %d of %d pages not loaded (%s); vLLM recomputes them", self.tp_rank,
@@ -236,6 +309,7 @@ class ConnectorWorker:
                 st.fetched_pages += done
             elif plan.src is Tier.DEVICE:
                 st.offloaded_pages += done
+                st.window_pages_offloaded += sum(len(run.dst_pages) for run in plan.groups) if whole else 0
             elif plan.dst is Tier.STORAGE:
                 st.saved_pages += done - getattr(c, "existing", 0)
                 st.save_failures += type(c) is not Done

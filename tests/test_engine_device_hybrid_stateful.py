@@ -1,0 +1,203 @@
+"""The engine-device core with hybrid models as a state machine: engines (vLLM) copy pages and their
+window pages and snapshots out of their own blocks, look them up and load them back -- planned, behind
+the fetch that fills their host pages, as a scheduler with workers elsewhere does -- while plans finish
+in any order, fail or are cut short, the store forgets keys and host memory is squeezed.
+
+Bytes are labels (:class:`~test_core_hybrid_stateful.BytesExecutor`): every load that completes must
+have written each engine id it names with the label of the page (or object) it claims, and only the
+objects its boundary reads; after every step the host accounting of every group adds up, and when
+idle everything is evictable."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from kvtier.alloc import PageAllocator
+from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core import Tier
+from kvtier.core.engine_device import EngineDeviceCore
+from kvtier.core.hybrid_match import window_pages
+from kvtier.core.plans import Done
+from kvtier.executors.chain import ChainedExecutor
+from test_core_hybrid_stateful import PAGE, PREFIXES, BytesExecutor, hybrid_model
+
+STEPS = {"total": 0, "checked_loads": 0, "group_objects_checked": 0, "limited": 0}
+
+
+class EngineHybridMachine(RuleBasedStateMachine):
+    window: int | None = 6
+    state: bool = True
+    state_every = 1
+    host_pages = 8
+    group_host = {"swa": 6, "ssm": 4}
+
+    def __init__(self):
+        super().__init__()
+        self.rnd = random.Random(0)
+        self.port = BytesExecutor(self.rnd)
+        self.model, full = hybrid_model(self.window, self.state)
+        hosts = {g.name: PageAllocator(self.group_host[g.name], f"{g.name} host") for g in self.model.groups if g.kind != "full"}
+        self.core = EngineDeviceCore(full, PageAllocator(self.host_pages, "host pool"), ChainedExecutor(self.port),
+                                     CacheConfig(preallocate_nodes=False), StorageConfig(url="memory://", min_prefetch_pages=1),
+                                     model=self.model, group_hosts=hosts, state_every=self.state_every)
+        #: engine ids are never reused (vLLM keeps a block until kvtier's copies out of it are done)
+        self.ids = itertools.count(1000)
+        #: planned loads not yet checked: (load, keys, engine pages, groups, first)
+        self.loads: list = []
+
+    def _keys(self, prefix, pages):
+        return self.core.page_keys(PREFIXES[prefix][: pages * PAGE])
+
+    # ---- an engine computed a prompt and hands its pages and objects out -------------------------------
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), kept=st.integers(0, 6), wait=st.booleans())
+    def offload(self, prefix, pages, kept, wait):
+        keys = self._keys(prefix, pages)
+        mem = self.port.mem
+        blocks = [next(self.ids) for _ in keys]
+        for k, b in zip(keys, blocks):
+            mem[(Tier.DEVICE, "", b)] = k
+        groups = {}
+        for c in self.core.components:
+            if c.is_state:  # snapshots at the cadence and at the last page
+                places = [b - 1 for b in self.core.snapshot_boundaries(0, pages)]
+            else:  # the engine still holds its last ``kept`` window blocks (vLLM freed the ones before)
+                places = list(range(max(0, pages - kept), pages))
+            ids: list[int | None] = [None] * pages
+            for p in places:
+                ids[p] = next(self.ids)
+                mem[(Tier.DEVICE, c.name, ids[p])] = (keys[p], c.name)
+            groups[c.name] = ids
+        r = self.core.offload(keys, blocks, wait=wait, groups=groups)
+        assert r.already_held + r.saved + r.no_space + r.failed == pages
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6))
+    def lookup(self, prefix, pages):
+        found = self.core.lookup(self._keys(prefix, pages))
+        assert found.pages <= pages
+        STEPS["limited"] += found.limited_by is not None
+
+    # ---- an engine loads a prefix into new blocks (some ids it does not give) ---------------------------
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), first=st.integers(0, 3), gaps=st.floats(0, 0.3))
+    def plan_load(self, prefix, pages, first, gaps):
+        keys = self._keys(prefix, pages)
+        first = min(first, pages)
+        dst = [next(self.ids) for _ in keys]
+        groups = {c.name: [next(self.ids) if i >= first and self.rnd.random() >= gaps else None for i in range(pages)]
+                  for c in self.core.components}
+        for ids in groups.values():  # (the engine's own objects before ``first``: not kvtier's to write)
+            for i in range(first):
+                ids[i] = next(self.ids)
+        ld = self.core.plan_load(keys, dst, first=first, groups=groups)
+        assert ld.loaded == ld.from_host + ld.from_storage <= pages
+        assert (ld.op is None) == (ld.loaded <= first)
+        if ld.op is not None:
+            self.loads.append((ld, keys, dst, groups, first))
+
+    @rule(prefix=st.integers(0, len(PREFIXES) - 1), pages=st.integers(1, 6), first=st.integers(0, 2))
+    def compute_then_load(self, prefix, pages, first):
+        """The common path, whole: a prompt goes out, everything in flight lands, another engine loads it."""
+        self.offload(prefix, pages, kept=6, wait=False)
+        for op in sorted(self.port.inflight):
+            self.port.finish(op, "done")
+        self.core.poll()
+        self.plan_load(prefix, pages, first, gaps=0.0)
+        for op in sorted(self.port.inflight):
+            self.port.finish(op, "done")
+        self.core.poll()
+
+    def _check_load(self, ld, keys, dst, groups, first) -> None:
+        """A completed load wrote pages first..loaded and exactly the objects its boundary reads."""
+        mem, d = self.port.mem, ld.loaded
+        for i in range(first, d):
+            assert mem.get((Tier.DEVICE, "", dst[i])) == keys[i], f"engine page {i} holds another page's bytes"
+        for c in self.core.components:
+            needed = ({d - 1} if d else set()) if c.is_state else set(window_pages(c.group, d, PAGE))
+            for i, gid in enumerate(groups[c.name]):
+                if gid is None or i < first:
+                    continue
+                got = mem.get((Tier.DEVICE, c.name, gid))
+                if i in needed:
+                    assert got == (keys[i], c.name), f"group {c.name}: engine object {i} holds wrong bytes"
+                    STEPS["group_objects_checked"] += 1
+                else:
+                    assert got is None, f"group {c.name}: object {i} was written, and boundary {d} does not read it"
+        STEPS["checked_loads"] += 1
+
+    # ---- plans finish in any order, some fail; the store forgets; host is squeezed ----------------------
+    @precondition(lambda self: self.port.inflight)
+    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
+    def complete(self, pick, outcome, cut):
+        ops = sorted(self.port.inflight)
+        self.port.finish(ops[pick % len(ops)], outcome, cut)
+        self.core.poll()
+
+    @precondition(lambda self: self.port.store)
+    @rule(pick=st.integers(0, 10**6))
+    def storage_loses_a_key(self, pick):
+        keys = sorted(self.port.store)
+        del self.port.store[keys[pick % len(keys)]]
+
+    @rule(n=st.integers(1, 3))
+    def evict_host(self, n):
+        self.core.evict_host(n)
+
+    @rule(now=st.integers(0, 7))
+    def drain_then_evict_everything(self, now):
+        if now:  # (one draw in eight: a cache that is always emptied serves no loads to check)
+            return
+        core = self.core
+        core.wait_idle()
+        core.check_integrity(idle=True)
+        core.evict_host(self.host_pages)
+        assert core.host_alloc.num_used == 0 and len(core.tree) == 0
+        for c in core.components:
+            assert c.alloc[Tier.HOST].num_used == 0, f"idle, yet {c.alloc[Tier.HOST].num_used} {c.name} host objects stayed"
+
+    @invariant()
+    def accounting(self):
+        STEPS["total"] += 1
+        core = self.core
+        core.check_integrity()
+        for c in core.components:
+            host = c.alloc[Tier.HOST]
+            assert host.num_free + len(c.at[Tier.HOST]) + len(host.parked) == host.num_pages
+        left = []
+        for entry in self.loads:
+            ld = entry[0]
+            if ld.outcome is None:
+                left.append(entry)
+            elif type(ld.outcome) is Done:
+                self._check_load(*entry)
+        self.loads = left
+        if not core._inflight:
+            core.check_integrity(idle=True)
+
+    def teardown(self):
+        self.core.close()
+
+
+CONFIGS = [  # window (tokens), state, cadence, host pages, group host objects
+    (6, True, 1, 8, 4),
+    (2, False, 1, 6, 3),     # a window shorter than a page
+    (40, True, 3, 8, 6),     # longer than any prefix: every page
+    (None, True, 2, 7, 3),
+    (6, True, 1, 12, 8),     # roomier: more prefixes survive to be loaded
+    (None, False, 1, 6, 3),  # full attention only: the same byte checks on the plain engine-device core
+]
+
+
+def test_engine_device_hybrid_state_machine():
+    STEPS.update(total=0, checked_loads=0, group_objects_checked=0, limited=0)
+    for window, state, every, host, g in CONFIGS:
+        machine = type(f"EngineHybrid_{window}_{state}_{every}_{host}", (EngineHybridMachine,),
+                       {"window": window, "state": state, "state_every": every, "host_pages": host,
+                        "group_host": {"swa": g, "ssm": g}})
+        run_state_machine_as_test(machine, settings=settings(max_examples=30, stateful_step_count=60, derandomize=True, deadline=None,
+                                                             database=None, suppress_health_check=list(HealthCheck)))
+    assert STEPS["total"] >= 5_000, STEPS
+    # the runs did what they are for: completed loads checked byte for byte, objects among them, prefixes a group cut short
+    assert STEPS["checked_loads"] > 100 and STEPS["group_objects_checked"] > 100 and STEPS["limited"] > 0, STEPS
