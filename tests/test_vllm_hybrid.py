@@ -43,8 +43,8 @@ def test_gemma_like_groups_map_to_a_full_and_a_window_group():
     sliding = ["model.layers.0.self_attn.attn", "model.layers.2.self_attn.attn"]
     full = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
     groups = groups_of(_cfg((sliding, _attn(SlidingWindowSpec, sliding_window=WINDOW)), (full, _attn(FullAttentionSpec))))
-    assert groups == [VllmGroup(0, "window", "sliding_window", tuple(sliding), BS, WINDOW - 1),
-                      VllmGroup(1, "full", "full", tuple(full), BS, 0)]
+    assert groups == [VllmGroup(0, "window", "sliding_window", tuple(sliding), BS, WINDOW - 1, "sliding_window", WINDOW),
+                      VllmGroup(1, "full", "full", tuple(full), BS, 0, "full_attention", None)]
     spec = KVSpec.mha("t", 2, 2, 64, BS, "float32")
     model = model_spec("t", groups, {"full": spec, "window": spec})
     assert [g.layers for g in model.groups] == [(0, 2), (1, 3)] and model.group("window").window == WINDOW - 1
@@ -178,3 +178,85 @@ def test_sliding_window_model_tensor_parallel_two_ranks_hit_on_both(tmp_path):
     offered = sum((n - 1) // BS for n in LENGTHS)
     for w in second["worker_stats"]:
         assert w["fetched_pages"] == offered and w["window_pages_loaded"] == 2 * sum(window_pages(n) for n in LENGTHS)
+
+
+def test_hybrid_kv_events_carry_vllms_group_fields():
+    """A hybrid model's blocks reach vLLM's KV event stream per group: the full group's for every block, a
+    window group's for the blocks whose window page went out (one event per contiguous run), both with
+    vLLM's group fields; a block leaving host memory takes its window page with it."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external
+
+    from kvtier.integrations.vllm.events import TierEvents
+    from test_engine_device_hybrid import P, build, computed, keys_of
+
+    core = build("one process")
+    window = VllmGroup(0, "swa", "sliding_window", ("model.layers.0.attn",), P, 5, "sliding_window", 6)
+    full = VllmGroup(1, "full", "full", ("model.layers.1.attn",), P, 0, "full_attention", None)
+    events = TierEvents(P, groups=[window, full])
+    core.on_host_evicted = events.evicted
+    keys = keys_of(core, 5)
+    blocks, ids = computed(core, keys, 0, window_from=3)  # the engine still held window pages 3, 4
+    ids["swa"][1] = 21  # and page 1's (a run of its own)
+    r = core.offload(keys, blocks, wait=False, groups=ids)
+    request = SimpleNamespace(block_hashes=[bytes([9, i]) * 8 for i in range(5)], all_token_ids=list(range(5 * P)))
+    events.planned(request, 0, keys, r.copy_op, r.l3_save_op, {"swa": [b is not None for b in ids["swa"]]})
+    core.wait_for([r.copy_op])
+    events.update(core)
+    got = events.take()
+    h = [external(b) for b in request.block_hashes]
+    assert [(type(e).__name__, e.medium, e.group_idx, e.block_hashes, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+            for e in got] == [("BlockStored", "CPU", 1, h, "full_attention", None),
+                              ("BlockStored", "CPU", 0, [h[1]], "sliding_window", 6),
+                              ("BlockStored", "CPU", 0, h[3:], "sliding_window", 6)]
+    assert got[2].parent_block_hash == h[2] and got[2].token_ids == list(range(3 * P, 5 * P))
+    core.evict_host(5)
+    removed = events.take()
+    assert all(isinstance(e, BlockRemoved) and e.medium == "CPU" for e in removed)
+    assert sorted((e.group_idx, sorted(e.block_hashes)) for e in removed) == [(0, sorted([h[1], h[3], h[4]])), (1, sorted(h))]
+    assert not any(isinstance(e, BlockStored) for e in removed)
+    core.close()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_vllm_serve_hybrid_model_restart_hits_and_metrics(tmp_path, baseline):
+    """``vllm serve`` of the sliding-window model with the connector, over HTTP: a second server on the
+    same store gets the prompt from L3, both answer as vLLM without kvtier (the module's baseline engine),
+    and ``/metrics`` shows kvtier's per-tier counters."""
+    from kvtier.app.devservers import VllmServer
+    from kvtier.integrations.vllm.model import ensure_tiny_gemma3
+    from kvtier.integrations.vllm.session import prompt_ids
+
+    model = str(ensure_tiny_gemma3())
+    args = ("--dtype", "float32", "--block-size", str(BS), "--max-model-len", "4096", "--enforce-eager", "--seed", "0")
+    kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector", "kv_role": "kv_both",
+          "kv_load_failure_policy": "recompute",
+          "kv_connector_extra_config": {"host_gb": 0.25, "storage_url": f"file://{tmp_path / 'store'}"}}
+    body = {"model": model, "prompt": prompt_ids(LENGTHS[1], seed=1), "max_tokens": 8, "temperature": 0.0}
+
+    def sample(metrics: str, name: str, **labels) -> float:
+        for line in metrics.splitlines():
+            if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    servers = []
+    try:
+        first = VllmServer(model, tmp_path / "first", kv, args).start()
+        servers.append(first)
+        text1 = first.post("/v1/completions", body)["choices"][0]["text"]
+        metrics1 = first.get_text("/metrics")
+        first.stop()  # SIGTERM: the workers drain their L3 writes before they exit
+        second = VllmServer(model, tmp_path / "second", kv, args).start()
+        servers.append(second)
+        out = second.post("/v1/completions", body)
+        metrics2 = second.get_text("/metrics")
+        assert text1 == out["choices"][0]["text"] == baseline["results"][1]["text"]
+        loaded = (LENGTHS[1] - 1) // BS * BS
+        assert sample(metrics1, "vllm:kvtier_tokens_total", tier="host", direction="store") == LENGTHS[1] // BS * BS
+        assert sample(metrics2, "vllm:kvtier_tokens_total", tier="storage", direction="load") == loaded
+        assert sample(metrics2, "vllm:kvtier_tokens_total", tier="host", direction="load") == loaded
+    finally:
+        for s in servers:
+            s.stop()

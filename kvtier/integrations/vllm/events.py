@@ -14,6 +14,12 @@ already tracks):
   Redis maxmemory, a flushed or lost server), so the scheduler learns of it
   when it next asks, and says so then. A lookup stops at the first missing
   block, which is also where a router's prefix match would stop.
+
+A hybrid model's events carry vLLM's group fields (``group_idx``,
+``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``): the full group's
+for every block, a sliding-window group's for the blocks whose window page went
+out with it (one event per contiguous run); a block leaving host memory takes
+its window page with it.
 """
 
 from __future__ import annotations
@@ -36,11 +42,18 @@ class _Planned:
     #: per page: (vLLM block hash, parent hash, token ids)
     blocks: list[tuple[object, object, list[int]]]
     on_host: bool = False
+    #: a hybrid model: per sliding-window group, whether each page's window page went out with it
+    windows: dict[str, list[bool]] | None = None
 
 
 class TierEvents:
-    def __init__(self, block_size: int, max_storage_entries: int = 1 << 20):
+    def __init__(self, block_size: int, max_storage_entries: int = 1 << 20, groups: list | None = None):
         self.block_size = block_size
+        #: a hybrid model's groups (:class:`~kvtier.integrations.vllm.groups.VllmGroup`); None: one group, no group fields
+        self.groups = groups
+        self._full = next((g for g in groups if g.kind == "full"), None) if groups else None
+        #: per window group, the pages whose window page was reported stored on host
+        self._window_on_host: dict[str, set[PageHash]] = {g.name: set() for g in groups or () if g.kind != "full"}
         self._planned: list[_Planned] = []
         #: page key -> vLLM block hash, for the pages whose host copy was reported stored
         self._on_host: dict[PageHash, object] = {}
@@ -49,8 +62,10 @@ class TierEvents:
         self.max_storage_entries = max_storage_entries
         self._events: list[KVCacheEvent] = []
 
-    def planned(self, request, first: int, keys: list[PageHash], copy_op: int | None, save_op: int | None) -> None:
-        """Pages ``first:first + len(keys)`` of ``request`` are being copied out (and saved)."""
+    def planned(self, request, first: int, keys: list[PageHash], copy_op: int | None, save_op: int | None,
+                windows: dict[str, list[bool]] | None = None) -> None:
+        """Pages ``first:first + len(keys)`` of ``request`` are being copied out (and saved); ``windows``: per
+        window group, whether each of them goes with its window page."""
         hashes = list(getattr(request, "block_hashes", None) or ())
         if len(hashes) < first + len(keys) or copy_op is None:
             return  # vLLM hashes blocks only with its prefix cache on: nothing a router could match
@@ -58,12 +73,36 @@ class TierEvents:
         tokens = request.all_token_ids
         blocks = [(maybe_convert_block_hash(hashes[i]), maybe_convert_block_hash(hashes[i - 1]) if i else None,
                    list(tokens[i * bs : (i + 1) * bs])) for i in range(first, first + len(keys))]
-        self._planned.append(_Planned(copy_op, save_op, list(keys), blocks))
+        self._planned.append(_Planned(copy_op, save_op, list(keys), blocks, windows=windows))
 
-    def _stored(self, blocks, medium: str) -> None:
+    def _stored(self, blocks, medium: str, p: _Planned | None = None) -> None:
+        if self.groups is None:
+            self._events.append(BlockStored(block_hashes=[b[0] for b in blocks], parent_block_hash=blocks[0][1],
+                                            token_ids=[t for b in blocks for t in b[2]], block_size=self.block_size,
+                                            lora_id=None, medium=medium, lora_name=None))
+            return
+        self._group_stored(self._full, blocks, medium)
+        for g in self.groups:
+            if g.kind == "full" or p is None or not p.windows or g.name not in p.windows:
+                continue
+            went = p.windows[g.name]
+            run: list = []
+            for i, b in enumerate(blocks):  # one event per contiguous run of blocks whose window page went out
+                if went[i]:
+                    run.append(b)
+                    if medium == MEDIUM_CPU:
+                        self._window_on_host[g.name].add(p.keys[i])
+                elif run:
+                    self._group_stored(g, run, medium)
+                    run = []
+            if run:
+                self._group_stored(g, run, medium)
+
+    def _group_stored(self, g, blocks, medium: str) -> None:
         self._events.append(BlockStored(block_hashes=[b[0] for b in blocks], parent_block_hash=blocks[0][1],
                                         token_ids=[t for b in blocks for t in b[2]], block_size=self.block_size,
-                                        lora_id=None, medium=medium, lora_name=None))
+                                        lora_id=None, medium=medium, lora_name=None, group_idx=g.index,
+                                        kv_cache_spec_kind=g.spec_kind, kv_cache_spec_sliding_window=g.sliding_window))
 
     def update(self, core) -> None:
         """After completions were applied: report what became readable on host, then stored in L3."""
@@ -76,7 +115,7 @@ class TierEvents:
                 held = [i for i, k in enumerate(p.keys) if core.holds(k)]
                 if len(held) != len(p.keys):  # the copy failed: nothing was stored
                     continue
-                self._stored(p.blocks, MEDIUM_CPU)
+                self._stored(p.blocks, MEDIUM_CPU, p)
                 self._on_host.update((k, b[0]) for k, b in zip(p.keys, p.blocks))
                 p.on_host = True
             if p.save_op is not None and core.in_flight(p.save_op):
@@ -91,7 +130,7 @@ class TierEvents:
                 self._in_storage[k] = b[0]
                 self._in_storage.move_to_end(k)
             if saved:
-                self._stored(saved, MEDIUM_STORAGE)
+                self._stored(saved, MEDIUM_STORAGE, p)
         while len(self._in_storage) > self.max_storage_entries:
             self._in_storage.popitem(last=False)
         self._planned = pending
@@ -100,12 +139,23 @@ class TierEvents:
         """A lookup asked L3 for ``key`` and the store does not hold it (on some rank)."""
         block = self._in_storage.pop(key, None)
         if block is not None:
-            self._events.append(BlockRemoved(block_hashes=[block], medium=MEDIUM_STORAGE))
+            self._events.append(BlockRemoved(block_hashes=[block], medium=MEDIUM_STORAGE,
+                                             group_idx=self._full.index if self._full is not None else None))
 
     def evicted(self, keys: list[PageHash]) -> None:
+        """Host memory evicts these pages (a hybrid model's window pages leave with them)."""
+        if self.groups is not None:
+            for g in self.groups:
+                if g.kind != "full":
+                    mine = self._window_on_host[g.name]
+                    gone = [self._on_host[k] for k in keys if k in mine and k in self._on_host]
+                    mine.difference_update(keys)
+                    if gone:
+                        self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_CPU, group_idx=g.index))
         gone = [self._on_host.pop(k) for k in keys if k in self._on_host]
         if gone:
-            self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_CPU))
+            group = self._full.index if self._full is not None else None
+            self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM_CPU, group_idx=group))
 
     def take(self) -> list[KVCacheEvent]:
         out, self._events = self._events, []

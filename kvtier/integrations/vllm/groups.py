@@ -47,6 +47,9 @@ class VllmGroup:
     block_size: int
     #: sliding_window: tokens before a boundary vLLM reads from there
     window: int = 0
+    #: how vLLM's own KV events name this group's spec (``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``)
+    spec_kind: str | None = None
+    sliding_window: int | None = None
 
 
 def _what(spec: Any) -> str:
@@ -56,7 +59,14 @@ def _what(spec: Any) -> str:
 def groups_of(kv_cache_config: Any) -> list[VllmGroup]:
     """kvtier's view of vLLM's ``KVCacheConfig.kv_cache_groups``, or a ConfigError naming the group
     kvtier cannot serve and why."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        get_kv_cache_spec_kind,
+        get_kv_cache_spec_sliding_window,
+    )
 
     raw = list(kv_cache_config.kv_cache_groups)
     out: list[VllmGroup] = []
@@ -74,7 +84,8 @@ def groups_of(kv_cache_config: Any) -> list[VllmGroup]:
             name = "window" if windows == 1 else f"window{sum(o.kind == 'sliding_window' for o in out)}"
         else:
             raise ConfigError(f"{where}: kvtier serves full-attention and sliding-window groups only")
-        out.append(VllmGroup(i, name, kind, layers, spec.block_size, window))
+        out.append(VllmGroup(i, name, kind, layers, spec.block_size, window, get_kv_cache_spec_kind(spec).value,
+                             get_kv_cache_spec_sliding_window(spec)))
     fulls = [g for g in out if g.kind == "full"]
     if len(fulls) != 1:
         raise ConfigError(f"kvtier connector: the model has {len(fulls)} full-attention KV cache groups; kvtier keeps one "

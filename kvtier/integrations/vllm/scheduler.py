@@ -168,7 +168,7 @@ class ConnectorScheduler:
         self._loads: list[tuple[Any, list[PageHash]]] = []
         self._hash = hasher(options.cache.hash_algo)
         #: kvtier's tiers as vLLM KV events (take_events)
-        self.events = TierEvents(block_size)
+        self.events = TierEvents(block_size, groups=groups if groups is not None and len(groups) > 1 else None)
         #: the latest lookups (bounded: a server runs for weeks)
         self.hits: deque[HitRecord] = deque(maxlen=1024)
         #: vLLM's KV cache groups (None or one: a model of full attention only)
@@ -418,7 +418,10 @@ class ConnectorScheduler:
                             self._window_sources.setdefault(b, set()).add(result.objects_op)
             if result.saved:
                 have = result.already_held
-                self.events.planned(state.request, have, state.keys[have : have + result.saved], result.copy_op, result.l3_save_op)
+                end = have + result.saved
+                windows = {name: [b is not None for b in ids[have:end]] for name, ids in groups.items()} if groups else None
+                self.events.planned(state.request, have, state.keys[have : have + result.saved], result.copy_op, result.l3_save_op,
+                                    windows)
             state.saved = result.already_held + result.saved  # pages not planned now are offered again next step
             if state.hit is not None:
                 state.hit.offloaded_pages += result.saved
