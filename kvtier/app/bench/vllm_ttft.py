@@ -10,6 +10,9 @@
   kvtier (the history comes back from host memory) and once without (recomputed):
   the conversation's total time each way, and their ratio.
 
+``--model tiny-gemma3`` runs a hybrid model (sliding-window layers beside full ones) and reports the
+bytes each KV group loaded per hit: the window group's are its window only.
+
 ``python -m kvtier.app.bench.vllm_ttft --prompt-tokens 2048``
 """
 
@@ -20,7 +23,7 @@ import tempfile
 
 import typer
 
-from kvtier.integrations.vllm.session import run_in_subprocess
+from kvtier.integrations.vllm.session import MODELS, run_in_subprocess
 from kvtier.l3.base import redact_url
 
 
@@ -30,16 +33,27 @@ def _session(*args: str) -> dict:
 
 def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens"),
          storage_url: str = typer.Option(None, help="L3 URL (default: a fresh temporary file store)"),
-         chat_turns: int = typer.Option(16, help="turns of the multi-turn chat comparison (0: skip it)")) -> None:
+         chat_turns: int = typer.Option(16, help="turns of the multi-turn chat comparison (0: skip it)"),
+         model: str = typer.Option("smollm2", help=f"the model: {', '.join(MODELS)} (tiny-gemma3: a hybrid, sliding window "
+                                   "beside full attention; float32)")) -> None:
+    if model not in MODELS:
+        raise typer.BadParameter(f"unknown model {model!r}; choose one of {', '.join(MODELS)}", param_hint="--model")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         url = storage_url or f"file://{tmp}/store"
-        common = [f"--prompt-tokens={prompt_tokens}", "--seed=7"]
+        common = [f"--prompt-tokens={prompt_tokens}", "--seed=7", f"--model={model}"]
+        if model != "smollm2":
+            common.append("--dtype=float32")
         _session(f"--storage-url={url}", *common)
-        hit = _session(f"--storage-url={url}", *common)["results"][0]
+        hit_run = _session(f"--storage-url={url}", *common)
+        hit = hit_run["results"][0]
+        # the hit run loads twice (its TTFT run, then its output run): per hit, the bytes each group loaded
+        (w,) = hit_run["worker_stats"]
+        per_group = {"full": w["loaded_bytes"] // 2, **({"window": w["window_bytes_loaded"] // 2} if w["window_pages_loaded"] else {})}
+        pages = {"full": w["loaded_pages"] // 2, **({"window": w["window_pages_loaded"] // 2} if w["window_pages_loaded"] else {})}
         base = _session("--no-kvtier", *common)["results"][0]
         chat = {}
         if chat_turns:
-            turns = [f"--chat-turns={chat_turns}", "--prompt-tokens=512", "--seed=9"]
+            turns = [f"--chat-turns={chat_turns}", "--prompt-tokens=512", "--seed=9", *common[2:]]
             with_kv = _session(f"--storage-url={url}", *turns)
             without = _session("--no-kvtier", *turns)
             chat = {
@@ -55,6 +69,7 @@ def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens")
     print(
         json.dumps(
             {
+                "model": model,
                 "prompt_tokens": prompt_tokens,
                 "storage_url": "file (temporary)" if storage_url is None else redact_url(storage_url),
                 "external_hit_tokens": hit["external_hit_tokens"],
@@ -63,6 +78,8 @@ def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens")
                 "ttft_recompute_s": round(base["ttft_s"], 4),
                 "ttft_ratio": round(hit["ttft_s"] / base["ttft_s"], 4),
                 "same_first_token": hit["output_token_ids"] == base["output_token_ids"],
+                "bytes_loaded_per_hit": per_group,
+                "pages_loaded_per_hit": pages,
                 **chat,
             },
             indent=2,

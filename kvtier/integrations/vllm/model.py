@@ -140,3 +140,15 @@ def ensure_tiny_gemma3(cache_dir: str | os.PathLike | None = None) -> Path:
         "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": TINY_GEMMA3_WINDOW,
         "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 64,
         "tie_word_embeddings": True}, cache_dir, weights=True)
+
+
+def ensure_small_gemma3(cache_dir: str | os.PathLike | None = None) -> Path:
+    """The benchmark's hybrid: an 8-layer Gemma 3 text model, 1024 wide (8 query / 4 KV heads of 128,
+    window 512 tokens, sliding and full layers alternating), seeded random weights -- enough compute per
+    token that a prefill costs what a small served model's does on a CPU."""
+    return _tiny_config("small-gemma3-swa", {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 1024, "intermediate_size": 4096,
+        "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 128,
+        "layer_types": ["sliding_attention", "full_attention"] * 4, "sliding_window": 512,
+        "max_position_embeddings": 8192, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 128,
+        "tie_word_embeddings": True}, cache_dir, weights=True)

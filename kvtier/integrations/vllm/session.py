@@ -58,12 +58,13 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
 
 
 #: ``--model`` choices: SmolLM2-135M (the default; tensor parallel runs take the tiny Llama, whose heads split),
-#: a tiny Llama with dummy weights, a tiny Gemma 3 of sliding-window and full-attention layers
-MODELS = ("smollm2", "tiny-llama", "tiny-gemma3")
+#: a tiny Llama with dummy weights, Gemma 3 configs of sliding-window and full-attention layers (tiny: the tests';
+#: small: the benchmark's)
+MODELS = ("smollm2", "tiny-llama", "tiny-gemma3", "small-gemma3")
 
 
 def _model_args(model: str, tp: int) -> dict:
-    from kvtier.integrations.vllm.model import ensure_model, ensure_tiny_gemma3, ensure_tiny_llama
+    from kvtier.integrations.vllm.model import ensure_model, ensure_small_gemma3, ensure_tiny_gemma3, ensure_tiny_llama
 
     if model == "smollm2" and tp > 1:
         model = "tiny-llama"  # SmolLM2's 9 query / 3 KV heads do not split
@@ -73,6 +74,8 @@ def _model_args(model: str, tp: int) -> dict:
         return dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
     if model == "tiny-gemma3":
         return dict(model=str(ensure_tiny_gemma3()), tensor_parallel_size=tp)
+    if model == "small-gemma3":
+        return dict(model=str(ensure_small_gemma3()), tensor_parallel_size=tp)
     from kvtier.errors import ConfigError
 
     raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")

@@ -81,6 +81,9 @@ class WorkerStats:
     #: a hybrid model: sliding-window pages copied into vLLM's blocks (a load brings only its window) and out
     window_pages_loaded: int = 0
     window_pages_offloaded: int = 0
+    #: bytes copied into vLLM's blocks: full-attention pages, and (a hybrid model) window pages
+    loaded_bytes: int = 0
+    window_bytes_loaded: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -123,6 +126,7 @@ class ConnectorWorker:
         #: this interval's numbers for vLLM's stats path (get_kv_connector_stats)
         self.interval = KVTierConnectorStats()
         self._page_tokens = self._page_bytes = 0
+        self._group_page_bytes: dict[str, int] = {}
         self._load_started: float | None = None
 
     # ---- start-up --------------------------------------------------------------------------
@@ -151,6 +155,7 @@ class ConnectorWorker:
         engine = TransferEngine(host, device, io, name=f"kvtier-worker{self.tp_rank}")
         self.executor = ChainedExecutor(LocalExecutor(engine, self.storage, *group_movers(pools, io, self.storage)))
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
+        self._group_page_bytes = {name: hp.spec.page_bytes for name, (_, hp) in pools.items()}
         self._num_layers = len(self._layer_index)
         log.info("kvtier worker rank %d: %s, %d host pages (%s)%s, L3 %s", self.tp_rank, spec.name, host.num_pages, host.layout.kind,
                  f", KV groups {sorted(pools)} beside full attention" if pools else "", redact_url(self.options.storage.url) or "off")
@@ -294,8 +299,11 @@ class ConnectorWorker:
                     self._recv_failed.add(req)
             whole = type(c) is Done
             if plan.dst is Tier.DEVICE:
-                st.window_pages_loaded += sum(len(run.dst_pages) for run in plan.groups) if whole else 0
+                if whole:
+                    st.window_pages_loaded += sum(len(run.dst_pages) for run in plan.groups)
+                    st.window_bytes_loaded += sum(len(run.dst_pages) * self._group_page_bytes[run.group] for run in plan.groups)
                 st.loaded_pages += done
+                st.loaded_bytes += done * self._page_bytes
                 if done < plan.num_pages and waiting is not None:
                     st.load_failed_pages += plan.num_pages - done
                     log.info("kvtier worker rank %d: a load of %d pages failed (%s); vLLM recomputes request %s", self.tp_rank,
