@@ -124,7 +124,7 @@ class KVSpec:
         need((self.attention == "state") == (self.state_bytes > 0), "state_bytes", "is set for (and only for) a state spec, positive")
         need(self.num_layers > 0, "num_layers", f"must be positive, got {self.num_layers}")
         ps = self.page_size
-        need(isinstance(ps, int) and ps > 0 and ps & (ps - 1) == 0, "page_size", f"must be a positive power of two, got {ps}")
+        need(isinstance(ps, int) and not isinstance(ps, bool) and ps > 0, "page_size", f"must be a whole number of tokens > 0, got {ps!r}")
         dtype_of(self.dtype)
         if self.attention == "state":
             need(ps == 1 and self.dtype == "uint8", "page_size", "of a state spec is 1 (a snapshot is one slot) and its dtype uint8")

@@ -36,7 +36,7 @@ def test_custom_spec():
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        (dict(page_size=48), "page_size"),
+        (dict(page_size=0), "page_size"),
         (dict(page_size=0), "page_size"),
         (dict(index_head_dim=100), "index_head_dim"),
         (dict(num_layers=0), "num_layers"),

@@ -40,7 +40,6 @@ def test_nhd_and_mla_layouts_map_to_design_buffers():
 @pytest.mark.parametrize(
     "shape, model, match",
     [
-        ((7, 3, 96, 128), ModelShape("m", 96, 3, 64), "powers of two"),
         ((7, 4, BS, 128), ModelShape("m", BS, 3, 64), "does not match the model config"),
         ((7, BS, 3), ModelShape("m", BS, 3, 64), "unsupported vLLM KV cache shape"),
     ],

@@ -1,12 +1,15 @@
-"""kvtier under vLLM's hybrid KV cache manager (``SupportsHMA``): a model of sliding-window layers beside
-full-attention ones, on vLLM's CPU build, in its default multi-process engine.
+"""kvtier under vLLM's hybrid KV cache manager (``SupportsHMA``), on vLLM's CPU build, in its default
+multi-process engine, with two hybrid models (seeded random weights, SmolLM2's tokenizer):
 
-The model is a 4-layer Gemma 3 text config (``ensure_tiny_gemma3``: window 128 tokens, seeded random
-weights, SmolLM2's tokenizer), float32 so greedy outputs do not depend on how vLLM splits a prefill.
-vLLM makes two KV cache groups of it; kvtier keeps the full group's pages in its tree and the window
-group's pages beside them, and a load brings only the window its boundary reads.
+* a 4-layer Gemma 3 text config (``ensure_tiny_gemma3``): sliding-window layers (128 tokens) beside
+  full attention, float32 so greedy outputs do not depend on how vLLM splits a prefill. kvtier keeps the
+  full group's pages in its tree and the window group's pages beside them; a load brings only the
+  window its boundary reads;
+* a 4-layer Qwen3-Next config (``ensure_tiny_qwen3_next``): gated DeltaNet layers beside full
+  attention, bf16. vLLM keeps the linear layers' state block-aligned; kvtier keeps each state it kept
+  as a snapshot beside its page, and a load brings the one snapshot its boundary reads.
 
-Kinds kvtier does not serve under vLLM (Mamba / linear-attention state, two full groups, mixed block
+Kinds kvtier does not serve under vLLM (state kept other than block-aligned, two full groups, mixed block
 sizes, other attention kinds) are refused at start-up: tested on vLLM's own spec classes."""
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def test_gemma_like_groups_map_to_a_full_and_a_window_group():
 
 
 @pytest.mark.parametrize("case, match", [
-    ("mamba", "group 1 \\(MambaSpec.*Mamba / linear-attention state"),
+    ("mamba", "group 1 \\(MambaSpec.*mamba_cache_mode 'none'.*enable prefix caching"),
     ("chunked", "group 0 \\(ChunkedLocalAttentionSpec.*full-attention and sliding-window groups only"),
     ("two full", "2 full-attention KV cache groups"),
     ("window only", "0 full-attention KV cache groups"),
@@ -76,6 +79,20 @@ def test_what_kvtier_cannot_serve_is_refused_at_start_up_naming_the_group(case, 
     }[case]
     with pytest.raises(ConfigError, match=match):
         groups_of(_cfg(*groups))
+
+
+def test_linear_attention_state_kept_at_block_boundaries_maps_to_a_state_group():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    linear = ["model.layers.0.linear_attn", "model.layers.2.linear_attn"]
+    full = ["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"]
+    state = MambaSpec(block_size=288, shapes=((4, 8),), dtypes=(torch.float32,), mamba_cache_mode="align")
+    groups = groups_of(_cfg((linear, state), (full, _attn(FullAttentionSpec, block_size=288))))
+    assert [(g.index, g.name, g.kind, g.block_size, g.spec_kind) for g in groups] == [
+        (0, "state", "state", 288, "mamba"), (1, "full", "full", 288, "full_attention")]
+    model = model_spec("t", groups, {"full": KVSpec.mha("t", 2, 2, 128, 288, "bfloat16"), "state": KVSpec.state("state-state", 2, 640)})
+    assert model.group("state").kind == "state" and model.group("state").state_bytes == 2 * 640
+    assert model.group("state").object_spec() == KVSpec.state("state-state", 2, 640)  # what the worker's pools hold
 
 
 # ---- the real engine -----------------------------------------------------------------------
@@ -105,11 +122,11 @@ def window_pages(tokens: int) -> int:
     return pages - (pages * BS - (WINDOW - 1)) // BS
 
 
-def _page_keys(namespace: dict, tokens: list[int]) -> list[bytes]:
+def _page_keys(namespace: dict, tokens: list[int], block: int = BS) -> list[bytes]:
     from kvtier.hashing import Namespace, page_keys
 
     root = Namespace(namespace["model"], namespace["spec_fingerprint"], 0, namespace["salt"]).root()
-    return page_keys(tokens[: (len(tokens) - 1) // BS * BS], BS, root)
+    return page_keys(tokens[: (len(tokens) - 1) // block * block], block, root)
 
 
 def _delete_from_store(url: str, namespace: dict, keys: list[bytes]) -> int:
@@ -128,6 +145,24 @@ def _delete_from_store(url: str, namespace: dict, keys: list[bytes]) -> int:
     return there
 
 
+def _corrupt_in_store(url: str, namespace: dict, key: bytes) -> None:
+    """Flip the last byte of one page of one rank's namespace in the file store at ``url``."""
+    from kvtier.hashing import Namespace
+    from kvtier.l3 import open_backend
+    from kvtier.l3.tier import StorageTier
+    from kvtier.pools import HostPool
+
+    backend = open_backend(url)
+    tier = StorageTier(backend, HostPool(KVSpec.mha("x", 1, 1, 8, BS, "float32"), 1), Namespace(**namespace))
+    path = backend._path(tier.key(key))
+    tier.close()
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0xFF]))
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(2400)
 def test_sliding_window_model_restart_hits_l3_loads_only_the_window_and_answers_as_vllm(tmp_path, baseline):
@@ -140,7 +175,7 @@ def test_sliding_window_model_restart_hits_l3_loads_only_the_window_and_answers_
     (w,) = first["worker_stats"]
     offered = sum((n - 1) // BS for n in LENGTHS)
     # every page went out with its window page (the prompt is prefilled in one step: none left the window yet)
-    assert w["offloaded_pages"] == w["saved_pages"] == w["window_pages_offloaded"] == offered
+    assert w["offloaded_pages"] == w["saved_pages"] == w["group_objects_offloaded"]["window"] == offered
 
     second = run_engine(*prompt_args(), f"--storage-url={url}")  # restarted: empty host memory, the same store
     assert outputs(second) == outputs(baseline)
@@ -149,7 +184,8 @@ def test_sliding_window_model_restart_hits_l3_loads_only_the_window_and_answers_
     # each prompt runs twice (its TTFT run, then the full run after vLLM's own cache was reset): two loads each
     assert w["fetched_pages"] == offered and w["loaded_pages"] == 2 * offered and w["load_failed_pages"] == 0
     # the window group loaded its window only: 4 of 9 and 4 of 6 pages, against every page for the full group
-    assert w["window_pages_loaded"] == 2 * sum(window_pages(n) for n in LENGTHS) < w["loaded_pages"]
+    assert w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n) for n in LENGTHS)}
+    assert w["group_objects_loaded"]["window"] < w["loaded_pages"]
 
     # the window page at the end of the first prompt lost from the store: the hit is one page shorter
     # (the boundary before it reads pages the store still has), not an error, and the answer is the same
@@ -160,6 +196,15 @@ def test_sliding_window_model_restart_hits_l3_loads_only_the_window_and_answers_
     assert outputs(third) == outputs(baseline)
     assert third["results"][0]["external_hit_tokens"] == ((LENGTHS[0] - 1) // BS - 1) * BS
     assert third["results"][1]["external_hit_tokens"] == (LENGTHS[1] - 1) // BS * BS
+
+    # a full page of the second prompt corrupt in the store: offered, then its load fails (the checksum), and
+    # vLLM -- told through failed_recving, a hybrid model's only way -- recomputes the request
+    keys = _page_keys(ns, prompt_ids(LENGTHS[1], seed=1))
+    _corrupt_in_store(url, ns, keys[2])
+    fourth = run_engine(*prompt_args(), f"--storage-url={url}")
+    assert outputs(fourth) == outputs(baseline)
+    (w,) = fourth["worker_stats"]
+    assert w["load_failed_pages"] >= 1
 
 
 @pytest.mark.integration
@@ -177,7 +222,7 @@ def test_sliding_window_model_tensor_parallel_two_ranks_hit_on_both(tmp_path):
     assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // BS * BS for n in LENGTHS]
     offered = sum((n - 1) // BS for n in LENGTHS)
     for w in second["worker_stats"]:
-        assert w["fetched_pages"] == offered and w["window_pages_loaded"] == 2 * sum(window_pages(n) for n in LENGTHS)
+        assert w["fetched_pages"] == offered and w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n) for n in LENGTHS)}
 
 
 def test_hybrid_kv_events_carry_vllms_group_fields():
@@ -260,3 +305,58 @@ def test_vllm_serve_hybrid_model_restart_hits_and_metrics(tmp_path, baseline):
     finally:
         for s in servers:
             s.stop()
+
+
+# ---- linear attention (Qwen3-Next) ----------------------------------------------------------
+QWEN_LENGTHS = [300, 650]
+
+
+def run_qwen(*args, timeout=900):
+    from kvtier.integrations.vllm.session import run_in_subprocess
+
+    return run_in_subprocess("--model", "tiny-qwen3-next", "--dtype", "bfloat16", "--max-tokens", "8",
+                             *[f"--prompt-tokens={n}" for n in QWEN_LENGTHS], *args, timeout=timeout)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(2400)
+def test_linear_attention_model_restart_hits_l3_state_included_and_answers_as_vllms_own_hit(tmp_path):
+    """A 4-layer Qwen3-Next (gated DeltaNet layers beside full attention, bf16: vLLM's CPU backend runs its
+    linear attention in bf16 only). vLLM gives every group 288-token blocks and keeps the linear layers'
+    state block-aligned; kvtier keeps the state at each block boundary vLLM kept as a snapshot beside its page.
+
+    The reference is vLLM's own prefix-cache hit on the same prompt, same engine settings (``--own-hit``: the
+    prompt's second run is served from vLLM's cache of its first). In bf16 a prefill after a prefix hit
+    rounds differently from a full prefill; a hit at the same block boundary -- vLLM's or kvtier's -- starts
+    from the same KV and the same state and computes the same tail, so the outputs must be identical."""
+    from kvtier.hashing import group_object_key
+    from kvtier.integrations.vllm.session import prompt_ids
+
+    block = 288
+    url = f"file://{tmp_path / 'store'}"
+    own_hit = run_qwen("--no-kvtier", "--own-hit")
+    first = run_qwen(f"--storage-url={url}")
+    (w,) = first["worker_stats"]
+    # every full block went out; a state snapshot beside each block vLLM kept the state after: the 300-token
+    # prompt's one block, and the 650-token prompt's second (vLLM prefilled its 576 tokens in one chunk)
+    assert w["offloaded_pages"] == sum(n // block for n in QWEN_LENGTHS) == 3
+    assert w["group_objects_offloaded"] == {"state": 2}
+
+    second = run_qwen(f"--storage-url={url}")  # restarted: empty host memory, the same store
+    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // block * block for n in QWEN_LENGTHS]
+    assert outputs(second) == outputs(own_hit)
+    (w,) = second["worker_stats"]
+    assert w["fetched_pages"] == 3 and w["load_failed_pages"] == 0
+    assert w["group_objects_loaded"] == {"state": 4}  # one snapshot per load (each prompt loads twice)
+
+    # the 650-token prompt's snapshot lost from the store: no boundary of it has its state, so its first run is
+    # a miss, recomputed in full, not an error (and stores the state again: its second run hits kvtier's host
+    # memory at the same boundary as vLLM's own hit)
+    ns = second["namespaces"][0]
+    keys = _page_keys(ns, prompt_ids(QWEN_LENGTHS[1], seed=1), block)
+    assert _delete_from_store(url, ns, [group_object_key(keys[1], "state")]) == 1
+    third = run_qwen(f"--storage-url={url}")
+    assert [r["external_hit_tokens"] for r in third["results"]] == [(QWEN_LENGTHS[0] - 1) // block * block, 0]
+    assert outputs(third) == outputs(own_hit)
+    (w,) = third["worker_stats"]
+    assert w["load_failed_pages"] == 0 and w["group_objects_offloaded"] == {"state": 1}

@@ -43,7 +43,21 @@ def _device_memory_available(device: torch.device) -> tuple[int, int]:
     return host_memory_available(), DEFAULT_RESERVE_BYTES
 
 
+def _padded_rows(t: torch.Tensor, page_bytes: int) -> bool:
+    """``t`` is ``[pages, ...]`` of one contiguous ``page_bytes`` row per page, rows further apart than that."""
+    return (not t.is_contiguous() and t.dim() >= 2 and t[0].is_contiguous() and t[0].numel() * t.element_size() == page_bytes
+            and t.stride(0) * t.element_size() > page_bytes)
+
+
 def _page_rows(t: torch.Tensor, num_pages: int, page_bytes: int) -> torch.Tensor:
+    if _padded_rows(t, page_bytes):
+        inner = t[0].numel()
+        rows = torch.as_strided(t, (num_pages, inner), (t.stride(0), 1))
+        byte_rows = rows.view(torch.uint8)
+        try:
+            return as_wide_rows(byte_rows)
+        except RuntimeError:  # rows not aligned for a wider dtype: bytes then
+            return byte_rows
     return as_wide_rows(t.view(-1).view(torch.uint8).view(num_pages, page_bytes))
 
 
@@ -88,13 +102,18 @@ class DevicePool:
 
         Every tensor must be contiguous and hold exactly ``num_pages * page_bytes``
         bytes with page ``p`` at byte offset ``p * page_bytes`` (the layout the spec
-        describes). The allocator is unused: the engine decides which pages hold what.
+        describes) -- or be ``[num_pages, ...]`` rows of ``page_bytes`` contiguous bytes
+        each, further apart (an engine that pads its rows: vLLM's Mamba state blocks).
+        The allocator is unused: the engine decides which pages hold what.
         """
         names = [b.name for b in spec.buffers]
         if sorted(buffers) != sorted(names):
             raise SpecError(f"{name}: spec {spec.name!r} has buffers {names}, got tensors for {sorted(buffers)}")
         first = buffers[names[0]][0]
-        num_pages = first.numel() * first.element_size() // spec.buffers[0].page_bytes
+        if _padded_rows(first, spec.buffers[0].page_bytes):
+            num_pages = first.shape[0]
+        else:
+            num_pages = first.numel() * first.element_size() // spec.buffers[0].page_bytes
         pool = cls(spec, num_pages, first.device, materialize=False, name=name)
         pool.materialized = True
         for b in spec.buffers:
@@ -105,6 +124,8 @@ class DevicePool:
                 )
             for i, t in enumerate(layers):
                 nbytes = t.numel() * t.element_size()
+                if _padded_rows(t, b.page_bytes) and t.shape[0] == num_pages:
+                    continue
                 if not t.is_contiguous() or nbytes != num_pages * b.page_bytes:
                     raise SpecError(
                         f"{name}: buffer {b.name!r} layer {i} is {tuple(t.shape)} {t.dtype} "

@@ -10,8 +10,9 @@
   kvtier (the history comes back from host memory) and once without (recomputed):
   the conversation's total time each way, and their ratio.
 
-``--model tiny-gemma3`` runs a hybrid model (sliding-window layers beside full ones) and reports the
-bytes each KV group loaded per hit: the window group's are its window only.
+``--model tiny-gemma3`` / ``small-gemma3`` (sliding-window layers beside full ones) and ``tiny-qwen3-next``
+(linear attention beside full ones, bf16) run hybrid models and report the objects and bytes each KV group
+loaded per hit: a window group's window only, a state group's one snapshot.
 
 ``python -m kvtier.app.bench.vllm_ttft --prompt-tokens 2048``
 """
@@ -41,15 +42,15 @@ def main(prompt_tokens: int = typer.Option(2048, help="prompt length in tokens")
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as tmp:
         url = storage_url or f"file://{tmp}/store"
         common = [f"--prompt-tokens={prompt_tokens}", "--seed=7", f"--model={model}"]
-        if model != "smollm2":
-            common.append("--dtype=float32")
+        if model in ("tiny-llama", "tiny-gemma3", "small-gemma3"):
+            common.append("--dtype=float32")  # (Qwen3-Next's linear attention runs in bf16 only on a CPU)
         _session(f"--storage-url={url}", *common)
         hit_run = _session(f"--storage-url={url}", *common)
         hit = hit_run["results"][0]
         # the hit run loads twice (its TTFT run, then its output run): per hit, the bytes each group loaded
         (w,) = hit_run["worker_stats"]
-        per_group = {"full": w["loaded_bytes"] // 2, **({"window": w["window_bytes_loaded"] // 2} if w["window_pages_loaded"] else {})}
-        pages = {"full": w["loaded_pages"] // 2, **({"window": w["window_pages_loaded"] // 2} if w["window_pages_loaded"] else {})}
+        per_group = {"full": w["loaded_bytes"] // 2, **{g: n // 2 for g, n in w["group_bytes_loaded"].items()}}
+        pages = {"full": w["loaded_pages"] // 2, **{g: n // 2 for g, n in w["group_objects_loaded"].items()}}
         base = _session("--no-kvtier", *common)["results"][0]
         chat = {}
         if chat_turns:

@@ -5,13 +5,19 @@ a kind into groups of equal layer count): full attention, sliding window,
 Mamba / linear attention. Block ids come from one pool shared by every group
 (a freed sliding-window block may next hold a full-attention page), and each
 request has one block list per group. kvtier keeps the full group's pages in
-its tree and every sliding-window group's pages as that group's objects beside
-them (:mod:`kvtier.core.group_residency`).
+its tree and every other group's objects beside them
+(:mod:`kvtier.core.group_residency`): a sliding-window group's pages, and a
+Mamba / linear-attention group's state snapshots. With prefix caching on, vLLM
+keeps that state in ``align`` mode: a prefill is cut at block boundaries, and
+the state block at a request's block index ``i`` holds the state after block
+``i`` once the forward passed it (vLLM's null block where it kept none) -- so
+it is the snapshot of the page that block ends.
 
 What kvtier cannot serve is refused here, at start-up, with the group and the
 reason (:class:`~kvtier.errors.ConfigError`), never answered wrongly later:
 
-* Mamba / linear-attention state groups (``MambaSpec``): not served yet;
+* Mamba / linear-attention state kept other than block-aligned
+  (``mamba_cache_mode`` ``none``: prefix caching off; ``all``);
 * more than one full-attention group (kvtier's tree holds one);
 * groups of different block sizes (kvtier matches on one page size);
 * any other kind of group (chunked local attention, cross attention, ...).
@@ -28,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvtier.errors import ConfigError
-from kvtier.groups import KVGroup, ModelSpec
+from kvtier.groups import KVGroup, ModelSpec, StateTensor
 from kvtier.spec import KVSpec
 
 _LAYER_NUMBER = re.compile(r"\.(\d+)\.")
@@ -42,7 +48,7 @@ class VllmGroup:
     index: int
     #: kvtier's name for it: ``full``, or ``window`` (``window1``, ... when there are several)
     name: str
-    kind: Literal["full", "sliding_window"]
+    kind: Literal["full", "sliding_window", "state"]
     layer_names: tuple[str, ...]
     block_size: int
     #: sliding_window: tokens before a boundary vLLM reads from there
@@ -75,8 +81,13 @@ def groups_of(kv_cache_config: Any) -> list[VllmGroup]:
         spec, layers = g.kv_cache_spec, tuple(g.layer_names)
         where = f"kvtier connector: vLLM KV cache group {i} ({_what(spec)}, layers {layers[0]} ...)"
         if isinstance(spec, MambaSpec):
-            raise ConfigError(f"{where} keeps Mamba / linear-attention state: kvtier does not serve state groups under vLLM yet; "
-                              "run this model without the kvtier connector")
+            if spec.mamba_cache_mode != "align":
+                raise ConfigError(f"{where} keeps its state in mamba_cache_mode {spec.mamba_cache_mode!r}: kvtier serves state kept "
+                                  "at block boundaries (\"align\", vLLM's mode with prefix caching on): enable prefix caching")
+            states = sum(isinstance(o.kv_cache_spec, MambaSpec) for o in raw)
+            name = "state" if states == 1 else f"state{sum(o.kind == 'state' for o in out)}"
+            out.append(VllmGroup(i, name, "state", layers, spec.block_size, 0, get_kv_cache_spec_kind(spec).value, None))
+            continue
         if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
             kind, name, window = "full", "full", 0
         elif type(spec) is SlidingWindowSpec:
@@ -110,6 +121,9 @@ def model_spec(name: str, groups: list[VllmGroup], specs: dict[str, KVSpec]) -> 
     if len(set(numbers.values())) != len(all_names):  # names without distinct numbers: their order is the layer order
         numbers = {n: i for i, n in enumerate(all_names)}
     order = {n: i for i, n in enumerate(sorted(all_names, key=numbers.__getitem__))}
-    kv = tuple(KVGroup(g.name, g.kind, tuple(order[n] for n in g.layer_names), attention=specs[g.name], window=g.window)
+    kv = tuple(KVGroup(g.name, g.kind, tuple(order[n] for n in g.layer_names), state=(StateTensor("state", (specs[g.name].state_bytes,),
+                                                                                                  "uint8"),))
+               if g.kind == "state" else
+               KVGroup(g.name, g.kind, tuple(order[n] for n in g.layer_names), attention=specs[g.name], window=g.window)
                for g in groups)
     return ModelSpec(name, len(all_names), kv)

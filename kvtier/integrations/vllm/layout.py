@@ -8,6 +8,9 @@ Supported per-layer shapes:
 * FLASH_ATTN-style ``[2, blocks, block_size, kv_heads, head_size]``: DESIGN.md's
   ``k``/``v`` buffers (``kv_layout="nhd"``).
 * MLA ``[blocks, block_size, kv_lora_rank + rope_dim]``: the ``latent`` buffer.
+* Mamba / linear-attention state (:func:`map_state_caches`): each layer's
+  ``[blocks, ...]`` bytes of one block's state (vLLM pads a state block to its
+  attention page: the rows are strided), one snapshot per block.
 
 Anything else, or a shape that disagrees with the model config, is a
 :class:`~kvtier.errors.ConfigError` at startup, before any request.
@@ -90,5 +93,26 @@ def map_kv_caches(kv_caches: dict[str, torch.Tensor], model: ModelShape) -> tupl
             )
         pool = DevicePool.wrap(spec, buffers, name="vLLM KV cache")
     except SpecError as e:
-        raise ConfigError(f"kvtier connector: {e}; kvtier pages are powers of two, so set vLLM's block_size to 32, 64 or 128") from e
+        raise ConfigError(f"kvtier connector: {e}") from e
+    return spec, pool, {n: i for i, n in enumerate(names)}
+
+
+def map_state_caches(kv_caches: dict[str, torch.Tensor], name: str) -> tuple[KVSpec, DevicePool, dict[str, int]]:
+    """A state group's layers (vLLM's Mamba / linear-attention cache: per layer ``[blocks, ...]``, one
+    block's state in each row, rows possibly padded) -> a state spec of one snapshot per block, a pool
+    over the engine's tensors, and layer name -> layer index in the group."""
+    names = list(kv_caches)
+    tensors = [kv_caches[n] for n in names]
+    first = tensors[0]
+    row_bytes = first[0].numel() * first.element_size()
+    for n, t in zip(names, tensors):
+        if t.shape != first.shape or t.dtype != first.dtype or not t[0].is_contiguous():
+            raise ConfigError(f"kvtier connector: state layer {n} is {tuple(t.shape)} {t.dtype}, layer {names[0]} is "
+                              f"{tuple(first.shape)} {first.dtype}; kvtier needs one contiguous state row per block, alike in every "
+                              "layer")
+    try:
+        spec = KVSpec.state(f"{name}-state", len(names), row_bytes)
+        pool = DevicePool.wrap(spec, {"state": tensors}, name="vLLM state cache")
+    except SpecError as e:
+        raise ConfigError(f"kvtier connector: {e}") from e
     return spec, pool, {n: i for i, n in enumerate(names)}

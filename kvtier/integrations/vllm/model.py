@@ -106,7 +106,7 @@ def _tiny_config(folder: str, config: dict, cache_dir: str | os.PathLike | None,
             from transformers import AutoConfig, AutoModelForCausalLM
 
             torch.manual_seed(0)
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp), dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp), dtype=getattr(torch, config.get("dtype", "float32")))
             model.save_pretrained(tmp, safe_serialization=True)
         try:
             os.rename(tmp, out)
@@ -152,3 +152,19 @@ def ensure_small_gemma3(cache_dir: str | os.PathLike | None = None) -> Path:
         "layer_types": ["sliding_attention", "full_attention"] * 4, "sliding_window": 512,
         "max_position_embeddings": 8192, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 128,
         "tie_word_embeddings": True}, cache_dir, weights=True)
+
+
+def ensure_tiny_qwen3_next(cache_dir: str | os.PathLike | None = None) -> Path:
+    """A 4-layer Qwen3-Next config, gated DeltaNet (linear attention) and full-attention layers alternating
+    (4 query / 2 KV heads of 128; 2 linear key / 4 value heads of 128; 4 experts, 2 per token), seeded
+    random bf16 weights: vLLM's CPU backend runs its linear attention in bf16 only, and keeps its state
+    in blocks beside the attention pages (prefix caching on: ``mamba_cache_mode`` align)."""
+    return _tiny_config("tiny-qwen3-next", {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 128,
+        "layer_types": ["linear_attention", "full_attention"] * 2, "full_attention_interval": 2,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1, "norm_topk_prob": True, "mlp_only_layers": [],
+        "max_position_embeddings": 4096, "rope_theta": 10000.0, "partial_rotary_factor": 0.25, "tie_word_embeddings": False,
+        "dtype": "bfloat16"}, cache_dir, weights=True)

@@ -174,6 +174,7 @@ class ConnectorScheduler:
         #: vLLM's KV cache groups (None or one: a model of full attention only)
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self._full_index = next(g.index for g in groups if g.kind == "full") if self.groups else 0
+        #: the groups beside full attention (sliding window, state)
         self._windows = [g for g in self.groups if g.kind != "full"] if self.groups else []
         #: hybrid: asynchronous loads planned since the last metadata (op -> (request, whether it brings all
         #: that was offered)), requests whose load

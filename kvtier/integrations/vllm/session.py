@@ -59,12 +59,18 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
 
 #: ``--model`` choices: SmolLM2-135M (the default; tensor parallel runs take the tiny Llama, whose heads split),
 #: a tiny Llama with dummy weights, Gemma 3 configs of sliding-window and full-attention layers (tiny: the tests';
-#: small: the benchmark's)
-MODELS = ("smollm2", "tiny-llama", "tiny-gemma3", "small-gemma3")
+#: small: the benchmark's), a tiny Qwen3-Next of linear-attention and full-attention layers (bf16 only)
+MODELS = ("smollm2", "tiny-llama", "tiny-gemma3", "small-gemma3", "tiny-qwen3-next")
 
 
 def _model_args(model: str, tp: int) -> dict:
-    from kvtier.integrations.vllm.model import ensure_model, ensure_small_gemma3, ensure_tiny_gemma3, ensure_tiny_llama
+    from kvtier.integrations.vllm.model import (
+        ensure_model,
+        ensure_small_gemma3,
+        ensure_tiny_gemma3,
+        ensure_tiny_llama,
+        ensure_tiny_qwen3_next,
+    )
 
     if model == "smollm2" and tp > 1:
         model = "tiny-llama"  # SmolLM2's 9 query / 3 KV heads do not split
@@ -76,6 +82,8 @@ def _model_args(model: str, tp: int) -> dict:
         return dict(model=str(ensure_tiny_gemma3()), tensor_parallel_size=tp)
     if model == "small-gemma3":
         return dict(model=str(ensure_small_gemma3()), tensor_parallel_size=tp)
+    if model == "tiny-qwen3-next":
+        return dict(model=str(ensure_tiny_qwen3_next()), tensor_parallel_size=tp)
     from kvtier.errors import ConfigError
 
     raise ConfigError(f"unknown model {model!r}; choose one of {', '.join(MODELS)}")
@@ -83,7 +91,10 @@ def _model_args(model: str, tp: int) -> dict:
 
 def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: str | None = None, block_size: int = 32,
                 max_tokens: int = 8, host_gb: float = 0.25, extra: dict | None = None, warmup: bool = False, tp: int = 1,
-                dtype: str = "bfloat16", chat_turns: int = 0, between_prompts=None, model: str = "smollm2") -> SessionReport:
+                dtype: str = "bfloat16", chat_turns: int = 0, between_prompts=None, model: str = "smollm2",
+                own_hit: bool = False) -> SessionReport:
+    """``own_hit``: the full run of each prompt is served by vLLM's own prefix cache from its TTFT run (no
+    reset in between): the reference for a prefill after a hit, same split."""
     """``between_prompts(i)``: called after prompt ``i`` is done (a test injects a fault there)."""
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -120,7 +131,8 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         ttft_out = llm.generate([TokensPrompt(prompt_token_ids=ids)], first, use_tqdm=False)[0]  # TTFT: prefill + first token
         ttft = time.perf_counter() - t
         hit = (ttft_out.kv_transfer_params or {}).get("kvtier") or {}
-        reset_prefix_cache(llm)  # the full run below must not be served by vLLM's own cache of the TTFT run
+        if not own_hit:
+            reset_prefix_cache(llm)  # the full run below must not be served by vLLM's own cache of the TTFT run
         out = llm.generate([TokensPrompt(prompt_token_ids=ids)], sp, use_tqdm=False)[0].outputs[0]
         reset_prefix_cache(llm)  # so the next prompt's hits can only come from kvtier
         report.results.append(
@@ -263,6 +275,7 @@ def main(
     ),
     storage_options: str = typer.Option("{}", help="extra kv_connector_extra_config keys as JSON"),
     model: str = typer.Option("smollm2", help=f"the model: {', '.join(MODELS)} (tiny-gemma3: sliding-window layers beside full ones)"),
+    own_hit: bool = typer.Option(False, help="serve each prompt's full run from vLLM's own prefix cache of its TTFT run"),
     prompt_json: str = typer.Option(None, help="explicit prompts as a JSON list of token-id lists (instead of --prompt-tokens)"),
     chat_turns: int = typer.Option(
         0,
@@ -294,6 +307,7 @@ def main(
         chat_turns=chat_turns,
         between_prompts=_pause if pause_between_prompts else None,
         model=model,
+        own_hit=own_hit,
     )
     print(MARKER + json.dumps(asdict(report)))
 

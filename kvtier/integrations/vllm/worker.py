@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -51,7 +51,7 @@ from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace
 from kvtier.integrations.vllm.groups import VllmGroup, model_spec
-from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches
+from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches, map_state_caches
 from kvtier.integrations.vllm.messages import KVTierHandshake, KVTierWorkerMeta, RankResult
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats
 from kvtier.integrations.vllm.options import ConnectorOptions
@@ -78,14 +78,16 @@ class WorkerStats:
     offload_layers_at_step_end: int = 0
     #: copies out of vLLM's blocks given up after rank_timeout_s (the blocks went back to vLLM)
     copies_abandoned: int = 0
-    #: a hybrid model: sliding-window pages copied into vLLM's blocks (a load brings only its window) and out
-    window_pages_loaded: int = 0
-    window_pages_offloaded: int = 0
-    #: bytes copied into vLLM's blocks: full-attention pages, and (a hybrid model) window pages
+    #: bytes of full-attention pages copied into vLLM's blocks
     loaded_bytes: int = 0
-    window_bytes_loaded: int = 0
+    #: a hybrid model, per KV group beside full attention: its objects (sliding-window pages, state
+    #: snapshots) copied into vLLM's blocks (a load brings only what its boundary reads), their bytes,
+    #: and the objects copied out
+    group_objects_loaded: dict[str, int] = field(default_factory=dict)
+    group_bytes_loaded: dict[str, int] = field(default_factory=dict)
+    group_objects_offloaded: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, object]:
         return asdict(self)
 
 
@@ -140,7 +142,11 @@ class ConnectorWorker:
         else:  # each group's layers are a pool of their own (vLLM's block ids index every one of them)
             built = {}
             for g in self.groups:
-                gspec, gdev, index = map_kv_caches({n: kv_caches[n] for n in g.layer_names}, self.model)
+                caches = {n: kv_caches[n] for n in g.layer_names}
+                if g.kind == "state":
+                    gspec, gdev, index = map_state_caches(caches, g.name)
+                else:
+                    gspec, gdev, index = map_kv_caches(caches, self.model)
                 built[g.name] = (gspec, gdev)
                 self._layer_index.update({n: (None if g.kind == "full" else g.name, i) for n, i in index.items()})
             spec, device = built.pop("full")
@@ -299,9 +305,10 @@ class ConnectorWorker:
                     self._recv_failed.add(req)
             whole = type(c) is Done
             if plan.dst is Tier.DEVICE:
-                if whole:
-                    st.window_pages_loaded += sum(len(run.dst_pages) for run in plan.groups)
-                    st.window_bytes_loaded += sum(len(run.dst_pages) * self._group_page_bytes[run.group] for run in plan.groups)
+                for run in plan.groups if whole else ():
+                    st.group_objects_loaded[run.group] = st.group_objects_loaded.get(run.group, 0) + len(run.dst_pages)
+                    st.group_bytes_loaded[run.group] = (st.group_bytes_loaded.get(run.group, 0)
+                                                        + len(run.dst_pages) * self._group_page_bytes[run.group])
                 st.loaded_pages += done
                 st.loaded_bytes += done * self._page_bytes
                 if done < plan.num_pages and waiting is not None:
@@ -317,7 +324,8 @@ class ConnectorWorker:
                 st.fetched_pages += done
             elif plan.src is Tier.DEVICE:
                 st.offloaded_pages += done
-                st.window_pages_offloaded += sum(len(run.dst_pages) for run in plan.groups) if whole else 0
+                for run in plan.groups if whole else ():
+                    st.group_objects_offloaded[run.group] = st.group_objects_offloaded.get(run.group, 0) + len(run.dst_pages)
             elif plan.dst is Tier.STORAGE:
                 st.saved_pages += done - getattr(c, "existing", 0)
                 st.save_failures += type(c) is not Done
