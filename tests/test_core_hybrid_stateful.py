@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
@@ -28,6 +28,7 @@ from kvtier.core import CacheCore, CutShort, Done, Failed, Reason, RequestState,
 from kvtier.core.hybrid_match import window_pages
 from kvtier.groups import KVGroup, ModelSpec, StateTensor
 from conftest import tiny_specs
+from test_core_stateful import ExecutorSide
 
 PAGE = 4
 PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
@@ -143,11 +144,15 @@ class BytesExecutor:
             n += 1
         return n
 
+    def forget(self, key: bytes) -> None:
+        """The store drops ``key`` on its own."""
+        del self.store[key]
+
     def close(self):
         pass
 
 
-class HybridMachine(RuleBasedStateMachine):
+class HybridMachine(ExecutorSide):
     window: int | None = 6
     state: bool = True
     state_every = 1
@@ -238,20 +243,7 @@ class HybridMachine(RuleBasedStateMachine):
             req.alloc_group(c.name, 1)
         req.abort()
 
-    # ---- plans finish in any order, some fail; pools are squeezed --------------------------------------
-    @precondition(lambda self: self.port.inflight)
-    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
-    def complete(self, pick, outcome, cut):
-        ops = sorted(self.port.inflight)
-        self.port.finish(ops[pick % len(ops)], outcome, cut)
-        self.core.poll()
-
-    @precondition(lambda self: self.port.store)
-    @rule(pick=st.integers(0, 10**6))
-    def storage_loses_a_key(self, pick):
-        keys = sorted(self.port.store)
-        del self.port.store[keys[pick % len(keys)]]
-
+    # ---- plans finish in any order, some fail (ExecutorSide); pools are squeezed ----------------------
     @rule(n=st.integers(1, 8))
     def evict_device(self, n):
         self.core.evict_device(n)

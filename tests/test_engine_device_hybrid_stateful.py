@@ -14,7 +14,7 @@ import itertools
 import random
 
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, rule, run_state_machine_as_test
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
@@ -24,11 +24,12 @@ from kvtier.core.hybrid_match import window_pages
 from kvtier.core.plans import Done
 from kvtier.executors.chain import ChainedExecutor
 from test_core_hybrid_stateful import PAGE, PREFIXES, BytesExecutor, hybrid_model
+from test_core_stateful import ExecutorSide
 
 STEPS = {"total": 0, "checked_loads": 0, "group_objects_checked": 0, "limited": 0}
 
 
-class EngineHybridMachine(RuleBasedStateMachine):
+class EngineHybridMachine(ExecutorSide):
     window: int | None = 6
     state: bool = True
     state_every = 1
@@ -127,20 +128,7 @@ class EngineHybridMachine(RuleBasedStateMachine):
                     assert got is None, f"group {c.name}: object {i} was written, and boundary {d} does not read it"
         STEPS["checked_loads"] += 1
 
-    # ---- plans finish in any order, some fail; the store forgets; host is squeezed ----------------------
-    @precondition(lambda self: self.port.inflight)
-    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
-    def complete(self, pick, outcome, cut):
-        ops = sorted(self.port.inflight)
-        self.port.finish(ops[pick % len(ops)], outcome, cut)
-        self.core.poll()
-
-    @precondition(lambda self: self.port.store)
-    @rule(pick=st.integers(0, 10**6))
-    def storage_loses_a_key(self, pick):
-        keys = sorted(self.port.store)
-        del self.port.store[keys[pick % len(keys)]]
-
+    # ---- plans finish in any order, some fail, the store forgets (ExecutorSide); host is squeezed --------
     @rule(n=st.integers(1, 3))
     def evict_host(self, n):
         self.core.evict_host(n)
