@@ -28,7 +28,7 @@ from kvtier.core import CacheCore, CutShort, Done, Failed, Reason, RequestState,
 from kvtier.core.hybrid_match import window_pages
 from kvtier.groups import KVGroup, ModelSpec, StateTensor
 from conftest import tiny_specs
-from test_core_stateful import ExecutorSide
+from test_core_stateful import ExecutorSide, leading_stored
 
 PAGE = 4
 PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
@@ -137,12 +137,7 @@ class BytesExecutor:
         pass
 
     def stored_prefix(self, keys):
-        n = 0
-        for k in keys:
-            if k not in self.store:
-                break
-            n += 1
-        return n
+        return leading_stored(self.store, keys)
 
     def forget(self, key: bytes) -> None:
         """The store drops ``key`` on its own."""

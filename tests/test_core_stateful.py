@@ -37,6 +37,16 @@ PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
 STEPS = {"total": 0}
 
 
+def leading_stored(store, keys) -> int:
+    """How many leading ``keys`` a store (any container of keys) holds: a stand-in store's ``stored_prefix``."""
+    n = 0
+    for k in keys:
+        if k not in store:
+            break
+        n += 1
+    return n
+
+
 class ScriptedExecutor:
     """Plans wait here until the machine (or a blocking wait of the core) completes them."""
 
@@ -52,12 +62,7 @@ class ScriptedExecutor:
         self.settled: dict[int, int] = {}
 
     def present(self, keys) -> int:
-        n = 0
-        for k in keys:
-            if k not in self.store:
-                break
-            n += 1
-        return n
+        return leading_stored(self.store, keys)
 
     def submit(self, plan: Transfer) -> None:
         if Tier.STORAGE in (plan.src, plan.dst) and self.rnd.random() < 0.05:

@@ -347,21 +347,21 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         if not self.components:
             return len(nodes), (), []
         groups = groups or {}
-        host = {c.name: c.at[Tier.HOST] for c in self.components}
         none = [None] * len(nodes)
+        in_tree = self._tree_has(nodes, 0)  # (readable on host: an object still being copied there is not)
         has = {}
         for c in self.components:
-            ids, at = groups.get(c.name) or none, host[c.name]
-            if c.is_state:
-                has[c.name] = lambda b, ids=ids, at=at: b <= first or (ids[b - 1] is not None and nodes[b - 1] in at)
+            ids, there = groups.get(c.name) or none, in_tree[c.name]
+            if c.is_state:  # the snapshot at boundary b hangs on page b - 1
+                has[c.name] = lambda b, ids=ids, there=there: b <= first or (ids[b - 1] is not None and there(b))
             else:
-                has[c.name] = lambda i, ids=ids, at=at: i < first or (ids[i] is not None and nodes[i] in at)
+                has[c.name] = lambda i, ids=ids, there=there: i < first or (ids[i] is not None and there(i))
         d = usable_prefix(len(nodes), self.model.groups, self.spec.page_size, has).pages
         if d <= first:
             return d, (), []
         runs, held = [], {}
         for c in self.components:
-            ids, at = groups[c.name], host[c.name]
+            ids, at = groups[c.name], c.at[Tier.HOST]
             places = [i for i in self.needed_places(c, d) if i >= first]
             if places:
                 runs.append(GroupRun(c.name, tuple(i - first for i in places), tuple(at[nodes[i]] for i in places),
@@ -417,6 +417,7 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         hybrid model): per other group, the engine's id of each page's object, or None."""
         keys, path, host, locked, handle = self._start_load(keys, engine_pages, groups)
         tree = self.tree
+        n = host
         if handle is not None:
             self.resolve_prefetch(handle)
             path = tree.walk(keys)
@@ -424,13 +425,8 @@ class EngineDeviceCore(GroupResidency, CoreBase):
             if arrived > host:
                 tree.lock(path[arrived - 1])
                 tree.unlock(locked)
-                locked = path[arrived - 1]
-                host_now = arrived
-            else:
-                host_now = host
-        else:
-            host_now = host
-        return self._engine_load(keys, engine_pages, path[:host_now], host, 0, groups, locked, planned=False)
+                locked, n = path[arrived - 1], arrived
+        return self._engine_load(keys, engine_pages, path[:n], host, 0, groups, locked, planned=False)
 
     def plan_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, first: int = 0,
                   groups: dict[str, Sequence[int | None]] | None = None) -> EngineLoad:

@@ -18,8 +18,9 @@ vLLM's default engine-core process with its workers, any tensor-parallel size:
   the core sees them: a page is loaded or saved only when every rank has it.
 
 Hybrid models (:class:`SupportsHMA`): vLLM keeps its hybrid KV cache manager on,
-and the connector serves its full-attention and sliding-window groups
-(:mod:`.groups`; anything else is refused at start-up with the group and why).
+and the connector serves its full-attention, sliding-window and block-aligned
+state groups (:mod:`.groups`; anything else is refused at start-up with the
+group and why).
 
 Start-up: each worker tells the scheduler, once, what its tensors make
 (``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``, vLLM's

@@ -17,9 +17,9 @@ already tracks):
 
 A hybrid model's events carry vLLM's group fields (``group_idx``,
 ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``): the full group's
-for every block, a sliding-window group's for the blocks whose window page went
-out with it (one event per contiguous run); a block leaving host memory takes
-its window page with it.
+for every block, another group's for the blocks whose object (window page, state
+snapshot) went out with it (one event per contiguous run); a block leaving host
+memory takes its objects with it.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ class _Planned:
     #: per page: (vLLM block hash, parent hash, token ids)
     blocks: list[tuple[object, object, list[int]]]
     on_host: bool = False
-    #: a hybrid model: per sliding-window group, whether each page's window page went out with it
-    windows: dict[str, list[bool]] | None = None
+    #: a hybrid model: per other group, whether each page's object (window page, state snapshot) went out with it
+    objects: dict[str, list[bool]] | None = None
 
 
 class TierEvents:
@@ -52,8 +52,8 @@ class TierEvents:
         #: a hybrid model's groups (:class:`~kvtier.integrations.vllm.groups.VllmGroup`); None: one group, no group fields
         self.groups = groups
         self._full = next((g for g in groups if g.kind == "full"), None) if groups else None
-        #: per window group, the pages whose window page was reported stored on host
-        self._window_on_host: dict[str, set[PageHash]] = {g.name: set() for g in groups or () if g.kind != "full"}
+        #: per other group, the pages whose object was reported stored on host
+        self._objects_on_host: dict[str, set[PageHash]] = {g.name: set() for g in groups or () if g.kind != "full"}
         self._planned: list[_Planned] = []
         #: page key -> vLLM block hash, for the pages whose host copy was reported stored
         self._on_host: dict[PageHash, object] = {}
@@ -63,9 +63,9 @@ class TierEvents:
         self._events: list[KVCacheEvent] = []
 
     def planned(self, request, first: int, keys: list[PageHash], copy_op: int | None, save_op: int | None,
-                windows: dict[str, list[bool]] | None = None) -> None:
-        """Pages ``first:first + len(keys)`` of ``request`` are being copied out (and saved); ``windows``: per
-        window group, whether each of them goes with its window page."""
+                objects: dict[str, list[bool]] | None = None) -> None:
+        """Pages ``first:first + len(keys)`` of ``request`` are being copied out (and saved); ``objects``: per
+        other group, whether each of them goes with its object."""
         hashes = list(getattr(request, "block_hashes", None) or ())
         if len(hashes) < first + len(keys) or copy_op is None:
             return  # vLLM hashes blocks only with its prefix cache on: nothing a router could match
@@ -73,7 +73,7 @@ class TierEvents:
         tokens = request.all_token_ids
         blocks = [(maybe_convert_block_hash(hashes[i]), maybe_convert_block_hash(hashes[i - 1]) if i else None,
                    list(tokens[i * bs : (i + 1) * bs])) for i in range(first, first + len(keys))]
-        self._planned.append(_Planned(copy_op, save_op, list(keys), blocks, windows=windows))
+        self._planned.append(_Planned(copy_op, save_op, list(keys), blocks, objects=objects))
 
     def _stored(self, blocks, medium: str, p: _Planned | None = None) -> None:
         if self.groups is None:
@@ -83,15 +83,15 @@ class TierEvents:
             return
         self._group_stored(self._full, blocks, medium)
         for g in self.groups:
-            if g.kind == "full" or p is None or not p.windows or g.name not in p.windows:
+            if g.kind == "full" or p is None or not p.objects or g.name not in p.objects:
                 continue
-            went = p.windows[g.name]
+            went = p.objects[g.name]
             run: list = []
-            for i, b in enumerate(blocks):  # one event per contiguous run of blocks whose window page went out
+            for i, b in enumerate(blocks):  # one event per contiguous run of blocks whose object went out
                 if went[i]:
                     run.append(b)
                     if medium == MEDIUM_CPU:
-                        self._window_on_host[g.name].add(p.keys[i])
+                        self._objects_on_host[g.name].add(p.keys[i])
                 elif run:
                     self._group_stored(g, run, medium)
                     run = []
@@ -143,11 +143,11 @@ class TierEvents:
                                              group_idx=self._full.index if self._full is not None else None))
 
     def evicted(self, keys: list[PageHash]) -> None:
-        """Host memory evicts these pages (a hybrid model's window pages leave with them)."""
+        """Host memory evicts these pages (a hybrid model's objects leave with them)."""
         if self.groups is not None:
             for g in self.groups:
                 if g.kind != "full":
-                    mine = self._window_on_host[g.name]
+                    mine = self._objects_on_host[g.name]
                     gone = [self._on_host[k] for k in keys if k in mine and k in self._on_host]
                     mine.difference_update(keys)
                     if gone:

@@ -139,7 +139,7 @@ class _RequestState:
     full: int = 0
     #: steps a finished request's remaining blocks have waited to be planned (see request_finished)
     finish_steps: int = 0
-    #: a hybrid model: each sliding-window group's block list (vLLM's null block 0 where it dropped one)
+    #: a hybrid model: each other group's block list (vLLM's null block 0 where it dropped one)
     group_blocks: dict[str, list[int]] = field(default_factory=dict)
     #: a hybrid model's asynchronous load still running into this request's blocks
     async_op: int | None = None
@@ -175,15 +175,15 @@ class ConnectorScheduler:
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self._full_index = next(g.index for g in groups if g.kind == "full") if self.groups else 0
         #: the groups beside full attention (sliding window, state)
-        self._windows = [g for g in self.groups if g.kind != "full"] if self.groups else []
+        self._others = [g for g in self.groups if g.kind != "full"] if self.groups else []
         #: hybrid: asynchronous loads planned since the last metadata (op -> (request, whether it brings all
         #: that was offered)), requests whose load
         #: could not be planned, and block ids vLLM allocated this step (a copy out of them must finish first)
         self._async_loads: dict[int, tuple[str, bool]] = {}
         self._async_failed: list[str] = []
         self._allocated: set[int] = set()
-        #: hybrid: window blocks copies out are reading -> those copies' ops
-        self._window_sources: dict[int, set[int]] = {}
+        #: hybrid: window and state blocks copies out are reading -> those copies' ops
+        self._sources: dict[int, set[int]] = {}
 
     # ---- start-up: what the workers built ------------------------------------------------------
     def handshake(self, metas: dict[int, KVTierHandshake]) -> None:
@@ -204,13 +204,13 @@ class ConnectorScheduler:
         host = PageAllocator(host_pages, "host pages (every rank's shard)")
         fingerprint = first.spec.fingerprint()
         if self.groups:
-            missing = [r for r in ranks if set(metas[r].group_pages) != {g.name for g in self._windows}]
+            missing = [r for r in ranks if set(metas[r].group_pages) != {g.name for g in self._others}]
             if missing:
                 raise ConfigError(f"kvtier connector: rank {missing[0]} registered KV groups {sorted(metas[missing[0]].group_pages)}, the "
-                                  f"scheduler has {[g.name for g in self._windows]}")
+                                  f"scheduler has {[g.name for g in self._others]}")
             model = model_spec(self.model_name, self.groups, {"full": first.spec, **{n: sp for n, (sp, _) in first.group_pages.items()}})
             group_hosts = {g.name: PageAllocator(min(metas[r].group_pages[g.name][1] for r in ranks), f"{g.name} host objects")
-                           for g in self._windows}
+                           for g in self._others}
             self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, model=model, group_hosts=group_hosts)
             fingerprint = model.fingerprint()
         else:
@@ -285,10 +285,10 @@ class ConnectorScheduler:
 
     def _set_blocks(self, state: _RequestState, block_ids) -> None:
         state.block_ids = list(block_ids[self._full_index])
-        state.group_blocks = {g.name: list(block_ids[g.index]) for g in self._windows}
+        state.group_blocks = {g.name: list(block_ids[g.index]) for g in self._others}
 
     def _group_ids(self, state: _RequestState, pages: int) -> dict[str, list[int | None]]:
-        """Each window group's block of the first ``pages`` pages, None where vLLM has none (its null block 0)."""
+        """Each other group's block of the first ``pages`` pages, None where vLLM has none (its null block 0)."""
         out = {}
         for name, ids in state.group_blocks.items():
             ids = ids[:pages]
@@ -331,7 +331,7 @@ class ConnectorScheduler:
                 state.saved = 0
             elif new_blocks:
                 state.block_ids.extend(new_blocks[self._full_index])
-                for g in self._windows:
+                for g in self._others:
                     state.group_blocks[g.name].extend(new_blocks[g.index])
             self._plan(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id, state in list(self._finishing.items()):
@@ -364,7 +364,7 @@ class ConnectorScheduler:
         for new_blocks in scheduler_output.scheduled_cached_reqs.new_block_ids:
             for ids in new_blocks or ():
                 allocated.update(ids)
-        sources = self._window_sources
+        sources = self._sources
         if not sources:
             return []
         for bid in [b for b, ops in sources.items() if not any(self.core.in_flight(op) for op in ops)]:
@@ -403,26 +403,20 @@ class ConnectorScheduler:
             self._extend_keys(state, full)
             groups = self._group_ids(state, full) if self.groups else None
             result = core.offload(state.keys[:full], state.block_ids[:full], wait=False, groups=groups)
-            if result.copy_op is not None:
-                self._copies_running(state).append(result.copy_op)
-                if groups:  # window blocks vLLM may free and hand out again before this copy ends
-                    have = result.already_held
-                    for ids in groups.values():
-                        for b in ids[have : have + result.saved]:
-                            if b is not None:
-                                self._window_sources.setdefault(b, set()).add(result.copy_op)
-            if result.objects_op is not None:  # window blocks beside pages kvtier held without them
-                self._copies_running(state).append(result.objects_op)
-                for ids in groups.values():
-                    for b in ids[: result.already_held]:
+            have, end = result.already_held, result.already_held + result.saved
+            # (the copy of the new pages, and of objects beside pages kvtier held without them: vLLM may free a
+            # window or state block mid-request and hand it out again before the copy out of it ends)
+            for op, first, last in ((result.copy_op, have, end), (result.objects_op, 0, have)):
+                if op is None:
+                    continue
+                self._copies_running(state).append(op)
+                for ids in (groups or {}).values():
+                    for b in ids[first:last]:
                         if b is not None:
-                            self._window_sources.setdefault(b, set()).add(result.objects_op)
+                            self._sources.setdefault(b, set()).add(op)
             if result.saved:
-                have = result.already_held
-                end = have + result.saved
-                windows = {name: [b is not None for b in ids[have:end]] for name, ids in groups.items()} if groups else None
-                self.events.planned(state.request, have, state.keys[have : have + result.saved], result.copy_op, result.l3_save_op,
-                                    windows)
+                objects = {name: [b is not None for b in ids[have:end]] for name, ids in groups.items()} if groups else None
+                self.events.planned(state.request, have, state.keys[have:end], result.copy_op, result.l3_save_op, objects)
             state.saved = result.already_held + result.saved  # pages not planned now are offered again next step
             if state.hit is not None:
                 state.hit.offloaded_pages += result.saved

@@ -28,8 +28,8 @@ Per step, in vLLM's order:
   follow read kvtier's host pages, never vLLM's blocks;
 * ``get_block_ids_with_load_errors`` -> the blocks whose pages did not arrive
   (vLLM recomputes them);
-* a hybrid model (:mod:`.groups`): each sliding-window group's layers are a pool
-  of their own beside the full group's, moved by the same plans (a layer of a
+* a hybrid model (:mod:`.groups`): each sliding-window or state group's layers are
+  a pool of their own beside the full group's, moved by the same plans (a layer of a
   group's objects is copied out once vLLM wrote that layer); its loads are
   asynchronous (``get_transfer_results`` reports each request once its load
   ended here, and as failed unless it brought everything);
@@ -150,7 +150,7 @@ class ConnectorWorker:
                 built[g.name] = (gspec, gdev)
                 self._layer_index.update({n: (None if g.kind == "full" else g.name, i) for n, i in index.items()})
             spec, device = built.pop("full")
-            # one host budget: as many objects of every window group as full pages
+            # one host budget: as many objects of every other group as full pages
             pages = tiers.host_pages_for(spec.page_bytes + sum(gspec.page_bytes for gspec, _ in built.values()))
             host = HostPool(spec, pages, tiers.host_layout)
             pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
@@ -204,10 +204,7 @@ class ConnectorWorker:
             return
         group, layer = where
         for op in self._loads:
-            if group is None:
-                self.executor.wait_layer(op, layer)
-            else:
-                self.executor.wait_layer(op, layer, group)
+            self.executor.wait_layer(op, layer, group)
 
     def save_layer(self, layer_name: str) -> None:
         """vLLM wrote layer ``layer_name`` of this step's blocks: copy that layer of the step's offloads out now."""
@@ -217,10 +214,7 @@ class ConnectorWorker:
         self._released.add(layer_name)
         group, layer = where
         for op in self._offloads:
-            if group is None:
-                self.executor.release_layer(op, layer)
-            else:
-                self.executor.release_layer(op, layer, group)
+            self.executor.release_layer(op, layer, group)
 
     def finish_step(self) -> None:
         ex = self.executor
@@ -311,12 +305,12 @@ class ConnectorWorker:
                                                         + len(run.dst_pages) * self._group_page_bytes[run.group])
                 st.loaded_pages += done
                 st.loaded_bytes += done * self._page_bytes
-                if done < plan.num_pages and waiting is not None:
+                if done < plan.num_pages:
                     st.load_failed_pages += plan.num_pages - done
+                if done < plan.num_pages and waiting is not None:  # (reported per request: finished_recving)
                     log.info("kvtier worker rank %d: a load of %d pages failed (%s); vLLM recomputes request %s", self.tp_rank,
                              plan.num_pages, getattr(c, "reason", "?"), waiting[0])
                 elif done < plan.num_pages:
-                    st.load_failed_pages += plan.num_pages - done
                     self._failed_blocks.update(plan.dst_pages[done:])
                     log.info("kvtier worker rank %d: %d of %d pages not loaded (%s); vLLM recomputes them", self.tp_rank,
                              plan.num_pages - done, plan.num_pages, getattr(c, "reason", "?"))
