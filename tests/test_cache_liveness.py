@@ -35,7 +35,7 @@ def slow_cache(url: str, dev_pages: int, host_pages: int, release: threading.Eve
     tier = cache.storage
     injecting = Injecting(tier.backend, tier.codec.object_bytes)
     injecting.before_get = lambda _i: release.wait(10)
-    tier.backend = injecting
+    tier.backend = tier.mover.backend = injecting  # the tier asks exists, its mover reads
     return cache
 
 

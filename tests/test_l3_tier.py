@@ -90,7 +90,8 @@ def filled_pool(seed: int) -> HostPool:
 
 
 def page_bytes(pool: HostPool, page: int) -> bytes:
-    return b"".join(bytes(t[page].numpy()) for t in pool.buffers.values())
+    """One host page's bytes in page-object payload order, whatever the pool's layout."""
+    return b"".join(bytes(pool.layout.page_layers(t, page).contiguous().numpy()) for t in pool.buffers.values())
 
 
 @pytest.fixture
@@ -113,7 +114,7 @@ def store(tmp_path):
 
 def idle(tier: StorageTier) -> bool:
     """No scattered batch is in flight (each holds a header slab until it returns)."""
-    return tier._free_heads.qsize() == tier._in_flight
+    return tier.mover.slabs_free == tier._in_flight
 
 
 def test_batches_finishing_out_of_order_land_in_order(store):
@@ -225,3 +226,36 @@ def test_io_threads_default_to_the_backends_choice_and_config_overrides(tmp_path
         tier = open_storage_tier(StorageConfig(url=f"file://{tmp_path}", io_threads=io_threads), host, ns)
         assert tier.io_threads == want and tier._io._max_workers == want and tier._in_flight == 2 * want
         tier.close()
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_store_of_whole_objects_round_trips_and_a_corrupt_object_never_reaches_the_page(layout):
+    """memory:// takes whole objects only: the page mover stages each, checks it, and copies the
+    payload out only when it passes, so a corrupt object leaves the host page as it was."""
+    spec = tiny()
+    ns = Namespace("whole", spec.fingerprint())
+    src = HostPool(spec, PAGES, layout)
+    for t in src.buffers.values():
+        t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+    backend = open_backend("memory://")
+    assert not backend.capabilities.scattered
+    tier = StorageTier(backend, src, ns)
+    keys = [PageHash(os.urandom(16)) for _ in range(PAGES)]
+    assert tier.submit("save", keys, list(range(PAGES))).wait(10)
+    name = tier.key(keys[3])
+    obj = bytearray(backend.data[name])
+    obj[-1] ^= 0xFF
+    backend.data[name] = bytes(obj)
+    dst = HostPool(spec, PAGES, "layer_first" if layout == "page_first" else "page_first")
+    reader = StorageTier(backend, dst, ns, owns_backend=False)
+    job = reader.submit("prefetch", keys, list(range(PAGES)))
+    assert job.wait(10) and (job.arrived, job.corrupt) == (3, 1)
+    assert all(page_bytes(dst, p) == page_bytes(src, p) for p in range(3))
+    assert page_bytes(dst, 3) == bytes(len(page_bytes(dst, 3)))  # untouched: still zero
+    assert name not in backend.data and reader.discarded_corrupt == 1  # deleted: the next save writes it again
+    assert tier.submit("save", keys, list(range(PAGES))).wait(10)
+    again = reader.submit("prefetch", keys, list(range(PAGES)))
+    assert again.wait(10) and again.arrived == PAGES
+    assert all(page_bytes(dst, p) == page_bytes(src, p) for p in range(PAGES))
+    reader.close()
+    tier.close()

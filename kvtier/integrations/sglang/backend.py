@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,7 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
@@ -66,9 +64,10 @@ from kvtier.errors import ConfigError, PageAlignmentError
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
-from kvtier.l3.base import KeyStatus, map_storage_errors, redact_url, scatter_into
+from kvtier.l3.base import KeyStatus, redact_url
 from kvtier.l3.breaker import CircuitBreaker, probe_store
-from kvtier.l3.page import HEADER_BYTES, PageCodec
+from kvtier.l3.mover import PageMover, in_order
+from kvtier.l3.page import PageCodec
 from kvtier.l3.registry import open_backend
 
 log = logging.getLogger(__name__)
@@ -150,6 +149,8 @@ class KvtierStorage(HiCacheStorage):
         self.backend = open_backend(self.options.url)
         self.breaker = CircuitBreaker(self.backend.stats, self.options.cooldown_s, self.options.max_cooldown_s,
                                       probe=lambda: probe_store(self.backend, "kvtier-probe/0"))
+        #: reads, checks, writes and repairs page objects (the same mover as kvtier's own L3 tier)
+        self.mover = PageMover(self.backend, self.breaker, on_discard=self._count_corrupt)
         self.writer = storage_config.is_storage_writer
         self.metrics = StorageMetrics()
         #: keys that could not name an object (not UTF-8 strings): misses, never store faults
@@ -162,9 +163,6 @@ class KvtierStorage(HiCacheStorage):
         #: a request's TTFT waits on (SGLang calls each from its own thread; with one I/O thread, there)
         self._io = {kind: ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-hicache-{kind}")
                     for kind in ("read", "write")} if self.io_threads > 1 else None
-        #: header slabs for scattered calls: registered once with stores that need it (Mooncake)
-        self._slab_rows = 0
-        self._slabs: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
         self.mem_pool_host = None
         log.info("kvtier HiCache storage: %s, model %r, shard %s, writer %s", redact_url(self.options.url), self.model,
                  self._shard_rank(PoolName.KV), self.writer)
@@ -202,7 +200,8 @@ class KvtierStorage(HiCacheStorage):
             and getattr(decl, "hit_policy", PoolHitPolicy.ALL_PAGES) == PoolHitPolicy.ALL_PAGES
         self._pools[name] = _Pool(name, pages, PageCodec(pages.fingerprint, pages.payload_bytes, pages.page_size),
                                   str(namespace), kv_derived, writer=self.writer or not mla_shared)
-        self._grow_slabs()
+        # header slabs: each caller thread (SGLang's prefetch and backup threads) has up to io_threads calls in flight
+        self.mover.reserve_slabs(2 * self.io_threads + 2, max(self._step(p) for p in self._pools.values()))
         if self.backend.capabilities.registers_buffers and pages.buffer is not None:
             self.backend.register_buffer(pages.buffer)
         log.info("kvtier HiCache storage: pool %r (%s, %s layout), %d-byte pages, namespace %s", name, type(pool).__name__,
@@ -222,50 +221,32 @@ class KvtierStorage(HiCacheStorage):
 
     # ---- batching ----------------------------------------------------------------------
     def _step(self, pool: _Pool) -> int:
-        if self.options.batch_pages:
-            return self.options.batch_pages
-        per_call = self.backend.capabilities.batch_bytes
-        return max(1, per_call // pool.codec.object_bytes) if per_call else 8
-
-    def _grow_slabs(self) -> None:
-        rows = max(self._step(p) for p in self._pools.values())
-        if rows <= self._slab_rows:
-            return
-        self._slab_rows = rows
-        self._slabs = queue.SimpleQueue()
-        # each caller thread (SGLang's prefetch and backup threads) has at most io_threads chunks in flight
-        for _ in range(2 * self.io_threads + 2):
-            slab = np.zeros((rows, HEADER_BYTES), dtype=np.uint8)
-            if self.backend.capabilities.registers_buffers:
-                self.backend.register_buffer(memoryview(slab).cast("B"))
-            self._slabs.put(slab)
-
-    @contextmanager
-    def _heads(self):
-        slab = self._slabs.get()
-        try:
-            yield slab
-        finally:
-            self._slabs.put(slab)
+        return self.options.batch_pages or self.mover.batch_pages(pool.codec, 8)
 
     def _chunked(self, pool: _Pool, n: int, start: int, work: Callable[[int, int], list[bool]], kind: str) -> list[bool]:
         """``work(a, b)`` over chunks of ``[start, n)``, up to ``io_threads`` at once on the ``kind``
-        ("read" or "write") pool; per-page results in order."""
+        ("read" or "write") pool; per-page results in order. A chunk that fails a page ends the run
+        (a chained prefix is useless past it): no chunk is started after it, and it and the pages
+        after it are False."""
         step = self._step(pool)
-        chunks = [(a, min(a + step, n)) for a in range(start, n, step)]
-        if self._io is None or len(chunks) == 1:
-            results = []
-            for a, b in chunks:
-                r = work(a, b)
-                results.append(r)
-                if len(r) < b - a or not all(r):
-                    break  # a failed page ends the chained prefix; later chunks are not attempted
-        else:
-            io = self._io[kind]
-            results = [f.result() for f in [io.submit(work, a, b) for a, b in chunks]]
         out: list[bool] = []
-        for (a, b), r in zip(chunks, results):
-            out += r + [False] * (b - a - len(r))
+
+        def chunk(a: int) -> tuple[int, list[bool]]:
+            b = min(a + step, n)
+            return b - a, work(a, b)
+
+        def apply(result: tuple[int, list[bool]]) -> bool:
+            size, r = result
+            out.extend(r)
+            return len(r) == size and all(r)
+
+        starts = range(start, n, step)
+        if self._io is None:
+            for a in starts:
+                if not apply(chunk(a)):
+                    break
+        else:
+            in_order(self._io[kind], starts, chunk, apply, in_flight=self.io_threads)
         return out + [False] * (n - start - len(out))
 
     # ---- reads -------------------------------------------------------------------------
@@ -299,52 +280,23 @@ class KvtierStorage(HiCacheStorage):
         if not self.breaker.available:
             return out
         views = [pool.pages.views(p) for p in pages]
-        with self._heads() as heads, self._guard("read", out):
-            out += self._get_objects(pool, keys, views, heads, leading=True)
+        with self._guard("read", out):
+            out += self._get_objects(pool, keys, views, leading=True)
         if not pool.pages.aliases:  # its pages were read into copies: into the pool with them
             for p, v, ok in zip(pages, views, out):
                 if ok:
                     pool.pages.write_back(p, v)
         return out
 
-    def _get_objects(self, pool: _Pool, keys: Sequence[str], payloads: list[list[memoryview]], heads: np.ndarray, *,
-                     leading: bool) -> list[bool]:
-        """Read each key's object: its header into ``heads[j]``, its payload into ``payloads[j]`` (straight in
-        with scattered reads, else through a staged object checked before it is copied out). True per page
-        that arrived and passed its check; ``leading``: stop at the first that did not."""
-        names = pool.names(keys)
-        parts = [[memoryview(heads[j]), *payload] for j, payload in enumerate(payloads)]
-        scattered = self.backend.capabilities.scattered
-        if scattered:
-            statuses = self.breaker.call(self.backend.get_scattered, names, parts)
-        else:
-            objs = [bytearray(pool.codec.object_bytes) for _ in keys]
-            statuses = self.breaker.call(self.backend.get, names, [memoryview(o) for o in objs])
-        out: list[bool] = []
-        for j, st in enumerate(statuses):
-            good = st is KeyStatus.OK
-            if good:
-                if scattered:
-                    verdict = pool.codec.check_parts(parts[j][0], parts[j][1:], pool.key16(keys[j]))
-                else:
-                    verdict = pool.codec.check(memoryview(objs[j]), pool.key16(keys[j]))
-                    if verdict == "ok":
-                        scatter_into(memoryview(objs[j]), parts[j])
-                if verdict != "ok":
-                    self._discard(names[j], verdict)
-                    good = False
-            if not good and leading:
-                break
-            out.append(good)
-        return out
+    def _get_objects(self, pool: _Pool, keys: Sequence[str], payloads: list[list[memoryview]], *, leading: bool) -> list[bool]:
+        """Read each key's object into ``payloads[j]``: True per page that arrived and passed its check;
+        ``leading``: stop at the first that did not."""
+        verdicts = self.mover.read(pool.codec, pool.names(keys), [pool.key16(k) for k in keys], payloads, leading=leading)
+        return [st is KeyStatus.OK for st, _why in verdicts]
 
-    def _discard(self, name: str, verdict: str) -> None:
-        """An object that failed its check: a miss, deleted so the next save writes it again."""
-        log.warning("kvtier HiCache storage: %s rejected (%s); treated as a miss and deleted", name, verdict)
+    def _count_corrupt(self, _name: str, _verdict: str) -> None:
         with self._metrics_lock:
             self.metrics.corrupt += 1
-        with map_storage_errors(self.backend.stats, "delete corrupt", lambda _e: None):
-            self.backend.delete([name])
 
     # ---- writes ------------------------------------------------------------------------
     def _write(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
@@ -367,22 +319,13 @@ class KvtierStorage(HiCacheStorage):
         out: list[bool] = []
         if not self.breaker.available:
             return out
-        with self._heads() as heads, self._guard("write", out):
-            out += self._put_objects(pool, keys, [pool.pages.views(p) for p in pages], heads)
+        with self._guard("write", out):
+            out += self._put_objects(pool, keys, [pool.pages.views(p) for p in pages])
         return out
 
-    def _put_objects(self, pool: _Pool, keys: Sequence[str], payloads: list[list[memoryview]], heads: np.ndarray) -> list[bool]:
-        """Store each key's object: a header hashed over its payload (into ``heads[j]``), then the payload as
-        it is (scattered writes) or joined into one value. True per page stored."""
-        parts = []
-        for j, (k, payload) in enumerate(zip(keys, payloads)):
-            heads[j] = np.frombuffer(pool.codec.header_for_parts(pool.key16(k), payload), dtype=np.uint8)
-            parts.append([memoryview(heads[j]), *payload])
-        names = pool.names(keys)
-        if self.backend.capabilities.scattered:
-            statuses = self.breaker.call(self.backend.set_scattered, names, parts)
-        else:
-            statuses = self.breaker.call(self.backend.set, names, [memoryview(b"".join(ps)) for ps in parts])
+    def _put_objects(self, pool: _Pool, keys: Sequence[str], payloads: list[list[memoryview]]) -> list[bool]:
+        """Store each key's object (a header hashed over its payload, then the payload): True per page stored."""
+        statuses = self.mover.write(pool.codec, pool.names(keys), [pool.key16(k) for k in keys], payloads)
         return [st is KeyStatus.OK for st in statuses]
 
     # ---- lookups -----------------------------------------------------------------------
@@ -523,10 +466,9 @@ class KvtierStorage(HiCacheStorage):
         if not keys or not self.breaker.available:
             self._count_read(pool, 0, len(out), 0.0)
             return out
-        heads = np.zeros((len(keys), HEADER_BYTES), dtype=np.uint8)
         ok: list[bool] = []
         with self._guard("get", ok):
-            ok += self._get_objects(pool, keys, [[v] for v in views[: len(keys)]], heads, leading=False)
+            ok += self._get_objects(pool, keys, [[v] for v in views[: len(keys)]], leading=False)
         for j, good in enumerate(ok):
             out[j] = targets[j] if good else None
         self._count_read(pool, sum(ok), len(out), time.perf_counter() - t0)
@@ -554,8 +496,7 @@ class KvtierStorage(HiCacheStorage):
         todo = keys[have:]
         ok: list[bool] = []
         with self._guard("set", ok):
-            heads = np.zeros((len(todo), HEADER_BYTES), dtype=np.uint8)
-            ok += self._put_objects(pool, todo, [[v] for v in views[have:]], heads)
+            ok += self._put_objects(pool, todo, [[v] for v in views[have:]])
         self._count_write(pool, have, sum(ok), time.perf_counter() - t0)
         return len(ok) == len(todo) and all(ok)
 
