@@ -113,9 +113,10 @@ def test_bench_cache_replays_through_vllm_in_the_same_run():
     assert report["vs_vllm"] == round(report["pages_per_s"] / theirs["pages_per_s"], 2)
 
 
-def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_path):
-    """SGLang's own RadixCache, imported from its wheel (run.sh test downloads it into .kvtier/wheels),
-    serves the same trace with the same hits; kvtier's ratio against it is computed in the same run."""
+def test_bench_cache_replays_through_sglangs_trees_in_the_same_run(tmp_path):
+    """SGLang's own trees, imported from its wheel (run.sh test downloads it into .kvtier/wheels): its default
+    UnifiedRadixCache built by its own factory with the Rust tree core, the same with the Python core, and the
+    legacy RadixCache each serve the same trace with the same hits; kvtier's ratios are from the same run."""
     n = 400
     r = subprocess.run(
         [sys.executable, "-m", "kvtier.app.cli", "bench", "cache", "--json", "--no-vllm", "--sglang", "--limit", str(n)],
@@ -131,13 +132,23 @@ def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_pat
     assert theirs["version"] == "0.5.23" and theirs["hit_ratio"] == report["hit_ratio"] == expected
     assert theirs["pages_per_s"] > 0 and theirs["tree_seconds"] > 0 and theirs["hash_seconds"] == 0
     assert report["vs_sglang"] == round(report["pages_per_s"] / theirs["pages_per_s"], 2)
-    # the tree code that ran is SGLang's, unpacked from the wheel (not a stand-in)
+    assert (theirs["tree"], theirs["tree_core"]) == ("unified-rust", "RustUnifiedTreeCore")  # SGLang's default, no fallback
+    trees = report["sglang_trees"]
+    assert {t: v["tree_core"] for t, v in trees.items()} == {
+        "unified-rust": "RustUnifiedTreeCore", "unified-python": "UnifiedTreeCore", "radix": "RadixCache"}
+    for t in trees.values():
+        assert t["hit_ratio"] == expected and t["pages_per_s"] > 0 and len(t["vs_per_round"]) == report["reps"]
+        assert t["vs"] == round(report["pages_per_s"] / t["pages_per_s"], 2)
+    assert trees["unified-rust"]["pages_per_s"] == theirs["pages_per_s"]
+    # the tree code that ran is SGLang's, unpacked from the wheel (not a stand-in): the legacy tree's module and
+    # the Rust core's compiled extension
     probe = subprocess.run(
         [
             sys.executable,
             "-c",
             "from pathlib import Path; from kvtier.app.bench.sglang_replay import find_sglang_wheel, load_radix_cache; "
-            "m, _ = load_radix_cache(find_sglang_wheel()); print(m.__file__, type(m.RadixCache.match_prefix).__name__)",
+            "m, _ = load_radix_cache(find_sglang_wheel()); print(m.__file__, type(m.RadixCache.match_prefix).__name__); "
+            "import sglang.srt.mem_cache.rust_tree_core.mem_cache as rust; print(rust.__file__)",
         ],
         capture_output=True,
         text=True,
@@ -145,8 +156,9 @@ def test_bench_cache_replays_through_sglangs_radix_cache_in_the_same_run(tmp_pat
         env={**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)},
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
-    path, kind = probe.stdout.split()
+    path, kind, rust = probe.stdout.split()
     assert path.startswith(str(tmp_path)) and path.endswith("sglang/srt/mem_cache/radix_cache.py") and kind == "function"
+    assert rust.startswith(str(tmp_path)) and rust.endswith(".so")
 
 
 def test_bench_cache_without_the_sglang_wheel_says_how_to_get_it(tmp_path):

@@ -5,16 +5,19 @@ SGLang pins a CUDA build of torch, so it is never installed: its wheel
 ``.kvtier/wheels``) is opened, the sources kvtier's tests and benchmarks use
 (``sglang/srt``'s top-level modules, ``mem_cache`` -- the radix cache, the
 HiCache storage interface and backend factory, the host pools -- ``utils``,
-``managers`` and the few packages they import at module level) are unpacked
-into the kvtier cache directory once, and imported from there. Packages they
-import at module level but never call on these paths -- GPU kernels, model
-configs, the scheduler, observability, disaggregation, server args, and the
-``orjson`` client -- are replaced by light stand-ins (:class:`_StandIn`):
+``managers``, the session and Rust-extension helpers the unified radix cache
+imports, the Rust tree core's compiled extension, and the few packages they
+import at module level) are unpacked into the kvtier cache directory once, and
+imported from there. Packages they import at module level but never call on
+these paths -- GPU kernels, model configs, the scheduler, observability,
+disaggregation, server args, speculative decoding, other hardware backends,
+and the ``orjson`` client -- are replaced by light stand-ins (:class:`_StandIn`):
 attribute access gives an inert placeholder. (``torchvision`` is not stood in:
 SGLang imports it only inside functions these paths never call, and a fake one
 would make transformers, imported by vLLM in the same test process, think it
 is installed.)
-Everything that runs -- the radix tree, ``HiCacheStorage``,
+Everything that runs -- the radix trees (``RadixCache``, ``UnifiedRadixCache``
+with its Rust and Python tree cores), ``HiCacheStorage``,
 ``StorageBackendFactory``, ``HiCacheFile``, the MHA/MLA/DSA host pools -- is
 SGLang's own.
 """
@@ -38,17 +41,20 @@ SGLANG_VERSION = "0.5.23"
 _STAND_IN_PACKAGES = (
     "sglang.srt.configs", "sglang.srt.layers", "sglang.kernels", "sglang.jit_kernel", "sglang.srt.disaggregation",
     "sglang.srt.managers", "sglang.srt.model_executor", "sglang.srt.distributed", "sglang.srt.observability",
-    "sglang.srt.server_args", "orjson",
+    "sglang.srt.server_args", "sglang.srt.speculative", "sglang.srt.hardware_backend", "orjson",
 )
 #: what is unpacked from the wheel: sglang/srt's top-level modules and these packages and files
 _UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/",
-             "sglang/srt/managers/cache_controller.py", "sglang/srt/observability/")
+             "sglang/srt/managers/cache_controller.py", "sglang/srt/observability/", "sglang/srt/session/",
+             "sglang/srt/rust_extensions/")
+#: compiled extensions unpacked too: the unified radix cache's Rust tree core
+_EXTENSIONS = ("sglang/srt/mem_cache/rust_tree_core/",)
 #: real modules inside a stand-in package: the HiCache controller, whose storage calls the tests replay, and
 #: the storage-metrics collector SGLang feeds a storage backend's get_stats() to
 _REAL_MODULES = ("sglang.srt.managers.cache_controller", "sglang.srt.observability.metrics_collector", "sglang.srt.observability.utils",
                  "sglang.srt.observability.scheduler_stage_metrics")
 #: bumped when _UNPACKED grows, so an older unpacked tree is not reused
-_UNPACK_VERSION = 3
+_UNPACK_VERSION = 4
 
 
 class _StandIn(types.ModuleType):
@@ -110,7 +116,8 @@ def _unpack(wheel: Path) -> Path:
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
             top_level_srt = name.startswith("sglang/srt/") and name.count("/") == 2 and name.endswith(".py")
-            if top_level_srt or (name.endswith(".py") and name.startswith(_UNPACKED)):  # str.startswith takes the tuple
+            extension = name.endswith(".so") and name.startswith(_EXTENSIONS)
+            if top_level_srt or extension or (name.endswith(".py") and name.startswith(_UNPACKED)):  # startswith takes a tuple
                 z.extract(name, tmp)
     try:
         os.rename(tmp, out)

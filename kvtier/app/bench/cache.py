@@ -17,8 +17,12 @@ through vLLM's ``KVCacheManager`` in the same process (``vllm``), and
 ``vs_vllm`` is kvtier's ``pages_per_s`` over vLLM's, on the same scope. When
 SGLang's wheel is at hand (``--sglang-wheel``, ``$KVTIER_SGLANG_WHEEL`` or
 ``.kvtier/wheels/``, where ``./run.sh test`` puts it) the replay also runs
-through SGLang's ``RadixCache`` (``sglang``, see :mod:`kvtier.app.bench.sglang_replay`)
-and ``vs_sglang`` is the same ratio against it.
+through SGLang's trees (see :mod:`kvtier.app.bench.sglang_replay`): its default,
+``UnifiedRadixCache`` with the Rust tree core (``sglang``, and ``vs_sglang`` the
+same ratio against it), the same cache with the Python tree core, and the legacy
+``RadixCache``; ``sglang_trees`` has each one's figures, the tree core that ran,
+and kvtier's ratio against it per round. Every round runs with one torch
+intra-op thread (see that module).
 
 ``--model`` names a hybrid preset (:data:`kvtier.groups.HYBRID_PRESETS`): the
 same trace is replayed, in the same rounds, through the core with that model's
@@ -83,6 +87,8 @@ class CacheBenchResult:
     reps: int = 1
     vs_vllm_per_round: list[float] | None = None
     vs_sglang_per_round: list[float] | None = None
+    #: every SGLang tree replayed: {tree: pages_per_s, tree_core, hit_ratio, vs (best rounds), vs_per_round}
+    sglang_trees: dict | None = None
     #: ``--model``: the hybrid replay (see the module docstring)
     hybrid: dict | None = None
 
@@ -224,7 +230,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
                     reps: int = 3, model: str | None = None) -> CacheBenchResult:
     """``vllm`` / ``sglang``: None runs that comparison when it is available (vLLM importable; SGLang's
     wheel found), True insists on it, False skips it. ``reps``: rounds (see the module docstring)."""
-    from kvtier.app.bench.sglang_replay import SGLANG_VERSION, find_sglang_wheel, replay_sglang
+    from kvtier.app.bench.sglang_replay import SGLANG_TREES, SGLANG_VERSION, find_sglang_wheel, one_torch_thread, replay_sglang
     from kvtier.app.bench.vllm_replay import replay_vllm, vllm_available
 
     if reps < 1:
@@ -242,36 +248,38 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     requests = load_mooncake_trace(trace_path, limit)
     spec = KVSpec.preset("deepseek-v3.2")
     ours: list[tuple[float, float, float]] = []  # per round: (hash s, tree s, wall s)
-    vllm_rounds, sglang_rounds, hybrid_rounds = [], [], []
+    vllm_rounds, hybrid_rounds = [], []
+    sglang_rounds: dict[str, list] = {tree: [] for tree in SGLANG_TREES} if wheel is not None else {}
     counts = None
-    for i in range(reps):
-        cache = _bookkeeping_cache(requests, spec)
-        gc.collect()  # startup is over (pools and preallocated nodes built): measure steady state
-        t0 = time.perf_counter()
-        pages, hit_pages, hit_tokens, t_hash, t_tree = replay(cache, requests, spec.page_size)
-        ours.append((t_hash, t_tree, time.perf_counter() - t0))
-        this_round = (pages, hit_pages, hit_tokens, len(cache.tree))
-        if counts is not None and this_round != counts:
-            raise RuntimeError(
-                f"round {i + 1} of the replay served {hit_pages} pages, the first {counts[1]}: the cache is not deterministic"
-            )
-        counts = this_round
-        if i == 0:  # one 16k-token request's bookkeeping, measured on a warm tree (its prefix cached)
-            from kvtier.app.workloads.mooncake import TraceRequest
+    with one_torch_thread():  # every system's replay with one intra-op thread (see sglang_replay)
+        for i in range(reps):
+            cache = _bookkeeping_cache(requests, spec)
+            gc.collect()  # startup is over (pools and preallocated nodes built): measure steady state
+            t0 = time.perf_counter()
+            pages, hit_pages, hit_tokens, t_hash, t_tree = replay(cache, requests, spec.page_size)
+            ours.append((t_hash, t_tree, time.perf_counter() - t0))
+            this_round = (pages, hit_pages, hit_tokens, len(cache.tree))
+            if counts is not None and this_round != counts:
+                raise RuntimeError(
+                    f"round {i + 1} of the replay served {hit_pages} pages, the first {counts[1]}: the cache is not deterministic"
+                )
+            counts = this_round
+            if i == 0:  # one 16k-token request's bookkeeping, measured on a warm tree (its prefix cached)
+                from kvtier.app.workloads.mooncake import TraceRequest
 
-            r16 = TraceRequest(0, 16384, 1, tuple(range(10**9, 10**9 + 32)))
-            replay(cache, [r16], spec.page_size)
-            t_book = median_seconds(lambda _, cache=cache, r16=r16: replay(cache, [r16], spec.page_size), 5)
-        cache.close()
-        if vllm:
-            vllm_rounds.append(replay_vllm(requests, spec.page_size))
-        if wheel is not None:
-            sglang_rounds.append(replay_sglang(requests, spec.page_size, wheel))
-        if model is not None:
-            hybrid = _hybrid_cache(requests, model)
-            gc.collect()
-            hybrid_rounds.append(replay_hybrid(hybrid, requests, hybrid.spec.page_size))
-            hybrid.close()
+                r16 = TraceRequest(0, 16384, 1, tuple(range(10**9, 10**9 + 32)))
+                replay(cache, [r16], spec.page_size)
+                t_book = median_seconds(lambda _, cache=cache, r16=r16: replay(cache, [r16], spec.page_size), 5)
+            cache.close()
+            if vllm:
+                vllm_rounds.append(replay_vllm(requests, spec.page_size))
+            for tree, rounds in sglang_rounds.items():
+                rounds.append(replay_sglang(requests, spec.page_size, wheel, tree))
+            if model is not None:
+                hybrid = _hybrid_cache(requests, model)
+                gc.collect()
+                hybrid_rounds.append(replay_hybrid(hybrid, requests, hybrid.spec.page_size))
+                hybrid.close()
     assert counts is not None
     pages, hit_pages, hit_tokens, distinct = counts
     t_hash, t_tree, elapsed = min(ours, key=lambda r: r[0] + r[1])
@@ -279,7 +287,9 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     rate = pages / (t_hash + t_tree)
     per_round = [pages / (h + t) for h, t, _ in ours]
     theirs = max(vllm_rounds, key=lambda r: r.pages_per_s) if vllm_rounds else None
-    sgl = max(sglang_rounds, key=lambda r: r.pages_per_s) if sglang_rounds else None
+    default_rounds = sglang_rounds.get(SGLANG_TREES[0], [])
+    sgl = max(default_rounds, key=lambda r: r.pages_per_s) if default_rounds else None
+    sglang_trees = {tree: _peer_report(rounds, rate, per_round) for tree, rounds in sglang_rounds.items()} or None
     hybrid_report = None
     if hybrid_rounds:
         h_pages, h_hits, h_hash, h_tree = min(hybrid_rounds, key=lambda r: r[2] + r[3])
@@ -312,9 +322,17 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         vs_sglang=round(rate / sgl.pages_per_s, 2) if sgl else None,
         reps=reps,
         vs_vllm_per_round=[round(o / v.pages_per_s, 2) for o, v in zip(per_round, vllm_rounds)] if vllm_rounds else None,
-        vs_sglang_per_round=[round(o / g.pages_per_s, 2) for o, g in zip(per_round, sglang_rounds)] if sglang_rounds else None,
+        vs_sglang_per_round=[round(o / g.pages_per_s, 2) for o, g in zip(per_round, default_rounds)] if default_rounds else None,
+        sglang_trees=sglang_trees,
         hybrid=hybrid_report,
     )
+
+
+def _peer_report(rounds, rate: float, per_round: list[float]) -> dict:
+    """One peer tree's best round and kvtier's ratio against it, overall (best rounds) and per round."""
+    best = max(rounds, key=lambda r: r.pages_per_s)
+    return {"pages_per_s": best.pages_per_s, "tree_core": best.tree_core, "hit_ratio": best.hit_ratio,
+            "vs": round(rate / best.pages_per_s, 2), "vs_per_round": [round(o / r.pages_per_s, 2) for o, r in zip(per_round, rounds)]}
 
 
 def as_json(result: CacheBenchResult) -> dict:

@@ -15,3 +15,6 @@ class PeerReplayResult:
     tree_pages_per_s: float
     #: modules replaced by inert stand-ins to import the peer's code without its dependencies
     stand_ins: tuple[str, ...] = ()
+    #: which of the peer's trees ran (SGLang: unified-rust, unified-python, radix) and the class that did the tree work
+    tree: str = ""
+    tree_core: str = ""
