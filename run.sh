@@ -28,16 +28,20 @@ install() {
 }
 
 system_packages() {
-    # Real servers for the L3 tests (Redis; libibverbs for Mooncake's transfer engine), and what
-    # builds kvtier's one C extension (a compiler and xxhash.h: the page-key chain, see setup.py).
+    # Real servers for the L3 tests (Redis; libibverbs for Mooncake's transfer engine), what builds
+    # kvtier's one C extension (a compiler and xxhash.h: the page-key chain, see setup.py), and what
+    # SGLang's cache stack compiles on first use in the SGLang stack tests (its HiCache storage-key
+    # hash: g++, ninja, OpenSSL's headers).
     if ! command -v redis-server >/dev/null || ! ldconfig -p | grep -q libibverbs.so.1 ||
-        ! command -v cc >/dev/null || [ ! -f /usr/include/xxhash.h ]; then
+        ! command -v cc >/dev/null || [ ! -f /usr/include/xxhash.h ] || ! command -v g++ >/dev/null ||
+        ! command -v ninja >/dev/null || [ ! -f /usr/include/openssl/sha.h ]; then
         if command -v apt-get >/dev/null; then
             export DEBIAN_FRONTEND=noninteractive
             apt-get update -qq
-            apt-get install -y -qq redis-server redis-tools libibverbs1 gcc libxxhash-dev >/dev/null
+            apt-get install -y -qq redis-server redis-tools libibverbs1 gcc g++ ninja-build libssl-dev libxxhash-dev >/dev/null
         else
-            echo "run.sh: redis-server, libibverbs1, a C compiler and xxhash.h are needed for the test suite; install them" >&2
+            echo "run.sh: redis-server, libibverbs1, a C and C++ compiler, ninja, xxhash.h and OpenSSL's headers are needed" \
+                "for the test suite; install them" >&2
             exit 1
         fi
     fi

@@ -46,13 +46,15 @@ _STAND_IN_PACKAGES = (
 #: what is unpacked from the wheel: sglang/srt's top-level modules and these packages and files
 _UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/",
              "sglang/srt/managers/cache_controller.py", "sglang/srt/observability/", "sglang/srt/session/",
-             "sglang/srt/rust_extensions/")
-#: compiled extensions unpacked too: the unified radix cache's Rust tree core
-_EXTENSIONS = ("sglang/srt/mem_cache/rust_tree_core/",)
+             "sglang/srt/rust_extensions/", "sglang/srt/layers/dcp/layout.py")
+#: native code unpacked too: the unified radix cache's Rust tree core (built), and the C++ source of the
+#: HiCache storage-key hash that SGLang compiles on first use (torch's cpp_extension: g++, ninja, OpenSSL)
+_NATIVE = ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-linux-gnu.so",
+           "sglang/srt/mem_cache/cpp_utils/hash_binding.cpp")
 #: real modules inside a stand-in package: the HiCache controller, whose storage calls the tests replay, and
 #: the storage-metrics collector SGLang feeds a storage backend's get_stats() to
 _REAL_MODULES = ("sglang.srt.managers.cache_controller", "sglang.srt.observability.metrics_collector", "sglang.srt.observability.utils",
-                 "sglang.srt.observability.scheduler_stage_metrics")
+                 "sglang.srt.observability.scheduler_stage_metrics", "sglang.srt.layers.dcp.layout")
 #: bumped when _UNPACKED grows, so an older unpacked tree is not reused
 _UNPACK_VERSION = 4
 
@@ -65,10 +67,26 @@ class _StandIn(types.ModuleType):
             raise AttributeError(name)
         if f"{self.__name__}.{name}" in _REAL_MODULES:
             return importlib.import_module(f"{self.__name__}.{name}")
-        placeholder = type(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None,
-                                      "__getattr__": lambda self, n: None})
+        placeholder = _placeholder(name)
         setattr(self, name, placeholder)
         return placeholder
+
+
+class _Inert(type):
+    """The type of a placeholder: its class attributes are placeholders too (``KVLayout.V4`` in a class body)."""
+
+    def __getattr__(cls, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        inner = _placeholder(name)
+        setattr(cls, name, inner)
+        return inner
+
+
+def _placeholder(name: str) -> type:
+    """An inert class: calling it, or an instance, does nothing; its instances' attributes are None."""
+    return _Inert(name, (), {"__init__": lambda self, *a, **k: None, "__call__": lambda self, *a, **k: None,
+                             "__getattr__": lambda self, n: None})
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -116,8 +134,7 @@ def _unpack(wheel: Path) -> Path:
     with zipfile.ZipFile(wheel) as z:
         for name in z.namelist():
             top_level_srt = name.startswith("sglang/srt/") and name.count("/") == 2 and name.endswith(".py")
-            extension = name.endswith(".so") and name.startswith(_EXTENSIONS)
-            if top_level_srt or extension or (name.endswith(".py") and name.startswith(_UNPACKED)):  # startswith takes a tuple
+            if top_level_srt or name in _NATIVE or (name.endswith(".py") and name.startswith(_UNPACKED)):  # startswith takes a tuple
                 z.extract(name, tmp)
     try:
         os.rename(tmp, out)

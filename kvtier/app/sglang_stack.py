@@ -1,0 +1,308 @@
+"""SGLang's default cache stack on CPU with kvtier as its storage backend: what an SGLang server runs.
+
+Built the way SGLang's scheduler builds it (SGLang 0.5.23's own code, imported from its wheel by
+:mod:`kvtier.app.sglang_wheel`): its device KV pool (``MHATokenToKVPool`` or ``MLATokenToKVPool``),
+its paged token allocator and ``ReqToTokenPool``, then ``default_radix_cache_factory`` with the
+hierarchical cache on. That builds SGLang's default prefix cache, ``UnifiedRadixCache`` with its
+Rust tree core, its host pool, and its ``HybridCacheController`` with the controller's own threads,
+and attaches kvtier through ``attach_storage_backend`` on the ``dynamic`` path. Requests are then
+served through the cache's own calls, as the scheduler makes them: ``match_prefix``, ``insert``
+(write-through to host, then the backup thread stores the pages), ``check_hicache_events`` (where
+SGLang logs ``get_stats()`` into its own ``StorageMetricsCollector`` with metrics on),
+``prefetch_from_storage`` / ``check_prefetch_progress`` and ``init_load_back``.
+
+Replaced, each because this machine has no GPU and no server around the cache:
+
+* **the server's published configuration**: the fields the stack reads (``memory``: the
+  ``--hicache-*`` options; ``observability``, ``serving``, ``parallel``) are published into
+  SGLang's own runtime context at SGLang's defaults, with ``--hicache-storage-backend dynamic``
+  and kvtier's extra config;
+* **the process groups**: one gloo group over the ranks on 127.0.0.1, stated to SGLang's parallel
+  context, and ``parallel_state.create_custom_parallel_group`` (SGLang's distributed state is a
+  server's) as ``new_group`` over the ranks asked for: the controller's all-reduces run over them;
+* **page-locking the host pool** (``cudaHostRegister``): nothing -- there is no CUDA;
+* **the device <-> host copy** ``sgl_kernel.kvcacheio.transfer_kv_direct``, which SGLang binds
+  only on CUDA, ROCm and XPU: the same slot copy in torch (:func:`transfer_kv_direct`).
+
+Nothing on the storage path is replaced: SGLang's controller threads call kvtier's
+``KvtierStorage`` as on a GPU server. Each stack lives in its own process (SGLang registers
+Prometheus metrics and a process group once per process): ``python -m kvtier.app.sglang_stack``
+runs one scenario and prints what it saw as JSON, for the tests.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+from array import array
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import xxhash
+
+from kvtier.app.sglang_wheel import import_sglang
+from kvtier.integrations.sglang import extra_config
+
+
+def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size: int) -> None:
+    """``sgl_kernel.kvcacheio.transfer_kv_direct`` in torch: each layer's token slots from ``src`` to ``dst``."""
+    for src, dst in zip(src_layers, dst_layers):
+        dst[dst_indices.to(dst.device)] = src[src_indices.to(src.device)]
+
+
+def create_custom_parallel_group(group_ranks, backend: str = "gloo"):
+    """SGLang's ``parallel_state.create_custom_parallel_group`` where every rank asks for the same group (the
+    controller's storage sync groups over one TP group): ``new_group`` over those ranks, on every rank."""
+    import torch.distributed as dist
+
+    return dist.new_group(ranks=sorted(set(group_ranks)), backend=backend)
+
+
+def _memory_config(storage_url: str, write_policy: str, **options) -> dict:
+    extra = {**extra_config(storage_url, **options), "prefetch_threshold": 1}
+    return dict(enable_lmcache=False, enable_unified_cache_external_linker=False, enable_flexkv=False, radix_cache_backend=None,
+                hicache_host_memory_mode="cache", hicache_storage_backend="dynamic",
+                hicache_storage_backend_extra_config=json.dumps(extra), hicache_ratio=2.0, hicache_size=0,
+                hicache_mem_layout="layer_first", hicache_write_policy=write_policy, hicache_io_backend="direct",
+                hicache_storage_prefetch_policy="wait_complete")
+
+
+def _publish(memory: dict, rank: int, world: int, group) -> None:
+    """What a server publishes before it builds its cache: SGLang's own config bags and parallel context."""
+    from sglang.srt import runtime_context as rc
+
+    fields = {"memory": memory, "disagg": {"disaggregation_decode_retraction_backup": None},
+              "observability": {"extra_metric_labels": None, "stat_loggers": None}, "serving": {"served_model_name": None},
+              "model": {}, "parallel": {"pp_size": 1, "tp_size": world, "dp_size": 1, "attn_cp_size": 1, "dcp_size": 1, "nnodes": 1}}
+    bags = dict(rc._CONTEXT._config_bags or {})
+    for namespace, values in fields.items():
+        bag = rc._ConfigBag(namespace)
+        for name, value in values.items():
+            bag._set(name, value)
+        bags[namespace] = bag
+    rc._CONTEXT._config_bags = bags
+    rc._CONTEXT.parallel._config = bags["parallel"]
+    rc.get_parallel().override_permanently(
+        attn_tp_rank=rank, attn_dp_rank=0, attn_tp_size=world, tp_rank=rank, pp_rank=0, attn_cp_rank=0, dcp_enabled=False,
+        dcp_rank=0, attn_dcp_rank=0, attn_dcp_size=1, attn_dp_enabled=False, num_dp_ranks=1, dp_rank=0, moe_ep_size=1,
+        moe_tp_size=world, moe_ep_rank=0, moe_dp_rank=0, moe_tp_rank=rank, launch_world_rank=rank, launch_world_size=world,
+        max_world_size=world, tp_group=group, attn_tp_group=group, pp_group=group, world_group=group, attn_cp_group=group,
+        dcp_group=group)
+
+
+@dataclass
+class Stack:
+    """One server's cache stack: SGLang's cache, its device pool and allocator, and kvtier's backend in it."""
+
+    cache: object
+    device: object
+    allocator: object
+    kind: str
+    page_size: int
+    #: the ranks' gloo group: the scheduler's steps (and so the controller's all-reduces) run in lockstep over it
+    group: object = None
+
+    @property
+    def storage(self):
+        return self.cache.cache_controller.storage_backend
+
+    def device_buffers(self) -> list[torch.Tensor]:
+        if self.kind == "mla":
+            return list(self.device.kv_buffer)
+        return list(self.device.k_buffer) + list(self.device.v_buffer)
+
+
+def build_stack(storage_url: str, *, kind: str = "mha", page_size: int = 4, layers: int = 2, tokens: int = 256,
+                metrics: bool = True, write_policy: str = "write_through", rank: int = 0, world: int = 1, model: str = "tiny",
+                **options) -> Stack:
+    """SGLang's cache stack for one rank, built by SGLang's own factory (see the module docstring)."""
+    import torch.distributed as dist
+
+    import_sglang()
+    from sglang.srt.mem_cache import memory_pool, registry
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.pool_host import common, mha, mla
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)), backend="gloo")
+    _publish(_memory_config(storage_url, write_policy, model_name=model, **options), rank, world, group)
+    common._cuda_host_register = lambda buffer, granularity=None: None  # page-locking needs CUDA
+    parallel_state = importlib.import_module("sglang.srt.distributed.parallel_state")  # a stand-in module (no server)
+    parallel_state.create_custom_parallel_group = create_custom_parallel_group
+    mha.transfer_kv_direct = mla.transfer_kv_direct = transfer_kv_direct  # bound by SGLang on CUDA/ROCm/XPU only
+    if kind == "mha":
+        device = memory_pool.MHATokenToKVPool(size=tokens, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                                              layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    elif kind == "mla":
+        device = memory_pool.MLATokenToKVPool(size=tokens, page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=16,
+                                              qk_rope_head_dim=8, layer_num=layers, device="cpu", enable_memory_saver=False)
+    else:
+        raise ValueError(f"unknown stack kind {kind!r}: mha or mla")
+    allocator = PagedTokenToKVPoolAllocator(size=tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu", kvcache=device,
+                                            need_sort=False)
+    requests = memory_pool.ReqToTokenPool(size=8, max_context_len=4 * tokens, device="cpu", enable_memory_saver=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=allocator, page_size=page_size,
+                             tp_cache_group=group, enable_metrics=metrics)
+    ctx = registry.TreeCacheBuildContext(
+        server_args=SimpleNamespace(file_storage_path=None), params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        enable_hierarchical_cache=True, disable_radix_cache=False,
+        tp_worker=SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None),
+        model_config=None, tp_size=world, tp_rank=rank, tp_group=group, is_dsa=False)
+    return Stack(registry.default_radix_cache_factory(ctx), device, allocator, kind, page_size, group)
+
+
+def _key(tokens: list[int]):
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    return RadixKey(array("q", tokens))
+
+
+def _wait(what: str, done, stack: Stack, timeout: float = 30.0):
+    """Poll ``done()`` between the scheduler's ``check_hicache_events`` calls, as its event loop does. Every
+    rank takes the same steps (``check_hicache_events`` all-reduces over the ranks), so the ranks agree on
+    when to stop: the step after which ``done()`` holds on all of them."""
+    import torch.distributed as dist
+
+    steps = max(1, int(timeout / 0.01))
+    for _ in range(steps):
+        stack.cache.check_hicache_events()
+        got = done()
+        everywhere = torch.tensor([1 if got else 0])
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=stack.group)
+        if everywhere.item():
+            return got
+        time.sleep(0.01)
+    raise TimeoutError(f"SGLang stack: {what} did not happen within {timeout} s")
+
+
+def serve_computed(stack: Stack, tokens: list[int], seed: int) -> list[str]:
+    """A request whose KV was just computed: new slots get seeded bytes, the prompt is inserted (the
+    write-through policy copies it to host, then the backup thread stores it). Returns each page's digest."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    slots = stack.allocator.alloc(len(tokens))
+    g = torch.Generator().manual_seed(seed)
+    for buf in stack.device_buffers():
+        raw = buf.view(torch.uint8)
+        raw[slots] = torch.randint(0, 256, raw[slots].shape, generator=g, dtype=torch.uint8)
+    stack.cache.insert(InsertParams(key=_key(tokens), value=slots.clone()))
+    return page_digests(stack, slots)
+
+
+def page_digests(stack: Stack, slots: torch.Tensor) -> list[str]:
+    """xxh3-128 of each page's device bytes, every layer and buffer."""
+    out = []
+    for start in range(0, slots.numel(), stack.page_size):
+        page = slots[start : start + stack.page_size]
+        h = xxhash.xxh3_128()
+        for buf in stack.device_buffers():
+            h.update(buf[page].contiguous().view(torch.uint8).numpy().tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def wait_stored(stack: Stack, tokens: list[int]) -> list[str]:
+    """Wait until the store has every page of ``tokens`` (written by this rank, or by the rank that writes
+    this shard); returns SGLang's storage keys for them (the tree's own page hashes)."""
+    pages = len(tokens) // stack.page_size
+
+    def stored() -> list[str] | None:
+        node, core = match(stack, tokens).last_device_node, stack.cache.tree_core  # pages are hashed when backed up
+        keys = list(core.get_prefix_hash_values(node)) + list(core.get_hash_values(node) or [])
+        return keys if len(keys) == pages and stack.storage.batch_exists(keys) == pages else None
+
+    return _wait(f"{pages} pages stored", stored, stack)
+
+
+def match(stack: Stack, tokens: list[int]):
+    from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+    return stack.cache.match_prefix(MatchPrefixParams(key=_key(tokens)))
+
+
+def evict_everything(stack: Stack) -> None:
+    """Device and host both emptied of unlocked pages, as memory pressure would."""
+    from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+    stack.cache.evict(EvictParams(num_tokens=stack.allocator.size))
+    stack.cache.evict_host(stack.allocator.size * 4)
+
+
+def prefetch_and_load(stack: Stack, tokens: list[int], rid: str) -> tuple[int, int, list[str]]:
+    """The scheduler's path for a request whose prefix is in storage only: prefetch into host, then load
+    back to device. Returns (tokens prefetched, tokens on device after, the device pages' digests)."""
+    from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle, InitLoadBackParams
+
+    m = match(stack, tokens)
+    handle = CacheRequestHandle(rid=rid, attempt_id=0)
+    have = m.device_prefix_len + m.host_hit_length
+    stack.cache.prefetch_from_storage(handle, m.last_host_node, array("q", tokens[have:]), None, None,
+                                      matched_prefix_tokens=array("q", tokens[:have]))
+    _wait("the prefetch", lambda: stack.cache.check_prefetch_progress(handle), stack)
+    prefetched, _start = stack.cache.pop_prefetch_loaded_span(handle)
+    m = match(stack, tokens)
+    if m.host_hit_length:
+        req = SimpleNamespace(rid=rid, last_node=m.last_device_node, swa_host_hit_length=0, mamba_host_hit_length=0,
+                              kv=SimpleNamespace(mamba_pool_idx=None))
+        stack.cache.init_load_back(InitLoadBackParams(best_match_node=m.best_match_node, host_hit_length=m.host_hit_length, req=req))
+        stack.cache.ready_to_load_host_cache()
+        m = _wait("the load back", lambda: (lambda r: r if r.device_prefix_len >= m.device_prefix_len + m.host_hit_length else None)(
+            match(stack, tokens)), stack)
+    slots = stack.cache.path_device_indices(m.last_device_node)
+    return prefetched, m.device_prefix_len, page_digests(stack, slots)
+
+
+def storage_metric_samples(name: str) -> float:
+    """The sum of a Prometheus histogram SGLang's ``StorageMetricsCollector`` filled (e.g. ``sglang:backup_pgs``)."""
+    from prometheus_client import REGISTRY
+
+    return sum(s.value for metric in REGISTRY.collect() if metric.name == name for s in metric.samples if s.name == name + "_sum")
+
+
+def run_scenario(name: str, storage_url: str, rank: int = 0, world: int = 1, kind: str = "mha") -> dict:
+    """One server's part of a test, reported as JSON-able facts (digests, counts, the classes that ran)."""
+    stack = build_stack(storage_url, kind=kind, rank=rank, world=world)
+    cache = stack.cache
+    report = {"cache": type(cache).__name__, "tree_core": type(cache.tree_core).__name__,
+              "controller": type(cache.cache_controller).__name__, "storage": type(stack.storage).__name__,
+              "storage_metrics_on": bool(cache.enable_storage_metrics and cache.storage_metrics_collector is not None)}
+    tokens = list(range(1000, 1000 + 8 * stack.page_size))
+    if name == "write":  # compute, store, evict everything, and bring it back from storage in the same server
+        report["written"] = serve_computed(stack, tokens, seed=7)
+        report["keys"] = wait_stored(stack, tokens)
+        evict_everything(stack)
+        m = match(stack, tokens)
+        report["after_evict"] = [m.device_prefix_len, m.host_hit_length]
+        report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "again")
+    elif name == "read":  # a fresh server: the prefix is in storage only
+        report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "fresh")
+    else:
+        raise ValueError(f"unknown scenario {name!r}")
+    cache.check_hicache_events()
+    stats = stack.storage.get_stats()
+    report.update(pages_written=stats.pages_written, pages_read=stats.pages_read, corrupt=stats.corrupt,
+                  stats_class=[c.__module__ + "." + c.__name__ for c in type(stats).__mro__[1:2]],
+                  backup_pgs_logged=storage_metric_samples("sglang:backup_pgs"),
+                  prefetch_pgs_logged=storage_metric_samples("sglang:prefetch_pgs"))
+    return report
+
+
+def main(argv: list[str]) -> None:
+    name, url, *rest = argv
+    rank, world, kind = (int(rest[0]), int(rest[1]), rest[2]) if rest else (0, 1, "mha")
+    import torch.distributed as dist
+
+    report = run_scenario(name, url, rank, world, kind)
+    dist.barrier()  # no rank leaves while another is still in a collective
+    print(json.dumps(report), flush=True)
+    os._exit(0)  # SGLang's controller threads and atexit hooks are not ours to wait for
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
