@@ -110,10 +110,15 @@ class Stack:
     def storage(self):
         return self.cache.cache_controller.storage_backend
 
-    def device_buffers(self) -> list[torch.Tensor]:
-        if self.kind == "mla":
-            return list(self.device.kv_buffer)
-        return list(self.device.k_buffer) + list(self.device.v_buffer)
+    def device_buffers(self) -> list[tuple[torch.Tensor, bool]]:
+        """Every device buffer of a page, and whether it is indexed by page (the DSA indexer's) or by token slot."""
+        if self.kind == "mha":
+            return [(b, False) for b in list(self.device.k_buffer) + list(self.device.v_buffer)]
+        latent = [(b, False) for b in self.device.kv_buffer]
+        return latent + [(b, True) for b in self.device.index_k_with_scale_buffer] if self.kind == "dsa" else latent
+
+    def rows(self, slots: torch.Tensor, by_page: bool) -> torch.Tensor:
+        return slots[:: self.page_size] // self.page_size if by_page else slots
 
 
 def build_stack(storage_url: str, *, kind: str = "mha", page_size: int = 4, layers: int = 2, tokens: int = 256,
@@ -126,7 +131,7 @@ def build_stack(storage_url: str, *, kind: str = "mha", page_size: int = 4, laye
     from sglang.srt.mem_cache import memory_pool, registry
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.pool_host import common, mha, mla
+    from sglang.srt.mem_cache.pool_host import common, dsa, mha, mla
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -135,15 +140,19 @@ def build_stack(storage_url: str, *, kind: str = "mha", page_size: int = 4, laye
     common._cuda_host_register = lambda buffer, granularity=None: None  # page-locking needs CUDA
     parallel_state = importlib.import_module("sglang.srt.distributed.parallel_state")  # a stand-in module (no server)
     parallel_state.create_custom_parallel_group = create_custom_parallel_group
-    mha.transfer_kv_direct = mla.transfer_kv_direct = transfer_kv_direct  # bound by SGLang on CUDA/ROCm/XPU only
+    mha.transfer_kv_direct = mla.transfer_kv_direct = dsa.transfer_kv_direct = transfer_kv_direct  # bound on CUDA/ROCm/XPU only
     if kind == "mha":
         device = memory_pool.MHATokenToKVPool(size=tokens, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=8,
                                               layer_num=layers, device="cpu", enable_memory_saver=False, enable_alt_stream=False)
     elif kind == "mla":
         device = memory_pool.MLATokenToKVPool(size=tokens, page_size=page_size, dtype=torch.bfloat16, kv_lora_rank=16,
                                               qk_rope_head_dim=8, layer_num=layers, device="cpu", enable_memory_saver=False)
+    elif kind == "dsa":  # MLA latent + the DSA indexer's FP8 keys and fp32 scales beside it
+        device = memory_pool.DSATokenToKVPool(size=tokens, page_size=page_size, kv_lora_rank=16, dtype=torch.bfloat16,
+                                              qk_rope_head_dim=8, layer_num=layers, device="cpu", index_head_dim=128,
+                                              enable_memory_saver=False, kv_cache_dim=24)
     else:
-        raise ValueError(f"unknown stack kind {kind!r}: mha or mla")
+        raise ValueError(f"unknown stack kind {kind!r}: mha, mla or dsa")
     allocator = PagedTokenToKVPoolAllocator(size=tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu", kvcache=device,
                                             need_sort=False)
     requests = memory_pool.ReqToTokenPool(size=8, max_context_len=4 * tokens, device="cpu", enable_memory_saver=False)
@@ -153,7 +162,7 @@ def build_stack(storage_url: str, *, kind: str = "mha", page_size: int = 4, laye
         server_args=SimpleNamespace(file_storage_path=None), params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
         enable_hierarchical_cache=True, disable_radix_cache=False,
         tp_worker=SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None),
-        model_config=None, tp_size=world, tp_rank=rank, tp_group=group, is_dsa=False)
+        model_config=None, tp_size=world, tp_rank=rank, tp_group=group, is_dsa=kind == "dsa")
     return Stack(registry.default_radix_cache_factory(ctx), device, allocator, kind, page_size, group)
 
 
@@ -188,9 +197,9 @@ def serve_computed(stack: Stack, tokens: list[int], seed: int) -> list[str]:
 
     slots = stack.allocator.alloc(len(tokens))
     g = torch.Generator().manual_seed(seed)
-    for buf in stack.device_buffers():
-        raw = buf.view(torch.uint8)
-        raw[slots] = torch.randint(0, 256, raw[slots].shape, generator=g, dtype=torch.uint8)
+    for buf, by_page in stack.device_buffers():
+        raw, rows = buf.view(torch.uint8), stack.rows(slots, by_page)
+        raw[rows] = torch.randint(0, 256, raw[rows].shape, generator=g, dtype=torch.uint8)
     stack.cache.insert(InsertParams(key=_key(tokens), value=slots.clone()))
     return page_digests(stack, slots)
 
@@ -201,8 +210,8 @@ def page_digests(stack: Stack, slots: torch.Tensor) -> list[str]:
     for start in range(0, slots.numel(), stack.page_size):
         page = slots[start : start + stack.page_size]
         h = xxhash.xxh3_128()
-        for buf in stack.device_buffers():
-            h.update(buf[page].contiguous().view(torch.uint8).numpy().tobytes())
+        for buf, by_page in stack.device_buffers():
+            h.update(buf[stack.rows(page, by_page)].contiguous().view(torch.uint8).numpy().tobytes())
         out.append(h.hexdigest())
     return out
 
@@ -267,7 +276,8 @@ def storage_metric_samples(name: str) -> float:
 
 def run_scenario(name: str, storage_url: str, rank: int = 0, world: int = 1, kind: str = "mha") -> dict:
     """One server's part of a test, reported as JSON-able facts (digests, counts, the classes that ran)."""
-    stack = build_stack(storage_url, kind=kind, rank=rank, world=world)
+    page_size = 64 if kind == "dsa" else 4  # SGLang's DSA pools take 64-token pages only
+    stack = build_stack(storage_url, kind=kind, rank=rank, world=world, page_size=page_size, tokens=64 * page_size)
     cache = stack.cache
     report = {"cache": type(cache).__name__, "tree_core": type(cache.tree_core).__name__,
               "controller": type(cache.cache_controller).__name__, "storage": type(stack.storage).__name__,
