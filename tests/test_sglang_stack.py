@@ -14,7 +14,7 @@ path is replaced. Pages are compared by the xxh3-128 of their device bytes: the 
 computed on one server against the bytes another server (or the same one after evicting them)
 loaded back from kvtier's store.
 
-Not here yet (see the issue): a hybrid (Mamba / SWA) stack in this harness, and
+Not here yet (see the issue): a Mamba hybrid stack in this harness (the SWA hybrid is), and
 ``sglang.launch_server`` itself.
 """
 
@@ -63,19 +63,29 @@ def assert_sglangs_own_stack(report: dict) -> None:
     assert report["storage_metrics_on"] and report["stats_class"] == ["sglang.srt.observability.metrics_collector.StorageMetrics"]
 
 
-@pytest.mark.parametrize("kind,page_size,pools", [("mha", 4, 1), ("mla", 4, 1), ("dsa", 64, 2)])
-def test_pages_are_stored_evicted_and_prefetched_back_bit_exact_with_metrics_on(tmp_path, kind, page_size, pools):
-    """``dsa``: SGLang's DSATokenToKVPool (MLA latent + the indexer's FP8 keys and fp32 scales, 64-token pages):
-    its indexer host pool rides on the KV pool's pages, and each page's digest covers its indexer bytes too."""
+# (stack, tokens per page, objects stored, objects read back, page digests compared)
+STACKS = [("mha", 4, PAGES, PAGES, PAGES),
+          ("mla", 4, PAGES, PAGES, PAGES),
+          # SGLang's DSATokenToKVPool (MLA latent + the indexer's FP8 keys and fp32 scales, 64-token pages): the
+          # indexer's host pool rides on the KV pool's pages; a page's digest covers its indexer bytes too
+          ("dsa", 64, 2 * PAGES, 2 * PAGES, PAGES),
+          # SGLang's SWA pools (a 2-page sliding-window layer beside a full-attention one): every page of both is
+          # stored, a prefetch reads the window's pages only (SGLang's trailing-pages policy), and the window
+          # layer's last two pages are compared beside the full layer's eight
+          ("swa", 4, 2 * PAGES, PAGES + 2, PAGES + 2)]
+
+
+@pytest.mark.parametrize("kind,page_size,stored,read,digests", STACKS, ids=[s[0] for s in STACKS])
+def test_pages_are_stored_evicted_and_prefetched_back_bit_exact_with_metrics_on(tmp_path, kind, page_size, stored, read, digests):
     [r] = run_servers("write", f"file://{tmp_path}", kind)
     assert_sglangs_own_stack(r)
-    assert len(r["written"]) == PAGES and len(set(r["written"])) == PAGES  # eight different pages
-    assert r["pages_written"] == pools * PAGES and len(stored_objects(tmp_path)) == pools * PAGES
+    assert len(r["written"]) == digests and len(set(r["written"])) == digests  # every page different
+    assert r["pages_written"] == stored and len(stored_objects(tmp_path)) == stored
     assert r["after_evict"] == [0, 0]  # neither device nor host holds the prefix any more
-    assert (r["prefetched"], r["on_device"]) == (PAGES * page_size, PAGES * page_size) and r["pages_read"] == pools * PAGES
+    assert (r["prefetched"], r["on_device"]) == (PAGES * page_size, PAGES * page_size) and r["pages_read"] == read
     assert r["reloaded"] == r["written"]
     # SGLang's own StorageMetricsCollector took kvtier's get_stats() on every check_hicache_events
-    assert (r["backup_pgs_logged"], r["prefetch_pgs_logged"]) == (pools * PAGES, pools * PAGES)
+    assert (r["backup_pgs_logged"], r["prefetch_pgs_logged"]) == (stored, read)
 
 
 def test_a_fresh_server_prefetches_what_another_server_stored(tmp_path):

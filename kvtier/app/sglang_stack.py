@@ -1,7 +1,9 @@
 """SGLang's default cache stack on CPU with kvtier as its storage backend: what an SGLang server runs.
 
 Built the way SGLang's scheduler builds it (SGLang 0.5.23's own code, imported from its wheel by
-:mod:`kvtier.app.sglang_wheel`): its device KV pool (``MHATokenToKVPool`` or ``MLATokenToKVPool``),
+:mod:`kvtier.app.sglang_wheel`): its device KV pool (``MHATokenToKVPool``, ``MLATokenToKVPool``,
+``DSATokenToKVPool`` with the indexer beside the latent, or the hybrid ``SWAKVPool``: a sliding-window
+layer beside a full one),
 its paged token allocator and ``ReqToTokenPool``, then ``default_radix_cache_factory`` with the
 hierarchical cache on. That builds SGLang's default prefix cache, ``UnifiedRadixCache`` with its
 Rust tree core, its host pool, and its ``HybridCacheController`` with the controller's own threads,
@@ -114,6 +116,9 @@ class Stack:
         """Every device buffer of a page, and whether it is indexed by page (the DSA indexer's) or by token slot."""
         if self.kind == "mha":
             return [(b, False) for b in list(self.device.k_buffer) + list(self.device.v_buffer)]
+        if self.kind == "swa":  # the full-attention layer's pages (the window layer's are checked by window_digests)
+            full = self.device.full_kv_pool
+            return [(b, False) for b in list(full.k_buffer) + list(full.v_buffer)]
         latent = [(b, False) for b in self.device.kv_buffer]
         return latent + [(b, True) for b in self.device.index_k_with_scale_buffer] if self.kind == "dsa" else latent
 
@@ -151,18 +156,31 @@ def build_stack(storage_url: str, *, kind: str = "mha", page_size: int = 4, laye
         device = memory_pool.DSATokenToKVPool(size=tokens, page_size=page_size, kv_lora_rank=16, dtype=torch.bfloat16,
                                               qk_rope_head_dim=8, layer_num=layers, device="cpu", index_head_dim=128,
                                               enable_memory_saver=False, kv_cache_dim=24)
+    elif kind == "swa":  # sliding-window layers beside full attention (Gemma / gpt-oss style), SGLang's SWA pools
+        from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+        device = SWAKVPool(size=tokens, size_swa=tokens, page_size=page_size, dtype=torch.bfloat16, head_num=2, head_dim=8,
+                           swa_attention_layer_ids=[0], full_attention_layer_ids=[1], device="cpu", enable_alt_stream=False)
     else:
-        raise ValueError(f"unknown stack kind {kind!r}: mha, mla or dsa")
-    allocator = PagedTokenToKVPoolAllocator(size=tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu", kvcache=device,
-                                            need_sort=False)
+        raise ValueError(f"unknown stack kind {kind!r}: mha, mla, dsa or swa")
     requests = memory_pool.ReqToTokenPool(size=8, max_context_len=4 * tokens, device="cpu", enable_memory_saver=False)
+    if kind == "swa":
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+
+        allocator = SWATokenToKVPoolAllocator(tokens, tokens, page_size, torch.bfloat16, "cpu", kvcache=device, need_sort=False,
+                                              req_to_token_pool=requests)
+    else:
+        allocator = PagedTokenToKVPoolAllocator(size=tokens, page_size=page_size, dtype=torch.bfloat16, device="cpu", kvcache=device,
+                                                need_sort=False)
     params = CacheInitParams(disable=False, req_to_token_pool=requests, token_to_kv_pool_allocator=allocator, page_size=page_size,
-                             tp_cache_group=group, enable_metrics=metrics)
+                             tp_cache_group=group, enable_metrics=metrics,
+                             sliding_window_size=2 * page_size if kind == "swa" else None)
     ctx = registry.TreeCacheBuildContext(
-        server_args=SimpleNamespace(file_storage_path=None), params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
+        server_args=SimpleNamespace(file_storage_path=None), params=params, is_hybrid_swa=kind == "swa", is_hybrid_ssm=False,
         enable_hierarchical_cache=True, disable_radix_cache=False,
         tp_worker=SimpleNamespace(register_hicache_layer_transfer_counter=lambda counter: None),
-        model_config=None, tp_size=world, tp_rank=rank, tp_group=group, is_dsa=kind == "dsa")
+        model_config=None, tp_size=world, tp_rank=rank, tp_group=group, is_dsa=kind == "dsa",
+        full_tokens_per_layer=tokens if kind == "swa" else None)
     return Stack(registry.default_radix_cache_factory(ctx), device, allocator, kind, page_size, group)
 
 
@@ -190,30 +208,55 @@ def _wait(what: str, done, stack: Stack, timeout: float = 30.0):
     raise TimeoutError(f"SGLang stack: {what} did not happen within {timeout} s")
 
 
+def _alloc(stack: Stack, n: int) -> torch.Tensor:
+    """Slots for a new request of ``n`` tokens, the way the scheduler asks for them (SWA: ``alloc_extend``)."""
+    if stack.kind != "swa":
+        return stack.allocator.alloc(n)
+    zero, full = torch.tensor([0]), torch.tensor([n])
+    return stack.allocator.alloc_extend(zero, zero, full, full, torch.tensor([-1]), n)
+
+
 def serve_computed(stack: Stack, tokens: list[int], seed: int) -> list[str]:
     """A request whose KV was just computed: new slots get seeded bytes, the prompt is inserted (the
     write-through policy copies it to host, then the backup thread stores it). Returns each page's digest."""
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
-    slots = stack.allocator.alloc(len(tokens))
+    slots = _alloc(stack, len(tokens))
     g = torch.Generator().manual_seed(seed)
     for buf, by_page in stack.device_buffers():
         raw, rows = buf.view(torch.uint8), stack.rows(slots, by_page)
         raw[rows] = torch.randint(0, 256, raw[rows].shape, generator=g, dtype=torch.uint8)
+    if stack.kind == "swa":  # the window layer's pool, at the slots SGLang's allocator mapped the request to
+        rows = stack.allocator.translate_loc_from_full_to_swa(slots)
+        for buf in list(stack.device.swa_kv_pool.k_buffer) + list(stack.device.swa_kv_pool.v_buffer):
+            raw = buf.view(torch.uint8)
+            raw[rows] = torch.randint(0, 256, raw[rows].shape, generator=g, dtype=torch.uint8)
+    window = window_digests(stack, slots)  # before the insert: the tree owns the slots from then on
     stack.cache.insert(InsertParams(key=_key(tokens), value=slots.clone()))
-    return page_digests(stack, slots)
+    return page_digests(stack, slots) + window
 
 
-def page_digests(stack: Stack, slots: torch.Tensor) -> list[str]:
-    """xxh3-128 of each page's device bytes, every layer and buffer."""
+def page_digests(stack: Stack, slots: torch.Tensor, buffers=None) -> list[str]:
+    """xxh3-128 of each page's device bytes, every layer and buffer (``buffers``: another set, e.g. the window's)."""
     out = []
     for start in range(0, slots.numel(), stack.page_size):
         page = slots[start : start + stack.page_size]
         h = xxhash.xxh3_128()
-        for buf, by_page in stack.device_buffers():
+        for buf, by_page in buffers or stack.device_buffers():
             h.update(buf[stack.rows(page, by_page)].contiguous().view(torch.uint8).numpy().tobytes())
         out.append(h.hexdigest())
     return out
+
+
+def window_digests(stack: Stack, slots: torch.Tensor) -> list[str]:
+    """The sliding-window layer's last window of pages (SWA stacks; else nothing), digested like
+    :func:`page_digests`: the window pool's slots are the full slots translated by SGLang's allocator."""
+    if stack.kind != "swa":
+        return []
+    window = stack.cache.sliding_window_size
+    tail = stack.allocator.translate_loc_from_full_to_swa(slots[-window:])
+    swa = stack.device.swa_kv_pool
+    return page_digests(stack, tail, [(b, False) for b in list(swa.k_buffer) + list(swa.v_buffer)])
 
 
 def wait_stored(stack: Stack, tokens: list[int]) -> list[str]:
@@ -264,7 +307,7 @@ def prefetch_and_load(stack: Stack, tokens: list[int], rid: str) -> tuple[int, i
         m = _wait("the load back", lambda: (lambda r: r if r.device_prefix_len >= m.device_prefix_len + m.host_hit_length else None)(
             match(stack, tokens)), stack)
     slots = stack.cache.path_device_indices(m.last_device_node)
-    return prefetched, m.device_prefix_len, page_digests(stack, slots)
+    return prefetched, m.device_prefix_len, page_digests(stack, slots) + window_digests(stack, slots)
 
 
 def storage_metric_samples(name: str) -> float:
