@@ -55,7 +55,9 @@ def bench_cache(
         None, "--vllm/--no-vllm", help="replay through vLLM's KVCacheManager too (default: when vLLM is installed)"
     ),
     sglang: Optional[bool] = typer.Option(
-        None, "--sglang/--no-sglang", help="replay through SGLang's RadixCache too (default: when its wheel is found)"
+        None, "--sglang/--no-sglang",
+        help="replay through SGLang's prefix caches too: its default UnifiedRadixCache (Rust and Python tree cores) "
+             "and the legacy RadixCache (default: when its wheel is found)"
     ),
     sglang_wheel: Optional[str] = typer.Option(None, help="sglang-0.5.23 wheel (default: $KVTIER_SGLANG_WHEEL, else .kvtier/wheels/)"),
     reps: int = typer.Option(3, help="rounds, each system's replay once per round in turn (each system's best round reported)"),
