@@ -51,8 +51,9 @@ _UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_group
 #: HiCache storage-key hash that SGLang compiles on first use (torch's cpp_extension: g++, ninja, OpenSSL)
 _NATIVE = ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-linux-gnu.so",
            "sglang/srt/mem_cache/cpp_utils/hash_binding.cpp")
-#: real modules inside a stand-in package: the HiCache controller, whose storage calls the tests replay, and
-#: the storage-metrics collector SGLang feeds a storage backend's get_stats() to
+#: real modules inside a stand-in package: the HiCache controller, whose storage calls the tests replay, the
+#: storage-metrics collector SGLang feeds a storage backend's get_stats() to, and the DCP index helper the MLA
+#: pools' transfers call (without DCP it returns the indices as they are)
 _REAL_MODULES = ("sglang.srt.managers.cache_controller", "sglang.srt.observability.metrics_collector", "sglang.srt.observability.utils",
                  "sglang.srt.observability.scheduler_stage_metrics", "sglang.srt.layers.dcp.layout")
 #: bumped when _UNPACKED grows, so an older unpacked tree is not reused
