@@ -14,8 +14,7 @@ path is replaced. Pages are compared by the xxh3-128 of their device bytes: the 
 computed on one server against the bytes another server (or the same one after evicting them)
 loaded back from kvtier's store.
 
-Not here yet (see the issue): a Mamba hybrid stack in this harness (the SWA hybrid is), and
-``sglang.launch_server`` itself.
+Not here: ``sglang.launch_server`` itself (it does not start on this CPU machine; see the README).
 """
 
 from __future__ import annotations
@@ -63,26 +62,30 @@ def assert_sglangs_own_stack(report: dict) -> None:
     assert report["storage_metrics_on"] and report["stats_class"] == ["sglang.srt.observability.metrics_collector.StorageMetrics"]
 
 
-# (stack, tokens per page, objects stored, objects read back, page digests compared)
-STACKS = [("mha", 4, PAGES, PAGES, PAGES),
-          ("mla", 4, PAGES, PAGES, PAGES),
+# (stack, prompt tokens, objects stored, objects read back, digests compared)
+STACKS = [("mha", 32, PAGES, PAGES, PAGES),
+          ("mla", 32, PAGES, PAGES, PAGES),
           # SGLang's DSATokenToKVPool (MLA latent + the indexer's FP8 keys and fp32 scales, 64-token pages): the
           # indexer's host pool rides on the KV pool's pages; a page's digest covers its indexer bytes too
-          ("dsa", 64, 2 * PAGES, 2 * PAGES, PAGES),
+          ("dsa", 8 * 64, 2 * PAGES, 2 * PAGES, PAGES),
           # SGLang's SWA pools (a 2-page sliding-window layer beside a full-attention one): every page of both is
           # stored, a prefetch reads the window's pages only (SGLang's trailing-pages policy), and the window
           # layer's last two pages are compared beside the full layer's eight
-          ("swa", 4, 2 * PAGES, PAGES + 2, PAGES + 2)]
+          ("swa", 32, 2 * PAGES, PAGES + 2, PAGES + 2),
+          # SGLang's hybrid linear pools (a Mamba2-style state layer beside a full one; its tree takes 1-token
+          # pages): 32 KV pages and the prompt's state snapshot, whose host pool hands out copies (kvtier moves
+          # it by copy); the state comes back into the request's own Mamba slot
+          ("mamba", 32, 33, 33, 33)]
 
 
-@pytest.mark.parametrize("kind,page_size,stored,read,digests", STACKS, ids=[s[0] for s in STACKS])
-def test_pages_are_stored_evicted_and_prefetched_back_bit_exact_with_metrics_on(tmp_path, kind, page_size, stored, read, digests):
+@pytest.mark.parametrize("kind,tokens,stored,read,digests", STACKS, ids=[s[0] for s in STACKS])
+def test_pages_are_stored_evicted_and_prefetched_back_bit_exact_with_metrics_on(tmp_path, kind, tokens, stored, read, digests):
     [r] = run_servers("write", f"file://{tmp_path}", kind)
     assert_sglangs_own_stack(r)
     assert len(r["written"]) == digests and len(set(r["written"])) == digests  # every page different
     assert r["pages_written"] == stored and len(stored_objects(tmp_path)) == stored
     assert r["after_evict"] == [0, 0]  # neither device nor host holds the prefix any more
-    assert (r["prefetched"], r["on_device"]) == (PAGES * page_size, PAGES * page_size) and r["pages_read"] == read
+    assert (r["prefetched"], r["on_device"]) == (tokens, tokens) and r["pages_read"] == read
     assert r["reloaded"] == r["written"]
     # SGLang's own StorageMetricsCollector took kvtier's get_stats() on every check_hicache_events
     assert (r["backup_pgs_logged"], r["prefetch_pgs_logged"]) == (stored, read)
@@ -120,6 +123,19 @@ def test_tp2_mla_one_rank_writes_and_both_read_it_back(tmp_path):
         assert (r["prefetched"], r["pages_read"]) == (PAGES * 4, PAGES)
     assert [r["pages_written"] for r in ranks] == [PAGES, 0]
     assert len(stored_objects(tmp_path)) == PAGES
+
+
+def test_tp2_mla_with_mamba_state_one_rank_writes_the_kv_and_every_rank_its_own_state(tmp_path):
+    """MLA's KV is replicated, a Mamba layer's state is sharded by head: under TP=2 the storage writer (rank 0)
+    stores the 32 KV pages, and each rank stores and reads back its own state."""
+    ranks = run_servers("write", f"file://{tmp_path}", "mla-mamba", world=2)
+    for r in ranks:
+        assert_sglangs_own_stack(r)
+        assert r["reloaded"] == r["written"] and (r["prefetched"], r["pages_read"]) == (32, 33)
+    kv, states = [r["written"][:-1] for r in ranks], [r["written"][-1] for r in ranks]
+    assert kv[0] == kv[1] and states[0] != states[1]
+    assert [r["pages_written"] for r in ranks] == [33, 1]
+    assert len(stored_objects(tmp_path)) == 32 + 2
 
 
 def test_tp2_mha_every_rank_writes_its_own_shard(tmp_path):

@@ -46,7 +46,8 @@ _STAND_IN_PACKAGES = (
 #: what is unpacked from the wheel: sglang/srt's top-level modules and these packages and files
 _UNPACKED = ("sglang/srt/mem_cache/", "sglang/srt/utils/", "sglang/srt/arg_groups/", "sglang/srt/platforms/", "sglang/srt/plugins/",
              "sglang/srt/managers/cache_controller.py", "sglang/srt/observability/", "sglang/srt/session/",
-             "sglang/srt/rust_extensions/", "sglang/srt/layers/dcp/layout.py")
+             "sglang/srt/rust_extensions/", "sglang/srt/layers/dcp/layout.py", "sglang/srt/configs/mamba_utils.py",
+             "sglang/srt/hardware_backend/mlx/runtime.py")
 #: native code unpacked too: the unified radix cache's Rust tree core (built), and the C++ source of the
 #: HiCache storage-key hash that SGLang compiles on first use (torch's cpp_extension: g++, ninja, OpenSSL)
 _NATIVE = ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-linux-gnu.so",
@@ -55,9 +56,10 @@ _NATIVE = ("sglang/srt/mem_cache/rust_tree_core/mem_cache.cpython-311-x86_64-lin
 #: storage-metrics collector SGLang feeds a storage backend's get_stats() to, and the DCP index helper the MLA
 #: pools' transfers call (without DCP it returns the indices as they are)
 _REAL_MODULES = ("sglang.srt.managers.cache_controller", "sglang.srt.observability.metrics_collector", "sglang.srt.observability.utils",
-                 "sglang.srt.observability.scheduler_stage_metrics", "sglang.srt.layers.dcp.layout")
+                 "sglang.srt.observability.scheduler_stage_metrics", "sglang.srt.layers.dcp.layout",
+                 "sglang.srt.configs.mamba_utils", "sglang.srt.hardware_backend.mlx.runtime")
 #: bumped when _UNPACKED grows, so an older unpacked tree is not reused
-_UNPACK_VERSION = 4
+_UNPACK_VERSION = 5
 
 
 class _StandIn(types.ModuleType):
