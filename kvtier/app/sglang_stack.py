@@ -50,7 +50,7 @@ from types import SimpleNamespace
 import torch
 import xxhash
 
-from kvtier.app.sglang_wheel import import_sglang
+from kvtier.app.sglang_wheel import FACTORY_DEFAULTS, import_sglang, publish_config
 from kvtier.integrations.sglang import extra_config
 
 
@@ -92,8 +92,7 @@ def create_custom_parallel_group(group_ranks, backend: str = "gloo"):
 
 def _memory_config(storage_url: str, write_policy: str, layout: str = "layer_first", **options) -> dict:
     extra = {**extra_config(storage_url, **options), "prefetch_threshold": 1}
-    return dict(enable_lmcache=False, enable_unified_cache_external_linker=False, enable_flexkv=False, radix_cache_backend=None,
-                hicache_host_memory_mode="cache", hicache_storage_backend="dynamic",
+    return dict(FACTORY_DEFAULTS["memory"], hicache_host_memory_mode="cache", hicache_storage_backend="dynamic",
                 hicache_storage_backend_extra_config=json.dumps(extra), hicache_ratio=2.0, hicache_size=0,
                 hicache_mem_layout=layout, hicache_write_policy=write_policy, hicache_io_backend="direct",
                 hicache_storage_prefetch_policy="wait_complete")
@@ -103,25 +102,12 @@ def _publish(memory: dict, rank: int, world: int, group) -> None:
     """What a server publishes before it builds its cache: SGLang's own config bags and parallel context."""
     from sglang.srt import runtime_context as rc
 
-    fields = {"memory": memory, "disagg": {"disaggregation_decode_retraction_backup": None},
-              "observability": {"extra_metric_labels": None, "stat_loggers": None}, "serving": {"served_model_name": None},
-              "model": {}, "parallel": {"pp_size": 1, "tp_size": world, "dp_size": 1, "attn_cp_size": 1, "dcp_size": 1, "nnodes": 1},
-              "exec": {"mamba": {"mamba_max_states_per_path": -1, "mamba_track_interval": 256, "enable_int8_mamba_checkpoint": False}}}
-
-    def bag(path: str, values: dict):
-        out = rc._ConfigBag(path)
-        for name, value in values.items():
-            if isinstance(value, dict):
-                out._set_sub(name, bag(f"{path}.{name}", value))
-            else:
-                out._set(name, value)
-        return out
-
-    bags = dict(rc._CONTEXT._config_bags or {})
-    for namespace, values in fields.items():
-        bags[namespace] = bag(namespace, values)
-    rc._CONTEXT._config_bags = bags
-    rc._CONTEXT.parallel._config = bags["parallel"]
+    publish_config({
+        **FACTORY_DEFAULTS, "memory": memory, "observability": {"extra_metric_labels": None, "stat_loggers": None},
+        "serving": {"served_model_name": None}, "model": {},
+        "parallel": {"pp_size": 1, "tp_size": world, "dp_size": 1, "attn_cp_size": 1, "dcp_size": 1, "nnodes": 1},
+        "exec": {"mamba": {"mamba_max_states_per_path": -1, "mamba_track_interval": 256, "enable_int8_mamba_checkpoint": False}}})
+    rc._CONTEXT.parallel._config = rc._CONTEXT._config_bags["parallel"]
     # the server's args, where the stack reads a derived figure from them: the Mamba caching grid (SGLang's own
     # hook for a pre-seeded value, as its test fixtures use; 64 is FLA's chunk, what a model without its own gets)
     rc._CONTEXT._server_args = SimpleNamespace(_mamba_cache_chunk_size=64)
@@ -165,6 +151,11 @@ class Stack:
             return [(b, False) for b in self.device.full_kv_pool.kv_buffer]
         latent = [(b, False) for b in self.device.kv_buffer]
         return latent + [(b, True) for b in self.device.index_k_with_scale_buffer] if self.kind == "dsa" else latent
+
+    def window_buffers(self) -> list[tuple[torch.Tensor, bool]]:
+        """The sliding-window layer's buffers (SWA stacks), indexed by its own slots."""
+        swa = self.device.swa_kv_pool
+        return [(b, False) for b in list(swa.k_buffer) + list(swa.v_buffer)]
 
     def rows(self, slots: torch.Tensor, by_page: bool) -> torch.Tensor:
         return slots[:: self.page_size] // self.page_size if by_page else slots
@@ -291,24 +282,27 @@ def serve_computed(stack: Stack, tokens: list[int], seed: int) -> list[str]:
     slots = _alloc(stack, len(tokens))
     g = torch.Generator().manual_seed(seed)
     for buf, by_page in stack.device_buffers():
-        raw, rows = buf.view(torch.uint8), stack.rows(slots, by_page)
-        raw[rows] = torch.randint(0, 256, raw[rows].shape, generator=g, dtype=torch.uint8)
+        _fill(buf, stack.rows(slots, by_page), g)
     if stack.kind == "swa":  # the window layer's pool, at the slots SGLang's allocator mapped the request to
         rows = stack.allocator.translate_loc_from_full_to_swa(slots)
-        for buf in list(stack.device.swa_kv_pool.k_buffer) + list(stack.device.swa_kv_pool.v_buffer):
-            raw = buf.view(torch.uint8)
-            raw[rows] = torch.randint(0, 256, raw[rows].shape, generator=g, dtype=torch.uint8)
-    window = window_digests(stack, slots)  # before the insert: the tree owns the slots from then on
+        for buf, _ in stack.window_buffers():
+            _fill(buf, rows, g)
+    others = window_digests(stack, slots)  # before the insert: the tree owns the slots from then on
     state = None
     if stack.has_state:  # the request's recurrent state after its last token, in a slot of SGLang's Mamba pool: per
         state = stack.cache.req_to_token_pool.mamba_allocator.alloc(1)  # rank (sharded by heads), unlike MLA's KV
         g = torch.Generator().manual_seed(1000 * seed + stack.rank)
         for t in _state_tensors(stack):
-            raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-            raw[:, state] = torch.randint(0, 256, raw[:, state].shape, generator=g, dtype=torch.uint8)
-        window = [state_digest(stack, int(state))]
+            _fill(t, (slice(None), state), g)
+        others = [state_digest(stack, int(state))]
     stack.cache.insert(InsertParams(key=_key(tokens), value=slots.clone(), mamba_value=state))
-    return page_digests(stack, slots) + window
+    return page_digests(stack, slots) + others
+
+
+def _fill(buf: torch.Tensor, index, g: torch.Generator) -> None:
+    """Seeded random bytes into ``buf[index]``, whatever its dtype."""
+    raw = buf.view(torch.uint8)
+    raw[index] = torch.randint(0, 256, raw[index].shape, generator=g, dtype=torch.uint8)
 
 
 def page_digests(stack: Stack, slots: torch.Tensor, buffers=None) -> list[str]:
@@ -344,8 +338,7 @@ def window_digests(stack: Stack, slots: torch.Tensor) -> list[str]:
         return []
     window = stack.cache.sliding_window_size
     tail = stack.allocator.translate_loc_from_full_to_swa(slots[-window:])
-    swa = stack.device.swa_kv_pool
-    return page_digests(stack, tail, [(b, False) for b in list(swa.k_buffer) + list(swa.v_buffer)])
+    return page_digests(stack, tail, stack.window_buffers())
 
 
 def wait_stored(stack: Stack, tokens: list[int]) -> list[str]:

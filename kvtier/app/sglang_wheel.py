@@ -148,6 +148,34 @@ def _unpack(wheel: Path) -> Path:
     return out
 
 
+#: what SGLang's cache factory reads from a server's published config (LMCache, FlexKV, an external linker,
+#: PD retraction to host), at SGLang's defaults: all off
+FACTORY_DEFAULTS = {
+    "memory": {"enable_lmcache": False, "enable_unified_cache_external_linker": False, "enable_flexkv": False,
+               "radix_cache_backend": None},
+    "disagg": {"disaggregation_decode_retraction_backup": None},
+}
+
+
+def publish_config(namespaces: dict[str, dict]) -> None:
+    """Publish config namespaces into SGLang's runtime context, as a server does before it builds its cache
+    (SGLang's own config bags; a nested dict is a sub-namespace, e.g. ``exec.mamba``). Call after
+    :func:`import_sglang`."""
+    from sglang.srt import runtime_context
+
+    def bag(path: str, values: dict):
+        out = runtime_context._ConfigBag(path)
+        for name, value in values.items():
+            if isinstance(value, dict):
+                out._set_sub(name, bag(f"{path}.{name}", value))
+            else:
+                out._set(name, value)
+        return out
+
+    ctx = runtime_context._CONTEXT
+    ctx._config_bags = {**(ctx._config_bags or {}), **{ns: bag(ns, values) for ns, values in namespaces.items()}}
+
+
 def import_sglang(wheel: Path | None = None) -> Path:
     """Make ``sglang.srt.mem_cache`` importable from the wheel's sources (unpacked once); returns
     the unpacked tree. ``wheel`` None: :func:`find_sglang_wheel`'s, or a :class:`ConfigError` saying

@@ -90,11 +90,12 @@ class PageMover:
         if n > self._rows:  # (a caller batch larger than reserved: a slab of its own, unregistered)
             yield np.zeros((n, HEADER_BYTES), dtype=np.uint8)
             return
-        slab = self._slabs.get()
+        slabs = self._slabs  # (back to the set it came from, should reserve_slabs replace it meanwhile)
+        slab = slabs.get()
         try:
             yield slab
         finally:
-            self._slabs.put(slab)
+            slabs.put(slab)
 
     # ---- write -------------------------------------------------------------------------
     def write(self, codec: PageCodec, names: Sequence[str], keys: Sequence[bytes],

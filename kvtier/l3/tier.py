@@ -120,7 +120,6 @@ class StorageTier:
         self.namespace = namespace
         self.prefix = str(namespace)
         self.codec = PageCodec.for_spec(self.spec)
-        self.batch_pages = batch_pages
         self.backpressure_s = backpressure_s
         #: per pool buffer: (its bytes, bytes between pages, bytes between layers, bytes per page per layer)
         self._geometry = [self._buffer_geometry(b.name, b.page_bytes) for b in self.spec.buffers]
@@ -265,6 +264,12 @@ class StorageTier:
         in_order(self._io, range(start, len(job.keys), self._step), work, apply, in_flight=self._in_flight,
                  cancelled=lambda: job.cancelled)
 
+    def _batch(self, job: StorageJob, start: int) -> tuple[list[str], list[bytes], list[list[memoryview]]]:
+        """The mover's arguments for the batch of ``job`` at ``start``: store names, page keys, host page bytes."""
+        keys = job.keys[start : start + self._step]
+        return ([self.key(k) for k in keys], [bytes(k) for k in keys],
+                [self._host_page_bytes(p) for p in job.host_pages[start : start + self._step]])
+
     def _save(self, job: StorageJob) -> None:
         """Keys the store already has (its leading run) are skipped; each I/O thread hashes a batch's
         headers over the host pages' own bytes and stores them."""
@@ -272,13 +277,8 @@ class StorageTier:
         job.skipped_existing = have
         job.statuses = [KeyStatus.OK] * have
 
-        def write(start: int) -> list[KeyStatus]:
-            keys = job.keys[start : start + self._step]
-            pages = job.host_pages[start : start + self._step]
-            return self.mover.write(self.codec, [self.key(k) for k in keys], [bytes(k) for k in keys],
-                                    [self._host_page_bytes(p) for p in pages])
-
-        self._batches(job, have, write, lambda statuses: self._record_saved(job, statuses))
+        self._batches(job, have, lambda start: self.mover.write(self.codec, *self._batch(job, start)),
+                      lambda statuses: self._record_saved(job, statuses))
         job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
 
     @staticmethod
@@ -291,14 +291,8 @@ class StorageTier:
         """Each I/O thread reads a batch straight into its (not yet ready) host pages and checks it;
         ``arrived`` counts verified pages, in order. A failed page ends the chained prefix there; later
         batches stay unready."""
-
-        def read(start: int) -> list[Verdict]:
-            keys = job.keys[start : start + self._step]
-            pages = job.host_pages[start : start + self._step]
-            return self.mover.read(self.codec, [self.key(k) for k in keys], [bytes(k) for k in keys],
-                                   [self._host_page_bytes(p) for p in pages])
-
-        self._batches(job, 0, read, lambda verdicts: self._apply_checked(job, verdicts))
+        self._batches(job, 0, lambda start: self.mover.read(self.codec, *self._batch(job, start)),
+                      lambda verdicts: self._apply_checked(job, verdicts))
 
     @staticmethod
     def _apply_checked(job: StorageJob, verdicts: list[Verdict]) -> bool:

@@ -44,21 +44,13 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvtier.app.bench.peer_result import PeerReplayResult
-from kvtier.app.sglang_wheel import _STAND_IN_PACKAGES, SGLANG_VERSION, find_sglang_wheel, import_sglang
+from kvtier.app.sglang_wheel import _STAND_IN_PACKAGES, FACTORY_DEFAULTS, SGLANG_VERSION, find_sglang_wheel, import_sglang, publish_config
 from kvtier.app.workloads import trace_tokens
 
 __all__ = ["SGLANG_TREES", "SGLANG_VERSION", "find_sglang_wheel", "load_radix_cache", "replay_sglang"]
 
 #: the SGLang trees ``bench cache`` replays, the default (SGLang's default cache and core) first
 SGLANG_TREES = ("unified-rust", "unified-python", "radix")
-
-#: what SGLang's cache factory reads from a running server's published config, at SGLang's defaults
-_FACTORY_CONFIG = {
-    "memory": {"enable_lmcache": False, "enable_unified_cache_external_linker": False, "enable_flexkv": False,
-               "radix_cache_backend": None},
-    "disagg": {"disaggregation_decode_retraction_backup": None},
-}
-
 
 def load_radix_cache(wheel: Path):
     """SGLang's ``RadixCache`` module and its params classes, imported from the wheel's sources."""
@@ -78,21 +70,6 @@ def one_torch_thread():
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def _publish_factory_config() -> None:
-    """Publish the fields SGLang's cache factory reads, as a server would (once; SGLang's own bags)."""
-    from sglang.srt import runtime_context
-
-    ctx = runtime_context._CONTEXT
-    bags = dict(ctx._config_bags or {})
-    for namespace, fields in _FACTORY_CONFIG.items():
-        if namespace not in bags:
-            bag = runtime_context._ConfigBag(namespace)
-            for name, value in fields.items():
-                bag._set(name, value)
-            bags[namespace] = bag
-    ctx._config_bags = bags
 
 
 class _SlotSink:
@@ -119,7 +96,7 @@ def build_sglang_tree(tree: str, page_size: int, wheel: Path):
     from sglang.srt.mem_cache import registry
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
 
-    _publish_factory_config()
+    publish_config(FACTORY_DEFAULTS)
     params = CacheInitParams(disable=False, req_to_token_pool=None, token_to_kv_pool_allocator=_SlotSink(), page_size=page_size)
     ctx = registry.TreeCacheBuildContext(server_args=None, params=params, is_hybrid_swa=False, is_hybrid_ssm=False,
                                          enable_hierarchical_cache=False, disable_radix_cache=False, tp_worker=None,
