@@ -342,12 +342,16 @@ def window_digests(stack: Stack, slots: torch.Tensor) -> list[str]:
 
 
 def wait_stored(stack: Stack, tokens: list[int]) -> list[str]:
-    """Wait until the store has every page of ``tokens`` (written by this rank, or by the rank that writes
-    this shard); returns SGLang's storage keys for them (the tree's own page hashes)."""
+    """Wait until SGLang has no write-through or storage backup in flight and the store has every page of
+    ``tokens`` (written by this rank, or by the rank that writes this shard); returns SGLang's storage keys
+    for them (the tree's own page hashes)."""
     pages = len(tokens) // stack.page_size
 
     def stored() -> list[str] | None:
-        node, core = match(stack, tokens).last_device_node, stack.cache.tree_core  # pages are hashed when backed up
+        cache = stack.cache
+        if cache.ongoing_write_through or cache.ongoing_backup:  # SGLang's own in-flight copies (each holds its node):
+            return None  # every group's objects (window pages, state) are acknowledged, not only the KV pages
+        node, core = match(stack, tokens).last_device_node, cache.tree_core  # pages are hashed when backed up
         keys = list(core.get_prefix_hash_values(node)) + list(core.get_hash_values(node) or [])
         return keys if len(keys) == pages and stack.storage.batch_exists(keys) == pages else None
 
