@@ -46,10 +46,16 @@ def build_hybrid_cache(
     namespace: Namespace | None = None,
     *,
     state_every: int = 1,
+    share_window_pools: bool = True,
 ) -> HierarchicalCache:
     """:func:`build_cache` for a hybrid model (any :class:`~kvtier.groups.ModelSpec`): the tiers' pools
     hold its full-attention group's layers, and each other group gets as many objects per tier as
-    there are pages there."""
+    there are pages there.
+
+    ``share_window_pools``: a sliding-window group whose page is a full page (the same buffers over as
+    many layers: gpt-oss's) keeps its pages in the full pages' own pools -- one budget per tier, where
+    window pages no request reads go before full pages of equal recency, so a tier holds more of the
+    prefixes it is asked for (vLLM's hybrid allocator shares its block pool the same way)."""
     fulls = [g for g in model.groups if g.kind == "full"]
     if len(fulls) != 1:
         raise ConfigError(f"model {model.name!r}: the cache keeps one full-attention group's pages, it has {len(fulls)}; "
@@ -58,8 +64,8 @@ def build_hybrid_cache(
     namespace = namespace or Namespace(model.name, model.fingerprint())
     device = DevicePool(spec, tiers.device_pages, tiers.device)
     host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)
-    pools = {g.name: (DevicePool(g.object_spec(), device.num_pages, tiers.device), HostPool(g.object_spec(), host.num_pages,
-                                                                                            tiers.host_layout))
+    pools = {g.name: (device, host) if share_window_pools and g.kind == "sliding_window" and g.object_spec() == spec else
+             (DevicePool(g.object_spec(), device.num_pages, tiers.device), HostPool(g.object_spec(), host.num_pages, tiers.host_layout))
              for g in model.groups if g.kind != "full"}
     tier = open_storage_tier(storage, host, namespace)
     return HierarchicalCache(device, host, cache, namespace=namespace, storage=tier, storage_config=storage, model=model,

@@ -240,6 +240,11 @@ class PrefixTree:
             return node
         return PageNode(key, parent, stamp, device_page, children)
 
+    @property
+    def now(self) -> int:
+        """The clock's current stamp (what a page used now gets)."""
+        return self._clock
+
     def tick(self) -> int:
         self._clock += 1
         return self._clock
@@ -618,27 +623,29 @@ class PrefixTree:
             node.lock_ref -= 1
 
     # ---- eviction candidates ---------------------------------------------------
-    def device_victims(self, limit: int, *, require_host_copy: bool = False) -> list[PageNode]:
+    def device_victims(self, limit: int, *, require_host_copy: bool = False, older_than: int | None = None) -> list[PageNode]:
         """Up to ``limit`` unlocked device-resident nodes, LRU leaves first, that can all leave together.
 
         A node qualifies once all its device-resident children are chosen, so
         descendants always precede their ancestors in the result.
         ``require_host_copy`` keeps to pages whose ready host copy makes dropping free
         (:meth:`drop_backed_up` is that walk with the clearing done as it goes: the hot path).
+        ``older_than``: only leaves last used before that stamp (a shared tier's window objects of
+        that age go first, :mod:`kvtier.core.group_residency`).
         """
         if require_host_copy:
             eligible = lambda n: not n.lock_ref and n.host_page != NO_PAGE and n.flags & _HOST_READY  # noqa: E731
         else:
             eligible = lambda n: not n.lock_ref  # noqa: E731
-        return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children)
+        return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children, older_than)
 
-    def drop_backed_up(self, limit: int, dropped: list[PageNode] | None = None) -> list[int]:
+    def drop_backed_up(self, limit: int, dropped: list[PageNode] | None = None, older_than: int | None = None) -> list[int]:
         """Drop up to ``limit`` device copies whose host copy is ready (free to drop), LRU device
         leaves first, and return their device pages: :meth:`device_victims` with
         ``require_host_copy`` and :meth:`clear_devices` in one walk, the eviction hot path. A
         leaf is cleared as it is taken, so its parent is a real leaf at once: taken next when
         it is older than every queued leaf (a chain), else queued with its inherited stamp.
-        ``dropped``: collects the nodes cleared."""
+        ``dropped``: collects the nodes cleared; ``older_than``: as :meth:`device_victims`."""
         self._maybe_compact()
         heap = self.device_heap
         entries, seq = heap.entries, heap.seq
@@ -661,6 +668,10 @@ class PrefixTree:
                     keep.append(entry)
                     node = None
                     continue
+                if older_than is not None and stamp >= older_than:
+                    keep.append(entry)
+                    node = None
+                    break
             page = node.device_page
             node.device_page = NO_PAGE
             pages.append(page)
@@ -677,6 +688,7 @@ class PrefixTree:
                 if parent.device_children == 0:  # a device leaf now (never a host leaf: its child stays)
                     if (
                         (not entries or parent.last_access < entries[0][0])
+                        and (older_than is None or parent.last_access < older_than)
                         and not parent.lock_ref
                         and parent.host_page != NO_PAGE
                         and parent.flags & _HOST_READY
@@ -690,7 +702,7 @@ class PrefixTree:
             push(entries, entry)
         return pages
 
-    def host_victims(self, limit: int) -> list[PageNode]:
+    def host_victims(self, limit: int, older_than: int | None = None) -> list[PageNode]:
         """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too,
         LRU leaves first (descendants before their ancestors).
 
@@ -700,13 +712,37 @@ class PrefixTree:
             limit,
             lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING,
             lambda n: n.num_children,
+            older_than,
         )
 
-    def _victims(self, heap: _LeafHeap, limit: int, eligible, children) -> list[PageNode]:
+    def oldest_device_leaf(self) -> int | None:
+        """The stamp of the least recently used device leaf :meth:`device_victims` could take (None: none)."""
+        return self._oldest(self.device_heap, lambda n: not n.lock_ref)
+
+    def oldest_host_leaf(self) -> int | None:
+        """The stamp of the least recently used host leaf :meth:`host_victims` could take (None: none)."""
+        return self._oldest(self.host_heap, lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING)
+
+    def _oldest(self, heap: _LeafHeap, eligible) -> int | None:
+        entries, valid = heap.entries, heap.valid
+        keep, found = [], None
+        while entries:
+            entry = heapq.heappop(entries)
+            if not valid(entry):
+                continue
+            keep.append(entry)
+            if eligible(entry[2]):
+                found = entry[0]
+                break
+        for entry in keep:
+            heapq.heappush(entries, entry)
+        return found
+
+    def _victims(self, heap: _LeafHeap, limit: int, eligible, children, older_than: int | None = None) -> list[PageNode]:
         """Pop a tier's leaves oldest first; a parent joins once all its ``children`` in the tier are
         chosen, as recent as the newest of them: next at once when older than every queued leaf
         (a chain), else queued. Popped entries that are still valid go back on the heap: the
-        caller may not evict them all."""
+        caller may not evict them all. ``older_than``: the walk stops at the first leaf used since."""
         self._maybe_compact()
         entries, seq, is_leaf, in_tier = heap.entries, heap.seq, heap.is_leaf, heap.in_tier
         pop, push = heapq.heappop, heapq.heappush
@@ -727,6 +763,8 @@ class PrefixTree:
                         node = None
                         continue
                     keep.append(entry)
+            if older_than is not None and stamp >= older_than:
+                break
             if node in picked or not eligible(node):
                 node = None
                 continue

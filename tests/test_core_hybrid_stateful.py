@@ -32,7 +32,7 @@ from test_core_stateful import ExecutorSide, leading_stored
 
 PAGE = 4
 PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
-STEPS = {"total": 0, "group_hits": 0, "l3_hits": 0, "limited": 0, "failed": 0}
+STEPS = {"total": 0, "group_hits": 0, "l3_hits": 0, "limited": 0, "failed": 0, "shared_evicted": 0, "filled": 0}
 
 
 def hybrid_model(window: int | None, state: bool) -> tuple[ModelSpec, object]:
@@ -53,11 +53,13 @@ class BytesExecutor:
     has_storage = True
     can_wait = True
 
-    def __init__(self, rnd: random.Random):
+    def __init__(self, rnd: random.Random, pool_of: dict[str, str] | None = None):
         self.rnd = rnd
+        #: group -> the pool its objects live in ("": the full pages' own, shared); else its own
+        self.pool_of = pool_of or {}
         self.inflight: dict[int, Transfer] = {}
         self.done: list = []
-        #: (tier, group ("" for the tree's pages), id) -> label
+        #: (tier, pool (a group's name, "" for the tree's pages and the groups sharing them), id) -> label
         self.mem: dict[tuple[Tier, str, int], object] = {}
         self.store: dict[bytes, object] = {}
         #: fetches a settle answered: op -> places reported arrived (their bytes are in place)
@@ -84,7 +86,7 @@ class BytesExecutor:
             mem[(Tier.HOST, "", page)] = store.get(plan.keys[i]) if i < k else ("garbage", op)
         for g in plan.groups:
             for at, gid, key in zip(g.at, g.dst_pages, g.keys):
-                mem[(Tier.HOST, g.group, gid)] = store.get(key) if at < k else ("garbage", op)
+                mem[(Tier.HOST, self.pool_of.get(g.group, g.group), gid)] = store.get(key) if at < k else ("garbage", op)
 
     def finish(self, op: int, outcome: str, cut: float = 0.5) -> None:
         plan = self.inflight.pop(op)
@@ -104,10 +106,10 @@ class BytesExecutor:
             for g in plan.groups:
                 for at, gid, key in zip(g.at, g.src_pages, g.keys):
                     if at < k:
-                        self.store[key] = mem.get((Tier.HOST, g.group, gid))
+                        self.store[key] = mem.get((Tier.HOST, self.pool_of.get(g.group, g.group), gid))
             self.done.append(Done(op) if k == n else CutShort(op, k, Reason.ERROR) if k else Failed(op, Reason.ERROR))
             return
-        runs = [("", plan.src_pages, plan.dst_pages)] + [(g.group, g.src_pages, g.dst_pages) for g in plan.groups]
+        runs = [("", plan.src_pages, plan.dst_pages)] + [(self.pool_of.get(g.group, g.group), g.src_pages, g.dst_pages) for g in plan.groups]
         for group, src, dst in runs:
             for s, d in zip(src, dst):
                 mem[(plan.dst, group, d)] = mem.get((plan.src, group, s)) if outcome == "done" else ("garbage", op)
@@ -153,18 +155,24 @@ class HybridMachine(ExecutorSide):
     state_every = 1
     dev_pages, host_pages = 6, 8
     group_pages = {"swa": (4, 6), "ssm": (3, 4)}  # (device, host) ids per group
+    #: the window group's pages take the full pages' own ids (one budget per tier)
+    share_window = False
     write_policy = "write_through"
     l3_policy = "write_through"
 
     def __init__(self):
         super().__init__()
         self.rnd = random.Random(0)
-        self.port = BytesExecutor(self.rnd)
         self.model, full = hybrid_model(self.window, self.state)
+        device, host = PageAllocator(self.dev_pages, "device pool"), PageAllocator(self.host_pages, "host pool")
         pools = {g.name: (PageAllocator(self.group_pages[g.name][0], f"{g.name} device"), PageAllocator(self.group_pages[g.name][1],
                                                                                                        f"{g.name} host"))
                  for g in self.model.groups if g.kind != "full"}
-        self.core = CacheCore(full, PageAllocator(self.dev_pages, "device pool"), PageAllocator(self.host_pages, "host pool"), self.port,
+        if self.share_window and "swa" in pools:
+            pools["swa"] = (device, host)
+        self.pool_of = {name: "" if pool[0] is device else name for name, pool in pools.items()}
+        self.port = BytesExecutor(self.rnd, self.pool_of)
+        self.core = CacheCore(full, device, host, self.port,
                               CacheConfig(write_policy=self.write_policy, preallocate_nodes=False),
                               StorageConfig(url="memory://", write_policy=self.l3_policy, min_prefetch_pages=1), model=self.model,
                               group_pools=pools, state_every=self.state_every)
@@ -180,8 +188,9 @@ class HybridMachine(ExecutorSide):
             given = req.groups[c.name]
             needed = [n - 1] if c.is_state and n else [] if c.is_state else list(window_pages(c.group, n, PAGE))
             assert sorted(given) == needed, f"group {c.name}: offered {sorted(given)} for a prefix of {n} pages that reads {needed}"
+            pool = self.pool_of[c.name]
             for i, gid in given.items():
-                assert mem.get((Tier.DEVICE, c.name, gid)) == (req.keys[i], c.name), f"group {c.name}: object {i} holds wrong bytes"
+                assert mem.get((Tier.DEVICE, pool, gid)) == (req.keys[i], c.name), f"group {c.name}: object {i} holds wrong bytes"
         if n and any(req.groups.values()):
             STEPS["group_hits"] += 1
             STEPS["l3_hits"] += bool(req.storage_hit)
@@ -224,7 +233,7 @@ class HybridMachine(ExecutorSide):
                 places = [p for p in range(usable, full) if p in window_pages(c.group, full, PAGE) or self.rnd.random() < keep]
             got = req.alloc_group(c.name, len(places))
             for place, gid in zip(places, got):
-                mem[(Tier.DEVICE, c.name, gid)] = (req.keys[place], c.name)
+                mem[(Tier.DEVICE, self.pool_of[c.name], gid)] = (req.keys[place], c.name)
                 ids[place] = gid
             groups[c.name] = ids
         req.commit(req.cached_pages[:usable] + new.pages, groups)
@@ -270,7 +279,17 @@ class HybridMachine(ExecutorSide):
         mine_groups = {c.name: {g for req in self.open for g in req._group_alloc.get(c.name, ())} for c in core.components}
         core.check_integrity(caller_device_pages=mine, caller_group_pages=mine_groups)
         quarantined = core.quarantined_group_pages()
+        sharing = [c for c in core.components if c.sharing]
+        if sharing:  # one pool per tier: its pages and the sharing groups' objects fill it
+            objects = sum(len(c.at[Tier.DEVICE]) + len(mine_groups[c.name]) + len(quarantined.get(c.name, ())) for c in sharing)
+            pages = sum(n.device_page >= 0 for n in core.tree.nodes.values()) + len(mine) + len(core.quarantined_pages())
+            assert core.dev_alloc.num_free + pages + objects == self.dev_pages
+            host_pages = sum(n.host_page >= 0 for n in core.tree.nodes.values())
+            host_objects = sum(len(c.at[Tier.HOST]) for c in sharing)
+            assert core.host_alloc.num_free + host_pages + host_objects + len(core.host_alloc.parked) == self.host_pages
         for c in core.components:
+            if c.sharing:
+                continue
             dev, host = c.alloc[Tier.DEVICE], c.alloc[Tier.HOST]
             assert dev.num_free + len(c.at[Tier.DEVICE]) + len(mine_groups[c.name]) + len(quarantined.get(c.name, ())) == dev.num_pages
             assert host.num_free + len(c.at[Tier.HOST]) + len(host.parked) == host.num_pages
@@ -282,6 +301,8 @@ class HybridMachine(ExecutorSide):
             req.abort()
         STEPS["limited"] += sum(c.limited for c in self.core.components)
         STEPS["failed"] += self.core.stats.load_failed_pages
+        STEPS["shared_evicted"] += sum(c.evicted for c in self.core.components if c.sharing)
+        STEPS["filled"] += sum(c.filled for c in self.core.components)
         self.core.close()
 
 
@@ -295,18 +316,27 @@ CONFIGS = [  # window (tokens), state, cadence, device, host, write policy, grou
     (2, True, 1, 4, 6, "write_through_selective", 3),
     (6, True, 1, 10, 12, "write_through", 6),     # roomier pools: more prefixes survive to be hit
     (40, True, 3, 9, 12, "write_back", 6),
+    (2, False, 1, 8, 11, "write_through", "shared"),     # window pages share the full pages' pools: one budget per tier
+    (6, True, 3, 9, 12, "write_back", "shared"),
+    (6, False, 1, 7, 9, "write_through_selective", "shared"),
+    (40, True, 1, 12, 16, "write_through", "shared"),
 ]
 
 
 def test_hybrid_core_state_machine_ten_thousand_steps():
-    STEPS.update(total=0, group_hits=0, l3_hits=0, limited=0, failed=0)
+    STEPS.update(total=0, group_hits=0, l3_hits=0, limited=0, failed=0, shared_evicted=0, filled=0)
     for window, state, every, dev, host, wp, g in CONFIGS:
-        machine = type(f"Hybrid_{window}_{state}_{every}_{wp}_{dev}", (HybridMachine,),
+        shared = g == "shared"
+        g = 4 if shared else g
+        machine = type(f"Hybrid_{window}_{state}_{every}_{wp}_{dev}_{g}", (HybridMachine,),
                        {"window": window, "state": state, "state_every": every, "dev_pages": dev, "host_pages": host, "write_policy": wp,
-                        "group_pages": {"swa": (g, g + 2), "ssm": (g, g + 1)}})
+                        "group_pages": {"swa": (g, g + 2), "ssm": (g, g + 1)}, "share_window": shared})
         run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=70, derandomize=True, deadline=None,
                                                              database=None, suppress_health_check=list(HealthCheck)))
     assert STEPS["total"] >= 10_000, STEPS
     # the runs did what they are for: hits that read group objects (some through L3), prefixes a group cut
     # short, failed loads
     assert STEPS["group_hits"] > 100 and STEPS["l3_hits"] > 5 and STEPS["limited"] > 0 and STEPS["failed"] > 0, STEPS
+    # window pages went first under the pressure of a shared pool, and loads brought them back beside pages
+    # that had stayed on device
+    assert STEPS["shared_evicted"] > 100 and STEPS["filled"] > 0, STEPS

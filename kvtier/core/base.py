@@ -92,6 +92,10 @@ class CoreBase(PlanDispatch, HostSpace, StoragePolicy):
         """``nodes``' pages leave ``tier``; a core that keeps other KV groups' objects beside them frees
         those too (:mod:`~kvtier.core.group_residency`). Called wherever a page is cleared."""
 
+    def _shared_ids(self, tier: Tier, caller=None, quarantined=None) -> set[int]:
+        """Ids of ``tier``'s own pool held by other KV groups' objects (none in this core)."""
+        return set()
+
     def _computed_under_prefetch(self, nodes: list[PageNode]) -> None:
         """``nodes`` (one path's run, root side first) got device pages while a prefetch that gave
         them their host pages failed. Only a core with device pages in its tree has any."""
@@ -110,6 +114,8 @@ class CoreBase(PlanDispatch, HostSpace, StoragePolicy):
         assert len(host_owned) == len(set(host_owned)), "a host page is owned by two nodes"
         parked = self.host_alloc.parked  # freed, held for a plan that timed out (see PageAllocator.hold)
         assert not set(host_owned) & parked, "a host page held for a timed-out plan is in the tree"
-        assert set(host_owned) | set(caller_host_pages) | parked == self.host_alloc.allocated_pages(), (
+        objects = self._shared_ids(Tier.HOST)
+        assert not objects & (set(host_owned) | parked), "a host id is both a page's and another group's object"
+        assert set(host_owned) | set(caller_host_pages) | parked | objects == self.host_alloc.allocated_pages(), (
             "host allocator and tree disagree (leak or foreign page)"
         )

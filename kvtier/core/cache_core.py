@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -117,7 +118,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             if limit is not None:
                 end = min(end, limit)
                 matched, path = matched[:end], path[:end]
-            hybrid = self._hybrid_prefix(path, n_dev, len(matched))
+            hybrid = self._hybrid_prefix(path, n_dev, len(matched), fill=True)
             matched, limited_by = matched[: hybrid.pages], hybrid.limited_by
             n_dev = min(n_dev, hybrid.pages)
         pending: tuple[int, ...] = ()
@@ -171,13 +172,14 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 self.lock(again.last_node)
                 self.unlock(m.last_node)
                 m = again
-        ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+        ld = self.load_back(m) if m.num_host_pages or self.components else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
         given: dict[str, dict[int, int]] = {}
         held: list[PageNode] = []
         if self.components:  # what the loads could bring: the prefix every group continues from, its objects held
-            if ld.op is not None or len(nodes) < len(m.nodes):  # (else the match's answer stands: all of it was on device)
+            if ld.op is not None or len(nodes) < len(m.nodes) or self._object_fills(nodes, len(nodes)) is not None:
+                # (else the match's answer stands: all of it was on device)
                 usable = self._hybrid_prefix(nodes, len(nodes), len(nodes)).pages
                 nodes, cached = nodes[:usable], cached[:usable]
             given, held = self._given_objects(nodes)
@@ -191,50 +193,76 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
 
         Loads as many leading host pages as the device can hold after eviction;
         the rest stay on host (``loaded < requested``), nothing is half-assigned.
+        A hybrid model's objects the match's boundary reads come along: those of the pages loaded,
+        and those of device pages whose object was evicted from device but kept on host (the
+        "fills": the plan brings their objects alone, and they count as loading until it is done).
         """
         self.poll()
         # the match may be stale: keep the leading run that still directly follows the device prefix
         host_nodes = match.host_nodes
         valid = host_nodes[: self.tree.loadable_run(host_nodes)]
         prefix_pages = list(match.device_pages)
-        if not valid:
-            return LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
-        self.tree.lock(valid[-1])  # pins the matched path while we make room
-        got = self.alloc_device(len(valid))
-        if not got.ok:
-            take = min(len(valid), self.dev_alloc.num_free)
-            got = self.dev_alloc.alloc(take)
-            self.stats.load_shortfall_pages += len(valid) - take
-        self.tree.unlock(valid[-1])
-        served = valid[: len(got.pages)]
-        if not served:
-            return LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
-        self.tree.set_device_run(served, got.pages)
-        self.tree.touch(served)
-        self.tree.lock(served[-1])  # released when the load completes (poll)
-        groups = ()
+        first = len(prefix_pages)
+        lo = self._object_fills(match.nodes, first) if self.components else None
+        nothing = LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
+        if not valid and lo is None:
+            return nothing
+        got = None
+        if valid:
+            self.tree.lock(valid[-1])  # pins the matched path while we make room
+            got = self.alloc_device(len(valid))
+            if not got.ok:
+                take = min(len(valid), self.dev_alloc.num_free)
+                got = self.dev_alloc.alloc(take)
+                self.stats.load_shortfall_pages += len(valid) - take
+            self.tree.unlock(valid[-1])
+        served = valid[: len(got.pages)] if got is not None else []
+        if not served and lo is None:
+            return nothing
+        start = first if lo is None else lo
+        span = match.nodes[start : first + len(served)]
+        if served:
+            self.tree.set_device_run(served, got.pages)
+            self.tree.touch(served)
+        self.tree.lock(span[-1])  # pins the path while objects get device ids; released when the load completes (poll)
+        groups, fills = (), ()
         if self.components:  # only what the matched boundary reads: its window's pages, its snapshot
-            first = len(prefix_pages)
-            groups = self._group_runs(served, Tier.HOST, Tier.DEVICE, self._wanted(len(match.nodes), first, first + len(served)))
-        op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, got.pages, 0, groups)
-        for n in served:
+            groups = self._group_runs(span, Tier.HOST, Tier.DEVICE, self._wanted(len(match.nodes), start, first + len(served)))
+            if start < first:  # a fill's objects ride on the first page loaded (on a plan of no pages: on the plan)
+                fills = tuple(span[i] for i in sorted({i for run in groups for i in run.at if i < first - start}))
+                for run in groups:
+                    self.component(run.group).filled += sum(i < first - start for i in run.at)
+                groups = tuple(replace(run, at=tuple(max(0, i - (first - start)) for i in run.at) if served else ()) for run in groups)
+        if not served:  # a plan of objects alone: its lock is on the deepest node whose objects it brings
+            if fills:
+                self.tree.lock(fills[-1])
+            self.tree.unlock(span[-1])
+            if not fills:  # no device ids for the fills' objects: nothing to load
+                return nothing
+        op = self._submit(copy_plan, LoadBack(served, fills), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE,
+                          got.pages if served else [], 0, groups)
+        for n in (*fills, *served):
             self._loading[n] = op
-        return LoadResult(op, prefix_pages + got.pages, len(served), len(host_nodes), match.pending, self)
+        return LoadResult(op, prefix_pages + (got.pages if served else []), len(served), len(host_nodes), match.pending, self)
 
     def _finish_load(self, c: Completion, tag: LoadBack) -> None:
-        nodes = tag.nodes
+        nodes, fills = tag.nodes, tag.fills
+        locked = nodes[-1] if nodes else fills[-1]
         loading = self._loading
         mine = [n for n in nodes if loading.get(n) == c.op]  # (a failed load above may have taken them already)
-        for n in mine:
+        filled = [n for n in fills if loading.get(n) == c.op]
+        for n in (*filled, *mine):
             del loading[n]
         if type(c) is not Done:  # the device copies are garbage: off the tree now, freed once nobody can name them
             self.stats.transfer_failures += 1
-            self.tree.unlock(nodes[-1])
+            self.tree.unlock(locked)
             self.stats.load_failed_pages += self._drop_failed_load(mine)
+            if filled:  # their pages were good; the objects brought beside them are not
+                self._drop_failed_objects(filled)
             return
         self.stats.loaded_pages += len(nodes)
         self.stats.loaded_bytes += len(nodes) * self._page_bytes
-        self.tree.unlock(nodes[-1])
+        self.tree.unlock(locked)
 
     def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
@@ -297,17 +325,17 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         tree.set_device_run(path[n_dev:], device_pages[n_dev:n_have])
         canonical += device_pages[n_dev:]
         fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
-        gained: list[PageNode] = []
-        if groups:  # before any backup below: it copies the objects its pages hold
-            gained = self._attach_groups(path + fresh, groups, len(path))
         last = fresh[-1] if fresh else (path[-1] if path else None)
+        if last is not None:
+            tree.touch((last,))
+        gained: list[PageNode] = []
+        if groups:  # before any backup below: it copies the objects its pages hold; as recent as they are
+            gained = self._attach_groups(path + fresh, groups, len(path))
         if freed:
             self.dev_alloc.free(freed)
         st = self.stats
         st.inserted_pages += len(fresh)
         st.duplicate_pages += len(freed)
-        if last is not None:
-            tree.touch((last,))
         if self.config.write_policy == "write_through":
             # every fresh node is due; the path usually has no page without a host copy (one C-level scan says)
             due = [n for n in path if n.host_page == NO_PAGE] if NO_PAGE in map(host_page_of, path) else []
@@ -380,6 +408,9 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"
         quarantined = self.quarantined_pages()
         assert not (set(dev_owned) | set(caller_device_pages)) & quarantined, "a quarantined device page is in use"
-        assert set(dev_owned) | set(caller_device_pages) | quarantined == self.dev_alloc.allocated_pages() - (
+        objects = self._shared_ids(Tier.DEVICE, caller_group_pages, self.quarantined_group_pages())
+        assert not objects & (set(dev_owned) | set(caller_device_pages) | quarantined), (
+            "a device id is both a page's and another group's object")
+        assert set(dev_owned) | set(caller_device_pages) | quarantined | objects == self.dev_alloc.allocated_pages() - (
             {0} if self.dev_alloc.reserve_padding_page else set()
         ), "device allocator and tree disagree (leak or foreign page)"

@@ -46,11 +46,11 @@ class DeviceSpace:
         got = self.dev_alloc.alloc(n)
         if got.ok:
             return got
-        self.evict_device(n - self.dev_alloc.num_free)
+        self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
         got = self.dev_alloc.alloc(n)
         if not got.ok and self.poll_inflight():
             # pages pinned only by transfers in flight: wait for them, then try once more
-            self.evict_device(n - self.dev_alloc.num_free)
+            self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
             got = self.dev_alloc.alloc(n)
         return got
 
@@ -94,8 +94,9 @@ class DeviceSpace:
         if ok and self.port.has_storage and self.storage_config.write_policy == "write_through":
             self._save(tree.not_stored(nodes))
 
-    def evict_device(self, n: int) -> EvictResult:
+    def evict_device(self, n: int, older_than: int | None = None) -> EvictResult:
         """Free at least ``n`` device pages if possible, LRU leaves first; locked pages are never touched.
+        ``older_than``: only pages last used before that stamp (see :meth:`_make_room`).
 
         Rounds until enough is free or nothing moves: first pages whose host
         copy is ready (dropping the device copy costs nothing), then device-only
@@ -106,13 +107,13 @@ class DeviceSpace:
         while freed < n:
             before = freed
             cleared: list[PageNode] | None = [] if self.components else None
-            cheap = tree.drop_backed_up(n - freed, cleared)
+            cheap = tree.drop_backed_up(n - freed, cleared, older_than)
             if cleared:
                 self._groups_left(Tier.DEVICE, cleared)
             self.dev_alloc.free(cheap)
             freed += len(cheap)
             if freed < n:
-                victims = tree.device_victims(n - freed)
+                victims = tree.device_victims(n - freed, older_than=older_than)
                 unbacked = [v for v in victims if v.host_page == NO_PAGE]
                 if unbacked and self.config.on_device_evict == "backup":
                     backed += self._backup_for_eviction(unbacked)

@@ -73,6 +73,15 @@ class FailedLoads:
         self._release_quarantine()
         return len(pages)
 
+    def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
+        """A failed load brought other groups' objects beside device pages it did not load (fills): the
+        objects leave the tree into quarantine, the pages stay (their bytes were never touched)."""
+        groups = self._groups_quarantined(nodes)
+        if groups:
+            self.load_failure_gen += 1
+            self._quarantine.append(([], self._request_serial, self._last_op, groups))
+            self._release_quarantine()
+
     def _release_quarantine(self) -> None:
         """Free the quarantined pages nobody can name any more: every request begun before their
         failure has finished, and so has every plan submitted before it."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
 from itertools import compress, repeat
 from operator import is_not
@@ -46,6 +47,8 @@ from kvtier.hashing import PageHash, group_object_key
 from kvtier.pages import first_duplicate
 from kvtier.radix import NO_PAGE, SAVING, PageNode
 
+_last_access = operator.attrgetter("last_access")
+
 #: the tiers whose object ids a component keeps (L3 objects are named by their keys)
 TIERS = (Tier.DEVICE, Tier.HOST)
 #: questions to L3 about group objects per match, at most (a bound on a lookup's round trips)
@@ -56,7 +59,7 @@ class Component:
     """One non-full KV group: its pools' page ids and, per tier, node -> object id."""
 
     __slots__ = ("group", "name", "alloc", "at", "heap", "fresh", "seq", "unready", "loaded", "backed_up", "evicted", "limited", "saved",
-                 "fetched")
+                 "fetched", "filled", "sharing", "used")
 
     def __init__(self, group: KVGroup, device: PageAllocator, host: PageAllocator):
         self.group = group
@@ -75,6 +78,13 @@ class Component:
         self.loaded = self.backed_up = self.evicted = self.limited = 0
         #: objects planned into L3 and out of it
         self.saved = self.fetched = 0
+        #: objects loads brought back beside pages that had stayed on device (their object had not)
+        self.filled = 0
+        #: whether its ids are the full pages' own, in both tiers (one pool, one budget: :meth:`GroupResidency._make_room`)
+        self.sharing = False
+        #: sharing: node -> when its object was last written or read, whichever tier holds it (its own
+        #: recency: a window page a request passes over is not used by it, though its node's page is)
+        self.used: dict[PageNode, int] = {}
 
     def note(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
         """``nodes``' objects just arrived in ``tier``: the eviction heap learns of them when next needed.
@@ -94,7 +104,7 @@ class Component:
 
     def stats(self) -> dict[str, int]:
         return {"device_objects": len(self.at[Tier.DEVICE]), "host_objects": len(self.at[Tier.HOST]), "loaded": self.loaded,
-                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "evicted": self.evicted,
+                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "filled": self.filled, "evicted": self.evicted,
                 "limited_matches": self.limited}
 
 
@@ -112,6 +122,7 @@ class GroupResidency:
         self._has_state = False
         #: plans given up on (a prefetch past its budget, a timeout) -> the host object ids they may still write
         self._group_held_for: dict[int, dict[str, list[int]]] = {}
+        self._sharing: list[Component] = []
         if model is None or not model.is_hybrid:
             return
         if type(state_every) is not int or state_every < 1:
@@ -128,6 +139,25 @@ class GroupResidency:
                                   f"group_pools={{{g.name!r}: (device allocator, host allocator)}}")
             self.components.append(Component(g, *pools[g.name]))
         self._has_state = any(c.is_state for c in self.components)
+        device = getattr(self, "dev_alloc", None)
+        for c in self.components:
+            shares = (c.alloc[Tier.DEVICE] is device and device is not None, c.alloc[Tier.HOST] is self.host_alloc)
+            if not any(shares):
+                continue
+            where = f"KV group {c.name!r} ({c.group.kind}) shares the full pages' pool"
+            if device is None:
+                raise ConfigError(f"{where}: with the engine owning the device, a group's host objects keep a pool of their own; "
+                                  "pass a host allocator that is not the cache's")
+            if not all(shares):
+                raise ConfigError(f"{where} in one tier only: pass the cache's own allocators for both tiers, or neither")
+            obj = c.group.object_spec()
+            if c.is_state or obj.page_bytes > self.spec.page_bytes:
+                raise ConfigError(f"{where}, but its objects are {obj.page_bytes} bytes and a page {self.spec.page_bytes}: only "
+                                  "sliding-window groups whose page fits a full page's slot can share it; split the group's layers "
+                                  "(as vLLM's hybrid allocator does) or give it a pool of its own")
+            c.sharing = True
+        #: the groups whose objects take the full pages' ids
+        self._sharing = [c for c in self.components if c.sharing]
         unknown = set(pools) - {c.name for c in self.components}
         if unknown:
             raise ConfigError(f"group_pools names {sorted(unknown)}, which are not groups of {model.name!r} beside full attention")
@@ -143,11 +173,12 @@ class GroupResidency:
         return self.component(name).at[Tier.DEVICE].get(node) == gid
 
     # ---- the prefix every group can continue from -----------------------------------------
-    def _hybrid_prefix(self, path: Sequence[PageNode], n_dev: int, full: int) -> HybridPrefix:
+    def _hybrid_prefix(self, path: Sequence[PageNode], n_dev: int, full: int, *, fill: bool = False) -> HybridPrefix:
         """The longest prefix of ``path[:full]`` usable in every group: an object counts where its node's
         page is usable -- on device for the first ``n_dev`` nodes, a readable host copy after them
-        (the load back brings it along)."""
-        return usable_prefix(full, self.model.groups, self.spec.page_size, self._tree_has(path, n_dev))
+        (the load back brings it along). ``fill``: a device node's object counts from a readable host
+        copy too (its page stayed on device, the object was evicted there: the load back brings it)."""
+        return usable_prefix(full, self.model.groups, self.spec.page_size, self._tree_has(path, n_dev, fill))
 
     def needed_places(self, c: Component, pages: int) -> Iterable[int]:
         """The places of the objects of ``c`` a prefix of ``pages`` pages reads: its window's pages, or the
@@ -166,6 +197,8 @@ class GroupResidency:
             mine = {i: dev[nodes[i]] for i in self.needed_places(c, len(nodes))}
             given[c.name] = mine
             places.update(mine)
+            if c.sharing:
+                self._used(c, [nodes[i] for i in mine])
         held = [nodes[i] for i in sorted(places)]
         self.hold_groups(held)
         return given, held
@@ -218,9 +251,13 @@ class GroupResidency:
                 pairs = list(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
                 dev.update(pairs)
                 c.note(Tier.DEVICE, [node for node, _ in pairs])
+                if c.sharing:
+                    self._used(c, [node for node, _ in pairs])
             else:  # the usual case, in C: an object for every new page
                 dev.update(zip(new_nodes, new_ids))
                 c.note(Tier.DEVICE, new_nodes)
+                if c.sharing:
+                    self._used(c, new_nodes)
             old_ids = ids[:fresh]
             if old_ids.count(None) == fresh:  # the usual case: nothing handed for pages the cache had
                 continue
@@ -230,6 +267,8 @@ class GroupResidency:
                 if have is None:
                     dev[node] = i
                     c.note(Tier.DEVICE, (node,))
+                    if c.sharing:
+                        self._used(c, (node,))
                     gained[node] = None
                 elif have != i:
                     dup.append(i)
@@ -293,8 +332,11 @@ class GroupResidency:
             at = at[: len(ids)]
             if not at:
                 continue
-            c.at[dst].update(zip((nodes[i] for i in at), ids))
-            c.note(dst, [nodes[i] for i in at])
+            moved = [nodes[i] for i in at]
+            c.at[dst].update(zip(moved, ids))
+            c.note(dst, moved)
+            if c.sharing:  # a copy to host is as recent as its source; a load back or a fetch reads them now
+                self._used(c, moved, copy=src is Tier.DEVICE)
             if src is Tier.STORAGE:
                 runs.append(GroupRun(c.name, tuple(at), (), tuple(ids), tuple(group_object_key(nodes[i].key, c.name) for i in at)))
                 c.fetched += len(at)
@@ -352,6 +394,8 @@ class GroupResidency:
                 continue
             host.update(zip(todo, ids))
             c.note(Tier.HOST, todo)
+            if c.sharing:
+                self._used(c, todo, copy=True)
             c.unready.update(todo)
             c.backed_up += len(todo)
             runs.append(GroupRun(c.name, (), tuple(dev[n] for n in todo), tuple(ids)))
@@ -369,8 +413,7 @@ class GroupResidency:
             moved = [n for n in tag.nodes if n in comp.unready]
             comp.unready.difference_update(moved)
             if not ok:  # the host objects hold nothing good: back to the pool
-                host = comp.at[Tier.HOST]
-                comp.alloc[Tier.HOST].free([host.pop(n) for n in moved if n in host])
+                comp.alloc[Tier.HOST].free(self._take(comp, Tier.HOST, moved))
         if not ok:
             self.stats.transfer_failures += 1
 
@@ -410,27 +453,40 @@ class GroupResidency:
                 has[c.name] = lambda i, c=c, inside=inside, span=span: inside(i) if i < start else in_store(c, i, span)
         return usable_prefix(start + stored, self.model.groups, self.spec.page_size, has).pages - start
 
-    def _tree_has(self, path: Sequence[PageNode], n_dev: int) -> dict[str, object]:
+    def _tree_has(self, path: Sequence[PageNode], n_dev: int, fill: bool = False) -> dict[str, object]:
         """Per group, whether the object a boundary (state) or a page (window) of ``path`` reads is in the
-        tree where it counts: on device for the first ``n_dev`` nodes, on host after them."""
+        tree where it counts: on device for the first ``n_dev`` nodes (``fill``: or on host), on host after them."""
         has = {}
         for c in self.components:
             dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
             unready = c.unready
-            if c.is_state:
-                has[c.name] = lambda b, dev=dev, host=host, unready=unready: (
-                    (path[b - 1] in dev) if b <= n_dev else (path[b - 1] in host and path[b - 1] not in unready))
-            else:
-                has[c.name] = lambda i, dev=dev, host=host, unready=unready: (
-                    (path[i] in dev) if i < n_dev else (path[i] in host and path[i] not in unready))
+
+            def at(i: int, dev=dev, host=host, unready=unready) -> bool:
+                node = path[i]
+                if i < n_dev and node in dev:
+                    return True
+                return (i >= n_dev or fill) and node in host and node not in unready
+
+            has[c.name] = (lambda b, at=at: at(b - 1)) if c.is_state else at
         return has
+
+    def _object_fills(self, nodes: Sequence[PageNode], n_dev: int) -> int | None:
+        """The first of ``nodes[:n_dev]`` (device pages) whose object a request continuing from the end
+        of ``nodes`` reads is on host only (None: all are on device): the load back brings it."""
+        first = None
+        for c in self.components:
+            dev = c.at[Tier.DEVICE]
+            for i in self.needed_places(c, len(nodes)):
+                if i < n_dev and nodes[i] not in dev and (first is None or i < first):
+                    first = i
+                    break
+        return first
 
     def _groups_left(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
         """``nodes``' pages left ``tier``: so do their objects there (their ids go back to the pools)."""
         for c in self.components:
-            at = c.at[tier]
-            if at:
-                gone = [at.pop(n) for n in nodes if n in at]
+            if c.at[tier]:
+                gone = self._take(c, tier, nodes)
                 if gone:
                     c.alloc[tier].free(gone)
 
@@ -438,8 +494,7 @@ class GroupResidency:
         """A failed load's nodes: their device objects leave the tree, ids kept until the quarantine ends."""
         out = {}
         for c in self.components:
-            at = c.at[Tier.DEVICE]
-            gone = [at.pop(n) for n in nodes if n in at]
+            gone = self._take(c, Tier.DEVICE, nodes)
             if gone:
                 out[c.name] = gone
         return out
@@ -448,12 +503,69 @@ class GroupResidency:
         for name, pages in ids.items():
             self.component(name).alloc[tier].free(pages)
 
+    # ---- objects' own recency, in a pool they share with the full pages ---------------------------
+    def _used(self, c: Component, nodes: Sequence[PageNode], copy: bool = False) -> None:
+        """``nodes``' objects of sharing group ``c`` were written or read now (``copy``: copied to another
+        tier, which changes no recency: one stamp per node, whichever tiers hold it, as the tree keeps)."""
+        used = c.used
+        if copy:
+            for node in nodes:
+                used.setdefault(node, node.last_access)
+            return
+        now = self.tree.now
+        for node in nodes:
+            used[node] = now
+
+    @staticmethod
+    def _take(c: Component, tier: Tier, nodes: Iterable[PageNode]) -> list[int]:
+        """Detach ``nodes``' objects of ``c`` in ``tier``; returns their ids (the caller frees or keeps them)."""
+        at = c.at[tier]
+        if not c.sharing:
+            return [at.pop(n) for n in nodes if n in at]
+        used, other, gone = c.used, c.at[Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE], []
+        for n in nodes:
+            if n in at:
+                gone.append(at.pop(n))
+                if n not in other:
+                    del used[n]
+        return gone
+
+    def _make_room(self, tier: Tier, n: int) -> None:
+        """Free ``n`` ids of ``tier``'s pool. Where other groups' objects share it (one budget for a page
+        and its window), both kinds go in one least-recently-used order, a window page before a full
+        page of equal recency: window objects no newer than the oldest page that could go, then pages
+        older than the oldest window object that could go, and again."""
+        sharing = self._sharing
+        if not sharing:
+            super()._make_room(tier, n)
+            return
+        device = tier is Tier.DEVICE
+        alloc = self.dev_alloc if device else self.host_alloc
+        oldest_page = self.tree.oldest_device_leaf if device else self.tree.oldest_host_leaf
+        evict_pages = self.evict_device if device else self.evict_host
+        want = alloc.num_free + n
+        while alloc.num_free < want:
+            before = alloc.num_free
+            page_stamp = oldest_page()
+            for c in sharing:
+                if alloc.num_free < want:
+                    self._evict_group(c, tier, want - alloc.num_free, up_to=page_stamp)
+            if alloc.num_free < want:
+                stamps = [st for st in (self._evict_group(c, tier, 0) for c in sharing) if st is not None]
+                evict_pages(want - alloc.num_free, older_than=min(stamps, default=None))
+            if alloc.num_free == before:
+                return
+
     # ---- each group's own pool pressure ---------------------------------------------------------
     def _alloc_group(self, c: Component, tier: Tier, n: int) -> list[int]:
-        """Up to ``n`` ids of ``c``'s pool in ``tier``, evicting its unheld objects, LRU first, if needed."""
+        """Up to ``n`` ids of ``c``'s pool in ``tier``, evicting its unheld objects, LRU first, if needed
+        (a pool shared with the full pages: :meth:`_make_room`)."""
         alloc = c.alloc[tier]
         if alloc.num_free < n:
-            self._evict_group(c, tier, n - alloc.num_free)
+            if c.sharing:
+                self._make_room(tier, n - alloc.num_free)
+            else:
+                self._evict_group(c, tier, n - alloc.num_free)
         return alloc.alloc(min(n, alloc.num_free)).pages
 
     def _movable(self, node: PageNode, tier: Tier, c: Component) -> bool:
@@ -465,46 +577,57 @@ class GroupResidency:
         # a host copy being made (a backup reads the device object, writes the host one) is not readable yet
         return node.host_page == NO_PAGE or node.host_ready
 
-    def _evict_group(self, c: Component, tier: Tier, n: int) -> int:
-        """Free ``n`` of ``c``'s ids in ``tier``: least recently used unheld objects first (by their node's
-        recency, a lazy heap as the tree keeps per tier); a state group's snapshots on leaves -- the
-        last snapshot a cached prefix ends on -- only after every other."""
+    def _evict_group(self, c: Component, tier: Tier, n: int, up_to: int | None = None) -> int | None:
+        """Free ``n`` of ``c``'s ids in ``tier``: least recently used unheld objects first (by their own
+        recency in a shared pool, else their node's; a lazy heap as the tree keeps per tier); a state
+        group's snapshots on leaves -- the last snapshot a cached prefix ends on -- only after every
+        other. ``up_to``: only objects used no later than that. Returns the recency of the next object
+        that could go (None: none), so ``n=0`` only looks."""
         heap, at, seq = c.heap[tier], c.at[tier], c.seq
+        stamp_of = c.used.__getitem__ if c.sharing else _last_access
         fresh = c.fresh[tier]
         if heap is None or len(heap) + len(fresh) > 2 * len(at) + 64:  # none yet, or mostly stale: built from the tier
-            heap = c.heap[tier] = [(node.last_access, next(seq), node) for node in at]
+            heap = c.heap[tier] = [(stamp_of(node), next(seq), node) for node in at]
             heapq.heapify(heap)
         else:
             for node in fresh:
-                heapq.heappush(heap, (node.last_access, next(seq), node))
+                if node in at:  # (else it left since)
+                    heapq.heappush(heap, (stamp_of(node), next(seq), node))
         fresh.clear()
         victims: dict[PageNode, None] = {}
         aside, leaves = [], []
-        while len(victims) < n and heap:
-            entry = heapq.heappop(heap)
+        following = None
+        while heap:
+            entry = heap[0]
             stamp, _, node = entry
             if node not in at or node in victims:
+                heapq.heappop(heap)
                 continue  # stale: the object left (or is taken already)
-            if stamp != node.last_access:
-                heapq.heappush(heap, (node.last_access, next(seq), node))  # used since: back in at its new place
+            if stamp != stamp_of(node):
+                heapq.heapreplace(heap, (stamp_of(node), next(seq), node))  # used since: back in at its new place
                 continue
             if not self._movable(node, tier, c):
-                aside.append(entry)
+                aside.append(heapq.heappop(heap))
+            elif len(victims) >= n or (up_to is not None and stamp > up_to):
+                following = stamp
+                break
             elif c.is_state and not node.num_children:
-                leaves.append(entry)
+                leaves.append(heapq.heappop(heap))
             else:
+                heapq.heappop(heap)
                 victims[node] = None
         for entry in leaves:
             if len(victims) < n:
                 victims[entry[2]] = None
             else:
                 aside.append(entry)
+                following = entry[0] if following is None else min(following, entry[0])
         for entry in aside:
             heapq.heappush(heap, entry)
         if victims:
-            c.alloc[tier].free([at.pop(node) for node in victims])
+            c.alloc[tier].free(self._take(c, tier, victims))
             c.evicted += len(victims)
-        return len(victims)
+        return following
 
     # ---- accounting ------------------------------------------------------------------------------
     def _check_groups(self, caller: dict[str, set[int]], quarantined: dict[str, set[int]], idle: bool) -> None:
@@ -526,5 +649,20 @@ class GroupResidency:
                 mine = caller.get(c.name, set()) if tier is Tier.DEVICE else set()
                 held = quarantined.get(c.name, set()) if tier is Tier.DEVICE else set(c.alloc[tier].parked)
                 assert not set(ids) & (mine | held), f"group {c.name}: an object owned by the tree and a caller or the quarantine"
+                if c.sharing:  # the tier's own accounting counts them (_shared_ids)
+                    held_somewhere = c.at[Tier.DEVICE].keys() | c.at[Tier.HOST].keys()
+                    assert c.used.keys() == held_somewhere, f"group {c.name}: its recency and its objects disagree"
+                    continue
                 assert set(ids) | mine | held == c.alloc[tier].allocated_pages(), (
                     f"group {c.name}: its {tier.name.lower()} allocator and the tree disagree (leak or foreign id)")
+
+    def _shared_ids(self, tier: Tier, caller: dict[str, set[int]] | None = None,
+                    quarantined: dict[str, set[int]] | None = None) -> set[int]:
+        """The ids of ``tier``'s own pool that other groups' objects hold (the tree's, a caller's, the
+        quarantine's): the tier's accounting adds them to its pages."""
+        out: set[int] = set()
+        for c in self._sharing:
+            out.update(c.at[tier].values())
+            out.update((caller or {}).get(c.name, ()))
+            out.update((quarantined or {}).get(c.name, ()))
+        return out

@@ -22,19 +22,28 @@ class HostSpace:
         got = self.host_alloc.alloc(n)
         if got.ok:
             return got
-        self.evict_host(n - self.host_alloc.num_free)
+        self._make_room(Tier.HOST, n - self.host_alloc.num_free)
         got = self.host_alloc.alloc(n)
         if not got.ok and self.port.has_storage and self.port.can_wait:
             # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
             # (a port that cannot wait -- a scheduler's workers answer next step -- gets fewer pages now)
             if self.wait_for(self._ops_for(Save, PrefetchHandle)) > 0:
-                self.evict_host(n - self.host_alloc.num_free)
+                self._make_room(Tier.HOST, n - self.host_alloc.num_free)
                 got = self.host_alloc.alloc(n)
         return got
 
-    def evict_host(self, n: int) -> EvictResult:
-        """Free at least ``n`` host pages whose device copy is gone, LRU leaves first."""
-        victims = self.tree.host_victims(n)
+    def _make_room(self, tier: Tier, n: int) -> None:
+        """Free ``n`` ids of ``tier``'s pool: its pages' eviction (a core whose other KV groups share the
+        pool weighs their objects too, :mod:`~kvtier.core.group_residency`)."""
+        if tier is Tier.HOST:
+            self.evict_host(n)
+        else:
+            self.evict_device(n)
+
+    def evict_host(self, n: int, older_than: int | None = None) -> EvictResult:
+        """Free at least ``n`` host pages whose device copy is gone, LRU leaves first (``older_than``:
+        only pages last used before that stamp)."""
+        victims = self.tree.host_victims(n, older_than)
         if victims and self.on_host_evicted is not None:
             self.on_host_evicted([v.key for v in victims])
         if self.port.has_storage and self.storage_config.write_policy == "write_back":

@@ -37,10 +37,12 @@ class Backup(JobTag):
     __slots__ = ()
 
 
+@dataclass(frozen=True, slots=True)
 class LoadBack(JobTag):
-    """host -> device copies of a request's host run; applied by :meth:`CacheCore.poll`."""
+    """host -> device copies of a request's host run; applied by :meth:`CacheCore.poll`. ``fills``:
+    nodes above that run whose pages are on device already, whose other groups' objects it brings."""
 
-    __slots__ = ()
+    fills: tuple[PageNode, ...] = ()
 
 
 class EvictionBackup(JobTag):

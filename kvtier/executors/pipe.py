@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from kvtier.config import StorageConfig
 from kvtier.core.plans import Completion, Transfer
-from kvtier.errors import ExecutorError
+from kvtier.errors import ExecutorError, SpecError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace
 from kvtier.spec import KVSpec
@@ -44,6 +44,8 @@ class WorkerSpec:
     #: a hybrid model: its other KV groups' pools, (device objects, host objects) per group name
     model: ModelSpec | None = None
     group_pages: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: groups whose objects live in the full pages' own pools (one budget per tier: their ids are the pages')
+    shared_groups: tuple[str, ...] = ()
 
     def build(self):
         """The worker's :class:`LocalExecutor` (called in the worker's process)."""
@@ -61,6 +63,11 @@ class WorkerSpec:
         pools = {name: (DevicePool(self.model.group(name).object_spec(), dev, self.device),
                         HostPool(self.model.group(name).object_spec(), hst, self.host_layout))
                  for name, (dev, hst) in self.group_pages.items()} if self.group_pages else {}
+        for name in self.shared_groups:
+            if self.model.group(name).object_spec() != self.spec:
+                raise SpecError(f"KV group {name!r} shares the full pages' pools, but its objects are not full pages: give it "
+                                "group_pages of its own")
+            pools[name] = (device, host)
         return LocalExecutor(TransferEngine(host, device, self.io_backend), tier, *group_movers(pools, self.io_backend, tier))
 
 

@@ -32,7 +32,7 @@ from dataclasses import replace
 
 from kvtier.config import CacheConfig, ConfigError
 from kvtier.app.plan.config import (GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts, TokenCosts, block_bytes, capacity,
-                                    planning_model, planning_spec)
+                                    planning_model, planning_spec, slots_per_block, window_groups)
 from kvtier.app.plan.replay_cache import replay_cache
 from kvtier.app.plan.routing import ROUTING_POLICIES, route
 from kvtier.app.plan.timing import simulate
@@ -115,14 +115,9 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
     """
     cost = block_bytes(cfg)
     cap = capacity(cfg, cost)
-    longest = _longest_blocks(requests)
+    per_block = slots_per_block(cfg)  # a hybrid model's block takes a slot per window group too
+    longest = _longest_blocks(requests) * per_block
     refused = "hit ratios could fall as a tier grows, so kvtier plan refuses it"
-    if planning_model(cfg) is not None and cfg.window_share != 1:
-        raise ConfigError(
-            f"--plan-window-share {cfg.window_share:g}: below 1, sliding-window pages compete in their own LRU, and a bigger tier "
-            f"can serve fewer hits (seen: gpt-oss-120b at 0.8 gave 0.2446 / 0.2446 / 0.2428 at 20 / 40 / 80 GB of device): {refused}; "
-            "give --plan-window-share 1"
-        )
     if cap.device < longest:
         raise ConfigError(
             f"device tier of {cap.device} blocks ({cfg.device_gb:g} GB) cannot hold the longest request ({longest} blocks): {refused}; "
@@ -134,8 +129,8 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
             f"longest request (2 x {longest} blocks): {refused}; "
             f"give --plan-host-tb {round_up(min_host_tb(requests, cfg))} or more, or a smaller --plan-device-gb"
         )
-    if cap.storage and cap.storage < sum(r.input_length // MOONCAKE_BLOCK_TOKENS for r in requests):  # else it holds all
-        distinct = distinct_blocks(requests)
+    if cap.storage and cap.storage < per_block * sum(r.input_length // MOONCAKE_BLOCK_TOKENS for r in requests):  # else it holds all
+        distinct = distinct_blocks(requests) * per_block
         if cap.storage < distinct:
             need = distinct * cost / TB / cfg.nodes
             raise ConfigError(
@@ -220,26 +215,31 @@ def _group_report(cfg: PlanConfig, cap: Capacity, counts: ReplayCounts) -> dict:
     (summed over nodes); and the blocks a tier holds against a full-attention model of the same size."""
     model = planning_model(cfg)
     spec = planning_spec(cfg)
+    shared = window_groups(cfg)
+    # with window groups sharing the pool, a tier's slots hold full pages and window pages alike
     out: dict = {"full": {"kind": "full", "bytes_per_block": spec.page_bytes, "layers": len(model.group("full").layers),
-                          "device_blocks": cap.device, "host_blocks": cap.host}}
+                          "device_blocks": cap.device, "host_blocks": cap.host, "slots_shared_with": shared}}
     moved_bytes: dict[str, int] = {}
     for g in model.groups:
         if g.kind == "full":
             continue
         nbytes = g.attention.page_bytes if g.attention is not None else g.state_bytes
         moved = counts.groups.get(g.name, {})
-        share = 1.0 if g.kind == "sliding_window" else 1 / cfg.state_every
-        budget = {"device": int(cap.device * share), "host": int(cap.host * share)}
         peak = dict(zip(("device", "host"), counts.peaks.get(g.name, [0, 0])))
         out[g.name] = {"kind": g.kind, "layers": len(g.layers), "bytes_per_object": nbytes, "window_tokens": g.window or None,
-                       "objects_reserved_per_node": budget, "objects_held_at_most": peak, **moved}
+                       "shares_slots": g.name in shared, "objects_held_at_most": peak, **moved}
+        for k in ("loaded", "backed_up", "saved", "fetched"):
+            moved_bytes[k] = moved_bytes.get(k, 0) + moved.get(k, 0) * nbytes
+        if g.name in shared:  # its pages take the tier's slots, as many as the tier keeps
+            continue
+        share = 1.0 if g.kind == "sliding_window" else 1 / cfg.state_every
+        budget = {"device": int(cap.device * share), "host": int(cap.host * share)}
+        out[g.name]["objects_reserved_per_node"] = budget
         over = [t for t in budget if peak[t] > budget[t]]
         if over:
             out[g.name]["warning"] = (f"a node held up to {', '.join(f'{peak[t]} {t}' for t in over)} objects, over the "
                                       f"{', '.join(str(budget[t]) for t in over)} its block size reserves: snapshots at "
                                       f"depths that branch out share their pages; raise --plan-state-every or the tier")
-        for k in ("loaded", "backed_up", "saved", "fetched"):
-            moved_bytes[k] = moved_bytes.get(k, 0) + moved.get(k, 0) * nbytes
     twin = spec.with_(num_layers=model.num_layers)  # every layer full attention, the full layers' buffers
     twin_cap = capacity(cfg, twin.page_bytes)
     out["full_attention_twin"] = {"bytes_per_block": twin.page_bytes, "device_blocks": twin_cap.device, "host_blocks": twin_cap.host}
@@ -306,5 +306,5 @@ def compare_routing(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: Ca
 def min_host_tb(requests: list[TraceRequest], cfg: PlanConfig) -> float:
     """The smallest host per node (TB) :func:`check_plannable` accepts for this trace and device."""
     cost = block_bytes(cfg)
-    need = capacity(cfg, cost).device + 2 * _longest_blocks(requests)
+    need = capacity(cfg, cost).device + 2 * _longest_blocks(requests) * slots_per_block(cfg)
     return need * cost / TB

@@ -20,7 +20,8 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, Tier
 from kvtier.executors.accounting import AccountingExecutor, AccountingStore
 from kvtier.hashing import Namespace, PageHash
-from kvtier.app.plan.config import L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts, group_capacity, planning_model
+from kvtier.app.plan.config import (L3_BATCH_PAGES, Capacity, PlanConfig, ReplayCounts, group_capacity, planning_model, slots_per_block,
+                                    window_groups)
 from kvtier.groups import ModelSpec
 from kvtier.spec import KVSpec
 from kvtier.app.workloads.mooncake import TraceRequest
@@ -32,20 +33,23 @@ def _block_keys(requests: list[TraceRequest]) -> dict[int, PageHash]:
 
 
 def _node_cache(spec: KVSpec, cap: Capacity, storage: AccountingStore | None, cache_cfg: CacheConfig, model: ModelSpec | None = None,
-                group_caps: dict[str, Capacity] | None = None, state_every: int = 1) -> CacheCore:
+                group_caps: dict[str, Capacity] | None = None, state_every: int = 1, shared: Sequence[str] = ()) -> CacheCore:
+    device, host = PageAllocator(cap.device, "device"), PageAllocator(cap.host, "host")
+    pools = {name: (device, host) for name in shared}  # these window pages take the full pages' slots
+    for name, c in (group_caps or {}).items():
+        pools[name] = (PageAllocator(c.device, f"{name} device"), PageAllocator(c.host, f"{name} host"))
     # no preallocated nodes: they keep a long-running server's collector idle, while a replay would
     # build one per page of every node's pools up front (16 nodes: ~400k) for a trace that needs fewer
     return CacheCore(
         spec,
-        PageAllocator(cap.device, "device"),
-        PageAllocator(cap.host, "host"),
+        device,
+        host,
         AccountingExecutor(storage),
         replace(cache_cfg, preallocate_nodes=False),
         StorageConfig(url="memory://"),
         namespace=Namespace(spec.name, (model or spec).fingerprint()),
         model=model,
-        group_pools={name: (PageAllocator(c.device, f"{name} device"), PageAllocator(c.host, f"{name} host"))
-                     for name, c in (group_caps or {}).items()},
+        group_pools=pools,
         state_every=state_every,
     )
 
@@ -80,19 +84,22 @@ def replay_cache(
 ) -> ReplayCounts:
     block = spec.page_size
     model = planning_model(cfg)
-    # the store is one LRU of keys: beside each block it holds at most one window page and one snapshot
-    objects_per_block = 1 + sum(1 for g in model.groups if g.kind != "full") if model is not None else 1
+    # the store is one LRU of keys, sized in slots: a shared window's page takes one; beside each block it
+    # holds at most one object of each group with a pool of its own
+    objects_per_block = 1 + len(group_capacity(cfg, cap)) if model is not None else 1
     storage = AccountingStore(cap.storage * objects_per_block, L3_BATCH_PAGES) if cap.storage is not None else None
-    # a node's pools are sized from the blocks routed to it: it can never hold more, so larger pools
-    # change nothing and would only be allocated (1000 TB of host is 2e9 page ids; 4096 nodes, 4096 cores)
+    # a node's pools are sized from the blocks routed to it (and their window pages): it can never hold
+    # more, so larger pools change nothing and would only be allocated (1000 TB of host is 2e9 page
+    # ids; 4096 nodes, 4096 cores)
     need = [1] * cfg.nodes
+    per_block = slots_per_block(cfg)
     for r, j in zip(requests, nodes_of):
-        need[j] += len(r.hash_ids)
+        need[j] += len(r.hash_ids) * per_block
     caches = []
     for n in need:
         node_cap = Capacity(min(cap.device, n), min(cap.host, n), cap.storage)
-        caches.append(_node_cache(spec, node_cap, storage, cache_cfg, model, group_capacity(cfg, node_cap), cfg.state_every)
-                      if n > 1 else None)
+        caches.append(_node_cache(spec, node_cap, storage, cache_cfg, model, group_capacity(cfg, node_cap), cfg.state_every,
+                                  window_groups(cfg)) if n > 1 else None)
     out = ReplayCounts(per_request=[] if per_request else None)
     with collector_paused():
         _replay(requests, caches, nodes_of, block, out)
