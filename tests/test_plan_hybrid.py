@@ -88,8 +88,11 @@ def test_window_pages_sharing_the_full_pages_pool_shrink_the_working_set(trace):
         cfg = PlanConfig(spec="gpt-oss-120b", storage_tb=0.0, device_gb=40, host_tb=host_tb)
         own, shared = (run_plan(trace, replace(cfg, window_pool=pool)) for pool in ("own", "shared"))
         assert shared.hit_ratio["total"] > own.hit_ratio["total"], (host_tb, shared.hit_ratio, own.hit_ratio)
-        # the full pages' slots also held the window pages, yet fewer of those than of blocks
-        assert shared.groups["sliding"]["objects_held_at_most"]["host"] < shared.capacity_blocks["host"] / 2
+        # the full pages' slots also held the window pages, yet fewer of those than of blocks: the same bytes held
+        # more blocks than a full-attention twin's (a block of 36 layers) could
+        g = shared.groups
+        assert g["sliding"]["objects_held_at_most"]["host"] < shared.capacity_blocks["host"] / 2
+        assert g["full"]["blocks_held_at_most"]["device"] > g["full_attention_twin"]["device_blocks"]
 
 
 def test_what_the_plan_refuses_for_hybrid_models(trace):

@@ -114,11 +114,12 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         matched = path[: n_dev + tree.readable_host_run(path[n_dev:])]  # the device pages, then readable host copies
         limited_by = None
         end = len(keys)
+        fills = [False]
         if self.components:  # a hybrid model: the longest prefix every group can continue from
             if limit is not None:
                 end = min(end, limit)
                 matched, path = matched[:end], path[:end]
-            hybrid = self._hybrid_prefix(path, n_dev, len(matched), fill=True)
+            hybrid = self._hybrid_prefix(path, n_dev, len(matched), fill=fills)
             matched, limited_by = matched[: hybrid.pages], hybrid.limited_by
             n_dev = min(n_dev, hybrid.pages)
         pending: tuple[int, ...] = ()
@@ -126,7 +127,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by)
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, fills[0])
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -147,7 +148,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             if n_storage and self.components:  # a hybrid model: as far as every group's objects are there too
                 n_storage = self._stored_usable(path, n_dev, keys[:end], n_storage)
             st.storage_hit_pages += n_storage
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by)
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, fills[0])
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
@@ -172,14 +173,13 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 self.lock(again.last_node)
                 self.unlock(m.last_node)
                 m = again
-        ld = self.load_back(m) if m.num_host_pages or self.components else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+        ld = self.load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
         given: dict[str, dict[int, int]] = {}
         held: list[PageNode] = []
         if self.components:  # what the loads could bring: the prefix every group continues from, its objects held
-            if ld.op is not None or len(nodes) < len(m.nodes) or self._object_fills(nodes, len(nodes)) is not None:
-                # (else the match's answer stands: all of it was on device)
+            if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
                 usable = self._hybrid_prefix(nodes, len(nodes), len(nodes)).pages
                 nodes, cached = nodes[:usable], cached[:usable]
             given, held = self._given_objects(nodes)
@@ -203,7 +203,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         valid = host_nodes[: self.tree.loadable_run(host_nodes)]
         prefix_pages = list(match.device_pages)
         first = len(prefix_pages)
-        lo = self._object_fills(match.nodes, first) if self.components else None
+        lo = self._object_fills(match.nodes, first) if match.fills else None
         nothing = LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
         if not valid and lo is None:
             return nothing

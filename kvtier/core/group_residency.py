@@ -123,6 +123,7 @@ class GroupResidency:
         #: plans given up on (a prefetch past its budget, a timeout) -> the host object ids they may still write
         self._group_held_for: dict[int, dict[str, list[int]]] = {}
         self._sharing: list[Component] = []
+        self._by_name: dict[str, Component] = {}
         if model is None or not model.is_hybrid:
             return
         if type(state_every) is not int or state_every < 1:
@@ -139,6 +140,7 @@ class GroupResidency:
                                   f"group_pools={{{g.name!r}: (device allocator, host allocator)}}")
             self.components.append(Component(g, *pools[g.name]))
         self._has_state = any(c.is_state for c in self.components)
+        self._by_name = {c.name: c for c in self.components}
         device = getattr(self, "dev_alloc", None)
         for c in self.components:
             shares = (c.alloc[Tier.DEVICE] is device and device is not None, c.alloc[Tier.HOST] is self.host_alloc)
@@ -163,21 +165,22 @@ class GroupResidency:
             raise ConfigError(f"group_pools names {sorted(unknown)}, which are not groups of {model.name!r} beside full attention")
 
     def component(self, name: str) -> Component:
-        for c in self.components:
-            if c.name == name:
-                return c
-        raise UnknownNameError("KV group beside full attention", name, [c.name for c in self.components])
+        c = self._by_name.get(name)
+        if c is None:
+            raise UnknownNameError("KV group beside full attention", name, [c.name for c in self.components])
+        return c
 
     def holds_object(self, name: str, node: PageNode, gid: int) -> bool:
         """Whether ``node`` still holds device object ``gid`` of group ``name`` (a failed load takes them)."""
         return self.component(name).at[Tier.DEVICE].get(node) == gid
 
     # ---- the prefix every group can continue from -----------------------------------------
-    def _hybrid_prefix(self, path: Sequence[PageNode], n_dev: int, full: int, *, fill: bool = False) -> HybridPrefix:
+    def _hybrid_prefix(self, path: Sequence[PageNode], n_dev: int, full: int, *, fill: list[bool] | None = None) -> HybridPrefix:
         """The longest prefix of ``path[:full]`` usable in every group: an object counts where its node's
         page is usable -- on device for the first ``n_dev`` nodes, a readable host copy after them
         (the load back brings it along). ``fill``: a device node's object counts from a readable host
-        copy too (its page stayed on device, the object was evicted there: the load back brings it)."""
+        copy too (its page stayed on device, the object was evicted there: the load back brings it),
+        and ``fill[0]`` is set once one did."""
         return usable_prefix(full, self.model.groups, self.spec.page_size, self._tree_has(path, n_dev, fill))
 
     def needed_places(self, c: Component, pages: int) -> Iterable[int]:
@@ -453,9 +456,10 @@ class GroupResidency:
                 has[c.name] = lambda i, c=c, inside=inside, span=span: inside(i) if i < start else in_store(c, i, span)
         return usable_prefix(start + stored, self.model.groups, self.spec.page_size, has).pages - start
 
-    def _tree_has(self, path: Sequence[PageNode], n_dev: int, fill: bool = False) -> dict[str, object]:
+    def _tree_has(self, path: Sequence[PageNode], n_dev: int, fill: list[bool] | None = None) -> dict[str, object]:
         """Per group, whether the object a boundary (state) or a page (window) of ``path`` reads is in the
-        tree where it counts: on device for the first ``n_dev`` nodes (``fill``: or on host), on host after them."""
+        tree where it counts: on device for the first ``n_dev`` nodes (``fill``: or on host, noted in
+        ``fill[0]``), on host after them."""
         has = {}
         for c in self.components:
             dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
@@ -463,11 +467,27 @@ class GroupResidency:
 
             def at(i: int, dev=dev, host=host, unready=unready) -> bool:
                 node = path[i]
-                if i < n_dev and node in dev:
+                if i >= n_dev:
+                    return node in host and node not in unready
+                if node in dev:
                     return True
-                return (i >= n_dev or fill) and node in host and node not in unready
+                if fill is None or node not in host or node in unready:
+                    return False
+                fill[0] = True
+                return True
 
-            has[c.name] = (lambda b, at=at: at(b - 1)) if c.is_state else at
+            def at_boundary(b: int, dev=dev, host=host, unready=unready) -> bool:  # (at(b - 1), inlined: one call per probe)
+                node = path[b - 1]
+                if b > n_dev:
+                    return node in host and node not in unready
+                if node in dev:
+                    return True
+                if fill is None or node not in host or node in unready:
+                    return False
+                fill[0] = True
+                return True
+
+            has[c.name] = at_boundary if c.is_state else at
         return has
 
     def _object_fills(self, nodes: Sequence[PageNode], n_dev: int) -> int | None:
@@ -512,9 +532,7 @@ class GroupResidency:
             for node in nodes:
                 used.setdefault(node, node.last_access)
             return
-        now = self.tree.now
-        for node in nodes:
-            used[node] = now
+        used.update(zip(nodes, repeat(self.tree.now)))
 
     @staticmethod
     def _take(c: Component, tier: Tier, nodes: Iterable[PageNode]) -> list[int]:

@@ -33,6 +33,9 @@ class MatchResult:
     #: a hybrid model: the KV group whose objects were missing where the full pages ran on (None: the
     #: full pages themselves are the limit); see :mod:`kvtier.core.hybrid_match`
     limited_by: str | None = None
+    #: a hybrid model: the prefix counts objects of device pages that only a host copy holds (the load
+    #: back brings them: :meth:`CacheCore.load_back`'s fills)
+    fills: bool = False
 
     @property
     def host_nodes(self) -> list[PageNode]:

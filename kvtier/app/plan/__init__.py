@@ -218,7 +218,8 @@ def _group_report(cfg: PlanConfig, cap: Capacity, counts: ReplayCounts) -> dict:
     shared = window_groups(cfg)
     # with window groups sharing the pool, a tier's slots hold full pages and window pages alike
     out: dict = {"full": {"kind": "full", "bytes_per_block": spec.page_bytes, "layers": len(model.group("full").layers),
-                          "device_blocks": cap.device, "host_blocks": cap.host, "slots_shared_with": shared}}
+                          "device_blocks": cap.device, "host_blocks": cap.host, "slots_shared_with": shared,
+                          "blocks_held_at_most": dict(zip(("device", "host"), counts.peaks.get("full", [0, 0])))}}
     moved_bytes: dict[str, int] = {}
     for g in model.groups:
         if g.kind == "full":

@@ -156,8 +156,14 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
             hits[tier] += n
         if out.per_request is not None:
             out.per_request.append(served)
-        for c in node.components:  # the most objects a node's tiers held at once
-            peak = out.peaks.setdefault(c.name, [0, 0])
-            peak[0] = max(peak[0], len(c.at[Tier.DEVICE]))
-            peak[1] = max(peak[1], len(c.at[Tier.HOST]))
+        if node.components:  # the most objects (and, beside window pages sharing the pool, pages) a node's tiers held at once
+            dev_used, host_used = node.dev_alloc.num_used, node.host_alloc.num_used
+            for c in node.components:
+                n_dev, n_host = len(c.at[Tier.DEVICE]), len(c.at[Tier.HOST])
+                peak = out.peaks.setdefault(c.name, [0, 0])
+                peak[0], peak[1] = max(peak[0], n_dev), max(peak[1], n_host)
+                if c.sharing:
+                    dev_used, host_used = dev_used - n_dev, host_used - n_host
+            peak = out.peaks.setdefault("full", [0, 0])
+            peak[0], peak[1] = max(peak[0], dev_used), max(peak[1], host_used)
         out.input_tokens += r.input_length
