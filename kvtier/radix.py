@@ -92,6 +92,9 @@ class PageNode:
         "hit_count",
         "last_access",
         "flags",
+        # a hybrid model's window pages sharing the full pages' pool: when they were last written or read
+        # (kvtier.core.group_residency; set whenever one is attached, so a reused node's old value is never read)
+        "window_used",
     )
 
     def __init__(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0):

@@ -79,14 +79,18 @@ class BytesExecutor:
             n += 1
         return n
 
-    def _land(self, plan: Transfer, k: int, op: int) -> None:
-        """A fetch's first ``k`` places are in host memory; the rest is garbage."""
+    def _land(self, plan: Transfer, k: int, op: int, start: int = 0) -> None:
+        """A fetch's first ``k`` places are in host memory; the rest is garbage. Places before ``start``
+        landed earlier (a settle reported them): a fetch writes a page once, so they are not touched
+        again -- the cache may have reused those pages since."""
         mem, store = self.mem, self.store
         for i, page in enumerate(plan.dst_pages):
-            mem[(Tier.HOST, "", page)] = store.get(plan.keys[i]) if i < k else ("garbage", op)
+            if i >= start:
+                mem[(Tier.HOST, "", page)] = store.get(plan.keys[i]) if i < k else ("garbage", op)
         for g in plan.groups:
             for at, gid, key in zip(g.at, g.dst_pages, g.keys):
-                mem[(Tier.HOST, self.pool_of.get(g.group, g.group), gid)] = store.get(key) if at < k else ("garbage", op)
+                if at >= start:
+                    mem[(Tier.HOST, self.pool_of.get(g.group, g.group), gid)] = store.get(key) if at < k else ("garbage", op)
 
     def finish(self, op: int, outcome: str, cut: float = 0.5) -> None:
         plan = self.inflight.pop(op)
@@ -95,8 +99,7 @@ class BytesExecutor:
             floor = self.settled.pop(op, 0)
             ceiling = max(self._fetchable(plan), floor)
             k = ceiling if outcome == "done" else floor if outcome == "fail" else floor + int(cut * (ceiling - floor))
-            if k > floor or not floor:
-                self._land(plan, k, op)
+            self._land(plan, k, op, floor)
             self.done.append(Done(op) if k == n else CutShort(op, k, Reason.MISS if outcome != "fail" else Reason.ERROR))
             return
         if plan.dst is Tier.STORAGE:
@@ -109,7 +112,8 @@ class BytesExecutor:
                         self.store[key] = mem.get((Tier.HOST, self.pool_of.get(g.group, g.group), gid))
             self.done.append(Done(op) if k == n else CutShort(op, k, Reason.ERROR) if k else Failed(op, Reason.ERROR))
             return
-        runs = [("", plan.src_pages, plan.dst_pages)] + [(self.pool_of.get(g.group, g.group), g.src_pages, g.dst_pages) for g in plan.groups]
+        pool = self.pool_of.get
+        runs = [("", plan.src_pages, plan.dst_pages)] + [(pool(g.group, g.group), g.src_pages, g.dst_pages) for g in plan.groups]
         for group, src, dst in runs:
             for s, d in zip(src, dst):
                 mem[(plan.dst, group, d)] = mem.get((plan.src, group, s)) if outcome == "done" else ("garbage", op)
@@ -130,8 +134,9 @@ class BytesExecutor:
         if policy == "wait_complete":
             self.finish(op, "done")
             return self._fetchable(plan)
-        k = self.rnd.randint(0, self._fetchable(plan))
-        self._land(plan, k, op)  # what a settle reports arrived is in place
+        floor = self.settled.get(op, 0)
+        k = self.rnd.randint(floor, max(floor, self._fetchable(plan)))
+        self._land(plan, k, op, floor)  # what a settle reports arrived is in place
         self.settled[op] = k
         return k
 
@@ -340,3 +345,35 @@ def test_hybrid_core_state_machine_ten_thousand_steps():
     # window pages went first under the pressure of a shared pool, and loads brought them back beside pages
     # that had stayed on device
     assert STEPS["shared_evicted"] > 100 and STEPS["filled"] > 0, STEPS
+
+
+def test_a_fill_never_takes_over_a_page_another_load_is_still_bringing():
+    """Found by a randomized run: a request's load back (a fill) brought a window page beside a device
+    page whose own load was still in flight, and took that page over as its own; when the page's load
+    failed, its run was no longer whole and dropping it broke the tree. A page being loaded gets its
+    objects from its own load, or the prefix stops there."""
+    machine = type("Regression", (HybridMachine,), {"window": 40, "state": True, "state_every": 3, "dev_pages": 9, "host_pages": 12,
+                                                     "write_policy": "write_back", "group_pages": {"swa": (6, 8), "ssm": (6, 7)}})()
+    steps = [
+        ("begin", dict(pages=2, policy="timeout", prefix=2, tail=3)),
+        ("commit", dict(hand_back=True, i=1, keep=9.004440768201147e-184, use=0.8345103583207552)),
+        ("evict_device", dict(n=1)),
+        ("begin", dict(pages=1, policy="wait_complete", prefix=1, tail=1)),
+        ("begin", dict(pages=6, policy="wait_complete", prefix=2, tail=0)),
+        ("evict_device", dict(n=7)),
+        ("commit", dict(hand_back=False, i=0, keep=1.0, use=0.02921714610755522)),
+        ("commit", dict(hand_back=False, i=0, keep=0.033269351514170216, use=1e-05)),
+        ("begin", dict(pages=6, policy="best_effort", prefix=2, tail=1)),
+        ("begin", dict(pages=1, policy="timeout", prefix=1, tail=3)),
+        ("commit", dict(hand_back=True, i=0, keep=0.5017783923919853, use=0.005)),
+        ("begin", dict(pages=1, policy="best_effort", prefix=2, tail=3)),
+        ("evict_device", dict(n=7)),
+        ("begin", dict(pages=6, policy="timeout", prefix=2, tail=3)),
+        ("complete", dict(cut=1e-05, outcome="cut", pick=15348)),
+        ("begin", dict(pages=5, policy="timeout", prefix=2, tail=1)),
+        ("complete", dict(cut=0.3344324419142622, outcome="fail", pick=6)),
+    ]
+    for name, args in steps:
+        getattr(machine, name)(**args)
+        machine.accounting()
+    machine.teardown()

@@ -227,7 +227,11 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         self.tree.lock(span[-1])  # pins the path while objects get device ids; released when the load completes (poll)
         groups, fills = (), ()
         if self.components:  # only what the matched boundary reads: its window's pages, its snapshot
-            groups = self._group_runs(span, Tier.HOST, Tier.DEVICE, self._wanted(len(match.nodes), start, first + len(served)))
+            wanted = self._wanted(len(match.nodes), start, first + len(served))
+            if start < first and self._loading:  # a page another load is bringing: its objects come with it, or not at all
+                loading = self._loading
+                wanted = {name: [i for i in places if i >= first - start or span[i] not in loading] for name, places in wanted.items()}
+            groups = self._group_runs(span, Tier.HOST, Tier.DEVICE, wanted)
             if start < first:  # a fill's objects ride on the first page loaded (on a plan of no pages: on the plan)
                 fills = tuple(span[i] for i in sorted({i for run in groups for i in run.at if i < first - start}))
                 for run in groups:

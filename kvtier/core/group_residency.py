@@ -24,6 +24,15 @@ Rules that keep this small and safe:
   the request ends; objects a plan in flight moves are never taken either. Other
   objects go under their own pool's pressure, least recently used first; a
   snapshot that is the last one on its branch goes only after every other.
+* **A window page the size of a full page may share the full pages' pools**
+  (pass the core's own allocators): one budget per tier, where pages and window
+  pages go in one least-recently-used order, a window page before a page of
+  equal recency (:meth:`GroupResidency._make_room`). A window page's recency is
+  its own (written, or read as a boundary's window), one stamp whichever tiers
+  hold it, so a prefix's inner window pages age out while its pages stay.
+* **A device page whose object was evicted there** gets it back from its host
+  copy beside the next load (:meth:`~kvtier.core.cache_core.CacheCore.load_back`'s
+  fills); a failed fill quarantines the objects it brought.
 
 The core stays tensorless: ids only, the executors move the bytes.
 """
@@ -48,6 +57,7 @@ from kvtier.pages import first_duplicate
 from kvtier.radix import NO_PAGE, SAVING, PageNode
 
 _last_access = operator.attrgetter("last_access")
+_window_used = operator.attrgetter("window_used")
 
 #: the tiers whose object ids a component keeps (L3 objects are named by their keys)
 TIERS = (Tier.DEVICE, Tier.HOST)
@@ -59,7 +69,7 @@ class Component:
     """One non-full KV group: its pools' page ids and, per tier, node -> object id."""
 
     __slots__ = ("group", "name", "alloc", "at", "heap", "fresh", "seq", "unready", "loaded", "backed_up", "evicted", "limited", "saved",
-                 "fetched", "filled", "sharing", "used")
+                 "fetched", "filled", "sharing")
 
     def __init__(self, group: KVGroup, device: PageAllocator, host: PageAllocator):
         self.group = group
@@ -80,11 +90,9 @@ class Component:
         self.saved = self.fetched = 0
         #: objects loads brought back beside pages that had stayed on device (their object had not)
         self.filled = 0
-        #: whether its ids are the full pages' own, in both tiers (one pool, one budget: :meth:`GroupResidency._make_room`)
+        #: whether its ids are the full pages' own, in both tiers (one pool, one budget: :meth:`GroupResidency._make_room`);
+        #: its objects' recency is then their node's ``window_used``, not the node's own
         self.sharing = False
-        #: sharing: node -> when its object was last written or read, whichever tier holds it (its own
-        #: recency: a window page a request passes over is not used by it, though its node's page is)
-        self.used: dict[PageNode, int] = {}
 
     def note(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
         """``nodes``' objects just arrived in ``tier``: the eviction heap learns of them when next needed.
@@ -201,7 +209,7 @@ class GroupResidency:
             given[c.name] = mine
             places.update(mine)
             if c.sharing:
-                self._used(c, [nodes[i] for i in mine])
+                self._used([nodes[i] for i in mine])
         held = [nodes[i] for i in sorted(places)]
         self.hold_groups(held)
         return given, held
@@ -255,12 +263,12 @@ class GroupResidency:
                 dev.update(pairs)
                 c.note(Tier.DEVICE, [node for node, _ in pairs])
                 if c.sharing:
-                    self._used(c, [node for node, _ in pairs])
+                    self._used([node for node, _ in pairs])
             else:  # the usual case, in C: an object for every new page
                 dev.update(zip(new_nodes, new_ids))
                 c.note(Tier.DEVICE, new_nodes)
                 if c.sharing:
-                    self._used(c, new_nodes)
+                    self._used(new_nodes)
             old_ids = ids[:fresh]
             if old_ids.count(None) == fresh:  # the usual case: nothing handed for pages the cache had
                 continue
@@ -271,7 +279,7 @@ class GroupResidency:
                     dev[node] = i
                     c.note(Tier.DEVICE, (node,))
                     if c.sharing:
-                        self._used(c, (node,))
+                        self._used((node,))
                     gained[node] = None
                 elif have != i:
                     dup.append(i)
@@ -338,8 +346,8 @@ class GroupResidency:
             moved = [nodes[i] for i in at]
             c.at[dst].update(zip(moved, ids))
             c.note(dst, moved)
-            if c.sharing:  # a copy to host is as recent as its source; a load back or a fetch reads them now
-                self._used(c, moved, copy=src is Tier.DEVICE)
+            if c.sharing and src is not Tier.DEVICE:  # a load back or a fetch reads them now (a copy to host keeps their recency)
+                self._used(moved)
             if src is Tier.STORAGE:
                 runs.append(GroupRun(c.name, tuple(at), (), tuple(ids), tuple(group_object_key(nodes[i].key, c.name) for i in at)))
                 c.fetched += len(at)
@@ -397,8 +405,6 @@ class GroupResidency:
                 continue
             host.update(zip(todo, ids))
             c.note(Tier.HOST, todo)
-            if c.sharing:
-                self._used(c, todo, copy=True)
             c.unready.update(todo)
             c.backed_up += len(todo)
             runs.append(GroupRun(c.name, (), tuple(dev[n] for n in todo), tuple(ids)))
@@ -461,6 +467,7 @@ class GroupResidency:
         tree where it counts: on device for the first ``n_dev`` nodes (``fill``: or on host, noted in
         ``fill[0]``), on host after them."""
         has = {}
+        loading = self._loading  # (a page still being loaded gets its objects from that load, not from a fill)
         for c in self.components:
             dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
             unready = c.unready
@@ -471,7 +478,7 @@ class GroupResidency:
                     return node in host and node not in unready
                 if node in dev:
                     return True
-                if fill is None or node not in host or node in unready:
+                if fill is None or node not in host or node in unready or node in loading:
                     return False
                 fill[0] = True
                 return True
@@ -482,7 +489,7 @@ class GroupResidency:
                     return node in host and node not in unready
                 if node in dev:
                     return True
-                if fill is None or node not in host or node in unready:
+                if fill is None or node not in host or node in unready or node in loading:
                     return False
                 fill[0] = True
                 return True
@@ -491,13 +498,14 @@ class GroupResidency:
         return has
 
     def _object_fills(self, nodes: Sequence[PageNode], n_dev: int) -> int | None:
-        """The first of ``nodes[:n_dev]`` (device pages) whose object a request continuing from the end
-        of ``nodes`` reads is on host only (None: all are on device): the load back brings it."""
-        first = None
+        """The first of ``nodes[:n_dev]`` (device pages, none still being loaded) whose object a request
+        continuing from the end of ``nodes`` reads is not on device (None: all are): the load back
+        brings it from its host copy."""
+        first, loading = None, self._loading
         for c in self.components:
             dev = c.at[Tier.DEVICE]
             for i in self.needed_places(c, len(nodes)):
-                if i < n_dev and nodes[i] not in dev and (first is None or i < first):
+                if i < n_dev and nodes[i] not in dev and nodes[i] not in loading and (first is None or i < first):
                     first = i
                     break
         return first
@@ -524,29 +532,19 @@ class GroupResidency:
             self.component(name).alloc[tier].free(pages)
 
     # ---- objects' own recency, in a pool they share with the full pages ---------------------------
-    def _used(self, c: Component, nodes: Sequence[PageNode], copy: bool = False) -> None:
-        """``nodes``' objects of sharing group ``c`` were written or read now (``copy``: copied to another
-        tier, which changes no recency: one stamp per node, whichever tiers hold it, as the tree keeps)."""
-        used = c.used
-        if copy:
-            for node in nodes:
-                used.setdefault(node, node.last_access)
-            return
-        used.update(zip(nodes, repeat(self.tree.now)))
+    def _used(self, nodes: Sequence[PageNode]) -> None:
+        """``nodes``' window pages in a shared pool were written or read now. One stamp per node
+        (``PageNode.window_used``) whichever tier holds the page, as the tree keeps one per page; the
+        window groups sharing a pool share it (a boundary reads all their windows at once)."""
+        now = self.tree.now
+        for node in nodes:
+            node.window_used = now
 
     @staticmethod
     def _take(c: Component, tier: Tier, nodes: Iterable[PageNode]) -> list[int]:
         """Detach ``nodes``' objects of ``c`` in ``tier``; returns their ids (the caller frees or keeps them)."""
         at = c.at[tier]
-        if not c.sharing:
-            return [at.pop(n) for n in nodes if n in at]
-        used, other, gone = c.used, c.at[Tier.HOST if tier is Tier.DEVICE else Tier.DEVICE], []
-        for n in nodes:
-            if n in at:
-                gone.append(at.pop(n))
-                if n not in other:
-                    del used[n]
-        return gone
+        return [at.pop(n) for n in nodes if n in at]
 
     def _make_room(self, tier: Tier, n: int) -> None:
         """Free ``n`` ids of ``tier``'s pool. Where other groups' objects share it (one budget for a page
@@ -602,7 +600,7 @@ class GroupResidency:
         other. ``up_to``: only objects used no later than that. Returns the recency of the next object
         that could go (None: none), so ``n=0`` only looks."""
         heap, at, seq = c.heap[tier], c.at[tier], c.seq
-        stamp_of = c.used.__getitem__ if c.sharing else _last_access
+        stamp_of = _window_used if c.sharing else _last_access
         fresh = c.fresh[tier]
         if heap is None or len(heap) + len(fresh) > 2 * len(at) + 64:  # none yet, or mostly stale: built from the tier
             heap = c.heap[tier] = [(stamp_of(node), next(seq), node) for node in at]
@@ -668,8 +666,7 @@ class GroupResidency:
                 held = quarantined.get(c.name, set()) if tier is Tier.DEVICE else set(c.alloc[tier].parked)
                 assert not set(ids) & (mine | held), f"group {c.name}: an object owned by the tree and a caller or the quarantine"
                 if c.sharing:  # the tier's own accounting counts them (_shared_ids)
-                    held_somewhere = c.at[Tier.DEVICE].keys() | c.at[Tier.HOST].keys()
-                    assert c.used.keys() == held_somewhere, f"group {c.name}: its recency and its objects disagree"
+                    assert all(hasattr(node, "window_used") for node in at), f"group {c.name}: an object without its recency"
                     continue
                 assert set(ids) | mine | held == c.alloc[tier].allocated_pages(), (
                     f"group {c.name}: its {tier.name.lower()} allocator and the tree disagree (leak or foreign id)")

@@ -156,7 +156,9 @@ def replay_hybrid(cache: CacheCore, requests, page_size: int) -> tuple[int, int,
 
 
 def _hybrid_cache(requests, model_name: str) -> CacheCore:
-    """The core with a hybrid preset's groups and room for every page and object of the trace."""
+    """The core with a hybrid preset's groups and room for every page and object of the trace. A window
+    group whose page is a full page shares the full pages' pool, as :func:`~kvtier.build.build_hybrid_cache`
+    arranges it (gpt-oss-120b's)."""
     from kvtier.groups import HYBRID_PRESETS
 
     if model_name not in HYBRID_PRESETS:
@@ -164,10 +166,12 @@ def _hybrid_cache(requests, model_name: str) -> CacheCore:
     model = HYBRID_PRESETS[model_name]
     full = next(g.attention for g in model.groups if g.kind == "full")
     total = sum(r.input_length // full.page_size for r in requests) + 1
-    pools = {g.name: (PageAllocator(total, f"{g.name} device"), PageAllocator(1, f"{g.name} host"))
+    shared = [g.name for g in model.groups if g.kind == "sliding_window" and g.object_spec() == full]
+    device, host = PageAllocator(total * (1 + len(shared)), "device"), PageAllocator(1, "host")
+    pools = {g.name: (device, host) if g.name in shared else (PageAllocator(total, f"{g.name} device"), PageAllocator(1, f"{g.name} host"))
              for g in model.groups if g.kind != "full"}
-    return CacheCore(full, PageAllocator(total, "device"), PageAllocator(1, "host"), AccountingExecutor(),
-                     CacheConfig(write_policy="write_back", preallocate_nodes=True), model=model, group_pools=pools, state_every=4)
+    return CacheCore(full, device, host, AccountingExecutor(), CacheConfig(write_policy="write_back", preallocate_nodes=True), model=model,
+                     group_pools=pools, state_every=4)
 
 
 def bookkeeping_bytes_per_page(requests, spec: KVSpec) -> tuple[float, int]:
