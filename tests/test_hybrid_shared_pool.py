@@ -27,7 +27,7 @@ from kvtier.hashing import Namespace
 from kvtier.radix import NO_PAGE
 from kvtier.spec import KVSpec
 from test_core_hybrid_stateful import PAGE, hybrid_model
-from test_hybrid_bytes import _bytes, _garbage, _write, expected
+from test_hybrid_bytes import _bytes, _garbage, _write, compute, expected
 from test_hybrid_core import Recorder, commit_all
 
 A = list(range(4 * PAGE))
@@ -230,25 +230,6 @@ def _scribble(executor, slots: list[int]) -> None:
     """Another request's bytes in ``slots`` of the shared device pool."""
     for s in slots:
         _write(executor, "full", s, ("someone else", s))
-
-
-def compute(cache, tokens):
-    """A request that computes every page, its window pages and its snapshots (``_write``: a window
-    group sharing the pool writes into the full pages' pool, its transfer engine's)."""
-    req = cache.begin(tokens)
-    full = len(req.keys)
-    new = req.alloc(full - req.num_cached)
-    for j, page in enumerate(new.pages):
-        cache.port.run(_write, "full", page, ("full", req.keys[req.num_cached + j]))
-    groups = {}
-    for c in cache.components:
-        places = [b - 1 for b in req.snapshot_boundaries()] if c.is_state else list(range(req.num_cached, full))
-        ids: list[int | None] = [None] * full
-        for place, gid in zip(places, req.alloc_group(c.name, len(places))):
-            cache.port.run(_write, c.name, gid, (c.name, req.keys[place]))
-            ids[place] = gid
-        groups[c.name] = ids
-    req.commit(req.cached_pages + new.pages, groups)
 
 
 def check_served(cache, req, pages: int) -> None:

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import replace
 
 import numpy as np
 
@@ -225,18 +224,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             self.tree.set_device_run(served, got.pages)
             self.tree.touch(served)
         self.tree.lock(span[-1])  # pins the path while objects get device ids; released when the load completes (poll)
-        groups, fills = (), ()
-        if self.components:  # only what the matched boundary reads: its window's pages, its snapshot
-            wanted = self._wanted(len(match.nodes), start, first + len(served))
-            if start < first and self._loading:  # a page another load is bringing: its objects come with it, or not at all
-                loading = self._loading
-                wanted = {name: [i for i in places if i >= first - start or span[i] not in loading] for name, places in wanted.items()}
-            groups = self._group_runs(span, Tier.HOST, Tier.DEVICE, wanted)
-            if start < first:  # a fill's objects ride on the first page loaded (on a plan of no pages: on the plan)
-                fills = tuple(span[i] for i in sorted({i for run in groups for i in run.at if i < first - start}))
-                for run in groups:
-                    self.component(run.group).filled += sum(i < first - start for i in run.at)
-                groups = tuple(replace(run, at=tuple(max(0, i - (first - start)) for i in run.at) if served else ()) for run in groups)
+        groups, fills = self._load_runs(match.nodes, start, first, len(served)) if self.components else ((), ())
         if not served:  # a plan of objects alone: its lock is on the deepest node whose objects it brings
             if fills:
                 self.tree.lock(fills[-1])

@@ -43,6 +43,7 @@ import heapq
 import itertools
 import operator
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from itertools import compress, repeat
 from operator import is_not
 
@@ -363,6 +364,27 @@ class GroupResidency:
         """Per group, the objects a prefix of ``boundary`` pages reads (its window's pages, its snapshot)
         that fall among pages ``first .. end - 1``, as places counted from ``first``."""
         return {c.name: [i - first for i in self.needed_places(c, boundary) if first <= i < end] for c in self.components}
+
+    def _load_runs(self, path: Sequence[PageNode], start: int, first: int,
+                   served: int) -> tuple[tuple[GroupRun, ...], tuple[PageNode, ...]]:
+        """What a load back of ``path[first : first + served]`` brings beside its pages for the boundary
+        ``len(path)``: the objects it reads among them, and the fills -- objects of the device pages
+        ``path[start:first]`` that only a host copy holds (not of a page another load is still bringing:
+        its objects come with it, or not at all). A fill rides on the first page loaded (on a plan of
+        no pages: on the plan). Returns the runs and the nodes filled."""
+        span = path[start : first + served]
+        above = first - start
+        wanted = self._wanted(len(path), start, first + served)
+        if above and self._loading:
+            loading = self._loading
+            wanted = {name: [i for i in places if i >= above or span[i] not in loading] for name, places in wanted.items()}
+        runs = self._group_runs(span, Tier.HOST, Tier.DEVICE, wanted)
+        if not above:
+            return runs, ()
+        fills = tuple(span[i] for i in sorted({i for run in runs for i in run.at if i < above}))
+        for run in runs:
+            self.component(run.group).filled += sum(i < above for i in run.at)
+        return tuple(replace(run, at=tuple(max(0, i - above) for i in run.at) if served else ()) for run in runs), fills
 
     def _prefetch_groups(self, match, nodes: Sequence[PageNode]) -> tuple[GroupRun, ...]:
         """A prefetch of ``nodes`` (the match's storage pages) brings the objects its boundary reads that
