@@ -377,3 +377,52 @@ def test_a_fill_never_takes_over_a_page_another_load_is_still_bringing():
         getattr(machine, name)(**args)
         machine.accounting()
     machine.teardown()
+
+
+def test_a_load_back_whose_device_prefix_fails_while_it_makes_room_loads_nothing():
+    """Found by a randomized run (and as old as load_back): making room for a host run waits for plans
+    in flight; when the load of the very device prefix the run follows failed meanwhile, its pages left
+    the device, and the host run was then put on device below a page that was not. Such a load back
+    now loads nothing; the request learns of the failure and shrinks."""
+    machine = type("Regression", (HybridMachine,), {"window": 2, "state": False, "dev_pages": 5, "host_pages": 8,
+                                                     "write_policy": "write_through", "group_pages": {"swa": (4, 6), "ssm": (4, 5)}})()
+    steps = [
+        ("begin", dict(pages=3, policy='wait_complete', prefix=0, tail=1)),
+        ("abort", dict(i=0)),
+        ("begin", dict(pages=4, policy='wait_complete', prefix=2, tail=2)),
+        ("abort", dict(i=0)),
+        ("begin", dict(pages=5, policy='best_effort', prefix=0, tail=2)),
+        ("begin", dict(pages=5, policy='wait_complete', prefix=2, tail=1)),
+        ("abort", dict(i=0)),
+        ("abort", dict(i=0)),
+        ("begin", dict(pages=2, policy='timeout', prefix=0, tail=1)),
+        ("begin", dict(pages=4, policy='best_effort', prefix=0, tail=0)),
+        ("abort", dict(i=0)),
+        ("begin", dict(pages=3, policy='wait_complete', prefix=0, tail=2)),
+        ("abort", dict(i=1)),
+        ("commit", dict(hand_back=True, i=0, keep=0.2303225331024073, use=0.05)),
+        ("begin", dict(pages=3, policy='wait_complete', prefix=1, tail=0)),
+        ("begin", dict(pages=2, policy='timeout', prefix=1, tail=2)),
+        ("commit", dict(hand_back=False, i=1, keep=0.05, use=0.6563220136352236)),
+        ("abort", dict(i=0)),
+        ("begin", dict(pages=2, policy='timeout', prefix=0, tail=2)),
+        ("begin", dict(pages=4, policy='timeout', prefix=0, tail=3)),
+        ("abort", dict(i=0)),
+        ("begin", dict(pages=4, policy='wait_complete', prefix=1, tail=2)),
+        ("abort", dict(i=1)),
+        ("abort", dict(i=1)),
+        ("begin", dict(pages=2, policy='wait_complete', prefix=0, tail=2)),
+        ("commit", dict(hand_back=True, i=1, keep=0.013690600318122085, use=0.5)),
+        ("begin", dict(pages=1, policy='wait_complete', prefix=0, tail=0)),
+        ("commit", dict(hand_back=True, i=1, keep=0.3989816854998446, use=0.0)),
+        ("begin", dict(pages=5, policy='wait_complete', prefix=1, tail=3)),
+        ("begin", dict(pages=5, policy='wait_complete', prefix=2, tail=3)),
+        ("abort", dict(i=0)),
+        ("commit", dict(hand_back=False, i=0, keep=0.0, use=0.0)),
+        ("begin", dict(pages=2, policy='timeout', prefix=0, tail=1)),
+        ("begin", dict(pages=5, policy='timeout', prefix=0, tail=2)),
+    ]
+    for name, args in steps:
+        getattr(machine, name)(**args)
+        machine.accounting()
+    machine.teardown()

@@ -215,6 +215,11 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 got = self.dev_alloc.alloc(take)
                 self.stats.load_shortfall_pages += len(valid) - take
             self.tree.unlock(valid[-1])
+            if first and match.nodes[first - 1].device_page != prefix_pages[-1]:
+                # making room waited for plans in flight, and a load this prefix waited on failed: its pages left
+                # the device, so the host run no longer follows it (the request learns of the failure and shrinks)
+                self.dev_alloc.free(got.pages)
+                return nothing
         served = valid[: len(got.pages)] if got is not None else []
         if not served and lo is None:
             return nothing
