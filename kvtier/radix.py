@@ -153,6 +153,16 @@ def _host_leaf(n: PageNode) -> bool:
     return n.host_page != NO_PAGE and n.num_children == 0
 
 
+def _device_evictable(n: PageNode) -> bool:
+    """A device leaf eviction may take (:meth:`PrefixTree.device_victims`)."""
+    return not n.lock_ref
+
+
+def _host_evictable(n: PageNode) -> bool:
+    """A host leaf eviction may take: unlocked, readable, no device copy, not being saved to L3."""
+    return not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING
+
+
 class _LeafHeap:
     """Lazy min-heap of one tier's leaves by stamp (see the module docstring)."""
 
@@ -639,7 +649,7 @@ class PrefixTree:
         if require_host_copy:
             eligible = lambda n: not n.lock_ref and n.host_page != NO_PAGE and n.flags & _HOST_READY  # noqa: E731
         else:
-            eligible = lambda n: not n.lock_ref  # noqa: E731
+            eligible = _device_evictable
         return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children, older_than)
 
     def drop_backed_up(self, limit: int, dropped: list[PageNode] | None = None, older_than: int | None = None) -> list[int]:
@@ -713,18 +723,18 @@ class PrefixTree:
         return self._victims(
             self.host_heap,
             limit,
-            lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING,
+            _host_evictable,
             lambda n: n.num_children,
             older_than,
         )
 
     def oldest_device_leaf(self) -> int | None:
         """The stamp of the least recently used device leaf :meth:`device_victims` could take (None: none)."""
-        return self._oldest(self.device_heap, lambda n: not n.lock_ref)
+        return self._oldest(self.device_heap, _device_evictable)
 
     def oldest_host_leaf(self) -> int | None:
         """The stamp of the least recently used host leaf :meth:`host_victims` could take (None: none)."""
-        return self._oldest(self.host_heap, lambda n: not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING)
+        return self._oldest(self.host_heap, _host_evictable)
 
     def _oldest(self, heap: _LeafHeap, eligible) -> int | None:
         entries, valid = heap.entries, heap.valid

@@ -67,10 +67,7 @@ class FailedLoads:
             self._loading.pop(n, None)  # a load of a page below is moot: its page is quarantined too
         groups = self._groups_quarantined(victims) if self.components else {}
         pages = tree.clear_devices(victims)
-        self.load_failure_gen += 1
-        self._quarantine.append((pages, self._request_serial, self._last_op, groups))
-        self._quarantined[pages] = 1
-        self._release_quarantine()
+        self._quarantine_failed(pages, groups)
         return len(pages)
 
     def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
@@ -78,9 +75,15 @@ class FailedLoads:
         objects leave the tree into quarantine, the pages stay (their bytes were never touched)."""
         groups = self._groups_quarantined(nodes)
         if groups:
-            self.load_failure_gen += 1
-            self._quarantine.append(([], self._request_serial, self._last_op, groups))
-            self._release_quarantine()
+            self._quarantine_failed([], groups)
+
+    def _quarantine_failed(self, pages: list[int], groups: dict[str, list[int]]) -> None:
+        """A failed load's device ``pages`` and other groups' object ids: nobody is offered them again
+        (requests learn of the failure by its generation), freed once nobody can name them."""
+        self.load_failure_gen += 1
+        self._quarantine.append((pages, self._request_serial, self._last_op, groups))
+        self._quarantined[pages] = 1
+        self._release_quarantine()
 
     def _release_quarantine(self) -> None:
         """Free the quarantined pages nobody can name any more: every request begun before their

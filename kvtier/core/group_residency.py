@@ -262,9 +262,10 @@ class GroupResidency:
             if None in new_ids:  # (in C too: the pairs whose id is not None)
                 pairs = list(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
                 dev.update(pairs)
-                c.note(Tier.DEVICE, [node for node, _ in pairs])
+                attached = [node for node, _ in pairs]
+                c.note(Tier.DEVICE, attached)
                 if c.sharing:
-                    self._used([node for node, _ in pairs])
+                    self._used(attached)
             else:  # the usual case, in C: an object for every new page
                 dev.update(zip(new_nodes, new_ids))
                 c.note(Tier.DEVICE, new_nodes)
@@ -502,7 +503,9 @@ class GroupResidency:
             dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
             unready = c.unready
 
-            def at(i: int, dev=dev, host=host, unready=unready) -> bool:
+            def at(i: int, dev=dev, host=host, unready=unready, shift=int(c.is_state)) -> bool:
+                """Page ``i``'s object (a state group: boundary ``i``'s snapshot, on page ``i - 1``)."""
+                i -= shift
                 node = path[i]
                 if i >= n_dev:
                     return node in host and node not in unready
@@ -513,18 +516,7 @@ class GroupResidency:
                 fill[0] = True
                 return True
 
-            def at_boundary(b: int, dev=dev, host=host, unready=unready) -> bool:  # (at(b - 1), inlined: one call per probe)
-                node = path[b - 1]
-                if b > n_dev:
-                    return node in host and node not in unready
-                if node in dev:
-                    return True
-                if fill is None or node not in host or node in unready or node in loading:
-                    return False
-                fill[0] = True
-                return True
-
-            has[c.name] = at_boundary if c.is_state else at
+            has[c.name] = at
         return has
 
     def _object_fills(self, nodes: Sequence[PageNode], n_dev: int) -> int | None:
