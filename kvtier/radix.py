@@ -93,7 +93,8 @@ class PageNode:
         "last_access",
         "flags",
         # a hybrid model's window pages sharing the full pages' pool: when they were last written or read
-        # (kvtier.core.group_residency; set whenever one is attached, so a reused node's old value is never read)
+        # (kvtier.core.group_residency; set when the node is made, with its page, and whenever one is attached
+        # later, so a reused node's old value is never read)
         "window_used",
     )
 
@@ -109,7 +110,7 @@ class PageNode:
         self.host_page = NO_PAGE
         self.lock_ref = 0
         self.hit_count = 0
-        self.last_access = stamp
+        self.last_access = self.window_used = stamp
         self.flags = 0
 
     @property
@@ -349,7 +350,7 @@ class PrefixTree:
             node.device_page = page
             node.host_page = NO_PAGE
             node.lock_ref = node.hit_count = node.flags = 0
-            node.last_access = stamp
+            node.last_access = node.window_used = stamp
             prev = node
         prev.num_children = prev.device_children = 0
         self.nodes.update(zip(keys, chain))

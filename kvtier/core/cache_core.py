@@ -321,6 +321,8 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             freed = [p for p, c in zip(device_pages, canonical) if p != c]
         tree.set_device_run(path[n_dev:], device_pages[n_dev:n_have])
         canonical += device_pages[n_dev:]
+        if self._sharing:  # new nodes' window pages are stamped with them: after every page used so far
+            tree.tick()
         fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
         last = fresh[-1] if fresh else (path[-1] if path else None)
         if last is not None:

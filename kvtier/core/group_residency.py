@@ -190,28 +190,31 @@ class GroupResidency:
         (the load back brings it along). ``fill``: a device node's object counts from a readable host
         copy too (its page stayed on device, the object was evicted there: the load back brings it),
         and ``fill[0]`` is set once one did."""
+        if full <= n_dev and all(all(map(c.at[Tier.DEVICE].__contains__, path[self.needed_places(c, full).start : full]))
+                                 for c in self.components):
+            return HybridPrefix(full, None)  # the usual case, in C: every object the whole prefix reads is on device
         return usable_prefix(full, self.model.groups, self.spec.page_size, self._tree_has(path, n_dev, fill))
 
-    def needed_places(self, c: Component, pages: int) -> Iterable[int]:
+    def needed_places(self, c: Component, pages: int) -> range:
         """The places of the objects of ``c`` a prefix of ``pages`` pages reads: its window's pages, or the
-        node of its end boundary."""
+        node of its end boundary (a run that ends with the prefix, either way)."""
         if c.is_state:
-            return (pages - 1,) if pages else ()
+            return range(max(pages - 1, 0), pages)
         return window_pages(c.group, pages, self.spec.page_size)
 
     def _given_objects(self, nodes: Sequence[PageNode]) -> tuple[dict[str, dict[int, int]], list[PageNode]]:
         """The device objects a request continuing from the end of ``nodes`` reads (group -> place -> id),
         and the nodes they hang on, held for it (:meth:`hold_groups`)."""
         given: dict[str, dict[int, int]] = {}
-        places: set[int] = set()
+        first = len(nodes)  # every group's places end the prefix: together they are its last nodes
         for c in self.components:
-            dev = c.at[Tier.DEVICE]
-            mine = {i: dev[nodes[i]] for i in self.needed_places(c, len(nodes))}
-            given[c.name] = mine
-            places.update(mine)
+            places = self.needed_places(c, len(nodes))
+            mine = nodes[places.start :]
+            given[c.name] = dict(zip(places, map(c.at[Tier.DEVICE].__getitem__, mine)))
+            first = min(first, places.start)
             if c.sharing:
-                self._used([nodes[i] for i in mine])
-        held = [nodes[i] for i in sorted(places)]
+                self._used(mine)
+        held = nodes[first:]
         self.hold_groups(held)
         return given, held
 
@@ -253,7 +256,7 @@ class GroupResidency:
         """Hang the caller's objects on ``nodes`` (all on device now; ``nodes[fresh:]`` new, holding none);
         where a node holds one already, the caller's copy goes back to the pool. Returns the nodes the
         cache had already that got an object."""
-        new_nodes = nodes[fresh:]
+        new_nodes = nodes[fresh:]  # (made with this insert's stamp: as recent as their pages, no _used needed)
         gained: dict[PageNode, None] = {}
         for name, ids in groups.items():
             c = self.component(name)
@@ -262,15 +265,10 @@ class GroupResidency:
             if None in new_ids:  # (in C too: the pairs whose id is not None)
                 pairs = list(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
                 dev.update(pairs)
-                attached = [node for node, _ in pairs]
-                c.note(Tier.DEVICE, attached)
-                if c.sharing:
-                    self._used(attached)
+                c.note(Tier.DEVICE, [node for node, _ in pairs])
             else:  # the usual case, in C: an object for every new page
                 dev.update(zip(new_nodes, new_ids))
                 c.note(Tier.DEVICE, new_nodes)
-                if c.sharing:
-                    self._used(new_nodes)
             old_ids = ids[:fresh]
             if old_ids.count(None) == fresh:  # the usual case: nothing handed for pages the cache had
                 continue
