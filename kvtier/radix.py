@@ -98,7 +98,12 @@ class PageNode:
         "window_used",
     )
 
+    #: slots a subclass adds (:func:`node_type_with`), None in every node the tree makes
+    object_slots: tuple[str, ...] = ()
+
     def __init__(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0):
+        for name in self.object_slots:
+            setattr(self, name, None)
         self.reset(key, parent, stamp, device_page, children)
 
     def reset(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0) -> None:
@@ -144,6 +149,19 @@ class PageNode:
     def __repr__(self) -> str:
         ready = "" if self.host_ready else "*"
         return f"PageNode(dev={self.device_page}, host={self.host_page}{ready}, lock={self.lock_ref}, t={self.last_access})"
+
+
+_NODE_TYPES: dict[tuple[str, ...], type[PageNode]] = {}
+
+
+def node_type_with(slots: tuple[str, ...]) -> type[PageNode]:
+    """A :class:`PageNode` with ``slots`` more, each None in a node the tree makes: where a hybrid
+    model's other KV groups keep their object ids (:mod:`kvtier.core.node_objects`). One class per
+    set of names; a full-attention tree keeps plain nodes and pays nothing for them."""
+    cls = _NODE_TYPES.get(slots)
+    if cls is None:
+        cls = _NODE_TYPES[slots] = type(f"PageNode_{len(slots)}", (PageNode,), {"__slots__": slots, "object_slots": slots})
+    return cls
 
 
 def _device_leaf(n: PageNode) -> bool:
@@ -221,6 +239,8 @@ class PrefixTree:
         self.hosted: set[PageNode] = set()
         #: recycled and preallocated nodes (see :meth:`reserve`)
         self._spare: list[PageNode] = []
+        #: the class of the nodes it makes (:meth:`use_node_type`)
+        self.node_type: type[PageNode] = PageNode
         self.reserve(reserve)
         seq = itertools.count()
         #: per locked node, the anchor of each lock on it (where its walk stopped), for :meth:`unlock`
@@ -241,18 +261,41 @@ class PrefixTree:
         front, and recycled when pages leave the tree, keep the collector idle
         in steady state -- the same reason vLLM builds its block objects at startup.
         """
-        new = PageNode.__new__
         spare = self._spare
         missing = n - len(self.nodes) - len(spare)
         if missing > 0:
-            spare.extend(new(PageNode) for _ in range(missing))
+            spare.extend(self._blank_nodes(missing))
+
+    def _blank_nodes(self, n: int) -> list[PageNode]:
+        """``n`` new nodes, fields unset but the node type's object slots (None)."""
+        cls = self.node_type
+        new = cls.__new__
+        nodes = [new(cls) for _ in range(n)]
+        for name in cls.object_slots:
+            setter = getattr(cls, name).__set__
+            for node in nodes:
+                setter(node, None)
+        return nodes
+
+    def use_node_type(self, cls: type[PageNode]) -> None:
+        """Make every node of ``cls`` from now on (a hybrid model's, :func:`node_type_with`); the tree is
+        empty yet, and its preallocated nodes are made again of that class."""
+        assert not self.nodes and issubclass(cls, PageNode), "the node type is chosen before the first page"
+        self.node_type = cls
+        n = len(self._spare)
+        self._spare = []
+        self._spare.extend(self._blank_nodes(n))
+
+    def spare_nodes(self) -> list[PageNode]:
+        """The recycled and preallocated nodes (integrity checks: none may hold anything)."""
+        return self._spare
 
     def _node(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0) -> PageNode:
         if self._spare:
             node = self._spare.pop()
             node.reset(key, parent, stamp, device_page, children)
             return node
-        return PageNode(key, parent, stamp, device_page, children)
+        return self.node_type(key, parent, stamp, device_page, children)
 
     @property
     def now(self) -> int:
@@ -339,8 +382,7 @@ class PrefixTree:
         chain = spare[len(spare) - take :]
         del spare[len(spare) - take :]
         if take < n:
-            new = PageNode.__new__
-            chain += [new(PageNode) for _ in range(n - take)]
+            chain += self._blank_nodes(n - take)
         stamp = self._clock
         prev = parent
         for node, key, page in zip(chain, keys, pages):

@@ -2,7 +2,8 @@
 
 The tree's own pages are the full-attention groups' (every page of a prefix is
 needed). Each other group (:mod:`kvtier.groups`) is a :class:`Component`: objects
-of its own pools, per tier, attached to tree nodes --
+of its own pools, per tier, attached to tree nodes (their ids kept in slots of the
+nodes themselves, :mod:`~kvtier.core.node_objects`) --
 
 * ``sliding_window``: the node's page of the window layers, needed only by
   boundaries whose window covers it (:func:`~kvtier.core.hybrid_match.window_pages`);
@@ -49,13 +50,14 @@ from operator import is_not
 
 from kvtier.alloc import PageAllocator
 from kvtier.core.hybrid_match import HybridPrefix, usable_prefix, window_pages
+from kvtier.core.node_objects import NodeObjects
 from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
 from kvtier.core.tags import GroupBackup
 from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, UnknownNameError
 from kvtier.groups import KVGroup, ModelSpec
 from kvtier.hashing import PageHash, group_object_key
 from kvtier.pages import first_duplicate
-from kvtier.radix import NO_PAGE, SAVING, PageNode
+from kvtier.radix import NO_PAGE, SAVING, PageNode, node_type_with
 
 _last_access = operator.attrgetter("last_access")
 _window_used = operator.attrgetter("window_used")
@@ -67,16 +69,17 @@ _L3_PROBES = 8
 
 
 class Component:
-    """One non-full KV group: its pools' page ids and, per tier, node -> object id."""
+    """One non-full KV group: its pools' page ids and, per tier, node -> object id (kept on the nodes:
+    :mod:`~kvtier.core.node_objects`)."""
 
     __slots__ = ("group", "name", "alloc", "at", "heap", "fresh", "seq", "unready", "loaded", "backed_up", "evicted", "limited", "saved",
                  "fetched", "filled", "sharing")
 
-    def __init__(self, group: KVGroup, device: PageAllocator, host: PageAllocator):
+    def __init__(self, group: KVGroup, device: PageAllocator, host: PageAllocator, at: dict[Tier, NodeObjects]):
         self.group = group
         self.name = group.name
         self.alloc = {Tier.DEVICE: device, Tier.HOST: host}
-        self.at: dict[Tier, dict[PageNode, int]] = {Tier.DEVICE: {}, Tier.HOST: {}}
+        self.at = at
         #: per tier, a lazy heap of (recency, seq, node) for eviction (None until the first eviction needs
         #: it, then built from what the tier holds), and the nodes attached since (pushed when next needed)
         self.heap: dict[Tier, list | None] = {Tier.DEVICE: None, Tier.HOST: None}
@@ -141,13 +144,18 @@ class GroupResidency:
             raise ConfigError(f"the cache's spec has pages of {self.spec.page_size} tokens and model {model.name!r} of "
                               f"{model.page_size}: build the cache from the model's full group")
         pools = pools or {}
-        for g in model.groups:
-            if g.kind == "full":
-                continue
+        others = [g for g in model.groups if g.kind != "full"]
+        for g in others:
             if g.name not in pools:
                 raise ConfigError(f"KV group {g.name!r} ({g.kind}) of model {model.name!r} has no pools: pass "
                                   f"group_pools={{{g.name!r}: (device allocator, host allocator)}}")
-            self.components.append(Component(g, *pools[g.name]))
+        # each group's object ids, per tier, in slots of the tree's nodes
+        slot = {(k, tier): f"objects_{k}_{tier.name.lower()}" for k in range(len(others)) for tier in TIERS}
+        node_type = node_type_with(tuple(slot.values()))
+        self.tree.use_node_type(node_type)
+        for k, g in enumerate(others):
+            at = {tier: NodeObjects(slot[k, tier], node_type, self.tree.nodes) for tier in TIERS}
+            self.components.append(Component(g, *pools[g.name], at))
         self._has_state = any(c.is_state for c in self.components)
         self._by_name = {c.name: c for c in self.components}
         device = getattr(self, "dev_alloc", None)
@@ -190,7 +198,7 @@ class GroupResidency:
         (the load back brings it along). ``fill``: a device node's object counts from a readable host
         copy too (its page stayed on device, the object was evicted there: the load back brings it),
         and ``fill[0]`` is set once one did."""
-        if full <= n_dev and all(all(map(c.at[Tier.DEVICE].__contains__, path[self.needed_places(c, full).start : full]))
+        if full <= n_dev and all(None not in map(c.at[Tier.DEVICE].id_of, path[self.needed_places(c, full).start : full])
                                  for c in self.components):
             return HybridPrefix(full, None)  # the usual case, in C: every object the whole prefix reads is on device
         return usable_prefix(full, self.model.groups, self.spec.page_size, self._tree_has(path, n_dev, fill))
@@ -210,7 +218,7 @@ class GroupResidency:
         for c in self.components:
             places = self.needed_places(c, len(nodes))
             mine = nodes[places.start :]
-            given[c.name] = dict(zip(places, map(c.at[Tier.DEVICE].__getitem__, mine)))
+            given[c.name] = dict(zip(places, map(c.at[Tier.DEVICE].__getitem__, mine)))  # (each is there: the prefix is usable)
             first = min(first, places.start)
             if c.sharing:
                 self._used(mine)
@@ -262,12 +270,13 @@ class GroupResidency:
             c = self.component(name)
             dev = c.at[Tier.DEVICE]
             new_ids = ids[fresh:]
-            if None in new_ids:  # (in C too: the pairs whose id is not None)
-                pairs = list(compress(zip(new_nodes, new_ids), map(is_not, new_ids, repeat(None))))
-                dev.update(pairs)
-                c.note(Tier.DEVICE, [node for node, _ in pairs])
+            if None in new_ids:  # (in C too: the nodes whose id is not None)
+                keep = list(map(is_not, new_ids, repeat(None)))
+                attached = list(compress(new_nodes, keep))
+                dev.attach_new(attached, list(compress(new_ids, keep)))
+                c.note(Tier.DEVICE, attached)
             else:  # the usual case, in C: an object for every new page
-                dev.update(zip(new_nodes, new_ids))
+                dev.attach_new(new_nodes, new_ids)
                 c.note(Tier.DEVICE, new_nodes)
             old_ids = ids[:fresh]
             if old_ids.count(None) == fresh:  # the usual case: nothing handed for pages the cache had
@@ -498,7 +507,7 @@ class GroupResidency:
         has = {}
         loading = self._loading  # (a page still being loaded gets its objects from that load, not from a fill)
         for c in self.components:
-            dev, host = c.at[Tier.DEVICE], c.at[Tier.HOST]
+            dev, host = c.at[Tier.DEVICE].id_of, c.at[Tier.HOST].id_of
             unready = c.unready
 
             def at(i: int, dev=dev, host=host, unready=unready, shift=int(c.is_state)) -> bool:
@@ -506,10 +515,10 @@ class GroupResidency:
                 i -= shift
                 node = path[i]
                 if i >= n_dev:
-                    return node in host and node not in unready
-                if node in dev:
+                    return host(node) is not None and node not in unready
+                if dev(node) is not None:
                     return True
-                if fill is None or node not in host or node in unready or node in loading:
+                if fill is None or host(node) is None or node in unready or node in loading:
                     return False
                 fill[0] = True
                 return True
@@ -667,7 +676,6 @@ class GroupResidency:
 
     # ---- accounting ------------------------------------------------------------------------------
     def _check_groups(self, caller: dict[str, set[int]], quarantined: dict[str, set[int]], idle: bool) -> None:
-        nodes = self.tree.nodes
         if idle:
             assert not self._group_holds, f"idle, yet {len(self._group_holds)} nodes' group objects are held"
             assert not any(c.unready for c in self.components), "idle, yet a group object's copy to host is recorded in flight"
@@ -676,10 +684,10 @@ class GroupResidency:
                 if c.alloc[tier] is None:  # an engine-device core: the engine owns the group's device blocks
                     continue
                 at = c.at[tier]
+                at.check(self.tree.spare_nodes())
                 ids = list(at.values())
                 assert len(ids) == len(set(ids)), f"group {c.name}: a {tier.name.lower()} object is owned by two nodes"
-                for node in at:
-                    assert nodes.get(node.key) is node, f"group {c.name}: an object hangs on a node that left the tree"
+                for node in at:  # (the tree's nodes: at.check counted those that left it)
                     page = node.device_page if tier is Tier.DEVICE else node.host_page
                     assert page != NO_PAGE, f"group {c.name}: a {tier.name.lower()} object without its node's page there"
                 mine = caller.get(c.name, set()) if tier is Tier.DEVICE else set()
