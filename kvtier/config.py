@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from kvtier.errors import ConfigError
+from kvtier.layout import DEFAULT_HOST_LAYOUT, LAYOUTS
 
 WritePolicy = Literal["write_through", "write_through_selective", "write_back"]
 DeviceEvictAction = Literal["backup", "drop"]
@@ -71,14 +72,14 @@ class TierConfig:
     device_pages: int = _help("device (L1) pool size in pages", 64)
     host_pages: int = _help("host (L2) pool size in pages (ignored when host_gb is set)", 96)
     host_gb: float | None = _help("host (L2) pool size in GB; checked against available memory", None)
-    host_layout: HostLayoutKind = _help("host layout: page_first (one run per page: cheap L3 I/O) or layer_first", "page_first")
+    host_layout: HostLayoutKind = _help("host layout: page_first (one run per page: cheap L3 I/O) or layer_first", DEFAULT_HOST_LAYOUT)
     device: str = _help("where the device pool lives: cpu or cuda", "cpu")
 
     def __post_init__(self) -> None:
         check_number(self, "device_pages", at_least=1, integer=True)
         check_number(self, "host_pages", at_least=1, integer=True)
         check_number(self, "host_gb", above=0)
-        _choice(self, "host_layout", ("page_first", "layer_first"))
+        _choice(self, "host_layout", LAYOUTS)
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise ConfigError(f"TierConfig.device must be cpu or cuda; got {self.device!r}")
 

@@ -88,6 +88,11 @@ class ExecutorError(KVTierError, RuntimeError):
     not trusted after this (close it and start again)."""
 
 
+class TransferError(KVTierError, RuntimeError):
+    """A GPU copy method could not run: its driver entry point is missing, or the driver refused a
+    call (the message gives the CUresult and which copy). The executor reports the transfer failed."""
+
+
 class InvalidStateError(KVTierError, RuntimeError):
     """An operation was called in a state that does not allow it (e.g. unlocking an unlocked node)."""
 

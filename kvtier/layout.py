@@ -18,6 +18,12 @@ from kvtier.errors import UnknownNameError
 
 LayoutKind = Literal["layer_first", "page_first"]
 LAYOUTS: tuple[LayoutKind, ...] = ("layer_first", "page_first")
+#: The one default host layout (TierConfig, HostPool, WorkerSpec and the engine integrations read
+#: it): page_first, where a page's layers are one run per buffer, so an L3 save or load moves one
+#: run per page. The GPU copy methods that read an address list (kvtier.transfer.address_list)
+#: move either layout as one list of rows; the H200 figures that would settle it for GPU
+#: transfers are owed (README, Known gaps).
+DEFAULT_HOST_LAYOUT: LayoutKind = "page_first"
 
 
 def check_layout(kind: str) -> LayoutKind:

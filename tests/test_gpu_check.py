@@ -2,6 +2,7 @@
 script a lent GPU machine runs is kept working by the suite; and its bit-exact check is not vacuous."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -39,6 +40,31 @@ def test_gpu_check_on_cpu_round_trips_bit_exact_and_measures():
     trip = report["cache_round_trip"]  # the policy core + local executor, evicted to host and loaded back
     assert trip["bit_exact"] is True and trip["evicted"] == trip["backed_up"] == trip["pages"] == 16 and trip["hit_device_host"] == [0, 16]
     assert report["layered_save"] == {"spec": "llama-3.1-8b", "pages": 16, "layers": 2, "bit_exact": True}
+    # the copy methods: its first lines say what the machine resolves; here no driver, no GPU
+    assert list(report)[2] == "probes" and report["probes"]["cuMemcpyBatchAsync"]["resolved"] is False
+    assert report["probes"]["triton_reads_pinned_host"] == {"ok": False, "detail": "no CUDA device"}
+    assert report["methods"] == ["direct"] and sorted(report["methods_skipped"]) == ["dma", "kernel", "kernel_capped"]
+    assert all("use 'direct'" in why for why in report["methods_skipped"].values())
+    assert [(t["spec"], t["layout"], t["direction"], t["host_pages"]) for t in report["method_transfers"]] == [
+        (spec, layout, direction, pages) for spec in ("deepseek-v3.2", "llama-3.1-8b") for layout in ("layer_first", "page_first")
+        for direction in ("load", "backup") for pages in ("one run", "shuffled")]
+    assert all(t["method"] == "direct" and t["gbps"] > 0 for t in report["method_transfers"])
+    assert [o["method"] for o in report["method_overlap"]] == ["direct"] and report["method_overlap"][0]["serial_ms"] > 0
+    assert report["thresholds"] == {"skipped": "no CUDA device"}
+
+
+def test_gpu_check_runs_the_copy_kernel_under_the_interpreter():
+    """The kernel methods through the check's whole path (engines, round trips, overlap) on CPU tensors."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.bench.gpu_check", "--device", "cpu", "--pages", "4", "--layers", "1",
+                        "--work", "32", "--reps", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["methods"] == ["direct", "kernel", "kernel_capped"] and list(report["methods_skipped"]) == ["dma"]
+    trips = [(t["method"], t["spec"], t["layout"], t["bit_exact"]) for t in report["method_round_trips"]]
+    assert trips == [(m, s, lay, True) for m in report["methods"] for s in ("deepseek-v3.2", "llama-3.1-8b")
+                     for lay in ("layer_first", "page_first")]
+    assert len(report["method_transfers"]) == 3 * 16 and report["bit_exact"] is True
 
 
 def test_gpu_check_catches_a_layered_save_that_copies_before_the_layer_is_written(monkeypatch):

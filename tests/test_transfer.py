@@ -109,7 +109,7 @@ def test_out_of_range_unknown_backend_and_spec_mismatch():
     dev, host = DevicePool(specs["mha"], 2), HostPool(specs["mha"], 2)
     with pytest.raises(PageIndexError, match="page 5 is outside"):
         host.load_to_device_per_layer(dev, slots([5], 4), slots([0], 4), 0)
-    with pytest.raises(UnknownNameError, match="valid: direct"):
+    with pytest.raises(UnknownNameError, match="valid: auto, direct, dma, triton"):
         host.load_to_device_per_layer(dev, slots([0], 4), slots([0], 4), 0, io_backend="kernel")
     with pytest.raises(SpecError, match="one KVSpec"):
         host.load_to_device_per_layer(DevicePool(specs["mla"], 2), slots([0], 4), slots([0], 4), 0)

@@ -25,6 +25,7 @@ from kvtier.core.plans import Completion, Transfer
 from kvtier.errors import ExecutorError, SpecError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace
+from kvtier.layout import DEFAULT_HOST_LAYOUT
 from kvtier.spec import KVSpec
 
 
@@ -35,7 +36,7 @@ class WorkerSpec:
     spec: KVSpec
     device_pages: int
     host_pages: int
-    host_layout: str = "layer_first"
+    host_layout: str = DEFAULT_HOST_LAYOUT
     device: str = "cpu"
     io_backend: str = "direct"
     storage: StorageConfig = StorageConfig()

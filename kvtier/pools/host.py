@@ -20,7 +20,7 @@ import torch
 
 from kvtier.alloc import Allocation, PageAllocator
 from kvtier.errors import HostMemoryBudgetError, PageAlignmentError, SpecError
-from kvtier.layout import HostLayout, LayoutKind, check_layout
+from kvtier.layout import DEFAULT_HOST_LAYOUT, HostLayout, LayoutKind, check_layout
 from kvtier.pages import check_layer, check_page_count, check_pages_in_range, pages_to_slots, slots_to_pages
 from kvtier.pools.device import DevicePool
 from kvtier.pools.rows import as_wide_rows
@@ -64,7 +64,7 @@ class HostPool:
         self,
         spec: KVSpec,
         num_pages: int,
-        layout: LayoutKind | str = "layer_first",
+        layout: LayoutKind | str = DEFAULT_HOST_LAYOUT,
         *,
         pin_memory: bool | None = None,
         reserve_bytes: int = DEFAULT_RESERVE_BYTES,

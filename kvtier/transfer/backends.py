@@ -3,9 +3,22 @@
 A backend copies whole page rows between ``[pages, row]`` views in two steps:
 ``plan(src_pages, dst_pages)`` once per transfer (index analysis, done once for
 every layer and buffer), then ``copy(plan, src_rows, dst_rows)`` per buffer and
-layer. ``direct`` is plain torch and runs everywhere; a CUDA/Triton ``kernel``
-backend plugs in with :func:`register_io_backend` without touching pools or
-transfer code.
+layer. Or, declaring ``copy_list``, it takes the transfer as address lists
+(:mod:`kvtier.transfer.address_list`): one list per layer for a load, one for
+every layer for a backup, every buffer in it.
+
+=========  ======================================================  ==============
+name       how                                                     runs on
+=========  ======================================================  ==============
+direct     torch slice / index copies per buffer and layer          CPU and CUDA
+dma        one ``cuMemcpyBatchAsync`` per list                      CUDA >= 12.8
+triton     a copy kernel over the list, grid capped                 CUDA (CPU: the
+                                                                   interpreter)
+auto       per list: the kernel for many small rows, else DMA       CUDA
+=========  ======================================================  ==============
+
+``auto``'s thresholds are :class:`~kvtier.transfer.gpu_methods.CopyMethodThresholds`
+(environment overrides; ``python -m kvtier.app.bench.gpu_check`` prints measured ones).
 """
 
 from __future__ import annotations
@@ -16,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvtier.errors import UnknownNameError
+from kvtier.errors import ConfigError, UnknownNameError
 
 
 @dataclass(frozen=True)
@@ -30,6 +43,26 @@ class IOBackend:
     #: into a page_first host pool in whole pages (its pages are one run across layers), used
     #: for all-layer backups to a GPU's page_first host pool; None: per layer through ``copy``
     backup_whole_pages: Callable[[Any, Any, torch.Tensor, torch.Tensor], None] | None = None
+    #: copy_list(rows, src_device, dst_device): an address list (every buffer of a layer, or of every
+    #: layer) on the current stream of the GPU side; a backend with it takes :meth:`transfer_plan`'s
+    #: address plans instead of ``plan`` / ``copy``
+    copy_list: Callable[[Any, torch.device, torch.device], None] | None = None
+    #: unavailable(device): why it cannot move pages to and from a pool on ``device`` (None: it can)
+    unavailable: Callable[[torch.device], str | None] | None = None
+
+    def transfer_plan(self, src_pool, dst_pool, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> Any:
+        """The plan of one transfer, reused for every layer and buffer: an address plan for a
+        backend that copies address lists, else ``plan``'s."""
+        if self.copy_list is not None:
+            from kvtier.transfer.address_list import AddressPlan
+
+            return AddressPlan(src_pool, dst_pool, src_pages, dst_pages)
+        return self.plan(src_pages, dst_pages)
+
+    def check_runs_on(self, device: torch.device) -> None:
+        reason = self.unavailable(device) if self.unavailable is not None else None
+        if reason is not None:
+            raise ConfigError(f"io_backend {self.name!r}: {reason}")
 
     def copy_pages(self, src_rows: torch.Tensor, src_pages: torch.Tensor, dst_rows: torch.Tensor, dst_pages: torch.Tensor) -> None:
         self.copy(self.plan(src_pages, dst_pages), src_rows, dst_rows)
@@ -56,9 +89,11 @@ def io_backends() -> list[str]:
 
 
 def _register_builtin() -> None:
-    from kvtier.transfer import direct
+    from kvtier.transfer import direct, gpu_methods
 
     register_io_backend(IOBackend("direct", direct.plan, direct.copy, direct.backup_whole_pages))
+    for backend in gpu_methods.backends():
+        register_io_backend(backend)
 
 
 _register_builtin()

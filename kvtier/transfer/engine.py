@@ -112,7 +112,7 @@ def _device_to_host(engine: TransferEngine, job: TransferJob, layer_done: Callab
 
 
 def _host_to_device(engine: TransferEngine, job: TransferJob, layer_done: Callable[[int], None]) -> None:
-    plan = engine.backend.plan(job.src_pages, job.dst_pages)
+    plan = engine.backend.transfer_plan(engine.host, engine.device, job.src_pages, job.dst_pages)
     for layer in range(job.num_layers):
         load_pages_one_layer(engine.host, engine.device, job.src_pages, job.dst_pages, layer, engine.backend, plan)
         layer_done(layer)
@@ -125,6 +125,8 @@ class TransferEngine:
         self.backend = get_io_backend(io_backend)
         self.num_layers = host_pool.spec.num_layers
         self.materialized = host_pool.materialized and device_pool.materialized
+        if self.materialized:
+            self.backend.check_runs_on(device_pool.device)
         self.cuda = self.materialized and device_pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
         self.handlers: dict[tuple[Medium, Medium], Handler] = {}
@@ -248,7 +250,7 @@ class TransferEngine:
         try:
             if job.error is None:  # after a failed layer the rest are not copied
                 if job.copy_plan is None:
-                    job.copy_plan = self.backend.plan(job.src_pages, job.dst_pages)
+                    job.copy_plan = self.backend.transfer_plan(self.device, self.host, job.src_pages, job.dst_pages)
                 if self.cuda:
                     with torch.cuda.stream(self.stream):
                         if ready is not None:

@@ -26,6 +26,17 @@ dedicated copy stream and per-layer CUDA events on a GPU):
    host (write_back backup), begun again and loaded back layer by layer; bytes compared and
    the core's idle liveness check passed.
 
+6. **the GPU copy methods** (``kvtier.transfer.backends``): ``direct`` (the current path),
+   ``dma`` (one batched ``cuMemcpyBatchAsync`` per address list), ``kernel`` (the Triton copy
+   kernel on as many programs as the GPU has SMs) and ``kernel_capped`` (its default, capped grid):
+   every method x spec (deepseek-v3.2, llama-3.1-8b) x host layout x direction x page order
+   against a plain ``copy_`` (``method_transfers``), round trips bit-exact per method, the
+   per-layer overlap per method while a bf16 matmul runs on the default stream
+   (``method_overlap``), and the row size up to which the kernel beats DMA (``thresholds``, what
+   ``auto`` should use: ``KVTIER_KERNEL_MAX_ROW_BYTES``). Its first lines (``probes``) record
+   whether ``cuGetProcAddress`` resolves the batch call and whether the kernel reads pinned host
+   memory by its address. Methods this machine cannot run are listed in ``methods_skipped``.
+
 Prints one JSON object; exit 1 if a round trip is not bit-exact.
 """
 
@@ -35,12 +46,17 @@ import json
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
+import numpy as np
 import torch
 import typer
 
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
+from kvtier.transfer import direct
+from kvtier.transfer.address_list import CopyList
+from kvtier.transfer.backends import IOBackend, get_io_backend
 from kvtier.transfer.engine import TransferEngine
 
 
@@ -48,6 +64,10 @@ from kvtier.transfer.engine import TransferEngine
 class GpuCheckReport:
     device: str
     device_name: str
+    #: first: whether the batch call resolves and the kernel reads pinned host memory (and why not)
+    probes: dict = field(default_factory=dict)
+    methods: list[str] = field(default_factory=list)
+    methods_skipped: dict = field(default_factory=dict)
     round_trips: list[dict] = field(default_factory=list)
     bit_exact: bool = True
     #: the headline: a per-layer load from layer_first host pages in one run (``transfers[0]``)
@@ -62,6 +82,12 @@ class GpuCheckReport:
     overlap_speedup: float = 0.0
     cache_round_trip: dict = field(default_factory=dict)
     layered_save: dict = field(default_factory=dict)
+    #: per method: round trips (bit-exact), transfers against copy_, overlap with a running matmul
+    method_round_trips: list[dict] = field(default_factory=list)
+    method_transfers: list[dict] = field(default_factory=list)
+    method_overlap: list[dict] = field(default_factory=list)
+    #: kernel vs DMA per row size, and the largest row size where the kernel was as fast
+    thresholds: dict = field(default_factory=dict)
 
 
 def _sync(device: torch.device) -> None:
@@ -77,11 +103,11 @@ def _fill_random(dev: DevicePool, pages: list[int], seed: int) -> None:
             rows[pages] = torch.randint(0, 256, (len(pages), rows.shape[1]), dtype=torch.uint8, generator=g).to(dev.device)
 
 
-def round_trip(spec: KVSpec, layout: str, device: torch.device, pages: int) -> dict:
+def round_trip(spec: KVSpec, layout: str, device: torch.device, pages: int, backend: str | IOBackend = "direct") -> dict:
     """device pages [0, n) -> host pages (shuffled) -> device pages [n, 2n); bytes compared."""
     dev = DevicePool(spec, 2 * pages, device)
     host = HostPool(spec, pages, layout)
-    engine = TransferEngine(host, dev)
+    engine = TransferEngine(host, dev, backend)
     try:
         src = list(range(pages))
         dst = list(range(pages, 2 * pages))
@@ -152,13 +178,13 @@ def layered_save(spec: KVSpec, device: torch.device, pages: int, work: int) -> d
 
 
 def bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, direction: str = "load",
-              shuffled: bool = False, layout: str = "layer_first") -> tuple[float, float]:
+              shuffled: bool = False, layout: str = "layer_first", backend: str | IOBackend = "direct") -> tuple[float, float]:
     """(kvtier GB/s, plain copy_ GB/s) of the same bytes, best of ``reps``: a per-layer ``load``
     (host -> device) or an all-layer ``backup`` (device -> host); host pages in one run, or
     ``shuffled``; the plain copy_ is one DMA between pinned host memory and the device."""
     dev = DevicePool(spec, pages, device)
     host = HostPool(spec, pages, layout)
-    engine = TransferEngine(host, dev)
+    engine = TransferEngine(host, dev, backend)
     nbytes = pages * spec.page_bytes
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
     on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -182,12 +208,13 @@ def bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, dire
     return nbytes / best_move / 1e9, nbytes / best_copy / 1e9
 
 
-def overlap(spec: KVSpec, device: torch.device, pages: int, work: int) -> tuple[float, float]:
+def overlap(spec: KVSpec, device: torch.device, pages: int, work: int, backend: str | IOBackend = "direct",
+            layout: str = "layer_first", dtype: torch.dtype = torch.float32) -> tuple[float, float]:
     """(serial ms, overlapped ms): load all layers then compute each, vs compute layer i as soon as it lands."""
     dev = DevicePool(spec, pages, device)
-    host = HostPool(spec, pages, "layer_first")
-    engine = TransferEngine(host, dev)
-    a = torch.randn(work, work, device=device)
+    host = HostPool(spec, pages, layout)
+    engine = TransferEngine(host, dev, backend)
+    a = torch.randn(work, work, device=device).to(dtype)
     order = list(range(pages))
 
     def attend() -> None:
@@ -216,10 +243,90 @@ def overlap(spec: KVSpec, device: torch.device, pages: int, work: int) -> tuple[
     return serial * 1e3, overlapped * 1e3
 
 
+def copy_methods(device: torch.device) -> tuple[dict[str, IOBackend], dict[str, str]]:
+    """The methods to measure on ``device`` and the ones it cannot run (with why)."""
+    from kvtier.transfer.gpu_methods import kernel_copy_list
+
+    programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    capped = get_io_backend("triton")
+    candidates = {"direct": get_io_backend("direct"), "dma": get_io_backend("dma"),
+                  "kernel": IOBackend("kernel", direct.plan, direct.copy, None, partial(kernel_copy_list, programs=programs),
+                                      capped.unavailable),
+                  "kernel_capped": capped}
+    run, skipped = {}, {}
+    for name, backend in candidates.items():
+        reason = backend.unavailable(device) if backend.unavailable is not None else None
+        if reason is None:
+            run[name] = backend
+        else:
+            skipped[name] = reason
+    return run, skipped
+
+
+def probes(device: torch.device) -> dict:
+    """Whether the driver resolves the batch call, and whether the kernel reads pinned host memory by its address."""
+    from kvtier.transfer.batched_dma import batch_support
+    from kvtier.transfer.triton_copy import unavailable
+
+    support = batch_support()
+    out = {"cuMemcpyBatchAsync": {"resolved": support.available, "detail": support.reason}}
+    reason = unavailable() or (None if device.type == "cuda" else "no CUDA device")
+    if reason is not None:
+        out["triton_reads_pinned_host"] = {"ok": False, "detail": reason}
+        return out
+    from kvtier.transfer.gpu_methods import kernel_copy_list
+
+    try:
+        host = torch.arange(4096, dtype=torch.int64).pin_memory()
+        dst = torch.zeros(4096, dtype=torch.int64, device=device)
+        rows = CopyList(np.array([host.data_ptr()]), np.array([dst.data_ptr()]), np.array([host.nbytes]))
+        kernel_copy_list(rows, torch.device("cpu"), device, 4)
+        torch.cuda.synchronize(device)
+        ok = bool(torch.equal(dst.cpu(), host))
+        out["triton_reads_pinned_host"] = {"ok": ok, "detail": "read by its host address (UVA)" if ok else "bytes differ"}
+    except Exception as e:  # the probe's answer, not the check's failure
+        out["triton_reads_pinned_host"] = {"ok": False, "detail": f"{type(e).__name__}: {e}"[:300]}
+    return out
+
+
+def measure_thresholds(device: torch.device, methods: dict[str, IOBackend], reps: int, rows: int = 512) -> dict:
+    """Kernel (capped) vs batched DMA on ``rows`` shuffled rows host -> device, per row size: the
+    largest size where the kernel was at least as fast is ``auto``'s ``kernel_max_row_bytes``."""
+    if "dma" not in methods or "kernel_capped" not in methods:
+        return {"skipped": "needs both dma and kernel_capped"}
+    cpu = torch.device("cpu")
+    table = []
+    best_size = 0
+    for size in (2 << 10, 4 << 10, 8 << 10, 16 << 10, 32 << 10, 64 << 10, 128 << 10):
+        host = torch.empty(rows * size, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(rows * size, dtype=torch.uint8, device=device)
+        order = np.random.default_rng(size).permutation(rows).astype(np.int64)
+        lst = CopyList(host.data_ptr() + order * size, dev.data_ptr() + np.arange(rows, dtype=np.int64) * size,
+                       np.full(rows, size, np.int64))
+        times = {}
+        for name in ("dma", "kernel_capped"):
+            best = float("inf")
+            for _ in range(reps + 1):  # the first is a warm-up (the kernel compiles)
+                torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                methods[name].copy_list(lst, cpu, device)
+                torch.cuda.synchronize(device)
+                best = min(best, time.perf_counter() - t0)
+            times[name] = best
+        table.append({"row_bytes": size, "dma_gbps": round(lst.nbytes / times["dma"] / 1e9, 3),
+                      "kernel_capped_gbps": round(lst.nbytes / times["kernel_capped"] / 1e9, 3)})
+        if times["kernel_capped"] <= times["dma"]:
+            best_size = size
+    return {"rows": rows, "per_row_size": table, "kernel_max_row_bytes": best_size}
+
+
 def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers: int = 8, work: int = 2048) -> GpuCheckReport:
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     report = GpuCheckReport(device=str(dev), device_name=name)
+    report.probes = probes(dev)
+    methods, report.methods_skipped = copy_methods(dev)
+    report.methods = list(methods)
     specs = [KVSpec.preset("deepseek-v3.2").with_(num_layers=layers), KVSpec.preset("llama-3.1-8b").with_(num_layers=layers)]
     for spec in specs:
         for layout in ("layer_first", "page_first"):
@@ -238,7 +345,32 @@ def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers:
     report.load_gbps, report.copy_gbps, report.load_over_copy = headline["gbps"], headline["copy_gbps"], headline["over_copy"]
     serial, overlapped = overlap(specs[0], dev, pages, work)
     report.serial_ms, report.overlapped_ms, report.overlap_speedup = round(serial, 2), round(overlapped, 2), round(serial / overlapped, 3)
+    run_methods(report, methods, specs, dev, pages, reps, work)
+    report.thresholds = measure_thresholds(dev, methods, reps) if dev.type == "cuda" else {"skipped": "no CUDA device"}
     return report
+
+
+def run_methods(report: GpuCheckReport, methods: dict[str, IOBackend], specs: list[KVSpec], dev: torch.device, pages: int, reps: int,
+                work: int) -> None:
+    """Every method: round trips, transfers against copy_ per spec x layout x direction x order, overlap."""
+    matmul = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    for name, backend in methods.items():
+        for spec in specs:
+            for layout in ("layer_first", "page_first"):
+                trip = round_trip(spec, layout, dev, min(pages, 64), backend)
+                report.method_round_trips.append({"method": name, **trip})
+                report.bit_exact &= trip["bit_exact"]
+                for direction in ("load", "backup"):
+                    for shuffled in (False, True):
+                        moved, copy = bandwidth(spec, dev, pages, reps, direction=direction, shuffled=shuffled, layout=layout,
+                                                backend=backend)
+                        report.method_transfers.append({"method": name, "spec": spec.name, "layout": layout, "direction": direction,
+                                                        "host_pages": "shuffled" if shuffled else "one run", "gbps": round(moved, 3),
+                                                        "over_copy": round(moved / copy, 3)})
+        serial, overlapped = overlap(specs[0], dev, pages, work, backend, "page_first", matmul)
+        report.method_overlap.append({"method": name, "layout": "page_first", "matmul": str(matmul).removeprefix("torch."),
+                                      "serial_ms": round(serial, 2), "overlapped_ms": round(overlapped, 2),
+                                      "speedup": round(serial / overlapped, 3)})
 
 
 def main(device: str = typer.Option("cuda", help="cuda (the check) or cpu (the same code on the CPU path)"),

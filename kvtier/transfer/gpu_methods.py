@@ -1,0 +1,122 @@
+"""The GPU copy methods behind :class:`~kvtier.transfer.backends.IOBackend`: ``dma``, ``triton``, ``auto``.
+
+Each takes a transfer as address lists (:mod:`kvtier.transfer.address_list`) and
+runs on the current stream of the GPU side (the transfer engine's copy stream):
+
+* ``dma``: one ``cuMemcpyBatchAsync`` per list (:mod:`kvtier.transfer.batched_dma`);
+* ``triton``: the copy kernel over the list, its grid capped to
+  ``kernel_programs`` programs (:mod:`kvtier.transfer.triton_copy`);
+* ``auto``: per list, the kernel when its rows are many and small, else DMA
+  (:class:`CopyMethodThresholds`).
+
+The thresholds' defaults are vLLM 0.32's tuning on an H100 (its Triton swap
+kernel for copies of at most 28 KiB, at least 16 of them; batched DMA above);
+``python -m kvtier.app.bench.gpu_check`` measures and prints kvtier's own, and
+``KVTIER_KERNEL_MAX_ROW_BYTES``, ``KVTIER_KERNEL_MIN_ROWS`` and
+``KVTIER_KERNEL_PROGRAMS`` override them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.transfer import direct
+from kvtier.transfer.address_list import CopyList
+from kvtier.transfer.backends import IOBackend
+
+
+@dataclass(frozen=True)
+class CopyMethodThresholds:
+    """When ``auto`` runs the kernel: a list of at least ``kernel_min_rows`` rows averaging at most
+    ``kernel_max_row_bytes``; the kernel runs on at most ``kernel_programs`` programs."""
+
+    kernel_max_row_bytes: int = 28 << 10
+    kernel_min_rows: int = 16
+    kernel_programs: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("kernel_max_row_bytes", "kernel_min_rows", "kernel_programs"):
+            value = getattr(self, name)
+            if type(value) is not int or value < (1 if name == "kernel_programs" else 0):
+                raise ConfigError(f"CopyMethodThresholds.{name} must be a whole number{' >= 1' if name == 'kernel_programs' else ''}, "
+                                  f"got {value!r}")
+
+    @classmethod
+    def from_env(cls) -> CopyMethodThresholds:
+        env = {"kernel_max_row_bytes": "KVTIER_KERNEL_MAX_ROW_BYTES", "kernel_min_rows": "KVTIER_KERNEL_MIN_ROWS",
+               "kernel_programs": "KVTIER_KERNEL_PROGRAMS"}
+        values = {}
+        for field, var in env.items():
+            raw = os.environ.get(var)
+            if raw is None:
+                continue
+            try:
+                values[field] = int(raw)
+            except ValueError:
+                raise ConfigError(f"{var} must be a whole number, got {raw!r}") from None
+        return cls(**values)
+
+    def method_for(self, rows: CopyList) -> str:
+        """"kernel" or "dma" for this list."""
+        if len(rows) >= self.kernel_min_rows and rows.nbytes <= self.kernel_max_row_bytes * len(rows):
+            return "kernel"
+        return "dma"
+
+
+def _gpu(src: torch.device, dst: torch.device) -> torch.device:
+    return dst if dst.type == "cuda" else src
+
+
+def dma_copy_list(rows: CopyList, src: torch.device, dst: torch.device) -> None:
+    from kvtier.transfer.batched_dma import build_batch, submit
+
+    gpu = _gpu(src, dst)
+    batch = build_batch(rows, src.type == "cuda", dst.type == "cuda", gpu.index or 0)
+    submit(batch, torch.cuda.current_stream(gpu).cuda_stream)
+
+
+def kernel_copy_list(rows: CopyList, src: torch.device, dst: torch.device, programs: int | None = None) -> None:
+    from kvtier.transfer.triton_copy import copy_list
+
+    copy_list(rows, _gpu(src, dst), CopyMethodThresholds.from_env().kernel_programs if programs is None else programs)
+
+
+def auto_copy_list(rows: CopyList, src: torch.device, dst: torch.device) -> None:
+    thresholds = CopyMethodThresholds.from_env()
+    if thresholds.method_for(rows) == "kernel":
+        kernel_copy_list(rows, src, dst, thresholds.kernel_programs)
+    else:
+        dma_copy_list(rows, src, dst)
+
+
+def _dma_unavailable(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return "batched DMA copies between pinned host memory and a GPU; the device pool is on the CPU (use 'direct')"
+    from kvtier.transfer.batched_dma import batch_support
+
+    support = batch_support()
+    return None if support.available else support.reason
+
+
+def _kernel_unavailable(device: torch.device) -> str | None:
+    from kvtier.transfer.triton_copy import interpreting, unavailable
+
+    reason = unavailable()
+    if reason is None and device.type != "cuda" and not interpreting():
+        reason = "the copy kernel runs on a GPU (on CPU pools only under TRITON_INTERPRET=1); use 'direct'"
+    return reason
+
+
+def _auto_unavailable(device: torch.device) -> str | None:
+    return _dma_unavailable(device) or _kernel_unavailable(device)
+
+
+def backends() -> list[IOBackend]:
+    """The three GPU methods as io backends (``plan`` / ``copy``: direct's, for a caller copying rows itself)."""
+    return [IOBackend(name, direct.plan, direct.copy, None, fn, why) for name, fn, why in (
+        ("dma", dma_copy_list, _dma_unavailable), ("triton", kernel_copy_list, _kernel_unavailable),
+        ("auto", auto_copy_list, _auto_unavailable))]
