@@ -153,9 +153,7 @@ def test_batched_dma_refuses_the_legacy_stream_and_reports_a_failed_copy():
         submit(build_batch(rows, False, True), stream=0x1234, call=BATCH_MEMCPY(failing))
 
 
-# ---- the Triton kernel, under the interpreter ---------------------------------------------------------
-triton = pytest.importorskip("triton", reason="the gpu extra (Triton) is installed by ./run.sh test")
-
+# ---- the Triton kernel, under the interpreter (the gpu extra, which ./run.sh test installs) ------------
 
 @pytest.fixture
 def interpreter(monkeypatch):
@@ -221,3 +219,28 @@ def test_auto_picks_the_kernel_for_many_small_rows_and_dma_otherwise(monkeypatch
         CopyMethodThresholds.from_env()
     with pytest.raises(ConfigError, match="kernel_programs must be a whole number >= 1"):
         CopyMethodThresholds(kernel_programs=0)
+
+
+# ---- a hybrid model's object pools move the same way ------------------------------------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first"])
+def test_state_and_window_object_pools_move_bit_exact_by_address_list(layout, interpreter):
+    from test_core_hybrid_stateful import hybrid_model
+
+    model, _ = hybrid_model(window=8, state=True)
+    for group in (g for g in model.groups if g.kind != "full"):
+        spec = group.object_spec()
+        pools = []
+        for _ in range(2):
+            host, dev = HostPool(spec, 6, layout), DevicePool(spec, 5)
+            fill_random(host, 4)
+            fill_random(dev, 5)
+            pools.append((host, dev))
+        (host, dev), (h_ref, d_ref) = pools
+        host_pages, dev_pages = torch.tensor([4, 0, 2]), torch.tensor([1, 3, 0])
+        for layer in range(spec.num_layers):
+            load_pages_one_layer(host, dev, host_pages, dev_pages, layer, get_io_backend("triton"))
+            load_pages_one_layer(h_ref, d_ref, host_pages, dev_pages, layer, get_io_backend("direct"))
+        run_with_memmove(AddressPlan(dev, host, dev_pages, torch.tensor([5, 3, 1])).all_layers())
+        backup_pages_all_layers(h_ref, d_ref, torch.tensor([5, 3, 1]), dev_pages, get_io_backend("direct"))
+        assert [host.page_bytes(p) for p in range(6)] == [h_ref.page_bytes(p) for p in range(6)], group.name
+        assert [dev.page_bytes(p) for p in range(5)] == [d_ref.page_bytes(p) for p in range(5)], group.name

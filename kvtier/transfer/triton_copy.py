@@ -91,8 +91,8 @@ def copy_list(rows: CopyList, device: torch.device, programs: int = DEFAULT_PROG
         raise ConfigError("the Triton copy kernel runs on a GPU (or on CPU tensors under TRITON_INTERPRET=1); use io_backend 'direct'")
     word = min(rows.alignment, 8)
     table = torch.from_numpy(np.stack([rows.src, rows.dst, rows.size]))
-    if device.type == "cuda":
-        table = table.to(device, non_blocking=False)
+    if device.type == "cuda":  # pinned (torch's caching host allocator keeps it until the copy is done), then async
+        table = table.pin_memory().to(device, non_blocking=True)
     grid = (min(programs, len(rows)),)
     _kernel(interpreting())[grid](table[0], table[1], table[2], len(rows), WORD=word, DTYPE=_word_type(word), BLOCK=BLOCK)
 
