@@ -151,6 +151,29 @@ def test_a_fill_of_pages_above_the_boundary_locks_and_releases_what_it_brings():
     core.check_integrity(idle=True)  # no lock left behind on the path
 
 
+def test_making_device_room_for_a_load_never_evicts_the_host_window_pages_it_reads():
+    # A and its window pages on host, its boundary's window page the oldest thing there; then D's pages on
+    # host (newer), and C's pages filling the device. Loading A evicts two of C's pages, whose backups need
+    # host room: what no request reads may go, never the window page A's load reads (before the load held
+    # it, it went first, and A hit nothing)
+    core, _ = shared_core(window=2, dev=8, host=10)  # a boundary reads its last page's window page only
+    commit_all(core, A)
+    for k in (1, 2, 3):  # boundaries 1-3 read window pages 0-2: more recent than page 3's
+        core.begin(A[: k * PAGE]).abort()
+    assert core.evict_device(4).evicted == 4 and window_places(core, A, Tier.HOST) == [0, 1, 2, 3]
+    D, C = list(range(7000, 7000 + 2 * PAGE)), list(range(5000, 5000 + 6 * PAGE))
+    commit_all(core, D, windows=[])
+    assert core.evict_device(2).evicted == 2 and core.host_alloc.num_free == 0  # host: A (8 ids) and D (2)
+    commit_all(core, C, windows=[])
+    assert core.dev_alloc.num_free == 2
+    req = core.begin(A)
+    assert (req.num_cached, sorted(req.groups["swa"])) == (4, [3])  # whole, its boundary's window page came along
+    assert 3 in window_places(core, A, Tier.HOST)  # the room came from window pages no request reads
+    req.abort()
+    core.wait_idle()
+    core.check_integrity(idle=True)
+
+
 def test_without_a_host_copy_the_match_stops_where_the_window_pages_are():
     core, _ = shared_core(window=6, write_policy="write_back")  # nothing on host
     commit_all(core, A)

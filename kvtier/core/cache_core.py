@@ -209,12 +209,18 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         got = None
         if valid:
             self.tree.lock(valid[-1])  # pins the matched path while we make room
-            got = self.alloc_device(len(valid))
-            if not got.ok:
-                take = min(len(valid), self.dev_alloc.num_free)
-                got = self.dev_alloc.alloc(take)
-                self.stats.load_shortfall_pages += len(valid) - take
-            self.tree.unlock(valid[-1])
+            # and the objects its boundary reads: making room may back pages up, and host room evict objects
+            reading = match.nodes[self.first_read(len(match.nodes)):] if self.components else []
+            self.hold_groups(reading)
+            try:
+                got = self.alloc_device(len(valid))
+                if not got.ok:
+                    take = min(len(valid), self.dev_alloc.num_free)
+                    got = self.dev_alloc.alloc(take)
+                    self.stats.load_shortfall_pages += len(valid) - take
+            finally:
+                self.release_groups(reading)
+                self.tree.unlock(valid[-1])
             if first and match.nodes[first - 1].device_page != prefix_pages[-1]:
                 # making room waited for plans in flight, and a load this prefix waited on failed: its pages left
                 # the device, so the host run no longer follows it (the request learns of the failure and shrinks)

@@ -210,19 +210,22 @@ class GroupResidency:
             return range(max(pages - 1, 0), pages)
         return window_pages(c.group, pages, self.spec.page_size)
 
+    def first_read(self, pages: int) -> int:
+        """Where the run of pages whose objects a prefix of ``pages`` pages reads starts: every group's
+        places end with the prefix (a window's pages, the snapshot on its last page)."""
+        return min((self.needed_places(c, pages).start for c in self.components), default=pages)
+
     def _given_objects(self, nodes: Sequence[PageNode]) -> tuple[dict[str, dict[int, int]], list[PageNode]]:
         """The device objects a request continuing from the end of ``nodes`` reads (group -> place -> id),
         and the nodes they hang on, held for it (:meth:`hold_groups`)."""
         given: dict[str, dict[int, int]] = {}
-        first = len(nodes)  # every group's places end the prefix: together they are its last nodes
         for c in self.components:
             places = self.needed_places(c, len(nodes))
             mine = nodes[places.start :]
             given[c.name] = dict(zip(places, map(c.at[Tier.DEVICE].__getitem__, mine)))  # (each is there: the prefix is usable)
-            first = min(first, places.start)
             if c.sharing:
                 self._used(mine)
-        held = nodes[first:]
+        held = nodes[self.first_read(len(nodes)) :]
         self.hold_groups(held)
         return given, held
 
