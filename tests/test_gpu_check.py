@@ -116,3 +116,9 @@ def test_gpu_check_default_device():
         assert r.returncode == 0 and json.loads(r.stdout)["bit_exact"] is True, r.stderr[-2000:]
     else:
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--device cpu" in r.stderr
+
+
+def test_gpu_check_skips_the_methods_its_time_budget_leaves_no_room_for():
+    report = gpu_check.run_gpu_check("cpu", pages=4, reps=1, layers=1, work=16, budget_s=0.0)
+    assert report.methods == [] and "time budget" in report.methods_skipped["direct"]
+    assert report.method_transfers == [] and report.bit_exact is True and report.round_trips  # the other checks still ran

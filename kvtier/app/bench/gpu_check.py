@@ -322,7 +322,11 @@ def measure_thresholds(device: torch.device, methods: dict[str, IOBackend], reps
     return {"rows": rows, "per_row_size": table, "kernel_max_row_bytes": best_size}
 
 
-def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers: int = 8, work: int = 2048) -> GpuCheckReport:
+def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers: int = 8, work: int = 2048,
+                  budget_s: float = 240.0) -> GpuCheckReport:
+    """``budget_s``: once the check has run this long, the copy methods not measured yet are skipped (listed
+    in ``methods_skipped``), so that one run fits a lent GPU's few minutes."""
+    started = time.perf_counter()
     dev = torch.device(device)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     report = GpuCheckReport(device=str(dev), device_name=name)
@@ -347,16 +351,26 @@ def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers:
     report.load_gbps, report.copy_gbps, report.load_over_copy = headline["gbps"], headline["copy_gbps"], headline["over_copy"]
     serial, overlapped = overlap(specs[0], dev, pages, work)
     report.serial_ms, report.overlapped_ms, report.overlap_speedup = round(serial, 2), round(overlapped, 2), round(serial / overlapped, 3)
-    run_methods(report, methods, specs, dev, pages, reps, work)
-    report.thresholds = measure_thresholds(dev, methods, reps) if dev.type == "cuda" else {"skipped": "no CUDA device"}
+    run_methods(report, methods, specs, dev, pages, reps, work, deadline=started + budget_s)
+    if dev.type != "cuda":
+        report.thresholds = {"skipped": "no CUDA device"}
+    elif time.perf_counter() > started + budget_s:
+        report.thresholds = {"skipped": "the check's time budget ran out before it (--budget-s)"}
+    else:
+        report.thresholds = measure_thresholds(dev, {n: b for n, b in methods.items() if n in report.methods}, reps)
     return report
 
 
 def run_methods(report: GpuCheckReport, methods: dict[str, IOBackend], specs: list[KVSpec], dev: torch.device, pages: int, reps: int,
-                work: int) -> None:
-    """Every method: round trips, transfers against copy_ per spec x layout x direction x order, overlap."""
+                work: int, deadline: float = float("inf")) -> None:
+    """Every method: round trips, transfers against copy_ per spec x layout x direction x order, overlap
+    (methods not begun by ``deadline``, a perf_counter time, are skipped)."""
     matmul = torch.bfloat16 if dev.type == "cuda" else torch.float32
     for name, backend in methods.items():
+        if time.perf_counter() > deadline:
+            report.methods_skipped[name] = "the check's time budget ran out before it (--budget-s)"
+            report.methods.remove(name)
+            continue
         for spec in specs:
             for layout in ("layer_first", "page_first"):
                 trip = round_trip(spec, layout, dev, min(pages, 64), backend)
@@ -379,11 +393,12 @@ def main(device: str = typer.Option("cuda", help="cuda (the check) or cpu (the s
          pages: int = typer.Option(256, help="pages per load (256 x 64 tokens = a 16k-token request)"),
          layers: int = typer.Option(8, help="model layers kept"),
          work: int = typer.Option(2048, help="matmul size standing in for one layer's attention"),
-         reps: int = typer.Option(5, help="timed repetitions of the bandwidth test (best reported)")) -> None:
+         reps: int = typer.Option(5, help="timed repetitions of the bandwidth test (best reported)"),
+         budget_s: float = typer.Option(240.0, help="seconds after which copy methods not yet measured are skipped")) -> None:
     if device.startswith("cuda") and not torch.cuda.is_available():
         typer.secho("kvtier gpu_check: error: no CUDA device here; run it where a GPU is lent, or pass --device cpu", err=True)
         raise SystemExit(2)
-    report = run_gpu_check(device, pages, reps, layers, work)
+    report = run_gpu_check(device, pages, reps, layers, work, budget_s)
     json.dump(asdict(report), sys.stdout, indent=1)
     sys.stdout.write("\n")
     raise SystemExit(0 if report.bit_exact else 1)
