@@ -206,12 +206,23 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         nothing = LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
         if not valid and lo is None:
             return nothing
+        # the objects the match's boundary reads are held throughout: making room for the pages and the objects
+        # may back pages up, and the host room that needs may evict objects -- never these
+        reading = match.nodes[self.first_read(len(match.nodes)) :] if self.components else []
+        self.hold_groups(reading)
+        try:
+            return self._load_held(match, valid, prefix_pages, lo, nothing)
+        finally:
+            self.release_groups(reading)
+
+    def _load_held(self, match: MatchResult, valid: list[PageNode], prefix_pages: list[int], lo: int | None,
+                   nothing: LoadResult) -> LoadResult:
+        """:meth:`load_back` of the still loadable host run ``valid`` below ``prefix_pages`` and of the fills from
+        place ``lo`` (None: none), the objects they read held; ``nothing``: the answer when nothing loads."""
+        first = len(prefix_pages)
         got = None
         if valid:
             self.tree.lock(valid[-1])  # pins the matched path while we make room
-            # and the objects its boundary reads: making room may back pages up, and host room evict objects
-            reading = match.nodes[self.first_read(len(match.nodes)):] if self.components else []
-            self.hold_groups(reading)
             try:
                 got = self.alloc_device(len(valid))
                 if not got.ok:
@@ -219,7 +230,6 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                     got = self.dev_alloc.alloc(take)
                     self.stats.load_shortfall_pages += len(valid) - take
             finally:
-                self.release_groups(reading)
                 self.tree.unlock(valid[-1])
             if first and match.nodes[first - 1].device_page != prefix_pages[-1]:
                 # making room waited for plans in flight, and a load this prefix waited on failed: its pages left
@@ -246,7 +256,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                           got.pages if served else [], 0, groups)
         for n in (*fills, *served):
             self._loading[n] = op
-        return LoadResult(op, prefix_pages + (got.pages if served else []), len(served), len(host_nodes), match.pending, self)
+        return LoadResult(op, prefix_pages + (got.pages if served else []), len(served), len(match.host_nodes), match.pending, self)
 
     def _finish_load(self, c: Completion, tag: LoadBack) -> None:
         nodes, fills = tag.nodes, tag.fills

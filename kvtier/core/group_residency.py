@@ -351,15 +351,7 @@ class GroupResidency:
                 at = [i for i in places if nodes[i] in have and nodes[i] not in c.at[dst] and nodes[i] not in c.unready]
             if not at:
                 continue
-            if src is Tier.HOST and c.sharing:  # making device room may back pages up and evict host objects: never these
-                sources = [nodes[i] for i in at]
-                self.hold_groups(sources)
-                try:
-                    ids = self._alloc_group(c, dst, len(at))
-                finally:
-                    self.release_groups(sources)
-            else:
-                ids = self._alloc_group(c, dst, len(at))
+            ids = self._alloc_group(c, dst, len(at))  # (a load back holds the objects it reads: room never takes them)
             at = at[: len(ids)]
             if not at:
                 continue
