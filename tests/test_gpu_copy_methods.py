@@ -217,7 +217,7 @@ def test_auto_picks_the_kernel_for_many_small_rows_and_dma_otherwise(monkeypatch
     monkeypatch.setenv("KVTIER_KERNEL_PROGRAMS", "many")
     with pytest.raises(ConfigError, match="KVTIER_KERNEL_PROGRAMS must be a whole number"):
         CopyMethodThresholds.from_env()
-    with pytest.raises(ConfigError, match="kernel_programs must be a whole number >= 1"):
+    with pytest.raises(ConfigError, match="kernel_programs must be an integer >= 1"):
         CopyMethodThresholds(kernel_programs=0)
 
 

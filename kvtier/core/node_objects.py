@@ -94,6 +94,6 @@ class NodeObjects:
     def check(self, spare: Iterable[PageNode]) -> None:
         """Integrity: the count is what the tree's nodes hold, and no recycled node holds an object (a
         node that left the tree with one would hand it to the next page made from it)."""
-        held = sum(1 for gid in map(self.id_of, self._nodes.values()) if gid is not None)
+        held = len(self.values())
         assert held == self.count, f"{self.slot}: {held} objects on the tree's nodes, {self.count} counted"
         assert all(gid is None for gid in map(self.id_of, spare)), f"{self.slot}: a recycled node still holds an object"

@@ -97,19 +97,18 @@ def _as_int64(pages: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:
 
 class AddressPlan:
     """The address lists of one transfer of whole pages, ``src_pages[i]`` of ``src`` into
-    ``dst_pages[i]`` of ``dst``, over every buffer of ``buffers`` (default: the spec's) and every
-    layer. Page ids are validated by the callers (the pools' and the cache's checks)."""
+    ``dst_pages[i]`` of ``dst``, over every buffer and layer of the source's spec. Page ids are
+    validated by the callers (the pools' and the cache's checks)."""
 
-    def __init__(self, src, dst, src_pages, dst_pages, buffers: tuple[str, ...] | None = None, num_layers: int | None = None):
+    def __init__(self, src, dst, src_pages, dst_pages):
         src_pages, dst_pages = _as_int64(src_pages), _as_int64(dst_pages)
         if src_pages.shape != dst_pages.shape:
             raise SpecError(f"an address list pairs pages one to one: {src_pages.size} source pages, {dst_pages.size} destination pages")
-        self.num_layers = src.spec.num_layers if num_layers is None else num_layers
-        names = tuple(b.name for b in src.spec.buffers) if buffers is None else buffers
+        self.num_layers = src.spec.num_layers
         layers = range(self.num_layers)
         #: per buffer: (source page offsets, destination page offsets, source side, destination side)
         self._parts = []
-        for name in names:
+        for name in (b.name for b in src.spec.buffers):
             s, d = _side(src, name, layers), _side(dst, name, layers)
             if s.row_bytes != d.row_bytes:
                 raise SpecError(f"buffer {name!r}: a page row is {s.row_bytes} bytes at the source and {d.row_bytes} at the "

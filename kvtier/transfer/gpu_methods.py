@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.config import check_number
 from kvtier.errors import ConfigError
 from kvtier.transfer import direct
 from kvtier.transfer.address_list import CopyList
@@ -36,14 +37,13 @@ class CopyMethodThresholds:
 
     kernel_max_row_bytes: int = 28 << 10
     kernel_min_rows: int = 16
+    #: programs (CTAs) a kernel copy runs on at most: a few SMs of an H100/H200's 132
     kernel_programs: int = 16
 
     def __post_init__(self) -> None:
-        for name in ("kernel_max_row_bytes", "kernel_min_rows", "kernel_programs"):
-            value = getattr(self, name)
-            if type(value) is not int or value < (1 if name == "kernel_programs" else 0):
-                raise ConfigError(f"CopyMethodThresholds.{name} must be a whole number{' >= 1' if name == 'kernel_programs' else ''}, "
-                                  f"got {value!r}")
+        check_number(self, "kernel_max_row_bytes", at_least=0, integer=True)
+        check_number(self, "kernel_min_rows", at_least=0, integer=True)
+        check_number(self, "kernel_programs", at_least=1, integer=True)
 
     @classmethod
     def from_env(cls) -> CopyMethodThresholds:

@@ -4,7 +4,8 @@ Each row of a :class:`~kvtier.transfer.address_list.CopyList` is a source and a
 destination address and a size; the kernel casts the addresses to pointers, so
 one launch moves rows between any pools and layouts -- pinned host rows are
 reached through their device-visible (UVA) address, with no staging copy.
-The grid is capped (``programs``, default :data:`DEFAULT_PROGRAMS`): each
+The grid is capped (``programs``: the io backends pass
+:attr:`~kvtier.transfer.gpu_methods.CopyMethodThresholds.kernel_programs`): each
 program walks rows ``pid, pid + programs, ...``, so a copy occupies that many
 SMs and the forward keeps the rest. Rows move in the widest word that divides
 every address and size (:attr:`CopyList.alignment`, at most 8 bytes).
@@ -26,12 +27,8 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.transfer.address_list import CopyList
 
-#: programs (CTAs) a copy runs on at most: a few SMs of an H100/H200's 132
-DEFAULT_PROGRAMS = 16
 #: words per program per step (a uint64 word: 8 KiB)
 BLOCK = 1024
-#: CUDA targets the suite compiles for ahead of time (Hopper: the lent H100/H200)
-AOT_CAPABILITIES = (90,)
 
 try:
     import triton
@@ -69,7 +66,7 @@ def _word_type(word: int):
 
 
 @lru_cache(maxsize=2)
-def _kernel(interpret: bool):
+def _kernel(interpret: bool):  # (keyed by the mode: triton.jit reads TRITON_INTERPRET when it wraps)
     return triton.jit(_copy_rows)
 
 
@@ -77,7 +74,7 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def copy_list(rows: CopyList, device: torch.device, programs: int = DEFAULT_PROGRAMS) -> None:
+def copy_list(rows: CopyList, device: torch.device, programs: int) -> None:
     """Launch the kernel over ``rows`` on ``device``'s current stream (the caller's copy stream); on
     the CPU only under ``TRITON_INTERPRET=1``."""
     reason = unavailable()
