@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig, StorageConfig, TierConfig
-from kvtier.errors import ConfigError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace
 from kvtier.pools import DevicePool, HostPool
@@ -56,11 +55,7 @@ def build_hybrid_cache(
     many layers: gpt-oss's) keeps its pages in the full pages' own pools -- one budget per tier, where
     window pages no request reads go before full pages of equal recency, so a tier holds more of the
     prefixes it is asked for (vLLM's hybrid allocator shares its block pool the same way)."""
-    fulls = [g for g in model.groups if g.kind == "full"]
-    if len(fulls) != 1:
-        raise ConfigError(f"model {model.name!r}: the cache keeps one full-attention group's pages, it has {len(fulls)}; "
-                          "merge the full-attention layers into one group")
-    spec = fulls[0].attention
+    spec = model.full_group().attention
     namespace = namespace or Namespace(model.name, model.fingerprint())
     device = DevicePool(spec, tiers.device_pages, tiers.device)
     host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)

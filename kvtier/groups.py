@@ -25,10 +25,25 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from kvtier.errors import SpecError, UnknownNameError
+from kvtier.errors import ConfigError, SpecError, UnknownNameError
 from kvtier.spec import KVSpec, dtype_of
 
 GroupKind = Literal["full", "sliding_window", "state"]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_group_name(name: object) -> None:
+    """A group name ends up in L3 keys and metric labels: a non-empty str that UTF-8 can encode."""
+    if not isinstance(name, str) or not name:
+        raise SpecError(f"KV group name must be a non-empty str, got {name!r}")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise SpecError(f"KV group name {name!r} cannot be encoded as UTF-8 ({e.reason} at {e.start}): it names L3 keys; "
+                        "use printable characters") from None
 
 
 @dataclass(frozen=True)
@@ -41,7 +56,7 @@ class StateTensor:
 
     def __post_init__(self) -> None:
         dtype_of(self.dtype)
-        if not self.shape or any(not isinstance(d, int) or d <= 0 for d in self.shape):
+        if not isinstance(self.shape, tuple) or not self.shape or any(not _is_int(d) or d <= 0 for d in self.shape):
             raise SpecError(f"state tensor {self.name!r}: shape must be positive ints, got {self.shape!r}")
 
     @property
@@ -64,19 +79,32 @@ class KVGroup:
     state: tuple[StateTensor, ...] = ()
 
     def __post_init__(self) -> None:
-        def need(cond: bool, msg: str) -> None:
-            if not cond:
-                raise SpecError(f"KV group {self.name!r} ({self.kind}): {msg}")
+        check_group_name(self.name)
 
-        need(self.kind in ("full", "sliding_window", "state"), f"kind must be full, sliding_window or state, got {self.kind!r}")
-        need(len(self.layers) > 0 and len(set(self.layers)) == len(self.layers), f"layers must be distinct, got {self.layers!r}")
+        def need(cond: bool, field: str, msg: str) -> None:
+            if not cond:
+                raise SpecError(f"KV group {self.name!r} ({self.kind!r}): {field} {msg}")
+
+        need(self.kind in ("full", "sliding_window", "state"), "kind", f"must be full, sliding_window or state, got {self.kind!r}")
+        layers = self.layers
+        need(isinstance(layers, tuple) and all(_is_int(i) and i >= 0 for i in layers),
+             "layers", f"must be a tuple of layer indices (ints >= 0), got {layers!r}")
+        need(len(layers) > 0 and len(set(layers)) == len(layers), "layers", f"must be distinct and at least one, got {layers!r}")
+        window = self.window
+        need(_is_int(window), "window", f"must be a whole number of tokens (an int), got {window!r}")
         if self.kind == "state":
-            need(self.attention is None and self.state, "a state group has state tensors and no attention buffers")
+            need(self.attention is None, "attention", "must be None: a state group keeps state tensors, not attention buffers")
+            need(isinstance(self.state, tuple) and len(self.state) > 0 and all(isinstance(t, StateTensor) for t in self.state),
+                 "state", f"must be a non-empty tuple of StateTensor, got {self.state!r}")
         else:
-            need(self.attention is not None and not self.state, "an attention group has attention buffers and no state")
-            need(self.attention.num_layers == len(self.layers),
-                 f"its attention spec has {self.attention.num_layers} layers for {len(self.layers)} group layers")
-        need((self.kind == "sliding_window") == (self.window > 0), "window is set for sliding_window groups only, and positive")
+            need(isinstance(self.attention, KVSpec), "attention", f"must be a KVSpec for an attention group, got {self.attention!r}")
+            need(not self.state, "state", "is for state groups only; an attention group keeps its attention buffers")
+            need(self.attention.num_layers == len(layers),
+                 "attention", f"spec has {self.attention.num_layers} layers for {len(layers)} group layers")
+        if self.kind == "sliding_window":
+            need(window > 0, "window", f"must be > 0 tokens for a sliding_window group, got {window!r}")
+        else:
+            need(window == 0, "window", f"is for sliding_window groups only (leave it 0), got {window!r}")
 
     @property
     def bytes_per_token(self) -> int:
@@ -120,6 +148,15 @@ class ModelSpec:
     groups: tuple[KVGroup, ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise SpecError(f"ModelSpec name must be a str, got {self.name!r}")
+        if not _is_int(self.num_layers) or self.num_layers <= 0:
+            raise SpecError(f"ModelSpec {self.name!r}: num_layers must be an int > 0, got {self.num_layers!r}")
+        if not isinstance(self.groups, tuple) or not self.groups or not all(isinstance(g, KVGroup) for g in self.groups):
+            raise SpecError(f"ModelSpec {self.name!r}: groups must be a non-empty tuple of KVGroup, got {self.groups!r}")
+        if all(g.attention is None for g in self.groups):
+            raise SpecError(f"ModelSpec {self.name!r}: no attention group (full or sliding_window); a model's pages are its attention "
+                            "groups' pages, so at least one is needed")
         covered = sorted(layer for g in self.groups for layer in g.layers)
         if covered != list(range(self.num_layers)):
             raise SpecError(f"ModelSpec {self.name!r}: every one of its {self.num_layers} layers must be in exactly one group")
@@ -141,6 +178,14 @@ class ModelSpec:
     @property
     def page_size(self) -> int:
         return next(g.attention.page_size for g in self.groups if g.attention is not None)
+
+    def full_group(self) -> KVGroup:
+        """The one full-attention group, whose pages a cache's tree keeps (a :class:`ConfigError` for none or several)."""
+        fulls = [g for g in self.groups if g.kind == "full"]
+        if len(fulls) != 1:
+            fix = "merge the full-attention layers into one group" if fulls else "a cache serves models with full attention"
+            raise ConfigError(f"model {self.name!r}: the cache keeps one full-attention group's pages, it has {len(fulls)}; {fix}")
+        return fulls[0]
 
     def group(self, name: str) -> KVGroup:
         for g in self.groups:

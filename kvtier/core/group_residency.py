@@ -136,13 +136,24 @@ class GroupResidency:
         self._group_held_for: dict[int, dict[str, list[int]]] = {}
         self._sharing: list[Component] = []
         self._by_name: dict[str, Component] = {}
-        if model is None or not model.is_hybrid:
+        if model is None:
+            if pools:
+                raise ConfigError(f"group_pools for {sorted(pools)} given without model=: a group's pools serve a hybrid model's "
+                                  "KV groups; pass the model's ModelSpec")
+            return
+        full = model.full_group()
+        if full.attention.fingerprint() != self.spec.fingerprint():
+            raise ConfigError(f"the cache's pools hold {self.spec.attention} pages of {self.spec.page_size} tokens over "
+                              f"{self.spec.num_layers} layers (fingerprint {self.spec.fingerprint()}), not model {model.name!r}'s "
+                              f"full-attention group {full.name!r} ({full.attention.attention}, {full.attention.page_size} tokens, "
+                              f"{full.attention.num_layers} layers, fingerprint {full.attention.fingerprint()}): build the pools from "
+                              "model.full_group().attention")
+        if not model.is_hybrid:
+            if pools:
+                raise ConfigError(f"group_pools for {sorted(pools)} given, and model {model.name!r} has no KV group beside full attention")
             return
         if type(state_every) is not int or state_every < 1:
             raise ConfigError(f"state_every must be a whole number of pages >= 1, got {state_every!r}")
-        if self.spec.page_size != model.page_size:
-            raise ConfigError(f"the cache's spec has pages of {self.spec.page_size} tokens and model {model.name!r} of "
-                              f"{model.page_size}: build the cache from the model's full group")
         pools = pools or {}
         others = [g for g in model.groups if g.kind != "full"]
         for g in others:
