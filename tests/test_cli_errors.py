@@ -87,6 +87,11 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("bench-sglang-pages-0", ["bench", "sglang", "--pages", "0"], "--pages"),
         ("bench-sglang-backend-unknown", ["bench", "sglang", "--backends", "redis"], "'redis'"),
         ("bench-plan-reps-0", ["bench", "plan", "--reps", "0"], "--reps"),
+        # third hardening round, 7: a name list that leaves nothing out, an option that would do nothing
+        ("spec-unknown", ["spec", "gpt-oss"], "gpt-oss-120b"),
+        ("plan-window-pool-own-no-window", ["plan", "--json", "--limit", "20", "--plan-window-pool", "own"], "no sliding-window group"),
+        ("plan-window-pool-own-state-model", ["plan", "--json", "--limit", "20", "--plan-spec", "qwen3-next-80b-a3b",
+                                              "--plan-window-pool", "own"], "'qwen3-next-80b-a3b' has no sliding-window group"),
     ]
 
 
@@ -110,7 +115,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 52
+    assert len(table) == 55
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

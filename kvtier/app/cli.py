@@ -19,6 +19,7 @@ app.add_typer(bench_app, name="bench")
 @app.command()
 def spec(name: Optional[str] = typer.Argument(None, help="preset name; omit to list presets")) -> None:
     """Show a preset KVSpec's per-token and per-page sizes (a hybrid preset's per KV group)."""
+    from kvtier.errors import UnknownNameError
     from kvtier.groups import HYBRID_PRESETS
     from kvtier.spec import PRESETS, KVSpec
 
@@ -29,6 +30,8 @@ def spec(name: Optional[str] = typer.Argument(None, help="preset name; omit to l
                  for k, m in HYBRID_PRESETS.items()]
         _emit(rows, False)
         return
+    if name not in PRESETS and name not in HYBRID_PRESETS:
+        raise UnknownNameError("preset", name, [*PRESETS, *HYBRID_PRESETS])
     json.dump(HYBRID_PRESETS[name].describe() if name in HYBRID_PRESETS else KVSpec.preset(name).describe(), sys.stdout, indent=1)
     sys.stdout.write("\n")
 

@@ -98,6 +98,16 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited,
                      GroupBackup: self._finish_group_backup}
 
+    # ---- a hybrid model's device objects (kvtier owns the device; the engine-owned core has none) --------
+    def alloc_group(self, name: str, n: int) -> list[int]:
+        """Up to ``n`` device ids of group ``name``'s pool (evicting its unheld objects if needed)."""
+        self.poll()
+        return self._alloc_group(self.component(name), Tier.DEVICE, n)
+
+    def free_group(self, name: str, ids: list[int]) -> None:
+        """Return caller-owned ids of group ``name``'s device pool."""
+        self.component(name).alloc[Tier.DEVICE].free(ids)
+
     def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True, limit: int | None = None) -> MatchResult:
         """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
 

@@ -310,15 +310,6 @@ class GroupResidency:
                 c.alloc[Tier.DEVICE].free(dup)
         return list(gained)
 
-    def alloc_group(self, name: str, n: int) -> list[int]:
-        """Up to ``n`` device ids of group ``name``'s pool (evicting its unheld objects if needed)."""
-        self.poll()
-        return self._alloc_group(self.component(name), Tier.DEVICE, n)
-
-    def free_group(self, name: str, ids: list[int]) -> None:
-        """Return caller-owned ids of group ``name``'s device pool."""
-        self.component(name).alloc[Tier.DEVICE].free(ids)
-
     # ---- holds --------------------------------------------------------------------------------
     def hold_groups(self, nodes: Sequence[PageNode]) -> None:
         """Keep the objects of ``nodes`` (every group) from eviction until :meth:`release_groups`."""

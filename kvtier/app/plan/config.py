@@ -69,6 +69,11 @@ class PlanConfig:
         check_number(self, "state_every", at_least=1, integer=True)
         if self.window_pool not in ("shared", "own"):
             raise ConfigError(f"PlanConfig.window_pool must be shared or own; got {self.window_pool!r}")
+        model = HYBRID_PRESETS.get(self.spec)
+        if self.window_pool == "own" and not any(g.kind == "sliding_window" for g in (model.groups if model else ())):
+            raise ConfigError(f"PlanConfig.window_pool 'own' places sliding-window pages, and {self.spec!r} has no sliding-window "
+                              "group: leave window_pool out (a model with one: " + ", ".join(
+                                  n for n, m in HYBRID_PRESETS.items() if any(g.kind == "sliding_window" for g in m.groups)) + ")")
 
 
 @dataclass(frozen=True)

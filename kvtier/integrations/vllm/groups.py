@@ -79,6 +79,9 @@ def groups_of(kv_cache_config: Any) -> list[VllmGroup]:
     windows = sum(type(g.kv_cache_spec) is SlidingWindowSpec for g in raw)
     for i, g in enumerate(raw):
         spec, layers = g.kv_cache_spec, tuple(g.layer_names)
+        if not layers:
+            raise ConfigError(f"kvtier connector: vLLM KV cache group {i} ({_what(spec)}) names no layers: every group kvtier serves "
+                              "covers at least one attention or state layer")
         where = f"kvtier connector: vLLM KV cache group {i} ({_what(spec)}, layers {layers[0]} ...)"
         if isinstance(spec, MambaSpec):
             if spec.mamba_cache_mode != "align":

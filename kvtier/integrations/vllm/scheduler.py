@@ -283,7 +283,18 @@ class ConnectorScheduler:
                 self._set_blocks(state, block_ids)
                 self._plan_async_load(state)
 
+    def _per_group(self, block_ids, state: _RequestState):
+        """vLLM's block ids of a request, one list per KV cache group, or a :class:`ConfigError` naming both counts."""
+        want = len(self.groups) if self.groups else 1
+        if not isinstance(block_ids, (tuple, list)) or len(block_ids) != want:
+            got = f"{len(block_ids)} block-id lists" if isinstance(block_ids, (tuple, list)) else f"block ids as {type(block_ids).__name__}"
+            raise ConfigError(f"kvtier connector: vLLM passed {got} for request {state.request.request_id!r}, and the connector serves "
+                              f"{want} KV cache group(s): one list per group, in vLLM's group order (the connector and the engine "
+                              "disagree on the model's KV cache groups)")
+        return block_ids
+
     def _set_blocks(self, state: _RequestState, block_ids) -> None:
+        block_ids = self._per_group(block_ids, state)
         state.block_ids = list(block_ids[self._full_index])
         state.group_blocks = {g.name: list(block_ids[g.index]) for g in self._others}
 
@@ -330,6 +341,7 @@ class ConnectorScheduler:
                 self._set_blocks(state, new_blocks or tuple([] for _ in range(len(self.groups or [0]))))
                 state.saved = 0
             elif new_blocks:
+                new_blocks = self._per_group(new_blocks, state)
                 state.block_ids.extend(new_blocks[self._full_index])
                 for g in self._others:
                     state.group_blocks[g.name].extend(new_blocks[g.index])

@@ -38,7 +38,11 @@ class PromptResult:
 class SessionReport:
     kvtier: bool
     storage_url: str | None
+    #: the block size vLLM's workers run with: the one asked for, unless vLLM chose another (a hybrid
+    #: model's attention block is aligned to its Mamba state's page, which depends on the machine)
     block_size: int
+    #: the block size asked for (``--block-size``)
+    requested_block_size: int = 0
     results: list[PromptResult] = field(default_factory=list)
     #: what each worker (tensor-parallel rank) moved, rank order (kvtier.integrations.vllm.worker.WorkerStats)
     worker_stats: list[dict[str, int]] = field(default_factory=list)
@@ -116,7 +120,8 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
         seed=0,
         worker_extension_cls="kvtier.integrations.vllm.session.KVTierWorkerExtension",
     )
-    report = SessionReport(kvtier, storage_url, block_size, startup_s=time.perf_counter() - t0)
+    engine_block = llm.collective_rpc("engine_block_size")[0]
+    report = SessionReport(kvtier, storage_url, engine_block, block_size, startup_s=time.perf_counter() - t0)
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     first = SamplingParams(temperature=0.0, max_tokens=1)
     if warmup:  # first-call costs (allocator, kernels) belong to neither side of a comparison
@@ -185,6 +190,10 @@ def reset_prefix_cache(llm, timeout_s: float = 60.0) -> None:
 class KVTierWorkerExtension:
     """Mixed into vLLM's workers (``worker_extension_cls``): ``LLM.collective_rpc("kvtier_stats")``
     returns what each rank's kvtier connector moved, once its L3 writes in flight finished."""
+
+    def engine_block_size(self) -> int:
+        """The block size this worker's KV cache runs with (vLLM may choose another than asked)."""
+        return self.vllm_config.cache_config.block_size
 
     def kvtier_stats(self) -> dict[str, int]:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
@@ -275,6 +284,8 @@ def main(
     ),
     storage_options: str = typer.Option("{}", help="extra kv_connector_extra_config keys as JSON"),
     model: str = typer.Option("smollm2", help=f"the model: {', '.join(MODELS)} (tiny-gemma3: sliding-window layers beside full ones)"),
+    block_size: int = typer.Option(32, min=1, help="vLLM's --block-size (a hybrid model of Mamba-style layers may get another: "
+                                   "the report's block_size is the one the engine ran with)"),
     own_hit: bool = typer.Option(False, help="serve each prompt's full run from vLLM's own prefix cache of its TTFT run"),
     prompt_json: str = typer.Option(None, help="explicit prompts as a JSON list of token-id lists (instead of --prompt-tokens)"),
     chat_turns: int = typer.Option(
@@ -308,6 +319,7 @@ def main(
         between_prompts=_pause if pause_between_prompts else None,
         model=model,
         own_hit=own_hit,
+        block_size=block_size,
     )
     print(MARKER + json.dumps(asdict(report)))
 
