@@ -158,3 +158,58 @@ def test_the_vllm_scheduler_port_declares_what_the_core_reads_and_never_waits():
     port = SchedulerPort(1, None)
     _check_declared({"scheduler": port})
     assert port.can_wait is False
+
+
+def test_settle_counts_a_fetch_whose_pages_arrived_before_its_group_objects():
+    """A fetch's pages landed (and were polled) while its group objects were still arriving: settling it
+    waits for the objects and counts every page that arrived with its objects -- it answered 0 before
+    (the pages' job had left the table settle reads), and the core then gave the whole prefetch up (a
+    restarted hybrid cache intermittently served no L3 hit under load)."""
+    import threading
+
+    from kvtier.core.plans import Done, GroupRun, fetch_plan, save_plan
+    from kvtier.executors.local import LocalExecutor
+    from kvtier.hashing import Namespace, group_object_key
+    from kvtier.l3.memory import MemoryBackend
+    from kvtier.l3.tier import StorageTier
+    from kvtier.pools import DevicePool, HostPool
+    from kvtier.transfer.engine import TransferEngine
+    from conftest import fill_random
+
+    s = spec()
+    host, whost = HostPool(s, 8), HostPool(s, 8)
+    fill_random(host, seed=5)
+    fill_random(whost, seed=6)
+    store = MemoryBackend()
+    gate = threading.Event()
+    keys = (b"k" * 16, b"l" * 16)
+    objects = tuple(group_object_key(k, "w") for k in keys)
+    plain_get = store.get
+
+    def get(names, outs):  # the group objects' reads wait for the gate
+        if any(n.endswith(objects[0].hex()) for n in names):
+            gate.wait(10)
+        return plain_get(names, outs)
+
+    ns = Namespace("m", s.fingerprint())
+    ex = LocalExecutor(TransferEngine(host, DevicePool(s, 8)), StorageTier(store, host, ns),
+                       groups={"w": TransferEngine(whost, DevicePool(s, 8))},
+                       group_storage={"w": StorageTier(store, whost, ns, owns_backend=False)})
+    try:
+        ex.submit(save_plan(1, keys, (0, 1), groups=(GroupRun("w", (0, 1), (0, 1), (), objects),)))
+        assert ex.wait([1]) == [Done(1)]
+        store.get = get
+        ex.submit(fetch_plan(2, keys, (2, 3), groups=(GroupRun("w", (0, 1), (), (2, 3), objects),)))
+        for _ in range(500):  # the race's precondition: the pages' job finished and was polled, the objects' not
+            assert ex.poll() == []
+            if 2 in ex._main_done:
+                break
+            time.sleep(0.01)
+        assert 2 in ex._main_done
+        threading.Timer(0.2, gate.set).start()
+        assert ex.settle(2, "wait_complete", 5.0) == 2
+        assert ex.wait([2]) == [Done(2)]
+        assert bytes(host.page_bytes(2)) == bytes(host.page_bytes(0)) and bytes(whost.page_bytes(3)) == bytes(whost.page_bytes(1))
+    finally:
+        gate.set()
+        ex.close()

@@ -114,7 +114,8 @@ class LocalExecutor:
         return self.poll()
 
     def settle(self, op: int, policy: str, budget_s: float) -> int:
-        job = self._jobs.get(op)
+        # (a fetch whose pages' job finished while its group objects still move waits in _main_done)
+        job = self._jobs.get(op) or self._main_done.get(op)
         if job is None:
             return 0
         job.settle(policy, budget_s)
