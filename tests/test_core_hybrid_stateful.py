@@ -25,10 +25,10 @@ from hypothesis.stateful import invariant, precondition, rule, run_state_machine
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, CutShort, Done, Failed, Reason, RequestState, Tier, Transfer
-from kvtier.core.hybrid_match import window_pages
 from kvtier.groups import KVGroup, ModelSpec, StateTensor
 from conftest import tiny_specs
 from test_core_stateful import ExecutorSide, leading_stored
+from support.hybrid_rules import read_places, snapshot_places
 
 PAGE = 4
 PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
@@ -191,7 +191,7 @@ class HybridMachine(ExecutorSide):
         n = req.num_cached
         for c in self.core.components:
             given = req.groups[c.name]
-            needed = [n - 1] if c.is_state and n else [] if c.is_state else list(window_pages(c.group, n, PAGE))
+            needed = read_places(c.group, n, PAGE)
             assert sorted(given) == needed, f"group {c.name}: offered {sorted(given)} for a prefix of {n} pages that reads {needed}"
             pool = self.pool_of[c.name]
             for i, gid in given.items():
@@ -232,10 +232,10 @@ class HybridMachine(ExecutorSide):
                 for place, gid in req.groups[c.name].items():
                     if place < usable:
                         ids[place] = gid
-            if c.is_state:
-                places = [b - 1 for b in self.core.snapshot_boundaries(usable, full)]
+            if c.group.kind == "state":
+                places = snapshot_places(usable, full, self.core.state_every)
             else:  # an engine keeps some of its window pages (at least the last window's)
-                places = [p for p in range(usable, full) if p in window_pages(c.group, full, PAGE) or self.rnd.random() < keep]
+                places = [p for p in range(usable, full) if p in read_places(c.group, full, PAGE) or self.rnd.random() < keep]
             got = req.alloc_group(c.name, len(places))
             for place, gid in zip(places, got):
                 mem[(Tier.DEVICE, self.pool_of[c.name], gid)] = (req.keys[place], c.name)

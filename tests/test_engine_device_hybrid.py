@@ -11,12 +11,12 @@ import pytest
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.engine_device import EngineDeviceCore
-from kvtier.core.hybrid_match import window_pages
 from kvtier.errors import PageAlignmentError, PageIndexError
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.pipe import PipeExecutor, WorkerSpec
 from kvtier.hashing import Namespace, group_object_key
 from test_hybrid_bytes import MODEL, FULL, P, _bytes, _garbage, _write, expected
+from support.hybrid_rules import read_places
 
 MODES = ("one process", "two processes")
 OTHERS = [g for g in MODEL.groups if g.kind != "full"]
@@ -77,7 +77,7 @@ def check_loaded(core, keys, load, first: int, blocks, groups) -> None:
         assert on_worker(core, _bytes, "full", blocks[i]) == expected(FULL, ("full", keys[i])), f"page {i}"
     for c in core.components:
         spec = c.group.object_spec()
-        needed = {d - 1} if c.is_state else set(window_pages(c.group, d, P))
+        needed = set(read_places(c.group, d, P))
         for i, gid in enumerate(groups[c.name]):
             if gid is None:
                 continue

@@ -20,11 +20,11 @@ from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import Tier
 from kvtier.core.engine_device import EngineDeviceCore
-from kvtier.core.hybrid_match import window_pages
 from kvtier.core.plans import Done
 from kvtier.executors.chain import ChainedExecutor
 from test_core_hybrid_stateful import PAGE, PREFIXES, BytesExecutor, hybrid_model
 from test_core_stateful import ExecutorSide
+from support.hybrid_rules import read_places, snapshot_places
 
 STEPS = {"total": 0, "checked_loads": 0, "group_objects_checked": 0, "limited": 0}
 
@@ -63,8 +63,8 @@ class EngineHybridMachine(ExecutorSide):
             mem[(Tier.DEVICE, "", b)] = k
         groups = {}
         for c in self.core.components:
-            if c.is_state:  # snapshots at the cadence and at the last page
-                places = [b - 1 for b in self.core.snapshot_boundaries(0, pages)]
+            if c.group.kind == "state":  # snapshots at the cadence and at the last page
+                places = snapshot_places(0, pages, self.core.state_every)
             else:  # the engine still holds its last ``kept`` window blocks (vLLM freed the ones before)
                 places = list(range(max(0, pages - kept), pages))
             ids: list[int | None] = [None] * pages
@@ -116,7 +116,7 @@ class EngineHybridMachine(ExecutorSide):
         for i in range(first, d):
             assert mem.get((Tier.DEVICE, "", dst[i])) == keys[i], f"engine page {i} holds another page's bytes"
         for c in self.core.components:
-            needed = ({d - 1} if d else set()) if c.is_state else set(window_pages(c.group, d, PAGE))
+            needed = set(read_places(c.group, d, PAGE))
             for i, gid in enumerate(groups[c.name]):
                 if gid is None or i < first:
                     continue

@@ -14,12 +14,12 @@ from kvtier.alloc import PageAllocator
 from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, Tier
-from kvtier.core.hybrid_match import window_pages
 from kvtier.errors import SpecError
 from kvtier.groups import KVGroup, ModelSpec, StateTensor
 from kvtier.hashing import Namespace, group_object_key
 from kvtier.spec import KVSpec
 from conftest import fill_pool
+from support.hybrid_rules import read_places
 
 P = 4
 FULL = KVSpec.mla("hy-full", 2, kv_lora_rank=16, qk_rope_dim=8, page_size=P)
@@ -102,7 +102,7 @@ def compute(cache, tokens: list[int]):
         cache.port.run(_write, "full", page, ("full", req.keys[req.num_cached + j]))
     groups = {}
     for c in cache.components:
-        places = [b - 1 for b in req.snapshot_boundaries()] if c.is_state else list(range(req.num_cached, full))
+        places = req.handed_places(c.name)
         ids: list[int | None] = [None] * full
         for place, gid in zip(places, req.alloc_group(c.name, len(places))):
             cache.port.run(_write, c.name, gid, (c.name, req.keys[place]))
@@ -119,7 +119,7 @@ def check_served(cache, req, pages: int) -> None:
     for i, page in enumerate(req.cached_pages):
         assert cache.port.run(_bytes, "full", page) == expected(FULL, ("full", req.keys[i])), f"page {i}"
     for c in cache.components:
-        needed = ([pages - 1] if pages else []) if c.is_state else list(window_pages(c.group, pages, P))
+        needed = read_places(c.group, pages, P)
         assert sorted(req.groups[c.name]) == needed
         spec = c.group.object_spec()
         for place, gid in req.groups[c.name].items():

@@ -13,11 +13,11 @@ import pytest
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, Tier
-from kvtier.core.hybrid_match import window_pages
 from kvtier.errors import ConfigError, KVTierError, PageOwnershipError, UnknownNameError
 from kvtier.executors.accounting import AccountingExecutor
 from kvtier.groups import ModelSpec
 from test_core_hybrid_stateful import PAGE, hybrid_model
+from support.hybrid_rules import read_places
 
 TOKENS = list(range(8 * PAGE))
 
@@ -53,8 +53,8 @@ def commit_all(core: CacheCore, tokens: list[int], *, windows: list[int] | None 
     new = req.alloc(full - req.num_cached)
     groups = {}
     for c in core.components:
-        places = ([b - 1 for b in req.snapshot_boundaries()] if snapshots is None else snapshots) if c.is_state else \
-            (range(req.num_cached, full) if windows is None else windows)
+        given = snapshots if c.group.kind == "state" else windows
+        places = req.handed_places(c.name) if given is None else given
         ids: list[int | None] = [None] * full
         for place, gid in zip(places, req.alloc_group(c.name, len(places))):
             ids[place] = gid
@@ -74,10 +74,8 @@ def brute_force(model: ModelSpec, full: int, present: dict[str, set[int]]) -> in
     for d in range(full, -1, -1):
         ok = True
         for g in model.groups:
-            if g.kind == "state":
-                ok &= d == 0 or (d - 1) in present[g.name]
-            elif g.kind == "sliding_window":
-                ok &= all(i in present[g.name] for i in window_pages(g, d, PAGE))
+            if g.kind != "full":
+                ok &= all(i in present[g.name] for i in read_places(g, d, PAGE))
         if ok:
             return d
     raise AssertionError

@@ -15,9 +15,9 @@ from kvtier.app.model.hybrid import FULL, SLIDING, STATE, HybridConfig, HybridRe
 from kvtier.build import TierConfig, build_hybrid_cache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
-from kvtier.core.hybrid_match import window_pages
 from conftest import fill_pool, loads_refused
 from test_cli import SMALL, kvtier
+from support.hybrid_rules import read_places
 
 BASE = ModelConfig(hidden=64, num_layers=3, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
                    index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)
@@ -81,7 +81,7 @@ def test_outputs_with_hits_from_every_tier_equal_recompute_and_move_only_what_ea
         same(base.prefill(a), r)
         hit = r.host_hit_tokens // BASE.page_size
         assert hit > 0 and r.device_hit_tokens == 0
-        window = len(window_pages(CFG.model_spec().group(SLIDING), hit, BASE.page_size))
+        window = len(read_places(CFG.model_spec().group(SLIDING), hit, BASE.page_size))
         assert {k: v - before[k] for k, v in moved(cache).items()} == {SLIDING: window, STATE: 1} and window < hit
         # 4. storage hit: evict device and host; pages, window pages and the snapshot come back from the file store
         cache.wait_idle()
@@ -92,7 +92,7 @@ def test_outputs_with_hits_from_every_tier_equal_recompute_and_move_only_what_ea
         same(base.prefill(b), r)
         assert r.storage_hit_tokens > 0 and r.device_hit_tokens == r.host_hit_tokens == 0
         hit = r.storage_hit_tokens // BASE.page_size
-        window = len(window_pages(CFG.model_spec().group(SLIDING), hit, BASE.page_size))
+        window = len(read_places(CFG.model_spec().group(SLIDING), hit, BASE.page_size))
         assert {c.name: c.fetched - fetched[c.name] for c in cache.components} == {SLIDING: window, STATE: 1}
         cache.wait_idle()
         cache.check_integrity(idle=True)

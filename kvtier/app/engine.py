@@ -126,8 +126,8 @@ class HybridEngine:
             req.abort()
             raise ConfigError(f"device pools too small: a {n}-token request needs {total_pages - usable} free pages (and as many "
                               "sliding-window pages) after eviction; raise the device pool size")
-        bounds = cache.snapshot_boundaries(usable, full) if self.state else []
-        slots = dict(zip(bounds, req.alloc_group(self.state, len(bounds)))) if bounds else {}
+        places = req.handed_places(self.state) if self.state else []  # the pages whose end the cache keeps a snapshot at
+        slots = dict(zip(places, req.alloc_group(self.state, len(places)))) if places else {}
         tables = {FULL: torch.tensor(req.cached_pages[:usable] + new.pages, dtype=torch.int64)}
         if self.sliding:
             given = req.groups.get(self.sliding, {})
@@ -142,14 +142,14 @@ class HybridEngine:
             end = min(n, (p + 1) * ps)
             logits, sel = self.model.prefill_page(self.pools, tokens[p * ps : end], p * ps, tables, state, want_logits=end == n)
             selections.append(sel)
-            if p + 1 in slots:
-                self._write_state(slots[p + 1], state)
+            if p in slots:
+                self._write_state(slots[p], state)
         ttft = time.perf_counter() - t0
         groups = {}
         if self.sliding:
             groups[self.sliding] = [None] * usable + window[: full - usable]
         if self.state:
-            groups[self.state] = [slots.get(b + 1) for b in range(full)]
+            groups[self.state] = [slots.get(p) for p in range(full)]
         req.commit(tables[FULL].tolist(), groups)
         dev_hit, host_hit, from_storage = req.served(usable)
         return RequestResult(n, dev_hit * ps, host_hit * ps, from_storage * ps, n - usable * ps, ttft, logits, selections)

@@ -210,10 +210,10 @@ def _group_report(cache, hcfg: HybridConfig, ours: list[RequestResult]) -> dict:
     for c in cache.components:
         nbytes = c.group.object_spec().page_bytes * c.loaded
         moved += nbytes
-        what = "snapshots" if c.is_state else "pages"
+        what = "snapshots" if c.group.keeps == "state" else "pages"
         stats = c.stats()
         out[c.name] = {f"{what}_loaded": stats.pop("loaded"), f"{what}_from_l3": stats.pop("fetched"), "bytes": nbytes, **stats}
-        if not c.is_state:
+        if c.group.keeps != "state":
             out[c.name]["pages_skipped"] = loaded_pages - c.loaded  # pages of the hits outside every window
     twin = hcfg.full_attention_twin().page_bytes
     out["bytes_per_loaded_page"] = round(moved / loaded_pages) if loaded_pages else 0

@@ -43,21 +43,20 @@ import numpy as np
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core.base import CoreBase
 from kvtier.core.device_space import DeviceSpace
-from kvtier.core.failed_loads import FailedLoads
-from kvtier.core.group_residency import GroupResidency
+from kvtier.core.group_objects import groups_for
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
+from kvtier.core.quarantine import Quarantine
 from kvtier.core.request import CacheRequest
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
-from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, GroupBackup, JobTag, LoadBack, PrefetchHandle, Save
+from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
 from kvtier.errors import ExecutorError, PageAlignmentError, PageOwnershipError
+from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
 from kvtier.pages import at_own_place, checked_page_list, first_duplicate
 from kvtier.radix import NO_PAGE, PageNode, device_page_of, host_page_of
-from kvtier.groups import ModelSpec
 from kvtier.spec import KVSpec
 
 __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave", "InsertResult", "JobTag", "LoadBack", "LoadResult",
@@ -66,17 +65,16 @@ __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave
 log = logging.getLogger(__name__)
 
 
-class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
+class CacheCore(DeviceSpace):
     """The policy over page ids (see the module docstring). ``device`` and ``host`` allocate the
     ids of the pools the executors hold; ``port`` carries plans to those executors.
 
-    Its parts, one module each: :mod:`~kvtier.core.base` (the tree, host pages, plans, L3; shared
-    with :class:`~kvtier.core.engine_device.EngineDeviceCore`), :mod:`~kvtier.core.device_space`
-    (device pages, backups, device eviction), :mod:`~kvtier.core.failed_loads` (device pages a
-    failed load left), :mod:`~kvtier.core.group_residency` (a hybrid model's other KV groups); here,
-    matching, the request protocol, loads back and inserts.
+    Its layers (:mod:`~kvtier.core.state` lists them) and its parts: ``groups``, a hybrid model's
+    other KV groups (:mod:`~kvtier.core.group_objects`), and ``quarantine``, the device pages a
+    failed load left (:mod:`~kvtier.core.quarantine`); here, matching, the request protocol,
+    loads back and inserts.
 
-    ``model``: a hybrid :class:`~kvtier.groups.ModelSpec` whose full-attention groups ``spec`` describes;
+    ``model``: a :class:`~kvtier.groups.ModelSpec` whose full-attention group ``spec`` describes;
     ``group_pools``: each other group's (device, host) allocators; ``state_every``: the cadence of
     state snapshots, in pages."""
 
@@ -86,27 +84,51 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                  state_every: int = 1):
         if namespace is None and model is not None and model.is_hybrid:
             namespace = Namespace("default", model.fingerprint())
-        super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats, device_pages=device.num_pages)
-        self.dev_alloc = device
-        #: device pages whose host->device load is still in flight: node -> the load's op
-        self._loading: dict[PageNode, int] = {}
+        super().__init__(spec, device, host, port, config, storage_config, namespace=namespace, stats=stats)
         #: live views of who holds each device page (tree / allocator), for insert's ownership check
         self._tree_owned = np.frombuffer(self.tree.device_owned, dtype=np.uint8)
         self._allocated = self.dev_alloc.allocated_view()
-        self._init_failed_loads()
-        self._init_groups(model, group_pools, state_every)
-        self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited,
-                     GroupBackup: self._finish_group_backup}
+        self.groups = groups_for(model, group_pools, spec, tree=self.tree, state_every=state_every, device=device, host=host,
+                                 loading=self._loading, make_room=self._make_room)
+        self.quarantine = Quarantine(device, self._free_objects)
+        self._on |= {LoadBack: self._finish_load}
+
+    def _free_objects(self, ids: dict[str, list[int]]) -> None:
+        self.groups.free_ids(Tier.DEVICE, ids)
 
     # ---- a hybrid model's device objects (kvtier owns the device; the engine-owned core has none) --------
     def alloc_group(self, name: str, n: int) -> list[int]:
         """Up to ``n`` device ids of group ``name``'s pool (evicting its unheld objects if needed)."""
         self.poll()
-        return self._alloc_group(self.component(name), Tier.DEVICE, n)
+        return self.groups.alloc(self.groups.component(name), Tier.DEVICE, n)
 
     def free_group(self, name: str, ids: list[int]) -> None:
         """Return caller-owned ids of group ``name``'s device pool."""
-        self.component(name).alloc[Tier.DEVICE].free(ids)
+        self.groups.component(name).alloc[Tier.DEVICE].free(ids)
+
+    # ---- failed loads: what a request needs to know of them (:mod:`~kvtier.core.quarantine`) --------
+    @property
+    def load_failure_gen(self) -> int:
+        """Bumped on every failed load: a request re-checks its prefix only when this moved."""
+        return self.quarantine.generation
+
+    def request_finished(self, serial: int) -> None:
+        self.quarantine.request_finished(serial, next(iter(self._inflight), None))
+
+    def quarantined_pages(self) -> set[int]:
+        return self.quarantine.pages()
+
+    def quarantined_group_pages(self) -> dict[str, set[int]]:
+        """Device ids of other KV groups' objects a failed load left, per group (freed with its pages)."""
+        return self.quarantine.objects()
+
+    def _completions_applied(self) -> None:
+        if self.quarantine:
+            self.quarantine.release(next(iter(self._inflight), None))
+
+    def holds_object(self, name: str, node: PageNode, gid: int) -> bool:
+        """Whether ``node`` still holds device object ``gid`` of group ``name`` (a failed load takes them)."""
+        return self.groups.holds_object(name, node, gid)
 
     def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True, limit: int | None = None) -> MatchResult:
         """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
@@ -124,11 +146,12 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         limited_by = None
         end = len(keys)
         fills = [False]
-        if self.components:  # a hybrid model: the longest prefix every group can continue from
+        groups = self.groups
+        if groups:  # a hybrid model: the longest prefix every group can continue from
             if limit is not None:
                 end = min(end, limit)
                 matched, path = matched[:end], path[:end]
-            hybrid = self._hybrid_prefix(path, n_dev, len(matched), fill=fills)
+            hybrid = groups.prefix(path, n_dev, len(matched), fill=fills)
             matched, limited_by = matched[: hybrid.pages], hybrid.limited_by
             n_dev = min(n_dev, hybrid.pages)
         pending: tuple[int, ...] = ()
@@ -146,7 +169,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         st.device_hit_pages += n_dev
         st.host_hit_pages += len(matched) - n_dev
         if limited_by is not None:
-            self.component(limited_by).limited += 1
+            groups.component(limited_by).limited += 1
         if self.config.write_policy == "write_through_selective":
             due = [n for n in path[:n_dev] if n.host_page == NO_PAGE and n.hit_count >= self.config.write_through_threshold]
             if due:
@@ -154,8 +177,8 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         n_storage = 0
         if self.port.has_storage and len(matched) == len(path) < end:
             n_storage = self._ask(self.port.stored_prefix, keys[len(path) : end])
-            if n_storage and self.components:  # a hybrid model: as far as every group's objects are there too
-                n_storage = self._stored_usable(path, n_dev, keys[:end], n_storage)
+            if n_storage and groups:  # a hybrid model: as far as every group's objects are there too
+                n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
             st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, fills[0])
 
@@ -187,15 +210,16 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
         given: dict[str, dict[int, int]] = {}
         held: list[PageNode] = []
-        if self.components:  # what the loads could bring: the prefix every group continues from, its objects held
+        if self.groups:  # what the loads could bring: the prefix every group continues from, its objects held
             if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
-                usable = self._hybrid_prefix(nodes, len(nodes), len(nodes)).pages
+                usable = self.groups.prefix(nodes, len(nodes), len(nodes)).pages
                 nodes, cached = nodes[:usable], cached[:usable]
-            given, held = self._given_objects(nodes)
+            given, held = self.groups.given_objects(nodes)
         device_hit = min(m.num_device_pages, len(cached))
         host_hit = min(ld.loaded, host_before, len(cached) - device_hit)
-        return CacheRequest(self, keys, device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node, nodes,
-                            serial=self._request_opened(), failure_gen=self.load_failure_gen, groups=given, _held=held)
+        return CacheRequest(self, keys, len(keys), device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node,
+                            nodes, serial=self.quarantine.request_opened(), failure_gen=self.quarantine.generation, groups=given,
+                            _held=held)
 
     def load_back(self, match: MatchResult) -> LoadResult:
         """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
@@ -212,18 +236,20 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         valid = host_nodes[: self.tree.loadable_run(host_nodes)]
         prefix_pages = list(match.device_pages)
         first = len(prefix_pages)
-        lo = self._object_fills(match.nodes, first) if match.fills else None
+        lo = self.groups.object_fills(match.nodes, first) if match.fills else None
         nothing = LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
         if not valid and lo is None:
             return nothing
         # the objects the match's boundary reads are held throughout: making room for the pages and the objects
         # may back pages up, and the host room that needs may evict objects -- never these
-        reading = match.nodes[self.first_read(len(match.nodes)) :] if self.components else []
-        self.hold_groups(reading)
+        if not self.groups:
+            return self._load_held(match, valid, prefix_pages, lo, nothing)
+        reading = match.nodes[self.groups.first_read(len(match.nodes)) :]
+        self.groups.hold(reading)
         try:
             return self._load_held(match, valid, prefix_pages, lo, nothing)
         finally:
-            self.release_groups(reading)
+            self.groups.release(reading)
 
     def _load_held(self, match: MatchResult, valid: list[PageNode], prefix_pages: list[int], lo: int | None,
                    nothing: LoadResult) -> LoadResult:
@@ -255,7 +281,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             self.tree.set_device_run(served, got.pages)
             self.tree.touch(served)
         self.tree.lock(span[-1])  # pins the path while objects get device ids; released when the load completes (poll)
-        groups, fills = self._load_runs(match.nodes, start, first, len(served)) if self.components else ((), ())
+        groups, fills = self.groups.load_runs(match.nodes, start, first, len(served)) if self.groups else ((), ())
         if not served:  # a plan of objects alone: its lock is on the deepest node whose objects it brings
             if fills:
                 self.tree.lock(fills[-1])
@@ -287,6 +313,29 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         self.stats.loaded_bytes += len(nodes) * self._page_bytes
         self.tree.unlock(locked)
 
+    def _drop_failed_load(self, nodes: list[PageNode]) -> int:
+        """Take a failed load's device copies (and every device page below them) off the tree into
+        quarantine. Returns how many pages were quarantined."""
+        tree = self.tree
+        bad = [n for n in nodes if n.device_page != NO_PAGE]
+        if not bad:
+            return 0
+        below_outside = bad[-1].device_children or any(n.device_children > 1 for n in bad[:-1])
+        victims = tree.device_subtree(bad[:1]) if below_outside else bad[::-1]
+        for n in victims:
+            self._loading.pop(n, None)  # a load of a page below is moot: its page is quarantined too
+        objects = self.groups.quarantined(victims) if self.groups else {}
+        pages = tree.clear_devices(victims)
+        self.quarantine.add(pages, objects, self._last_op, next(iter(self._inflight), None))
+        return len(pages)
+
+    def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
+        """A failed load brought other groups' objects beside device pages it did not load (fills): the
+        objects leave the tree into quarantine, the pages stay (their bytes were never touched)."""
+        objects = self.groups.quarantined(nodes)
+        if objects:
+            self.quarantine.add([], objects, self._last_op, next(iter(self._inflight), None))
+
     def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
 
@@ -303,7 +352,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         keys = self._keys(tokens_or_keys)
         device_pages = checked_page_list(device_pages, self.dev_alloc.num_pages, pool=self.dev_alloc.name, side="device")
         if groups:
-            self._check_group_ids(groups, len(keys))
+            self.groups.check_given(groups, len(keys))
         return self._insert(keys, device_pages, check=True, groups=groups)
 
     def commit_request(self, keys: list[PageHash], device_pages: list[int], prefix: list[PageNode] | None,
@@ -347,7 +396,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             freed = [p for p, c in zip(device_pages, canonical) if p != c]
         tree.set_device_run(path[n_dev:], device_pages[n_dev:n_have])
         canonical += device_pages[n_dev:]
-        if self._sharing:  # new nodes' window pages are stamped with them: after every page used so far
+        if self.groups.sharing:  # new nodes' window pages are stamped with them: after every page used so far
             tree.tick()
         fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
         last = fresh[-1] if fresh else (path[-1] if path else None)
@@ -355,7 +404,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             tree.touch((last,))
         gained: list[PageNode] = []
         if groups:  # before any backup below: it copies the objects its pages hold; as recent as they are
-            gained = self._attach_groups(path + fresh, groups, len(path))
+            gained = self.groups.attach(path + fresh, groups, len(path))
         if freed:
             self.dev_alloc.free(freed)
         st = self.stats
@@ -389,7 +438,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 f"{where}: device page {pages[i]} (place {i}) belongs to the cache, not the caller; "
                 "pass the pages the match or load gave you, in order, and pages you allocated"
             )
-        failed = self._quarantined[arr] != 0
+        failed = self.quarantine.marks[arr] != 0
         if failed.any():
             i = int(np.argmax(failed))
             raise PageOwnershipError(
@@ -423,17 +472,17 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         every cached page is evictable -- nothing locked, no host page that is not readable,
         no L3 save still marked in flight -- so the pools can never silently shrink."""
         self._check_host(caller_host_pages, idle)
-        if self.components:
-            self._check_groups(caller_group_pages or {}, self.quarantined_group_pages(), idle)
+        if self.groups:
+            self.groups.check(caller_group_pages or {}, self.quarantine.objects(), idle)
         if idle:
             assert not self._loading, "idle, yet host->device loads are recorded in flight"
-            assert not self._quarantine, "idle, yet device pages of a failed load are still quarantined"
+            assert not self.quarantine, "idle, yet device pages of a failed load are still quarantined"
         dev_owned = [n.device_page for n in self.tree.nodes.values() if n.device_page != NO_PAGE]
         assert len(dev_owned) == len(set(dev_owned)), "a device page is owned by two nodes"
         assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"
-        quarantined = self.quarantined_pages()
+        quarantined = self.quarantine.pages()
         assert not (set(dev_owned) | set(caller_device_pages)) & quarantined, "a quarantined device page is in use"
-        objects = self._shared_ids(Tier.DEVICE, caller_group_pages, self.quarantined_group_pages())
+        objects = self.groups.shared_ids(Tier.DEVICE, caller_group_pages, self.quarantine.objects())
         assert not objects & (set(dev_owned) | set(caller_device_pages) | quarantined), (
             "a device id is both a page's and another group's object")
         assert set(dev_owned) | set(caller_device_pages) | quarantined | objects == self.dev_alloc.allocated_pages() - (

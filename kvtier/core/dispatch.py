@@ -14,19 +14,19 @@ import itertools
 import logging
 
 from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason
+from kvtier.core.state import CoreState
 from kvtier.core.tags import JobTag, PrefetchHandle
 from kvtier.errors import ExecutorError, InvalidStateError
-from kvtier.core.port import ExecutorPort
 from kvtier.radix import NO_PAGE
 
 log = logging.getLogger(__name__)
 
 
-class PlanDispatch:
-    """The plan/completion bookkeeping :class:`~kvtier.core.base.CoreBase` is built on."""
+class PlanDispatch(CoreState):
+    """The plan/completion bookkeeping every core is built on (the layer above :class:`CoreState`)."""
 
-    def _init_dispatch(self, port: ExecutorPort) -> None:
-        self.port = port
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._ops = itertools.count(1)
         #: plans in flight: op -> what for
         self._inflight: dict[int, JobTag | PrefetchHandle] = {}
@@ -98,15 +98,9 @@ class PlanDispatch:
             self._completions_applied()
         return len(done)
 
-    def _hold_late(self, op: int, nodes) -> None:
-        """Plan ``op`` may still write into ``nodes``' host copies after the core gave up on it: a core that
-        keeps other objects beside those pages holds them too, until :meth:`_released_late`."""
-
-    def _released_late(self, op: int) -> None:
-        """The late answer of plan ``op`` came: what :meth:`_hold_late` held may be handed out again."""
-
     def _completions_applied(self) -> None:
-        """Completions were applied (a core whose pages wait for plans to finish frees them here)."""
+        """Completions were applied: a core whose pages wait for plans to finish frees them here
+        (:class:`~kvtier.core.cache_core.CacheCore`'s quarantine); none by default."""
 
     def _apply(self, c: Completion) -> None:
         kind = type(c)
@@ -116,7 +110,7 @@ class PlanDispatch:
             held = self._held_for.pop(c.op, None) if completion else None
             if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
                 self.host_alloc.release_hold(held)
-                self._released_late(c.op)
+                self.groups.released_late(c.op)
                 return
             # a plan never made, or answered twice: nothing to apply, the rest of the batch still is
             self.stats.unknown_completions += 1
@@ -127,7 +121,7 @@ class PlanDispatch:
             held = [n.host_page for n in tag.nodes if n.host_page != NO_PAGE]
             self.host_alloc.hold(held)
             self._held_for[c.op] = held
-            self._hold_late(c.op, tag.nodes)
+            self.groups.hold_late(c.op, tag.nodes)
             self.stats.timed_out_plans += 1
         self._on[type(tag)](c, tag)
 

@@ -13,12 +13,13 @@ request twice, leak a lock, free a page the tree maps). Here it is::
     req.commit(pages)                        # all the request's pages in order: full ones are
                                              # inserted, the partial tail is freed, locks released
 
-A hybrid model (:mod:`~kvtier.core.group_residency`): ``req.groups[name]`` maps
+A hybrid model (:mod:`~kvtier.core.group_objects`): ``req.groups[name]`` maps
 places to the device ids of the other groups' objects the request continues
 from (its window's pages, the snapshot at its boundary), held until it ends;
 ``req.alloc_group(name, n)`` gives ids for the objects it computes, and
 ``commit(pages, groups={name: [id or None per full page]})`` hands them over
-(``req.snapshot_boundaries()`` says where the cache wants state snapshots).
+(``req.handed_places(name)`` says at which pages the cache wants them: every page
+it computed for a window, where it keeps a snapshot for a state group).
 
 Lifecycle (enforced; a second ``commit`` or ``abort`` is an :class:`InvalidStateError`)::
 
@@ -36,19 +37,48 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from kvtier.alloc import Allocation
-from kvtier.core.hybrid_match import usable_prefix
+from kvtier.alloc import Allocation, PageAllocator
 from kvtier.errors import IndexTypeError, InvalidStateError, PageOwnershipError
 from kvtier.pages import checked_page_list, first_duplicate, is_ordered_sequence
 
-
 if TYPE_CHECKING:
-    from kvtier.core.cache_core import CacheCore
+    from kvtier.core.group_objects import Groups, NoGroups
     from kvtier.core.results import InsertResult, LoadResult
     from kvtier.hashing import PageHash
     from kvtier.radix import PageNode
+
+
+class RequestCache(Protocol):
+    """What a :class:`CacheRequest` needs of its cache: :class:`~kvtier.core.cache_core.CacheCore` and the
+    recompute baseline :class:`~kvtier.core.nullcache.NullCache` both serve it."""
+
+    #: the device pool's ids (a commit's pages are checked against it)
+    dev_alloc: PageAllocator
+    #: a hybrid model's other KV groups (what a request holds of them, and how far it can continue)
+    groups: Groups | NoGroups
+
+    @property
+    def load_failure_gen(self) -> int:
+        """Bumped on every failed host->device load: a request re-checks its prefix only when it moved."""
+
+    def quarantined_pages(self) -> set[int]: ...
+
+    def request_finished(self, serial: int) -> None: ...
+
+    def alloc_device(self, n: int) -> Allocation: ...
+
+    def free_device(self, pages: list[int]) -> None: ...
+
+    def alloc_group(self, name: str, n: int) -> list[int]: ...
+
+    def free_group(self, name: str, ids: list[int]) -> None: ...
+
+    def commit_request(self, keys: Sequence[PageHash], device_pages: list[int], prefix: list[PageNode] | None,
+                       groups: dict[str, list[int | None]] | None = None) -> InsertResult: ...
+
+    def unlock(self, node: PageNode | None) -> None: ...
 
 
 class RequestState(Enum):
@@ -62,8 +92,11 @@ class CacheRequest:
     """Made by :meth:`CacheCore.begin`; see the module docstring for the protocol.
     ``slots``: one is made per request, on the scheduler's hot path."""
 
-    cache: CacheCore
-    keys: list[PageHash]
+    cache: RequestCache
+    #: the page keys of its full pages (empty for a cache that keys nothing: the recompute baseline)
+    keys: Sequence[PageHash]
+    #: how many full pages the request has (one key each where the cache keys them)
+    full_pages: int
     #: pages of the prefix that were on device when the request began (usable at once)
     device_hit: int
     #: pages that were in host memory and are being loaded back (layer by layer; see :meth:`wait_layer`)
@@ -103,10 +136,17 @@ class CacheRequest:
             n = self._hybrid_usable(n)
         return n
 
+    def handed_places(self, name: str) -> Sequence[int]:
+        """Where the cache wants this request's objects of group ``name`` (places: the full pages they hang
+        on): every page it computes past its cached prefix (a window), or the pages that end where it
+        keeps a state snapshot (every ``state_every`` pages and its last full page)."""
+        return self.cache.groups.handed_places(name, self.num_cached, self.full_pages)
+
     def snapshot_boundaries(self) -> list[int]:
         """Where the cache wants this request's state snapshots: boundaries (pages from the start) past its
-        cached prefix, every ``state_every`` pages and at its last full page."""
-        return self.cache.snapshot_boundaries(self.num_cached, len(self.keys))
+        cached prefix, every ``state_every`` pages and at its last full page (none without a state group)."""
+        state = next((c.name for c in self.cache.groups.components if c.kind.keeps == "state"), None)
+        return [] if state is None else [p + 1 for p in self.handed_places(state)]
 
     def alloc_group(self, name: str, n: int) -> list[int]:
         """Up to ``n`` device ids of group ``name``'s pool, the request's until commit or abort."""
@@ -154,7 +194,7 @@ class CacheRequest:
             load.wait()  # every load's outcome is known before anything is inserted over it
         if self.failure_gen != cache.load_failure_gen:
             self._check_prefix()
-        full = len(self.keys)
+        full = self.full_pages
         if not full <= len(pages) <= full + 1:
             raise PageOwnershipError(f"commit: {len(pages)} pages for a request of {full} full pages; pass its {full} full pages "
                                      f"in order, then its partial tail page if it has one")
@@ -195,7 +235,7 @@ class CacheRequest:
     # ---- internals -----------------------------------------------------------------
     def _check_prefix(self) -> None:
         """Shrink the cached prefix to its last good page if a host->device load failed since the
-        last check (the cache took its device copies away; see :mod:`kvtier.core.failed_loads`)."""
+        last check (the cache took its device copies away; see :mod:`kvtier.core.quarantine`)."""
         gen = self.cache.load_failure_gen
         if gen == self.failure_gen:
             return
@@ -205,30 +245,26 @@ class CacheRequest:
         while good < len(cached) and prefix[good].device_page == cached[good]:
             good += 1
         if self.groups:  # the objects the failure took; then the prefix the rest still continues from
-            cache = self.cache
-            self.groups = {name: {i: gid for i, gid in objs.items() if i < good and cache.holds_object(name, prefix[i], gid)}
+            parts = self.cache.groups
+            self.groups = {name: {i: gid for i, gid in objs.items() if i < good and parts.holds_object(name, prefix[i], gid)}
                            for name, objs in self.groups.items()}
             good = self._hybrid_usable(good)
-            self.groups = {c.name: {i: self.groups[c.name][i] for i in cache.needed_places(c, good)} for c in cache.components}
+            self.groups = {c.name: {i: self.groups[c.name][i] for i in c.kind.places(good)} for c in parts.components}
         if good < len(cached):
             self.failed += len(cached) - good
             self.cached_pages = cached[:good]
             self._prefix = prefix[:good]
 
     def _hybrid_usable(self, n: int) -> int:
-        groups = self.groups
-        has = {name: (lambda i, objs=objs: i in objs) for name, objs in groups.items()}
-        for c in self.cache.components:  # a state group's snapshot at boundary b hangs on page b - 1
-            if c.is_state:
-                has[c.name] = lambda b, objs=groups[c.name]: (b - 1) in objs
-        return usable_prefix(n, self.cache.model.groups, self.cache.spec.page_size, has).pages
+        """The longest prefix of ``n`` pages every group continues from with the objects this request holds."""
+        return self.cache.groups.usable(n, {name: objs.__contains__ for name, objs in self.groups.items()})
 
     def _check_groups(self, groups: dict[str, Sequence[int | None]], full: int) -> dict[str, list[int | None]]:
         """The other groups' ids handed to commit: one entry per full page, each None, the object the
         request was given at that place, or one it allocated; once. Nothing changes on an error."""
         out = {}
         for name, ids in groups.items():
-            self.cache.component(name)  # an unknown group is an UnknownNameError
+            self.cache.groups.component(name)  # an unknown group is an UnknownNameError
             if type(ids) is not list and not is_ordered_sequence(ids) or len(ids) != full:
                 raise PageOwnershipError(f"commit, KV group {name!r}: pass one entry per full page ({full}): an id from "
                                          f"alloc_group, the id the request was given there, or None")
@@ -298,7 +334,7 @@ class CacheRequest:
 
     def _finish(self, state: RequestState) -> None:
         if self._held:
-            self.cache.release_groups(self._held)
+            self.cache.groups.release(self._held)
             self._held = []
         self.cache.unlock(self._locked)
         self.cache.request_finished(self.serial)

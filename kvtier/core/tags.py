@@ -15,7 +15,7 @@ class PrefetchHandle:
     op: int = 0
     applied: int = 0
     #: a planned copy out of these host pages that runs after the fetch (an engine-device core's load):
-    #: when the fetch completes, the pages that arrived stay locked for it (``StoragePolicy._fetched_for``)
+    #: when the fetch completes, the pages that arrived stay locked for it (``HostTier._fetched_for``)
     then: object = None
 
     @property

@@ -134,7 +134,7 @@ def replay_hybrid(cache: CacheCore, requests, page_size: int) -> tuple[int, int,
         new = req.alloc(full - have)
         got = {}  # its state at the core's cadence; every window page it computed (vLLM keeps them as cached
         for c in comps:  # free blocks: the pool's LRU decides)
-            places = [b - 1 for b in req.snapshot_boundaries()] if c.is_state else range(have, full)
+            places = req.handed_places(c.name)
             got[c.name] = (places, req.alloc_group(c.name, len(places)))
         t2 = time.perf_counter()
         groups = {}  # the engine's own work, not timed: one entry per full page

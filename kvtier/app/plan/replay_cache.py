@@ -124,11 +124,10 @@ def _group_objects(node: CacheCore, req, usable: int) -> dict[str, list[int | No
     not at the prompt's end, which the core would also take: the tiers' snapshot bytes are then
     exactly one per ``state_every`` blocks, as :func:`~kvtier.app.plan.config.block_bytes` reserves."""
     full = len(req.keys)
-    every = node.state_every
     out = {}
     for c in node.components:
         ids: list[int | None] = [None] * full
-        places = [b - 1 for b in node.snapshot_boundaries(usable, full) if b % every == 0] if c.is_state else range(usable, full)
+        places = node.groups.handed_places(c.name, usable, full, at_end=False)
         for place, gid in zip(places, req.alloc_group(c.name, len(places))):
             ids[place] = gid
         out[c.name] = ids

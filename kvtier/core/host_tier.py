@@ -1,7 +1,13 @@
-"""The L3 side of the policy: prefetch a stored prefix into host pages, save host pages to L3.
+"""The host tier's policy and the L3 tier below it: host pages allocated and evicted, prefetched from L3
+and saved to it.
+
+Host eviction takes leaves whose device copy is gone, least recently used
+first, saving them to L3 first under ``write_back``. Locked pages, pages not
+yet readable and pages being saved are never taken. Whoever owns the device,
+kvtier owns the host pool: both cores share this layer.
 
 Prefetched pages become tree nodes at once, with host pages that are not yet
-readable (locked until the fetch completes); :meth:`StoragePolicy.resolve_prefetch`
+readable (locked until the fetch completes); :meth:`HostTier.resolve_prefetch`
 waits as the prefetch policy says and makes the arrived ones readable, and
 the fetch's completion frees what never arrived. A save marks its pages
 ``SAVING`` (so host eviction skips them while the executor reads them) and
@@ -10,14 +16,20 @@ its completion marks the leading pages the store now holds ``STORED``.
 
 from __future__ import annotations
 
+from kvtier.alloc import Allocation
+from kvtier.core.dispatch import PlanDispatch
 from kvtier.core.plans import Completion, CutShort, Failed, Tier, completed_pages, fetch_plan, save_plan
-from kvtier.core.results import MatchResult
+from kvtier.core.results import EvictResult, MatchResult
 from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
 from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_page_of
 
 
-class StoragePolicy:
-    """L3 prefetch and save, part of :class:`~kvtier.core.base.CoreBase`."""
+class HostTier(PlanDispatch):
+    """Host pages and L3 (the layer above :class:`~kvtier.core.dispatch.PlanDispatch`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._on |= {Save: self._finish_save, EvictionSave: self._applied_where_waited, PrefetchHandle: self._finish_prefetch}
 
     def prefetch(self, match: MatchResult) -> PrefetchHandle | None:
         """Start bringing ``match``'s storage pages into host pages; ``None`` when skipped.
@@ -49,7 +61,7 @@ class StoragePolicy:
         self.tree.touch(nodes)
         self.tree.lock(nodes[-1])  # released when the plan completes
         handle = PrefetchHandle(nodes)
-        groups = self._prefetch_groups(match, nodes) if self.components else ()
+        groups = self.groups.prefetch_runs(len(match.nodes), nodes) if self.groups else ()
         handle.op = self._submit(fetch_plan, handle, keys, got.pages, groups)
         return handle
 
@@ -77,7 +89,7 @@ class StoragePolicy:
         held = [n.host_page for n in handle.nodes[handle.applied :] if n.host_page != NO_PAGE and not n.host_ready]
         self.host_alloc.hold(held)
         self._held_for[handle.op] = held
-        self._hold_late(handle.op, [n for n in handle.nodes[handle.applied :] if not n.host_ready])
+        self.groups.hold_late(handle.op, [n for n in handle.nodes[handle.applied :] if not n.host_ready])
         self.stats.prefetches_given_up += 1
         self.tree.unlock(handle.nodes[-1])
         self._drop_unarrived(handle)
@@ -100,6 +112,11 @@ class StoragePolicy:
         self.tree.unlock(handle.nodes[-1])
         self._drop_unarrived(handle)
 
+    def _computed_under_prefetch(self, nodes: list[PageNode]) -> None:
+        """``nodes`` (one path's run, root side first) got device pages while a prefetch that gave them their
+        host pages failed. Only a core whose tree holds device pages has any
+        (:class:`~kvtier.core.cache_core.CacheCore` backs them up)."""
+
     def _fetched_for(self, load, node: PageNode) -> None:
         """A core whose copies follow its fetches (:class:`~kvtier.core.engine_device.EngineDeviceCore`)
         locks ``node`` -- the deepest page that arrived -- for the copy ``load``; others have none."""
@@ -112,7 +129,7 @@ class StoragePolicy:
         computed: list[PageNode] = []
         for node in reversed(handle.nodes[handle.applied :]):  # deepest first
             if node.host_page != NO_PAGE and not node.host_ready:
-                self._groups_left(Tier.HOST, (node,))
+                self.groups.left(Tier.HOST, (node,))
                 self.host_alloc.free([self.tree.clear_host(node)])
             if node.device_page != NO_PAGE:
                 computed.append(node)
@@ -130,7 +147,7 @@ class StoragePolicy:
         if not self.port.has_storage or not nodes:
             return None
         self.tree.set_stored(nodes, SAVING)
-        groups = self._group_runs(nodes, Tier.HOST, Tier.STORAGE) if self.components else ()
+        groups = self.groups.runs(nodes, Tier.HOST, Tier.STORAGE) if self.groups else ()
         return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after, groups)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
@@ -153,6 +170,49 @@ class StoragePolicy:
         Victims are leaves of possibly different paths; a save that stops early leaves the
         rest unstored (they are freed all the same: write_back is best effort)."""
         self.tree.set_stored(victims, SAVING)
-        groups = self._group_runs(victims, Tier.HOST, Tier.STORAGE) if self.components else ()
+        groups = self.groups.runs(victims, Tier.HOST, Tier.STORAGE) if self.groups else ()
         c = self._await(self._submit(save_plan, EvictionSave(victims), [v.key for v in victims], [v.host_page for v in victims], 0, groups))
         self._apply_saved(c, victims)
+
+    # ---- host pages ------------------------------------------------------------------------------
+    def _alloc_host(self, n: int) -> Allocation:
+        got = self.host_alloc.alloc(n)
+        if got.ok:
+            return got
+        self._make_room(Tier.HOST, n - self.host_alloc.num_free)
+        got = self.host_alloc.alloc(n)
+        if not got.ok and self.port.has_storage and self.port.can_wait:
+            # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
+            # (a port that cannot wait -- a scheduler's workers answer next step -- gets fewer pages now)
+            if self.wait_for(self._ops_for(Save, PrefetchHandle)) > 0:
+                self._make_room(Tier.HOST, n - self.host_alloc.num_free)
+                got = self.host_alloc.alloc(n)
+        return got
+
+    def _make_room(self, tier: Tier, n: int) -> None:
+        """Free ``n`` ids of ``tier``'s pool. Here, the host pool's pages; a core that owns device pages, and
+        pools shared with other groups' objects, weighs those too
+        (:meth:`~kvtier.core.device_space.DeviceSpace._make_room`)."""
+        assert tier is Tier.HOST, f"a core without device pages has no {tier.name.lower()} room to make"
+        self.evict_host(n)
+
+    def evict_host(self, n: int, older_than: int | None = None) -> EvictResult:
+        """Free at least ``n`` host pages whose device copy is gone, LRU leaves first (``older_than``:
+        only pages last used before that stamp)."""
+        victims = self.tree.host_victims(n, older_than)
+        if victims and self.on_host_evicted is not None:
+            self.on_host_evicted([v.key for v in victims])
+        if self.port.has_storage and self.storage_config.write_policy == "write_back":
+            unsaved = self.tree.not_stored(victims)
+            if unsaved:
+                self._save_for_eviction(unsaved)
+        self.stats.host_evicted_pages += self._forget_host_only(victims)
+        return EvictResult(n, len(victims))
+
+    def _forget_host_only(self, nodes: list[PageNode]) -> int:
+        """Remove host-only ``nodes`` (deepest first: each is a leaf when it goes) and free their host
+        pages; returns how many."""
+        self.groups.left(Tier.HOST, nodes)
+        pages = self.tree.remove_host_only(nodes)
+        self.host_alloc.free(pages)
+        return len(pages)

@@ -1,0 +1,97 @@
+"""A host->device load that failed: its device copies are garbage, and nobody may read them again.
+
+When a load back completes as anything but :class:`~kvtier.core.plans.Done`,
+the device pages it was filling hold whatever was there before. The core takes
+them off the tree at once (with every device page below them: residency is
+prefix-closed, and a page computed over garbage is garbage too), so no later
+match offers them. The page ids cannot be freed yet: requests that began before
+the failure may still name them among their cached pages, and a page handed out
+again would be written under their feet. So they wait here::
+
+    load fails --> cleared from the tree, held in quarantine (allocated, owned by nobody)
+               --> freed once every request begun before the failure has committed or aborted,
+                   and every plan submitted before it has finished
+
+A :class:`~kvtier.core.request.CacheRequest` learns of the failure on ``wait()`` and
+``commit()`` (the :attr:`Quarantine.generation` moved): its cached prefix shrinks
+to the last good page, the caller recomputes the rest into pages it allocates, and
+a commit that still names a quarantined page is a :class:`~kvtier.errors.PageOwnershipError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from kvtier.alloc import PageAllocator
+
+
+class Quarantine:
+    """Failed loads' device pages (and other groups' objects: ``free_objects(ids per group)`` frees
+    those), with the open requests that may still name them. Part of
+    :class:`~kvtier.core.cache_core.CacheCore` alone."""
+
+    __slots__ = ("device", "free_objects", "generation", "marks", "_open", "_serial", "_entries")
+
+    def __init__(self, device: PageAllocator, free_objects: Callable[[dict[str, list[int]]], None]):
+        self.device = device
+        self.free_objects = free_objects
+        #: bumped on every failed load: a request re-checks its prefix only when this moved
+        self.generation = 0
+        #: device page -> 1 while quarantined (insert's ownership check reads it, vectorized)
+        self.marks = np.zeros(device.num_pages, dtype=np.uint8)
+        #: requests open now, by serial, in the order they began (the first is the oldest)
+        self._open: dict[int, None] = {}
+        self._serial = 0
+        #: (pages, serial of the last request begun before the failure, the last plan submitted
+        #: before it -- one of those may still read or write the pages --, objects per group)
+        self._entries: list[tuple[list[int], int, int, dict[str, list[int]]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)
+
+    def request_opened(self) -> int:
+        self._serial += 1
+        self._open[self._serial] = None
+        return self._serial
+
+    def request_finished(self, serial: int, oldest_op: int | None) -> None:
+        self._open.pop(serial, None)
+        if self._entries:
+            self.release(oldest_op)
+
+    def add(self, pages: list[int], objects: dict[str, list[int]], last_op: int, oldest_op: int | None) -> None:
+        """A failed load's device ``pages`` and other groups' object ids: nobody is offered them again
+        (requests learn of it by the generation), freed once nobody can name them."""
+        self.generation += 1
+        self._entries.append((pages, self._serial, last_op, objects))
+        self.marks[pages] = 1
+        self.release(oldest_op)
+
+    def release(self, oldest_op: int | None) -> None:
+        """Free what nobody can name any more: every request begun before its failure has finished, and
+        so has every plan submitted before it (``oldest_op``: the oldest plan still in flight)."""
+        oldest_request = next(iter(self._open), None)
+        keep = []
+        for entry in self._entries:
+            pages, last_request, last_op, objects = entry
+            if (oldest_request is None or oldest_request > last_request) and (oldest_op is None or oldest_op > last_op):
+                self.marks[pages] = 0
+                self.device.free(pages)
+                if objects:
+                    self.free_objects(objects)
+            else:
+                keep.append(entry)
+        self._entries = keep
+
+    def pages(self) -> set[int]:
+        return {p for pages, _, _, _ in self._entries for p in pages}
+
+    def objects(self) -> dict[str, set[int]]:
+        """Device ids of other KV groups' objects a failed load left, per group (freed with its pages)."""
+        out: dict[str, set[int]] = {}
+        for _, _, _, objects in self._entries:
+            for name, ids in objects.items():
+                out.setdefault(name, set()).update(ids)
+        return out
