@@ -50,10 +50,11 @@ from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import MatchResult, Waiter
 from kvtier.core.tags import JobTag, PrefetchHandle
-from kvtier.errors import PageAlignmentError, PageIndexError
+from kvtier.errors import PageAlignmentError, PageIndexError, PageOwnershipError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
+from kvtier.pages import first_duplicate
 from kvtier.radix import NO_PAGE, PageNode
 from kvtier.spec import KVSpec
 
@@ -403,6 +404,7 @@ class EngineDeviceCore(CoreBase):
         if len(keys) != len(engine_pages):
             raise PageAlignmentError(f"load: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
         self._check_engine_groups("load", groups, len(keys))
+        _check_load_targets(engine_pages, groups)
         self.poll()
         keys = list(keys)
         path, host, stored, _, _ = self._usable(keys)
@@ -499,3 +501,17 @@ class EngineDeviceCore(CoreBase):
         self.tree.unlock(fetch_locked)
         if held:
             self.groups.release(held)
+
+
+def _check_load_targets(engine_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None) -> None:
+    """A load's engine ids name each destination once: an engine block per page, an id per object of a
+    group (two copies into one would race for it, as a plan's would, :func:`~kvtier.core.plans.plan_error`).
+    Raises :class:`PageOwnershipError` before the core changes anything."""
+    twice = first_duplicate(engine_pages)
+    if twice is not None:
+        raise PageOwnershipError(f"load: engine block {twice} is named for two pages; each page lands in a block of its own")
+    for name, ids in (groups or {}).items():
+        twice = first_duplicate([i for i in ids if i is not None])
+        if twice is not None:
+            raise PageOwnershipError(f"load, KV group {name!r}: engine id {twice} is named for two objects; each object lands in "
+                                     "an id of its own")

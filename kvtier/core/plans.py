@@ -161,13 +161,15 @@ def plan_shape_error(plan: object) -> str | None:
 
 
 def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: dict[str, tuple[int, int]] | None = None,
-               group_storage: Collection[str] = ()) -> str | None:
+               group_storage: Collection[str] = (), group_pools: dict[str, tuple[str | None, str | None]] | None = None) -> str | None:
     """Why an executor must refuse ``plan`` before any byte moves, or None: its shape
     (:func:`plan_shape_error`), a page id that is not an integer in ``[0, pages)`` of its pool, a
-    destination page twice, keys that are not bytes, sides of different lengths, or objects of a
+    destination written twice in one pool (across the page run and every group run: see
+    :func:`_written_twice`), keys that are not bytes, sides of different lengths, or objects of a
     KV group the executor has no pools for (``group_pages``: each group's (device, host) pool
-    sizes; ``group_storage``: the groups it can save and fetch), named the same way. A plan that
-    crossed a pipe was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
+    sizes; ``group_storage``: the groups it can save and fetch; ``group_pools``: the pools a group's
+    objects are written to, :func:`pools_written`), named the same way. A plan that crossed a pipe
+    was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
     why = plan_shape_error(plan)
     if why is not None:
         return why
@@ -204,6 +206,38 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
             return f"plan {op}: {len(keys)} keys for {n} host pages"
     elif keys:
         return f"plan {op}: a device<->host copy names {len(keys)} storage keys"
+    return _written_twice(plan, group_pools or {}) if plan.groups else None
+
+
+def pools_written(full: tuple[object, object], groups: dict[str, tuple[object, object]]) -> dict[str, tuple[str | None, str | None]]:
+    """Each group's (device, host) pools as :func:`plan_error` names them: None where they are the full
+    pages' own (``full``: a group that shares them, one budget per tier), else the name of the first
+    group over them. Pools are told apart by identity: a shared pool is the same object."""
+    owner = {id(full[0]): None, id(full[1]): None}
+    return {name: (owner.setdefault(id(dev), name), owner.setdefault(id(host), name)) for name, (dev, host) in groups.items()}
+
+
+def _written_twice(plan: Transfer, group_pools: dict[str, tuple[str | None, str | None]]) -> str | None:
+    """A destination id two of ``plan``'s runs would write in one pool -- its pages and a group's objects
+    in the pools they share, or two runs of one group -- or one run writes twice. Each group's copies
+    run on their own engine thread, so which landed last would be a race. (The page run alone is
+    checked where its ids are.)"""
+    if plan.dst is Tier.STORAGE:
+        return None
+    tier = plan.dst.name.lower()
+    side = 0 if plan.dst is Tier.DEVICE else 1
+    writers: dict[str | None, dict[int, str]] = {}
+    for k, run in enumerate(plan.groups):
+        pool = group_pools.get(run.group, (run.group, run.group))[side]
+        if pool not in writers:
+            writers[pool] = dict.fromkeys(plan.dst_pages, "the plan's pages") if pool is None else {}
+        written, by = writers[pool], f"KV group {run.group!r} (run {k})"
+        for i in run.dst_pages:
+            if i in written:
+                where = "the full pages'" if pool is None else f"KV group {pool!r}'s"
+                return (f"plan {plan.op}: {tier} id {i} of {where} {tier} pool is written twice, by {written[i]} and by {by}: which "
+                        "lands last would be a race; a plan writes each destination once")
+            written[i] = by
     return None
 
 
@@ -235,8 +269,6 @@ def _group_run_error(plan: Transfer, run: GroupRun, group_pages: dict[str, tuple
     for pages, tier in sides:
         if tier is not Tier.STORAGE and any(not 0 <= p < sizes[tier] for p in pages):
             return f"plan {op}: KV group {run.group!r}: a {tier.name.lower()} id outside its pool of {sizes[tier]}"
-    if len(set(run.dst_pages)) != len(run.dst_pages):
-        return f"plan {op}: KV group {run.group!r}: destination ids repeat: two objects would land in one"
     return None
 
 

@@ -60,7 +60,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier.errors import ConfigError, PageAlignmentError
+from kvtier.errors import ConfigError, PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
@@ -69,6 +69,7 @@ from kvtier.l3.breaker import CircuitBreaker, probe_store
 from kvtier.l3.mover import PageMover, in_order
 from kvtier.l3.page import PageCodec
 from kvtier.l3.registry import open_backend
+from kvtier.pages import first_duplicate
 
 log = logging.getLogger(__name__)
 
@@ -442,8 +443,22 @@ class KvtierStorage(HiCacheStorage):
                                      f"pass {pool.pages.page_size} host slots per key")
         return pool, keys, pool.pages.pages(t.host_indices, len(keys))
 
+    @staticmethod
+    def _one_key_per_page(checked: list[tuple[_Pool, list[str], list[int]]]) -> None:
+        """A read's destinations, each named once per pool (in one transfer or across two): two keys read
+        into one page (one Mamba slot) would race for it. A :class:`PageOwnershipError` before any byte moves."""
+        into: dict[str, list[int]] = {}
+        for pool, _keys, pages in checked:
+            into.setdefault(pool.name, []).extend(pages)
+        for name, pages in into.items():
+            twice = first_duplicate(pages)
+            if twice is not None:
+                raise PageOwnershipError(f"batch_get_v2: host page {twice} of SGLang host pool {name!r} is the destination of two keys; "
+                                         "read each key into a page of its own")
+
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         checked = [self._transfer_pages(t) for t in transfers]  # every transfer is checked before any byte moves
+        self._one_key_per_page(checked)
         return {p.name: self._read(p, keys, pages) for p, keys, pages in checked}
 
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
