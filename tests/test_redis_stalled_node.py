@@ -198,3 +198,19 @@ def test_a_slot_the_cluster_moves_off_a_stalled_node_is_followed_while_the_node_
             tier.close()
         for s in servers:
             s.stop()
+
+
+def test_the_lookup_deadline_is_a_url_option_no_longer_than_the_calls(tmp_path):
+    from kvtier.errors import StorageError
+    from kvtier.l3 import open_backend
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        for query, want in (("timeout=2", 0.25), ("timeout=0.1", 0.1), ("timeout=2&lookup_timeout=0.5", 0.5)):
+            backend = open_backend(f"redis://127.0.0.1:{server.port}/0?{query}")
+            assert backend.lookup_timeout == want, query
+            backend.close()
+        with pytest.raises(StorageError, match=r"lookup_timeout='soon' must be a number >= 0.001"):
+            open_backend(f"redis://127.0.0.1:{server.port}/0?lookup_timeout=soon")
+    finally:
+        server.stop()
