@@ -26,6 +26,11 @@ Contract of a :class:`StorageBackend` (every method is batched):
   tier may run several such calls at once, one per I/O thread, so they must be
   thread-safe. With ``registers_buffers``, memory must be registered with
   ``register_buffer(memoryview)`` before those calls move it without a copy.
+  With ``nodes`` (a Redis Cluster), keys live on nodes that fail apart:
+  ``node_of(key)`` names the node serving a key, a fault is counted against
+  the nodes it came from (``stats.node_errors``; :data:`STORE` for one no node
+  owns), and ``probe_node(name)`` says whether that node answers (see
+  :mod:`kvtier.l3.breaker`).
 
 URLs are parsed and dispatched to backends in :mod:`kvtier.l3.registry`; this
 module imports no backend.
@@ -46,6 +51,10 @@ from kvtier.errors import StorageError
 log = logging.getLogger(__name__)
 
 
+#: the node name of a store's own faults: a store without nodes is this one node
+STORE = "store"
+
+
 class KeyStatus(str, Enum):
     OK = "ok"
     MISS = "miss"
@@ -61,6 +70,8 @@ class BackendStats:
     bytes_read: int = 0
     bytes_written: int = 0
     last_error: str = ""
+    #: faults per node, for a store with several (``Capabilities.nodes``); ``errors`` counts them all
+    node_errors: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,8 @@ class Capabilities:
     batch_bytes: int | None = None
     #: the tier's I/O threads when ``StorageConfig.io_threads`` is unset
     io_threads: int = 2
+    #: keys live on nodes that fail apart: ``node_of(key)``, ``probe_node(name)``, faults per node in ``stats.node_errors``
+    nodes: bool = False
 
 
 class StorageBackend(Protocol):
@@ -91,15 +104,23 @@ class StorageBackend(Protocol):
 
 
 @contextmanager
-def map_storage_errors(stats: BackendStats, what: str, on_error: Callable[[BaseException], None]):
-    """The one place backend client exceptions become per-call failures (logged, counted)."""
+def map_storage_errors(stats: BackendStats, what: str, on_error: Callable[[BaseException], None], nodes: Sequence[str] = ()):
+    """The one place backend client exceptions become per-call failures (logged, counted; against
+    ``nodes`` too, the nodes the call went to, for a store with several)."""
     try:
         yield
     except Exception as e:  # OSError, TimeoutError and each client's own hierarchy (redis.RedisError, ...)
-        stats.errors += 1
-        stats.last_error = f"{what}: {type(e).__name__}: {e}"
-        log.warning("L3 %s failed: %s", what, e)
+        count_fault(stats, what, e, nodes)
         on_error(e)
+
+
+def count_fault(stats: BackendStats, what: str, e: BaseException, nodes: Sequence[str] = ()) -> None:
+    """Count, log and remember a fault (a backend that handles the exception itself calls this)."""
+    for name in nodes:  # before ``errors``: a breaker that sees ``errors`` move finds the node's count moved too
+        stats.node_errors[name] = stats.node_errors.get(name, 0) + 1
+    stats.errors += 1
+    stats.last_error = f"{what}: {type(e).__name__}: {e}"
+    log.warning("L3 %s failed: %s", what, e)
 
 
 @dataclass(frozen=True)

@@ -44,8 +44,8 @@ Verdict = tuple[KeyStatus, str]
 
 
 class PageMover:
-    """Reads and writes page objects of one store through its breaker (a store marked down is
-    never called). Thread-safe: I/O threads call it at once, each with its own header slab."""
+    """Reads and writes page objects of one store through its breaker (a store, or a node, marked
+    down is never called). Thread-safe: I/O threads call it at once, each with its own header slab."""
 
     def __init__(self, backend: StorageBackend, breaker: CircuitBreaker, *, on_discard: Callable[[str, str], None] | None = None):
         self.backend = backend
@@ -101,7 +101,8 @@ class PageMover:
     def write(self, codec: PageCodec, names: Sequence[str], keys: Sequence[bytes],
               payloads: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
         """Store each page: ``names[i]`` gets a header for ``keys[i]`` hashed over ``payloads[i]``, then
-        the payload as it is. A status per page (an empty list: the store is marked down)."""
+        the payload as it is. A status per page (an empty list: the store is marked down); from the
+        first page on a node marked down, ERROR without a call."""
         if not self.breaker.available:
             return []
         with self._heads(len(names)) as heads:
@@ -110,8 +111,10 @@ class PageMover:
                 heads[j] = np.frombuffer(codec.header_for_parts(k, payload), dtype=np.uint8)
                 parts.append([memoryview(heads[j]), *payload])
             if self.scattered:
-                return self.breaker.call(self.backend.set_scattered, list(names), parts)
-            return self.breaker.call(self.backend.set, list(names), [memoryview(b"".join(ps)) for ps in parts])
+                statuses = self.breaker.call(self.backend.set_scattered, list(names), parts)
+            else:
+                statuses = self.breaker.call(self.backend.set, list(names), [memoryview(b"".join(ps)) for ps in parts])
+            return _unreached_failed(statuses, len(names))
 
     # ---- read --------------------------------------------------------------------------
     def read(self, codec: PageCodec, names: Sequence[str], keys: Sequence[bytes], payloads: Sequence[Sequence[memoryview]], *,
@@ -119,7 +122,8 @@ class PageMover:
         """Read each page into ``payloads[i]``; a verdict per page, in order. A page is OK only when its
         object arrived and passed its check (a scattered read may have written a page that failed: its
         buffers hold no meaning then). ``leading``: stop at the first page that is not OK (a chained
-        prefix is useless past it). An empty list: the store is marked down."""
+        prefix is useless past it). An empty list: the store is marked down; from the first page on a
+        node marked down, ERROR without a call."""
         if not self.breaker.available:
             return []
         with self._heads(len(names)) as heads:
@@ -137,7 +141,7 @@ class PageMover:
                         scatter_into(memoryview(staged[j]), parts[j])  # header into its slab row, payload into place
                     return verdict
             out: list[Verdict] = []
-            for j, st in enumerate(statuses):
+            for j, st in enumerate(_unreached_failed(statuses, len(names))):
                 why = ""
                 if st is KeyStatus.OK:
                     verdict = check(j)
@@ -158,6 +162,12 @@ class PageMover:
             self.on_discard(name, verdict)
         with map_storage_errors(self.backend.stats, "delete corrupt", lambda _e: None):
             self.backend.delete([name])
+
+
+def _unreached_failed(statuses: list[KeyStatus] | None, n: int) -> list[KeyStatus]:
+    """A breaker call's statuses for ``n`` names: those it did not reach (past a node marked down) failed."""
+    statuses = statuses or []
+    return statuses + [KeyStatus.ERROR] * (n - len(statuses))
 
 
 def in_order(io: Executor, starts: Iterable[int], work: Callable[[int], object], apply: Callable[[object], bool], *,

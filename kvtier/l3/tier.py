@@ -34,10 +34,12 @@ waits on it: a full queue skips the save or misses the prefetch, counted
 has a whole-call deadline, so ``drain`` and ``close`` return within a bound.
 
 Circuit breaker (:mod:`kvtier.l3.breaker`): after a backend fault the tier treats
-the store as down (lookups answer "absent", jobs fail at once) for a back-off that
-doubles while the fault persists, and a probe on a helper thread finds the store
-back, so a dead or stalled server costs the engine's thread one deadline, not one
-per request or per back-off.
+the node it came from as down (a single server, or one Redis Cluster node) for a
+back-off that doubles while the fault persists: lookups answer "absent" from the
+first key on that node, reads and writes fail there at once, and a probe on a
+helper thread asks that node until it is back. A dead or stalled node costs the
+engine's thread at most one lookup deadline, not one per request or per back-off,
+and the other nodes keep serving.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import Literal
 from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3.base import KeyStatus, StorageBackend, map_storage_errors
-from kvtier.l3.breaker import CircuitBreaker, probe_store
+from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.mover import PageMover, Verdict, in_order
 from kvtier.l3.page import PageCodec
 
@@ -129,7 +131,7 @@ class StorageTier:
         #: prefetches not started because the queue was full (each a miss for its request)
         self.skipped_prefetches = 0
         self._closed = False
-        self.breaker = CircuitBreaker(backend.stats, cooldown_s, max_cooldown_s, probe=lambda: probe_store(backend, f"{self.prefix}/probe"))
+        self.breaker = CircuitBreaker(backend, cooldown_s, max_cooldown_s, probe_key=f"{self.prefix}/probe")
         self.mover = PageMover(backend, self.breaker)
         #: seconds the worker spent per job kind ("save" / "prefetch")
         self.busy_s: dict[str, float] = {}
@@ -170,7 +172,7 @@ class StorageTier:
 
     # ---- synchronous queries (owner thread) ----------------------------------------
     def stored_prefix(self, keys: list[PageHash]) -> int:
-        """Leading ``keys`` present in the store (a fault, or a store marked down, counts as absent)."""
+        """Leading ``keys`` present in the store (a fault, or a key on a node marked down, ends the run)."""
         if not keys or not self.available:
             return 0
         found = [0]
@@ -179,7 +181,7 @@ class StorageTier:
             found[0] = 0
 
         with map_storage_errors(self.backend.stats, "exists", failed):
-            found[0] = self.breaker.call(self.backend.exists, [self.key(k) for k in keys])
+            found[0] = self.breaker.call(self.backend.exists, [self.key(k) for k in keys]) or 0
         return found[0]
 
     # ---- submission ------------------------------------------------------------------

@@ -65,7 +65,7 @@ from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.l3.base import KeyStatus, redact_url
-from kvtier.l3.breaker import CircuitBreaker, probe_store
+from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.mover import PageMover, in_order
 from kvtier.l3.page import PageCodec
 from kvtier.l3.registry import open_backend
@@ -148,8 +148,7 @@ class KvtierStorage(HiCacheStorage):
         self.options = SGLangStorageOptions.from_extra_config(storage_config.extra_config)
         self.model = self.options.model_name or storage_config.model_name or ""
         self.backend = open_backend(self.options.url)
-        self.breaker = CircuitBreaker(self.backend.stats, self.options.cooldown_s, self.options.max_cooldown_s,
-                                      probe=lambda: probe_store(self.backend, "kvtier-probe/0"))
+        self.breaker = CircuitBreaker(self.backend, self.options.cooldown_s, self.options.max_cooldown_s, probe_key="kvtier-probe/0")
         #: reads, checks, writes and repairs page objects (the same mover as kvtier's own L3 tier)
         self.mover = PageMover(self.backend, self.breaker, on_discard=self._count_corrupt)
         self.writer = storage_config.is_storage_writer
@@ -337,7 +336,7 @@ class KvtierStorage(HiCacheStorage):
             return 0
         found = [0]
         with self._guard("exists", []):
-            found[0] = self.breaker.call(self.backend.exists, pool.names(keys))
+            found[0] = self.breaker.call(self.backend.exists, pool.names(keys)) or 0
         return found[0]
 
     def _kv_hits(self, keys: Sequence[str], checked: set[str] = frozenset()) -> int:
