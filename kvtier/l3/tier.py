@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S
+from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S, StorageConfig
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3.base import KeyStatus, StorageBackend, map_storage_errors
 from kvtier.l3.breaker import CircuitBreaker
@@ -347,3 +347,13 @@ class StorageTier:
             self._io.shutdown(wait=False, cancel_futures=True)
         if self.owns_backend:
             self.backend.close()
+
+
+def open_storage_tier(storage: StorageConfig, host, namespace: Namespace) -> StorageTier | None:
+    """The L3 tier over the host pool ``host`` for ``storage.url``, with the config's settings (None when L3 is off)."""
+    if not storage.url:
+        return None
+    from kvtier.l3.registry import open_backend
+
+    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads,
+                       queue_depth=storage.queue_depth, cooldown_s=storage.cooldown_s, max_cooldown_s=storage.max_cooldown_s)

@@ -16,8 +16,9 @@ import torch
 
 from kvtier.alloc import PageAllocator
 from kvtier.errors import ConfigError, DeviceMemoryBudgetError, SpecError
-from kvtier.pools.rows import as_wide_rows
+from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.spec import KVSpec
+from kvtier.transfer.rows import as_wide_rows
 
 
 def _checked_device(device: str | torch.device) -> torch.device:
@@ -38,7 +39,6 @@ def _device_memory_available(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free, 256 << 20
-    from kvtier.pools.host import DEFAULT_RESERVE_BYTES, host_memory_available
 
     return host_memory_available(), DEFAULT_RESERVE_BYTES
 

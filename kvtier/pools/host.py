@@ -14,7 +14,6 @@ page-aligned. Transfers in engine terms (token slot indices) are
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -23,10 +22,10 @@ from kvtier.errors import HostMemoryBudgetError, PageAlignmentError, SpecError
 from kvtier.layout import DEFAULT_HOST_LAYOUT, HostLayout, LayoutKind, check_layout
 from kvtier.pages import check_layer, check_page_count, check_pages_in_range, pages_to_slots, slots_to_pages
 from kvtier.pools.device import DevicePool
-from kvtier.pools.rows import as_wide_rows
+from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
+from kvtier.transfer.rows import as_wide_rows
 from kvtier.spec import KVSpec
 
-DEFAULT_RESERVE_BYTES = 1 << 30
 #: host buffers start on a 4 KiB boundary (see :func:`page_aligned_empty`)
 ALIGN_BYTES = 4096
 
@@ -45,18 +44,6 @@ def page_aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor
     raw = torch.empty(nbytes + ALIGN_BYTES - 1, dtype=torch.uint8, pin_memory=pin_memory)
     start = -raw.data_ptr() % ALIGN_BYTES
     return raw[start : start + nbytes]
-
-
-def host_memory_available() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class HostPool:

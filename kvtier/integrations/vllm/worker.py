@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtier.build import open_storage_tier
+from kvtier.l3.tier import open_storage_tier
 from kvtier.core.plans import Completion, Done, Tier, Transfer, completed_pages
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
