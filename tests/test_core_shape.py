@@ -103,3 +103,17 @@ def test_no_import_circle_inside_the_core():
 
     for m in sorted(graph):
         visit(m)
+
+
+def test_every_completion_answers_the_same_questions():
+    """Readers of completions never probe them (``getattr(c, "existing", 0)`` at seven sites before): every
+    kind has an op, a reason (None when done), pages the store already held and corrupt objects, and
+    still pickles as it is."""
+    import pickle
+
+    from kvtier.core.plans import CutShort, Done, Failed, Reason
+
+    for c, want in [(Done(1, existing=2), (None, 2, 0)), (CutShort(2, 3, Reason.CORRUPT, corrupt=1, existing=1), (Reason.CORRUPT, 1, 1)),
+                    (Failed(3, Reason.MISS, "gone"), (Reason.MISS, 0, 0))]:
+        assert (c.reason, c.existing, c.corrupt) == want
+        assert pickle.loads(pickle.dumps(c)) == c

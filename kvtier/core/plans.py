@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import ClassVar
 
 import numpy as np
 
@@ -106,11 +107,17 @@ class Reason(Enum):
     TIMEOUT = "timeout"          # not every rank reported it within the bound; it may still run (its host pages are held)
 
 
+# Every completion answers the same questions -- ``op``, ``reason`` (None when done), ``existing`` (saves: pages
+# the store already held) and ``corrupt`` (fetches: objects that failed their checks) -- so a reader never probes.
+
+
 @dataclass(frozen=True, slots=True)
 class Done:
     op: int
     #: saves: pages the store already held (not written again)
     existing: int = 0
+    reason: ClassVar[None] = None
+    corrupt: ClassVar[int] = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +136,8 @@ class Failed:
     op: int
     reason: Reason
     detail: str = ""
+    existing: ClassVar[int] = 0
+    corrupt: ClassVar[int] = 0
 
 
 Completion = Done | CutShort | Failed
