@@ -278,7 +278,7 @@ def test_vllm_serve_hybrid_model_restart_hits_and_metrics(tmp_path, baseline):
     """``vllm serve`` of the sliding-window model with the connector, over HTTP: a second server on the
     same store gets the prompt from L3, both answer as vLLM without kvtier (the module's baseline engine),
     and ``/metrics`` shows kvtier's per-tier counters."""
-    from kvtier.app.devservers import VllmServer
+    from support.vllm_server import VllmServer
     from kvtier.integrations.vllm.model import ensure_tiny_gemma3
     from kvtier.integrations.vllm.session import prompt_ids
 

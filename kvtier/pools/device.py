@@ -137,10 +137,6 @@ class DevicePool:
         return pool
 
     @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.spec.page_size
-
-    @property
     def nbytes(self) -> int:
         return self.num_pages * self.spec.page_bytes
 

@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from kvtier.alloc import Allocation, PageAllocator
+from kvtier.alloc import PageAllocator
 from kvtier.errors import HostMemoryBudgetError, PageAlignmentError, SpecError
 from kvtier.layout import DEFAULT_HOST_LAYOUT, HostLayout, LayoutKind, check_layout
 from kvtier.pages import check_layer, check_page_count, check_pages_in_range, pages_to_slots, slots_to_pages
@@ -87,9 +87,6 @@ class HostPool:
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.spec.page_bytes
-
-    def alloc_pages(self, n: int) -> Allocation:
-        return self.allocator.alloc(n)
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token slots for ``num_tokens`` (page-aligned) or ``None`` when the pool is full."""
