@@ -52,7 +52,7 @@ from kvtier.alloc import PageAllocator
 from kvtier.core.hybrid_match import HybridPrefix, usable_prefix, window_pages
 from kvtier.core.node_objects import NodeObjects
 from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
-from kvtier.core.tags import GroupBackup
+from kvtier.core.tags import GroupBackup, PrefetchHandle
 from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, UnknownNameError
 from kvtier.groups import KVGroup, ModelSpec
 from kvtier.hashing import PageHash, group_object_key
@@ -403,6 +403,15 @@ class GroupResidency:
         first = len(match.nodes)
         end = first + len(nodes)
         return self._group_runs(nodes, Tier.STORAGE, Tier.HOST, self._wanted(end, first, end))
+
+    def _usable_arrived(self, handle: PrefetchHandle) -> int:
+        """A prefetch brings the objects its last boundary reads: when it is cut short, the pages that
+        arrived are usable only as far as every group's objects are there (often none)."""
+        if not self.components or not handle.applied:
+            return handle.applied
+        path = list(handle.nodes[handle.applied - 1].path_to_root())[::-1]
+        above = len(path) - handle.applied
+        return max(0, self._hybrid_prefix(path, self.tree.device_prefix(path), len(path)).pages - above)
 
     def _hold_late(self, op: int, nodes) -> None:
         held = {}
