@@ -157,3 +157,28 @@ def test_one_io_thread_by_default_and_registering_a_pool_twice_is_harmless(maste
     assert all(torch.equal(t, w) for t, w in zip(host.buffers.values(), want))
     first.close()  # closes the shared backend too: the second is done with it
 
+
+def test_header_slabs_that_grow_keep_their_registered_memory(master):
+    """The page mover's header slabs grow when a pool of smaller pages registers (SGLang: a Mamba state
+    pool after the KV pool; a Mooncake batch holds more of them). The block they grow from stays alive,
+    as registered memory must: freed, it was where the next block could land -- memory Mooncake refuses
+    to register twice ("overlapped memory region"), so the SGLang backend with a Mamba pool failed to start."""
+    import gc
+    import weakref
+
+    from kvtier.l3 import open_backend
+    from kvtier.l3.breaker import CircuitBreaker
+    from kvtier.l3.mover import PageMover
+
+    be = open_backend(master.url)
+    try:
+        mover = PageMover(be, CircuitBreaker(be.stats, 1.0, 1.0))
+        mover.reserve_slabs(4, 1000)
+        with mover._heads(1) as slab:
+            first = weakref.ref(slab.base)  # the registered block the slabs are rows of
+        del slab
+        mover.reserve_slabs(4, 2000)
+        gc.collect()
+        assert first() is not None and mover.slabs_free == 4
+    finally:
+        be.close()

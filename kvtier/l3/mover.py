@@ -60,6 +60,8 @@ class PageMover:
         self._lock = threading.Lock()
         self._rows = 0
         self._slabs: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        #: every block registered with the store, kept while it is open (registered memory must stay alive)
+        self._registered: list[np.ndarray] = []
 
     # ---- batches -----------------------------------------------------------------------
     def batch_pages(self, codec: PageCodec, fallback: int) -> int:
@@ -79,6 +81,7 @@ class PageMover:
         block = np.zeros((count, rows, HEADER_BYTES), dtype=np.uint8)  # one allocation, registered once
         if self.backend.capabilities.registers_buffers:
             self.backend.register_buffer(memoryview(block).cast("B"))
+            self._registered.append(block)  # (freed, the next block could land on it: registered twice, refused)
         for slab in block:
             self._slabs.put(slab)
 
