@@ -9,6 +9,7 @@ is (:func:`on_worker`), so every scenario compares bytes bit-exact in both."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from kvtier.alloc import PageAllocator
 from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore
+from kvtier.core.request import CacheRequest
 from kvtier.executors.pipe import PipeExecutor, WorkerSpec
 from kvtier.hashing import Namespace
 
@@ -100,10 +102,14 @@ class Served:
     storage_hit: int = 0
 
 
-def serve(cache: CacheCore, tokens: list[int], check_bytes: bool = True, *, prefetch: bool = False, policy: str | None = None) -> Served:
-    """begin -> compute the rest -> verify every page's bytes -> commit (kvtier's request protocol)."""
+def serve(cache: CacheCore, tokens: list[int], check_bytes: bool = True, *, prefetch: bool = False, policy: str | None = None,
+          on_begin: Callable[[CacheRequest], None] | None = None) -> Served:
+    """begin -> compute the rest -> verify every page's bytes -> commit (kvtier's request protocol).
+    ``on_begin(request)``: called once the request began (its prefetch resolved), before anything is computed."""
     spec = cache.spec
     req = cache.begin(tokens, prefetch=prefetch, prefetch_policy=policy)
+    if on_begin is not None:
+        on_begin(req)
     have = req.num_cached
     full = len(tokens) // spec.page_size
     tail = 1 if len(tokens) % spec.page_size else 0

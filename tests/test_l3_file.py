@@ -62,7 +62,7 @@ def test_backend_contract_and_size_cap(tmp_path):
     assert b.get([keys[1], keys[4]], out) == [KeyStatus.OK, KeyStatus.MISS]
     assert bytes(out[0]) == MAGIC + bytes([1]) * 296
     wrong = memoryview(bytearray(10))
-    assert b.get([keys[0]], [wrong]) == [KeyStatus.ERROR]  # size mismatch is reported, not raised
+    assert b.get([keys[0]], [wrong]) == [KeyStatus.WRONG_SIZE]  # size mismatch is reported, not raised
     b.set(keys[3:], vals[3:])  # 1500 bytes > cap: LRU files are deleted down to 90% of the cap
     assert b.usage_bytes() <= 900 and b.exists([keys[4]]) == 1
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.rglob("*"))
@@ -146,7 +146,7 @@ def test_file_get_scattered_reads_into_pieces_and_rejects_wrong_sizes(tmp_path):
     assert be.get_scattered(["k"], [[memoryview(a), memoryview(b)]]) == [KeyStatus.OK]
     assert bytes(a + b) == data
     short = [memoryview(bytearray(4)), memoryview(bytearray(4))]
-    assert be.get_scattered(["k", "absent"], [short, [memoryview(bytearray(10))]]) == [KeyStatus.ERROR, KeyStatus.MISS]
+    assert be.get_scattered(["k", "absent"], [short, [memoryview(bytearray(10))]]) == [KeyStatus.WRONG_SIZE, KeyStatus.MISS]
 
 
 def test_file_set_from_two_threads_remakes_a_removed_directory_and_leaves_no_temp_files(tmp_path):

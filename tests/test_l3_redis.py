@@ -134,7 +134,7 @@ def test_direct_get_statuses_and_stream_stays_in_step(redis_server):
     b.client.set("k/good1", good[1])
     keys = ["k/good0", "k/missing", "k/short", "k/list", "k/good1"]
     outs = [[memoryview(bytearray(72)), memoryview(bytearray(size - 72))] for _ in keys]
-    assert b.get_scattered(keys, outs) == [KeyStatus.OK, KeyStatus.MISS, KeyStatus.ERROR, KeyStatus.ERROR, KeyStatus.OK]
+    assert b.get_scattered(keys, outs) == [KeyStatus.OK, KeyStatus.MISS, KeyStatus.WRONG_SIZE, KeyStatus.ERROR, KeyStatus.OK]
     for i, want in ((0, good[0]), (4, good[1])):
         assert bytes(outs[i][0]) + bytes(outs[i][1]) == want
     assert b.stats.get_hits == 2 and b.stats.errors == 0

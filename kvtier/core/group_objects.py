@@ -440,6 +440,13 @@ class Groups:
         end = first + len(nodes)
         return self.runs(nodes, Tier.STORAGE, Tier.HOST, self.wanted(end, first, end))
 
+    def usable_arrived(self, last: PageNode, arrived: int) -> int:
+        """A prefetch brings the objects its last boundary reads: cut short with ``arrived`` pages in, ending at
+        node ``last``, it can be continued from only as far as every group's objects are there (often not at all)."""
+        path = list(last.path_to_root())[::-1]
+        above = len(path) - arrived
+        return max(0, self.prefix(path, self.tree.device_prefix(path), len(path)).pages - above)
+
     def objects_to_copy(self, nodes: Sequence[PageNode], sources: dict[str, dict[PageNode, int]] | None = None
                         ) -> tuple[tuple[GroupRun, ...], list[PageNode]]:
         """``nodes`` (their host copies ready) have device objects those copies lack -- objects attached

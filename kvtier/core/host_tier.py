@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from kvtier.alloc import Allocation
 from kvtier.core.dispatch import PlanDispatch
-from kvtier.core.plans import Completion, CutShort, Failed, Tier, completed_pages, fetch_plan, save_plan
+from kvtier.core.plans import Completion, CutShort, Failed, Reason, Tier, completed_pages, fetch_plan, save_plan
 from kvtier.core.results import EvictResult, MatchResult
 from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
 from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_page_of
@@ -105,12 +105,21 @@ class HostTier(PlanDispatch):
         self._apply_arrived(handle, completed_pages(c, handle.requested))
         if type(c) is CutShort:
             self.stats.storage_corrupt_pages += c.corrupt
+            if c.reason is Reason.CORRUPT:  # the lookup counted these pages as L3 hits: report what is not served
+                self.stats.storage_corrupt_miss_pages += handle.requested - self._usable_arrived(handle)
         if self._is_fault(c):
             self.stats.storage_failures += 1
         if handle.then is not None and handle.applied:  # a copy still reads what arrived: its lock takes over
             self._fetched_for(handle.then, handle.nodes[handle.applied - 1])
         self.tree.unlock(handle.nodes[-1])
         self._drop_unarrived(handle)
+
+    def _usable_arrived(self, handle: PrefetchHandle) -> int:
+        """Of a prefetch's pages, those that arrived and a request can continue from (a hybrid model: as far as
+        every group's objects are there, :meth:`~kvtier.core.group_objects.Groups.usable_arrived`)."""
+        if not self.groups or not handle.applied:
+            return handle.applied
+        return self.groups.usable_arrived(handle.nodes[handle.applied - 1], handle.applied)
 
     def _computed_under_prefetch(self, nodes: list[PageNode]) -> None:
         """``nodes`` (one path's run, root side first) got device pages while a prefetch that gave them their

@@ -7,7 +7,12 @@ Contract of a :class:`StorageBackend` (every method is batched):
 * ``exists(keys)`` -> number of leading keys present (the longest stored prefix).
 * ``get(keys, outs)`` reads each value into the caller's buffer ``outs[i]``
   (a writable memoryview of exactly the object size; zero-copy where the
-  backend allows) and returns a :class:`KeyStatus` per key.
+  backend allows) and returns a :class:`KeyStatus` per key: ``OK`` (the value
+  is in the buffer), ``MISS`` (no such key), ``WRONG_SIZE`` (the key holds a
+  value, but not one of the buffer's size: truncated, extended or empty; the
+  buffer holds no meaning), ``ERROR`` (the store failed for the key). A value
+  of the wrong size is never a store fault: the reader deletes it like an
+  object that fails its check (:mod:`kvtier.l3.mover`), so its key heals.
 * ``set(keys, values)`` stores each value (a readable memoryview) and returns
   a status per key; a value must never be visible half-written.
 * ``delete(keys)`` removes keys (missing ones are fine).
@@ -59,6 +64,8 @@ class KeyStatus(str, Enum):
     OK = "ok"
     MISS = "miss"
     ERROR = "error"
+    #: ``get``: present, but not an object of the size asked for (see the module docstring)
+    WRONG_SIZE = "wrong_size"
 
 
 @dataclass

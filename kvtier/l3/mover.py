@@ -12,8 +12,10 @@ through :class:`~kvtier.integrations.sglang.backend.KvtierStorage`):
   in a slab (``get_scattered``), or in a staged object that is checked before
   a byte is copied out; every page is checked against its header
   (:class:`~kvtier.l3.page.PageCodec`) before it counts as read;
-* **repair**: an object that fails its check is a miss, deleted from the
-  store so the next save of its key writes it again, and counted;
+* **repair**: an object that fails its check -- or that the store reports
+  present but of the wrong size (``KeyStatus.WRONG_SIZE``: truncated,
+  extended, empty) -- is a miss, deleted from the store so the next save of
+  its key writes it again (saves skip keys the store has), and counted;
 * **order**: :func:`in_order` runs batches on I/O threads, a bounded number in
   flight, and applies their results in batch order until one fails.
 
@@ -58,6 +60,8 @@ class PageMover:
         self._lock = threading.Lock()
         self._rows = 0
         self._slabs: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        #: every block registered with the store, kept while it is open (registered memory must stay alive)
+        self._registered: list[np.ndarray] = []
 
     # ---- batches -----------------------------------------------------------------------
     def batch_pages(self, codec: PageCodec, fallback: int) -> int:
@@ -77,6 +81,7 @@ class PageMover:
         block = np.zeros((count, rows, HEADER_BYTES), dtype=np.uint8)  # one allocation, registered once
         if self.backend.capabilities.registers_buffers:
             self.backend.register_buffer(memoryview(block).cast("B"))
+            self._registered.append(block)  # (freed, the next block could land on it: registered twice, refused)
         for slab in block:
             self._slabs.put(slab)
 
@@ -121,9 +126,10 @@ class PageMover:
              leading: bool = True) -> list[Verdict]:
         """Read each page into ``payloads[i]``; a verdict per page, in order. A page is OK only when its
         object arrived and passed its check (a scattered read may have written a page that failed: its
-        buffers hold no meaning then). ``leading``: stop at the first page that is not OK (a chained
-        prefix is useless past it). An empty list: the store is marked down; from the first page on a
-        node marked down, ERROR without a call."""
+        buffers hold no meaning then); an object that failed, or was of the wrong size, is deleted and
+        its verdict says why. ``leading``: stop at the first page that is not OK (a chained prefix is
+        useless past it). An empty list: the store is marked down; from the first page on a node
+        marked down, ERROR without a call."""
         if not self.breaker.available:
             return []
         with self._heads(len(names)) as heads:
@@ -143,8 +149,8 @@ class PageMover:
             out: list[Verdict] = []
             for j, st in enumerate(_unreached_failed(statuses, len(names))):
                 why = ""
-                if st is KeyStatus.OK:
-                    verdict = check(j)
+                if st is KeyStatus.OK or st is KeyStatus.WRONG_SIZE:  # an object is there: it must pass its check
+                    verdict = check(j) if st is KeyStatus.OK else "size"
                     if verdict != "ok":
                         st, why = KeyStatus.ERROR, f"{names[j]} rejected ({verdict})"
                         self.discard(names[j], verdict)

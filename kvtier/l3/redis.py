@@ -133,8 +133,8 @@ class _BulkReader:
         del self.buf[:n]
 
     def get_into(self, parts: Sequence[memoryview]) -> KeyStatus | None:
-        """One GET reply: OK (value in ``parts``), MISS (nil), ERROR (error reply, wrong size), or
-        None when a cluster node redirects the key (another node, or not now, must serve it)."""
+        """One GET reply: OK (value in ``parts``), MISS (nil), WRONG_SIZE (a value of another size: skipped),
+        ERROR (error reply), or None when a cluster node redirects the key (another node, or not now, must serve it)."""
         head = self.line()
         kind = head[:1]
         if kind == b"$":
@@ -143,7 +143,7 @@ class _BulkReader:
                 return KeyStatus.MISS
             if size != sum(len(p) for p in parts):
                 self.skip(size + 2)  # keep the stream in step; the value is not ours to use
-                return KeyStatus.ERROR
+                return KeyStatus.WRONG_SIZE
             self.read_into(parts)
             return KeyStatus.OK
         if kind == b"_":  # RESP3 null
@@ -386,6 +386,8 @@ class RedisBackend:
                 statuses[i] = KeyStatus.OK
                 self.stats.get_hits += 1
                 self.stats.bytes_read += len(value)
+            else:
+                statuses[i] = KeyStatus.WRONG_SIZE
         return statuses
 
     @contextmanager

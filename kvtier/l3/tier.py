@@ -26,9 +26,9 @@ each page from memory.
 
 Nothing here raises into the cache for a storage fault: statuses are per page,
 faults are counted, and the cache turns them into misses. A page that fails its
-check is deleted from the store, so the next save of its key repairs it (saves
-skip keys the store already has, and a corrupt object would otherwise stay
-forever). The job queue is bounded and the submitting (engine) thread never
+check, or whose object is of the wrong size, is deleted from the store, so the
+next save of its key repairs it (saves skip keys the store already has, and a
+corrupt object would otherwise stay forever). The job queue is bounded and the submitting (engine) thread never
 waits on it: a full queue skips the save or misses the prefetch, counted
 (``backpressure_s`` > 0 lets a save wait that long first). Every backend call
 has a whole-call deadline, so ``drain`` and ``close`` return within a bound.
