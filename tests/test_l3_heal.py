@@ -238,7 +238,7 @@ def test_a_bad_group_object_is_counted_never_served_deleted_and_healed_by_one_re
 
 # ---- through SGLang's HiCache backend ------------------------------------------------------------
 def test_a_mamba_snapshot_three_bytes_short_is_deleted_counted_and_written_again_through_the_sglang_backend(store, request):
-    from sglang_helpers import PoolName, PoolTransfer, attach, mha_pool, page_keys, storage_config
+    from support.sglang_helpers import PoolName, PoolTransfer, attach, mha_pool, page_keys, storage_config
     from test_sglang_storage import _mamba_pool
 
     state = _mamba_pool(seed=41)

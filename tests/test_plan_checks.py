@@ -183,7 +183,7 @@ def test_sglang_batch_get_v2_refuses_two_keys_read_into_one_mamba_slot(tmp_path)
     """Two sources into one destination in one request (SGLang's ``batch_get_v2`` into one Mamba slot):
     refused with a typed error before any byte moves, as the backend refuses every malformed transfer
     (SGLang's hybrid controller logs it and takes no hit from the call)."""
-    from sglang_helpers import PoolName, PoolTransfer, attach, mha_pool, page_keys, storage_config
+    from support.sglang_helpers import PoolName, PoolTransfer, attach, mha_pool, page_keys, storage_config
     from test_sglang_storage import _mamba_pool
 
     url = f"file://{tmp_path / 'l3'}"

@@ -6,7 +6,7 @@ indexer host pool, and the ``HiCacheController``'s storage methods (``_page_back
 ``_page_transfer`` with ``_page_get_zero_copy`` / ``_page_set_zero_copy`` or the generic
 flat-page functions). Replaced, because they need a GPU or a running server: the device KV
 buffers (CPU tensors), the DSA device pool (a namespace of its buffers), pinned memory, and the
-controller's ``__init__`` (threads, torch.distributed groups) -- see tests/sglang_helpers.py.
+controller's ``__init__`` (threads, torch.distributed groups) -- see tests/support/sglang_helpers.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_helpers import (
+from support.sglang_helpers import (
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
@@ -487,7 +487,7 @@ def test_sglang_host_pool_in_a_spawned_process_reads_what_this_one_wrote(file_ur
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from sglang_helpers import attach, mha_pool, page_bytes, page_keys, prefetch, controller, storage_config
+        from support.sglang_helpers import attach, mha_pool, page_bytes, page_keys, prefetch, controller, storage_config
         dst = mha_pool()
         backend = attach(storage_config({file_url!r}), dst)
         keys = page_keys(list(range(16)), 4)

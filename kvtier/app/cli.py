@@ -113,15 +113,16 @@ def bench_sglang(
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """kvtier as SGLang's HiCache storage backend: set/get GB/s through SGLang's host pool and controller, vs SGLang's own backends."""
+    from kvtier.app.bench.peers import peer_module
     from kvtier.app.bench.sglang_storage import as_json_rows, run_sglang_bench
-    from kvtier.app.sglang_wheel import find_sglang_wheel, import_sglang
 
     if layout not in ("page_first", "layer_first", "page_first_direct"):
         from kvtier.errors import UnknownNameError
 
         raise UnknownNameError("SGLang host pool layout", layout, ("page_first", "layer_first", "page_first_direct"))
     names = _backend_list(backends, ("file", "mooncake"))
-    import_sglang(find_sglang_wheel(sglang_wheel))
+    wheel = peer_module("sglang_wheel")
+    wheel.import_sglang(wheel.find_sglang_wheel(sglang_wheel))
     _emit(as_json_rows(run_sglang_bench(names, pages, reps, layout=layout)), as_json)
 
 

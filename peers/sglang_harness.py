@@ -1,6 +1,6 @@
 """SGLang's own classes on CPU, for the HiCache storage backend's tests and ``kvtier bench sglang``.
 
-Everything is SGLang 0.5.23's code, imported from its wheel (kvtier.app.sglang_wheel):
+Everything is SGLang 0.5.23's code, imported from its wheel (peers.sglang_wheel):
 the host pools (``MHATokenToKVPoolHost``, ``MLATokenToKVPoolHost``, ``DSAIndexerPoolHost``),
 ``HiCacheStorageConfig``, ``StorageBackendFactory`` and the ``HiCacheController``'s storage
 methods (``_page_backup``, ``_page_transfer``, ``_page_get_zero_copy`` / ``_page_set_zero_copy``,
@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import torch
 
-from kvtier.app.sglang_wheel import import_sglang
+from peers.sglang_wheel import import_sglang
 from kvtier.integrations.sglang import extra_config
 
 import_sglang()

@@ -3,7 +3,7 @@
 SGLang pins a CUDA build of torch, so it is never installed: its wheel
 (``pip download --no-deps sglang==0.5.23``) is opened, the sources the radix
 caches need are unpacked into the kvtier cache directory once and imported
-from there (:mod:`kvtier.app.sglang_wheel`, which says which modules are
+from there (:mod:`peers.sglang_wheel`, which says which modules are
 stand-ins). Three trees, all SGLang's own code:
 
 * ``unified-rust``: SGLang's default prefix cache, ``UnifiedRadixCache`` built
@@ -40,11 +40,11 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 from kvtier.app.bench.peer_result import PeerReplayResult
-from kvtier.app.sglang_wheel import _STAND_IN_PACKAGES, FACTORY_DEFAULTS, SGLANG_VERSION, find_sglang_wheel, import_sglang, publish_config
+from kvtier.app.bench.timing import one_torch_thread
+from peers.sglang_wheel import _STAND_IN_PACKAGES, FACTORY_DEFAULTS, SGLANG_VERSION, find_sglang_wheel, import_sglang, publish_config
 from kvtier.app.workloads import trace_tokens
 
 __all__ = ["SGLANG_TREES", "SGLANG_VERSION", "find_sglang_wheel", "load_radix_cache", "replay_sglang"]
@@ -58,18 +58,6 @@ def load_radix_cache(wheel: Path):
     from sglang.srt.mem_cache import base_prefix_cache, radix_cache
 
     return radix_cache, base_prefix_cache
-
-
-@contextmanager
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 class _SlotSink:

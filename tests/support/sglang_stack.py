@@ -1,7 +1,7 @@
 """SGLang's default cache stack on CPU with kvtier as its storage backend: what an SGLang server runs.
 
 Built the way SGLang's scheduler builds it (SGLang 0.5.23's own code, imported from its wheel by
-:mod:`kvtier.app.sglang_wheel`): its device KV pool (``MHATokenToKVPool``, ``MLATokenToKVPool``,
+:mod:`peers.sglang_wheel`): its device KV pool (``MHATokenToKVPool``, ``MLATokenToKVPool``,
 ``DSATokenToKVPool`` with the indexer beside the latent, the hybrid ``SWAKVPool``: a sliding-window
 layer beside a full one, or the hybrid ``HybridLinearKVPool`` with ``HybridReqToTokenPool``'s
 ``MambaPool``: a Mamba2-style state layer beside a full MHA or MLA one),
@@ -32,7 +32,7 @@ Replaced, each because this machine has no GPU and no server around the cache:
 
 Nothing on the storage path is replaced: SGLang's controller threads call kvtier's
 ``KvtierStorage`` as on a GPU server. Each stack lives in its own process (SGLang registers
-Prometheus metrics and a process group once per process): ``python -m kvtier.app.sglang_stack``
+Prometheus metrics and a process group once per process): ``python -m support.sglang_stack`` (from tests/)
 runs one scenario and prints what it saw as JSON, for the tests.
 """
 
@@ -50,7 +50,7 @@ from types import SimpleNamespace
 import torch
 import xxhash
 
-from kvtier.app.sglang_wheel import FACTORY_DEFAULTS, import_sglang, publish_config
+from peers.sglang_wheel import FACTORY_DEFAULTS, import_sglang, publish_config
 from kvtier.integrations.sglang import extra_config
 
 
