@@ -206,6 +206,30 @@ def test_kvtier_run_model_hybrid_is_bit_exact_with_hits_from_every_tier():
     assert 0 < g["vs_full_attention_twin"] < 1
 
 
+def test_kvtier_run_model_hybrid_through_the_copy_kernel_under_its_interpreter_keeps_every_copy():
+    """The README's CPU proof of the kernel, for a hybrid model: its transfer engines (one thread per KV group)
+    launch the kernel at once, and Triton's interpreter keeps its launch state in globals -- unserialized,
+    copies failed and the run lost its host hits. Every copy lands, logits bit-exact with recompute."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
+    workload = ["--workload-sessions", "3", "--workload-turns", "2", "--workload-system-tokens", "64", "--workload-user-tokens", "24",
+                "--workload-reply-tokens", "16", "--tiers-device-pages", "8", "--tiers-host-pages", "12"]
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "run", "--model", "hybrid", "--cache-io-backend", "triton", "--no-progress",
+                        "--json", "-", *workload], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert "transfer job" not in r.stderr and report["stats"]["transfer_failures"] == 0, r.stderr[-2000:]
+    assert report["hit_ratio"]["host"] > 0 and report["stats"]["loaded_pages"] > 0, report["hit_ratio"]
+    assert report["logits_bit_exact"] is True and report["indexer_topk_equal"] is True
+    check_group_report_adds_up(report)
+    g = report["groups"]
+    assert g[SLIDING]["pages_loaded"] > 0 and g[STATE]["snapshots_loaded"] > 0
+    assert g[FULL]["pages_load_failed"] == g[SLIDING]["load_failed"] == g[STATE]["load_failed"] == 0
+
+
 def test_kvtier_run_refuses_an_unknown_model_in_one_line():
     r = kvtier("run", "--model", "mamba", "--no-progress")
     assert r.returncode == 2 and "dsa or hybrid" in r.stderr and "Traceback" not in r.stderr
