@@ -15,8 +15,9 @@ under the interpreter it runs on CPU tensors, which is how the suite checks it
 bit-exact. The interpreter keeps a launch's grid, its program ids and its patched
 ``triton.language`` in module globals, so under it launches run one at a time,
 process-wide (a hybrid model's transfer engines, one thread per KV group, launch
-at once); a GPU launch takes no lock. :func:`compile_ahead` compiles it for a CUDA target without a GPU
-(Triton's own ptxas), so a kernel only the interpreter accepts fails in CI.
+at once); a GPU launch takes no lock. :func:`compile_ahead` compiles it for a
+CUDA target without a GPU (Triton's own ptxas), so a kernel only the interpreter
+accepts fails in CI.
 Triton is an optional extra (``pip install 'kvtier[gpu]'``, pinned to the lent
 GPU image's 3.6.0).
 """
