@@ -283,6 +283,8 @@ class HybridMachine(ExecutorSide):
         mine = {p for req in self.open for p in req._allocated}
         mine_groups = {c.name: {g for req in self.open for g in req._group_alloc.get(c.name, ())} for c in core.components}
         core.check_integrity(caller_device_pages=mine, caller_group_pages=mine_groups)
+        for c in core.components:  # counted as loads complete, as the pages are: a group's objects among the pages loaded
+            assert c.loaded <= core.stats.loaded_pages, f"{c.name}: {c.loaded} objects loaded beside {core.stats.loaded_pages} pages"
         quarantined = core.quarantined_group_pages()
         sharing = [c for c in core.components if c.sharing]
         if sharing:  # one pool per tier: its pages and the sharing groups' objects fill it

@@ -153,6 +153,8 @@ class EngineHybridMachine(ExecutorSide):
         for c in core.components:
             host = c.alloc[Tier.HOST]
             assert host.num_free + len(c.at[Tier.HOST]) + len(host.parked) == host.num_pages
+            # counted as copies complete, as the pages are: a group's objects among the pages loaded
+            assert c.loaded <= core.stats.loaded_pages, f"{c.name}: {c.loaded} objects loaded beside {core.stats.loaded_pages} pages"
         left = []
         for entry in self.loads:
             ld = entry[0]

@@ -220,11 +220,12 @@ def _print_run_report(r) -> None:
     for name, g in (r.groups or {}).items():
         if not isinstance(g, dict) or "bytes" not in g or name == "full":
             continue
+        apart = f"{g['filled']} filled, {g['load_failed']} in failed loads"
         if "snapshots_loaded" in g:
-            t.add_row(f"group {name} (state)", f"{g['snapshots_loaded']} snapshots loaded ({g['snapshots_from_l3']} from L3)")
+            t.add_row(f"group {name} (state)", f"{g['snapshots_loaded']} snapshots loaded ({g['snapshots_from_l3']} from L3); {apart}")
         else:
             t.add_row(f"group {name} (window)",
-                      f"{g['pages_loaded']} pages loaded ({g['pages_from_l3']} from L3), {g['pages_skipped']} skipped")
+                      f"{g['pages_loaded']} pages loaded ({g['pages_from_l3']} from L3), {g['pages_skipped']} skipped; {apart}")
     if r.groups:
         t.add_row("bytes per loaded page", f"{r.groups['bytes_per_loaded_page']} ({r.groups['vs_full_attention_twin']:.2f} of a "
                                            "full-attention model of the same size)")

@@ -281,14 +281,14 @@ class CacheCore(DeviceSpace):
             self.tree.set_device_run(served, got.pages)
             self.tree.touch(served)
         self.tree.lock(span[-1])  # pins the path while objects get device ids; released when the load completes (poll)
-        groups, fills = self.groups.load_runs(match.nodes, start, first, len(served)) if self.groups else ((), ())
+        groups, fills, counts = self.groups.load_runs(match.nodes, start, first, len(served)) if self.groups else ((), (), ())
         if not served:  # a plan of objects alone: its lock is on the deepest node whose objects it brings
             if fills:
                 self.tree.lock(fills[-1])
             self.tree.unlock(span[-1])
             if not fills:  # no device ids for the fills' objects: nothing to load
                 return nothing
-        op = self._submit(copy_plan, LoadBack(served, fills), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE,
+        op = self._submit(copy_plan, LoadBack(served, fills, counts), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE,
                           got.pages if served else [], 0, groups)
         for n in (*fills, *served):
             self._loading[n] = op
@@ -302,6 +302,8 @@ class CacheCore(DeviceSpace):
         filled = [n for n in fills if loading.get(n) == c.op]
         for n in (*filled, *mine):
             del loading[n]
+        if tag.groups:
+            self.groups.count_loads(tag.groups, type(c) is Done)
         if type(c) is not Done:  # the device copies are garbage: off the tree now, freed once nobody can name them
             self.stats.transfer_failures += 1
             self.tree.unlock(locked)

@@ -49,7 +49,7 @@ from kvtier.core.group_objects import groups_for
 from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import MatchResult, Waiter
-from kvtier.core.tags import JobTag, PrefetchHandle
+from kvtier.core.tags import GroupLoad, JobTag, PrefetchHandle
 from kvtier.errors import PageAlignmentError, PageIndexError, PageOwnershipError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
@@ -178,9 +178,11 @@ class VoidSave(JobTag):
 
 @dataclass(frozen=True, slots=True)
 class IntoEngine(JobTag):
-    """host pages -> engine device blocks; the nodes stay locked by ``load`` until it is released."""
+    """host pages -> engine device blocks; the nodes stay locked by ``load`` until it is released.
+    ``groups``: how many objects of each other group it brings."""
 
     load: EngineLoad
+    groups: tuple[GroupLoad, ...] = ()
 
 
 class EngineDeviceCore(CoreBase):
@@ -391,7 +393,6 @@ class EngineDeviceCore(CoreBase):
             if places:
                 runs.append(GroupRun(c.name, tuple(i - first for i in places), tuple(at[nodes[i]] for i in places),
                                      tuple(ids[i] for i in places)))
-                c.loaded += len(places)
                 held.update(dict.fromkeys(nodes[i] for i in places))
         groups_part.hold(list(held))
         return d, tuple(runs), list(held)
@@ -427,7 +428,8 @@ class EngineDeviceCore(CoreBase):
         if n:
             self.tree.touch(nodes)
         if n > first:
-            load.op = self._submit(copy_plan, IntoEngine(nodes[first:], load), Tier.HOST, [node.host_page for node in nodes[first:]],
+            tag = IntoEngine(nodes[first:], load, tuple(GroupLoad(run.group, len(run.at)) for run in runs))
+            load.op = self._submit(copy_plan, tag, Tier.HOST, [node.host_page for node in nodes[first:]],
                                    Tier.DEVICE, list(engine_pages[first:n]), handle.op if handle is not None else 0, runs)
             if handle is not None:  # the pages it fetches stay locked for this copy once they arrived
                 handle.then = load
@@ -472,6 +474,8 @@ class EngineDeviceCore(CoreBase):
         return self._engine_load(keys, engine_pages, nodes, host, first, groups, locked, planned=True, handle=handle)
 
     def _finish_into_engine(self, c: Completion, tag: IntoEngine) -> None:
+        if tag.groups:  # (a copy cut short counts as failed, as its pages do)
+            self.groups.count_loads(tag.groups, type(c) is Done)
         if type(c) is Done:
             self.stats.loaded_pages += len(tag.nodes)
             self.stats.loaded_bytes += len(tag.nodes) * self._page_bytes

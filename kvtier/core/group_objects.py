@@ -52,6 +52,7 @@ from kvtier.alloc import PageAllocator
 from kvtier.core.group_kinds import GroupKind, HybridPrefix, kind_of, usable_prefix
 from kvtier.core.node_objects import NodeObjects
 from kvtier.core.plans import GroupRun, Tier
+from kvtier.core.tags import GroupLoad
 from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, UnknownNameError
 from kvtier.groups import KVGroup, ModelSpec
 from kvtier.hashing import PageHash, group_object_key
@@ -74,7 +75,7 @@ class Component:
     on the nodes: :mod:`~kvtier.core.node_objects`)."""
 
     __slots__ = ("group", "name", "kind", "alloc", "at", "heap", "fresh", "seq", "unready", "loaded", "backed_up", "evicted", "limited",
-                 "saved", "fetched", "filled", "sharing")
+                 "saved", "fetched", "filled", "load_failed", "sharing")
 
     def __init__(self, group: KVGroup, kind: GroupKind, device: PageAllocator | None, host: PageAllocator, at: dict[Tier, NodeObjects]):
         self.group = group
@@ -90,13 +91,15 @@ class Component:
         self.seq = itertools.count()
         #: host objects being copied on their own (their pages were on host already): not readable yet
         self.unready: set[PageNode] = set()
-        #: objects moved host -> device / device -> host, evicted under the pool's pressure, and
-        #: matches this group stopped short of what the full groups had
+        #: objects moved host -> device (counted as their load completes, as the full pages are: beside the
+        #: pages it loaded) / planned device -> host, evicted under the pool's pressure, and matches this
+        #: group stopped short of what the full groups had
         self.loaded = self.backed_up = self.evicted = self.limited = 0
         #: objects planned into L3 and out of it
         self.saved = self.fetched = 0
-        #: objects loads brought back beside pages that had stayed on device (their object had not)
-        self.filled = 0
+        #: objects completed loads brought back beside pages that had stayed on device (their object had
+        #: not), and objects of loads that failed (beside pages or fills): apart from ``loaded``
+        self.filled = self.load_failed = 0
         #: whether its ids are the full pages' own, in both tiers (one pool, one budget); its objects'
         #: recency is then their node's ``window_used``, not the node's own
         self.sharing = False
@@ -115,8 +118,8 @@ class Component:
 
     def stats(self) -> dict[str, int]:
         return {"device_objects": len(self.at[Tier.DEVICE]), "host_objects": len(self.at[Tier.HOST]), "loaded": self.loaded,
-                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "filled": self.filled, "evicted": self.evicted,
-                "limited_matches": self.limited}
+                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "filled": self.filled,
+                "load_failed": self.load_failed, "evicted": self.evicted, "limited_matches": self.limited}
 
 
 class NoGroups:
@@ -403,9 +406,7 @@ class Groups:
                 c.fetched += len(at)
                 continue
             runs.append(GroupRun(c.name, tuple(at), tuple(have[nodes[i]] for i in at), tuple(ids)))
-            if dst is Tier.DEVICE:
-                c.loaded += len(at)
-            else:
+            if dst is Tier.HOST:  # (a load counts when it completes: count_loads)
                 c.backed_up += len(at)
         return tuple(runs)
 
@@ -414,12 +415,13 @@ class Groups:
         ``first .. end - 1``, as places counted from ``first``."""
         return {c.name: [i - first for i in c.kind.places(boundary) if first <= i < end] for c in self.components}
 
-    def load_runs(self, path: Sequence[PageNode], start: int, first: int, served: int) -> tuple[tuple[GroupRun, ...], tuple[PageNode, ...]]:
+    def load_runs(self, path: Sequence[PageNode], start: int, first: int,
+                  served: int) -> tuple[tuple[GroupRun, ...], tuple[PageNode, ...], tuple[GroupLoad, ...]]:
         """What a load back of ``path[first : first + served]`` brings beside its pages for the boundary
         ``len(path)``: the objects it reads among them, and the fills -- objects of the device pages
         ``path[start:first]`` that only a host copy holds (not of a page another load is still bringing:
         its objects come with it, or not at all). A fill rides on the first page loaded (on a plan of
-        no pages: on the plan). Returns the runs and the nodes filled."""
+        no pages: on the plan). Returns the runs, the nodes filled and what it brings of each group."""
         span = path[start : first + served]
         above = first - start
         wanted = self.wanted(len(path), start, first + served)
@@ -427,12 +429,21 @@ class Groups:
             loading = self.loading
             wanted = {name: [i for i in places if i >= above or span[i] not in loading] for name, places in wanted.items()}
         runs = self.runs(span, Tier.HOST, Tier.DEVICE, wanted)
+        counts = tuple(GroupLoad(run.group, sum(i >= above for i in run.at), sum(i < above for i in run.at)) for run in runs)
         if not above:
-            return runs, ()
+            return runs, (), counts
         fills = tuple(span[i] for i in sorted({i for run in runs for i in run.at if i < above}))
-        for run in runs:
-            self.component(run.group).filled += sum(i < above for i in run.at)
-        return tuple(replace(run, at=tuple(max(0, i - above) for i in run.at) if served else ()) for run in runs), fills
+        return tuple(replace(run, at=tuple(max(0, i - above) for i in run.at) if served else ()) for run in runs), fills, counts
+
+    def count_loads(self, loads: Sequence[GroupLoad], done: bool) -> None:
+        """A load's completion: the objects it brought count as loaded (or filled), or, had it failed, apart."""
+        for load in loads:
+            c = self.component(load.group)
+            if done:
+                c.loaded += load.loaded
+                c.filled += load.filled
+            else:
+                c.load_failed += load.loaded + load.filled
 
     def prefetch_runs(self, first: int, nodes: Sequence[PageNode]) -> tuple[GroupRun, ...]:
         """A prefetch of ``nodes`` (the pages after the match's first ``first``) brings the objects its

@@ -23,6 +23,17 @@ class PrefetchHandle:
         return len(self.nodes)
 
 
+@dataclass(frozen=True, slots=True)
+class GroupLoad:
+    """What a load brings of one of a hybrid model's other groups, counted when it completes
+    (:meth:`~kvtier.core.group_objects.Groups.count_loads`): ``loaded`` objects
+    beside the pages it loads, ``filled`` beside device pages it does not (fills)."""
+
+    group: str
+    loaded: int
+    filled: int = 0
+
+
 # ---- what each plan is for: its tag, typed (completions dispatch on the type) ----
 @dataclass(frozen=True, slots=True)
 class JobTag:
@@ -40,9 +51,11 @@ class Backup(JobTag):
 @dataclass(frozen=True, slots=True)
 class LoadBack(JobTag):
     """host -> device copies of a request's host run; applied by :meth:`CacheCore.poll`. ``fills``:
-    nodes above that run whose pages are on device already, whose other groups' objects it brings."""
+    nodes above that run whose pages are on device already, whose other groups' objects it brings;
+    ``groups``: how many objects of each group it brings."""
 
     fills: tuple[PageNode, ...] = ()
+    groups: tuple[GroupLoad, ...] = ()
 
 
 class EvictionBackup(JobTag):

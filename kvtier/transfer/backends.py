@@ -17,14 +17,16 @@ triton     a copy kernel over the list, grid capped                 CUDA (CPU: t
 auto       per list: the kernel for many small rows, else DMA       CUDA
 =========  ======================================================  ==============
 
-``auto``'s thresholds are :class:`~kvtier.transfer.gpu_methods.CopyMethodThresholds`
-(environment overrides; ``python -m kvtier.app.bench.gpu_check`` prints measured ones).
+``auto``'s thresholds and ``triton``'s program count are
+:class:`~kvtier.transfer.gpu_methods.CopyMethodThresholds` (environment overrides, read
+once per transfer engine: :meth:`IOBackend.configured`; ``python -m kvtier.app.bench.gpu_check``
+prints measured ones).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,6 +51,16 @@ class IOBackend:
     copy_list: Callable[[Any, torch.device, torch.device], None] | None = None
     #: unavailable(device): why it cannot move pages to and from a pool on ``device`` (None: it can)
     unavailable: Callable[[torch.device], str | None] | None = None
+    #: configure(): ``copy_list`` bound to the backend's settings, read now (environment overrides; a bad
+    #: one is a ConfigError); see :meth:`configured`. None: it has no settings
+    configure: Callable[[], Callable[[Any, torch.device, torch.device], None]] | None = None
+
+    def configured(self) -> IOBackend:
+        """This backend with its settings read once, as a transfer engine copies with it: a bad setting
+        fails when the engine is built, not at its first copy, and a change later leaves it alone."""
+        if self.configure is None:
+            return self
+        return replace(self, copy_list=self.configure(), configure=None)
 
     def transfer_plan(self, src_pool, dst_pool, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> Any:
         """The plan of one transfer, reused for every layer and buffer: an address plan for a

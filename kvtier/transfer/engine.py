@@ -122,7 +122,7 @@ class TransferEngine:
     def __init__(self, host_pool, device_pool, io_backend: str | IOBackend = "direct", *, name: str = "kvtier-transfer"):
         self.host = host_pool
         self.device = device_pool
-        self.backend = get_io_backend(io_backend)
+        self.backend = get_io_backend(io_backend).configured()  # (its settings read once: a bad one fails here)
         self.num_layers = host_pool.spec.num_layers
         self.materialized = host_pool.materialized and device_pool.materialized
         if self.materialized:

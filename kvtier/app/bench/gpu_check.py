@@ -245,12 +245,13 @@ def overlap(spec: KVSpec, device: torch.device, pages: int, work: int, backend: 
 
 def copy_methods(device: torch.device) -> tuple[dict[str, IOBackend], dict[str, str]]:
     """The methods to measure on ``device`` and the ones it cannot run (with why)."""
-    from kvtier.transfer.gpu_methods import kernel_copy_list
+    from kvtier.transfer.gpu_methods import CopyMethodThresholds, kernel_copy_list
 
     programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    uncapped = CopyMethodThresholds(kernel_programs=programs)
     capped = get_io_backend("triton")
     candidates = {"direct": get_io_backend("direct"), "dma": get_io_backend("dma"),
-                  "kernel": IOBackend("kernel", direct.plan, direct.copy, None, partial(kernel_copy_list, programs=programs),
+                  "kernel": IOBackend("kernel", direct.plan, direct.copy, None, partial(kernel_copy_list, thresholds=uncapped),
                                       capped.unavailable),
                   "kernel_capped": capped}
     run, skipped = {}, {}
@@ -274,13 +275,13 @@ def probes(device: torch.device) -> dict:
     if reason is not None:
         out["triton_reads_pinned_host"] = {"ok": False, "detail": reason}
         return out
-    from kvtier.transfer.gpu_methods import kernel_copy_list
+    from kvtier.transfer.gpu_methods import CopyMethodThresholds, kernel_copy_list
 
     try:
         host = torch.arange(4096, dtype=torch.int64).pin_memory()
         dst = torch.zeros(4096, dtype=torch.int64, device=device)
         rows = CopyList(np.array([host.data_ptr()]), np.array([dst.data_ptr()]), np.array([host.nbytes]))
-        kernel_copy_list(rows, torch.device("cpu"), device, 4)
+        kernel_copy_list(rows, torch.device("cpu"), device, CopyMethodThresholds(kernel_programs=4))
         torch.cuda.synchronize(device)
         ok = bool(torch.equal(dst.cpu(), host))
         out["triton_reads_pinned_host"] = {"ok": ok, "detail": "read by its host address (UVA)" if ok else "bytes differ"}
