@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = [
     ("spec", ("kvtier.errors", "kvtier.spec", "kvtier.groups", "kvtier.layout", "kvtier.config", "kvtier.metrics", "kvtier.hashing",
               "kvtier._chainkeys")),
-    ("pages", ("kvtier.pages", "kvtier.alloc")),
+    ("pages", ("kvtier.pages", "kvtier.alloc", "kvtier.jobs")),
     ("radix", ("kvtier.radix",)),
     ("core", ("kvtier.core",)),
     ("movers", ("kvtier.pools", "kvtier.transfer", "kvtier.l3")),
@@ -74,3 +74,27 @@ def test_no_module_imports_a_higher_layer():
             elif theirs is not None and theirs > mine:
                 bad.append(f"{name} ({LAYERS[mine][0]}) imports {imported} ({LAYERS[theirs][0]})")
     assert not bad, "\n".join(sorted(bad))
+
+
+def test_no_import_circle_between_modules():
+    """Module by module, imports inside functions included (a circle is a loop a reader has to untangle)."""
+    modules = _modules()
+
+    def owner(imported: str) -> str | None:
+        while imported and imported not in modules:
+            imported = imported.rpartition(".")[0]
+        return imported or None
+
+    graph = {name: {m for m in map(owner, _imports(name, path)) if m and m != name and m != "kvtier"} for name, path in modules.items()}
+    seen: set[str] = set()
+
+    def visit(m: str, stack: list[str]) -> None:
+        assert m not in stack, f"import circle: {' -> '.join(stack[stack.index(m):] + [m])}"
+        if m in seen:
+            return
+        for d in sorted(graph[m]):
+            visit(d, stack + [m])
+        seen.add(m)
+
+    for m in sorted(graph):
+        visit(m, [])

@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvtier.jobs import JobWorker
 from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S, StorageConfig
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3.base import KeyStatus, StorageBackend, map_storage_errors
@@ -125,7 +126,6 @@ class StorageTier:
         self.backpressure_s = backpressure_s
         #: per pool buffer: (its bytes, bytes between pages, bytes between layers, bytes per page per layer)
         self._geometry = [self._buffer_geometry(b.name, b.page_bytes) for b in self.spec.buffers]
-        self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
         self.skipped_saves = 0
         #: prefetches not started because the queue was full (each a miss for its request)
@@ -135,7 +135,6 @@ class StorageTier:
         self.mover = PageMover(backend, self.breaker)
         #: seconds the worker spent per job kind ("save" / "prefetch")
         self.busy_s: dict[str, float] = {}
-        self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
         #: None: the backend's choice (file 2; one Redis node or Mooncake 1: see their modules)
         if io_threads is None:
             io_threads = backend.capabilities.io_threads
@@ -150,7 +149,7 @@ class StorageTier:
         if backend.capabilities.registers_buffers:  # zero-copy I/O where the backend needs memory registered
             for pool_bytes, *_ in self._geometry:
                 backend.register_buffer(pool_bytes)
-        self._worker.start()
+        self._worker = JobWorker(self._process, name="kvtier-storage", maxsize=queue_depth)
 
     @property
     def discarded_corrupt(self) -> int:
@@ -192,10 +191,7 @@ class StorageTier:
         if self._closed:
             return None
         try:
-            if kind == "save" and self.backpressure_s > 0:
-                self._queue.put(job, timeout=self.backpressure_s)
-            else:
-                self._queue.put_nowait(job)
+            self._worker.put(job, timeout_s=self.backpressure_s if kind == "save" and self.backpressure_s > 0 else None)
         except queue.Full:
             if kind == "save":
                 self.skipped_saves += len(keys)
@@ -214,16 +210,6 @@ class StorageTier:
                 return out
 
     # ---- worker ----------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._process(job)
-            finally:
-                self._queue.task_done()
-
     def _process(self, job: StorageJob) -> None:
         t0 = time.monotonic()
         try:
@@ -311,14 +297,7 @@ class StorageTier:
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted job finished (at most ``timeout_s``); True when idle."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._queue.all_tasks_done:
-            while self._queue.unfinished_tasks:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._queue.all_tasks_done.wait(left)
-        return True
+        return self._worker.wait_idle(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued jobs for up to ``timeout_s``, then fail what is left and stop the worker.
@@ -328,22 +307,12 @@ class StorageTier:
             self._closed = True
             if not self.drain(timeout_s):
                 log.warning("L3 tier closing with jobs unfinished after %.1f s; the rest are dropped", timeout_s)
-                while True:
-                    try:
-                        job = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if job is not None:
-                        job.cancel()
-                        job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
-                        self._finished.put(job)
-                        job.finished.set()
-                    self._queue.task_done()
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:
-                pass
-            self._worker.join(timeout_s)
+                for job in self._worker.take_queued():
+                    job.cancel()
+                    job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+                    self._finished.put(job)
+                    job.finished.set()
+            self._worker.stop(timeout_s)
             self._io.shutdown(wait=False, cancel_futures=True)
         if self.owns_backend:
             self.backend.close()

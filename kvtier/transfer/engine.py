@@ -41,6 +41,7 @@ from typing import Literal
 
 import torch
 
+from kvtier.jobs import JobWorker
 from kvtier.transfer.backends import IOBackend, get_io_backend
 from kvtier.transfer.ops import backup_pages_all_layers, backup_pages_one_layer, load_pages_one_layer
 
@@ -134,16 +135,14 @@ class TransferEngine:
         self.register_handler("host", "device", _host_to_device)
         self._ids = itertools.count(1)
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
-        self._queue: queue.Queue[TransferJob | None] = queue.Queue()
         self._closed = False
         #: layered jobs with layers not released yet (close() releases them); like submit and release,
         #: touched only by the thread that owns the engine
         self._layered: dict[int, TransferJob] = {}
         #: seconds the worker spent moving bytes, per (src, dst): bytes / busy = achieved GB/s
         self.busy_s: dict[tuple[Medium, Medium], float] = {}
-        self._worker = threading.Thread(target=self._run, name=name, daemon=True) if self.materialized else None
-        if self._worker is not None:
-            self._worker.start()
+        #: jobs, and released layers of layered jobs, run in order (none: an engine over unmaterialized pools moves no bytes)
+        self._worker = JobWorker(self._run, name=name) if self.materialized else None
 
     def register_handler(self, src: Medium, dst: Medium, handler: Handler) -> None:
         self.handlers[(src, dst)] = handler
@@ -179,7 +178,7 @@ class TransferEngine:
             job.layers_left = self.num_layers
             self._layered[job.job_id] = job
         else:
-            self._queue.put(job)
+            self._worker.put(job)
         return job
 
     def release_layer(self, job: TransferJob, layer: int) -> None:
@@ -199,7 +198,7 @@ class TransferEngine:
         if self.cuda:  # the copy stream reads the layer only after the caller's stream wrote it
             ready = torch.cuda.Event()
             ready.record()
-        self._queue.put((job, layer, ready))
+        self._worker.put((job, layer, ready))
 
     def release_rest(self, job: TransferJob) -> None:
         """Every layer of a layered job not released yet is written: queue their copies."""
@@ -231,18 +230,11 @@ class TransferEngine:
                 return out
 
     # ---- worker --------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if type(job) is tuple:
-                    self._execute_layer(*job)
-                else:
-                    self._execute(job)
-            finally:
-                self._queue.task_done()
+    def _run(self, job: TransferJob | tuple) -> None:
+        if type(job) is tuple:
+            self._execute_layer(*job)
+        else:
+            self._execute(job)
 
     def _execute_layer(self, job: TransferJob, layer: int, ready) -> None:
         """One released layer of a layered device->host job; the last one finishes the job."""
@@ -313,7 +305,7 @@ class TransferEngine:
     def drain(self) -> None:
         """Block until every queued job has finished (of a layered job: the layers released so far)."""
         if self._worker is not None:
-            self._queue.join()
+            self._worker.wait_idle()
 
     def close(self) -> None:
         """Finish queued jobs, then stop the worker. Idempotent."""
@@ -323,8 +315,7 @@ class TransferEngine:
             self.release_rest(job)
         self._closed = True
         if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+            self._worker.stop()
 
     def __enter__(self) -> TransferEngine:
         return self

@@ -29,7 +29,7 @@ from kvtier.config import check_number
 from kvtier.errors import ConfigError
 from kvtier.transfer import direct
 from kvtier.transfer.address_list import CopyList
-from kvtier.transfer.backends import IOBackend
+from kvtier.transfer.io_backend import IOBackend
 
 
 #: the most programs a kernel copy may run on: past what a GPU keeps resident at once (an H100/H200:
