@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 
 from kvtier import DevicePool, HostPool, KVSpec
+from kvtier.core.plans import Tier
 
 
 def tiny_specs(page_size: int = 4, num_layers: int = 3) -> dict[str, KVSpec]:
@@ -53,7 +54,7 @@ def loads_refused(cache):
     real = cache.engine.submit
 
     def refuse_loads(src, dst, *args, **kwargs):
-        if (src, dst) == ("host", "device"):
+        if (src, dst) == (Tier.HOST, Tier.DEVICE):
             raise RuntimeError("injected: the copy engine failed")
         return real(src, dst, *args, **kwargs)
 

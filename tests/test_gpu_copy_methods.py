@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from conftest import fill_random, tiny_specs
+from kvtier.core.plans import Tier
 from kvtier.errors import ConfigError, TransferError
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -179,7 +180,7 @@ def test_triton_kernel_through_the_transfer_engine(interpreter):
     host_pages, dev_pages = pages_for("shuffled", 5)
     engine = TransferEngine(host, dev, "triton")
     try:
-        job = engine.submit("host", "device", host_pages, dev_pages)
+        job = engine.submit(Tier.HOST, Tier.DEVICE, host_pages, dev_pages)
         job.wait()
     finally:
         engine.close()
@@ -283,7 +284,7 @@ def test_the_engine_reads_the_kernel_settings_once_when_built(interpreter, monke
     engine = TransferEngine(host, dev, "triton")
     try:
         monkeypatch.setenv("KVTIER_KERNEL_PROGRAMS", "0")  # a change after the build leaves the engine alone
-        engine.submit("host", "device", host_pages, dev_pages).wait()
+        engine.submit(Tier.HOST, Tier.DEVICE, host_pages, dev_pages).wait()
     finally:
         engine.close()
     for layer in range(spec.num_layers):

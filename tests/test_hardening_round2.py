@@ -7,6 +7,7 @@ import pytest
 
 from cache_helpers import MODES, device_bytes, expected_page, fill_device, make_cache, on_worker, serve, write_pages
 from conftest import tiny_specs
+from kvtier.core.plans import Tier
 from kvtier.errors import InvalidStateError, PageOwnershipError
 from kvtier.radix import NO_PAGE
 
@@ -24,7 +25,7 @@ def _fail_loads(executor, on: bool) -> None:
         real = engine.submit
 
         def refuse_loads(src, dst, *args, **kwargs):
-            if (src, dst) == ("host", "device"):
+            if (src, dst) == (Tier.HOST, Tier.DEVICE):
                 raise RuntimeError("injected: the copy engine failed")
             return real(src, dst, *args, **kwargs)
 

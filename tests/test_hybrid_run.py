@@ -9,6 +9,7 @@ import json
 import torch
 
 from kvtier import DevicePool
+from kvtier.core.plans import Tier
 from kvtier.app.engine import HybridEngine
 from kvtier.app.model import ModelConfig
 from kvtier.app.model.hybrid import FULL, SLIDING, STATE, HybridConfig, HybridReferenceModel
@@ -174,7 +175,7 @@ def test_the_group_report_adds_up_when_loads_fail(monkeypatch):
         submit, loads = cache.engine.submit, iter(range(1 << 30))
 
         def submit_or_fail(src, dst, *a, **kw):
-            if (src, dst) == ("host", "device") and next(loads) % 2:
+            if (src, dst) == (Tier.HOST, Tier.DEVICE) and next(loads) % 2:
                 raise RuntimeError("injected: the copy engine failed")
             return submit(src, dst, *a, **kw)
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from kvtier.core.plans import Tier
 from kvtier.build import build_cache, build_hybrid_cache
 from kvtier.config import CacheConfig, ConfigError, StorageConfig, TierConfig, _help, check_number
 from kvtier.app.engine import HybridEngine, ReferenceEngine, RequestResult
@@ -244,8 +245,8 @@ def _report(requests, base, ours, stats, busy, sbusy, url) -> RunReport:
         "storage_to_host": stats.storage_prefetched_bytes,
     }
     secs = {
-        "host_to_device": busy.get(("host", "device"), 0.0),
-        "device_to_host": busy.get(("device", "host"), 0.0),
+        "host_to_device": busy.get((Tier.HOST, Tier.DEVICE), 0.0),
+        "device_to_host": busy.get((Tier.DEVICE, Tier.HOST), 0.0),
         "host_to_storage": sbusy.get("save", 0.0),
         "storage_to_host": sbusy.get("prefetch", 0.0),
     }

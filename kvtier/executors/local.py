@@ -20,9 +20,6 @@ from kvtier.l3.base import KeyStatus
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.transfer.engine import TransferEngine, TransferJob
 
-_MEDIUM = {Tier.DEVICE: "device", Tier.HOST: "host"}
-
-
 class LocalExecutor:
     def __init__(self, engine: TransferEngine, storage: StorageTier | None = None, groups: dict[str, TransferEngine] | None = None,
                  group_storage: dict[str, StorageTier] | None = None):
@@ -75,7 +72,7 @@ class LocalExecutor:
             parts = [(run, self.group_storage[run.group].submit(kind, list(run.keys), list(run.src_pages or run.dst_pages), tag=plan.op))
                      for run in plan.groups]
         else:
-            src, dst = _MEDIUM[plan.src], _MEDIUM[plan.dst]
+            src, dst = plan.src, plan.dst
             # (a layered copy out: each group's objects are copied as that group's layers are written, release_layer)
             parts = [(run, self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op, layered=layered))
                      for run in plan.groups]

@@ -111,8 +111,6 @@ class StorageTier:
         max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
         owns_backend: bool = True,
     ):
-        if not host_pool.materialized:
-            raise ValueError("a storage tier moves bytes: give it a host pool with memory (materialize=True)")
         self.backend = backend
         #: False for a tier sharing another's backend (a hybrid model's group objects): it leaves closing it to that one
         self.owns_backend = owns_backend

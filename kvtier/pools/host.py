@@ -56,25 +56,19 @@ class HostPool:
         pin_memory: bool | None = None,
         reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         available_bytes: int | None = None,
-        materialize: bool = True,
         name: str = "host pool",
     ):
         self.spec = spec
         self.num_pages = num_pages
         self.layout = HostLayout(check_layout(layout), spec.num_layers, num_pages)
         self.name = name
-        self.materialized = materialize
-        if materialize:  # before anything else is allocated, the allocator's bookkeeping included
-            requested = num_pages * spec.page_bytes
-            available = host_memory_available() if available_bytes is None else available_bytes
-            if requested > available - reserve_bytes:
-                raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
+        requested = num_pages * spec.page_bytes  # checked before anything is allocated, the allocator's bookkeeping included
+        available = host_memory_available() if available_bytes is None else available_bytes
+        if requested > available - reserve_bytes:
+            raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
         self.allocator = PageAllocator(num_pages, name)
         self.buffers: dict[str, torch.Tensor] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
-        if not materialize:
-            self.pinned = False
-            return
         self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
         for b in spec.buffers:
             shape = self.layout.shape(b.page_bytes)

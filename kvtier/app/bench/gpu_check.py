@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import typer
 
+from kvtier.core.plans import Tier
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 from kvtier.transfer import direct
@@ -162,7 +163,7 @@ def layered_save(spec: KVSpec, device: torch.device, pages: int, work: int) -> d
     busy = torch.randn(work, work, device=device) / work**0.5
     g = torch.Generator(device="cpu").manual_seed(11)
     try:
-        job = engine.submit("device", "host", list(range(pages)), list(range(pages)), layered=True)
+        job = engine.submit(Tier.DEVICE, Tier.HOST, list(range(pages)), list(range(pages)), layered=True)
         for layer in range(spec.num_layers):
             busy = torch.tanh(busy @ busy)  # a forward still running when the layer's write is queued
             for b in spec.buffers:
