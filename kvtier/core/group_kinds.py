@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import ClassVar
 
 from kvtier.errors import ConfigError
@@ -84,14 +85,13 @@ class WindowKind(GroupKind):
     ``window`` tokens; pages before them may go."""
 
     name = "sliding_window"
-    __slots__ = ("window",)
+    __slots__ = ("window", "places")
 
     def __init__(self, group: KVGroup, page_size: int):
         super().__init__(group, page_size)
         self.window = group.window
-
-    def places(self, pages: int) -> range:
-        return window_pages(self.window, pages, self.page_size)
+        #: what a boundary reads: :func:`~kvtier.groups.window_pages`, bound to this group (one call per ask)
+        self.places = partial(window_pages, group.window, page_size=page_size)
 
 
 class StateKind(GroupKind):
@@ -142,6 +142,13 @@ def kind_of(group: KVGroup, page_size: int) -> GroupKind:
     return KINDS[group.kind](group, page_size)
 
 
+def _last_missing(places: range, present: Callable[[int], bool]) -> int | None:
+    for p in reversed(places):
+        if not present(p):
+            return p
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class HybridPrefix:
     """``pages``: the usable prefix. ``limited_by``: the group whose objects are missing at the
@@ -161,7 +168,7 @@ def usable_prefix(full: int, kinds: Sequence[GroupKind], has: dict[str, Callable
     while d > 0:
         for kind in kinds:
             present = has[kind.group.name]
-            missing = next((p for p in reversed(kind.places(d)) if not present(p)), None)
+            missing = _last_missing(kind.places(d), present)
             if missing is not None:
                 if limited_by is None and d == full:
                     limited_by = kind.group.name

@@ -42,6 +42,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import operator
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from itertools import compress, repeat
@@ -241,9 +242,12 @@ class Groups:
         (the load back brings it along). ``fill``: a device node's object counts from a readable host
         copy too (its page stayed on device, the object was evicted there: the load back brings it),
         and ``fill[0]`` is set once one did."""
-        if full <= n_dev and all(None not in map(c.at[Tier.DEVICE].id_of, path[c.kind.places(full).start : full])
-                                 for c in self.components):
-            return HybridPrefix(full, None)  # the usual case, in C: every object the whole prefix reads is on device
+        if full <= n_dev:  # the usual case, in C per group: every object the whole prefix reads is on device
+            for c in self.components:
+                if None in map(c.at[Tier.DEVICE].id_of, path[c.kind.places(full).start : full]):
+                    break
+            else:
+                return HybridPrefix(full, None)
         return usable_prefix(full, self.kinds, self.tree_has(path, n_dev, fill))
 
     def usable(self, pages: int, has: dict[str, Callable[[int], bool]]) -> int:
@@ -253,7 +257,7 @@ class Groups:
     def first_read(self, pages: int) -> int:
         """Where the run of pages whose objects a prefix of ``pages`` pages reads starts: every group's
         places end with the prefix."""
-        return min((c.kind.places(pages).start for c in self.components), default=pages)
+        return min([c.kind.places(pages).start for c in self.components], default=pages)
 
     def given_objects(self, nodes: Sequence[PageNode]) -> tuple[dict[str, dict[int, int]], list[PageNode]]:
         """The device objects a request continuing from the end of ``nodes`` reads (group -> place -> id),
@@ -262,7 +266,7 @@ class Groups:
         for c in self.components:
             places = c.kind.places(len(nodes))
             mine = nodes[places.start :]
-            given[c.name] = dict(zip(places, map(c.at[Tier.DEVICE].__getitem__, mine)))  # (each is there: the prefix is usable)
+            given[c.name] = dict(zip(places, map(c.at[Tier.DEVICE].id_of, mine)))  # (each is there: the prefix is usable)
             if c.sharing:
                 self.used(mine)
         held = list(nodes[self.first_read(len(nodes)) :])
@@ -377,19 +381,21 @@ class Groups:
         runs = []
         for c in self.components:
             places = wanted.get(c.name, ()) if wanted is not None else range(len(nodes))
+            unready = c.unready
             if dst is Tier.STORAGE:
-                have = c.at[src]
-                at = [i for i in places if nodes[i] in have and nodes[i] not in c.unready]
+                have = c.at[src].id_of  # (attrgetters: no Python call per node)
+                at = [i for i in places if have(nodes[i]) is not None and nodes[i] not in unready]
                 if at:
-                    runs.append(GroupRun(c.name, tuple(at), tuple(have[nodes[i]] for i in at), (),
-                                         tuple(group_object_key(nodes[i].key, c.name) for i in at)))
+                    runs.append(GroupRun(c.name, tuple(at), tuple([have(nodes[i]) for i in at]), (),
+                                         tuple([group_object_key(nodes[i].key, c.name) for i in at])))
                     c.saved += len(at)
                 continue
+            there = c.at[dst].id_of
             if src is Tier.STORAGE:
-                at = [i for i in places if nodes[i] not in c.at[dst]]
+                at = [i for i in places if there(nodes[i]) is None]
             else:
-                have = c.at[src]
-                at = [i for i in places if nodes[i] in have and nodes[i] not in c.at[dst] and nodes[i] not in c.unready]
+                have = c.at[src].id_of
+                at = [i for i in places if have(nodes[i]) is not None and there(nodes[i]) is None and nodes[i] not in unready]
             if not at:
                 continue
             ids = self.alloc(c, dst, len(at))  # (a load back holds the objects it reads: room never takes them)
@@ -397,15 +403,15 @@ class Groups:
             if not at:
                 continue
             moved = [nodes[i] for i in at]
-            c.at[dst].update(zip(moved, ids))
+            c.at[dst].attach_new(moved, ids)  # (none of them holds one in dst: filtered above)
             c.note(dst, moved)
             if c.sharing and src is not Tier.DEVICE:  # a load back or a fetch reads them now (a copy to host keeps their recency)
                 self.used(moved)
             if src is Tier.STORAGE:
-                runs.append(GroupRun(c.name, tuple(at), (), tuple(ids), tuple(group_object_key(nodes[i].key, c.name) for i in at)))
+                runs.append(GroupRun(c.name, tuple(at), (), tuple(ids), tuple([group_object_key(nodes[i].key, c.name) for i in at])))
                 c.fetched += len(at)
                 continue
-            runs.append(GroupRun(c.name, tuple(at), tuple(have[nodes[i]] for i in at), tuple(ids)))
+            runs.append(GroupRun(c.name, tuple(at), tuple(map(have, moved)), tuple(ids)))
             if dst is Tier.HOST:  # (a load counts when it completes: count_loads)
                 c.backed_up += len(at)
         return tuple(runs)
@@ -429,16 +435,16 @@ class Groups:
             loading = self.loading
             wanted = {name: [i for i in places if i >= above or span[i] not in loading] for name, places in wanted.items()}
         runs = self.runs(span, Tier.HOST, Tier.DEVICE, wanted)
-        counts = tuple(GroupLoad(run.group, sum(i >= above for i in run.at), sum(i < above for i in run.at)) for run in runs)
+        counts = tuple([GroupLoad(run.group, len(run.at) - bisect_left(run.at, above), bisect_left(run.at, above)) for run in runs])
         if not above:
             return runs, (), counts
-        fills = tuple(span[i] for i in sorted({i for run in runs for i in run.at if i < above}))
-        return tuple(replace(run, at=tuple(max(0, i - above) for i in run.at) if served else ()) for run in runs), fills, counts
+        fills = tuple([span[i] for i in sorted({i for run in runs for i in run.at if i < above})])
+        return tuple([replace(run, at=tuple([max(0, i - above) for i in run.at]) if served else ()) for run in runs]), fills, counts
 
     def count_loads(self, loads: Sequence[GroupLoad], done: bool) -> None:
         """A load's completion: the objects it brought count as loaded (or filled), or, had it failed, apart."""
         for load in loads:
-            c = self.component(load.group)
+            c = self.by_name[load.group]
             if done:
                 c.loaded += load.loaded
                 c.filled += load.filled
@@ -479,7 +485,7 @@ class Groups:
             c.note(Tier.HOST, todo)
             c.unready.update(todo)
             c.backed_up += len(todo)
-            runs.append(GroupRun(c.name, (), tuple(dev[n] for n in todo), tuple(ids)))
+            runs.append(GroupRun(c.name, (), tuple([dev[n] for n in todo]), tuple(ids)))
             moving.update(dict.fromkeys(todo))
         return tuple(runs), list(moving)
 

@@ -150,6 +150,10 @@ def completed_pages(c: Completion, num_pages: int) -> int:
     return c.pages if type(c) is CutShort else 0
 
 
+#: the element types a checked plan's tuples may hold (checked in C: ``set(map(type, xs)) <= ...``)
+_INT, _BYTES, _GROUP_RUN = frozenset({int}), frozenset({bytes}), frozenset({GroupRun})
+
+
 def plan_shape_error(plan: object) -> str | None:
     """Why ``plan`` is no plan at all, or None: not a :class:`Transfer`, an op or ``after`` that is
     not a plan op, or a tier pair no executor runs. (What an executor in front of another one, the
@@ -164,7 +168,7 @@ def plan_shape_error(plan: object) -> str | None:
         return f"plan {op}: no executor moves {src!r} -> {dst!r}"
     if type(plan.after) is not int or plan.after < 0:
         return f"plan {op}: after={plan.after!r} is not a plan op"
-    if type(plan.groups) is not tuple or any(type(g) is not GroupRun for g in plan.groups):
+    if type(plan.groups) is not tuple or not set(map(type, plan.groups)) <= _GROUP_RUN:
         return f"plan {op}: groups must be a tuple of GroupRun"
     return None
 
@@ -197,7 +201,7 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
                 return f"plan {op}: the storage side is named by keys, yet it lists {len(pages)} page ids"
             continue
         arr = np.asarray(pages) if pages else np.zeros(0, dtype=np.int64)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu" or any(type(p) is bool for p in pages):
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or bool in set(map(type, pages)):
             return f"plan {op}: {tier.name.lower()} pages {pages[:8]!r} are not page ids (integers)"
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= sizes[tier]):
             bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
@@ -208,7 +212,7 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
             return f"plan {op}: {n} source pages for {arr.size} destination pages"
         n = arr.size
     keys = plan.keys
-    if type(keys) is not tuple or any(type(k) is not bytes for k in keys):
+    if type(keys) is not tuple or not set(map(type, keys)) <= _BYTES:
         return f"plan {op}: keys must be a tuple of bytes"
     if Tier.STORAGE in (src, dst):
         if len(keys) != n:
@@ -262,21 +266,21 @@ def _group_run_error(plan: Transfer, run: GroupRun, group_pages: dict[str, tuple
     sizes = {Tier.DEVICE: dev, Tier.HOST: host}
     n = plan.num_pages
     for name, pages in (("at", run.at), ("source", run.src_pages), ("destination", run.dst_pages)):
-        if type(pages) is not tuple or any(type(p) is not int for p in pages):
+        if type(pages) is not tuple or not set(map(type, pages)) <= _INT:
             return f"plan {op}: KV group {run.group!r}: {name} ids must be a tuple of ints"
-    if type(run.keys) is not tuple or any(type(k) is not bytes for k in run.keys):
+    if type(run.keys) is not tuple or not set(map(type, run.keys)) <= _BYTES:
         return f"plan {op}: KV group {run.group!r}: keys must be a tuple of bytes"
     sides = [(run.src_pages, plan.src), (run.dst_pages, plan.dst)]
     named = [len(ids) if tier is not Tier.STORAGE else len(run.keys) for ids, tier in sides]
     places = len(run.at) if n else named[0]  # (a plan of no pages: objects alone, no places)
-    if n == 0 and run.at or not places == named[0] == named[1] or (not storage and run.keys) or any(
-            ids and t is Tier.STORAGE for ids, t in sides):
+    if n == 0 and run.at or not places == named[0] == named[1] or (not storage and run.keys) or (
+            run.src_pages and plan.src is Tier.STORAGE) or (run.dst_pages and plan.dst is Tier.STORAGE):
         return (f"plan {op}: KV group {run.group!r}: {len(run.at)} places, {len(run.src_pages)} source ids, {len(run.dst_pages)} "
                 f"destination ids and {len(run.keys)} keys do not name one object each")
-    if any(not 0 <= p < n for p in run.at):
+    if run.at and (min(run.at) < 0 or max(run.at) >= n):
         return f"plan {op}: KV group {run.group!r}: a place outside the plan's {n} pages"
     for pages, tier in sides:
-        if tier is not Tier.STORAGE and any(not 0 <= p < sizes[tier] for p in pages):
+        if tier is not Tier.STORAGE and pages and (min(pages) < 0 or max(pages) >= sizes[tier]):
             return f"plan {op}: KV group {run.group!r}: a {tier.name.lower()} id outside its pool of {sizes[tier]}"
     return None
 
