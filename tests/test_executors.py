@@ -13,7 +13,7 @@ from kvtier.config import StorageConfig
 from kvtier.core.plans import Tier, Transfer, copy_plan, fetch_plan
 from kvtier.errors import ExecutorError, PageAlignmentError
 from kvtier.executors.pipe import PipeExecutor, WorkerSpec
-from conftest import tiny_specs
+from support.pools import tiny_specs
 
 
 def spec():
@@ -79,7 +79,7 @@ def _local_with_store():
     from kvtier.l3.tier import StorageTier
     from kvtier.pools import DevicePool, HostPool
     from kvtier.transfer.engine import TransferEngine
-    from conftest import fill_random
+    from support.pools import fill_random
 
     s = spec()
     device, host = DevicePool(s, 8), HostPool(s, 8)
@@ -93,7 +93,7 @@ def test_a_copy_that_follows_a_fetch_takes_only_what_arrived():
     page the fetch did not deliver, and a save behind a failed copy never runs."""
     from kvtier.core.plans import CutShort, Done, Failed, Reason, save_plan
     from kvtier.executors.chain import ChainedExecutor
-    from conftest import device_page
+    from support.pools import device_page
 
     inner, device, host = _local_with_store()
     ex = ChainedExecutor(inner)
@@ -174,7 +174,7 @@ def test_settle_counts_a_fetch_whose_pages_arrived_before_its_group_objects():
     from kvtier.l3.tier import StorageTier
     from kvtier.pools import DevicePool, HostPool
     from kvtier.transfer.engine import TransferEngine
-    from conftest import fill_random
+    from support.pools import fill_random
 
     s = spec()
     host, whost = HostPool(s, 8), HostPool(s, 8)

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-import l3_scenarios as sc
-from cache_helpers import make_tiered_cache, serve, serve_tiered
-from proxies import DripProxy
-from conftest import slots
+from support import l3_scenarios as sc
+from support.cache_helpers import make_tiered_cache, serve, serve_tiered
+from support.proxies import DripProxy
+from support.pools import slots
 from kvtier import DevicePool, HostPool
 from kvtier.app.devservers import RedisServer
 from kvtier.errors import ConfigError, IndexTypeError, PageIndexError, StorageError
@@ -282,7 +282,7 @@ def test_bad_layer_ids_are_typed_errors(layer):
 
 # ---- 11. whole requests validated before the first copy ------------------------------------------
 def test_offload_load_and_save_validate_every_page_first():
-    from test_offload import engine_tensors, keys, make
+    from support.offload import engine_tensors, keys, make
 
     src = engine_tensors(seed=3)
     cache = make(src)

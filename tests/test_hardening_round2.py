@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from cache_helpers import MODES, device_bytes, expected_page, fill_device, make_cache, on_worker, serve, write_pages
-from conftest import tiny_specs
+from support.cache_helpers import MODES, device_bytes, expected_page, fill_device, make_cache, on_worker, serve, write_pages
+from support.pools import tiny_specs
 from kvtier.core.plans import Tier
 from kvtier.errors import InvalidStateError, PageOwnershipError
 from kvtier.radix import NO_PAGE
@@ -241,7 +241,7 @@ def _refusals(executor, keys):
 def test_malformed_plans_complete_failed_invalid_and_move_no_byte(tmp_path, mode):
     from kvtier.hashing import page_keys
 
-    from cache_helpers import make_tiered_cache
+    from support.cache_helpers import make_tiered_cache
 
     spec = tiny_specs(page_size=4, num_layers=2)["mla"]
     cache = make_tiered_cache(spec, 8, 8, f"file://{tmp_path}", mode=mode)
@@ -359,9 +359,9 @@ def test_batch_and_thread_counts_are_bounded_before_anything_is_allocated():
 def test_a_prefetch_given_up_on_releases_its_locks_at_once_and_its_late_answer_is_discarded(tmp_path):
     import time
 
-    from cache_helpers import make_tiered_cache
+    from support.cache_helpers import make_tiered_cache
     from kvtier.app.devservers import RedisServer
-    from proxies import DripProxy
+    from support.proxies import DripProxy
 
     server = RedisServer(tmp_path / "redis").start()
     proxy = DripProxy(server.port, interval=0.5, small=1024)  # pages drip a byte every 0.5 s, small answers pass

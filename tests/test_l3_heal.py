@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import l3_scenarios as sc
-from cache_helpers import serve, serve_tiered
+from support import l3_scenarios as sc
+from support.cache_helpers import serve, serve_tiered
 from kvtier import DevicePool, HostPool
 from kvtier.app.devservers import MooncakeMaster, RedisServer
 from kvtier.cache import HierarchicalCache
@@ -192,8 +192,8 @@ HYBRID_WAYS = ["shorter by one byte", "longer by one byte", "empty", "another gr
 @pytest.mark.parametrize("way", HYBRID_WAYS)
 @pytest.mark.parametrize("group", ["ssm", "swa"])  # the snapshot at 6 / window page 5
 def test_a_bad_group_object_is_counted_never_served_deleted_and_healed_by_one_recompute(tmp_path, group, way):
-    from test_hybrid_bytes import TOKENS as HYBRID_TOKENS
-    from test_hybrid_bytes import build, check_served, compute
+    from support.hybrid_bytes import TOKENS as HYBRID_TOKENS
+    from support.hybrid_bytes import build, check_served, compute
 
     def store_name(cache, g: str) -> str:
         return cache.storage.key(group_object_key(cache.page_keys(HYBRID_TOKENS)[5], g))
@@ -238,8 +238,7 @@ def test_a_bad_group_object_is_counted_never_served_deleted_and_healed_by_one_re
 
 # ---- through SGLang's HiCache backend ------------------------------------------------------------
 def test_a_mamba_snapshot_three_bytes_short_is_deleted_counted_and_written_again_through_the_sglang_backend(store, request):
-    from support.sglang_helpers import PoolName, PoolTransfer, attach, mha_pool, page_keys, storage_config
-    from test_sglang_storage import _mamba_pool
+    from support.sglang_helpers import PoolName, PoolTransfer, _mamba_pool, attach, mha_pool, page_keys, storage_config
 
     state = _mamba_pool(seed=41)
     sg = attach(storage_config(store.url, model=model_of(request)), mha_pool(), (PoolName.MAMBA, state))

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from cache_helpers import make_tiered_cache, serve, serve_tiered
+from support.cache_helpers import make_tiered_cache, serve, serve_tiered
 from kvtier.app.devservers import MooncakeMaster, wait_until
-import l3_scenarios as sc
+from support import l3_scenarios as sc
 
 pytestmark = pytest.mark.integration
 

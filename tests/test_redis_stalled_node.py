@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import fill_random, tiny_specs
+from support.pools import fill_random, tiny_specs
 from kvtier import HostPool
 from kvtier.app.devservers import RedisServer, start_redis_cluster, wait_until
 from kvtier.build import open_storage_tier

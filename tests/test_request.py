@@ -3,10 +3,10 @@
 
 import pytest
 
-from cache_helpers import expected_page, make_cache, make_tiered_cache, serve, write_page
-from conftest import tiny_specs
+from support.cache_helpers import expected_page, make_cache, make_tiered_cache, serve, write_page
+from support.pools import tiny_specs
 from kvtier.errors import IndexTypeError, InvalidStateError, PageIndexError, PageOwnershipError
-from l3_scenarios import tiny
+from support.l3_scenarios import tiny
 
 PS = 4
 TOKS = list(range(3 * PS + 2))  # 3 full pages + a 2-token tail
