@@ -3,7 +3,8 @@
 The store is the real file backend; :class:`~support.proxies.Injecting` wraps it to delay, fail or
 hold individual calls (a fault injector around the real thing, not a stand-in),
 one page per call, so a job of ten pages is ten batches with up to
-``2 * io_threads`` in flight.
+``2 * io_threads`` in flight. The counts that size a tier's buffers and threads are bounded before
+anything is allocated.
 """
 
 from __future__ import annotations
@@ -162,6 +163,20 @@ def test_parallel_saves_store_every_page_and_a_failed_batch_ends_the_job(tmp_pat
 def test_io_threads_is_validated():
     with pytest.raises(ConfigError, match="io_threads must be an integer >= 1"):
         StorageConfig(url="file:///tmp/x", io_threads=0)
+
+
+
+def test_batch_and_thread_counts_are_bounded_before_anything_is_allocated():
+    from kvtier.config import StorageConfig
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.sglang.options import SGLangStorageOptions
+
+    for make in (lambda **kw: SGLangStorageOptions(**kw), lambda **kw: StorageConfig(url="file:///tmp/x", **kw)):
+        with pytest.raises(ConfigError, match=r"batch_pages must be an integer >= 1, <= 4096; got 1000000000"):
+            make(batch_pages=10**9)
+        with pytest.raises(ConfigError, match=r"io_threads must be an integer >= 1, <= 64; got 1000000"):
+            make(io_threads=10**6)
+        make(batch_pages=4096, io_threads=64)  # the bounds themselves are fine
 
 
 def test_io_threads_default_to_the_backends_choice_and_config_overrides(tmp_path):
