@@ -3,7 +3,7 @@ window pages and snapshots out of their own blocks, look them up and load them b
 the fetch that fills their host pages, as a scheduler with workers elsewhere does -- while plans finish
 in any order, fail or are cut short, the store forgets keys and host memory is squeezed.
 
-Bytes are labels (:class:`~test_core_hybrid_stateful.BytesExecutor`): every load that completes must
+Bytes are labels (:class:`~support.stateful.BytesExecutor`): every load that completes must
 have written each engine id it names with the label of the page (or object) it claims, and only the
 objects its boundary reads; after every step the host accounting of every group adds up, and when
 idle everything is evictable."""
@@ -22,8 +22,8 @@ from kvtier.core import Tier
 from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.core.plans import Done
 from kvtier.executors.chain import ChainedExecutor
-from test_core_hybrid_stateful import PAGE, PREFIXES, BytesExecutor, hybrid_model
-from test_core_stateful import ExecutorSide
+from support.hybrid_models import PAGE, hybrid_model
+from support.stateful import PREFIXES, BytesExecutor, ExecutorSide
 from support.hybrid_rules import read_places, snapshot_places
 
 STEPS = {"total": 0, "checked_loads": 0, "group_objects_checked": 0, "limited": 0}

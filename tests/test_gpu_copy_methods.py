@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import fill_random, tiny_specs
+from support.pools import fill_random, tiny_specs
 from kvtier.core.plans import Tier
 from kvtier.errors import ConfigError, TransferError
 from kvtier.pools.device import DevicePool
@@ -297,7 +297,7 @@ def test_kvtier_run_refuses_a_bad_kernel_program_count_in_one_line():
     import subprocess
     import sys
 
-    from test_cli import SMALL
+    from support.cli import SMALL
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "KVTIER_KERNEL_PROGRAMS": "0"}
     r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "run", "--no-progress", "--model", "hybrid", "--cache-io-backend", "triton",
@@ -309,7 +309,7 @@ def test_kvtier_run_refuses_a_bad_kernel_program_count_in_one_line():
 # ---- a hybrid model's object pools move the same way ------------------------------------------------------
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_state_and_window_object_pools_move_bit_exact_by_address_list(layout, interpreter):
-    from test_core_hybrid_stateful import hybrid_model
+    from support.hybrid_models import hybrid_model
 
     model, _ = hybrid_model(window=8, state=True)
     for group in (g for g in model.groups if g.kind != "full"):
@@ -340,7 +340,7 @@ def test_kvtier_run_through_the_copy_kernel_is_bit_exact_with_recompute(tmp_path
     import subprocess
     import sys
 
-    from test_cli import SMALL
+    from support.cli import SMALL
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "run", "--no-progress", "--json", "-", "--cache-io-backend", "triton",

@@ -16,8 +16,8 @@ from kvtier.app.model.hybrid import FULL, SLIDING, STATE, HybridConfig, HybridRe
 from kvtier.build import TierConfig, build_hybrid_cache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
-from conftest import fill_pool, loads_refused
-from test_cli import SMALL, kvtier
+from support.pools import fill_pool, loads_refused
+from support.cli import SMALL, kvtier
 from support.hybrid_rules import read_places
 
 BASE = ModelConfig(hidden=64, num_layers=3, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,

@@ -22,13 +22,12 @@ from kvtier.config import CacheConfig, StorageConfig, TierConfig
 from kvtier.core import CacheCore, Failed, Reason, Tier
 from kvtier.errors import ConfigError, SpecError
 from kvtier.executors.accounting import AccountingExecutor
-from kvtier.groups import HYBRID_PRESETS, KVGroup, ModelSpec, StateTensor
+from kvtier.groups import HYBRID_PRESETS, KVGroup, ModelSpec
 from kvtier.hashing import Namespace
 from kvtier.radix import NO_PAGE
-from kvtier.spec import KVSpec
-from test_core_hybrid_stateful import PAGE, hybrid_model
-from test_hybrid_bytes import _bytes, _garbage, _write, compute, expected
-from test_hybrid_core import Recorder, commit_all
+from support.hybrid_bytes import _bytes, _garbage, _write, compute, expected
+from support.hybrid_core import Recorder, commit_all
+from support.hybrid_models import GPT_LIKE, P, PAGE, SPEC, hybrid_model
 
 A = list(range(4 * PAGE))
 B = list(range(9000, 9000 + 4 * PAGE))
@@ -221,13 +220,6 @@ def test_what_sharing_refuses():
 
 
 # ---- the bytes -----------------------------------------------------------------------------------------
-P = 4
-SPEC = KVSpec.mha("gpt-like", 2, kv_heads=2, head_dim=8, page_size=P)
-GPT_LIKE = ModelSpec("gpt-like", 5, (
-    KVGroup("full", "full", (1, 3), attention=SPEC),
-    KVGroup("swa", "sliding_window", (0, 2), attention=SPEC, window=6),
-    KVGroup("ssm", "state", (4,), state=(StateTensor("h", (2, 4), "float32"),)),
-))
 TOKENS = list(range(700, 700 + 6 * P))
 MODES = ("one process", "two processes")
 

@@ -14,8 +14,8 @@ from kvtier.l3.page import MAGIC
 from kvtier.l3 import open_backend
 from kvtier.l3.base import KeyStatus
 from kvtier.errors import StorageError, UnknownNameError
-import l3_scenarios as sc
-from cache_helpers import MODES
+from support import l3_scenarios as sc
+from support.cache_helpers import MODES
 
 
 def flip_file_byte(backend, key, offset):
@@ -100,8 +100,8 @@ def test_two_processes_share_one_file_store(tmp_path):
         f"""
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from cache_helpers import make_tiered_cache, serve, serve_tiered
-        import l3_scenarios as sc
+        from support.cache_helpers import make_tiered_cache, serve, serve_tiered
+        from support import l3_scenarios as sc
         c = make_tiered_cache(sc.tiny(), 8, 8, "file://{tmp_path}", model="two-processes")
         toks = list(range(20))
         if sys.argv[1] == "first":
@@ -122,7 +122,7 @@ def test_two_processes_share_one_file_store(tmp_path):
 
 def test_eviction_backups_are_written_through_to_l3(tmp_path):
     """Host copies made by a device eviction (write_back on device) still reach L3 under L3 write_through."""
-    from cache_helpers import make_tiered_cache, serve
+    from support.cache_helpers import make_tiered_cache, serve
 
     c = make_tiered_cache(sc.tiny(), 4, 8, f"file://{tmp_path}", model="evict-wt", write_policy="write_back")
     serve(c, list(range(16)))

@@ -2,7 +2,8 @@
 its header, its checksum, or it is another key's, another model's or another group's object -- a reader
 counts it as corrupt, serves no byte of it, and deletes it, so the next save of its key writes it again
 and the prefix is a full L3 hit after one recompute. In every backend (file, memory, Redis, Mooncake),
-for a hybrid model's window pages and state snapshots, and through the SGLang HiCache backend.
+for a hybrid model's window pages and state snapshots, and through the SGLang HiCache backend. A header
+that claims a partial page fails the check too.
 
 Before, an object of the wrong length was reported as a read error without a check: never deleted nor
 counted, and every later save skipped its key because the store "had" it, so that prefix missed for good."""
@@ -10,20 +11,21 @@ counted, and every later save skipped its key because the store "had" it, so tha
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import l3_scenarios as sc
-from cache_helpers import serve, serve_tiered
+from support import l3_scenarios as sc
+from support.cache_helpers import make_tiered_cache, serve, serve_tiered
 from kvtier import DevicePool, HostPool
 from kvtier.app.devservers import MooncakeMaster, RedisServer
 from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.hashing import Namespace, group_object_key
+from kvtier.hashing import Namespace, group_object_key, page_keys
 from kvtier.l3 import open_backend
-from kvtier.l3.page import HEADER_BYTES
+from kvtier.l3.page import HEADER_BYTES, PageCodec
 from kvtier.l3.tier import StorageTier
 
 
@@ -192,8 +194,8 @@ HYBRID_WAYS = ["shorter by one byte", "longer by one byte", "empty", "another gr
 @pytest.mark.parametrize("way", HYBRID_WAYS)
 @pytest.mark.parametrize("group", ["ssm", "swa"])  # the snapshot at 6 / window page 5
 def test_a_bad_group_object_is_counted_never_served_deleted_and_healed_by_one_recompute(tmp_path, group, way):
-    from test_hybrid_bytes import TOKENS as HYBRID_TOKENS
-    from test_hybrid_bytes import build, check_served, compute
+    from support.hybrid_bytes import TOKENS as HYBRID_TOKENS
+    from support.hybrid_bytes import build, check_served, compute
 
     def store_name(cache, g: str) -> str:
         return cache.storage.key(group_object_key(cache.page_keys(HYBRID_TOKENS)[5], g))
@@ -238,8 +240,7 @@ def test_a_bad_group_object_is_counted_never_served_deleted_and_healed_by_one_re
 
 # ---- through SGLang's HiCache backend ------------------------------------------------------------
 def test_a_mamba_snapshot_three_bytes_short_is_deleted_counted_and_written_again_through_the_sglang_backend(store, request):
-    from support.sglang_helpers import PoolName, PoolTransfer, attach, mha_pool, page_keys, storage_config
-    from test_sglang_storage import _mamba_pool
+    from support.sglang_helpers import PoolName, PoolTransfer, _mamba_pool, attach, mha_pool, page_keys, storage_config
 
     state = _mamba_pool(seed=41)
     sg = attach(storage_config(store.url, model=model_of(request)), mha_pool(), (PoolName.MAMBA, state))
@@ -289,3 +290,62 @@ def test_a_value_of_the_wrong_size_through_redis_pys_cluster_pipeline_is_wrong_s
     finally:
         for s in servers:
             s.stop()
+
+
+# ---- a corrupt object is repaired by the next save -----------------------------------------------
+def _flip_file(backend, key, offset):
+    path = Path(backend._path(key))
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _flip_redis(backend, key, offset):
+    value = bytearray(backend.client.get(key))
+    value[offset] ^= 0xFF
+    backend.client.set(key, bytes(value))
+
+
+def corrupt_object_is_repaired(url: str, corrupt) -> None:
+    spec = sc.tiny()
+    toks = list(range(16))
+    a = make_tiered_cache(spec, 8, 8, url, model="repair")
+    serve(a, toks)
+    a.wait_idle()
+    keys = a.page_keys(toks)
+    corrupt(a.storage.backend, a.storage.key(keys[2]), HEADER_BYTES + 5)
+    a.close()
+    b = make_tiered_cache(spec, 8, 8, url, model="repair")
+    assert serve_tiered(b, toks)[2:] == (2, 2)  # page 2 corrupt: 2 from L3, 2 recomputed (and saved)
+    b.wait_idle()
+    assert b.storage.discarded_corrupt == 1
+    b.close()
+    c = make_tiered_cache(spec, 8, 8, url, model="repair")
+    assert serve_tiered(c, toks)[2:] == (4, 0)  # the recompute's save wrote page 2 again: every page hits
+    assert c.stats.storage_corrupt_pages == 0
+    c.close()
+
+
+def test_corrupt_file_object_is_repaired(tmp_path):
+    corrupt_object_is_repaired(f"file://{tmp_path}", _flip_file)
+
+
+@pytest.mark.integration
+def test_corrupt_redis_object_is_repaired(tmp_path):
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        corrupt_object_is_repaired(server.url, _flip_redis)
+    finally:
+        server.stop()
+
+
+# ---- a header's valid_tokens is checked: a partial page is never a page --------------------------
+def test_header_valid_tokens_must_be_a_whole_page(tmp_path):
+    spec = sc.tiny()
+    codec = PageCodec.for_spec(spec)
+    key = page_keys(list(range(4)), 4, Namespace("v", spec.fingerprint()).root())[0]
+    payload = memoryview(bytearray(os.urandom(codec.payload_bytes)))
+    good = codec.header(key, payload) + bytes(payload)
+    partial = codec.header(key, payload, valid_tokens=3) + bytes(payload)  # checksum correct, page partial
+    assert codec.check(memoryview(good), key) == "ok"
+    assert codec.check(memoryview(partial), key) == "valid_tokens"

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from cache_helpers import make_tiered_cache, serve, serve_tiered
+from support.cache_helpers import make_tiered_cache, serve, serve_tiered
 from kvtier.app.devservers import MooncakeMaster, wait_until
-import l3_scenarios as sc
+from support import l3_scenarios as sc
 
 pytestmark = pytest.mark.integration
 
@@ -172,7 +172,7 @@ def test_header_slabs_that_grow_keep_their_registered_memory(master):
 
     be = open_backend(master.url)
     try:
-        mover = PageMover(be, CircuitBreaker(be.stats, 1.0, 1.0))
+        mover = PageMover(be, CircuitBreaker(be, 1.0, 1.0, probe_key="ns/probe"))
         mover.reserve_slabs(4, 1000)
         with mover._heads(1) as slab:
             first = weakref.ref(slab.base)  # the registered block the slabs are rows of

@@ -8,9 +8,9 @@ import textwrap
 import pytest
 import redis
 
-from cache_helpers import make_tiered_cache, serve, serve_tiered
+from support.cache_helpers import make_tiered_cache, serve, serve_tiered
 from kvtier.app.devservers import RedisServer, start_redis_cluster, wait_until
-import l3_scenarios as sc
+from support import l3_scenarios as sc
 
 pytestmark = pytest.mark.integration
 
@@ -101,8 +101,8 @@ def test_two_processes_share_one_redis(redis_server):
         f"""
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from cache_helpers import make_tiered_cache, serve, serve_tiered
-        import l3_scenarios as sc
+        from support.cache_helpers import make_tiered_cache, serve, serve_tiered
+        from support import l3_scenarios as sc
         c = make_tiered_cache(sc.tiny(), 8, 8, {redis_server.url!r}, model="two-processes")
         toks = list(range(20))
         if sys.argv[1] == "first":

@@ -15,8 +15,8 @@ from kvtier.core.plans import Done, Failed, GroupRun, Reason, Tier, copy_plan, f
 from kvtier.errors import PageOwnershipError
 from kvtier.executors.pipe import PipeExecutor, WorkerSpec
 from kvtier.hashing import Namespace
-from conftest import fill_random
-from test_hybrid_shared_pool import GPT_LIKE, SPEC
+from support.hybrid_models import GPT_LIKE, SPEC
+from support.pools import fill_random
 
 MODES = ("one process", "two processes")
 DEV, HOST = 8, 8
@@ -120,7 +120,7 @@ def test_a_valid_shared_pool_plan_completes_bit_exact(executor):
 # ---- callers that name the destinations themselves ----------------------------------------------------
 def test_an_engine_load_naming_one_block_for_two_pages_is_refused_before_any_byte_moves():
     """The engine copy path (full attention): two pages loaded into one engine block."""
-    from test_offload import engine_tensors, keys, make
+    from support.offload import engine_tensors, keys, make
 
     tensors = engine_tensors(seed=4)
     cache = make(tensors)
@@ -144,8 +144,8 @@ def test_an_engine_load_naming_one_block_for_two_pages_is_refused_before_any_byt
 def test_an_engine_load_naming_one_id_for_two_objects_of_a_group_is_refused(call):
     """The engine copy path of a hybrid model: the engine names each group's ids itself; one id named for
     two window objects (or one block for two pages) is refused before the core changes anything."""
-    from test_engine_device_hybrid import build, check_loaded, computed, keys_of, on_worker
-    from test_hybrid_bytes import _garbage
+    from support.engine_device_hybrid import build, check_loaded, computed, keys_of, on_worker
+    from support.hybrid_bytes import _garbage
 
     core = build("one process")
     try:
@@ -183,8 +183,7 @@ def test_sglang_batch_get_v2_refuses_two_keys_read_into_one_mamba_slot(tmp_path)
     """Two sources into one destination in one request (SGLang's ``batch_get_v2`` into one Mamba slot):
     refused with a typed error before any byte moves, as the backend refuses every malformed transfer
     (SGLang's hybrid controller logs it and takes no hit from the call)."""
-    from support.sglang_helpers import PoolName, PoolTransfer, attach, mha_pool, page_keys, storage_config
-    from test_sglang_storage import _mamba_pool
+    from support.sglang_helpers import PoolName, PoolTransfer, _mamba_pool, attach, mha_pool, page_keys, storage_config
 
     url = f"file://{tmp_path / 'l3'}"
     src = _mamba_pool(seed=41)

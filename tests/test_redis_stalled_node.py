@@ -7,7 +7,9 @@ node served: the probe closed the breaker, the next lookup waited out the stalle
 deadline, twice (its direct call, then redis-py's pipeline). Measured here: the lookup thread was
 blocked 91% of the wall time with one cluster node stalled and 20% with a single server. Now the
 breaker is per node, a lookup answers from the healthy nodes at once and waits at most the short
-lookup deadline, once, on a node that stalls; the probe asks the stalled node, off that thread."""
+lookup deadline, once, on a node that stalls; the probe asks the stalled node, off that thread. A
+single server that stalls under the same steady lookups costs one deadline per back-off, which doubles,
+not one per lookup (the hardening issue's item 9)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import fill_random, tiny_specs
+from support.pools import fill_random, tiny_specs
 from kvtier import HostPool
 from kvtier.app.devservers import RedisServer, start_redis_cluster, wait_until
 from kvtier.build import open_storage_tier
@@ -213,4 +215,52 @@ def test_the_lookup_deadline_is_a_url_option_no_longer_than_the_calls(tmp_path):
         with pytest.raises(StorageError, match=r"lookup_timeout='soon' must be a number >= 0.001"):
             open_backend(f"redis://127.0.0.1:{server.port}/0?lookup_timeout=soon")
     finally:
+        server.stop()
+
+
+# ---- a single server stalled: one deadline per back-off, not one per lookup ----------------------
+@pytest.mark.integration
+def test_stalled_redis_blocks_the_engine_thread_under_ten_percent_and_hits_resume(tmp_path):
+    """Steady lookups (the engine thread's L3 query every step) against a SIGSTOPped Redis: before,
+    the breaker reopened after a fixed 0.5 s and the next lookup paid the whole deadline again
+    (77-89% of the wall time blocked). Now the back-off doubles and a probe on a helper thread finds
+    the store back; lookups stay non-blocking while the breaker is open."""
+    import os
+    import signal
+    import time
+
+    from kvtier import HostPool
+    from kvtier.app.devservers import RedisServer, wait_until
+    from kvtier.build import open_storage_tier
+    from kvtier.config import StorageConfig
+    from kvtier.hashing import Namespace, page_keys
+
+    server = RedisServer(tmp_path / "redis").start()
+    try:
+        spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+        host = HostPool(spec, 8, "page_first")
+        ns = Namespace("stall", spec.fingerprint())
+        cfg = StorageConfig(url=f"redis://127.0.0.1:{server.port}/0?timeout=0.3", cooldown_s=0.25, max_cooldown_s=2.0)
+        tier = open_storage_tier(cfg, host, ns)
+        keys = page_keys(list(range(16)), 4, ns.root())
+        job = tier.submit("save", keys, [0, 1, 2, 3])
+        job.wait(10)
+        assert tier.stored_prefix(keys) == 4
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        blocked, t0 = 0.0, time.monotonic()
+        answers = []
+        while time.monotonic() - t0 < 8.0:  # bounded: 8 s of engine steps, each a lookup and 10 ms of compute
+            s = time.monotonic()
+            answers.append(tier.stored_prefix(keys))
+            blocked += time.monotonic() - s
+            time.sleep(0.01)
+        wall = time.monotonic() - t0
+        assert set(answers) == {0}  # a stalled store is a miss, never a wrong answer
+        assert blocked / wall <= 0.10, f"the engine thread was blocked {blocked / wall:.0%} of {wall:.1f} s"
+        assert tier.breaker.probes >= 2 and tier.breaker.opened <= 8  # probed off-thread, with a growing back-off
+        os.kill(server.proc.pid, signal.SIGCONT)
+        wait_until(lambda: tier.stored_prefix(keys) == 4, timeout=10, what="hits again once the server continues")
+        tier.close()
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
         server.stop()

@@ -23,6 +23,7 @@ from support.sglang_helpers import (
     PoolName,
     PoolTransfer,
     StorageBackendFactory,
+    _mamba_pool,
     attach,
     backup,
     controller,
@@ -568,22 +569,6 @@ def test_a_key_that_is_not_utf8_is_a_miss_and_the_store_stays_up(file_url):
     got = dst.alloc(3 * P)
     assert backend.batch_exists(keys) == 3 and backend.batch_get_v1(keys, got) == [True] * 3  # every other key still hits
     assert same_pages(src, idx, dst, got)
-
-
-def _mamba_pool(seed: int | None = None):
-    """SGLang's own MambaPoolHost on CPU (page_first: its supported host layout), 2 layers of fp32
-    SSM state and bf16 conv state per slot; its get_data_page concatenates them into a copy."""
-    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-
-    info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8, dtype=torch.float32),
-                                conv=(torch.zeros(2, 9, 3, 16, dtype=torch.bfloat16),))
-    pool = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        pool.temporal_buffer.copy_(torch.randn(pool.temporal_buffer.shape, generator=g))
-        pool.conv_buffer[0].copy_(torch.randn(pool.conv_buffer[0].shape, generator=g).to(torch.bfloat16))
-    return pool
 
 
 def test_mamba_state_pool_whose_pages_are_copies_round_trips_bit_exact(file_url):

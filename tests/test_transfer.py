@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 
 from kvtier import DevicePool, HostPool, PageAlignmentError, PageIndexError, SpecError, UnknownNameError
-from conftest import fill_random, slots, tiny_specs
+from support.pools import fill_random, slots, tiny_specs
 from kvtier.core.plans import Tier
 
 LAYOUTS = ["layer_first", "page_first"]

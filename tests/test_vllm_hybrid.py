@@ -242,7 +242,8 @@ def test_hybrid_kv_events_carry_vllms_group_fields():
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external
 
     from kvtier.integrations.vllm.events import TierEvents
-    from test_engine_device_hybrid import P, build, computed, keys_of
+    from support.engine_device_hybrid import build, computed, keys_of
+    from support.hybrid_models import P
 
     core = build("one process")
     window = VllmGroup(0, "swa", "sliding_window", ("model.layers.0.attn",), P, 5, "sliding_window", 6)

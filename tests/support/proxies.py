@@ -1,10 +1,11 @@
-"""Servers that misbehave on purpose, in front of real ones, on 127.0.0.1 (bounded loops, stopped by
-their owner)."""
+"""Stores that misbehave on purpose, in front of real ones: a TCP proxy before a real server on 127.0.0.1
+(bounded loops, stopped by its owner), and a real backend wrapped with hooks that delay, fail or hold calls."""
 
 from __future__ import annotations
 
 import socket
 import threading
+from dataclasses import replace
 
 from kvtier.app.devservers import free_port
 
@@ -57,3 +58,55 @@ class DripProxy:
     def close(self) -> None:
         self.stop.set()
         self.listener.close()
+
+
+class Injecting:
+    """A real backend with hooks: ``before_get(call_index)`` / ``before_set(call_index)`` run
+    before the call is passed on and may sleep, block or raise; ``set_status`` overrides results."""
+
+    def __init__(self, inner, object_bytes: int):
+        self.inner = inner
+        self.name, self.stats = inner.name, inner.stats
+        self.capabilities = replace(inner.capabilities, batch_bytes=object_bytes)  # one page per call
+        self.before_get = self.before_set = lambda i: None
+        self.set_status = None
+        self.finished: list[int] = []  # get calls in the order they returned
+        self._calls = {"get": 0, "set": 0}
+        self._lock = threading.Lock()
+
+    def _next(self, op: str) -> int:
+        with self._lock:
+            self._calls[op] += 1
+            return self._calls[op] - 1
+
+    def calls(self, op: str) -> int:
+        return self._calls[op]
+
+    def exists(self, keys):
+        return self.inner.exists(keys)
+
+    def get(self, keys, outs):
+        return self.inner.get(keys, outs)
+
+    def set(self, keys, values):
+        return self.inner.set(keys, values)
+
+    def get_scattered(self, keys, outs):
+        i = self._next("get")
+        self.before_get(i)
+        out = self.inner.get_scattered(keys, outs)
+        with self._lock:
+            self.finished.append(i)
+        return out
+
+    def set_scattered(self, keys, parts):
+        i = self._next("set")
+        self.before_set(i)
+        out = self.inner.set_scattered(keys, parts)
+        return self.set_status(i, out) if self.set_status else out
+
+    def delete(self, keys):
+        self.inner.delete(keys)
+
+    def close(self):
+        self.inner.close()

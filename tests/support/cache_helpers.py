@@ -48,6 +48,11 @@ def expected_page(has_spec, tokens: list[int], page_index: int) -> bytes:
     return torch.cat(parts).numpy().tobytes()
 
 
+def tokens(start: int, n: int) -> list[int]:
+    """``n`` token ids from ``start``."""
+    return list(range(start, start + n))
+
+
 # ---- where the bytes are: run next to the cache's executor (this process or the worker) ----
 def on_worker(cache, fn, *args):
     return cache.port.run(fn, *args)

@@ -1,6 +1,6 @@
 """Backend-independent L3 scenarios; each backend's test module runs them against a real server or directory.
 
-``mode`` (see :data:`cache_helpers.MODES`): the executor -- pools, transfer engine, L3 tier -- in this
+``mode`` (see :data:`support.cache_helpers.MODES`): the executor -- pools, transfer engine, L3 tier -- in this
 process or in a spawned one behind a pipe."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from kvtier import KVSpec
 from kvtier.l3.page import HEADER_BYTES
-from cache_helpers import device_bytes, expected_page, make_tiered_cache, serve, serve_tiered
+from support.cache_helpers import device_bytes, expected_page, make_tiered_cache, serve, serve_tiered
 from kvtier.l3 import open_backend
 
 

@@ -1,4 +1,4 @@
-"""Shared tiny factories. Every test builds its own pools: no global state."""
+"""Tiny specs, and what tests write into pools or make their copies do. Every test builds its own pools: no global state."""
 
 from __future__ import annotations
 
