@@ -90,7 +90,9 @@ class CacheCore(DeviceSpace):
         self._allocated = self.dev_alloc.allocated_view()
         self.groups = groups_for(model, group_pools, spec, tree=self.tree, state_every=state_every, device=device, host=host,
                                  loading=self._loading, make_room=self._make_room)
-        self.quarantine = Quarantine(device, self._free_objects)
+        self.quarantine = Quarantine(device, self._free_objects, self._oldest_op)
+        #: a request that ended (its quarantine entry bound once: one call per request, not two)
+        self.request_finished = self.quarantine.request_finished
         self._on |= {LoadBack: self._finish_load}
 
     def _free_objects(self, ids: dict[str, list[int]]) -> None:
@@ -112,9 +114,6 @@ class CacheCore(DeviceSpace):
         """Bumped on every failed load: a request re-checks its prefix only when this moved."""
         return self.quarantine.generation
 
-    def request_finished(self, serial: int) -> None:
-        self.quarantine.request_finished(serial, next(iter(self._inflight), None))
-
     def quarantined_pages(self) -> set[int]:
         return self.quarantine.pages()
 
@@ -122,9 +121,13 @@ class CacheCore(DeviceSpace):
         """Device ids of other KV groups' objects a failed load left, per group (freed with its pages)."""
         return self.quarantine.objects()
 
+    def _oldest_op(self) -> int | None:
+        """The oldest plan still in flight (None: none)."""
+        return next(iter(self._inflight), None)
+
     def _completions_applied(self) -> None:
-        if self.quarantine:
-            self.quarantine.release(next(iter(self._inflight), None))
+        if self.quarantine.entries:
+            self.quarantine.release()
 
     def holds_object(self, name: str, node: PageNode, gid: int) -> bool:
         """Whether ``node`` still holds device object ``gid`` of group ``name`` (a failed load takes them)."""
@@ -136,8 +139,11 @@ class CacheCore(DeviceSpace):
         ``count=False`` re-matches a request already counted (e.g. after its prefetch) without
         touching hit counts or stats. ``limit`` (a hybrid model): the request uses at most that many
         pages, so the prefix is the longest one every group can continue from within them."""
+        return self._match(self._keys(tokens_or_keys), count, limit)
+
+    def _match(self, keys: list[PageHash], count: bool = True, limit: int | None = None) -> MatchResult:
+        """:meth:`match` of page keys (``begin`` has them already)."""
         self.poll()
-        keys = self._keys(tokens_or_keys)
         tree = self.tree
         path = tree.walk(keys)
         tree.touch(path)
@@ -145,21 +151,22 @@ class CacheCore(DeviceSpace):
         matched = path[: n_dev + tree.readable_host_run(path[n_dev:])]  # the device pages, then readable host copies
         limited_by = None
         end = len(keys)
-        fills = [False]
+        filled = False
         groups = self.groups
         if groups:  # a hybrid model: the longest prefix every group can continue from
             if limit is not None:
                 end = min(end, limit)
                 matched, path = matched[:end], path[:end]
+            fills = [False]
             hybrid = groups.prefix(path, n_dev, len(matched), fill=fills)
-            matched, limited_by = matched[: hybrid.pages], hybrid.limited_by
+            matched, limited_by, filled = matched[: hybrid.pages], hybrid.limited_by, fills[0]
             n_dev = min(n_dev, hybrid.pages)
         pending: tuple[int, ...] = ()
         if self._loading:
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, fills[0])
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, filled)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -180,7 +187,7 @@ class CacheCore(DeviceSpace):
             if n_storage and groups:  # a hybrid model: as far as every group's objects are there too
                 n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
             st.storage_hit_pages += n_storage
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, fills[0])
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
@@ -189,7 +196,7 @@ class CacheCore(DeviceSpace):
         ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
         keys = self._keys(tokens_or_keys)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
-        m = self.match(keys, limit=want)
+        m = self._match(keys, True, want)
         self.lock(m.last_node)
         host_before = m.num_host_pages
         if prefetch and m.num_storage_pages and m.num_device_pages + m.num_host_pages < want:
@@ -197,7 +204,7 @@ class CacheCore(DeviceSpace):
                 handle = self.prefetch(m)
                 if handle is not None:
                     self.resolve_prefetch(handle, prefetch_policy)
-                    again = self.match(keys, count=False, limit=want)
+                    again = self._match(keys, False, want)
             except ExecutorError:
                 self.unlock(m.last_node)  # the port is gone: nothing of this request stays locked
                 raise
@@ -208,8 +215,7 @@ class CacheCore(DeviceSpace):
         ld = self.load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
-        given: dict[str, dict[int, int]] = {}
-        held: list[PageNode] = []
+        given = held = None
         if self.groups:  # what the loads could bring: the prefix every group continues from, its objects held
             if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
                 usable = self.groups.prefix(nodes, len(nodes), len(nodes)).pages
@@ -219,7 +225,7 @@ class CacheCore(DeviceSpace):
         host_hit = min(ld.loaded, host_before, len(cached) - device_hit)
         return CacheRequest(self, keys, len(keys), device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node,
                             nodes, serial=self.quarantine.request_opened(), failure_gen=self.quarantine.generation, groups=given,
-                            _held=held)
+                            held=held)
 
     def load_back(self, match: MatchResult) -> LoadResult:
         """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
@@ -234,54 +240,79 @@ class CacheCore(DeviceSpace):
         # the match may be stale: keep the leading run that still directly follows the device prefix
         host_nodes = match.host_nodes
         valid = host_nodes[: self.tree.loadable_run(host_nodes)]
+        if self.groups:
+            return self._load_back_hybrid(match, valid)
+        pages = self._room_for(match, valid) if valid else None
+        if not pages:
+            return LoadResult(None, list(match.device_pages), 0, len(host_nodes), match.pending, self)
+        served = valid[: len(pages)]
+        tree = self.tree
+        tree.set_device_run(served, pages)
+        tree.touch(served)
+        tree.lock(served[-1])  # pins the path until the load completes (poll)
+        op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, pages)
+        loading = self._loading
+        for n in served:
+            loading[n] = op
+        return LoadResult(op, match.device_pages + pages, len(served), len(host_nodes), match.pending, self)
+
+    def _room_for(self, match: MatchResult, valid: list[PageNode]) -> list[int] | None:
+        """Device pages for the leading nodes of ``valid`` (the host run below ``match``'s device prefix), as
+        many as the device holds after eviction; None when the prefix they follow changed meanwhile."""
+        self.tree.lock(valid[-1])  # pins the matched path while we make room
+        try:
+            got = self.alloc_device(len(valid))
+            if not got.ok:
+                take = min(len(valid), self.dev_alloc.num_free)
+                got = self.dev_alloc.alloc(take)
+                self.stats.load_shortfall_pages += len(valid) - take
+        finally:
+            self.tree.unlock(valid[-1])
+        first = len(match.device_pages)
+        if first and match.nodes[first - 1].device_page != match.device_pages[-1]:
+            # making room waited for plans in flight, and a load this prefix waited on failed: its pages left
+            # the device, so the host run no longer follows it (the request learns of the failure and shrinks)
+            self.dev_alloc.free(got.pages)
+            return None
+        return got.pages
+
+    def _load_back_hybrid(self, match: MatchResult, valid: list[PageNode]) -> LoadResult:
+        """:meth:`load_back` for a hybrid model: the pages of ``valid``, and the other groups' objects the
+        match's boundary reads beside them and beside device pages that lost theirs (fills). The objects
+        it reads are held throughout: making room for the pages and the objects may back pages up, and
+        the host room that needs may evict objects -- never these."""
+        groups = self.groups
+        lo = groups.object_fills(match.nodes, len(match.device_pages)) if match.fills else None
+        if not valid and lo is None:
+            return LoadResult(None, list(match.device_pages), 0, len(match.host_nodes), match.pending, self)
+        reading = match.nodes[groups.first_read(len(match.nodes)) :]
+        groups.hold(reading)
+        try:
+            return self._load_held(match, valid, lo)
+        finally:
+            groups.release(reading)
+
+    def _load_held(self, match: MatchResult, valid: list[PageNode], lo: int | None) -> LoadResult:
+        """The hybrid load back of the still loadable host run ``valid`` and of the fills from place ``lo``
+        (None: none), the objects they read held."""
         prefix_pages = list(match.device_pages)
         first = len(prefix_pages)
-        lo = self.groups.object_fills(match.nodes, first) if match.fills else None
-        nothing = LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
-        if not valid and lo is None:
-            return nothing
-        # the objects the match's boundary reads are held throughout: making room for the pages and the objects
-        # may back pages up, and the host room that needs may evict objects -- never these
-        if not self.groups:
-            return self._load_held(match, valid, prefix_pages, lo, nothing)
-        reading = match.nodes[self.groups.first_read(len(match.nodes)) :]
-        self.groups.hold(reading)
-        try:
-            return self._load_held(match, valid, prefix_pages, lo, nothing)
-        finally:
-            self.groups.release(reading)
-
-    def _load_held(self, match: MatchResult, valid: list[PageNode], prefix_pages: list[int], lo: int | None,
-                   nothing: LoadResult) -> LoadResult:
-        """:meth:`load_back` of the still loadable host run ``valid`` below ``prefix_pages`` and of the fills from
-        place ``lo`` (None: none), the objects they read held; ``nothing``: the answer when nothing loads."""
-        first = len(prefix_pages)
-        got = None
+        nothing = LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending, self)
+        pages = []
         if valid:
-            self.tree.lock(valid[-1])  # pins the matched path while we make room
-            try:
-                got = self.alloc_device(len(valid))
-                if not got.ok:
-                    take = min(len(valid), self.dev_alloc.num_free)
-                    got = self.dev_alloc.alloc(take)
-                    self.stats.load_shortfall_pages += len(valid) - take
-            finally:
-                self.tree.unlock(valid[-1])
-            if first and match.nodes[first - 1].device_page != prefix_pages[-1]:
-                # making room waited for plans in flight, and a load this prefix waited on failed: its pages left
-                # the device, so the host run no longer follows it (the request learns of the failure and shrinks)
-                self.dev_alloc.free(got.pages)
+            pages = self._room_for(match, valid)
+            if pages is None:
                 return nothing
-        served = valid[: len(got.pages)] if got is not None else []
+        served = valid[: len(pages)]
         if not served and lo is None:
             return nothing
         start = first if lo is None else lo
         span = match.nodes[start : first + len(served)]
         if served:
-            self.tree.set_device_run(served, got.pages)
+            self.tree.set_device_run(served, pages)
             self.tree.touch(served)
         self.tree.lock(span[-1])  # pins the path while objects get device ids; released when the load completes (poll)
-        groups, fills, counts = self.groups.load_runs(match.nodes, start, first, len(served)) if self.groups else ((), (), ())
+        groups, fills, counts = self.groups.load_runs(match.nodes, start, first, len(served))
         if not served:  # a plan of objects alone: its lock is on the deepest node whose objects it brings
             if fills:
                 self.tree.lock(fills[-1])
@@ -289,31 +320,36 @@ class CacheCore(DeviceSpace):
             if not fills:  # no device ids for the fills' objects: nothing to load
                 return nothing
         op = self._submit(copy_plan, LoadBack(served, fills, counts), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE,
-                          got.pages if served else [], 0, groups)
+                          pages, 0, groups)
         for n in (*fills, *served):
             self._loading[n] = op
-        return LoadResult(op, prefix_pages + (got.pages if served else []), len(served), len(match.host_nodes), match.pending, self)
+        return LoadResult(op, prefix_pages + pages, len(served), len(match.host_nodes), match.pending, self)
 
     def _finish_load(self, c: Completion, tag: LoadBack) -> None:
-        nodes, fills = tag.nodes, tag.fills
-        locked = nodes[-1] if nodes else fills[-1]
+        nodes, fills, op = tag.nodes, tag.fills, c.op
         loading = self._loading
-        mine = [n for n in nodes if loading.get(n) == c.op]  # (a failed load above may have taken them already)
-        filled = [n for n in fills if loading.get(n) == c.op]
+        if type(c) is Done:
+            for n in (*fills, *nodes) if fills else nodes:
+                if loading.get(n) == op:  # (a failed load above may have taken it already)
+                    del loading[n]
+            if tag.groups:
+                self.groups.count_loads(tag.groups, True)
+            self.stats.loaded_pages += len(nodes)
+            self.stats.loaded_bytes += len(nodes) * self._page_bytes
+            self.tree.unlock(nodes[-1] if nodes else fills[-1])
+            return
+        mine = [n for n in nodes if loading.get(n) == op]
+        filled = [n for n in fills if loading.get(n) == op]
         for n in (*filled, *mine):
             del loading[n]
         if tag.groups:
-            self.groups.count_loads(tag.groups, type(c) is Done)
-        if type(c) is not Done:  # the device copies are garbage: off the tree now, freed once nobody can name them
-            self.stats.transfer_failures += 1
-            self.tree.unlock(locked)
-            self.stats.load_failed_pages += self._drop_failed_load(mine)
-            if filled:  # their pages were good; the objects brought beside them are not
-                self._drop_failed_objects(filled)
-            return
-        self.stats.loaded_pages += len(nodes)
-        self.stats.loaded_bytes += len(nodes) * self._page_bytes
-        self.tree.unlock(locked)
+            self.groups.count_loads(tag.groups, False)
+        # the device copies are garbage: off the tree now, freed once nobody can name them
+        self.stats.transfer_failures += 1
+        self.tree.unlock(nodes[-1] if nodes else fills[-1])
+        self.stats.load_failed_pages += self._drop_failed_load(mine)
+        if filled:  # their pages were good; the objects brought beside them are not
+            self._drop_failed_objects(filled)
 
     def _drop_failed_load(self, nodes: list[PageNode]) -> int:
         """Take a failed load's device copies (and every device page below them) off the tree into
@@ -328,7 +364,7 @@ class CacheCore(DeviceSpace):
             self._loading.pop(n, None)  # a load of a page below is moot: its page is quarantined too
         objects = self.groups.quarantined(victims) if self.groups else {}
         pages = tree.clear_devices(victims)
-        self.quarantine.add(pages, objects, self._last_op, next(iter(self._inflight), None))
+        self.quarantine.add(pages, objects, self._last_op)
         return len(pages)
 
     def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
@@ -336,7 +372,7 @@ class CacheCore(DeviceSpace):
         objects leave the tree into quarantine, the pages stay (their bytes were never touched)."""
         objects = self.groups.quarantined(nodes)
         if objects:
-            self.quarantine.add([], objects, self._last_op, next(iter(self._inflight), None))
+            self.quarantine.add([], objects, self._last_op)
 
     def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
@@ -478,7 +514,7 @@ class CacheCore(DeviceSpace):
             self.groups.check(caller_group_pages or {}, self.quarantine.objects(), idle)
         if idle:
             assert not self._loading, "idle, yet host->device loads are recorded in flight"
-            assert not self.quarantine, "idle, yet device pages of a failed load are still quarantined"
+            assert not self.quarantine.entries, "idle, yet device pages of a failed load are still quarantined"
         dev_owned = [n.device_page for n in self.tree.nodes.values() if n.device_page != NO_PAGE]
         assert len(dev_owned) == len(set(dev_owned)), "a device page is owned by two nodes"
         assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"

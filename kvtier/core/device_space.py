@@ -89,7 +89,10 @@ class DeviceSpace(CoreBase):
         got = self.dev_alloc.alloc(n)
         if got.ok:
             return got
-        self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
+        if self.groups.sharing:  # pages and window pages in one pool: weighed together
+            self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
+        else:
+            self.evict_device(n - self.dev_alloc.num_free)
         got = self.dev_alloc.alloc(n)
         if not got.ok and self.poll_inflight():
             # pages pinned only by transfers in flight: wait for them, then try once more
@@ -149,10 +152,13 @@ class DeviceSpace(CoreBase):
         tree = self.tree
         while freed < n:
             before = freed
-            cleared: list[PageNode] | None = [] if self.groups else None
-            cheap = tree.drop_backed_up(n - freed, cleared, older_than)
-            if cleared:
-                self.groups.left(Tier.DEVICE, cleared)
+            if self.groups:  # their other groups' objects leave with the pages
+                cleared: list[PageNode] = []
+                cheap = tree.drop_backed_up_bounded(n - freed, cleared, older_than)
+                if cleared:
+                    self.groups.left(Tier.DEVICE, cleared)
+            else:
+                cheap = tree.drop_backed_up(n - freed)
             self.dev_alloc.free(cheap)
             freed += len(cheap)
             if freed < n:
@@ -190,7 +196,8 @@ class DeviceSpace(CoreBase):
         tree, free their device pages; empties the batch."""
         if batch.leaving:
             tree = self.tree
-            self.groups.left(Tier.DEVICE, batch.leaving)
+            if self.groups:
+                self.groups.left(Tier.DEVICE, batch.leaving)
             pages = tree.clear_devices(batch.leaving)
             for node in batch.gone:
                 tree.remove(node)

@@ -21,6 +21,10 @@ from kvtier.radix import NO_PAGE
 
 log = logging.getLogger(__name__)
 
+#: what a completion may be (anything else from a port is counted and ignored)
+_COMPLETIONS = frozenset({Done, CutShort, Failed})
+_TIMEOUT = Reason.TIMEOUT
+
 
 class PlanDispatch(CoreState):
     """The plan/completion bookkeeping every core is built on (the layer above :class:`CoreState`)."""
@@ -103,20 +107,11 @@ class PlanDispatch(CoreState):
         (:class:`~kvtier.core.cache_core.CacheCore`'s quarantine); none by default."""
 
     def _apply(self, c: Completion) -> None:
-        kind = type(c)
-        completion = kind is Done or kind is CutShort or kind is Failed
-        tag = self._inflight.pop(c.op, None) if completion else None
+        tag = self._inflight.pop(c.op, None) if type(c) in _COMPLETIONS else None
         if tag is None:
-            held = self._held_for.pop(c.op, None) if completion else None
-            if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
-                self.host_alloc.release_hold(held)
-                self.groups.released_late(c.op)
-                return
-            # a plan never made, or answered twice: nothing to apply, the rest of the batch still is
-            self.stats.unknown_completions += 1
-            log.warning("ignored a completion for no plan in flight: %r", c)
+            self._unmatched(c)
             return
-        if kind is Failed and c.reason is Reason.TIMEOUT:
+        if c.reason is _TIMEOUT:
             # the plan may still run late: its host pages must not be handed out again until it answers
             held = [n.host_page for n in tag.nodes if n.host_page != NO_PAGE]
             self.host_alloc.hold(held)
@@ -124,6 +119,17 @@ class PlanDispatch(CoreState):
             self.groups.hold_late(c.op, tag.nodes)
             self.stats.timed_out_plans += 1
         self._on[type(tag)](c, tag)
+
+    def _unmatched(self, c: object) -> None:
+        """A completion of no plan in flight: the late answer of one that timed out (its held pages go back
+        now), or of a plan never made or answered twice (ignored and counted; the batch goes on)."""
+        held = self._held_for.pop(c.op, None) if type(c) in _COMPLETIONS else None
+        if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
+            self.host_alloc.release_hold(held)
+            self.groups.released_late(c.op)
+            return
+        self.stats.unknown_completions += 1
+        log.warning("ignored a completion for no plan in flight: %r", c)
 
     def wait_for(self, ops) -> int:
         """Block until the plans ``ops`` finished, then apply every completion collected."""

@@ -176,13 +176,16 @@ class VoidSave(JobTag):
     __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
 class IntoEngine(JobTag):
     """host pages -> engine device blocks; the nodes stay locked by ``load`` until it is released.
     ``groups``: how many objects of each other group it brings."""
 
-    load: EngineLoad
-    groups: tuple[GroupLoad, ...] = ()
+    __slots__ = ("load", "groups")
+
+    def __init__(self, nodes: list[PageNode], load: EngineLoad, groups: tuple[GroupLoad, ...] = ()):
+        self.nodes = nodes
+        self.load = load
+        self.groups = groups
 
 
 class EngineDeviceCore(CoreBase):

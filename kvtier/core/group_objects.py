@@ -123,16 +123,15 @@ class Component:
                 "load_failed": self.load_failed, "evicted": self.evicted, "limited_matches": self.limited}
 
 
-class NoGroups:
+class NoGroups(tuple):
     """A model of full attention only: no other group, every call a no-op. Falsy, so a core that must
-    build arguments for :class:`Groups` first asks ``if self.groups``."""
+    build arguments for :class:`Groups` first asks ``if self.groups`` -- and an empty tuple, so that asking
+    costs a C-level length test, not a Python call, on every hot path of a full-attention model
+    (:class:`Groups` is truthy the same way: it defines no ``__bool__``)."""
 
     __slots__ = ()
     components: tuple = ()
     sharing: tuple = ()
-
-    def __bool__(self) -> bool:
-        return False
 
     def component(self, name: str) -> Component:
         raise UnknownNameError("KV group beside full attention", name, [])
@@ -221,9 +220,6 @@ class Groups:
                               "sliding-window groups whose page fits a full page's slot can share it; split the group's layers "
                               "(as vLLM's hybrid allocator does) or give it a pool of its own")
         c.sharing = True
-
-    def __bool__(self) -> bool:
-        return True
 
     def component(self, name: str) -> Component:
         c = self.by_name.get(name)

@@ -188,7 +188,10 @@ class HostTier(PlanDispatch):
         got = self.host_alloc.alloc(n)
         if got.ok:
             return got
-        self._make_room(Tier.HOST, n - self.host_alloc.num_free)
+        if self.groups.sharing:  # pages and window pages in one pool: weighed together
+            self._make_room(Tier.HOST, n - self.host_alloc.num_free)
+        else:
+            self.evict_host(n - self.host_alloc.num_free)
         got = self.host_alloc.alloc(n)
         if not got.ok and self.port.has_storage and self.port.can_wait:
             # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
@@ -221,7 +224,8 @@ class HostTier(PlanDispatch):
     def _forget_host_only(self, nodes: list[PageNode]) -> int:
         """Remove host-only ``nodes`` (deepest first: each is a leaf when it goes) and free their host
         pages; returns how many."""
-        self.groups.left(Tier.HOST, nodes)
+        if self.groups:
+            self.groups.left(Tier.HOST, nodes)
         pages = self.tree.remove_host_only(nodes)
         self.host_alloc.free(pages)
         return len(pages)

@@ -11,18 +11,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvtier.alloc import Allocation
-from kvtier.core.group_objects import NoGroups
 from kvtier.core.request import CacheRequest
 from kvtier.core.results import InsertResult, LoadResult, MatchResult
 from kvtier.errors import UnknownNameError
 from kvtier.metrics import CacheStats
 
 
-class BaselineGroups(NoGroups):
+class BaselineGroups:
     """A hybrid model's other groups in the baseline: their device pools by name (a request computes their
-    objects too, freed at commit like its pages), nothing kept, so no object is wanted anywhere."""
+    objects too, freed at commit like its pages), nothing kept, so no object is wanted anywhere and no
+    request is given one (what :class:`~kvtier.core.request.CacheRequest` asks of a cache's groups)."""
 
     __slots__ = ("pools",)
+    components: tuple = ()
 
     def __init__(self, pools: dict):
         self.pools = pools

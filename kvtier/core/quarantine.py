@@ -29,14 +29,16 @@ from kvtier.alloc import PageAllocator
 
 class Quarantine:
     """Failed loads' device pages (and other groups' objects: ``free_objects(ids per group)`` frees
-    those), with the open requests that may still name them. Part of
-    :class:`~kvtier.core.cache_core.CacheCore` alone."""
+    those), with the open requests that may still name them; ``oldest_op()``: the oldest plan the
+    core has in flight (None: none). Part of :class:`~kvtier.core.cache_core.CacheCore` alone."""
 
-    __slots__ = ("device", "free_objects", "generation", "marks", "_open", "_serial", "_entries")
+    __slots__ = ("device", "free_objects", "oldest_op", "generation", "marks", "_open", "_serial", "entries")
 
-    def __init__(self, device: PageAllocator, free_objects: Callable[[dict[str, list[int]]], None]):
+    def __init__(self, device: PageAllocator, free_objects: Callable[[dict[str, list[int]]], None],
+                 oldest_op: Callable[[], int | None]):
         self.device = device
         self.free_objects = free_objects
+        self.oldest_op = oldest_op
         #: bumped on every failed load: a request re-checks its prefix only when this moved
         self.generation = 0
         #: device page -> 1 while quarantined (insert's ownership check reads it, vectorized)
@@ -46,35 +48,33 @@ class Quarantine:
         self._serial = 0
         #: (pages, serial of the last request begun before the failure, the last plan submitted
         #: before it -- one of those may still read or write the pages --, objects per group)
-        self._entries: list[tuple[list[int], int, int, dict[str, list[int]]]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
+        self.entries: list[tuple[list[int], int, int, dict[str, list[int]]]] = []
 
     def request_opened(self) -> int:
         self._serial += 1
         self._open[self._serial] = None
         return self._serial
 
-    def request_finished(self, serial: int, oldest_op: int | None) -> None:
+    def request_finished(self, serial: int) -> None:
         self._open.pop(serial, None)
-        if self._entries:
-            self.release(oldest_op)
+        if self.entries:
+            self.release()
 
-    def add(self, pages: list[int], objects: dict[str, list[int]], last_op: int, oldest_op: int | None) -> None:
+    def add(self, pages: list[int], objects: dict[str, list[int]], last_op: int) -> None:
         """A failed load's device ``pages`` and other groups' object ids: nobody is offered them again
         (requests learn of it by the generation), freed once nobody can name them."""
         self.generation += 1
-        self._entries.append((pages, self._serial, last_op, objects))
+        self.entries.append((pages, self._serial, last_op, objects))
         self.marks[pages] = 1
-        self.release(oldest_op)
+        self.release()
 
-    def release(self, oldest_op: int | None) -> None:
+    def release(self) -> None:
         """Free what nobody can name any more: every request begun before its failure has finished, and
-        so has every plan submitted before it (``oldest_op``: the oldest plan still in flight)."""
+        so has every plan submitted before it."""
         oldest_request = next(iter(self._open), None)
+        oldest_op = self.oldest_op()
         keep = []
-        for entry in self._entries:
+        for entry in self.entries:
             pages, last_request, last_op, objects = entry
             if (oldest_request is None or oldest_request > last_request) and (oldest_op is None or oldest_op > last_op):
                 self.marks[pages] = 0
@@ -83,15 +83,15 @@ class Quarantine:
                     self.free_objects(objects)
             else:
                 keep.append(entry)
-        self._entries = keep
+        self.entries = keep
 
     def pages(self) -> set[int]:
-        return {p for pages, _, _, _ in self._entries for p in pages}
+        return {p for pages, _, _, _ in self.entries for p in pages}
 
     def objects(self) -> dict[str, set[int]]:
         """Device ids of other KV groups' objects a failed load left, per group (freed with its pages)."""
         out: dict[str, set[int]] = {}
-        for _, _, _, objects in self._entries:
+        for _, _, _, objects in self.entries:
             for name, ids in objects.items():
                 out.setdefault(name, set()).update(ids)
         return out

@@ -35,7 +35,8 @@ out-of-range page is a typed error and the request stays open.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from types import MappingProxyType
 from enum import Enum
 from typing import TYPE_CHECKING, Protocol
 
@@ -87,42 +88,56 @@ class RequestState(Enum):
     ABORTED = "aborted"
 
 
-@dataclass(eq=False, slots=True)
-class CacheRequest:
-    """Made by :meth:`CacheCore.begin`; see the module docstring for the protocol.
-    ``slots``: one is made per request, on the scheduler's hot path."""
+#: the objects a request of a model without other KV groups is given: none (shared, read-only)
+_NO_OBJECTS: Mapping[str, dict[int, int]] = MappingProxyType({})
 
-    cache: RequestCache
-    #: the page keys of its full pages (empty for a cache that keys nothing: the recompute baseline)
-    keys: Sequence[PageHash]
-    #: how many full pages the request has (one key each where the cache keys them)
-    full_pages: int
-    #: pages of the prefix that were on device when the request began (usable at once)
-    device_hit: int
-    #: pages that were in host memory and are being loaded back (layer by layer; see :meth:`wait_layer`)
-    host_hit: int
-    #: pages this request's prefetch brought from L3 to host, loaded back after the host ones
-    storage_hit: int
-    #: device pages holding the cached prefix, in order: ``device_hit + host_hit`` of them
-    cached_pages: list[int]
-    load: LoadResult
-    _locked: PageNode | None
-    #: the nodes of ``cached_pages`` (kept on device by the lock): commit does not look them up again
-    _prefix: list[PageNode] = field(default_factory=list)
-    _allocated: list[int] = field(default_factory=list)
-    state: RequestState = RequestState.OPEN
-    #: the request's number in the cache (a failed load's pages are freed once older requests finish)
-    serial: int = 0
-    #: the cache's failed-load count when this request last checked its prefix
-    failure_gen: int = 0
-    #: cached pages this request lost to a failed host->device load (they must be recomputed)
-    failed: int = 0
-    #: a hybrid model: group -> place -> device id of the objects the cached prefix continues from
-    groups: dict[str, dict[int, int]] = field(default_factory=dict)
-    #: the nodes whose objects are held for this request
-    _held: list[PageNode] = field(default_factory=list)
-    #: group -> device ids this request allocated (alloc_group) and not yet handed over
-    _group_alloc: dict[str, list[int]] = field(default_factory=dict)
+
+class CacheRequest:
+    """Made by :meth:`CacheCore.begin`; see the module docstring for the protocol. Slotted, with a plain
+    ``__init__``: one is made per request, on the scheduler's hot path.
+
+    ``cache``: its cache; ``keys``: the page keys of its full pages (empty for a cache that keys
+    nothing: the recompute baseline); ``full_pages``: how many full pages it has; ``device_hit``:
+    pages of the prefix on device when it began (usable at once); ``host_hit``: pages in host memory,
+    loaded back layer by layer (:meth:`wait_layer`); ``storage_hit``: pages its prefetch brought from
+    L3, loaded back after those; ``cached_pages``: the device pages holding the cached prefix, in
+    order; ``load``: the loads it waits on; ``serial``: its number in the cache (a failed load's pages
+    are freed once older requests finish); ``failure_gen``: the cache's failed-load count when it
+    last checked its prefix; ``groups`` (a hybrid model): group -> place -> device id of the objects
+    the cached prefix continues from, held for it on the nodes ``held``."""
+
+    __slots__ = ("cache", "keys", "full_pages", "device_hit", "host_hit", "storage_hit", "cached_pages", "load", "_locked", "_prefix",
+                 "_allocated", "state", "serial", "failure_gen", "failed", "groups", "_held", "_group_alloc")
+
+    def __init__(self, cache: RequestCache, keys: Sequence[PageHash], full_pages: int, device_hit: int, host_hit: int,
+                 storage_hit: int, cached_pages: list[int], load: LoadResult, locked: PageNode | None,
+                 prefix: list[PageNode] | None = None, *, serial: int = 0, failure_gen: int = 0,
+                 groups: dict[str, dict[int, int]] | None = None, held: list[PageNode] | None = None):
+        self.cache = cache
+        self.keys = keys
+        self.full_pages = full_pages
+        self.device_hit = device_hit
+        self.host_hit = host_hit
+        self.storage_hit = storage_hit
+        self.cached_pages = cached_pages
+        self.load = load
+        self._locked = locked
+        #: the nodes of ``cached_pages`` (kept on device by the lock): commit does not look them up again
+        self._prefix = prefix if prefix is not None else []
+        self._allocated: list[int] = []
+        self.state = RequestState.OPEN
+        self.serial = serial
+        self.failure_gen = failure_gen
+        #: cached pages this request lost to a failed host->device load (they must be recomputed)
+        self.failed = 0
+        self.groups = groups if groups is not None else _NO_OBJECTS
+        self._held = held if held is not None else ()
+        #: group -> device ids this request allocated (alloc_group) and not yet handed over
+        self._group_alloc: dict[str, list[int]] = {}
+
+    def __repr__(self) -> str:
+        return (f"CacheRequest({self.state.value}, {self.full_pages} pages, cached {self.num_cached}: device {self.device_hit}, "
+                f"host {self.host_hit}, storage {self.storage_hit}, failed {self.failed})")
 
     @property
     def num_cached(self) -> int:
@@ -220,7 +235,8 @@ class CacheRequest:
         result = cache.commit_request(self.keys, pages[:full], known, handed)  # ownership proven above, more strictly than insert's
         if rest:
             cache.free_device(rest)
-        self._free_group_alloc(handed or {})
+        if self._group_alloc:
+            self._free_group_alloc(handed or {})
         self._finish(RequestState.COMMITTED)
         return result
 
@@ -229,7 +245,8 @@ class CacheRequest:
         self._check_open("abort")
         if self._allocated:
             self.cache.free_device(list(self._allocated))
-        self._free_group_alloc({})
+        if self._group_alloc:
+            self._free_group_alloc({})
         self._finish(RequestState.ABORTED)
 
     # ---- internals -----------------------------------------------------------------
@@ -335,7 +352,7 @@ class CacheRequest:
     def _finish(self, state: RequestState) -> None:
         if self._held:
             self.cache.groups.release(self._held)
-            self._held = []
+            self._held = ()
         self.cache.unlock(self._locked)
         self.cache.request_finished(self.serial)
         self._locked = None

@@ -20,6 +20,8 @@ class Waiter(Protocol):
 
     def wait_for(self, ops: Collection[int]) -> int: ...
 
+    def in_flight(self, op: int) -> bool: ...
+
 
 @dataclass(slots=True)
 class MatchResult:
@@ -91,8 +93,9 @@ class LoadResult:
 
     def wait(self) -> None:
         """Every load the prefix needs has finished (and its completion is applied)."""
-        if self.waiter is not None and self.ops:
-            self.waiter.wait_for(self.ops)
+        waiter = self.waiter
+        if waiter is not None and any(map(waiter.in_flight, self.ops)):  # (already applied: nothing to wait for)
+            waiter.wait_for(self.ops)
 
 
 @dataclass(slots=True)

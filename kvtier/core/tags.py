@@ -35,11 +35,18 @@ class GroupLoad:
 
 
 # ---- what each plan is for: its tag, typed (completions dispatch on the type) ----
-@dataclass(frozen=True, slots=True)
 class JobTag:
-    """The nodes a plan moves; the subclass says what for."""
+    """The nodes a plan moves; the subclass says what for. Plain slotted classes, read-only by
+    convention: one is made per plan, on the scheduler's hot path (a frozen dataclass's ``__init__``
+    costs twice as much)."""
 
-    nodes: list[PageNode]
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: list[PageNode]):
+        self.nodes = nodes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.nodes)} nodes)"
 
 
 class Backup(JobTag):
@@ -48,14 +55,17 @@ class Backup(JobTag):
     __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
 class LoadBack(JobTag):
     """host -> device copies of a request's host run; applied by :meth:`CacheCore.poll`. ``fills``:
     nodes above that run whose pages are on device already, whose other groups' objects it brings;
     ``groups``: how many objects of each group it brings."""
 
-    fills: tuple[PageNode, ...] = ()
-    groups: tuple[GroupLoad, ...] = ()
+    __slots__ = ("fills", "groups")
+
+    def __init__(self, nodes: list[PageNode], fills: tuple[PageNode, ...] = (), groups: tuple[GroupLoad, ...] = ()):
+        self.nodes = nodes
+        self.fills = fills
+        self.groups = groups
 
 
 class EvictionBackup(JobTag):
