@@ -39,9 +39,6 @@ Tensorless: ids only, the executors move the bytes.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import operator
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -50,77 +47,21 @@ from operator import is_not
 from types import MappingProxyType
 
 from kvtier.alloc import PageAllocator
-from kvtier.core.group_kinds import GroupKind, HybridPrefix, kind_of, usable_prefix
+from kvtier.core.group_component import TIERS, Component
+from kvtier.core.group_kinds import HybridPrefix, kind_of, usable_prefix
 from kvtier.core.node_objects import NodeObjects
 from kvtier.core.plans import GroupRun, Tier
 from kvtier.core.tags import GroupLoad
 from kvtier.errors import ConfigError, PageIndexError, PageOwnershipError, UnknownNameError
-from kvtier.groups import KVGroup, ModelSpec
+from kvtier.groups import ModelSpec
 from kvtier.hashing import PageHash, group_object_key
 from kvtier.pages import first_duplicate
 from kvtier.radix import NO_PAGE, SAVING, PageNode, PrefixTree, node_type_with
 from kvtier.spec import KVSpec
 
-_last_access = operator.attrgetter("last_access")
-_window_used = operator.attrgetter("window_used")
-
-#: the tiers whose object ids a component keeps (L3 objects are named by their keys)
-TIERS = (Tier.DEVICE, Tier.HOST)
 #: questions to L3 about group objects per match, at most (a bound on a lookup's round trips)
 L3_PROBES = 8
 _NO_LOADS: Mapping[PageNode, int] = MappingProxyType({})
-
-
-class Component:
-    """One non-full KV group: its kind's rules, its pools' page ids and, per tier, node -> object id (kept
-    on the nodes: :mod:`~kvtier.core.node_objects`)."""
-
-    __slots__ = ("group", "name", "kind", "alloc", "at", "heap", "fresh", "seq", "unready", "loaded", "backed_up", "evicted", "limited",
-                 "saved", "fetched", "filled", "load_failed", "sharing")
-
-    def __init__(self, group: KVGroup, kind: GroupKind, device: PageAllocator | None, host: PageAllocator, at: dict[Tier, NodeObjects]):
-        self.group = group
-        self.name = group.name
-        self.kind = kind
-        #: (device None: the engine owns the group's device blocks)
-        self.alloc = {Tier.DEVICE: device, Tier.HOST: host}
-        self.at = at
-        #: per tier, a lazy heap of (recency, seq, node) for eviction (None until the first eviction needs
-        #: it, then built from what the tier holds), and the nodes attached since (pushed when next needed)
-        self.heap: dict[Tier, list | None] = {Tier.DEVICE: None, Tier.HOST: None}
-        self.fresh: dict[Tier, list[PageNode]] = {Tier.DEVICE: [], Tier.HOST: []}
-        self.seq = itertools.count()
-        #: host objects being copied on their own (their pages were on host already): not readable yet
-        self.unready: set[PageNode] = set()
-        #: objects moved host -> device (counted as their load completes, as the full pages are: beside the
-        #: pages it loaded) / planned device -> host, evicted under the pool's pressure, and matches this
-        #: group stopped short of what the full groups had
-        self.loaded = self.backed_up = self.evicted = self.limited = 0
-        #: objects planned into L3 and out of it
-        self.saved = self.fetched = 0
-        #: objects completed loads brought back beside pages that had stayed on device (their object had
-        #: not), and objects of loads that failed (beside pages or fills): apart from ``loaded``
-        self.filled = self.load_failed = 0
-        #: whether its ids are the full pages' own, in both tiers (one pool, one budget); its objects'
-        #: recency is then their node's ``window_used``, not the node's own
-        self.sharing = False
-
-    def note(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
-        """``nodes``' objects just arrived in ``tier``: the eviction heap learns of them when next needed.
-        Nothing is kept while no heap exists (a cache whose pool never fills pays nothing), and a
-        backlog larger than the tier is dropped for a rebuild."""
-        if self.heap[tier] is None:
-            return
-        fresh = self.fresh[tier]
-        fresh.extend(nodes)
-        if len(fresh) > 2 * len(self.at[tier]) + 64:
-            self.heap[tier] = None
-            fresh.clear()
-
-    def stats(self) -> dict[str, int]:
-        return {"device_objects": len(self.at[Tier.DEVICE]), "host_objects": len(self.at[Tier.HOST]), "loaded": self.loaded,
-                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "filled": self.filled,
-                "load_failed": self.load_failed, "evicted": self.evicted, "limited_matches": self.limited}
 
 
 class NoGroups(tuple):
@@ -491,7 +432,7 @@ class Groups:
             moved = [n for n in nodes if n in c.unready]
             c.unready.difference_update(moved)
             if not ok:  # the host objects hold nothing good: back to the pool
-                c.alloc[Tier.HOST].free(self.take(c, Tier.HOST, moved))
+                c.alloc[Tier.HOST].free(c.take(Tier.HOST, moved))
 
     def stored_usable(self, path: Sequence[PageNode], n_dev: int, keys: Sequence[PageHash], stored: int,
                       stored_prefix: Callable[[list[bytes]], int]) -> int:
@@ -567,7 +508,7 @@ class Groups:
         """``nodes``' pages left ``tier``: so do their objects there (their ids go back to the pools)."""
         for c in self.components:
             if c.at[tier]:
-                gone = self.take(c, tier, nodes)
+                gone = c.take(tier, nodes)
                 if gone:
                     c.alloc[tier].free(gone)
 
@@ -575,7 +516,7 @@ class Groups:
         """A failed load's nodes: their device objects leave the tree, ids kept until the quarantine ends."""
         out = {}
         for c in self.components:
-            gone = self.take(c, Tier.DEVICE, nodes)
+            gone = c.take(Tier.DEVICE, nodes)
             if gone:
                 out[c.name] = gone
         return out
@@ -592,12 +533,6 @@ class Groups:
         now = self.tree.now
         for node in nodes:
             node.window_used = now
-
-    @staticmethod
-    def take(c: Component, tier: Tier, nodes: Iterable[PageNode]) -> list[int]:
-        """Detach ``nodes``' objects of ``c`` in ``tier``; returns their ids (the caller frees or keeps them)."""
-        at = c.at[tier]
-        return [at.pop(n) for n in nodes if n in at]
 
     # ---- each group's own pool pressure ---------------------------------------------------------
     def alloc(self, c: Component, tier: Tier, n: int) -> list[int]:
@@ -621,82 +556,18 @@ class Groups:
         return node.host_page == NO_PAGE or node.host_ready
 
     def evict(self, c: Component, tier: Tier, n: int, up_to: int | None = None) -> int | None:
-        """Free ``n`` of ``c``'s ids in ``tier``: least recently used unheld objects first (by their own
-        recency in a shared pool, else their node's; a lazy heap as the tree keeps per tier); objects
-        the kind keeps last (a state group's snapshots on leaves -- the last snapshot a cached prefix
-        ends on) only after every other. ``up_to``: only objects used no later than that. Returns the
-        recency of the next object that could go (None: none), so ``n=0`` only looks."""
-        heap, at, seq = c.heap[tier], c.at[tier], c.seq
-        stamp_of = _window_used if c.sharing else _last_access
-        kept_last = c.kind.kept_last
-        fresh = c.fresh[tier]
-        if heap is None or len(heap) + len(fresh) > 2 * len(at) + 64:  # none yet, or mostly stale: built from the tier
-            heap = c.heap[tier] = [(stamp_of(node), next(seq), node) for node in at]
-            heapq.heapify(heap)
-        else:
-            for node in fresh:
-                if node in at:  # (else it left since)
-                    heapq.heappush(heap, (stamp_of(node), next(seq), node))
-        fresh.clear()
-        victims: dict[PageNode, None] = {}
-        aside, last = [], []
-        following = None
-        while heap:
-            entry = heap[0]
-            stamp, _, node = entry
-            if node not in at or node in victims:
-                heapq.heappop(heap)
-                continue  # stale: the object left (or is taken already)
-            if stamp != stamp_of(node):
-                heapq.heapreplace(heap, (stamp_of(node), next(seq), node))  # used since: back in at its new place
-                continue
-            if not self.movable(node, tier, c):
-                aside.append(heapq.heappop(heap))
-            elif len(victims) >= n or (up_to is not None and stamp > up_to):
-                following = stamp
-                break
-            elif kept_last(node.num_children > 0):
-                last.append(heapq.heappop(heap))
-            else:
-                heapq.heappop(heap)
-                victims[node] = None
-        for entry in last:
-            if len(victims) < n:
-                victims[entry[2]] = None
-            else:
-                aside.append(entry)
-                following = entry[0] if following is None else min(following, entry[0])
-        for entry in aside:
-            heapq.heappush(heap, entry)
-        if victims:
-            c.alloc[tier].free(self.take(c, tier, victims))
-            c.evicted += len(victims)
-        return following
+        """Free ``n`` of ``c``'s ids in ``tier`` (:meth:`Component.evict`), taking only objects no plan in
+        flight moves and no request holds; returns the recency of the next object that could go."""
+        return c.evict(tier, n, self.movable, up_to)
 
     # ---- accounting ------------------------------------------------------------------------------
     def check(self, caller: dict[str, set[int]], quarantined: dict[str, set[int]], idle: bool) -> None:
         if idle:
             assert not self.holds, f"idle, yet {len(self.holds)} nodes' group objects are held"
             assert not any(c.unready for c in self.components), "idle, yet a group object's copy to host is recorded in flight"
+        spare = self.tree.spare_nodes()
         for c in self.components:
-            for tier in TIERS:
-                if c.alloc[tier] is None:  # the engine owns the group's device blocks
-                    continue
-                at = c.at[tier]
-                at.check(self.tree.spare_nodes())
-                ids = list(at.values())
-                assert len(ids) == len(set(ids)), f"group {c.name}: a {tier.name.lower()} object is owned by two nodes"
-                for node in at:  # (the tree's nodes: at.check counted those that left it)
-                    page = node.device_page if tier is Tier.DEVICE else node.host_page
-                    assert page != NO_PAGE, f"group {c.name}: a {tier.name.lower()} object without its node's page there"
-                mine = caller.get(c.name, set()) if tier is Tier.DEVICE else set()
-                held = quarantined.get(c.name, set()) if tier is Tier.DEVICE else set(c.alloc[tier].parked)
-                assert not set(ids) & (mine | held), f"group {c.name}: an object owned by the tree and a caller or the quarantine"
-                if c.sharing:  # the tier's own accounting counts them (shared_ids)
-                    assert all(hasattr(node, "window_used") for node in at), f"group {c.name}: an object without its recency"
-                    continue
-                assert set(ids) | mine | held == c.alloc[tier].allocated_pages(), (
-                    f"group {c.name}: its {tier.name.lower()} allocator and the tree disagree (leak or foreign id)")
+            c.check(spare, caller.get(c.name, set()), quarantined.get(c.name, set()))
 
     def shared_ids(self, tier: Tier, caller: dict[str, set[int]] | None = None,
                    quarantined: dict[str, set[int]] | None = None) -> set[int]:
