@@ -91,6 +91,9 @@ class CacheCore(DeviceSpace):
         self.groups = groups_for(model, group_pools, spec, tree=self.tree, state_every=state_every, device=device, host=host,
                                  loading=self._loading, make_room=self._make_room)
         self.quarantine = Quarantine(device, self._free_objects, self._oldest_op)
+        #: bumped on every failed load (the quarantine's generation): a request re-checks its prefix only when this moved
+        self.load_failure_gen = 0
+        self._waiting_for_plans = self.quarantine.entries
         #: a request that ended (its quarantine entry bound once: one call per request, not two)
         self.request_finished = self.quarantine.request_finished
         self._on |= {LoadBack: self._finish_load}
@@ -109,11 +112,6 @@ class CacheCore(DeviceSpace):
         self.groups.component(name).alloc[Tier.DEVICE].free(ids)
 
     # ---- failed loads: what a request needs to know of them (:mod:`~kvtier.core.quarantine`) --------
-    @property
-    def load_failure_gen(self) -> int:
-        """Bumped on every failed load: a request re-checks its prefix only when this moved."""
-        return self.quarantine.generation
-
     def quarantined_pages(self) -> set[int]:
         return self.quarantine.pages()
 
@@ -126,8 +124,7 @@ class CacheCore(DeviceSpace):
         return next(iter(self._inflight), None)
 
     def _completions_applied(self) -> None:
-        if self.quarantine.entries:
-            self.quarantine.release()
+        self.quarantine.release()
 
     def holds_object(self, name: str, node: PageNode, gid: int) -> bool:
         """Whether ``node`` still holds device object ``gid`` of group ``name`` (a failed load takes them)."""
@@ -212,20 +209,25 @@ class CacheCore(DeviceSpace):
                 self.lock(again.last_node)
                 self.unlock(m.last_node)
                 m = again
+        quarantine = self.quarantine
+        if not self.groups:  # full attention: the device prefix, then every host page loaded back
+            ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+            host_hit = min(ld.loaded, host_before)
+            # the nodes of ld.device_pages: locked until commit
+            return CacheRequest(self, keys, len(keys), m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld,
+                                m.last_node, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
+                                failure_gen=self.load_failure_gen)
         ld = self.load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
-        # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
-        given = held = None
-        if self.groups:  # what the loads could bring: the prefix every group continues from, its objects held
-            if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
-                usable = self.groups.prefix(nodes, len(nodes), len(nodes)).pages
-                nodes, cached = nodes[:usable], cached[:usable]
-            given, held = self.groups.given_objects(nodes)
+        # what the loads could bring: the prefix every group continues from, its objects held
+        if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
+            usable = self.groups.prefix(nodes, len(nodes), len(nodes)).pages
+            nodes, cached = nodes[:usable], cached[:usable]
+        given, held = self.groups.given_objects(nodes)
         device_hit = min(m.num_device_pages, len(cached))
         host_hit = min(ld.loaded, host_before, len(cached) - device_hit)
         return CacheRequest(self, keys, len(keys), device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node,
-                            nodes, serial=self.quarantine.request_opened(), failure_gen=self.quarantine.generation, groups=given,
-                            held=held)
+                            nodes, serial=quarantine.request_opened(), failure_gen=self.load_failure_gen, groups=given, held=held)
 
     def load_back(self, match: MatchResult) -> LoadResult:
         """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
@@ -365,6 +367,7 @@ class CacheCore(DeviceSpace):
         objects = self.groups.quarantined(victims) if self.groups else {}
         pages = tree.clear_devices(victims)
         self.quarantine.add(pages, objects, self._last_op)
+        self.load_failure_gen = self.quarantine.generation
         return len(pages)
 
     def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
@@ -373,6 +376,7 @@ class CacheCore(DeviceSpace):
         objects = self.groups.quarantined(nodes)
         if objects:
             self.quarantine.add([], objects, self._last_op)
+            self.load_failure_gen = self.quarantine.generation
 
     def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.

@@ -45,6 +45,9 @@ class PlanDispatch(CoreState):
         self._lost: str | None = None
         #: plans that timed out -> the host pages held until their late answer (see PageAllocator.hold)
         self._held_for: dict[int, list[int]] = {}
+        #: what waits for plans to finish (a core's quarantined pages; changed in place): while it holds
+        #: anything, :meth:`_completions_applied` runs after each batch of completions
+        self._waiting_for_plans: list = []
 
     def _submit(self, plan_of, tag: JobTag | PrefetchHandle, *args) -> int:
         op = self._last_op = next(self._ops)
@@ -98,20 +101,21 @@ class PlanDispatch(CoreState):
             done, self._deferred = self._deferred + done, []
         for c in done:
             self._apply(c)
-        if done:
+        if done and self._waiting_for_plans:
             self._completions_applied()
         return len(done)
 
     def _completions_applied(self) -> None:
-        """Completions were applied: a core whose pages wait for plans to finish frees them here
-        (:class:`~kvtier.core.cache_core.CacheCore`'s quarantine); none by default."""
+        """Completions were applied while something waits for plans to finish (``_waiting_for_plans``):
+        :class:`~kvtier.core.cache_core.CacheCore` frees its quarantined pages here; nothing by default."""
 
     def _apply(self, c: Completion) -> None:
-        tag = self._inflight.pop(c.op, None) if type(c) in _COMPLETIONS else None
+        kind = type(c)
+        tag = self._inflight.pop(c.op, None) if kind in _COMPLETIONS else None
         if tag is None:
             self._unmatched(c)
             return
-        if c.reason is _TIMEOUT:
+        if kind is not Done and c.reason is _TIMEOUT:
             # the plan may still run late: its host pages must not be handed out again until it answers
             held = [n.host_page for n in tag.nodes if n.host_page != NO_PAGE]
             self.host_alloc.hold(held)

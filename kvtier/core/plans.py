@@ -67,12 +67,18 @@ class Transfer:
     groups: tuple[GroupRun, ...] = ()
 
     def __post_init__(self) -> None:
-        n = self.num_pages
-        sides = (self.src_pages, self.src), (self.dst_pages, self.dst)
-        for pages, tier in sides:
-            if len(pages if tier is not Tier.STORAGE else self.keys) != n:
-                raise PageAlignmentError(f"plan {self.op}: {self.src.name}->{self.dst.name} names {len(pages)} {tier.name.lower()} pages "
-                                         f"for {n} pages; every side of a plan names whole pages, one per page")
+        src, dst, storage = self.src, self.dst, Tier.STORAGE
+        if src is storage or dst is storage:  # a save or a fetch: one key per page
+            n = len(self.keys)
+            whole = len(self.src_pages if src is not storage else self.dst_pages) == n
+        else:
+            n = len(self.src_pages)
+            whole = len(self.dst_pages) == n
+        if not whole:
+            for pages, tier in (self.src_pages, src), (self.dst_pages, dst):
+                if tier is not storage and len(pages) != n:
+                    raise PageAlignmentError(f"plan {self.op}: {src.name}->{dst.name} names {len(pages)} {tier.name.lower()} pages "
+                                             f"for {n} pages; every side of a plan names whole pages, one per page")
 
     @property
     def num_pages(self) -> int:

@@ -20,6 +20,7 @@ a commit that still names a quarantined page is a :class:`~kvtier.errors.PageOwn
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -32,7 +33,7 @@ class Quarantine:
     those), with the open requests that may still name them; ``oldest_op()``: the oldest plan the
     core has in flight (None: none). Part of :class:`~kvtier.core.cache_core.CacheCore` alone."""
 
-    __slots__ = ("device", "free_objects", "oldest_op", "generation", "marks", "_open", "_serial", "entries")
+    __slots__ = ("device", "free_objects", "oldest_op", "generation", "marks", "_open", "_serials", "entries")
 
     def __init__(self, device: PageAllocator, free_objects: Callable[[dict[str, list[int]]], None],
                  oldest_op: Callable[[], int | None]):
@@ -45,15 +46,16 @@ class Quarantine:
         self.marks = np.zeros(device.num_pages, dtype=np.uint8)
         #: requests open now, by serial, in the order they began (the first is the oldest)
         self._open: dict[int, None] = {}
-        self._serial = 0
-        #: (pages, serial of the last request begun before the failure, the last plan submitted
-        #: before it -- one of those may still read or write the pages --, objects per group)
+        self._serials = itertools.count(1)
+        #: (pages, a serial drawn at the failure -- every request begun before it has a smaller one --,
+        #: the last plan submitted before it -- one of those may still read or write the pages --,
+        #: objects per group); changed in place only (the core reads it by reference)
         self.entries: list[tuple[list[int], int, int, dict[str, list[int]]]] = []
 
     def request_opened(self) -> int:
-        self._serial += 1
-        self._open[self._serial] = None
-        return self._serial
+        serial = next(self._serials)
+        self._open[serial] = None
+        return serial
 
     def request_finished(self, serial: int) -> None:
         self._open.pop(serial, None)
@@ -64,7 +66,7 @@ class Quarantine:
         """A failed load's device ``pages`` and other groups' object ids: nobody is offered them again
         (requests learn of it by the generation), freed once nobody can name them."""
         self.generation += 1
-        self.entries.append((pages, self._serial, last_op, objects))
+        self.entries.append((pages, next(self._serials), last_op, objects))
         self.marks[pages] = 1
         self.release()
 
@@ -75,15 +77,15 @@ class Quarantine:
         oldest_op = self.oldest_op()
         keep = []
         for entry in self.entries:
-            pages, last_request, last_op, objects = entry
-            if (oldest_request is None or oldest_request > last_request) and (oldest_op is None or oldest_op > last_op):
+            pages, fence, last_op, objects = entry
+            if (oldest_request is None or oldest_request > fence) and (oldest_op is None or oldest_op > last_op):
                 self.marks[pages] = 0
                 self.device.free(pages)
                 if objects:
                     self.free_objects(objects)
             else:
                 keep.append(entry)
-        self.entries = keep
+        self.entries[:] = keep
 
     def pages(self) -> set[int]:
         return {p for pages, _, _, _ in self.entries for p in pages}

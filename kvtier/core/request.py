@@ -60,9 +60,8 @@ class RequestCache(Protocol):
     #: a hybrid model's other KV groups (what a request holds of them, and how far it can continue)
     groups: Groups | NoGroups
 
-    @property
-    def load_failure_gen(self) -> int:
-        """Bumped on every failed host->device load: a request re-checks its prefix only when it moved."""
+    #: bumped on every failed host->device load: a request re-checks its prefix only when it moved
+    load_failure_gen: int
 
     def quarantined_pages(self) -> set[int]: ...
 
@@ -90,6 +89,10 @@ class RequestState(Enum):
 
 #: the objects a request of a model without other KV groups is given: none (shared, read-only)
 _NO_OBJECTS: Mapping[str, dict[int, int]] = MappingProxyType({})
+
+
+#: the one element type the fast commit path takes (a bool, a numpy integer or a float goes the checked way)
+_INTS = frozenset({int})
 
 
 class CacheRequest:
@@ -201,7 +204,8 @@ class CacheRequest:
         full pages first (inserted) and at most one partial tail page (freed). Pages the
         request allocated but did not pass are freed too. Unlocks the prefix."""
         self._check_open("commit")
-        if type(pages) is not list and not is_ordered_sequence(pages):
+        is_list = type(pages) is list
+        if not is_list and not is_ordered_sequence(pages):
             raise IndexTypeError(f"commit: pages must be a list of device page ids, in order, got {type(pages).__name__}")
         cache = self.cache
         load = self.load
@@ -215,13 +219,7 @@ class CacheRequest:
                                      f"in order, then its partial tail page if it has one")
         alloc = self._allocated
         k = len(pages) - len(alloc)
-        if (
-            isinstance(pages, list)
-            and k >= 0
-            and pages[k:] == alloc
-            and pages[:k] == self.cached_pages[:k]
-            and set(map(type, pages)) <= {int}
-        ):
+        if is_list and k >= 0 and pages[k:] == alloc and pages[:k] == self.cached_pages[:k] and set(map(type, pages)) <= _INTS:
             # the usual shape, the cached prefix then every page it allocated: list comparisons in C
             rest = pages[full:]
             known = self._prefix[:k]

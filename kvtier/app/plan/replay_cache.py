@@ -15,6 +15,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 
+import numpy as np
+
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, Tier
@@ -91,10 +93,9 @@ def replay_cache(
     # a node's pools are sized from the blocks routed to it (and their window pages): it can never hold
     # more, so larger pools change nothing and would only be allocated (1000 TB of host is 2e9 page
     # ids; 4096 nodes, 4096 cores)
-    need = [1] * cfg.nodes
+    blocks = np.bincount(np.asarray(nodes_of, dtype=np.int64), weights=[len(r.hash_ids) for r in requests], minlength=cfg.nodes)
     per_block = slots_per_block(cfg)
-    for r, j in zip(requests, nodes_of):
-        need[j] += len(r.hash_ids) * per_block
+    need = [1 + int(b) * per_block for b in blocks]
     caches = []
     for n in need:
         node_cap = Capacity(min(cap.device, n), min(cap.host, n), cap.storage)
@@ -147,7 +148,7 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
         total = -(-r.input_length // block)
         new = req.alloc(total - usable)
         if new.ok:
-            req.commit(req.cached_pages[:usable] + new.pages, _group_objects(node, req, usable) if node.components else None)
+            req.commit(req.cached_pages[:usable] + new.pages, _group_objects(node, req, usable) if node.groups else None)
         else:
             req.abort()
         served = req.served(usable)
@@ -155,9 +156,9 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
             hits[tier] += n
         if out.per_request is not None:
             out.per_request.append(served)
-        if node.components:  # the most objects (and, beside window pages sharing the pool, pages) a node's tiers held at once
+        if node.groups:  # the most objects (and, beside window pages sharing the pool, pages) a node's tiers held at once
             dev_used, host_used = node.dev_alloc.num_used, node.host_alloc.num_used
-            for c in node.components:
+            for c in node.groups.components:
                 n_dev, n_host = len(c.at[Tier.DEVICE]), len(c.at[Tier.HOST])
                 peak = out.peaks.setdefault(c.name, [0, 0])
                 peak[0], peak[1] = max(peak[0], n_dev), max(peak[1], n_host)
