@@ -194,9 +194,9 @@ class CacheCore(DeviceSpace):
         keys = self._keys(tokens_or_keys)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
         m = self._match(keys, True, want)
-        self.lock(m.last_node)
-        host_before = m.num_host_pages
-        if prefetch and m.num_storage_pages and m.num_device_pages + m.num_host_pages < want:
+        self.lock(m.nodes[-1] if m.nodes else None)
+        host_before = len(m.nodes) - len(m.device_pages)
+        if prefetch and m.num_storage_pages and len(m.nodes) < want:
             try:
                 handle = self.prefetch(m)
                 if handle is not None:
@@ -211,11 +211,12 @@ class CacheCore(DeviceSpace):
                 m = again
         quarantine = self.quarantine
         if not self.groups:  # full attention: the device prefix, then every host page loaded back
-            ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+            # (the match's fields read directly, not through its properties: this runs once per request)
+            ld = self.load_back(m) if len(m.nodes) > len(m.device_pages) else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
             host_hit = min(ld.loaded, host_before)
             # the nodes of ld.device_pages: locked until commit
-            return CacheRequest(self, keys, len(keys), m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld,
-                                m.last_node, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
+            return CacheRequest(self, keys, len(keys), len(m.device_pages), host_hit, ld.loaded - host_hit, ld.device_pages, ld,
+                                m.nodes[-1] if m.nodes else None, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
                                 failure_gen=self.load_failure_gen)
         ld = self.load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
