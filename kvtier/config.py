@@ -74,8 +74,14 @@ class TierConfig:
     host_gb: float | None = _help("host (L2) pool size in GB; checked against available memory", None)
     host_layout: HostLayoutKind = _help("host layout: page_first (one run per page: cheap L3 I/O) or layer_first", DEFAULT_HOST_LAYOUT)
     device: str = _help("where the device pool lives: cpu or cuda", "cpu")
+    service: str | None = _help(
+        "a kvtier serve socket path: the host tier is the node service's shared region, shared with every engine attached to it "
+        "(host_pages / host_gb: how much of it this engine holds at once); None: a host tier of this process's own", None
+    )
 
     def __post_init__(self) -> None:
+        if self.service is not None and (not isinstance(self.service, str) or not self.service):
+            raise ConfigError(f"TierConfig.service must be a socket path (kvtier serve --socket) or None; got {self.service!r}")
         check_number(self, "device_pages", at_least=1, integer=True)
         check_number(self, "host_pages", at_least=1, integer=True)
         check_number(self, "host_gb", above=0)

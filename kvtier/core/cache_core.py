@@ -50,8 +50,9 @@ from kvtier.core.port import ExecutorPort
 from kvtier.core.quarantine import Quarantine
 from kvtier.core.request import CacheRequest
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
+from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
 from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
-from kvtier.errors import ExecutorError, PageAlignmentError, PageOwnershipError
+from kvtier.errors import ConfigError, ExecutorError, PageAlignmentError, PageOwnershipError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
@@ -76,12 +77,16 @@ class CacheCore(DeviceSpace):
 
     ``model``: a :class:`~kvtier.groups.ModelSpec` whose full-attention group ``spec`` describes;
     ``group_pools``: each other group's (device, host) allocators; ``state_every``: the cadence of
-    state snapshots, in pages."""
+    state snapshots, in pages; ``shared_host``: a host tier other engines share
+    (:mod:`~kvtier.core.shared_host`; a model of full attention only, and no L3 of the core's own)."""
 
     def __init__(self, spec: KVSpec, device: PageAllocator, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
                  model: ModelSpec | None = None, group_pools: dict[str, tuple[PageAllocator, PageAllocator]] | None = None,
-                 state_every: int = 1):
+                 state_every: int = 1, shared_host: SharedHost = NO_SHARED_HOST):
+        if shared_host and (model is not None and model.is_hybrid or port.has_storage):
+            raise ConfigError("a shared host tier (the node service) serves models of full attention only, with no L3 of the engine's own "
+                              "(the service keeps the tiers below the engine): drop the storage URL, or the service")
         if namespace is None and model is not None and model.is_hybrid:
             namespace = Namespace("default", model.fingerprint())
         super().__init__(spec, device, host, port, config, storage_config, namespace=namespace, stats=stats)
@@ -97,6 +102,7 @@ class CacheCore(DeviceSpace):
         #: a request that ended (its quarantine entry bound once: one call per request, not two)
         self.request_finished = self.quarantine.request_finished
         self._on |= {LoadBack: self._finish_load}
+        self.shared_host = shared_host
 
     def _free_objects(self, ids: dict[str, list[int]]) -> None:
         self.groups.free_ids(Tier.DEVICE, ids)
@@ -143,6 +149,8 @@ class CacheCore(DeviceSpace):
         self.poll()
         tree = self.tree
         path = tree.walk(keys)
+        if self.shared_host and len(path) < len(keys):
+            path += self._adopt_shared(keys, path, limit)
         tree.touch(path)
         n_dev = tree.device_prefix(path)
         matched = path[: n_dev + tree.readable_host_run(path[n_dev:])]  # the device pages, then readable host copies
@@ -185,6 +193,25 @@ class CacheCore(DeviceSpace):
                 n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
             st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled)
+
+    def _adopt_shared(self, keys: list[PageHash], path: list[PageNode], limit: int | None) -> list[PageNode]:
+        """The pages after ``path`` (up to ``limit``) that other engines published to the shared host tier:
+        this core's readable host pages from now on, room made for them by its own host LRU."""
+        rest = keys[len(path) : limit]
+        pages = self.shared_host.lookup(rest)
+        if not pages:
+            return []
+        parent = path[-1] if path else None
+        short = len(pages) - self.host_alloc.num_free
+        if short > 0:
+            self.tree.lock(parent)  # the path the adopted pages hang from stays
+            try:
+                self.evict_host(short)
+            finally:
+                self.tree.unlock(parent)
+        n = self.shared_host.adopt(pages)
+        self.stats.shared_host_pages += n
+        return self.tree.add_host_chain(rest[:n], pages[:n], parent, ready=True) if n else []
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:

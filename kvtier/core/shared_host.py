@@ -1,0 +1,52 @@
+"""A host tier other engines share: what the core asks of it, and the null object for a host tier of its own.
+
+With the node service (:mod:`kvtier.service`), the core's host pages are pages of a region every engine
+on the node maps, and the service indexes them. The core stays the policy of its own view: its tree
+holds the region pages it holds, its host LRU gives them back. Three calls join the views:
+
+* ``lookup(keys)`` -- the region pages of the leading run of ``keys`` that other engines published
+  (held for this engine from now on; one round trip), when the core's own tree ends before them;
+* ``adopt(pages)`` -- book as many of them as the host allocator has room for (the rest are let go);
+  the core adds them to its tree as readable host pages, so a match counts them as host hits;
+* ``publish(keys, pages)`` -- a backup into ``pages`` completed: other engines may have them now
+  (never before: a page still being written is offered to nobody).
+
+The choice is made once, at construction (:class:`~kvtier.core.cache_core.CacheCore`'s ``shared_host``):
+:data:`NO_SHARED_HOST` (falsy) for a host tier of the engine's own, so the per-request paths test one
+attribute and call nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvtier.hashing import PageHash
+
+
+class SharedHost(Protocol):
+    def lookup(self, keys: list[PageHash]) -> list[int]: ...
+
+    def adopt(self, pages: list[int]) -> int: ...
+
+    def publish(self, keys: list[PageHash], pages: list[int]) -> None: ...
+
+
+class NoSharedHost:
+    """A host tier of the engine's own: nobody else's pages to find, nobody to tell."""
+
+    __slots__ = ()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def lookup(self, keys: list[PageHash]) -> list[int]:
+        return []
+
+    def adopt(self, pages: list[int]) -> int:
+        return 0
+
+    def publish(self, keys: list[PageHash], pages: list[int]) -> None:
+        pass
+
+
+NO_SHARED_HOST = NoSharedHost()
