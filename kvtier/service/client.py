@@ -51,13 +51,17 @@ class ServiceClient:
         deadline = time.monotonic() + self.deadline_s
         try:
             send_frame(self._sock, {"seq": self._seq, "ops": ops}, deadline)
-            answer = recv_frame(self._sock, deadline)
-        except ServiceError as e:
-            raise self._break(e) from None
+        except ServiceError as e:  # closed on us: a refusal it sent first is the reason
+            answer = self._last_words()
+            if answer is None:
+                raise self._break(e) from None
+        else:
+            try:
+                answer = recv_frame(self._sock, deadline)
+            except ServiceError as e:
+                raise self._break(e) from None
         if "error" in answer:
-            err = answer["error"] if type(answer["error"]) is dict else {}
-            cls = _ERRORS.get(err.get("type"), ServiceError)
-            raise self._break(cls(f"the node service refused: {err.get('message', answer['error'])}")) from None
+            raise self._break(_refusal(answer)) from None
         results = answer.get("results")
         if answer.get("seq") != self._seq or type(results) is not list or len(results) != len(ops):
             raise self._break(ServiceProtocolError(f"the node service answered call {self._seq} out of protocol: {str(answer)[:80]}"))
@@ -70,7 +74,15 @@ class ServiceClient:
         try:
             send_frame(self._sock, {"seq": self._seq, "ops": ops, "note": True}, time.monotonic() + self.deadline_s)
         except ServiceError as e:
-            raise self._break(e) from None
+            answer = self._last_words()
+            raise self._break(_refusal(answer) if answer is not None and "error" in answer else e) from None
+
+    def _last_words(self) -> dict | None:
+        """The frame a service that closed the connection sent before closing it (a refusal), if any."""
+        try:
+            return recv_frame(self._sock, time.monotonic() + 1.0)
+        except ServiceError:
+            return None
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -102,6 +114,12 @@ class ServiceClient:
         if self._broken is None:
             self._broken = "closed"
             self._sock.close()
+
+
+def _refusal(answer: dict) -> ServiceError:
+    """The typed error of the service's refusal frame."""
+    err = answer["error"] if type(answer["error"]) is dict else {}
+    return _ERRORS.get(err.get("type"), ServiceError)(f"the node service refused: {err.get('message', answer['error'])}")
 
 
 def query_status(socket_path: str, deadline_s: float = 10.0) -> dict:
