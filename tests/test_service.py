@@ -192,3 +192,22 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and text in lines[0] and "Traceback" not in r.stderr, (argv, r.stderr)
     assert not (open_dir / "s.sock").exists()
+
+
+def test_kvtier_run_through_the_service_twice_the_second_engine_starts_with_the_first_ones_host_tier(tmp_path):
+    import json
+
+    from support.cli import SMALL, kvtier
+
+    with running_service(tmp_path, host_gb=0.2) as svc:
+        reports = []
+        for _ in range(2):  # two engine processes one after the other: a restart
+            r = kvtier("run", "--no-progress", "--json", "-", "--tiers-service", svc.socket, *SMALL, timeout=600)
+            assert r.returncode == 0, r.stderr[-3000:]
+            reports.append(json.loads(r.stdout))
+        for rep in reports:
+            assert rep["logits_bit_exact"] and rep["storage_url"] is None
+        first, second = (rep["stats"] for rep in reports)
+        # (the first takes pages back too: ones its own host LRU let go, which the service kept beyond its share)
+        assert second["shared_host_pages"] > first["shared_host_pages"]
+        assert second["host_hit_pages"] > first["host_hit_pages"]
