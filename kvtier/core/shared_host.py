@@ -31,13 +31,12 @@ class SharedHost(Protocol):
     def publish(self, keys: list[PageHash], pages: list[int]) -> None: ...
 
 
-class NoSharedHost:
-    """A host tier of the engine's own: nobody else's pages to find, nobody to tell."""
+class NoSharedHost(tuple):
+    """A host tier of the engine's own: nobody else's pages to find, nobody to tell. Falsy as an empty
+    tuple, so the per-request paths' ``if self.shared_host`` is a C-level length test, not a Python call
+    (the same trick as :class:`~kvtier.core.group_objects.NoGroups`)."""
 
     __slots__ = ()
-
-    def __bool__(self) -> bool:
-        return False
 
     def lookup(self, keys: list[PageHash]) -> list[int]:
         return []
