@@ -394,8 +394,7 @@ class CacheCore(DeviceSpace):
             self._loading.pop(n, None)  # a load of a page below is moot: its page is quarantined too
         objects = self.groups.quarantined(victims) if self.groups else {}
         pages = tree.clear_devices(victims)
-        self.quarantine.add(pages, objects, self._last_op)
-        self.load_failure_gen = self.quarantine.generation
+        self._quarantine(pages, objects)
         return len(pages)
 
     def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
@@ -403,8 +402,13 @@ class CacheCore(DeviceSpace):
         objects leave the tree into quarantine, the pages stay (their bytes were never touched)."""
         objects = self.groups.quarantined(nodes)
         if objects:
-            self.quarantine.add([], objects, self._last_op)
-            self.load_failure_gen = self.quarantine.generation
+            self._quarantine([], objects)
+
+    def _quarantine(self, pages: list[int], objects: dict[str, list[int]]) -> None:
+        """A failed load's pages and objects into the quarantine, its generation mirrored in the plain
+        attribute every commit reads (:attr:`load_failure_gen`)."""
+        self.quarantine.add(pages, objects, self._last_op)
+        self.load_failure_gen = self.quarantine.generation
 
     def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
