@@ -14,7 +14,7 @@ import socket
 import time
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
-from kvtier.service.messages import STATUS_OP, hello_op, lookup_op, publish_op, release_op, reserve_op
+from kvtier.service.messages import BYE_OP, STATUS_OP, hello_op, lookup_op, publish_op, release_op, reserve_op
 from kvtier.service.region import RegionFormat
 from kvtier.service.wire import recv_frame, send_frame
 
@@ -24,10 +24,14 @@ _ERRORS = {cls.__name__: cls for cls in (ServiceError, ServiceProtocolError, Ser
 
 class ServiceClient:
     """Attached to the service at ``socket_path`` in ``namespace`` (a :class:`~kvtier.hashing.Namespace`'s
-    string), for pages of ``fmt``. ``region``, ``region_size`` and ``num_pages`` say what to map."""
+    string), for pages of ``fmt``. ``region``, ``region_size`` and ``num_pages`` say what to map;
+    ``session`` names this attachment. ``previous``: a session of this process that is quiesced (nothing
+    in flight touches its pages, none is in its tree any more): the service frees what it kept of it."""
 
-    def __init__(self, socket_path: str, namespace: str, fmt: RegionFormat, *, deadline_s: float = 10.0):
+    def __init__(self, socket_path: str, namespace: str, fmt: RegionFormat, *, deadline_s: float = 10.0, previous: str | None = None):
         self.socket_path = socket_path
+        self.namespace = namespace
+        self.fmt = fmt
         self.deadline_s = deadline_s
         self._seq = 0
         self._broken: str | None = None
@@ -38,10 +42,11 @@ class ServiceClient:
         except OSError as e:
             self._sock.close()
             raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e}); start one with kvtier serve") from None
-        (hello,) = self.call([hello_op(namespace, fmt.as_wire())])
+        (hello,) = self.call([hello_op(namespace, fmt.as_wire(), previous)])
         self.region: str = hello["region"]
         self.region_size: int = hello["size"]
         self.num_pages: int = hello["num_pages"]
+        self.session: str = hello["session"]
 
     # ---- the wire --------------------------------------------------------------------------------
     def call(self, ops: list[dict]) -> list:
@@ -109,9 +114,16 @@ class ServiceClient:
     def status(self) -> dict:
         return self.call([STATUS_OP])[0]
 
-    def close(self) -> None:
-        """Detach: the service releases what this client holds and drops what it was writing."""
+    def close(self, *, quiesced: bool = True) -> None:
+        """Detach. ``quiesced`` (nothing in flight touches this client's pages, and nothing will read
+        them): the service releases what it holds and drops what it was writing now; otherwise it keeps
+        them out of circulation until this process exits or reattaches naming :attr:`session`."""
         if self._broken is None:
+            if quiesced:
+                try:
+                    self.note([BYE_OP])
+                except ServiceError:
+                    pass
             self._broken = "closed"
             self._sock.close()
 

@@ -76,6 +76,11 @@ class HostIndex:
         assert client not in self.clients, client
         self.clients[client] = Client(namespace)
 
+    def holds_anything(self, client: int) -> bool:
+        """Whether the client writes or holds any page (a dropped one that does not is simply detached)."""
+        c = self.clients[client]
+        return bool(c.writing or c.held)
+
     def detach(self, client: int) -> None:
         """The client's connection is gone: its writes are dropped unpublished, its holds released."""
         c = self.clients[client]

@@ -5,7 +5,8 @@ A request frame is ``{"seq": n, "ops": [op, ...]}``: a batch, answered by one fr
 ``{"seq": n, "results": [one per op]}`` (one round trip for a scheduler step's lookups, reservations
 and releases). ``"note": true`` marks a batch that wants no answer (publish, release: nothing waits on
 them). A refused batch is answered ``{"seq": n, "error": {"type": ..., "message": ...}}`` and the
-connection is closed. The first op of a connection is ``hello``. Page keys travel as hex.
+connection is closed. The first op of a connection is ``hello`` (its answer names the connection's
+session); ``bye`` detaches quiesced. Page keys travel as hex.
 """
 
 from __future__ import annotations
@@ -21,12 +22,18 @@ MAX_OPS = 4096
 MAX_PAGES = 1 << 20
 MAX_KEY_BYTES = 64
 MAX_NAMESPACE = 1024
+MAX_SESSION = 64
 
 
 @dataclass(frozen=True, slots=True)
 class Hello:
+    """Attach in ``namespace`` for pages of ``format``. ``previous``: a session of this process the service
+    dropped, now quiesced -- its pages are out of this process's tree and no copy touches them -- so the
+    service may free them (:mod:`kvtier.service.server`'s orphaned sessions)."""
+
     namespace: str
     format: dict
+    previous: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +70,12 @@ class Status:
     pass
 
 
-Op = Hello | Lookup | Reserve | Publish | Release | Status
+@dataclass(frozen=True, slots=True)
+class Bye:
+    """The caller detaches quiesced (nothing in flight touches its pages): free its leases and holds now."""
+
+
+Op = Hello | Lookup | Reserve | Publish | Release | Status | Bye
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +110,11 @@ def parse_op(op: object) -> Op:
             raise ServiceProtocolError(f"hello's namespace must be a string of 1 to {MAX_NAMESPACE} characters, got {_show(namespace)}")
         if type(fmt) is not dict:
             raise ServiceProtocolError(f"hello's format must be an object, got {_show(fmt)}")
-        return Hello(namespace, fmt)
+        previous = op.get("previous")
+        if previous is not None and (type(previous) is not str or not 0 < len(previous) <= MAX_SESSION):
+            raise ServiceProtocolError(f"hello's previous must be a session id (a string of 1 to {MAX_SESSION} characters), got "
+                                       f"{_show(previous)}")
+        return Hello(namespace, fmt, previous)
     if kind == "lookup":
         return Lookup(_keys(op, "keys"))
     if kind == "reserve":
@@ -115,7 +131,9 @@ def parse_op(op: object) -> Op:
         return Release(_pages(op, "pages"))
     if kind == "status":
         return Status()
-    raise ServiceProtocolError(f"unknown message type {_show(kind)}; known: hello, lookup, reserve, publish, release, status")
+    if kind == "bye":
+        return Bye()
+    raise ServiceProtocolError(f"unknown message type {_show(kind)}; known: hello, lookup, reserve, publish, release, status, bye")
 
 
 def _pages(op: dict, name: str) -> list[int]:
@@ -147,8 +165,11 @@ def _show(value: object) -> str:
 
 
 # ---- the client's side: ops as the frames carry them ----------------------------------------------
-def hello_op(namespace: str, fmt: dict) -> dict:
-    return {"op": "hello", "version": VERSION, "namespace": namespace, "format": fmt}
+def hello_op(namespace: str, fmt: dict, previous: str | None = None) -> dict:
+    op = {"op": "hello", "version": VERSION, "namespace": namespace, "format": fmt}
+    if previous is not None:
+        op["previous"] = previous
+    return op
 
 
 def lookup_op(keys: list[bytes]) -> dict:
@@ -168,3 +189,4 @@ def release_op(pages: list[int]) -> dict:
 
 
 STATUS_OP = {"op": "status"}
+BYE_OP = {"op": "bye"}

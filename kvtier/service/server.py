@@ -2,15 +2,28 @@
 
 A single thread runs a selector over the listening socket and every connection; each frame is one
 batch of ops, applied to the index in order and answered in one frame. A peer that breaks the
-protocol gets a typed error frame and its connection closed (the index drops its writes and releases
-its holds at once); so does a peer whose answers it does not read within ``send_deadline_s``. The
-service never touches the region's bytes: it makes it, names its pages, and removes it on close.
+protocol gets a typed error frame and its connection closed; so does a peer whose answers it does not
+read within ``send_deadline_s``. The service never touches the region's bytes: it makes it, names its
+pages, and removes it on close.
+
+What a closed connection held (:meth:`NodeService._drop`):
+
+* its peer said ``bye`` (quiesced), or its process is gone (a SIGKILLed engine's socket is closed by
+  the kernel): its writes are dropped unpublished and its holds released at once;
+* its process still lives (the service dropped it, or it gave up on a call): the session is kept as an
+  *orphan*, its leases and holds out of circulation -- that process may still read those pages from its
+  tree or have a copy writing into them. The orphan ends when the process exits (its pidfd, taken when
+  it connected, becomes readable: a reused pid cannot pass for it) or when the process attaches again
+  naming the session as ``previous`` in its hello, which it does only once it dropped every page of the
+  session from its tree and no copy touches them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
+import select
 import selectors
 import socket
 import time
@@ -21,7 +34,7 @@ from kvtier.config import check_number
 from kvtier.errors import ConfigError, KVTierError, ServiceError, ServiceProtocolError
 from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.index import HostIndex
-from kvtier.service.messages import Hello, Lookup, Publish, Release, Reserve, Status, parse_batch
+from kvtier.service.messages import Bye, Hello, Lookup, Publish, Release, Reserve, Status, parse_batch
 from kvtier.service.peer import check_peer, claim_socket_path, peer_credentials, private_socket_dir
 from kvtier.service.region import Region, RegionFormat, create_region, remove_region
 from kvtier.service.wire import FrameReader, encode
@@ -52,15 +65,41 @@ class ServeConfig:
 
 
 class _Conn:
-    __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached")
+    __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session")
 
-    def __init__(self, cid: int, sock: socket.socket):
+    def __init__(self, cid: int, sock: socket.socket, pid: int = 0):
         self.id = cid
         self.sock = sock
         self.reader = FrameReader()
         self.out = bytearray()
         self.unread_since: float | None = None
         self.attached = False
+        self.pid = pid
+        #: the peer process, pinned when it connected (None: gone already, so nothing of it is kept)
+        self.pidfd: int | None = None
+        self.session = ""
+
+
+@dataclass(frozen=True)
+class _Orphan:
+    """A dropped connection's session whose process lives: its index client stays until the process
+    exits (``pidfd`` readable) or reattaches naming ``session``."""
+
+    cid: int
+    pid: int
+    pidfd: int
+    session: str
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone already
+        return None
+
+
+def _exited(pidfd: int) -> bool:
+    return bool(select.select([pidfd], [], [], 0)[0])
 
 
 class NodeService:
@@ -85,6 +124,8 @@ class NodeService:
         self.region: Region | None = None
         self.index: HostIndex | None = None
         self._conns: dict[int, _Conn] = {}
+        self._sessions: dict[str, _Conn] = {}  # attached connections by session
+        self._orphans: dict[str, _Orphan] = {}
         self._next_id = 1
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
@@ -96,6 +137,9 @@ class NodeService:
             for key, mask in self._sel.select(tick_s):
                 if key.data is None:
                     self._accept()
+                    continue
+                if type(key.data) is _Orphan:  # its process exited
+                    self._end_orphan(key.data, "its process exited")
                     continue
                 conn = key.data
                 if mask & selectors.EVENT_READ and conn.id in self._conns:
@@ -112,13 +156,15 @@ class NodeService:
         cid, self._next_id = self._next_id, self._next_id + 1
         conn = _Conn(cid, sock)
         try:
-            check_peer(peer_credentials(sock), self.uid)
+            peer = peer_credentials(sock)
+            check_peer(peer, self.uid)
         except KVTierError as e:
             self.refused += 1
             log.warning("refused a peer: %s", e)
             self._send_error(conn, 0, e)
             sock.close()
             return
+        conn.pid, conn.pidfd = peer.pid, _open_pidfd(peer.pid)
         sock.setblocking(False)
         self._conns[cid] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -157,7 +203,10 @@ class NodeService:
         if kind is Hello:
             return self._hello(conn, op)
         if not conn.attached:
-            raise ServiceProtocolError(f"{kind.__name__.lower()} before hello: a connection's first op is hello")
+            raise ServiceProtocolError(f"{kind.__name__.lower()} before hello (or after bye): a connection's first op is hello")
+        if kind is Bye:
+            self._detach(conn)
+            return None
         index = self.index
         if kind is Lookup:
             return index.lookup(conn.id, op.keys)
@@ -181,16 +230,35 @@ class NodeService:
         elif fmt != self.region.format:
             raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
                                f"{fmt} needs a service of its own (one page format per service)")
+        if op.previous is not None:
+            self._end_previous(conn, op.previous)
         self.index.attach(conn.id, op.namespace)
         conn.attached = True
-        return {"region": self.region.path, "size": self.region.size, "num_pages": self.region.num_pages}
+        conn.session = secrets.token_hex(16)
+        self._sessions[conn.session] = conn
+        return {"region": self.region.path, "size": self.region.size, "num_pages": self.region.num_pages, "session": conn.session}
+
+    def _end_previous(self, conn: _Conn, session: str) -> None:
+        """The peer's process says its earlier ``session`` is quiesced: free what it held. A session the
+        service does not know (a restarted service; ended already) is nothing to do."""
+        orphan = self._orphans.get(session)
+        old = self._sessions.get(session)
+        pid = orphan.pid if orphan is not None else old.pid if old is not None else conn.pid
+        if pid != conn.pid:
+            raise ServiceProtocolError(f"hello: session {session[:8]}... is process {pid}'s, not this one's ({conn.pid}); "
+                                       "a process reattaches its own sessions only")
+        if orphan is not None:
+            self._end_orphan(orphan, "it reattached, quiesced")
+        elif old is not None:  # its end not read yet: it is over all the same
+            self._detach(old)
+            self._drop(old)
 
     def status(self) -> dict:
-        out = {"socket": self.config.socket, "clients": len(self._conns), "refused": self.refused,
-               "region": self.region.path if self.region else None}
+        out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None}
         if self.index is not None:
             out |= self.index.status().as_dict()
-        return out
+        # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
+        return out | {"clients": len(self._sessions), "orphaned": len(self._orphans)}
 
     # ---- connections -------------------------------------------------------------------------------
     def _send(self, conn: _Conn, obj: dict) -> None:
@@ -240,17 +308,47 @@ class NodeService:
             pass
 
     def _drop(self, conn: _Conn) -> None:
+        """Close ``conn``; what it held is released now, or kept as an orphan while its process lives."""
         if self._conns.pop(conn.id, None) is None:
             return
         self._sel.unregister(conn.sock)
-        if conn.attached:
-            self.index.detach(conn.id)
         conn.sock.close()
+        if conn.attached and conn.pidfd is not None and self.index.holds_anything(conn.id) and not _exited(conn.pidfd):
+            self._orphan(conn)
+            return
+        self._detach(conn)
+        if conn.pidfd is not None:
+            os.close(conn.pidfd)
+
+    def _detach(self, conn: _Conn) -> None:
+        """The connection's writes dropped unpublished, its holds released (if it is attached)."""
+        if conn.attached:
+            conn.attached = False
+            del self._sessions[conn.session]
+            self.index.detach(conn.id)
+
+    def _orphan(self, conn: _Conn) -> None:
+        orphan = _Orphan(conn.id, conn.pid, conn.pidfd, conn.session)
+        del self._sessions[conn.session]
+        self._orphans[orphan.session] = orphan
+        self._sel.register(orphan.pidfd, selectors.EVENT_READ, orphan)
+        c = self.index.clients[conn.id]
+        log.warning("client %d (process %d) dropped while its process lives: its %d held and %d leased pages stay out of circulation "
+                    "until it exits or reattaches", conn.id, conn.pid, len(c.held), len(c.writing))
+
+    def _end_orphan(self, orphan: _Orphan, why: str) -> None:
+        del self._orphans[orphan.session]
+        self._sel.unregister(orphan.pidfd)
+        os.close(orphan.pidfd)
+        self.index.detach(orphan.cid)
+        log.info("client %d's orphaned session ended: %s", orphan.cid, why)
 
     def close(self) -> None:
         """Close every connection and the socket; remove the socket file and the region."""
         for conn in list(self._conns.values()):
             self._drop(conn)
+        for orphan in list(self._orphans.values()):
+            self._end_orphan(orphan, "the service stops")
         self._sel.close()
         self.listener.close()
         try:
