@@ -95,16 +95,19 @@ class HierarchicalCache(CacheCore):
             )
         except Exception:
             executor.close()  # (its transfer threads: a refused configuration leaves nothing running)
-            self._detach()
+            self._detach(quiesced=True)
             raise
 
     def close(self) -> None:
-        """Finish every plan in flight, close the executor, then detach from the node service (if any)."""
+        """Finish every plan in flight, close the executor, then detach from the node service (if any:
+        quiesced when every plan finished; else the service keeps this engine's pages until it exits)."""
+        finished = False
         try:
             super().close()
+            finished = True
         finally:
-            self._detach()
+            self._detach(quiesced=finished)
 
-    def _detach(self) -> None:
+    def _detach(self, *, quiesced: bool) -> None:
         if isinstance(self.host.allocator, LeasedPages):
-            self.host.allocator.client.close()
+            self.host.allocator.close(quiesced=quiesced)

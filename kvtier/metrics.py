@@ -53,6 +53,8 @@ class CacheStats:
     #: host pages other engines published to the node service that this cache took into its host tier
     #: (a match found them after its own prefix; they count as host hits there)
     shared_host_pages: int = 0
+    #: host pages forgotten because the node service was lost (the engine goes on without it: misses)
+    shared_host_lost_pages: int = 0
 
     def snapshot(self) -> CacheStats:
         return dataclasses.replace(self)

@@ -11,6 +11,11 @@ holds the region pages it holds, its host LRU gives them back. Three calls join 
 * ``publish(keys, pages)`` -- a backup into ``pages`` completed: other engines may have them now
   (never before: a page still being written is offered to nobody).
 
+A tier that fails (its service died, or dropped this engine) says so with ``lost``: it finds nothing,
+gives no pages and takes none back, and the core's next match forgets every host page it holds (they
+are all the region's), after the copies in flight that touch them completed. The engine goes on with
+misses; the tier attaches again on its own once nothing of the old attachment is left in the core.
+
 The choice is made once, at construction (:class:`~kvtier.core.cache_core.CacheCore`'s ``shared_host``):
 :data:`NO_SHARED_HOST` (falsy) for a host tier of the engine's own, so the per-request paths test one
 attribute and call nothing.
@@ -24,6 +29,10 @@ from kvtier.hashing import PageHash
 
 
 class SharedHost(Protocol):
+    #: the tier is gone (its service died or dropped this engine): its pages must leave the core's tree
+    #: (:meth:`~kvtier.core.cache_core.CacheCore._forget_shared_host`); until they have, it is not attached again
+    lost: bool
+
     def lookup(self, keys: list[PageHash]) -> list[int]: ...
 
     def adopt(self, pages: list[int]) -> int: ...
@@ -37,6 +46,7 @@ class NoSharedHost(tuple):
     (the same trick as :class:`~kvtier.core.group_objects.NoGroups`)."""
 
     __slots__ = ()
+    lost = False
 
     def lookup(self, keys: list[PageHash]) -> list[int]:
         return []

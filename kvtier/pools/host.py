@@ -93,9 +93,15 @@ class HostPool:
         self._rows: dict[str, list[torch.Tensor]] = {}
         # (a region is pinned only where its mapper registered it with CUDA and says so)
         self.pinned = bool(pin_memory) if memory is not None else torch.cuda.is_available() if pin_memory is None else pin_memory
-        offsets, size = region_offsets([b.page_bytes for b in spec.buffers], spec.num_layers, num_pages)
+        self._lay_out(memory)
+
+    def _lay_out(self, memory: torch.Tensor | None) -> None:
+        """The buffers (and their per-layer row views): fresh memory of their own, or views of ``memory``."""
+        spec, name = self.spec, self.name
+        offsets, size = region_offsets([b.page_bytes for b in spec.buffers], spec.num_layers, self.num_pages)
         if memory is not None and memory.numel() < size:
-            raise SpecError(f"{name}: a region of {memory.numel()} bytes cannot hold {num_pages} pages of {spec.name!r} ({size} bytes)")
+            raise SpecError(f"{name}: a region of {memory.numel()} bytes cannot hold {self.num_pages} pages of {spec.name!r} "
+                            f"({size} bytes)")
         for b, offset in zip(spec.buffers, offsets):
             shape = self.layout.shape(b.page_bytes)
             if memory is None:
@@ -105,6 +111,12 @@ class HostPool:
                 t = memory[offset : offset + math.prod(shape)].view(shape)
             self.buffers[b.name] = t
             self._rows[b.name] = [as_wide_rows(self.layout.layer_rows(t, layer)) for layer in range(spec.num_layers)]
+
+    def remap(self, memory: torch.Tensor) -> None:
+        """Lay the buffers out in ``memory`` from now on (a node service's region mapped anew when its
+        engine attaches again; the old views go, and with the last of them the old mapping). Only while no
+        copy is in flight: a copy reads the views when it starts."""
+        self._lay_out(memory)
 
     # ---- space ---------------------------------------------------------------
     @property

@@ -14,11 +14,13 @@ def attach_host_pool(socket_path: str, spec: KVSpec, layout: str, namespace: Nam
                      deadline_s: float = 10.0) -> HostPool:
     """A :class:`HostPool` over the region of the service at ``socket_path`` (mapped, not copied), whose
     allocator is a :class:`LeasedPages` holding at most ``share`` of its pages for this engine.
-    ``pool.allocator.client.close()`` detaches (the cache that uses the pool does so when it closes)."""
+    ``pool.allocator.close()`` detaches (the cache that uses the pool does so when it closes)."""
     client = ServiceClient(socket_path, str(namespace), RegionFormat.of(spec, layout), deadline_s=deadline_s)
     try:
         memory = map_region(client.region, client.region_size)
-        return HostPool(spec, client.num_pages, layout, memory=memory, allocator=LeasedPages(client, share), name="node service region")
+        leased = LeasedPages(client, share)
+        leased.pool = HostPool(spec, client.num_pages, layout, memory=memory, allocator=leased, name="node service region")
+        return leased.pool
     except BaseException:
         client.close()
         raise
