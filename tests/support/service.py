@@ -33,15 +33,30 @@ class RunningService:
 @contextmanager
 def running_service(tmp_path: Path, host_gb: float = 0.01):
     """``kvtier serve`` on ``tmp_path/run/node.sock`` until the block ends (then SIGTERM, then SIGKILL)."""
-    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb)
+    try:
+        yield svc
+    finally:
+        stop(svc.proc)
+
+
+def start_service(sock: str, host_gb: float = 0.01) -> RunningService:
+    """``kvtier serve`` on ``sock``, once it listens (the caller stops it)."""
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(host_gb), "--socket", sock],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = read_line(proc, START_TIMEOUT_S)
         assert "listening on unix://" + sock in banner, (banner, proc.stderr.read() if proc.poll() is not None else "")
-        yield RunningService(proc, sock, banner)
-    finally:
+    except BaseException:
         stop(proc)
+        raise
+    return RunningService(proc, sock, banner)
+
+
+def tell(proc: subprocess.Popen, line: str) -> None:
+    """One line to a peer's stdin."""
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
 
 
 def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
@@ -141,3 +156,10 @@ def _read(s: socket.socket, n: int) -> bytes | None:
             return None
         buf += chunk
     return buf
+
+
+def query_status_of(sock: str):
+    """A function that asks the service at ``sock`` for its status."""
+    from kvtier.service.client import query_status
+
+    return lambda: query_status(sock)
