@@ -150,17 +150,23 @@ def test_after_the_service_restarts_with_a_new_region_no_page_id_of_the_old_one_
         engine.request(prompt(1))
         engine.cache.wait_idle()  # its pages backed up into the region
         regions.append(status()["region"])
-        engine.cache.evict_device(16)  # prompt 1 on host only now: page ids of this region in the engine's tree
-        assert len(engine.cache.tree.hosted) == PAGES and engine.cache.stats.device_evicted_pages == PAGES
+        cache = engine.cache
+        cache.evict_device(16)  # prompt 1 on host only now: page ids of this region in the engine's tree
+        assert len(cache.tree.hosted) == PAGES and cache.stats.device_evicted_pages == PAGES
+        held = cache.match(prompt(1), count=False).nodes
+        cache.lock(held[-1])  # as a request open across the fault holds them
         os.kill(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(30)
         svc = start_service(sock)  # a new region, empty
         # (matches alone: a request's commit would find no host room and evict those pages itself)
-        assert engine.cache.match(prompt(2)).nodes == []  # its lookup finds the service gone
+        leased = cache.host.allocator
+        assert cache.match(prompt(2)).nodes == [] and leased.losses == 1  # its lookup finds the service gone
         time.sleep(0.2)  # (past the first retry's wait)
-        assert engine.cache.match(prompt(2)).nodes == []  # it forgets its region pages, then attaches again
-        leased = engine.cache.host.allocator
-        assert (leased.losses, leased.reattaches, engine.cache.stats.shared_host_lost_pages) == (1, 1, PAGES)
+        cache.match(prompt(2))  # the pages held stay in the tree, unreadable: no match offers them, and it does not attach yet
+        assert cache.match(prompt(1)).nodes == [] and len(cache.tree.hosted) == PAGES and leased.reattaches == 0
+        cache.unlock(held[-1])
+        cache.match(prompt(2))  # it forgets them, then attaches again
+        assert (leased.losses, leased.reattaches, cache.stats.shared_host_lost_pages, len(cache.tree.hosted)) == (1, 1, PAGES, 0)
         regions.append(status()["region"])
         engine.request(prompt(1))  # a miss, recomputed: never a host hit on an old page id in the new region
         assert (engine.bad, engine.host_hit, engine.cached) == (0, 0, 0)
