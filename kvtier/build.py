@@ -67,4 +67,5 @@ def _host_pool(spec: KVSpec, tiers: TierConfig, model: ModelSpec, storage: Stora
                           "engine's own (the service keeps the tiers below the engine): drop StorageConfig.url, or the service")
     from kvtier.service.attach import attach_host_pool
 
-    return attach_host_pool(tiers.service, spec, tiers.host_layout, namespace, tiers.host_pages_for(spec.page_bytes))
+    return attach_host_pool(tiers.service, spec, tiers.host_layout, namespace, tiers.host_pages_for(spec.page_bytes),
+                            deadline_s=tiers.service_timeout_s, lookup_deadline_s=tiers.service_lookup_timeout_s)

@@ -18,7 +18,9 @@ from support.service import (closed_by_peer, frame, peer_report, raw_connection,
                              stop, wait_until)
 from support.service_peer import NAMESPACE, PROMPT, PUBLISHED, SPEC, UNPUBLISHED
 
-from kvtier.errors import ServiceAccessError, ServiceError
+from kvtier.build import build_cache
+from kvtier.config import TierConfig
+from kvtier.errors import ConfigError, ServiceAccessError, ServiceError
 from kvtier.service.client import ServiceClient, query_status
 from kvtier.service.peer import PeerCredentials, check_peer
 from kvtier.service.region import RegionFormat
@@ -192,6 +194,33 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and text in lines[0] and "Traceback" not in r.stderr, (argv, r.stderr)
     assert not (open_dir / "s.sock").exists()
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"service_lookup_timeout_s": 0}, "TierConfig.service_lookup_timeout_s must be a number > 0; got 0"),
+    ({"service_timeout_s": -1.0}, "TierConfig.service_timeout_s must be a number > 0; got -1"),
+    ({"service_lookup_timeout_s": "fast"}, "TierConfig.service_lookup_timeout_s must be a number > 0; got 'fast'"),
+    ({"service_timeout_s": 1.0, "service_lookup_timeout_s": 2.0}, "longer than service_timeout_s=1 (a call's whole deadline); lower it"),
+])
+def test_the_service_deadlines_bad_values_are_a_config_error_naming_the_field(fields, message):
+    with pytest.raises(ConfigError) as e:
+        TierConfig(service="/run/kvtier/node.sock", **fields)
+    assert message in str(e.value)
+
+
+def test_the_deadlines_an_engine_attaches_with_are_its_tier_configs(tmp_path):
+    """The lookup deadline defaults to the smaller of 0.25 s and the call deadline; attaching again keeps both."""
+    with running_service(tmp_path) as svc:
+        for fields, want in [({}, (10.0, 0.25)), ({"service_timeout_s": 0.1}, (0.1, 0.1)),
+                             ({"service_timeout_s": 3.0, "service_lookup_timeout_s": 0.5}, (3.0, 0.5))]:
+            cache = build_cache(SPEC, TierConfig(device_pages=16, host_pages=32, service=svc.socket, **fields))
+            try:
+                client = cache.host.allocator.client
+                again = client.again()
+                assert (client.deadline_s, client.lookup_deadline_s) == want == (again.deadline_s, again.lookup_deadline_s)
+                again.close()
+            finally:
+                cache.close()
 
 
 def test_kvtier_run_through_the_service_twice_the_second_engine_starts_with_the_first_ones_host_tier(tmp_path):

@@ -19,6 +19,7 @@ from support.cache_helpers import expected_page
 from support.service import peer_report, query_status_of, running_service, start_peer, start_service, stop, tell, wait_until
 from support.service_peer import NAMESPACE, PUBLISHED, SPEC, Serving, fill, prompt
 
+from kvtier.errors import ServiceError
 from kvtier.pools.host import HostPool
 from kvtier.service.client import ServiceClient
 from kvtier.service.region import RegionFormat, map_region
@@ -178,3 +179,82 @@ def test_after_the_service_restarts_with_a_new_region_no_page_id_of_the_old_one_
         stop(svc.proc)
         for region in regions:
             shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+
+
+#: the longest a request may take while the service is stalled: its lookups and reservations miss their short
+#: deadline once, the tier is lost, and the next requests go on without it (misses) instead of waiting on it
+STALL_BOUND_S = 2.0
+
+
+def _serve(engine: Serving, until, limit_s: float) -> float:
+    """Requests over 12 prompts (each followed by the one 4 back: off the device, on the host share) until
+    ``until()`` or ``limit_s`` passed; the longest one took (s)."""
+    prompts = [prompt(i) for i in range(12)]
+    start, worst, i = time.monotonic(), 0.0, 0
+    while not until() and time.monotonic() - start < limit_s:
+        for toks in (prompts[i % 12], prompts[(i - 4) % 12]):
+            t = time.monotonic()
+            engine.request(toks)
+            worst = max(worst, time.monotonic() - t)
+        i += 1
+    return worst
+
+
+def test_a_stalled_service_holds_no_request_past_the_bound_and_the_engine_attaches_again_when_it_resumes(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    status = query_status_of(sock)
+    svc = start_service(sock)
+    engine, stalled = None, False
+    try:
+        engine = Serving(sock)  # this process's engine
+        leased = engine.cache.host.allocator
+        _serve(engine, lambda: engine.host_hit >= PAGES, 120.0)
+        assert engine.host_hit >= PAGES and leased.losses == 0  # warm: it reads its host tier in the service's region
+        os.kill(svc.proc.pid, signal.SIGSTOP)  # the service stalls: it reads nothing, answers nothing
+        stalled = True
+        engine.requests = engine.bad = 0
+        worst = _serve(engine, lambda: False, 3.0)
+        assert worst < STALL_BOUND_S, worst  # no request waited on the stalled service past the bound
+        assert engine.requests > 2 and engine.bad == 0  # requests kept being served, every cached page right
+        assert leased.lost and (leased.losses, leased.reattaches) == (1, 0)  # lost at the first stall, never attached to it again
+        os.kill(svc.proc.pid, signal.SIGCONT)
+        stalled = False
+        engine.requests = engine.bad = engine.host_hit = 0
+        worst = _serve(engine, lambda: engine.host_hit >= PAGES, 120.0)
+        assert engine.host_hit >= PAGES and engine.bad == 0  # host hits again: it attached to the service again
+        assert worst < STALL_BOUND_S and not leased.lost and leased.reattaches >= 1, (worst, leased.reattaches)
+        # the old session (its pages kept while this process lives) ended when the engine attached again naming it
+        wait_until(lambda: (s := status())["clients"] == 1 and s["orphaned"] == 0, EXIT_BOUND_S)
+        engine.cache.wait_idle()
+        engine.cache.check_integrity(idle=True)
+    finally:
+        if stalled:
+            os.kill(svc.proc.pid, signal.SIGCONT)
+        if engine is not None:
+            engine.cache.close()
+        stop(svc.proc)
+
+
+def test_a_note_to_a_stalled_service_whose_socket_buffer_is_full_fails_within_the_bound(tmp_path):
+    with running_service(tmp_path) as svc:
+        client = ServiceClient(svc.socket, NAMESPACE, RegionFormat.of(SPEC, "page_first"))
+        os.kill(svc.proc.pid, signal.SIGSTOP)
+        try:
+            worst, error = 0.0, None
+            for _ in range(20):  # notes of ~600 KB each: the kernel's buffer (~200 KB) fills at the first
+                t = time.monotonic()
+                try:
+                    client.release(list(range(100_000)))
+                except ServiceError as e:
+                    error = e
+                worst = max(worst, time.monotonic() - t)
+                if error is not None:
+                    break
+            assert isinstance(error, ServiceError) and worst < STALL_BOUND_S, (error, worst)
+            t = time.monotonic()
+            with pytest.raises(ServiceError, match="unusable"):  # broken from then on: a half-sent frame is never followed by another
+                client.lookup(PUBLISHED)
+            assert time.monotonic() - t < STALL_BOUND_S
+        finally:
+            os.kill(svc.proc.pid, signal.SIGCONT)
+            client.close()

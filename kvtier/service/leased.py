@@ -11,14 +11,17 @@ plans that timed out) is the base class's, so the core's accounting checks hold 
 service evicts among the pages no engine holds.
 
 **The service lost.** Any :class:`~kvtier.errors.ServiceError` (the service died, dropped this engine,
-or missed a deadline) makes the tier ``lost``: it gives no pages, finds none, tells the service nothing,
-and takes the core's pages back into its own books only; the core forgets every region page it holds at
-its next match (:meth:`~kvtier.core.cache_core.CacheCore._forget_shared_host`). No exception reaches the
-engine. Once the core holds none of the old session's pages (so no copy touches them), a lookup or an
-allocation attaches again -- at most one attempt per backoff step (:data:`RETRY_FIRST_S` doubling to
-:data:`RETRY_MAX_S`), each bounded by the client's deadline -- naming the old session as quiesced, so a
-service that kept it (this process lives) frees it; the host pool then maps the service's region anew
-(a restarted service's region is another file, and the old one's page ids are in no tree any more).
+or missed a deadline -- a lookup's, a reservation's or a note's is the client's short ``lookup_deadline_s``,
+so a stalled service holds the engine's thread that long, once) makes the tier ``lost``: it gives no
+pages, finds none, tells the service nothing, and takes the core's pages back into its own books only;
+the core forgets every region page it holds at its next match
+(:meth:`~kvtier.core.cache_core.CacheCore._forget_shared_host`). No exception reaches the engine. Once
+the core holds none of the old session's pages (so no copy touches them), a lookup or an allocation
+attaches again -- at most one attempt per backoff step (:data:`RETRY_FIRST_S` doubling to
+:data:`RETRY_MAX_S`), each bounded by the client's lookup deadline -- naming the old session as
+quiesced, so a service that kept it (this process lives) frees it; the host pool then maps the
+service's region anew (a restarted service's region is another file, and the old one's page ids are in
+no tree any more).
 """
 
 from __future__ import annotations
@@ -170,7 +173,7 @@ class LeasedPages(PageAllocator):
         self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
         old = self.client
         try:
-            client = ServiceClient(old.socket_path, old.namespace, old.fmt, deadline_s=old.deadline_s, previous=old.session)
+            client = old.again()
         except ServiceError as e:
             log.debug("the node service at %s is not back yet: %s", old.socket_path, e)
             return False
