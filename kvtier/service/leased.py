@@ -166,11 +166,15 @@ class LeasedPages(PageAllocator):
 
     def _try_reattach(self) -> bool:
         """Attach again if it is time to try and nothing of the old session is in use; True if attached."""
-        now = time.monotonic()
-        if self._used or now < self._retry_at:
+        if self._used or time.monotonic() < self._retry_at:
             return False
-        self._retry_at = now + self._retry_s
-        self._retry_s = min(2 * self._retry_s, RETRY_MAX_S)
+        wait, self._retry_s = self._retry_s, min(2 * self._retry_s, RETRY_MAX_S)
+        try:
+            return self._attach_again()
+        finally:  # (the wait counts from the attempt's end: one that waited out its deadline is not due again at once)
+            self._retry_at = time.monotonic() + wait
+
+    def _attach_again(self) -> bool:
         old = self.client
         try:
             client = old.again()
