@@ -2,7 +2,8 @@
 process lives keeps its pages out of circulation -- it may still read them, or have a copy writing into
 them -- until it reattaches quiesced or exits; the service SIGKILLed under load leaves every engine
 serving right bytes (misses, recompute, no exception), and engines attach again on their own to the
-restarted service, whose host hits resume. Real service subprocesses on a temp socket, every wait
+restarted service, whose host hits resume; a SIGSTOPped service holds no request past a short bound
+and is attached to again once it resumes. Real service subprocesses on a temp socket, every wait
 bounded, bytes checked bit-exact."""
 
 from __future__ import annotations
