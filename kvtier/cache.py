@@ -11,6 +11,7 @@ bytes in other processes composes the core with their ports instead.
 from __future__ import annotations
 
 from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core.shared_host import NO_SHARED_HOST
 from kvtier.core import (Backup, CacheCore, EvictionBackup, EvictionSave, EvictResult, InsertResult, JobTag, LoadBack, LoadResult,
                                 MatchResult, PrefetchHandle, Save)
 from kvtier.errors import SpecError
@@ -18,6 +19,7 @@ from kvtier.groups import ModelSpec
 from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace
 from kvtier.l3.tier import StorageTier
+from kvtier.service.leased import LeasedPages
 from kvtier.metrics import CacheStats
 from kvtier.transfer.engine import TransferEngine
 
@@ -43,7 +45,10 @@ class HierarchicalCache(CacheCore):
 
     A hybrid ``model``: ``device_pool`` / ``host_pool`` hold its full-attention layers, and
     ``group_pools`` each other group's (device pool, host pool), built from the group's
-    :meth:`~kvtier.groups.KVGroup.object_spec` (sliding-window pages, state snapshots)."""
+    :meth:`~kvtier.groups.KVGroup.object_spec` (sliding-window pages, state snapshots).
+
+    A ``host_pool`` over the node service's region (:func:`~kvtier.service.attach.attach_host_pool`):
+    the host tier is shared with every engine attached to the service; closing the cache detaches."""
 
     def __init__(
         self,
@@ -86,7 +91,23 @@ class HierarchicalCache(CacheCore):
                 model=model,
                 group_pools={name: (dev.allocator, host.allocator) for name, (dev, host) in self.group_pools.items()},
                 state_every=state_every,
+                shared_host=host_pool.allocator if isinstance(host_pool.allocator, LeasedPages) else NO_SHARED_HOST,
             )
         except Exception:
             executor.close()  # (its transfer threads: a refused configuration leaves nothing running)
+            self._detach(quiesced=True)
             raise
+
+    def close(self) -> None:
+        """Finish every plan in flight, close the executor, then detach from the node service (if any:
+        quiesced when every plan finished; else the service keeps this engine's pages until it exits)."""
+        finished = False
+        try:
+            super().close()
+            finished = True
+        finally:
+            self._detach(quiesced=finished)
+
+    def _detach(self, *, quiesced: bool) -> None:
+        if isinstance(self.host.allocator, LeasedPages):
+            self.host.allocator.close(quiesced=quiesced)

@@ -74,8 +74,25 @@ class TierConfig:
     host_gb: float | None = _help("host (L2) pool size in GB; checked against available memory", None)
     host_layout: HostLayoutKind = _help("host layout: page_first (one run per page: cheap L3 I/O) or layer_first", DEFAULT_HOST_LAYOUT)
     device: str = _help("where the device pool lives: cpu or cuda", "cpu")
+    service: str | None = _help(
+        "a kvtier serve socket path: the host tier is the node service's shared region, shared with every engine attached to it "
+        "(host_pages / host_gb: how much of it this engine holds at once); None: a host tier of this process's own", None
+    )
+    service_timeout_s: float = _help("the node service: seconds a call may take (attaching, status)", 10.0)
+    service_lookup_timeout_s: float | None = _help(
+        "the node service: seconds a call the engine's thread waits on may take (a lookup, a reservation, a note's send, attaching "
+        "again); past it the service is lost until it answers again (host misses). None: the smaller of 0.25 and service_timeout_s",
+        None,
+    )
 
     def __post_init__(self) -> None:
+        if self.service is not None and (not isinstance(self.service, str) or not self.service):
+            raise ConfigError(f"TierConfig.service must be a socket path (kvtier serve --socket) or None; got {self.service!r}")
+        check_number(self, "service_timeout_s", above=0)
+        check_number(self, "service_lookup_timeout_s", above=0)
+        if self.service_lookup_timeout_s is not None and self.service_lookup_timeout_s > self.service_timeout_s:
+            raise ConfigError(f"TierConfig.service_lookup_timeout_s={self.service_lookup_timeout_s:g} is longer than service_timeout_s="
+                              f"{self.service_timeout_s:g} (a call's whole deadline); lower it, or raise service_timeout_s")
         check_number(self, "device_pages", at_least=1, integer=True)
         check_number(self, "host_pages", at_least=1, integer=True)
         check_number(self, "host_gb", above=0)

@@ -110,3 +110,20 @@ class IndexTypeError(KVTierError, TypeError):
     """Indices handed to a transfer are not a flat sequence of integers (floats, 2-D, None, strings).
 
     Raised before any byte moves: a float index would otherwise be truncated and move a page."""
+
+
+class ServiceError(KVTierError, RuntimeError):
+    """A ``kvtier serve`` node service cannot be used: it is not listening, it did not answer within
+    the call's deadline, it closed the connection, or it refused a request. The message says which;
+    the connection is not used again after it (attach a new client)."""
+
+
+class ServiceProtocolError(ServiceError):
+    """A message to or from the node service broke its protocol: a frame of a bad length, not a JSON
+    object, an unknown message type, a malformed field, or a page id that is not the sender's (outside
+    the region, or another client's or namespace's). The service answers with this error, typed, and
+    closes the connection; it keeps serving its other clients."""
+
+
+class ServiceAccessError(ServiceError, PermissionError):
+    """The node service refused a peer: its uid is not the service's (``SO_PEERCRED``)."""

@@ -50,6 +50,11 @@ class CacheStats:
     #: object failed its check: its page and the ones after it (a hybrid model: also those before it that no boundary
     #: can be served from without it). Misses after all: ``miss_pages`` counts them
     storage_corrupt_miss_pages: int = 0
+    #: host pages other engines published to the node service that this cache took into its host tier
+    #: (a match found them after its own prefix; they count as host hits there)
+    shared_host_pages: int = 0
+    #: host pages forgotten because the node service was lost (the engine goes on without it: misses)
+    shared_host_lost_pages: int = 0
 
     def snapshot(self) -> CacheStats:
         return dataclasses.replace(self)

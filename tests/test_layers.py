@@ -1,7 +1,8 @@
 """kvtier's modules in layers: each imports only its own layer and the ones below it (checked from the
 source, imports inside functions included). The order: the spec (and what every layer reads: errors,
 configs, keys, stats) -> pages -> the prefix tree -> the policy core -> what moves bytes (pools,
-transfers, L3) -> executors -> the caches composed from them -> engine integrations -> the application."""
+transfers, L3) -> executors -> the node service (its policy, region and socket) -> the caches composed
+from them -> engine integrations -> the application."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ LAYERS = [
     ("core", ("kvtier.core",)),
     ("movers", ("kvtier.pools", "kvtier.transfer", "kvtier.l3")),
     ("executors", ("kvtier.executors",)),
+    ("service", ("kvtier.service",)),
     ("compositions", ("kvtier.cache", "kvtier.build", "kvtier.offload")),
     ("integrations", ("kvtier.integrations",)),
     ("app", ("kvtier.app",)),

@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``run``, ``plan``, ``bench {transfer,cache,storage,sglang,plan}``, ``spec``."""
+"""The ``kvtier`` command line: ``run``, ``plan``, ``serve``, ``bench {transfer,cache,storage,sglang,plan}``, ``spec``."""
 
 from __future__ import annotations
 
@@ -251,6 +251,9 @@ def _register_run() -> None:
     )
     plan.__signature__ = psig.replace(parameters=pparams)  # type: ignore[attr-defined]
     app.command("plan")(plan)
+    from kvtier.app.cli_serve import serve
+
+    app.command("serve")(serve)
 
 
 _register_run()

@@ -143,7 +143,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
     requests = cfg.workload.requests(cfg.model.vocab_size)
     tmp = None
     storage = cfg.storage
-    if storage.url is None:
+    if storage.url is None and cfg.tiers.service is None:  # (the node service keeps the tiers below the engine)
         tmp = tempfile.TemporaryDirectory(prefix="kvtier-run-")
         storage = replace(storage, url=f"file://{tmp.name}")
     bar = None

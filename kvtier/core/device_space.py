@@ -15,6 +15,7 @@ from kvtier.core.base import CoreBase
 from kvtier.core.plans import DEVICE, HOST, Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import EvictResult
+from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
 from kvtier.core.tags import Backup, EvictionBackup, GroupBackup, LoadBack
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats
@@ -47,6 +48,9 @@ class DeviceSpace(CoreBase):
     """Device allocation, backups and device eviction: the layer of :class:`~kvtier.core.cache_core.CacheCore`
     above :class:`~kvtier.core.base.CoreBase`. ``device`` allocates the ids of the device pool the
     executors hold."""
+
+    #: a host tier other engines share (:mod:`~kvtier.core.shared_host`): told of every finished backup
+    shared_host: SharedHost = NO_SHARED_HOST
 
     def __init__(self, spec: KVSpec, device: PageAllocator, host: PageAllocator, port: ExecutorPort, config: CacheConfig,
                  storage_config: StorageConfig, *, namespace: Namespace | None, stats: CacheStats | None):
@@ -130,6 +134,8 @@ class DeviceSpace(CoreBase):
         ok = type(c) is Done
         if ok:
             tree.mark_host_ready(nodes)
+            if self.shared_host:
+                self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
             self.stats.backed_up_pages += len(nodes)
             self.stats.backed_up_bytes += len(nodes) * self._page_bytes
         else:
@@ -238,6 +244,8 @@ class DeviceSpace(CoreBase):
             self.host_alloc.free([self.tree.clear_host(v) for v in victims])
             return 0
         self.tree.mark_host_ready(victims)
+        if self.shared_host:
+            self.shared_host.publish([v.key for v in victims], [v.host_page for v in victims])
         self.stats.backed_up_pages += len(victims)
         self.stats.backed_up_bytes += len(victims) * self._page_bytes
         if self.port.has_storage and self.storage_config.write_policy == "write_through":

@@ -14,6 +14,7 @@ page-aligned. Transfers in engine terms (token slot indices) are
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -46,7 +47,25 @@ def page_aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor
     return raw[start : start + nbytes]
 
 
+def region_offsets(buffer_page_bytes: Sequence[int], num_layers: int, num_pages: int) -> tuple[list[int], int]:
+    """Where each buffer of a host pool starts inside one shared region, and the region's size: the
+    buffers in the spec's order, each in its host layout and on a 4 KiB boundary (the node service's
+    region, :mod:`kvtier.service.region`, is laid out by this, and :class:`HostPool` reads it by this)."""
+    offsets, end = [], 0
+    for page_bytes in buffer_page_bytes:
+        offsets.append(end)
+        end += -(-num_layers * num_pages * page_bytes // ALIGN_BYTES) * ALIGN_BYTES
+    return offsets, end
+
+
 class HostPool:
+    """The spec's buffers in host memory (see the module docstring).
+
+    ``memory``: a flat uint8 tensor of at least :func:`region_offsets`' size to lay the buffers out in
+    (a shared region another process made and zeroed: nothing is allocated, zeroed or checked against
+    the budget here); ``allocator``: who hands out its page ids (default: a :class:`PageAllocator` of
+    its own; a region's page ids belong to the service that made it)."""
+
     def __init__(
         self,
         spec: KVSpec,
@@ -57,25 +76,47 @@ class HostPool:
         reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         available_bytes: int | None = None,
         name: str = "host pool",
+        memory: torch.Tensor | None = None,
+        allocator: PageAllocator | None = None,
     ):
         self.spec = spec
         self.num_pages = num_pages
         self.layout = HostLayout(check_layout(layout), spec.num_layers, num_pages)
         self.name = name
         requested = num_pages * spec.page_bytes  # checked before anything is allocated, the allocator's bookkeeping included
-        available = host_memory_available() if available_bytes is None else available_bytes
-        if requested > available - reserve_bytes:
-            raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
-        self.allocator = PageAllocator(num_pages, name)
+        if memory is None:
+            available = host_memory_available() if available_bytes is None else available_bytes
+            if requested > available - reserve_bytes:
+                raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
+        self.allocator = allocator if allocator is not None else PageAllocator(num_pages, name)
         self.buffers: dict[str, torch.Tensor] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
-        self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
-        for b in spec.buffers:
+        # (a region is pinned only where its mapper registered it with CUDA and says so)
+        self.pinned = bool(pin_memory) if memory is not None else torch.cuda.is_available() if pin_memory is None else pin_memory
+        self._lay_out(memory)
+
+    def _lay_out(self, memory: torch.Tensor | None) -> None:
+        """The buffers (and their per-layer row views): fresh memory of their own, or views of ``memory``."""
+        spec, name = self.spec, self.name
+        offsets, size = region_offsets([b.page_bytes for b in spec.buffers], spec.num_layers, self.num_pages)
+        if memory is not None and memory.numel() < size:
+            raise SpecError(f"{name}: a region of {memory.numel()} bytes cannot hold {self.num_pages} pages of {spec.name!r} "
+                            f"({size} bytes)")
+        for b, offset in zip(spec.buffers, offsets):
             shape = self.layout.shape(b.page_bytes)
-            t = page_aligned_empty(math.prod(shape), pin_memory=self.pinned).view(shape)
-            t.zero_()
+            if memory is None:
+                t = page_aligned_empty(math.prod(shape), pin_memory=self.pinned).view(shape)
+                t.zero_()
+            else:
+                t = memory[offset : offset + math.prod(shape)].view(shape)
             self.buffers[b.name] = t
             self._rows[b.name] = [as_wide_rows(self.layout.layer_rows(t, layer)) for layer in range(spec.num_layers)]
+
+    def remap(self, memory: torch.Tensor) -> None:
+        """Lay the buffers out in ``memory`` from now on (a node service's region mapped anew when its
+        engine attaches again; the old views go, and with the last of them the old mapping). Only while no
+        copy is in flight: a copy reads the views when it starts."""
+        self._lay_out(memory)
 
     # ---- space ---------------------------------------------------------------
     @property

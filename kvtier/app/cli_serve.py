@@ -1,0 +1,48 @@
+"""``kvtier serve``: the node service's command (registered by :mod:`kvtier.app.cli`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+from typing import Optional
+
+import typer
+
+from kvtier.errors import ConfigError
+
+
+def serve(
+    host_gb: Optional[float] = typer.Option(None, "--host-gb", help="host tier size in GB: the shared region every attached engine maps"),
+    socket: Optional[str] = typer.Option(
+        None, "--socket", help="Unix socket path, in a directory only you can enter (made with mode 0700 if missing); default: "
+                               "$XDG_RUNTIME_DIR/kvtier/node.sock, else /tmp/kvtier-<uid>/node.sock"
+    ),
+    status: bool = typer.Option(False, "--status", help="print the running service's status as JSON (pages per namespace, clients, "
+                                                        "counters) and exit"),
+) -> None:
+    """Serve a host tier outside the engine, shared by every engine on the node, until SIGTERM."""
+    from kvtier.service.peer import default_socket_path
+
+    path = socket or default_socket_path()
+    if status:
+        from kvtier.service.client import query_status
+
+        json.dump(query_status(path), sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return
+    if host_gb is None:
+        raise ConfigError("kvtier serve needs --host-gb: the host tier's size in GB (e.g. --host-gb 64)")
+    from kvtier.service.server import NodeService, ServeConfig
+
+    service = NodeService(ServeConfig(host_gb=host_gb, socket=path))
+    stop: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stop.append(signum))
+    try:
+        print(f"kvtier serve: listening on unix://{path} (pid {os.getpid()}, host tier {host_gb:g} GB, "
+              "its region made at the first attach)", flush=True)
+        service.serve(lambda: bool(stop))
+    finally:
+        service.close()

@@ -1,0 +1,61 @@
+"""A host tier other engines share: what the core asks of it, and the null object for a host tier of its own.
+
+With the node service (:mod:`kvtier.service`), the core's host pages are pages of a region every engine
+on the node maps, and the service indexes them. The core stays the policy of its own view: its tree
+holds the region pages it holds, its host LRU gives them back. Three calls join the views:
+
+* ``lookup(keys)`` -- the region pages of the leading run of ``keys`` that other engines published
+  (held for this engine from now on; one round trip), when the core's own tree ends before them;
+* ``adopt(pages)`` -- book as many of them as the host allocator has room for (the rest are let go);
+  the core adds them to its tree as readable host pages, so a match counts them as host hits;
+* ``publish(keys, pages)`` -- a backup into ``pages`` completed: other engines may have them now
+  (never before: a page still being written is offered to nobody).
+
+A tier that fails (its service died, or dropped this engine) says so with ``lost``: it finds nothing,
+gives no pages and takes none back, and the core's next match forgets every host page it holds (they
+are all the region's), after the copies in flight that touch them completed. The engine goes on with
+misses; the tier attaches again on its own once nothing of the old attachment is left in the core.
+
+The choice is made once, at construction (:class:`~kvtier.core.cache_core.CacheCore`'s ``shared_host``):
+:data:`NO_SHARED_HOST` (falsy) for a host tier of the engine's own, so the per-request paths test one
+attribute and call nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvtier.hashing import PageHash
+
+
+class SharedHost(Protocol):
+    #: the tier is gone (its service died or dropped this engine): its pages must leave the core's tree
+    #: (:meth:`~kvtier.core.cache_core.CacheCore._forget_shared_host`); until they have, it is not attached again
+    lost: bool
+
+    def lookup(self, keys: list[PageHash]) -> list[int]: ...
+
+    def adopt(self, pages: list[int]) -> int: ...
+
+    def publish(self, keys: list[PageHash], pages: list[int]) -> None: ...
+
+
+class NoSharedHost(tuple):
+    """A host tier of the engine's own: nobody else's pages to find, nobody to tell. Falsy as an empty
+    tuple, so the per-request paths' ``if self.shared_host`` is a C-level length test, not a Python call
+    (the same trick as :class:`~kvtier.core.group_objects.NoGroups`)."""
+
+    __slots__ = ()
+    lost = False
+
+    def lookup(self, keys: list[PageHash]) -> list[int]:
+        return []
+
+    def adopt(self, pages: list[int]) -> int:
+        return 0
+
+    def publish(self, keys: list[PageHash], pages: list[int]) -> None:
+        pass
+
+
+NO_SHARED_HOST = NoSharedHost()

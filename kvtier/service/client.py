@@ -1,0 +1,183 @@
+"""An engine's connection to the node service: one socket, batched calls, a deadline on every one.
+
+A call sends one frame (a batch of ops) and reads its one answer before the deadline. Notes (publish,
+release) are batches the service does not answer: they leave at once, nothing waits on them, and if
+the service refused one the refusal is what the next call reads. Any failure -- no answer in time, a
+closed connection, a refusal -- is a :class:`~kvtier.errors.ServiceError` (typed as the service sent
+it), and the client is broken from then on: an answer that arrives late must never be read as the
+answer to a later call, nor a frame follow one half sent.
+
+Two deadlines, each for a whole call: ``deadline_s`` for attaching and ``status``, and the short
+``lookup_deadline_s`` for what an engine's thread waits on while it serves requests -- a lookup, a
+reservation, a note's send (a service that stopped reading fills the socket's buffer, and a send
+then waits), and attaching again (:meth:`ServiceClient.again`). A stalled service (stopped, or its
+loop hung) costs an engine at most that, once: the engine then treats it as lost.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
+from kvtier.service.messages import BYE_OP, STATUS_OP, hello_op, lookup_op, publish_op, release_op, reserve_op
+from kvtier.service.region import RegionFormat
+from kvtier.service.wire import recv_frame, send_frame
+
+#: the error types the service sends, by name (anything else is a plain ServiceError)
+_ERRORS = {cls.__name__: cls for cls in (ServiceError, ServiceProtocolError, ServiceAccessError)}
+
+#: a call's deadline unless told (``deadline_s``): attaching, status
+DEFAULT_DEADLINE_S = 10.0
+#: the deadline of a call an engine's thread waits on unless told (``lookup_deadline_s``; never longer than
+#: ``deadline_s``): a service that has not answered a lookup in this long is better treated as lost (misses)
+DEFAULT_LOOKUP_DEADLINE_S = 0.25
+
+
+class ServiceClient:
+    """Attached to the service at ``socket_path`` in ``namespace`` (a :class:`~kvtier.hashing.Namespace`'s
+    string), for pages of ``fmt``. ``region``, ``region_size`` and ``num_pages`` say what to map;
+    ``session`` names this attachment. ``previous``: a session of this process that is quiesced (nothing
+    in flight touches its pages, none is in its tree any more): the service frees what it kept of it.
+    ``deadline_s`` and ``lookup_deadline_s`` (default: the smaller of :data:`DEFAULT_LOOKUP_DEADLINE_S`
+    and ``deadline_s``): see the module's docstring; ``attach_deadline_s`` bounds the connect and the
+    hello together (default ``deadline_s``)."""
+
+    def __init__(self, socket_path: str, namespace: str, fmt: RegionFormat, *, deadline_s: float = DEFAULT_DEADLINE_S,
+                 lookup_deadline_s: float | None = None, previous: str | None = None, attach_deadline_s: float | None = None):
+        self.socket_path = socket_path
+        self.namespace = namespace
+        self.fmt = fmt
+        self.deadline_s = deadline_s
+        self.lookup_deadline_s = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
+        self._seq = 0
+        self._broken: str | None = None
+        attach_s = deadline_s if attach_deadline_s is None else attach_deadline_s
+        deadline = time.monotonic() + attach_s
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(attach_s)  # (a stalled service's full backlog makes a connect wait)
+        try:
+            self._sock.connect(socket_path)
+        except OSError as e:
+            self._sock.close()
+            raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e}); start one with kvtier serve") from None
+        (hello,) = self._call([hello_op(namespace, fmt.as_wire(), previous)], deadline)
+        self.region: str = hello["region"]
+        self.region_size: int = hello["size"]
+        self.num_pages: int = hello["num_pages"]
+        self.session: str = hello["session"]
+
+    def again(self) -> ServiceClient:
+        """A new client attached as this one was, naming this one's session as quiesced; connect and hello
+        within the lookup deadline (an engine's thread attaches again between requests)."""
+        quick = self.lookup_deadline_s
+        return ServiceClient(self.socket_path, self.namespace, self.fmt, deadline_s=self.deadline_s, lookup_deadline_s=quick,
+                             previous=self.session, attach_deadline_s=quick)
+
+    # ---- the wire --------------------------------------------------------------------------------
+    def call(self, ops: list[dict]) -> list:
+        """One round trip within the call deadline: ``ops`` in one frame, their results in order."""
+        return self._call(ops, time.monotonic() + self.deadline_s)
+
+    def _call(self, ops: list[dict], deadline: float) -> list:
+        self._check()
+        self._seq += 1
+        try:
+            send_frame(self._sock, {"seq": self._seq, "ops": ops}, deadline)
+        except ServiceError as e:  # closed on us: a refusal it sent first is the reason
+            answer = self._last_words(deadline)
+            if answer is None:
+                raise self._break(e) from None
+        else:
+            try:
+                answer = recv_frame(self._sock, deadline)
+            except ServiceError as e:
+                raise self._break(e) from None
+        if "error" in answer:
+            raise self._break(_refusal(answer)) from None
+        results = answer.get("results")
+        if answer.get("seq") != self._seq or type(results) is not list or len(results) != len(ops):
+            raise self._break(ServiceProtocolError(f"the node service answered call {self._seq} out of protocol: {str(answer)[:80]}"))
+        return results
+
+    def note(self, ops: list[dict]) -> None:
+        """``ops`` in one frame the service does not answer, sent within the lookup deadline."""
+        self._check()
+        self._seq += 1
+        deadline = time.monotonic() + self.lookup_deadline_s
+        try:
+            send_frame(self._sock, {"seq": self._seq, "ops": ops, "note": True}, deadline)
+        except ServiceError as e:
+            answer = self._last_words(deadline)
+            raise self._break(_refusal(answer) if answer is not None and "error" in answer else e) from None
+
+    def _last_words(self, deadline: float) -> dict | None:
+        """The frame a service that closed the connection sent before closing it (a refusal), if any: it
+        is in the socket already, so what is left of the call's deadline is enough (a send that timed
+        out leaves none: nothing is waited for then)."""
+        try:
+            return recv_frame(self._sock, deadline)
+        except ServiceError:
+            return None
+
+    def _check(self) -> None:
+        if self._broken is not None:
+            raise ServiceError(f"the connection to the node service is unusable ({self._broken}); attach a new client")
+
+    def _break(self, error: ServiceError) -> ServiceError:
+        self._broken = str(error)
+        self._sock.close()
+        return error
+
+    # ---- the ops ---------------------------------------------------------------------------------
+    def lookup(self, keys: list[bytes]) -> list[int]:
+        return self._call([lookup_op(keys)], time.monotonic() + self.lookup_deadline_s)[0]
+
+    def reserve(self, n: int) -> list[int]:
+        return self._call([reserve_op(n)], time.monotonic() + self.lookup_deadline_s)[0]
+
+    def publish(self, pages: list[int], keys: list[bytes]) -> None:
+        self.note([publish_op(pages, keys)])
+
+    def release(self, pages: list[int]) -> None:
+        self.note([release_op(pages)])
+
+    def status(self) -> dict:
+        return self.call([STATUS_OP])[0]
+
+    def close(self, *, quiesced: bool = True) -> None:
+        """Detach. ``quiesced`` (nothing in flight touches this client's pages, and nothing will read
+        them): the service releases what it holds and drops what it was writing now; otherwise it keeps
+        them out of circulation until this process exits or reattaches naming :attr:`session`."""
+        if self._broken is None:
+            if quiesced:
+                try:
+                    self.note([BYE_OP])
+                except ServiceError:
+                    pass
+            self._broken = "closed"
+            self._sock.close()
+
+
+def _refusal(answer: dict) -> ServiceError:
+    """The typed error of the service's refusal frame."""
+    err = answer["error"] if type(answer["error"]) is dict else {}
+    return _ERRORS.get(err.get("type"), ServiceError)(f"the node service refused: {err.get('message', answer['error'])}")
+
+
+def query_status(socket_path: str, deadline_s: float = DEFAULT_DEADLINE_S) -> dict:
+    """The service's status, asked without attaching (no namespace, no region)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(deadline_s)
+    try:
+        sock.connect(socket_path)
+        deadline = time.monotonic() + deadline_s
+        send_frame(sock, {"seq": 1, "ops": [STATUS_OP]}, deadline)
+        answer = recv_frame(sock, deadline)
+    except OSError as e:
+        raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e})") from None
+    finally:
+        sock.close()
+    if "error" in answer:
+        raise ServiceError(f"the node service refused: {answer['error']}")
+    return answer["results"][0]

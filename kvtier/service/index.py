@@ -1,0 +1,208 @@
+"""The node service's host-tier policy over the region's page ids: which page holds which page key in
+which namespace, who holds or writes what, and which pages go first when room is needed. No bytes, no
+sockets: the server feeds it what its clients ask, and it answers with page ids.
+
+Page lifecycle (every transition below; nothing else changes a page)::
+
+    FREE --reserve(c)--> WRITING(c) --publish(c, key)--> READY, held by c
+      ^                    |  release(c) / c detaches       |  lookup(d): held by d too
+      |                    v                                |  release / detach: a holder goes
+      +--------------------+                                v
+      +------ evicted: least recently released first -- READY, held by nobody (offered to lookups)
+
+A page being written is offered to nobody: it becomes visible only when its writer publishes it, and a
+writer that detaches (its connection dropped) frees it unpublished. A READY page is offered only in the
+namespace it was published in, and never evicted while anyone holds it. A key published twice keeps
+its first page; the second page is its publisher's alone (unindexed) and is freed when released.
+Eviction order: when a client releases a prefix's pages deepest first (as a core evicts its host
+leaves), the deepest goes first here too, so a prefix shortens from its end and never loses its start.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from kvtier.alloc import PageAllocator
+from kvtier.errors import ServiceProtocolError
+
+Key = tuple[str, bytes]  # (namespace, page key)
+
+
+@dataclass
+class Client:
+    """One attached connection: its namespace, the pages it writes, and the READY pages it holds
+    (insertion-ordered: released in reverse when it detaches, deepest first)."""
+
+    namespace: str
+    writing: set[int] = field(default_factory=set)
+    held: dict[int, None] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class IndexStatus:
+    num_pages: int
+    free: int
+    writing: int
+    ready: int
+    held: int
+    clients: int
+    pages_per_namespace: dict[str, int]
+    lookups: int
+    hit_pages: int
+    published_pages: int
+    evicted_pages: int
+    dropped_writes: int
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class HostIndex:
+    """See the module docstring. Clients are named by the caller's ids (the server's connection ids)."""
+
+    def __init__(self, num_pages: int):
+        self.alloc = PageAllocator(num_pages, "node service region")
+        self.clients: dict[int, Client] = {}
+        self._writer: dict[int, int] = {}  # WRITING page -> client
+        self._key_of: dict[int, Key | None] = {}  # READY page -> its key (None: a duplicate, its publisher's alone)
+        self._page_of: dict[Key, int] = {}
+        self._holders: dict[int, set[int]] = {}  # READY page -> clients holding it (absent: nobody)
+        self._unheld: OrderedDict[int, None] = OrderedDict()  # READY, held by nobody: least recently released first
+        self.lookups = self.hit_pages = self.published_pages = self.evicted_pages = self.dropped_writes = 0
+
+    # ---- clients ---------------------------------------------------------------------------
+    def attach(self, client: int, namespace: str) -> None:
+        assert client not in self.clients, client
+        self.clients[client] = Client(namespace)
+
+    def holds_anything(self, client: int) -> bool:
+        """Whether the client writes or holds any page (a dropped one that does not is simply detached)."""
+        c = self.clients[client]
+        return bool(c.writing or c.held)
+
+    def detach(self, client: int) -> None:
+        """The client's connection is gone: its writes are dropped unpublished, its holds released."""
+        c = self.clients[client]
+        self.dropped_writes += len(c.writing)
+        for page in c.writing:
+            del self._writer[page]
+        self.alloc.free(sorted(c.writing))
+        for page in reversed(list(c.held)):
+            self._unhold(client, page)
+        del self.clients[client]
+
+    # ---- what clients ask --------------------------------------------------------------------
+    def lookup(self, client: int, keys: list[bytes]) -> list[int]:
+        """The pages of the leading run of ``keys`` published in the client's namespace, now held for it
+        (the run stops at a page it holds already: its own tree has that one)."""
+        c = self.clients[client]
+        self.lookups += 1
+        pages = []
+        for key in keys:
+            page = self._page_of.get((c.namespace, key))
+            if page is None or page in c.held:
+                break
+            pages.append(page)
+        for page in pages:
+            self._unheld.pop(page, None)
+            self._holders.setdefault(page, set()).add(client)
+            c.held[page] = None
+        self.hit_pages += len(pages)
+        return pages
+
+    def reserve(self, client: int, n: int) -> list[int]:
+        """Up to ``n`` pages for the client to write, evicting pages nobody holds if needed."""
+        c = self.clients[client]
+        short = n - self.alloc.num_free
+        while short > 0 and self._unheld:
+            self._evict(next(iter(self._unheld)))
+            short -= 1
+        got = self.alloc.alloc(min(n, self.alloc.num_free)).pages
+        for page in got:
+            self._writer[page] = client
+        c.writing.update(got)
+        return got
+
+    def publish(self, client: int, pages: list[int], keys: list[bytes]) -> None:
+        """The client wrote ``pages``: each is READY under ``keys[i]``, held by the client. Checked whole
+        before anything changes: every page must be one it is writing."""
+        c = self.clients[client]
+        self._check_pages(client, pages, c.writing, "publish", "it is not writing (reserve it first)")
+        for page, key in zip(pages, keys):
+            c.writing.discard(page)
+            del self._writer[page]
+            k = (c.namespace, key)
+            indexed = k not in self._page_of
+            if indexed:
+                self._page_of[k] = page
+            self._key_of[page] = k if indexed else None
+            self._holders[page] = {client}
+            c.held[page] = None
+        self.published_pages += len(pages)
+
+    def release(self, client: int, pages: list[int]) -> None:
+        """The client is done with ``pages``: each one it holds or writes. Checked whole first."""
+        c = self.clients[client]
+        self._check_pages(client, pages, c.writing.union(c.held), "release", "it neither holds nor writes")
+        for page in pages:
+            if page in c.writing:
+                c.writing.discard(page)
+                del self._writer[page]
+                self.alloc.free([page])
+            else:
+                self._unhold(client, page)
+
+    def status(self) -> IndexStatus:
+        per_ns: dict[str, int] = {}
+        for ns, _key in self._page_of:
+            per_ns[ns] = per_ns.get(ns, 0) + 1
+        return IndexStatus(self.alloc.num_pages, self.alloc.num_free, len(self._writer), len(self._key_of), len(self._holders),
+                           len(self.clients), per_ns, self.lookups, self.hit_pages, self.published_pages, self.evicted_pages,
+                           self.dropped_writes)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _check_pages(self, client: int, pages: list[int], mine: set[int], what: str, why: str) -> None:
+        n = self.alloc.num_pages
+        seen = set()
+        for page in pages:
+            if not 0 <= page < n:
+                raise ServiceProtocolError(f"{what}: page {page} is outside the region (pages 0 to {n - 1})")
+            if page not in mine:
+                raise ServiceProtocolError(f"{what}: page {page} is not this client's: {why}")
+            if page in seen:
+                raise ServiceProtocolError(f"{what}: page {page} is listed twice")
+            seen.add(page)
+
+    def _unhold(self, client: int, page: int) -> None:
+        del self.clients[client].held[page]
+        holders = self._holders[page]
+        holders.discard(client)
+        if holders:
+            return
+        del self._holders[page]
+        if self._key_of[page] is None:  # a duplicate nobody can look up: its bytes are of no use now
+            del self._key_of[page]
+            self.alloc.free([page])
+        else:
+            self._unheld[page] = None
+
+    def _evict(self, page: int) -> None:
+        del self._unheld[page]
+        del self._page_of[self._key_of.pop(page)]
+        self.alloc.free([page])
+        self.evicted_pages += 1
+
+    def check_integrity(self) -> None:
+        """Every page is in exactly one state, and the maps agree with the clients' own books."""
+        free = set(range(self.alloc.num_pages)) - self.alloc.allocated_pages()
+        writing, ready = set(self._writer), set(self._key_of)
+        assert not (free & writing or free & ready or writing & ready), "a page is in two states"
+        assert free | writing | ready == set(range(self.alloc.num_pages)), "a page is in no state"
+        assert set(self._holders) | set(self._unheld) == ready and not set(self._holders) & set(self._unheld)
+        assert {p: k for k, p in self._page_of.items()} == {p: k for p, k in self._key_of.items() if k is not None}
+        assert all(self._key_of[p] is not None for p in self._unheld), "an unindexed page outlived its holders"
+        for cid, c in self.clients.items():
+            assert all(self._writer[p] == cid for p in c.writing)
+            assert all(cid in self._holders[p] for p in c.held)
+        assert sum(len(h) for h in self._holders.values()) == sum(len(c.held) for c in self.clients.values())

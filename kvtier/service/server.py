@@ -1,0 +1,359 @@
+"""``kvtier serve``'s process: one listening Unix socket, one region, one :class:`~kvtier.service.index.HostIndex`.
+
+A single thread runs a selector over the listening socket and every connection; each frame is one
+batch of ops, applied to the index in order and answered in one frame. A peer that breaks the
+protocol gets a typed error frame and its connection closed; so does a peer whose answers it does not
+read within ``send_deadline_s``. The service never touches the region's bytes: it makes it, names its
+pages, and removes it on close.
+
+What a closed connection held (:meth:`NodeService._drop`):
+
+* its peer said ``bye`` (quiesced), or its process is gone (a SIGKILLed engine's socket is closed by
+  the kernel): its writes are dropped unpublished and its holds released at once;
+* its process still lives (the service dropped it, or it gave up on a call): the session is kept as an
+  *orphan*, its leases and holds out of circulation -- that process may still read those pages from its
+  tree or have a copy writing into them. The orphan ends when the process exits (its pidfd, taken when
+  it connected, becomes readable: a reused pid cannot pass for it) or when the process attaches again
+  naming the session as ``previous`` in its hello, which it does only once it dropped every page of the
+  session from its tree and no copy touches them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import select
+import selectors
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvtier.config import check_number
+from kvtier.errors import ConfigError, KVTierError, ServiceError, ServiceProtocolError
+from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
+from kvtier.service.index import HostIndex
+from kvtier.service.messages import Bye, Hello, Lookup, Publish, Release, Reserve, Status, parse_batch
+from kvtier.service.peer import check_peer, claim_socket_path, peer_credentials, private_socket_dir
+from kvtier.service.region import Region, RegionFormat, create_region, remove_region
+from kvtier.service.wire import FrameReader, encode
+
+log = logging.getLogger(__name__)
+
+#: answers a peer may leave unread before it is dropped (bytes)
+MAX_UNREAD = 64 << 20
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """``kvtier serve``'s settings."""
+
+    host_gb: float = field(metadata={"help": "host tier size in GB: the shared region every attached engine maps"})
+    socket: str = field(metadata={"help": "Unix socket path; its directory is made with mode 0700 (or must be so)"})
+    send_deadline_s: float = field(default=5.0, metadata={"help": "a client that leaves answers unread this long is dropped"})
+
+    def __post_init__(self) -> None:
+        check_number(self, "host_gb", above=0)
+        check_number(self, "send_deadline_s", above=0)
+        if not isinstance(self.socket, str) or not self.socket:
+            raise ConfigError(f"ServeConfig.socket must be a path; got {self.socket!r}")
+
+    @property
+    def host_bytes(self) -> int:
+        return int(self.host_gb * (1 << 30))
+
+
+class _Conn:
+    __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session")
+
+    def __init__(self, cid: int, sock: socket.socket, pid: int = 0):
+        self.id = cid
+        self.sock = sock
+        self.reader = FrameReader()
+        self.out = bytearray()
+        self.unread_since: float | None = None
+        self.attached = False
+        self.pid = pid
+        #: the peer process, pinned when it connected (None: gone already, so nothing of it is kept)
+        self.pidfd: int | None = None
+        self.session = ""
+
+
+@dataclass(frozen=True)
+class _Orphan:
+    """A dropped connection's session whose process lives: its index client stays until the process
+    exits (``pidfd`` readable) or reattaches naming ``session``."""
+
+    cid: int
+    pid: int
+    pidfd: int
+    session: str
+
+
+def _open_pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except OSError:  # gone already
+        return None
+
+
+def _exited(pidfd: int) -> bool:
+    return bool(select.select([pidfd], [], [], 0)[0])
+
+
+class NodeService:
+    """Binds ``config.socket`` (its directory private, a stale socket replaced) and serves until
+    :meth:`serve`'s ``stop`` says so; :meth:`close` removes the socket and the region. ``uid``: the
+    one uid admitted (default: the service's own)."""
+
+    def __init__(self, config: ServeConfig, *, uid: int | None = None):
+        self.config = config
+        self.uid = os.getuid() if uid is None else uid
+        available = host_memory_available()
+        if config.host_bytes > available - DEFAULT_RESERVE_BYTES:
+            raise ConfigError(f"--host-gb {config.host_gb:g} is more than the {max(available - DEFAULT_RESERVE_BYTES, 0) / (1 << 30):.2f} "
+                              "GB of host memory available (minus a 1 GB reserve); lower --host-gb")
+        private_socket_dir(config.socket, os.getuid())
+        claim_socket_path(config.socket)
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind(config.socket)
+        os.chmod(config.socket, 0o600)
+        self.listener.listen(64)
+        self.listener.setblocking(False)
+        self.region: Region | None = None
+        self.index: HostIndex | None = None
+        self._conns: dict[int, _Conn] = {}
+        self._sessions: dict[str, _Conn] = {}  # attached connections by session
+        self._orphans: dict[str, _Orphan] = {}
+        self._next_id = 1
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self.listener, selectors.EVENT_READ, None)
+        self.refused = 0
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def serve(self, stop: Callable[[], bool], tick_s: float = 0.1) -> None:
+        while not stop():
+            for key, mask in self._sel.select(tick_s):
+                if key.data is None:
+                    self._accept()
+                    continue
+                if type(key.data) is _Orphan:  # its process exited
+                    self._end_orphan(key.data, "its process exited")
+                    continue
+                conn = key.data
+                if mask & selectors.EVENT_READ and conn.id in self._conns:
+                    self._read(conn)
+                if mask & selectors.EVENT_WRITE and conn.id in self._conns:
+                    self._flush(conn)
+            self._drop_stalled_readers()
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        cid, self._next_id = self._next_id, self._next_id + 1
+        conn = _Conn(cid, sock)
+        try:
+            peer = peer_credentials(sock)
+            check_peer(peer, self.uid)
+        except KVTierError as e:
+            self.refused += 1
+            log.warning("refused a peer: %s", e)
+            self._send_error(conn, 0, e)
+            sock.close()
+            return
+        conn.pid, conn.pidfd = peer.pid, _open_pidfd(peer.pid)
+        sock.setblocking(False)
+        self._conns[cid] = conn
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 16)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:  # the peer closed (or died): what it wrote unpublished is dropped, what it held released
+            self._drop(conn)
+            return
+        try:
+            frames = conn.reader.feed(data)
+        except ServiceProtocolError as e:
+            self._refuse(conn, 0, e)
+            return
+        for frame in frames:
+            seq = frame.get("seq") if type(frame.get("seq")) is int else 0
+            try:
+                batch = parse_batch(frame)
+                results = [self._apply(conn, op) for op in batch.ops]
+            except ServiceError as e:  # (a protocol error is one)
+                self._refuse(conn, seq, e)
+                return
+            if not batch.note:
+                self._send(conn, {"seq": batch.seq, "results": results})
+
+    # ---- ops -------------------------------------------------------------------------------------
+    def _apply(self, conn: _Conn, op) -> object:
+        kind = type(op)
+        if kind is Status:
+            return self.status()
+        if kind is Hello:
+            return self._hello(conn, op)
+        if not conn.attached:
+            raise ServiceProtocolError(f"{kind.__name__.lower()} before hello (or after bye): a connection's first op is hello")
+        if kind is Bye:
+            self._detach(conn)
+            return None
+        index = self.index
+        if kind is Lookup:
+            return index.lookup(conn.id, op.keys)
+        if kind is Reserve:
+            return index.reserve(conn.id, op.n)
+        if kind is Publish:
+            index.publish(conn.id, op.pages, op.keys)
+            return None
+        assert kind is Release
+        index.release(conn.id, op.pages)
+        return None
+
+    def _hello(self, conn: _Conn, op: Hello) -> dict:
+        if conn.attached:
+            raise ServiceProtocolError("hello twice on one connection")
+        fmt = RegionFormat.from_wire(op.format)
+        if self.region is None:
+            self.region = create_region(fmt, self.config.host_bytes)
+            self.index = HostIndex(self.region.num_pages)
+            log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
+        elif fmt != self.region.format:
+            raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
+                               f"{fmt} needs a service of its own (one page format per service)")
+        if op.previous is not None:
+            self._end_previous(conn, op.previous)
+        self.index.attach(conn.id, op.namespace)
+        conn.attached = True
+        conn.session = secrets.token_hex(16)
+        self._sessions[conn.session] = conn
+        return {"region": self.region.path, "size": self.region.size, "num_pages": self.region.num_pages, "session": conn.session}
+
+    def _end_previous(self, conn: _Conn, session: str) -> None:
+        """The peer's process says its earlier ``session`` is quiesced: free what it held. A session the
+        service does not know (a restarted service; ended already) is nothing to do."""
+        orphan = self._orphans.get(session)
+        old = self._sessions.get(session)
+        pid = orphan.pid if orphan is not None else old.pid if old is not None else conn.pid
+        if pid != conn.pid:
+            raise ServiceProtocolError(f"hello: session {session[:8]}... is process {pid}'s, not this one's ({conn.pid}); "
+                                       "a process reattaches its own sessions only")
+        if orphan is not None:
+            self._end_orphan(orphan, "it reattached, quiesced")
+        elif old is not None:  # its end not read yet: it is over all the same
+            self._detach(old)
+            self._drop(old)
+
+    def status(self) -> dict:
+        out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None}
+        if self.index is not None:
+            out |= self.index.status().as_dict()
+        # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
+        return out | {"clients": len(self._sessions), "orphaned": len(self._orphans)}
+
+    # ---- connections -------------------------------------------------------------------------------
+    def _send(self, conn: _Conn, obj: dict) -> None:
+        conn.out += encode(obj)
+        if conn.unread_since is None:
+            conn.unread_since = time.monotonic()
+        self._flush(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        try:
+            sent = conn.sock.send(conn.out)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            self._drop(conn)
+            return
+        del conn.out[:sent]
+        if conn.out:
+            if len(conn.out) > MAX_UNREAD:
+                self._drop(conn)
+                return
+            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+        else:
+            conn.unread_since = None
+            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+
+    def _drop_stalled_readers(self) -> None:
+        now = time.monotonic()
+        for conn in [c for c in self._conns.values() if c.unread_since is not None]:
+            if now - conn.unread_since > self.config.send_deadline_s:
+                log.warning("client %d left its answers unread for %.1f s: dropped", conn.id, now - conn.unread_since)
+                self._drop(conn)
+
+    def _refuse(self, conn: _Conn, seq: int, error: KVTierError) -> None:
+        log.warning("client %d: %s: %s (connection closed)", conn.id, type(error).__name__, error)
+        self._send_error(conn, seq, error)
+        self._drop(conn)
+
+    @staticmethod
+    def _send_error(conn: _Conn, seq: int, error: KVTierError) -> None:
+        """Best effort, after the answers still queued: the typed error goes out if the socket takes it now
+        (the connection is closed right after, either way)."""
+        try:
+            conn.sock.setblocking(False)
+            conn.sock.send(bytes(conn.out) + encode({"seq": seq, "error": {"type": type(error).__name__, "message": str(error)}}))
+        except OSError:
+            pass
+
+    def _drop(self, conn: _Conn) -> None:
+        """Close ``conn``; what it held is released now, or kept as an orphan while its process lives."""
+        if self._conns.pop(conn.id, None) is None:
+            return
+        self._sel.unregister(conn.sock)
+        conn.sock.close()
+        if conn.attached and conn.pidfd is not None and self.index.holds_anything(conn.id) and not _exited(conn.pidfd):
+            self._orphan(conn)
+            return
+        self._detach(conn)
+        if conn.pidfd is not None:
+            os.close(conn.pidfd)
+
+    def _detach(self, conn: _Conn) -> None:
+        """The connection's writes dropped unpublished, its holds released (if it is attached)."""
+        if conn.attached:
+            conn.attached = False
+            del self._sessions[conn.session]
+            self.index.detach(conn.id)
+
+    def _orphan(self, conn: _Conn) -> None:
+        orphan = _Orphan(conn.id, conn.pid, conn.pidfd, conn.session)
+        del self._sessions[conn.session]
+        self._orphans[orphan.session] = orphan
+        self._sel.register(orphan.pidfd, selectors.EVENT_READ, orphan)
+        c = self.index.clients[conn.id]
+        log.warning("client %d (process %d) dropped while its process lives: its %d held and %d leased pages stay out of circulation "
+                    "until it exits or reattaches", conn.id, conn.pid, len(c.held), len(c.writing))
+
+    def _end_orphan(self, orphan: _Orphan, why: str) -> None:
+        del self._orphans[orphan.session]
+        self._sel.unregister(orphan.pidfd)
+        os.close(orphan.pidfd)
+        self.index.detach(orphan.cid)
+        log.info("client %d's orphaned session ended: %s", orphan.cid, why)
+
+    def close(self) -> None:
+        """Close every connection and the socket; remove the socket file and the region."""
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        for orphan in list(self._orphans.values()):
+            self._end_orphan(orphan, "the service stops")
+        self._sel.close()
+        self.listener.close()
+        try:
+            os.unlink(self.config.socket)
+        except FileNotFoundError:
+            pass
+        if self.region is not None:
+            remove_region(self.region)

@@ -1,0 +1,165 @@
+"""The node service for tests: ``kvtier serve`` started as a subprocess on a temp socket and stopped by
+its pid, engine processes attached to it (:mod:`support.service_peer`), and raw frames for the
+protocol tests. Every wait here is bounded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.service.wire import HEADER, encode
+
+ROOT = Path(__file__).resolve().parents[2]
+#: subprocesses import this worktree's kvtier and the tests' support package, wherever they run
+ENV = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+START_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RunningService:
+    proc: subprocess.Popen
+    socket: str
+    banner: str
+
+
+@contextmanager
+def running_service(tmp_path: Path, host_gb: float = 0.01):
+    """``kvtier serve`` on ``tmp_path/run/node.sock`` until the block ends (then SIGTERM, then SIGKILL)."""
+    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb)
+    try:
+        yield svc
+    finally:
+        stop(svc.proc)
+
+
+def start_service(sock: str, host_gb: float = 0.01) -> RunningService:
+    """``kvtier serve`` on ``sock``, once it listens (the caller stops it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(host_gb), "--socket", sock],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = read_line(proc, START_TIMEOUT_S)
+        assert "listening on unix://" + sock in banner, (banner, proc.stderr.read() if proc.poll() is not None else "")
+    except BaseException:
+        stop(proc)
+        raise
+    return RunningService(proc, sock, banner)
+
+
+def tell(proc: subprocess.Popen, line: str) -> None:
+    """One line to a peer's stdin."""
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+
+
+def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> int:
+    """SIGTERM ``proc`` by its pid, SIGKILL it if it does not exit in time; its exit code."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+    return proc.wait(timeout_s)
+
+
+def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The next line ``proc`` prints, waited for at most ``timeout_s``."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        if not sel.select(timeout_s):
+            raise TimeoutError(f"process {proc.pid} printed nothing in {timeout_s:g} s")
+        return proc.stdout.readline()
+    finally:
+        sel.close()
+
+
+def start_peer(role: str, sock: str, *args: str) -> subprocess.Popen:
+    """An engine process (:mod:`support.service_peer`) attached to the service at ``sock``."""
+    return subprocess.Popen([sys.executable, "-m", "support.service_peer", role, sock, *args], cwd=ROOT, env=ENV,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def peer_report(proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> dict:
+    """The JSON line a peer prints when it has done its part."""
+    line = read_line(proc, timeout_s)
+    if not line:
+        proc.wait(10)
+        raise AssertionError(f"peer exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+    return json.loads(line)
+
+
+def wait_until(check, timeout_s: float, every_s: float = 0.05):
+    """Poll ``check()`` until it returns something true; (its value, seconds it took). Fails past the bound."""
+    start = time.monotonic()
+    while True:
+        value = check()
+        if value:
+            return value, time.monotonic() - start
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s:g} s")
+        time.sleep(every_s)
+
+
+# ---- raw frames: what a careless or hostile peer sends --------------------------------------------
+def raw_connection(sock_path: str, timeout_s: float = 10.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout_s)
+    s.connect(sock_path)
+    return s
+
+
+def frame(obj: dict) -> bytes:
+    return encode(obj)
+
+
+def raw_frame(body: bytes, length: int | None = None) -> bytes:
+    """``body`` behind a length header that may lie."""
+    return HEADER.pack(len(body) if length is None else length) + body
+
+
+def read_answer(s: socket.socket) -> dict | None:
+    """The next frame the service sends, or None when it closed the connection."""
+    head = _read(s, HEADER.size)
+    if head is None:
+        return None
+    (n,) = HEADER.unpack(head)
+    return json.loads(_read(s, n))
+
+
+def closed_by_peer(s: socket.socket) -> bool:
+    """The service closed the connection: reading gives end-of-file (or a reset)."""
+    try:
+        return s.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def _read(s: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        try:
+            chunk = s.recv(n - len(buf))
+        except ConnectionResetError:
+            return None
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def query_status_of(sock: str):
+    """A function that asks the service at ``sock`` for its status."""
+    from kvtier.service.client import query_status
+
+    return lambda: query_status(sock)

@@ -1,0 +1,184 @@
+"""An engine process attached to a node service, run by tests/test_service.py:
+``python -m support.service_peer ROLE SOCKET [ARGS]``. It prints one JSON line when its part is done.
+
+* ``compute SOCKET``: a HierarchicalCache computes a 5-page prompt (labelled bytes), its backups
+  published; then it stays attached until a line arrives on stdin.
+* ``load SOCKET OUT [SEED]``: a HierarchicalCache begins the same prompt (or :func:`prompt` ``SEED``), waits
+  for its loads, and writes the bytes of its cached device pages to OUT.
+* ``write-and-hang SOCKET``: a raw client reserves 4 pages, writes into all 4, publishes 2 (keys
+  :data:`PUBLISHED`), leaves 2 mid-write (:data:`UNPUBLISHED`), prints, and sleeps (to be SIGKILLed).
+* ``violate SOCKET``: the same client's 4 pages, 2 published; then it breaks the protocol and is dropped,
+  and prints. Each stdin line then: ``write`` (it goes on writing into its 2 unpublished pages, as a
+  copy still in flight would), ``reattach`` (it attaches again naming its dropped session, quiesced),
+  ``exit``.
+* ``serve SOCKET``: a HierarchicalCache serving requests, each stdin line a JSON command -- ``{"loop": n}``
+  (requests over ``n`` prompts, round and round, each followed by the one 4 back, until the next line arrives; a ``{"warm": requests}``
+  line once a prompt's worth of pages were host hits), ``{"compute": seed}``,
+  ``{"load": seed}`` (one request for :func:`prompt` ``seed``, its backups waited for), ``{"exit": true}``
+  -- each answered with one JSON line: requests served, cached pages whose bytes were not the prompt's
+  (checked on every request), host hits, and the service's losses and reattachments.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import sys
+import time
+
+from support.cache_helpers import expected_page, tokens, write_page
+from support.pools import tiny_specs
+
+from kvtier.build import build_cache
+from kvtier.config import TierConfig
+from kvtier.pools.host import HostPool
+from kvtier.errors import ServiceProtocolError
+from kvtier.service.client import ServiceClient
+from kvtier.service.region import RegionFormat, map_region
+
+SPEC = tiny_specs()["dsa"]
+PROMPT = tokens(1000, SPEC.page_size * 5)
+PUBLISHED = [bytes([i]) * 16 for i in (1, 2)]
+UNPUBLISHED = [bytes([i]) * 16 for i in (3, 4)]
+NAMESPACE = "service-test-raw"
+
+
+def cache(sock: str):
+    return build_cache(SPEC, TierConfig(device_pages=16, host_pages=32, service=sock))
+
+
+def compute(sock: str) -> None:
+    c = cache(sock)
+    req = c.begin(PROMPT)
+    new = req.alloc(len(PROMPT) // SPEC.page_size)
+    for i, page in enumerate(new.pages):
+        write_page(c.device, page, PROMPT, i)
+    req.commit(new.pages)
+    c.wait_idle()  # the backups finished: published
+    print(json.dumps({"device_hit": req.device_hit, "host_hit": req.host_hit, "backed_up": c.stats.backed_up_pages}), flush=True)
+    sys.stdin.readline()
+    c.check_integrity(idle=True)
+    c.close()
+
+
+def load(sock: str, out: str, seed: str | None = None) -> None:
+    c = cache(sock)
+    toks = PROMPT if seed is None else prompt(int(seed))
+    req = c.begin(toks)
+    req.wait()
+    with open(out, "wb") as f:
+        for page in req.cached_pages:
+            f.write(c.device.page_bytes(page))
+    print(json.dumps({"device_hit": req.device_hit, "host_hit": req.host_hit, "storage_hit": req.storage_hit,
+                      "cached": len(req.cached_pages), "shared_host_pages": c.stats.shared_host_pages}), flush=True)
+    req.commit(req.cached_pages)
+    c.wait_idle()
+    c.check_integrity(idle=True)
+    c.close()
+
+
+def _four_pages_two_published(sock: str) -> tuple[ServiceClient, HostPool, list[int]]:
+    client = ServiceClient(sock, NAMESPACE, RegionFormat.of(SPEC, "page_first"))
+    pool = HostPool(SPEC, client.num_pages, "page_first", memory=map_region(client.region, client.region_size))
+    pages = client.reserve(4)
+    fill(pool, pages, 0xEE)  # bytes into every page; the last two's write is never finished
+    client.publish(pages[:2], PUBLISHED)
+    client.status()  # a round trip: the service has applied the publish
+    return client, pool, pages
+
+
+def fill(pool: HostPool, pages: list[int], byte: int) -> None:
+    for p in pages:
+        for t in pool.buffers.values():
+            t[p].fill_(byte)
+
+
+def write_and_hang(sock: str) -> None:
+    _client, _pool, pages = _four_pages_two_published(sock)
+    print(json.dumps({"pages": pages}), flush=True)
+    time.sleep(600)
+
+
+def violate(sock: str) -> None:
+    client, pool, pages = _four_pages_two_published(sock)
+    client.note([{"op": "format_disk"}])  # a protocol violation: the service refuses it and drops this client
+    try:
+        client.status()
+        error = None
+    except ServiceProtocolError as e:
+        error = type(e).__name__
+    print(json.dumps({"pages": pages, "error": error}), flush=True)
+    for line in sys.stdin:
+        if line.strip() == "write":
+            fill(pool, pages[2:], 0x55)
+            print(json.dumps({"wrote": pages[2:]}), flush=True)
+        elif line.strip() == "reattach":
+            again = ServiceClient(sock, NAMESPACE, RegionFormat.of(SPEC, "page_first"), previous=client.session)
+            print(json.dumps({"session": again.session}), flush=True)
+            again.close()
+        else:
+            return
+
+
+def prompt(seed: int) -> list[int]:
+    """A 5-page prompt of its own for each seed (every engine builds the same one)."""
+    return tokens(100_000 * (seed + 1), len(PROMPT))
+
+
+class Serving:
+    """One engine's requests, every cached page's bytes checked against the prompt's."""
+
+    def __init__(self, sock: str):
+        self.cache = cache(sock)
+        self.requests = self.bad = self.host_hit = self.cached = 0
+
+    def request(self, toks: list[int]) -> None:
+        c = self.cache
+        req = c.begin(toks)
+        n = req.wait()
+        self.bad += sum(c.device.page_bytes(p) != expected_page(SPEC, toks, i) for i, p in enumerate(req.cached_pages))
+        new = req.alloc(len(toks) // SPEC.page_size - n)
+        for i, page in enumerate(new.pages, n):
+            write_page(c.device, page, toks, i)
+        req.commit(req.cached_pages + new.pages)
+        self.requests += 1
+        self.host_hit += req.host_hit
+        self.cached += n
+
+    def report(self) -> dict:
+        leased = self.cache.host.allocator
+        return {"requests": self.requests, "bad": self.bad, "host_hit": self.host_hit, "cached": self.cached, "lost": leased.losses,
+                "reattaches": leased.reattaches, "attached": not leased.lost, "lost_pages": self.cache.stats.shared_host_lost_pages,
+                "shared_host_pages": self.cache.stats.shared_host_pages}
+
+
+def serve(sock: str) -> None:
+    s = Serving(sock)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if "loop" in cmd:
+            prompts = [prompt(i) for i in range(cmd["loop"])]
+            i, warm = 0, False
+            while not select.select([sys.stdin], [], [], 0)[0]:  # until the next line comes
+                s.request(prompts[i % len(prompts)])
+                s.request(prompts[(i - 4) % len(prompts)])  # (off its 3-prompt device, on its 6-prompt host share: read back)
+                i += 1
+                if not warm and s.host_hit >= len(PROMPT) // SPEC.page_size:
+                    print(json.dumps({"warm": s.requests}), flush=True)  # (a prompt's worth of host hits: it uses the host tier)
+                    warm = True
+            sys.stdin.readline()
+        elif "compute" in cmd or "load" in cmd:
+            s.request(prompt(cmd.get("compute", cmd.get("load"))))
+            s.cache.wait_idle()  # its backups finished: published
+        else:
+            break
+        print(json.dumps(s.report()), flush=True)
+        s.requests = s.bad = s.host_hit = s.cached = 0
+    s.cache.wait_idle()
+    s.cache.check_integrity(idle=True)
+    s.cache.close()
+
+
+if __name__ == "__main__":
+    role, sock, *rest = sys.argv[1:]
+    {"compute": compute, "load": load, "write-and-hang": write_and_hang, "violate": violate, "serve": serve}[role](sock, *rest)

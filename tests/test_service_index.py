@@ -1,0 +1,91 @@
+"""The node service's host-tier policy (:class:`~kvtier.service.index.HostIndex`), step by step with exact
+page ids: a page is offered only once published and only in its namespace, a dropped client's writes
+are freed unpublished and its holds released, eviction takes unheld pages deepest first, and a key
+published twice keeps its first page. ``check_integrity`` after every step."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.errors import ServiceProtocolError
+from kvtier.service.index import HostIndex
+
+A, B, C = 1, 2, 3
+K = [bytes([i]) * 16 for i in range(8)]
+
+
+def index(pages: int = 4) -> HostIndex:
+    ix = HostIndex(pages)
+    ix.attach(A, "model-x")
+    ix.attach(B, "model-x")
+    ix.attach(C, "model-y")
+    return ix
+
+
+def test_a_page_is_offered_only_once_published_and_only_in_its_namespace():
+    ix = index()
+    pages = ix.reserve(A, 2)  # A writes two pages: nobody is offered them yet
+    assert pages == [0, 1]
+    assert ix.lookup(B, K[:2]) == []
+    ix.publish(A, pages, K[:2])  # A's writes completed
+    ix.check_integrity()
+    assert ix.lookup(C, K[:2]) == []  # another namespace: never
+    assert ix.lookup(B, K[:2]) == [0, 1]  # held by A and B now
+    ix.check_integrity()
+    assert ix.status().held == 2 and ix.status().hit_pages == 2
+
+
+def test_a_dropped_client_frees_what_it_was_writing_and_releases_what_it_held():
+    ix = index()
+    ix.publish(A, ix.reserve(A, 1), K[:1])
+    writing = ix.reserve(A, 2)
+    assert writing == [1, 2]
+    ix.detach(A)  # its connection dropped mid-write
+    ix.check_integrity()
+    st = ix.status()
+    assert (st.free, st.writing, st.ready, st.held, st.dropped_writes) == (3, 0, 1, 0, 2)
+    assert ix.lookup(B, K[:1]) == [0]  # the page it finished stays, offered
+
+
+def test_eviction_takes_unheld_pages_deepest_first_and_never_a_held_one():
+    ix = index(pages=4)
+    ix.publish(A, ix.reserve(A, 3), K[:3])  # a 3-page prefix on pages 0, 1, 2
+    ix.release(A, [2, 1, 0])  # released deepest first, as a core evicts its host leaves
+    assert sorted(ix.reserve(C, 2)) == [2, 3]  # the free page, then the prefix's deepest page
+    ix.check_integrity()
+    assert ix.lookup(A, K[:3]) == [0, 1]  # the prefix shortened from its end; A holds what is left
+    assert ix.reserve(C, 1) == []  # everything else is held
+    ix.release(A, [1, 0])
+    ix.lookup(B, K[:1])  # B holds the first page only
+    assert ix.reserve(C, 2) == [1]  # the unheld one goes; the held one never
+    ix.check_integrity()
+    assert ix.status().evicted_pages == 2
+
+
+def test_a_key_published_twice_keeps_its_first_page_and_the_second_is_freed_when_released():
+    ix = index()
+    ix.publish(A, ix.reserve(A, 1), K[:1])
+    ix.publish(B, ix.reserve(B, 1), K[:1])  # B computed the same page meanwhile
+    ix.check_integrity()
+    assert ix.lookup(C, K[:1]) == [] and ix.status().ready == 2
+    ix.release(B, [1])
+    ix.check_integrity()
+    assert ix.status().free == 3 and ix.lookup(B, K[:1]) == [0]
+
+
+@pytest.mark.parametrize("what, pages, message", [
+    ("outside", [9], "page 9 is outside the region"),
+    ("another client's", [0], "page 0 is not this client's"),
+    ("twice", [1, 1], "page 1 is listed twice"),
+])
+def test_a_page_that_is_not_the_clients_is_refused_with_nothing_changed(what, pages, message):
+    ix = index()
+    ix.reserve(A, 1)  # page 0 is A's
+    ix.reserve(B, 1)  # page 1 is B's
+    before = ix.status()
+    with pytest.raises(ServiceProtocolError, match=message):
+        ix.release(B, pages)
+    with pytest.raises(ServiceProtocolError, match=message):
+        ix.publish(B, pages, K[: len(pages)])
+    assert ix.status() == before
+    ix.check_integrity()
