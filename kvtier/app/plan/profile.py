@@ -1,0 +1,245 @@
+"""What an engine costs on this machine, measured: the profile ``kvtier plan --calibrate`` writes and
+``--profile`` / ``--validate`` read.
+
+* :class:`PrefillFit` -- seconds to prefill a prompt of ``n`` tokens after a cached prefix of ``c``:
+  ``overhead + per_token * (n - c) + per_context * (n^2 - c^2) / 2 + per_page * pages computed``.
+  The quadratic term is attention (each computed token reads every token before it); the
+  page term an engine's per-chunk or per-step work.
+* :class:`LinkFit` -- one tier's move: ``latency + bytes / bandwidth`` per operation (host<->device
+  through the io backend, each L3 store's get and put).
+* :class:`EngineTraits` -- how the engine schedules: one request at a time or chunked batches,
+  whether a load overlaps the compute, whether the tiers settle before the next request.
+
+Fits are non-negative least squares on relative residuals (:func:`fit_prefill`, :func:`fit_link`):
+TTFT error is judged per request in percent, and a term that came out negative would predict
+less time for more work. A profile names the model and engine it was measured on; using it for
+another is refused (:meth:`Profile.check_model`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+
+PROFILE_FORMAT = "kvtier-plan-profile"
+PROFILE_VERSION = 1
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int = 100) -> np.ndarray:
+    """``argmin ||a x - b||`` over ``x >= 0`` (Lawson and Hanson's active set), for the few columns a fit has."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    passive = np.zeros(n, dtype=bool)
+    for _ in range(max_iter):
+        grad = a.T @ (b - a @ x)
+        free = ~passive & (grad > 1e-12 * max(1.0, float(np.abs(grad).max(initial=0.0))))
+        if not free.any():
+            break
+        passive[np.argmax(np.where(free, grad, -np.inf))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (z[passive] > 0).all():
+                x = z
+                break
+            bad = passive & (z <= 0)
+            step = np.min(x[bad] / (x[bad] - z[bad]))
+            x = x + step * (z - x)
+            passive &= x > 1e-15
+            x[~passive] = 0.0
+    return x
+
+
+def _relative_fit(columns: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising the squared *relative* error against ``seconds``."""
+    w = 1.0 / seconds
+    return nnls(columns * w[:, None], seconds * w)
+
+
+def median_abs_pct_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Median over items of ``|predicted - measured| / measured``, in percent."""
+    p, m = np.asarray(predicted, dtype=float), np.asarray(measured, dtype=float)
+    return float(np.median(np.abs(p - m) / m) * 100) if m.size else 0.0
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    overhead_s: float
+    per_token_s: float
+    #: seconds per (token x earlier token) of attention
+    per_context_s: float
+    per_page_s: float
+    page_tokens: int
+    #: calibration points, and the fit's median absolute error over them (percent)
+    points: int = 0
+    fit_error_pct: float = 0.0
+
+    @staticmethod
+    def columns(prompt: Sequence[int], cached: Sequence[int], page_tokens: int) -> np.ndarray:
+        n, c = np.asarray(prompt, dtype=float), np.asarray(cached, dtype=float)
+        pages = np.ceil(n / page_tokens) - np.floor(c / page_tokens)
+        return np.stack([np.ones_like(n), n - c, (n * n - c * c) / 2, pages], axis=1)
+
+    def seconds(self, prompt: int, cached: int) -> float:
+        """Prefill of ``prompt`` tokens of which the first ``cached`` come from the cache."""
+        pages = -(-prompt // self.page_tokens) - cached // self.page_tokens
+        return (self.overhead_s + self.per_token_s * (prompt - cached) + self.per_context_s * (prompt * prompt - cached * cached) / 2
+                + self.per_page_s * pages)
+
+
+def fit_prefill(prompt: Sequence[int], cached: Sequence[int], seconds: Sequence[float], page_tokens: int) -> PrefillFit:
+    """:class:`PrefillFit` of measured prefills (``prompt[i]`` tokens, ``cached[i]`` of them cached, ``seconds[i]``)."""
+    t = np.asarray(seconds, dtype=float)
+    if t.size < 4 or (t <= 0).any():
+        raise ConfigError(f"a prefill fit needs 4 or more timings, all positive; got {t.size}")
+    cols = PrefillFit.columns(prompt, cached, page_tokens)
+    coef = _relative_fit(cols, t)
+    err = median_abs_pct_error(cols @ coef, t)
+    return PrefillFit(*(float(x) for x in coef), page_tokens=page_tokens, points=int(t.size), fit_error_pct=round(err, 2))
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    latency_s: float
+    bytes_per_s: float
+    points: int = 0
+    fit_error_pct: float = 0.0
+
+    def seconds(self, nbytes: float) -> float:
+        """One operation moving ``nbytes`` (none: no operation, no time)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.latency_s + (nbytes / self.bytes_per_s if self.bytes_per_s > 0 else 0.0)
+
+
+def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+    """:class:`LinkFit` of timed operations (``nbytes[i]`` moved in ``seconds[i]``)."""
+    t = np.asarray(seconds, dtype=float)
+    b = np.asarray(nbytes, dtype=float)
+    if t.size < 2 or (t <= 0).any() or len(set(b.tolist())) < 2:
+        raise ConfigError(f"a link fit needs timings of 2 or more sizes, all positive; got {t.size} timings of "
+                          f"{len(set(b.tolist()))} sizes")
+    latency, per_byte = _relative_fit(np.stack([np.ones_like(b), b], axis=1), t)
+    err = median_abs_pct_error(latency + per_byte * b, t)
+    return LinkFit(float(latency), float(1.0 / per_byte) if per_byte > 0 else math.inf, int(t.size), round(err, 2))
+
+
+#: the links a profile measures, and what each is
+LINKS = {
+    "host_to_device": "a load of cached pages from host into the device pool",
+    "device_to_host": "a backup of device pages into host pages",
+    "storage_get": "an L3 read of pages into host pages",
+    "storage_put": "an L3 write of host pages",
+}
+
+
+@dataclass(frozen=True)
+class EngineTraits:
+    #: "serial": one request at a time, in arrival order; "chunked": vLLM's steps of up to ``max_batched_tokens``
+    scheduling: str = "serial"
+    max_batched_tokens: int = 0
+    #: a host or L3 hit's load runs under the compute (layer by layer) rather than before it
+    load_overlaps_compute: bool = True
+    #: the engine drains a request's backups and L3 saves before starting the next ("serial"), or they run
+    #: beside the next requests ("background")
+    settle: str = "serial"
+
+
+@dataclass
+class Profile:
+    engine: str
+    model: str
+    #: identifies the model's KV layout: a profile of another layout is refused
+    model_fingerprint: str
+    page_tokens: int
+    page_bytes: int
+    prefill: PrefillFit
+    links: dict[str, LinkFit]
+    traits: EngineTraits = field(default_factory=EngineTraits)
+    io_backend: str = "direct"
+    storage: str = "file"
+    measured_at: str = ""
+    #: cpus, cpu model, load average before and after
+    machine: dict = field(default_factory=dict)
+    #: what each calibration step measured (for the record)
+    notes: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.as_dict(), indent=1) + "\n")
+
+    def link(self, name: str) -> LinkFit:
+        return self.links[name]
+
+    def check_model(self, model: str, fingerprint: str, path: str | Path = "the profile", engine: str | None = None) -> None:
+        """Refuse (one readable line) to use this profile for another model, or -- ``engine`` given -- another engine."""
+        if (self.model, self.model_fingerprint) != (model, fingerprint):
+            from kvtier.app.plan.engines import ENGINES
+
+            engines = [e.name for e in ENGINES.values() if e.model == model]
+            fix = (f"calibrate one for it: kvtier plan --calibrate OUT.json --engine {engines[0]}" if engines else
+                   f"plan the profile's model: --plan-spec {self.model}")
+            raise ConfigError(f"profile {path} was measured with model {self.model!r}, not {model!r} "
+                              f"(layout {self.model_fingerprint[:12]} vs {fingerprint[:12]}): its times do not hold for it; {fix}")
+        if engine is not None and self.engine != engine:
+            raise ConfigError(f"profile {path} was measured on engine {self.engine!r}, not {engine!r}; calibrate one for it: "
+                              f"kvtier plan --calibrate OUT.json --engine {engine}")
+
+
+def _typed(cls, data: object, where: str):
+    """``cls(**data)``, every field given and of its type (numbers finite and >= 0): a profile is user input."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{where} must be an object, got {type(data).__name__}")
+    declared = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(declared))
+    if unknown:
+        raise ValueError(f"{where} has unknown keys {unknown}")
+    for name, f in declared.items():
+        if name not in data and f.default is MISSING and f.default_factory is MISSING:
+            raise ValueError(f"{where} lacks {name!r}")
+    for name, v in data.items():
+        kind = declared[name].type
+        if kind in ("float", "int"):
+            number = not isinstance(v, bool) and isinstance(v, (int, float)) and (math.isfinite(v) or v == math.inf) and v >= 0
+            if not number or (kind == "int" and not isinstance(v, int)):
+                raise ValueError(f"{where}.{name} must be {'an integer' if kind == 'int' else 'a number'} >= 0, got {v!r}")
+        elif kind in ("str", "bool", "dict") and not isinstance(v, {"str": str, "bool": bool, "dict": dict}[kind]):
+            raise ValueError(f"{where}.{name} must be a {kind}, got {v!r}")
+    return cls(**data)
+
+
+def load_profile(path: str | Path) -> Profile:
+    """The profile at ``path``, every field checked: a missing or corrupt file is one :class:`ConfigError` line."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read profile {path}: {e.strerror or e}; write one with kvtier plan --calibrate {path}") from None
+    except ValueError as e:
+        raise ConfigError(f"profile {path} is not JSON ({e}); write it again with kvtier plan --calibrate {path}") from None
+    try:
+        if not isinstance(data, dict) or data.get("format") != PROFILE_FORMAT:
+            raise ValueError(f"no \"format\": \"{PROFILE_FORMAT}\" field")
+        if data.get("version") != PROFILE_VERSION:
+            raise ValueError(f"version {data.get('version')!r}, this kvtier reads version {PROFILE_VERSION}")
+        body = {k: v for k, v in data.items() if k not in ("format", "version")}
+        body["prefill"] = _typed(PrefillFit, body.get("prefill"), "prefill")
+        links = body.get("links")
+        if not isinstance(links, dict) or set(links) != set(LINKS):
+            raise ValueError(f"links must name {', '.join(LINKS)}")
+        body["links"] = {k: _typed(LinkFit, v, f"links.{k}") for k, v in links.items()}
+        body["traits"] = _typed(EngineTraits, body.get("traits", {}), "traits")
+        profile = _typed(Profile, body, "profile")
+        if profile.page_tokens < 1 or profile.prefill.page_tokens != profile.page_tokens:
+            raise ValueError(f"page_tokens {profile.page_tokens} and the prefill fit's {profile.prefill.page_tokens} must agree")
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"profile {path} is not a kvtier plan profile: {e}; write it again with kvtier plan --calibrate {path}") from None
+    return profile
