@@ -150,6 +150,8 @@ class EngineTraits:
     #: the engine drains a request's backups and L3 saves before starting the next ("serial"), or they run
     #: beside the next requests ("background")
     settle: str = "serial"
+    #: torch intra-op threads the engine ran with (a validation runs with the same)
+    threads: int = 1
 
 
 @dataclass

@@ -26,8 +26,8 @@ from kvtier.groups import ModelSpec
 from kvtier.spec import KVSpec
 from kvtier.app.workloads.mooncake import TraceRequest
 
-#: what a request hands over beside its pages at commit: ``(core, request, usable pages) -> {group: ids}``
-Handover = Callable[[CacheCore, object, int], dict[str, list[int | None]]]
+#: what a request hands over beside its pages at commit: ``(core, request, usable pages, pages) -> {group: ids}``
+Handover = Callable[[CacheCore, object, int, int], dict[str, list[int | None]]]
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ def replay_cache(
     return out
 
 
-def _group_objects(node: CacheCore, req, usable: int) -> dict[str, list[int | None]]:
+def _group_objects(node: CacheCore, req, usable: int, total: int) -> dict[str, list[int | None]]:
     """What an engine hands over for a hybrid model: a window page for every block it computed (vLLM and
     SGLang keep them until their block goes), and a snapshot at each ``state_every``-th boundary --
     not at the prompt's end, which the core would also take: the tiers' snapshot bytes are then
@@ -185,7 +185,7 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
         total = -(-r.input_length // block)
         new = req.alloc(total - usable)
         if new.ok:
-            req.commit(req.cached_pages[:usable] + new.pages, handover(node, req, usable) if node.components else None)
+            req.commit(req.cached_pages[:usable] + new.pages, handover(node, req, usable, total) if node.components else None)
         else:
             req.abort()
         served = req.served(usable)

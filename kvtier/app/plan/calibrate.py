@@ -1,0 +1,193 @@
+"""``kvtier plan --calibrate OUT.json``: measure what the planner needs from this machine and engine.
+
+* **Prefill** -- the engine itself, on the paths a request takes: a prompt of ``n`` tokens after a
+  cached prefix of ``c`` (the prefix is computed first, untimed, so it is on device), for ``n`` on a
+  geometric grid up to ``max_tokens`` and ``c`` at fixed fractions of it; each point's median of
+  ``reps`` runs, fitted by :func:`~kvtier.app.plan.profile.fit_prefill` (overhead, per token,
+  attention, per page).
+* **Links** -- the benches' paths (:mod:`kvtier.app.bench.transfer`, :mod:`kvtier.app.bench.storage`):
+  a :class:`~kvtier.transfer.engine.TransferEngine` on the configured io backend between a device and
+  a host pool of the model's pages (load, backup), and a :class:`~kvtier.l3.tier.StorageTier` on
+  the L3 URL (put, get), each op timed at several page counts and fitted to ``latency + bytes /
+  bandwidth`` (:func:`~kvtier.app.plan.profile.fit_link`).
+* **Scheduling** -- ``kvtier run``'s engine serves one request at a time and settles its tiers before
+  the next (:mod:`~kvtier.app.plan.engine_run`); vLLM's traits come from its own calibration run
+  (:mod:`kvtier.integrations.vllm.replay`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from kvtier.app.plan.engines import Engine, engine_model
+from kvtier.app.plan.profile import LINKS, EngineTraits, LinkFit, Profile, fit_link, fit_prefill
+from kvtier.config import CacheConfig, TierConfig
+from kvtier.errors import ConfigError
+from kvtier.spec import KVSpec
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    #: the longest prompt measured (the fit is trusted up to here: give the workload's longest)
+    max_tokens: int = 4096
+    #: prompt lengths on a geometric grid from two pages to ``max_tokens``
+    lengths: int = 6
+    #: cached prefix as fractions of the prompt
+    cached: tuple[float, ...] = (0.0, 0.5, 0.875)
+    #: runs per point (their median is the point)
+    reps: int = 3
+    #: page counts per link operation
+    link_pages: tuple[int, ...] = (1, 4, 16, 64)
+    link_reps: int = 5
+    #: torch intra-op threads (validation runs with the profile's)
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "lengths", "reps", "link_reps", "threads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"calibration {name} must be an integer >= 1; got {v!r}")
+
+    def prompt_lengths(self, page_tokens: int) -> list[int]:
+        low = 2 * page_tokens
+        if self.max_tokens <= low:
+            raise ConfigError(f"--calibrate-max-tokens {self.max_tokens} leaves no room for a grid: give more than {low} "
+                              f"(two {page_tokens}-token pages)")
+        steps = max(self.lengths - 1, 1)
+        grid = {round(low * (self.max_tokens / low) ** (i / steps)) for i in range(self.lengths)}
+        return sorted(grid)
+
+
+def machine() -> dict:
+    """What the profile was measured on: CPUs, CPU model, load average."""
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": model or platform.processor(), "load_average": list(os.getloadavg())}
+
+
+def _prompt(n: int, seed: int, vocab: int) -> list[int]:
+    import random
+
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(n)]
+
+
+def measure_prefill(eng: Engine, plan: CalibrationPlan, progress: Callable[[str], None] | None = None) -> list[tuple[int, int, float]]:
+    """(prompt tokens, cached tokens, seconds) per grid point, each the median of ``plan.reps`` runs."""
+    from kvtier.app.plan.engine_run import build_run_engine, run_storage, torch_threads
+
+    ps = eng.page_tokens
+    lengths = plan.prompt_lengths(ps)
+    pages = 2 * (-(-max(lengths) // ps)) + 2
+    storage, tmp = run_storage(None)
+    engine, cache, warm = build_run_engine(eng, TierConfig(device_pages=pages, host_pages=2 * pages), CacheConfig(preallocate_nodes=False),
+                                           storage)
+    out = []
+    seed = 0
+    try:
+        with torch_threads(plan.threads):
+            warm.prefill(_prompt(2 * ps, 1 << 30, eng.vocab))
+            for n in lengths:
+                for frac in plan.cached:
+                    cached = min(int(n * frac) // ps, (n - 1) // ps) * ps
+                    times = []
+                    for _ in range(plan.reps):
+                        seed += 1
+                        tokens = _prompt(n, seed, eng.vocab)
+                        if cached:
+                            engine.prefill(tokens[:cached])  # the prefix, now on device
+                        cache.wait_idle()
+                        r = engine.prefill(tokens)
+                        cache.wait_idle()
+                        got = r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens
+                        times.append((got, r.ttft_s))
+                    got = statistics.median_low([g for g, _ in times])
+                    out.append((n, got, statistics.median(t for _, t in times)))
+                    if progress is not None:
+                        progress(f"prefill {n} tokens, {got} cached: {out[-1][2] * 1e3:.1f} ms")
+    finally:
+        cache.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return out
+
+
+def measure_links(spec: KVSpec, io_backend: str, storage_url: str | None, plan: CalibrationPlan,
+                  progress: Callable[[str], None] | None = None) -> dict[str, LinkFit]:
+    """Each link's :class:`LinkFit`, timed on the benches' paths (see the module docstring)."""
+    from kvtier.app.plan.engine_run import run_storage
+    from kvtier.hashing import Namespace, PageHash
+    from kvtier.l3 import open_backend
+    from kvtier.l3.tier import StorageTier
+    from kvtier.pools import DevicePool, HostPool
+    from kvtier.transfer.engine import TransferEngine
+
+    most = max(plan.link_pages)
+    device, host = DevicePool(spec, 2 * most), HostPool(spec, 2 * most, "page_first")
+    storage, tmp = run_storage(storage_url)
+    transfers = TransferEngine(host, device, io_backend)
+    tier = StorageTier(open_backend(storage.url), host, Namespace("kvtier-calibrate", spec.fingerprint()), batch_pages=storage.batch_pages,
+                       io_threads=storage.io_threads)
+    timings: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in LINKS}
+    try:
+        for k in plan.link_pages:
+            src, dst = list(range(k)), list(range(most, most + k))
+            ops = {
+                "host_to_device": lambda k=k, src=src, dst=dst: transfers.load(src, dst).wait(),
+                "device_to_host": lambda k=k, src=src, dst=dst: transfers.backup(src, dst).wait(),
+            }
+            for rep in range(plan.link_reps + 1):
+                keys = [PageHash(os.urandom(16)) for _ in range(k)]
+                ops["storage_put"] = lambda keys=keys, src=src: tier.submit("save", keys, src).wait()
+                ops["storage_get"] = lambda keys=keys, dst=dst: tier.submit("prefetch", keys, dst).wait()
+                for name in ("host_to_device", "device_to_host", "storage_put", "storage_get"):  # (a get reads the put's keys)
+                    t0 = time.perf_counter()
+                    ops[name]()
+                    if rep:  # the first round is a warm-up
+                        timings[name][0].append(k * spec.page_bytes)
+                        timings[name][1].append(time.perf_counter() - t0)
+            if progress is not None:
+                progress(f"links at {k} pages")
+    finally:
+        tier.close()
+        transfers.close()
+        if tmp is not None:
+            tmp.cleanup()
+    return {name: fit_link(*timings[name]) for name in LINKS}
+
+
+def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io_backend: str = "direct",
+                         storage_url: str | None = None, progress: Callable[[str], None] | None = None) -> Profile:
+    """The profile of ``kvtier run``'s engine ``eng`` (``run`` or ``run-hybrid``) on this machine."""
+    model = engine_model(eng.model)
+    spec = model.group("full").attention
+    before = machine()
+    samples = measure_prefill(eng, plan, progress)
+    links = measure_links(spec, io_backend, storage_url, plan, progress)
+    fit = fit_prefill([n for n, _, _ in samples], [c for _, c, _ in samples], [t for _, _, t in samples], eng.page_tokens)
+    after = machine()
+    return Profile(
+        engine=eng.name,
+        model=eng.model,
+        model_fingerprint=model.fingerprint(),
+        page_tokens=eng.page_tokens,
+        page_bytes=spec.page_bytes,
+        prefill=fit,
+        links=links,
+        # the hybrid engine waits for its load before its first page (its window pages and snapshot come with it)
+        traits=EngineTraits(scheduling="serial", load_overlaps_compute=not eng.hybrid, settle="serial", threads=plan.threads),
+        io_backend=io_backend,
+        storage=(storage_url or "file://").split(":", 1)[0],
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        machine={**after, "load_average_before": before["load_average"]},
+        notes={"prefill_points": [list(s) for s in samples], "plan": asdict(plan)},
+    )
