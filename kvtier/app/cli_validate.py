@@ -57,9 +57,9 @@ def calibrate(out: str, engine_name: str, max_tokens: int, reps: int, io_backend
     plan.prompt_lengths(eng.page_tokens)  # (a bad grid fails here, before anything runs)
     say = (lambda m: None) if as_json else (lambda m: print(f"  {m}", file=sys.stderr, flush=True))
     if eng.vllm_model is not None:
-        from kvtier.integrations.vllm.replay import calibrate_vllm
+        from kvtier.app.plan.calibrate import calibrate_vllm
 
-        profile = calibrate_vllm(eng, plan, progress=say)
+        profile = calibrate_vllm(eng, plan, io_backend=io_backend, progress=say)
     else:
         profile = calibrate_run_engine(eng, plan, io_backend=io_backend, progress=say)
     profile.save(out)

@@ -191,3 +191,60 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
         machine={**after, "load_average_before": before["load_average"]},
         notes={"prefill_points": [list(s) for s in samples], "plan": asdict(plan)},
     )
+
+
+#: vLLM calibration: the pause before each timed request, for the copies out and L3 writes of the ones before to finish
+SETTLE_S = 0.1
+
+
+def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io_backend: str = "direct",
+                   progress: Callable[[str], None] | None = None) -> Profile:
+    """The profile of vLLM's CPU engine with kvtier's connector (``vllm`` or ``vllm-hybrid``), measured in one
+    engine process (:mod:`kvtier.integrations.vllm.replay`): its prefill fit from prefixes vLLM's own cache
+    held; the connector's load (host -> vLLM's blocks) and L3 read from prefixes only kvtier held, as the
+    time they add over that fit. Its copies out and L3 writes run beside the next steps (settle:
+    background); the profile still records their links, timed on the benches' paths."""
+    from kvtier.integrations.vllm.replay import run_job
+
+    model = engine_model(eng.model)
+    spec = model.group("full").attention
+    ps = eng.page_tokens
+    lengths = plan.prompt_lengths(ps)
+    grid = [(n, min(int(n * f) // ps, (n - 1) // ps) * ps) for n in lengths for f in plan.cached]
+    loads = lengths[len(lengths) // 3:]
+    host_pages = 2 * (-(-max(loads) // ps)) + 8
+    flush_tokens = max(lengths)
+    before = machine()
+    if progress is not None:
+        progress(f"vLLM {eng.vllm_model}: {len(grid)} prefill points, {len(loads)} host and L3 loads, {plan.reps} runs each")
+    result = run_job({"mode": "calibrate", "model": eng.vllm_model, "block_size": ps, "device_pages": 4 * (-(-max(lengths) // ps)) + 8,
+                      "host_pages": host_pages, "max_model_len": max(lengths) + ps, "vocab": eng.vocab, "grid": grid, "reps": plan.reps,
+                      "load_lengths": loads, "flush_tokens": flush_tokens, "flush_prompts": -(-2 * host_pages * ps // flush_tokens),
+                      "settle_s": SETTLE_S})
+    samples = result["samples"]
+    fit = fit_prefill(*zip(*samples["device"]), ps)
+    links = measure_links(spec, io_backend, None, plan, progress)
+    page_bytes = spec.page_bytes
+    # what a load adds over computing the rest: the connector's path into vLLM's blocks, then an L3 read before it
+    host = [(row["host_pages"] * page_bytes, t - fit.seconds(n, row["cached_tokens"])) for n, row, t in samples["host"]]
+    links["host_to_device"] = fit_link([b for b, _ in host], [max(x, 1e-6) for _, x in host])
+    storage = [(row["storage_pages"] * page_bytes, t - fit.seconds(n, row["cached_tokens"])
+                - links["host_to_device"].seconds(row["storage_pages"] * page_bytes)) for n, row, t in samples["storage"]]
+    links["storage_get"] = fit_link([b for b, _ in storage], [max(x, 1e-6) for _, x in storage])
+    return Profile(
+        engine=eng.name,
+        model=eng.model,
+        model_fingerprint=model.fingerprint(),
+        page_tokens=ps,
+        page_bytes=page_bytes,
+        prefill=fit,
+        links=links,
+        traits=EngineTraits(scheduling="chunked", max_batched_tokens=int(result["max_num_batched_tokens"]), load_overlaps_compute=False,
+                            settle="background", threads=plan.threads),
+        io_backend=io_backend,
+        storage="file",
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        machine={**machine(), "load_average_before": before["load_average"]},
+        notes={"prefill_points": samples["device"], "host_loads": samples["host"], "storage_loads": samples["storage"],
+               "plan": asdict(plan), "vllm_model": eng.vllm_model},
+    )

@@ -26,7 +26,7 @@ from kvtier.config import CacheConfig, StorageConfig, TierConfig
 @dataclass
 class MeasuredRun:
     """What a real engine did with a slice: per request, pages served per tier and seconds from arrival to
-    first token (and of that, waiting); the bytes each link moved, in total."""
+    first token (and of that, waiting, where the engine tells: empty for vLLM); the bytes each link moved."""
 
     engine: str
     served: list[tuple[int, int, int]]

@@ -70,10 +70,9 @@ def _tiny_gemma3() -> ModelSpec:
     """``ensure_tiny_gemma3`` in float32: sliding-window (128 tokens) and full layers alternating, 2 KV heads of 64."""
     from kvtier.integrations.vllm.model import TINY_GEMMA3_WINDOW
 
-    full = KVSpec.mha("vllm-tiny-gemma3-full", 2, 2, 64, 32, "float32")
-    window = KVSpec.mha("vllm-tiny-gemma3-window", 2, 2, 64, 32, "float32")
-    return ModelSpec("vllm-tiny-gemma3", 4, (KVGroup("full", "full", (1, 3), attention=full),
-                                             KVGroup("sliding", "sliding_window", (0, 2), window=TINY_GEMMA3_WINDOW, attention=window)))
+    layers = KVSpec.mha("vllm-tiny-gemma3", 2, 2, 64, 32, "float32")  # a window page is a full page: vLLM's one block pool holds both
+    return ModelSpec("vllm-tiny-gemma3", 4, (KVGroup("full", "full", (1, 3), attention=layers),
+                                             KVGroup("sliding", "sliding_window", (0, 2), window=TINY_GEMMA3_WINDOW, attention=layers)))
 
 
 #: an engine's model by its plan spec name, at the engine's page size

@@ -233,8 +233,11 @@ def load_profile(path: str | Path) -> Profile:
         if data.get("version") != PROFILE_VERSION:
             raise ValueError(f"version {data.get('version')!r}, this kvtier reads version {PROFILE_VERSION}")
         body = {k: v for k, v in data.items() if k not in ("format", "version")}
-        body["prefill"] = _typed(PrefillFit, body.get("prefill"), "prefill")
-        links = body.get("links")
+        for key in ("prefill", "links"):
+            if key not in body:
+                raise ValueError(f"it lacks {key!r}")
+        body["prefill"] = _typed(PrefillFit, body["prefill"], "prefill")
+        links = body["links"]
         if not isinstance(links, dict) or set(links) != set(LINKS):
             raise ValueError(f"links must name {', '.join(LINKS)}")
         body["links"] = {k: _typed(LinkFit, v, f"links.{k}") for k, v in links.items()}

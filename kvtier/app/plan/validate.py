@@ -105,8 +105,14 @@ class Prediction:
 def predict(eng: Engine, work: EngineSlice, setup: Setup) -> Prediction:
     """The planner's replay of ``work`` on ``setup`` (hits and moves; times come from :func:`predicted_times`)."""
     shape = node_shape(eng)
-    counts = replay_cache(work.requests, shape, setup.cache, Capacity(setup.device_pages, setup.host_pages, MAX_BLOCKS),
-                          [0] * len(work.requests), 1, per_request=True)
+    host = setup.host_pages
+    if eng.vllm_model is not None:
+        # vLLM's one block pool holds a window page as a full page (shared on device), while kvtier's connector keeps a
+        # window group's host objects in a pool of their own as large as the pages' one; the core takes a group sharing
+        # both tiers' pools or neither, so the planner's host holds both pools' slots in one
+        host *= 1 + len(shape.shared)
+    counts = replay_cache(work.requests, shape, setup.cache, Capacity(setup.device_pages, host, MAX_BLOCKS), [0] * len(work.requests), 1,
+                          per_request=True)
     page = shape.spec.page_bytes
     hits = counts.hit_blocks
     moved = {"host_to_device": (hits["host"] + hits["storage"]) * page, "device_to_host": counts.backed_up_blocks * page,
@@ -140,7 +146,7 @@ def _side(served: Sequence[tuple[int, int, int]], ttft: Sequence[float], queue: 
     ratio = {t: round(pages[t] * page_tokens / tokens, 4) for t in TIERS}
     ratio["total"] = round(sum(pages.values()) * page_tokens / tokens, 4)
     return {"hit_ratio": ratio, "hit_pages": pages, "bytes_moved": dict(moved), "ttft_s": spread(np.asarray(ttft)),
-            "queue_s": spread(np.asarray(queue))}
+            "queue_s": spread(np.asarray(queue)) if len(queue) else None}
 
 
 def _pct(p: float, m: float) -> float | None:
