@@ -80,17 +80,14 @@ def validate(engine_name: str, profile_path: str | None, workload: str, trace: s
              what: str | None, as_json: bool) -> None:
     from kvtier.app.plan.engines import engine
     from kvtier.app.plan.profile import load_profile
-    from kvtier.app.plan.validate import WHAT_IFS, Setup, validate as run_validation, what_if
+    from kvtier.app.plan.validate import Setup, check_setup, validate as run_validation, what_if
 
     eng = engine(engine_name)
+    check_setup(eng, cache_cfg, what)
     if profile_path is None:
         raise ConfigError(f"--validate needs the engine's measured costs: give --profile PATH (write one with "
                           f"kvtier plan --calibrate PATH --engine {engine_name})")
     profile = load_profile(profile_path)
-    if what is not None and what not in WHAT_IFS:
-        from kvtier.errors import UnknownNameError
-
-        raise UnknownNameError("--what-if", what, WHAT_IFS)
     if not 0 < target_load < 1:
         raise ConfigError(f"--validate-load is the share of time the engine should be busy, between 0 and 1; got {target_load}")
     if time_scale is not None and not time_scale > 0:

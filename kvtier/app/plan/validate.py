@@ -68,6 +68,22 @@ def what_if(base: Setup, name: str) -> Setup:
     raise UnknownNameError("what-if", name, WHAT_IFS)
 
 
+def check_setup(eng: Engine, cache: CacheConfig, what: str | None) -> None:
+    """Refuse a configuration ``eng`` cannot run, before anything does: vLLM's connector copies every block it
+    computes out to host, which is write_through and nothing else."""
+    if what is not None and what not in WHAT_IFS:
+        from kvtier.errors import UnknownNameError
+
+        raise UnknownNameError("--what-if", what, WHAT_IFS)
+    if eng.vllm_model is None:
+        return
+    policies = [cache.write_policy] + ([what.replace("-", "_")] if what in ("write-back", "write-through") else [])
+    for policy in policies:
+        if policy != "write_through":
+            raise ConfigError(f"vLLM's connector copies every block vLLM computes out to host: write_through only, not {policy}; "
+                              f"validate {policy} on kvtier run's engine (--validate run), or give vLLM --what-if half-host")
+
+
 def node_shape(eng: Engine) -> NodeShape:
     """The engine's model and pools as its cache builds them, and its handover (the hybrid reference
     engine's own allocation, :class:`~kvtier.app.engine.HybridObjects`)."""
@@ -231,6 +247,7 @@ def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: P
              time_scale: float | None = None, target_load: float = 0.7, what: str | None = None,
              measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None) -> ValidationReport:
     """The slice ``requests`` on ``eng`` under ``setup`` (and ``what``, a :data:`WHAT_IFS` name), planner against engine."""
+    check_setup(eng, setup.cache, what)
     model = engine_model(eng.model)
     profile.check_model(eng.model, model.fingerprint(), profile_path, engine=eng.name)
     other = what_if(setup, what) if what else None
@@ -255,7 +272,7 @@ def default_measure(eng: Engine, profile: Profile) -> Callable[[EngineSlice, Set
     if eng.vllm_model is not None:
         from kvtier.integrations.vllm.replay import replay_on_vllm
 
-        return lambda work, setup: replay_on_vllm(eng, work, setup.device_pages, setup.host_pages, setup.cache.write_policy)
+        return lambda work, setup: replay_on_vllm(eng, work, setup.device_pages, setup.host_pages)
     from kvtier.app.plan.engine_run import replay_on_run_engine
     from kvtier.config import TierConfig
 

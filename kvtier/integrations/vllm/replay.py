@@ -197,15 +197,12 @@ def served_pages(row: dict, block: int) -> tuple[int, int, int]:
     return local, host, external - host
 
 
-def replay_on_vllm(eng, work, device_pages: int, host_pages: int, write_policy: str = "write_through"):
-    """``work`` (an :class:`~kvtier.app.plan.engine_slice.EngineSlice`) on vLLM with the connector: a
+def replay_on_vllm(eng, work, device_pages: int, host_pages: int):
+    """``work`` (an :class:`~kvtier.app.plan.engine_slice.EngineSlice`) on vLLM with the connector, vLLM's
+    prefix cache of ``device_pages`` blocks, kvtier's host of ``host_pages``: a
     :class:`~kvtier.app.plan.engine_run.MeasuredRun`."""
     from kvtier.app.plan.engine_run import MeasuredRun
-    from kvtier.errors import ConfigError
 
-    if write_policy != "write_through":
-        raise ConfigError(f"vLLM's connector copies every computed block out to host (write_through); {write_policy} is kvtier run's "
-                          "engine's only: validate it with --validate run, or give vLLM --what-if half-host")
     longest = max(len(p) for p in work.prompts)
     result = run_job({"mode": "replay", "model": eng.vllm_model, "block_size": eng.page_tokens, "device_pages": device_pages,
                       "host_pages": host_pages, "max_model_len": longest + eng.page_tokens, "prompts": work.prompts,
