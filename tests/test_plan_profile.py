@@ -13,8 +13,9 @@ from kvtier.app.plan import PlanConfig, plan_costs, run_plan
 from kvtier.app.plan.config import TokenCosts
 from kvtier.app.plan.engine_slice import block_tokens, engine_requests, make_slice, prefix_ids, prompt_tokens, take_slice
 from kvtier.app.plan.engines import engine_model
-from kvtier.app.plan.profile import EngineTraits, fit_link, fit_prefill, load_profile, median_abs_pct_error, nnls
-from kvtier.app.plan.timing import NominalCosts, ProfiledCosts
+from kvtier.app.plan.profile import (EngineTraits, IdleFit, LinkFit, PrefillFit, fit_link, fit_prefill, load_profile, median_abs_pct_error,
+                                     nnls)
+from kvtier.app.plan.timing import NominalCosts, ProfiledCosts, simulate
 from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.errors import ConfigError
 
@@ -75,9 +76,28 @@ def test_fits_refuse_too_little_data():
 
 
 def test_a_profile_reads_back_as_written(tmp_path):
-    p = profile_of(traits=EngineTraits(settle="background", threads=2))
+    p = profile_of(traits=EngineTraits(settle="background", threads=2), idle=IdleFit([0.01, 0.1], [0.002, 0.005]),
+                   after_request=LinkFit(0.001, 2e8))
     p.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
+
+
+def test_idle_cost_rises_with_the_gap_on_a_log_scale():
+    idle = IdleFit([0.01, 0.1, 1.0], [0.002, 0.006, 0.008])
+    assert idle.seconds(0.0) == 0.0 and idle.seconds(0.005) == pytest.approx(0.001)  # below the shortest gap: towards 0
+    assert idle.seconds(0.1) == pytest.approx(0.006) and idle.seconds(10.0) == pytest.approx(0.008)
+    assert idle.seconds(0.0316227766) == pytest.approx(0.004)  # halfway on a log scale
+    assert IdleFit().seconds(1.0) == 0.0
+
+
+def test_the_queue_model_charges_the_idle_cost_only_to_a_request_that_finds_the_node_idle():
+    profile = profile_of(idle=IdleFit([0.01], [0.05]), prefill=PrefillFit(0.1, 0.0, 0.0, 0.0, 32))
+    costs = ProfiledCosts(profile, 32, 1000.0)
+    # three 0.1 s requests: the second arrives while the first runs (queued), the third after an idle second
+    reqs = [TraceRequest(t, 64, 1, (i, 100 + i)) for i, t in enumerate((0, 50, 1200))]
+    timing = simulate(reqs, [0, 0, 0], [(0, 0, 0)] * 3, PlanConfig(), costs, [(0, 0, 0)] * 3)
+    assert timing.per_request_queue_s.tolist() == pytest.approx([0.0, 0.05, 0.0])
+    assert timing.per_request_ttft_s.tolist() == pytest.approx([0.1, 0.15, 0.15])
 
 
 @pytest.mark.parametrize("edit, needle", [
@@ -90,6 +110,8 @@ def test_a_profile_reads_back_as_written(tmp_path):
     (lambda d: d["links"]["storage_put"].update(latency_s=float("nan")), "latency_s"),
     (lambda d: d.update(page_tokens=16), "page_tokens 16"),
     (lambda d: d.update(surprise=1), "unknown keys ['surprise']"),
+    (lambda d: d.update(idle={"gaps_s": [0.1, 0.01], "extra_s": [0.0, 0.0]}), "increasing gaps"),
+    (lambda d: d.update(after_request={"latency_s": -1, "bytes_per_s": 1}), "after_request.latency_s"),
 ])
 def test_a_corrupt_profile_is_one_config_error_naming_the_file(tmp_path, edit, needle):
     data = profile_of().as_dict()
@@ -130,8 +152,11 @@ def test_profiled_costs_add_up_as_the_engine_runs_them():
     service, after = costs.request(320, (2, 1, 3), (1, 5, 5))
     fetch, load, room = link["storage_get"].seconds(3000), link["host_to_device"].seconds(4000), link["device_to_host"].seconds(1000)
     assert service == pytest.approx(fetch + room + max(compute, load))
-    assert after == pytest.approx(link["device_to_host"].seconds(5000) + link["storage_put"].seconds(5000))
-    serial = ProfiledCosts(profile_of(traits=EngineTraits(load_overlaps_compute=False, settle="background")), 32, 1000.0)
+    assert after == 0.0  # the made-up profile holds nothing after a request
+    drains = ProfiledCosts(profile_of(after_request=LinkFit(0.002, 1e6)), 32, 1000.0)
+    assert drains.request(320, (2, 1, 3), (1, 5, 5))[1] == pytest.approx(0.002 + 10 * 1000 / 1e6)
+    serial = ProfiledCosts(profile_of(traits=EngineTraits(load_overlaps_compute=False, settle="background"), after_request=LinkFit(1, 1)),
+                           32, 1000.0)
     service, after = serial.request(320, (2, 1, 3), (0, 5, 5))
     assert service == pytest.approx(fetch + compute + load) and after == 0.0
 

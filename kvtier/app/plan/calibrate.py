@@ -10,9 +10,13 @@
   a host pool of the model's pages (load, backup), and a :class:`~kvtier.l3.tier.StorageTier` on
   the L3 URL (put, get), each op timed at several page counts and fitted to ``latency + bytes /
   bandwidth`` (:func:`~kvtier.app.plan.profile.fit_link`).
-* **Scheduling** -- ``kvtier run``'s engine serves one request at a time and settles its tiers before
-  the next (:mod:`~kvtier.app.plan.engine_run`); vLLM's traits come from its own calibration run
-  (:mod:`kvtier.integrations.vllm.replay`).
+* **After a request** -- ``kvtier run``'s engine commits it and drains its backups and L3 saves before
+  the next (:mod:`~kvtier.app.plan.engine_run`): the time from its first token until that is done,
+  against the bytes moved, fitted like a link.
+* **Idle** -- a request that finds the engine idle is slower than one right after another (on a
+  shared VM, tens of milliseconds): timed after gaps of 2 ms to 1 s (:func:`measure_idle`).
+* **Scheduling** -- ``kvtier run``'s engine serves one request at a time; vLLM's traits come from its
+  own calibration run (:mod:`kvtier.integrations.vllm.replay`).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from kvtier.app.plan.engines import Engine, engine_model
-from kvtier.app.plan.profile import LINKS, EngineTraits, LinkFit, Profile, fit_link, fit_prefill
+from kvtier.app.plan.profile import LINKS, EngineTraits, IdleFit, LinkFit, Profile, fit_link, fit_prefill
 from kvtier.config import CacheConfig, TierConfig
 from kvtier.errors import ConfigError
 from kvtier.spec import KVSpec
@@ -44,6 +48,8 @@ class CalibrationPlan:
     #: page counts per link operation
     link_pages: tuple[int, ...] = (1, 4, 16, 64)
     link_reps: int = 5
+    #: idle gaps (seconds) a request is timed after, against none
+    idle_gaps: tuple[float, ...] = (0.002, 0.02, 0.2, 1.0)
     #: torch intra-op threads (validation runs with the profile's)
     threads: int = 1
 
@@ -81,8 +87,20 @@ def _prompt(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(100, vocab) for _ in range(n)]
 
 
-def measure_prefill(eng: Engine, plan: CalibrationPlan, progress: Callable[[str], None] | None = None) -> list[tuple[int, int, float]]:
-    """(prompt tokens, cached tokens, seconds) per grid point, each the median of ``plan.reps`` runs."""
+@dataclass
+class EngineTimings:
+    """What :func:`measure_engine` timed: prefills (prompt tokens, cached tokens, seconds), what held the engine
+    after each (bytes its tiers moved, seconds), and requests after idle gaps (gap, seconds over none)."""
+
+    prefill: list[tuple[int, int, float]]
+    after: list[tuple[float, float]]
+    idle: IdleFit
+
+
+def measure_engine(eng: Engine, plan: CalibrationPlan, progress: Callable[[str], None] | None = None) -> EngineTimings:
+    """``kvtier run``'s engine ``eng`` on a cache of real tiers: the prefill grid (each point the median of
+    ``plan.reps`` runs, back to back), the time each run held the engine after its first token, and
+    requests that find it idle (:func:`measure_idle`)."""
     from kvtier.app.plan.engine_run import build_run_engine, run_storage, torch_threads
 
     ps = eng.page_tokens
@@ -91,34 +109,64 @@ def measure_prefill(eng: Engine, plan: CalibrationPlan, progress: Callable[[str]
     storage, tmp = run_storage(None)
     engine, cache, warm = build_run_engine(eng, TierConfig(device_pages=pages, host_pages=2 * pages), CacheConfig(preallocate_nodes=False),
                                            storage)
-    out = []
-    seed = 0
+    page_bytes = cache.spec.page_bytes
+    prefill, after = [], []
+    seeds = iter(range(1, 1 << 30))
     try:
         with torch_threads(plan.threads):
-            warm.prefill(_prompt(2 * ps, 1 << 30, eng.vocab))
+            warm.prefill(_prompt(2 * ps, 0, eng.vocab))
             for n in lengths:
                 for frac in plan.cached:
                     cached = min(int(n * frac) // ps, (n - 1) // ps) * ps
-                    times = []
+                    runs = []
                     for _ in range(plan.reps):
-                        seed += 1
-                        tokens = _prompt(n, seed, eng.vocab)
+                        tokens = _prompt(n, next(seeds), eng.vocab)
                         if cached:
                             engine.prefill(tokens[:cached])  # the prefix, now on device
                         cache.wait_idle()
+                        t0 = time.perf_counter()
                         r = engine.prefill(tokens)
-                        cache.wait_idle()
+                        cache.wait_idle()  # its commit, backups and L3 saves: what holds the engine after its first token
+                        held = time.perf_counter() - t0 - r.ttft_s
                         got = r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens
-                        times.append((got, r.ttft_s))
-                    got = statistics.median_low([g for g, _ in times])
-                    out.append((n, got, statistics.median(t for _, t in times)))
+                        runs.append((got, r.ttft_s))
+                        after.append((2 * (n // ps - got // ps) * page_bytes, held))  # each new full page backed up and saved
+                    prefill.append((n, statistics.median_low([g for g, _ in runs]), statistics.median(t for _, t in runs)))
                     if progress is not None:
-                        progress(f"prefill {n} tokens, {got} cached: {out[-1][2] * 1e3:.1f} ms")
+                        progress(f"prefill {n} tokens, {prefill[-1][1]} cached: {prefill[-1][2] * 1e3:.1f} ms")
+            idle = measure_idle(lambda: engine.prefill(_prompt(lengths[len(lengths) // 2], next(seeds), eng.vocab)).ttft_s,
+                                cache.wait_idle, plan, progress)
     finally:
         cache.close()
         if tmp is not None:
             tmp.cleanup()
-    return out
+    return EngineTimings(prefill, after, idle)
+
+
+def measure_idle(request: Callable[[], float], settle: Callable[[], None], plan: CalibrationPlan,
+                 progress: Callable[[str], None] | None = None) -> IdleFit:
+    """What ``request()`` (a fresh prompt, its seconds to the first token) costs after each of ``plan.idle_gaps``
+    of idleness over right after another one, the gaps interleaved so that a drift of the machine lands on
+    all alike; the median of ``2 * plan.reps + 1`` runs each."""
+    runs: dict[float, list[float]] = {g: [] for g in (0.0, *plan.idle_gaps)}
+    for _ in range(2 * plan.reps + 1):
+        for gap in runs:
+            settle()
+            if gap:
+                time.sleep(gap)
+            runs[gap].append(request())
+    return idle_fit(runs, progress)
+
+
+def idle_fit(runs: dict[float, list[float]], progress: Callable[[str], None] | None = None) -> IdleFit:
+    """:class:`IdleFit` of requests timed after each idle gap (``runs[gap]``; ``runs[0.0]``: right after another)."""
+    warm = statistics.median(runs[0.0])
+    gaps = sorted(g for g in runs if g > 0)
+    extra = [max(0.0, statistics.median(runs[g]) - warm) for g in gaps]
+    extra = [max(extra[: i + 1]) for i in range(len(extra))]  # a longer idle never costs less: noise says otherwise
+    if progress is not None:
+        progress("after idle " + ", ".join(f"{g * 1e3:g} ms: +{x * 1e3:.1f} ms" for g, x in zip(gaps, extra)))
+    return IdleFit(gaps, extra)
 
 
 def measure_links(spec: KVSpec, io_backend: str, storage_url: str | None, plan: CalibrationPlan,
@@ -171,8 +219,9 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
     model = engine_model(eng.model)
     spec = model.group("full").attention
     before = machine()
-    samples = measure_prefill(eng, plan, progress)
+    timed = measure_engine(eng, plan, progress)
     links = measure_links(spec, io_backend, storage_url, plan, progress)
+    samples = timed.prefill
     fit = fit_prefill([n for n, _, _ in samples], [c for _, c, _ in samples], [t for _, _, t in samples], eng.page_tokens)
     after = machine()
     return Profile(
@@ -183,13 +232,15 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
         page_bytes=spec.page_bytes,
         prefill=fit,
         links=links,
+        after_request=fit_link(*zip(*timed.after)),
+        idle=timed.idle,
         # the hybrid engine waits for its load before its first page (its window pages and snapshot come with it)
         traits=EngineTraits(scheduling="serial", load_overlaps_compute=not eng.hybrid, settle="serial", threads=plan.threads),
         io_backend=io_backend,
         storage=(storage_url or "file://").split(":", 1)[0],
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine={**after, "load_average_before": before["load_average"]},
-        notes={"prefill_points": [list(s) for s in samples], "plan": asdict(plan)},
+        notes={"prefill_points": [list(s) for s in samples], "after_request_points": [list(a) for a in timed.after], "plan": asdict(plan)},
     )
 
 
@@ -217,7 +268,8 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
     before = machine()
     if progress is not None:
         progress(f"vLLM {eng.vllm_model}: {len(grid)} prefill points, {len(loads)} host and L3 loads, {plan.reps} runs each")
-    result = run_job({"mode": "calibrate", "model": eng.vllm_model, "block_size": ps, "device_pages": 4 * (-(-max(lengths) // ps)) + 8,
+    result = run_job({"mode": "calibrate", "idle_gaps": list(plan.idle_gaps), "idle_tokens": lengths[len(lengths) // 2],
+                      "model": eng.vllm_model, "block_size": ps, "device_pages": 4 * (-(-max(lengths) // ps)) + 8,
                       "host_pages": host_pages, "max_model_len": max(lengths) + ps, "vocab": eng.vocab, "grid": grid, "reps": plan.reps,
                       "load_lengths": loads, "flush_tokens": flush_tokens, "flush_prompts": -(-2 * host_pages * ps // flush_tokens),
                       "settle_s": SETTLE_S})
@@ -239,6 +291,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
         page_bytes=page_bytes,
         prefill=fit,
         links=links,
+        idle=idle_fit({float(g): t for g, t in samples["idle"].items()}, progress),
         traits=EngineTraits(scheduling="chunked", max_batched_tokens=int(result["max_num_batched_tokens"]), load_overlaps_compute=False,
                             settle="background", threads=plan.threads),
         io_backend=io_backend,

@@ -7,6 +7,10 @@
   page term an engine's per-chunk or per-step work.
 * :class:`LinkFit` -- one tier's move: ``latency + bytes / bandwidth`` per operation (host<->device
   through the io backend, each L3 store's get and put).
+* ``after_request`` -- what holds the engine after a request's first token: ``kvtier run``'s commits
+  the request and drains its backups and L3 saves before the next (``overhead + bytes / rate``).
+* :class:`IdleFit` -- what a request that finds the engine idle pays over one that follows another
+  at once (on a shared VM: tens of milliseconds), against the idle gap.
 * :class:`EngineTraits` -- how the engine schedules: one request at a time or chunked batches,
   whether a load overlaps the compute, whether the tiers settle before the next request.
 
@@ -131,6 +135,25 @@ def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
     return LinkFit(float(latency), float(1.0 / per_byte) if per_byte > 0 else math.inf, int(t.size), round(err, 2))
 
 
+@dataclass(frozen=True)
+class IdleFit:
+    """What a request that finds the engine idle pays over one that follows another at once: after a gap of
+    ``gaps_s[i]`` seconds, ``extra_s[i]`` more (caches and the CPU cooled, other processes ran). Between
+    measured gaps the cost is read off on a log scale; below the shortest it falls to 0 at no gap; above
+    the longest it stays."""
+
+    gaps_s: list[float] = field(default_factory=list)
+    extra_s: list[float] = field(default_factory=list)
+
+    def seconds(self, gap_s: float) -> float:
+        if gap_s <= 0 or not self.gaps_s:
+            return 0.0
+        first = self.gaps_s[0]
+        if gap_s < first:
+            return self.extra_s[0] * gap_s / first
+        return float(np.interp(math.log(gap_s), [math.log(g) for g in self.gaps_s], self.extra_s))
+
+
 #: the links a profile measures, and what each is
 LINKS = {
     "host_to_device": "a load of cached pages from host into the device pool",
@@ -164,6 +187,10 @@ class Profile:
     page_bytes: int
     prefill: PrefillFit
     links: dict[str, LinkFit]
+    #: what keeps the engine busy after a request's first token, against the bytes its tiers then move
+    #: (``kvtier run``'s engine: its commit, then draining the backups and L3 saves; vLLM: none, they run beside)
+    after_request: LinkFit = field(default_factory=lambda: LinkFit(0.0, math.inf))
+    idle: IdleFit = field(default_factory=IdleFit)
     traits: EngineTraits = field(default_factory=EngineTraits)
     io_backend: str = "direct"
     storage: str = "file"
@@ -219,6 +246,17 @@ def _typed(cls, data: object, where: str):
     return cls(**data)
 
 
+def _idle(data: object) -> IdleFit:
+    if not isinstance(data, dict) or set(data) != {"gaps_s", "extra_s"}:
+        raise ValueError("idle must be an object of gaps_s and extra_s")
+    gaps, extra = data["gaps_s"], data["extra_s"]
+    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in [*gaps, *extra])
+    if not (isinstance(gaps, list) and isinstance(extra, list) and len(gaps) == len(extra) and numbers and gaps == sorted(set(gaps))
+            and all(g > 0 for g in gaps)):
+        raise ValueError(f"idle.gaps_s must be increasing gaps > 0 and idle.extra_s as many seconds >= 0; got {gaps!r} and {extra!r}")
+    return IdleFit(gaps, extra)
+
+
 def load_profile(path: str | Path) -> Profile:
     """The profile at ``path``, every field checked: a missing or corrupt file is one :class:`ConfigError` line."""
     try:
@@ -242,6 +280,10 @@ def load_profile(path: str | Path) -> Profile:
             raise ValueError(f"links must name {', '.join(LINKS)}")
         body["links"] = {k: _typed(LinkFit, v, f"links.{k}") for k, v in links.items()}
         body["traits"] = _typed(EngineTraits, body.get("traits", {}), "traits")
+        if "after_request" in body:
+            body["after_request"] = _typed(LinkFit, body["after_request"], "after_request")
+        if "idle" in body:
+            body["idle"] = _idle(body["idle"])
         profile = _typed(Profile, body, "profile")
         if profile.page_tokens < 1 or profile.prefill.page_tokens != profile.page_tokens:
             raise ValueError(f"page_tokens {profile.page_tokens} and the prefill fit's {profile.prefill.page_tokens} must agree")

@@ -11,7 +11,8 @@ costs comes from a cost model:
   (:mod:`~kvtier.app.plan.profile`): its prefill fit (overhead, per token, attention, per page), L3
   reads before the compute, host->device loads under it (or before it, as the engine does), backups
   that make room inside the request, and -- for an engine that settles its tiers before the next
-  request -- the backups and L3 saves after it, which hold the node.
+  request -- its commit and the backups and L3 saves after it, which hold the node; a request
+  that finds the node idle pays the measured cost of waking it (:class:`~kvtier.app.plan.profile.IdleFit`).
 
 TTFT is the queueing delay plus the request's own service time (decode and the network to the
 client are not modelled).
@@ -52,6 +53,10 @@ class NominalCosts:
         load = h * (block * cost.load_host_s) + s * (block * cost.load_storage_s)
         return (compute if compute > load else load), 0.0
 
+    def wake(self, idle_s: float) -> float:
+        """What a request that finds the node idle for ``idle_s`` pays beyond its own service: nothing, nominally."""
+        return 0.0
+
 
 @dataclass(frozen=True)
 class ProfiledCosts:
@@ -78,9 +83,13 @@ class ProfiledCosts:
         evict = p.links["device_to_host"].seconds(room * nbytes)
         service = fetch + evict + (max(compute, load) if p.traits.load_overlaps_compute else compute + load)
         after = 0.0
-        if p.traits.settle == "serial":
-            after = p.links["device_to_host"].seconds(backed * nbytes) + p.links["storage_put"].seconds(saved * nbytes)
+        if p.traits.settle == "serial":  # its commit, then its backups and L3 saves drained
+            settle = p.after_request
+            after = settle.latency_s + (backed + saved) * nbytes / settle.bytes_per_s
         return service, after
+
+    def wake(self, idle_s: float) -> float:
+        return self.profile.idle.seconds(idle_s)
 
 
 Costs = NominalCosts | ProfiledCosts
@@ -96,8 +105,9 @@ class Timing:
     #: the busiest node's requests and prompt tokens over the mean node's
     imbalance: dict[str, float]
     warnings: list[str]
-    #: each request's TTFT, in trace order
+    #: each request's TTFT and queueing delay, in trace order
     per_request_ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)
+    per_request_queue_s: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)
 
 
 def spread(values: np.ndarray) -> dict[str, float]:
@@ -112,7 +122,7 @@ def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Seq
     """Queue every request on its node (``nodes[i]``) given the blocks each tier served it (``served[i]``)
     and what its tiers moved besides (``moves[i]``, see :attr:`~kvtier.app.plan.config.ReplayCounts.moves`)."""
     costs = costs or NominalCosts(TokenCosts.of(cfg))
-    request_cost = costs.request
+    request_cost, wake = costs.request, costs.wake
     arrivals = arrival_seconds(requests, cfg)
     free_at = [0.0] * cfg.nodes
     busy = [0.0] * cfg.nodes
@@ -123,6 +133,8 @@ def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Seq
     no_moves = [None] * len(requests) if moves is None else moves
     for i, (r, node, hit, moved, now) in enumerate(zip(requests, nodes, served, no_moves, arrivals)):
         service, after = request_cost(r.input_length, hit, moved)
+        if now > free_at[node]:  # the node is idle when it comes
+            service += wake(now - free_at[node])
         start = free_at[node] if free_at[node] > now else now
         free_at[node] = start + service + after
         busy[node] += service + after
@@ -143,4 +155,4 @@ def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Seq
         warnings.append(f"node {j} takes {imbalance['max_over_mean_prompt_tokens']:.1f}x its fair share of prompt tokens under "
                         f"routing {cfg.routing!r}; the other nodes idle while it queues"
                         + ("" if cfg.routing == "kv_aware" else " (try --plan-routing kv_aware)"))
-    return Timing(spread(delay), spread(ttft), per_node, imbalance, warnings, ttft)
+    return Timing(spread(delay), spread(ttft), per_node, imbalance, warnings, ttft, delay)

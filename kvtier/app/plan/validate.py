@@ -141,9 +141,7 @@ def predicted_times(work: EngineSlice, pred: Prediction, costs: ProfiledCosts) -
     requests = work.requests
     cfg = PlanConfig(arrival_speedup=1.0 / work.time_scale)
     timing = simulate(requests, [0] * len(requests), pred.served, cfg, costs, pred.moves)
-    ttft = timing.per_request_ttft_s
-    alone = np.array([costs.request(r.input_length, s, m)[0] for r, s, m in zip(requests, pred.served, pred.moves)])
-    return ttft, ttft - alone
+    return timing.per_request_ttft_s, timing.per_request_queue_s
 
 
 def time_scale_for(requests: Sequence[TraceRequest], pred: Prediction, costs: ProfiledCosts, target_load: float) -> float:
@@ -244,7 +242,7 @@ def change(base: ConfigResult, other: ConfigResult) -> dict:
 
 
 def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: Profile, profile_path: str, *, workload: str, start: int = 0,
-             time_scale: float | None = None, target_load: float = 0.7, what: str | None = None,
+             time_scale: float | None = None, target_load: float = 0.6, what: str | None = None,
              measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None) -> ValidationReport:
     """The slice ``requests`` on ``eng`` under ``setup`` (and ``what``, a :data:`WHAT_IFS` name), planner against engine."""
     check_setup(eng, setup.cache, what)

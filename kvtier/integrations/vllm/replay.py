@@ -112,7 +112,7 @@ async def _replay(job: dict) -> dict:
 
 async def _calibrate(job: dict) -> dict:
     engine = _engine(job)
-    samples: dict[str, list] = {"device": [], "host": [], "storage": []}
+    samples: dict = {"device": [], "host": [], "storage": [], "idle": {g: [] for g in (0.0, *job["idle_gaps"])}}
     seq = iter(range(1 << 30))
     try:
         facts = await _start(engine, job)
@@ -140,6 +140,13 @@ async def _calibrate(job: dict) -> dict:
                 t, out = await _first_token(engine, ids, f"S{n}-{rep}")
                 samples["storage"].append([n, _hit(out), t])
                 await _reset(engine)
+        for rep in range(2 * job["reps"] + 1):  # a request that finds the engine idle, against one right after another
+            for gap, times in samples["idle"].items():
+                await asyncio.sleep(gap or job["settle_s"])
+                if not gap:
+                    await _first_token(engine, job["prompt_of"](job["idle_tokens"], next(seq)), f"w{rep}")
+                t, _ = await _first_token(engine, job["prompt_of"](job["idle_tokens"], next(seq)), f"i{gap}-{rep}")
+                times.append(t)
     finally:
         engine.shutdown()
     return {"samples": samples, **facts}
