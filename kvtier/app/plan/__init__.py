@@ -62,12 +62,12 @@ def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE
 
 
 def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
-           per_request: bool = False, nodes_of: list[int] | None = None) -> ReplayCounts:
+           per_request: bool = False, moves: bool = False, nodes_of: list[int] | None = None) -> ReplayCounts:
     """Replay ``requests`` through the policy core, one core per node (no size checks: see :func:`run_plan`).
     ``nodes_of``: the node of each request (default: :func:`route` by ``cfg.routing``)."""
     cap = capacity(cfg, block_bytes(cfg))
     return replay_cache(requests, NodeShape.of_plan(cfg), cache_cfg, cap, route(requests, cfg) if nodes_of is None else nodes_of,
-                        cfg.nodes, per_request=per_request)
+                        cfg.nodes, per_request=per_request, moves=moves)
 
 
 def round_up(x: float, digits: int = 4) -> float:
@@ -167,9 +167,10 @@ def run_plan(
     t0 = time.perf_counter()
     if nodes_of is None:
         nodes_of = route(requests, cfg)
-    counts = replay(requests, cfg, cache_cfg, per_request=True, nodes_of=nodes_of)
-    elapsed = time.perf_counter() - t0
     costs = costs or plan_costs(cfg)
+    # what each request's tiers moved besides its hits: only measured costs time it
+    counts = replay(requests, cfg, cache_cfg, per_request=True, moves=isinstance(costs, ProfiledCosts), nodes_of=nodes_of)
+    elapsed = time.perf_counter() - t0
     timing = simulate(requests, nodes_of, counts.per_request or [], cfg, costs, counts.moves)
     input_tokens = counts.input_tokens
     hits = {k: v * block for k, v in counts.hit_blocks.items()}

@@ -211,8 +211,8 @@ class ReplayCounts:
     storage_saved_blocks: int = 0
     #: (device, host, storage) blocks served per request, when asked for
     per_request: list[tuple[int, int, int]] | None = None
-    #: with ``per_request``: per request, (blocks backed up to host to make room for it, blocks of it backed
-    #: up to host after it, blocks saved to L3 after it) -- what its tiers moved besides its hits
+    #: when asked for: per request, (blocks backed up to host to make room for it, blocks of it backed up to
+    #: host after it, blocks saved to L3 after it) -- what its tiers moved besides its hits
     moves: list[tuple[int, int, int]] | None = None
     #: a hybrid model: per other group, its objects moved and evicted, summed over nodes
     groups: dict[str, dict[str, int]] = field(default_factory=dict)

@@ -114,11 +114,14 @@ def replay_cache(
     nodes: int,
     *,
     per_request: bool = False,
+    moves: bool = False,
 ) -> ReplayCounts:
     """``requests`` through ``nodes`` cores of ``shape``, request ``i`` on node ``nodes_of[i]``, tiers of
     ``cap`` (``cap.storage``: one L3 of that many slots for all nodes, None: no L3). ``per_request``:
-    also what each request was served and moved (:attr:`ReplayCounts.per_request`, ``moves``); each
-    request's plans are then settled before the next begins, as an engine that drains its tiers does."""
+    also what each request was served (:attr:`ReplayCounts.per_request`); ``moves``: and what its tiers
+    moved besides (:attr:`ReplayCounts.moves`), each request's plans then settled before the next
+    begins, as an engine that drains its tiers does (the hits are the same either way: the planner's
+    executors complete every plan at once)."""
     block = shape.spec.page_size
     # the store is one LRU of keys, sized in slots: a shared window's page takes one; beside each block it
     # holds at most one object of each group with a pool of its own
@@ -132,7 +135,7 @@ def replay_cache(
         need[j] += len(r.hash_ids) * per_block
     caches = [_node_cache(shape, Capacity(min(cap.device, n), min(cap.host, n), cap.storage), storage, cache_cfg) if n > 1 else None
               for n in need]
-    out = ReplayCounts(per_request=[] if per_request else None, moves=[] if per_request else None)
+    out = ReplayCounts(per_request=[] if per_request or moves else None, moves=[] if moves else None)
     with collector_paused():
         _replay(requests, caches, nodes_of, block, out, shape.handover or _group_objects)
     # read before close: close() applies the last backups, which the replay never waited for

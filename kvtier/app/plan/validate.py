@@ -128,7 +128,7 @@ def predict(eng: Engine, work: EngineSlice, setup: Setup) -> Prediction:
         # both tiers' pools or neither, so the planner's host holds both pools' slots in one
         host *= 1 + len(shape.shared)
     counts = replay_cache(work.requests, shape, setup.cache, Capacity(setup.device_pages, host, MAX_BLOCKS), [0] * len(work.requests), 1,
-                          per_request=True)
+                          moves=True)
     page = shape.spec.page_bytes
     hits = counts.hit_blocks
     moved = {"host_to_device": (hits["host"] + hits["storage"]) * page, "device_to_host": counts.backed_up_blocks * page,
