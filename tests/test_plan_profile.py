@@ -5,6 +5,7 @@ trace slice maps onto engine pages with its prefix sharing intact."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from kvtier.app.plan.engine_slice import block_tokens, engine_requests, make_sli
 from kvtier.app.plan.engines import engine_model
 from kvtier.app.plan.profile import (EngineTraits, IdleFit, LinkFit, PrefillFit, fit_link, fit_prefill, load_profile, median_abs_pct_error,
                                      nnls)
+from kvtier.app.plan.calibrate import idle_fit
 from kvtier.app.plan.timing import NominalCosts, ProfiledCosts, simulate
 from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.errors import ConfigError
@@ -37,7 +39,17 @@ def test_prefill_fit_recovers_the_coefficients_that_made_the_timings():
     fit = fit_prefill(n, c, seconds, 32)
     for name in ("overhead_s", "per_token_s", "per_context_s", "per_page_s"):
         assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
+    assert fit.per_context_power_s == pytest.approx(0.0, abs=1e-15)  # a term the timings do not have stays out
     assert fit.points == 40 and fit.fit_error_pct == 0.0
+
+
+def test_prefill_fit_finds_the_exponent_of_a_context_term_that_is_not_quadratic():
+    true = replace(TRUE, per_context_s=0.0, per_context_power_s=4e-5, context_power=1.4)
+    n, c = grid(4)
+    fit = fit_prefill(n, c, [true.seconds(int(a), int(b)) for a, b in zip(n, c)], 32)
+    assert fit.context_power == 1.4 and fit.per_context_power_s == pytest.approx(4e-5, rel=1e-6)
+    assert fit.per_context_s == pytest.approx(0.0, abs=1e-15) and fit.fit_error_pct == 0.0
+    assert fit.seconds(4000, 1000) == pytest.approx(true.seconds(4000, 1000))
 
 
 def test_prefill_fit_with_noise_predicts_within_the_noise_and_never_goes_negative():
@@ -69,29 +81,39 @@ def test_nnls_clamps_a_term_least_squares_would_make_negative():
 
 
 def test_fits_refuse_too_little_data():
-    with pytest.raises(ConfigError, match="4 or more timings"):
-        fit_prefill([64, 128], [0, 0], [0.1, 0.2], 32)
+    with pytest.raises(ConfigError, match="5 or more timings"):
+        fit_prefill([64, 128, 256, 512], [0, 0, 0, 0], [0.1, 0.2, 0.4, 0.8], 32)
     with pytest.raises(ConfigError, match="2 or more sizes"):
         fit_link([100, 100], [0.1, 0.2])
 
 
 def test_a_profile_reads_back_as_written(tmp_path):
-    p = profile_of(traits=EngineTraits(settle="background", threads=2), idle=IdleFit([0.01, 0.1], [0.002, 0.005]),
+    p = profile_of(traits=EngineTraits(settle="background", threads=2), idle=IdleFit([0.01, 0.1], [0.002, 0.005], [0.0, 0.1]),
                    after_request=LinkFit(0.001, 2e8))
     p.save(tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json") == p
 
 
-def test_idle_cost_rises_with_the_gap_on_a_log_scale():
-    idle = IdleFit([0.01, 0.1, 1.0], [0.002, 0.006, 0.008])
-    assert idle.seconds(0.0) == 0.0 and idle.seconds(0.005) == pytest.approx(0.001)  # below the shortest gap: towards 0
-    assert idle.seconds(0.1) == pytest.approx(0.006) and idle.seconds(10.0) == pytest.approx(0.008)
-    assert idle.seconds(0.0316227766) == pytest.approx(0.004)  # halfway on a log scale
-    assert IdleFit().seconds(1.0) == 0.0
+def test_idle_cost_rises_with_the_gap_on_a_log_scale_and_with_the_request():
+    idle = IdleFit([0.01, 0.1, 1.0], [0.002, 0.006, 0.008], [0.0, 0.1, 0.2])
+    assert idle.seconds(0.0, 1.0) == 0.0 and idle.seconds(0.005, 1.0) == pytest.approx(0.001)  # below the shortest gap: towards 0
+    assert idle.seconds(0.1, 0.0) == pytest.approx(0.006) and idle.seconds(0.1, 0.5) == pytest.approx(0.006 + 0.05)
+    assert idle.seconds(10.0, 1.0) == pytest.approx(0.008 + 0.2)  # past the longest: as the longest
+    assert idle.seconds(0.0316227766, 1.0) == pytest.approx(0.004 + 0.05)  # halfway on a log scale
+    assert IdleFit().seconds(1.0, 1.0) == 0.0
+
+
+def test_idle_fit_splits_what_a_short_and_a_long_prompt_pay_into_a_fixed_part_and_a_share():
+    # after 10 ms idle: 5 ms + 10 % more; after 100 ms: 8 ms + 20 %; the 1 s runs are noisy and would say less
+    short = {0.0: [0.02] * 3, 0.01: [0.02 + 0.005 + 0.002] * 3, 0.1: [0.02 + 0.008 + 0.004] * 3, 1.0: [0.021] * 3}
+    long = {0.0: [0.2] * 3, 0.01: [0.2 + 0.005 + 0.02] * 3, 0.1: [0.2 + 0.008 + 0.04] * 3, 1.0: [0.2] * 3}
+    fit = idle_fit(short, long)
+    assert fit.gaps_s == [0.01, 0.1, 1.0]
+    assert fit.extra_s == pytest.approx([0.005, 0.008, 0.008]) and fit.extra_share == pytest.approx([0.1, 0.2, 0.2])
 
 
 def test_the_queue_model_charges_the_idle_cost_only_to_a_request_that_finds_the_node_idle():
-    profile = profile_of(idle=IdleFit([0.01], [0.05]), prefill=PrefillFit(0.1, 0.0, 0.0, 0.0, 32))
+    profile = profile_of(idle=IdleFit([0.01], [0.05], [0.0]), prefill=PrefillFit(0.1, 0.0, 0.0, 0.0, 32))
     costs = ProfiledCosts(profile, 32, 1000.0)
     # three 0.1 s requests: the second arrives while the first runs (queued), the third after an idle second
     reqs = [TraceRequest(t, 64, 1, (i, 100 + i)) for i, t in enumerate((0, 50, 1200))]
@@ -110,7 +132,7 @@ def test_the_queue_model_charges_the_idle_cost_only_to_a_request_that_finds_the_
     (lambda d: d["links"]["storage_put"].update(latency_s=float("nan")), "latency_s"),
     (lambda d: d.update(page_tokens=16), "page_tokens 16"),
     (lambda d: d.update(surprise=1), "unknown keys ['surprise']"),
-    (lambda d: d.update(idle={"gaps_s": [0.1, 0.01], "extra_s": [0.0, 0.0]}), "increasing gaps"),
+    (lambda d: d.update(idle={"gaps_s": [0.1, 0.01], "extra_s": [0.0, 0.0], "extra_share": [0.0, 0.0]}), "increasing gaps"),
     (lambda d: d.update(after_request={"latency_s": -1, "bytes_per_s": 1}), "after_request.latency_s"),
 ])
 def test_a_corrupt_profile_is_one_config_error_naming_the_file(tmp_path, edit, needle):

@@ -64,7 +64,7 @@ def test_validate_run_engine_serves_exactly_what_the_planner_predicts(run_profil
                     "--validate-device-pages", "20", "--validate-host-pages", "40", "--what-if", "half-host", "--json")
     assert report["engine"] == "run" and report["requests"] == 30 and report["workload"] == "chat"
     assert report["profile"]["source"] == "profile" and report["profile"]["profile"] == run_profile
-    assert 0 < report["time_scale"] and report["target_load"] == 0.6
+    assert 0 < report["time_scale"] and report["target_load"] == 0.5
     base, half = report["configurations"]
     assert (base["setup"]["host_pages"], half["setup"]["host_pages"]) == (40, 20)
     for config in (base, half):

@@ -57,7 +57,7 @@ def plan(
     what_if: Optional[str] = typer.Option(None, "--what-if", help="--validate a second configuration too: half-host, write-back or "
                                           "write-through; reports the predicted change against the measured one",
                                           rich_help_panel="measured"),
-    validate_load: float = typer.Option(0.6, "--validate-load", help="--validate: slow the trace's arrivals so the engine is busy this "
+    validate_load: float = typer.Option(0.5, "--validate-load", help="--validate: slow the trace's arrivals so the engine is busy this "
                                         "share of the time (as the profile predicts)", rich_help_panel="measured"),
     validate_time_scale: Optional[float] = typer.Option(None, "--validate-time-scale", help="--validate: machine seconds per trace "
                                                         "second instead (overrides --validate-load)", rich_help_panel="measured"),

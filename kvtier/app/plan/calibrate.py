@@ -14,7 +14,8 @@
   the next (:mod:`~kvtier.app.plan.engine_run`): the time from its first token until that is done,
   against the bytes moved, fitted like a link.
 * **Idle** -- a request that finds the engine idle is slower than one right after another (on a
-  shared VM, tens of milliseconds): timed after gaps of 2 ms to 1 s (:func:`measure_idle`).
+  shared VM, tens of milliseconds, more for a longer request): a short and a long prompt timed
+  after gaps of 2 ms to 1 s (:func:`measure_idle`).
 * **Scheduling** -- ``kvtier run``'s engine serves one request at a time; vLLM's traits come from its
   own calibration run (:mod:`kvtier.integrations.vllm.replay`).
 """
@@ -123,6 +124,9 @@ def measure_engine(eng: Engine, plan: CalibrationPlan, progress: Callable[[str],
                         tokens = _prompt(n, next(seeds), eng.vocab)
                         if cached:
                             engine.prefill(tokens[:cached])  # the prefix, now on device
+                        # another request between: the timed one follows a request, as a queued one does, while its
+                        # prefix is as cold in the CPU's caches as a prefix computed long ago
+                        engine.prefill(_prompt(2 * ps, next(seeds), eng.vocab))
                         cache.wait_idle()
                         t0 = time.perf_counter()
                         r = engine.prefill(tokens)
@@ -134,8 +138,8 @@ def measure_engine(eng: Engine, plan: CalibrationPlan, progress: Callable[[str],
                     prefill.append((n, statistics.median_low([g for g, _ in runs]), statistics.median(t for _, t in runs)))
                     if progress is not None:
                         progress(f"prefill {n} tokens, {prefill[-1][1]} cached: {prefill[-1][2] * 1e3:.1f} ms")
-            idle = measure_idle(lambda: engine.prefill(_prompt(lengths[len(lengths) // 2], next(seeds), eng.vocab)).ttft_s,
-                                cache.wait_idle, plan, progress)
+            idle = measure_idle(lambda n: engine.prefill(_prompt(n, next(seeds), eng.vocab)).ttft_s, cache.wait_idle,
+                                idle_sizes(lengths), plan, progress)
     finally:
         cache.close()
         if tmp is not None:
@@ -143,30 +147,50 @@ def measure_engine(eng: Engine, plan: CalibrationPlan, progress: Callable[[str],
     return EngineTimings(prefill, after, idle)
 
 
-def measure_idle(request: Callable[[], float], settle: Callable[[], None], plan: CalibrationPlan,
+def idle_sizes(lengths: list[int]) -> tuple[int, int]:
+    """The short and the long prompt idle costs are measured at: the grid's shortest, and its middle."""
+    return lengths[0], lengths[len(lengths) // 2]
+
+
+def measure_idle(request: Callable[[int], float], settle: Callable[[], None], sizes: tuple[int, int], plan: CalibrationPlan,
                  progress: Callable[[str], None] | None = None) -> IdleFit:
-    """What ``request()`` (a fresh prompt, its seconds to the first token) costs after each of ``plan.idle_gaps``
-    of idleness over right after another one, the gaps interleaved so that a drift of the machine lands on
-    all alike; the median of ``2 * plan.reps + 1`` runs each."""
-    runs: dict[float, list[float]] = {g: [] for g in (0.0, *plan.idle_gaps)}
+    """What ``request(n)`` (a fresh prompt of ``n`` tokens, its seconds to the first token) costs after each of
+    ``plan.idle_gaps`` of idleness over right after another one, at a short and a long prompt (``sizes``), every
+    gap and size interleaved so that a drift of the machine lands on all alike; ``2 * plan.reps + 1`` runs each."""
+    runs: dict[int, dict[float, list[float]]] = {n: {g: [] for g in (0.0, *plan.idle_gaps)} for n in sizes}
     for _ in range(2 * plan.reps + 1):
-        for gap in runs:
-            settle()
-            if gap:
-                time.sleep(gap)
-            runs[gap].append(request())
-    return idle_fit(runs, progress)
+        for n, by_gap in runs.items():
+            for gap, times in by_gap.items():
+                settle()
+                woke = time.perf_counter() + gap
+                if gap:
+                    time.sleep(gap)
+                    settle()  # (as the validation's engine does on waking: nothing left to drain, one poll)
+                late = time.perf_counter() - woke  # waking up late is part of what an idle engine costs
+                times.append(late + request(n))
+    return idle_fit(*runs.values(), progress=progress)
 
 
-def idle_fit(runs: dict[float, list[float]], progress: Callable[[str], None] | None = None) -> IdleFit:
-    """:class:`IdleFit` of requests timed after each idle gap (``runs[gap]``; ``runs[0.0]``: right after another)."""
-    warm = statistics.median(runs[0.0])
-    gaps = sorted(g for g in runs if g > 0)
-    extra = [max(0.0, statistics.median(runs[g]) - warm) for g in gaps]
-    extra = [max(extra[: i + 1]) for i in range(len(extra))]  # a longer idle never costs less: noise says otherwise
+def idle_fit(short: dict[float, list[float]], long: dict[float, list[float]], progress: Callable[[str], None] | None = None) -> IdleFit:
+    """:class:`IdleFit` of a short and a long prompt timed after each idle gap (``[gap]``; ``[0.0]``: right after
+    another): the extra time ``fixed + share * service`` through both (medians), neither part below 0, and
+    neither falling as the gap grows (the machine's noise says otherwise now and then)."""
+    gaps = sorted(g for g in short if g > 0)
+    t_short, t_long = statistics.median(short[0.0]), statistics.median(long[0.0])
+    fixed, share = [], []
+    for g in gaps:
+        d_short, d_long = statistics.median(short[g]) - t_short, statistics.median(long[g]) - t_long
+        b = max(0.0, (d_long - d_short) / (t_long - t_short)) if t_long > t_short else 0.0
+        a = d_short - b * t_short
+        if a < 0:  # all of it in proportion
+            a, b = 0.0, max(0.0, d_long / t_long)
+        fixed.append(a)
+        share.append(b)
+    fixed = [max(fixed[: i + 1]) for i in range(len(fixed))]
+    share = [max(share[: i + 1]) for i in range(len(share))]
     if progress is not None:
-        progress("after idle " + ", ".join(f"{g * 1e3:g} ms: +{x * 1e3:.1f} ms" for g, x in zip(gaps, extra)))
-    return IdleFit(gaps, extra)
+        progress("after idle " + ", ".join(f"{g * 1e3:g} ms: +{a * 1e3:.1f} ms +{b:.0%}" for g, a, b in zip(gaps, fixed, share)))
+    return IdleFit(gaps, fixed, share)
 
 
 def measure_links(spec: KVSpec, io_backend: str, storage_url: str | None, plan: CalibrationPlan,
@@ -268,7 +292,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
     before = machine()
     if progress is not None:
         progress(f"vLLM {eng.vllm_model}: {len(grid)} prefill points, {len(loads)} host and L3 loads, {plan.reps} runs each")
-    result = run_job({"mode": "calibrate", "idle_gaps": list(plan.idle_gaps), "idle_tokens": lengths[len(lengths) // 2],
+    result = run_job({"mode": "calibrate", "idle_gaps": list(plan.idle_gaps), "idle_tokens": list(idle_sizes(lengths)),
                       "model": eng.vllm_model, "block_size": ps, "device_pages": 4 * (-(-max(lengths) // ps)) + 8,
                       "host_pages": host_pages, "max_model_len": max(lengths) + ps, "vocab": eng.vocab, "grid": grid, "reps": plan.reps,
                       "load_lengths": loads, "flush_tokens": flush_tokens, "flush_prompts": -(-2 * host_pages * ps // flush_tokens),
@@ -291,7 +315,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
         page_bytes=page_bytes,
         prefill=fit,
         links=links,
-        idle=idle_fit({float(g): t for g, t in samples["idle"].items()}, progress),
+        idle=idle_fit(*({float(g): t for g, t in samples["idle"][str(n)].items()} for n in idle_sizes(lengths)), progress=progress),
         traits=EngineTraits(scheduling="chunked", max_batched_tokens=int(result["max_num_batched_tokens"]), load_overlaps_compute=False,
                             settle="background", threads=plan.threads),
         io_backend=io_backend,

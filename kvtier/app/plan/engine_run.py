@@ -36,6 +36,8 @@ class MeasuredRun:
     wall_s: float
     #: engine-specific facts (vLLM: its device blocks, block size)
     extra: dict = field(default_factory=dict)
+    #: per request, the engine's own seconds from its start to the first token, where the engine tells (kvtier run's)
+    service_s: list[float] = field(default_factory=list)
 
 
 @contextmanager
@@ -93,7 +95,7 @@ def replay_on_run_engine(eng: Engine, work: EngineSlice, tiers: TierConfig, cach
     storage, tmp = run_storage(storage_url)
     engine, cache, warm = build_run_engine(eng, tiers, replace(cache_cfg, preallocate_nodes=False), storage)
     ps = eng.page_tokens
-    served, ttft, queue = [], [], []
+    served, ttft, queue, service = [], [], [], []
     try:
         with torch_threads(threads):
             warm.prefill(work.prompts[0][: 2 * ps])  # first-call costs, on the recompute twin: the cache sees nothing
@@ -108,6 +110,7 @@ def replay_on_run_engine(eng: Engine, work: EngineSlice, tiers: TierConfig, cach
                 served.append((r.device_hit_tokens // ps, r.host_hit_tokens // ps, r.storage_hit_tokens // ps))
                 queue.append(max(0.0, start - arrival))
                 ttft.append(queue[-1] + r.ttft_s)
+                service.append(r.ttft_s)
                 if progress is not None:
                     progress(i + 1)
             cache.wait_idle()
@@ -118,7 +121,7 @@ def replay_on_run_engine(eng: Engine, work: EngineSlice, tiers: TierConfig, cach
         cache.close()
         if tmp is not None:
             tmp.cleanup()
-    return MeasuredRun(eng.name, served, ttft, queue, moved, wall)
+    return MeasuredRun(eng.name, served, ttft, queue, moved, wall, service_s=service)
 
 
 def _moved(cache) -> dict[str, int]:

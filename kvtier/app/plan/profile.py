@@ -2,15 +2,17 @@
 ``--profile`` / ``--validate`` read.
 
 * :class:`PrefillFit` -- seconds to prefill a prompt of ``n`` tokens after a cached prefix of ``c``:
-  ``overhead + per_token * (n - c) + per_context * (n^2 - c^2) / 2 + per_page * pages computed``.
-  The quadratic term is attention (each computed token reads every token before it); the
-  page term an engine's per-chunk or per-step work.
+  ``overhead + per_token * (n - c) + per_context * (n^2 - c^2) / 2 + per_page * pages computed
+  + per_context_power * (n^a - c^a)``. The quadratic term is attention (each computed token reads
+  every token before it); the page term an engine's per-chunk or per-step work; the last, with its
+  exponent ``a`` fitted in 1.1..1.9, an engine whose cost per token of context is not constant
+  (``kvtier run``'s reference model: about ``n^1.4`` on this VM's caches).
 * :class:`LinkFit` -- one tier's move: ``latency + bytes / bandwidth`` per operation (host<->device
   through the io backend, each L3 store's get and put).
 * ``after_request`` -- what holds the engine after a request's first token: ``kvtier run``'s commits
   the request and drains its backups and L3 saves before the next (``overhead + bytes / rate``).
 * :class:`IdleFit` -- what a request that finds the engine idle pays over one that follows another
-  at once (on a shared VM: tens of milliseconds), against the idle gap.
+  at once (on a shared VM: tens of milliseconds, more for a longer request), against the idle gap.
 * :class:`EngineTraits` -- how the engine schedules: one request at a time or chunked batches,
   whether a load overlaps the compute, whether the tiers settle before the next request.
 
@@ -73,6 +75,10 @@ def median_abs_pct_error(predicted: Sequence[float], measured: Sequence[float]) 
     return float(np.median(np.abs(p - m) / m) * 100) if m.size else 0.0
 
 
+#: exponents tried for the context term beside the quadratic one (``fit_prefill`` keeps the one that fits best)
+CONTEXT_POWERS = tuple(round(1.1 + 0.1 * i, 1) for i in range(9))
+
+
 @dataclass(frozen=True)
 class PrefillFit:
     overhead_s: float
@@ -84,29 +90,42 @@ class PrefillFit:
     #: calibration points, and the fit's median absolute error over them (percent)
     points: int = 0
     fit_error_pct: float = 0.0
+    #: a context term that grows as ``n^context_power - c^context_power``: an engine whose cost per token of
+    #: context falls as the context outgrows the CPU's caches, or that reads only part of it (DSA's top-k)
+    per_context_power_s: float = 0.0
+    context_power: float = 1.5
 
     @staticmethod
-    def columns(prompt: Sequence[int], cached: Sequence[int], page_tokens: int) -> np.ndarray:
+    def columns(prompt: Sequence[int], cached: Sequence[int], page_tokens: int, power: float) -> np.ndarray:
         n, c = np.asarray(prompt, dtype=float), np.asarray(cached, dtype=float)
         pages = np.ceil(n / page_tokens) - np.floor(c / page_tokens)
-        return np.stack([np.ones_like(n), n - c, (n * n - c * c) / 2, pages], axis=1)
+        return np.stack([np.ones_like(n), n - c, (n * n - c * c) / 2, pages, n**power - c**power], axis=1)
 
     def seconds(self, prompt: int, cached: int) -> float:
         """Prefill of ``prompt`` tokens of which the first ``cached`` come from the cache."""
         pages = -(-prompt // self.page_tokens) - cached // self.page_tokens
+        a = self.context_power
         return (self.overhead_s + self.per_token_s * (prompt - cached) + self.per_context_s * (prompt * prompt - cached * cached) / 2
-                + self.per_page_s * pages)
+                + self.per_page_s * pages + self.per_context_power_s * (prompt**a - cached**a))
 
 
 def fit_prefill(prompt: Sequence[int], cached: Sequence[int], seconds: Sequence[float], page_tokens: int) -> PrefillFit:
-    """:class:`PrefillFit` of measured prefills (``prompt[i]`` tokens, ``cached[i]`` of them cached, ``seconds[i]``)."""
+    """:class:`PrefillFit` of measured prefills (``prompt[i]`` tokens, ``cached[i]`` of them cached, ``seconds[i]``):
+    for each exponent of :data:`CONTEXT_POWERS`, the non-negative fit of relative error; the best of them."""
     t = np.asarray(seconds, dtype=float)
-    if t.size < 4 or (t <= 0).any():
-        raise ConfigError(f"a prefill fit needs 4 or more timings, all positive; got {t.size}")
-    cols = PrefillFit.columns(prompt, cached, page_tokens)
-    coef = _relative_fit(cols, t)
-    err = median_abs_pct_error(cols @ coef, t)
-    return PrefillFit(*(float(x) for x in coef), page_tokens=page_tokens, points=int(t.size), fit_error_pct=round(err, 2))
+    if t.size < 5 or (t <= 0).any():
+        raise ConfigError(f"a prefill fit needs 5 or more timings, all positive; got {t.size}")
+    best = None
+    for power in CONTEXT_POWERS:
+        cols = PrefillFit.columns(prompt, cached, page_tokens, power)
+        coef = _relative_fit(cols, t)
+        rel = (cols @ coef - t) / t
+        score = float(rel @ rel)
+        if best is None or score < best[0] - 1e-12:
+            best = (score, power, coef, median_abs_pct_error(cols @ coef, t))
+    _, power, coef, err = best
+    overhead, per_token, per_context, per_page, per_power = (float(x) for x in coef)
+    return PrefillFit(overhead, per_token, per_context, per_page, page_tokens, int(t.size), round(err, 2), per_power, power)
 
 
 @dataclass(frozen=True)
@@ -137,21 +156,25 @@ def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
 
 @dataclass(frozen=True)
 class IdleFit:
-    """What a request that finds the engine idle pays over one that follows another at once: after a gap of
-    ``gaps_s[i]`` seconds, ``extra_s[i]`` more (caches and the CPU cooled, other processes ran). Between
-    measured gaps the cost is read off on a log scale; below the shortest it falls to 0 at no gap; above
-    the longest it stays."""
+    """What a request that finds the engine idle pays over one that follows another at once (caches and the
+    CPU cooled, other processes ran): after a gap of ``gaps_s[i]`` seconds, ``extra_s[i]`` plus
+    ``extra_share[i]`` of its own service time. Between measured gaps the cost is read off on a log
+    scale; below the shortest it falls to 0 at no gap; above the longest it stays."""
 
     gaps_s: list[float] = field(default_factory=list)
     extra_s: list[float] = field(default_factory=list)
+    extra_share: list[float] = field(default_factory=list)
 
-    def seconds(self, gap_s: float) -> float:
+    def seconds(self, gap_s: float, service_s: float) -> float:
         if gap_s <= 0 or not self.gaps_s:
             return 0.0
+        fixed, share = self.extra_s, self.extra_share
         first = self.gaps_s[0]
         if gap_s < first:
-            return self.extra_s[0] * gap_s / first
-        return float(np.interp(math.log(gap_s), [math.log(g) for g in self.gaps_s], self.extra_s))
+            scale = gap_s / first
+            return scale * (fixed[0] + share[0] * service_s)
+        x, at = math.log(gap_s), [math.log(g) for g in self.gaps_s]
+        return float(np.interp(x, at, fixed) + np.interp(x, at, share) * service_s)
 
 
 #: the links a profile measures, and what each is
@@ -247,14 +270,17 @@ def _typed(cls, data: object, where: str):
 
 
 def _idle(data: object) -> IdleFit:
-    if not isinstance(data, dict) or set(data) != {"gaps_s", "extra_s"}:
-        raise ValueError("idle must be an object of gaps_s and extra_s")
-    gaps, extra = data["gaps_s"], data["extra_s"]
-    numbers = all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0 for x in [*gaps, *extra])
-    if not (isinstance(gaps, list) and isinstance(extra, list) and len(gaps) == len(extra) and numbers and gaps == sorted(set(gaps))
-            and all(g > 0 for g in gaps)):
-        raise ValueError(f"idle.gaps_s must be increasing gaps > 0 and idle.extra_s as many seconds >= 0; got {gaps!r} and {extra!r}")
-    return IdleFit(gaps, extra)
+    keys = ("gaps_s", "extra_s", "extra_share")
+    if not isinstance(data, dict) or set(data) != set(keys):
+        raise ValueError("idle must be an object of gaps_s, extra_s and extra_share")
+    gaps, extra, share = (data[k] for k in keys)
+    lists = all(isinstance(x, list) for x in (gaps, extra, share)) and len(gaps) == len(extra) == len(share)
+    numbers = lists and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                            for x in [*gaps, *extra, *share])
+    if not (numbers and gaps == sorted(set(gaps)) and all(g > 0 for g in gaps)):
+        raise ValueError(f"idle.gaps_s must be increasing gaps > 0, idle.extra_s and idle.extra_share as many numbers >= 0; "
+                         f"got {gaps!r}, {extra!r} and {share!r}")
+    return IdleFit(gaps, extra, share)
 
 
 def load_profile(path: str | Path) -> Profile:

@@ -53,8 +53,9 @@ class NominalCosts:
         load = h * (block * cost.load_host_s) + s * (block * cost.load_storage_s)
         return (compute if compute > load else load), 0.0
 
-    def wake(self, idle_s: float) -> float:
-        """What a request that finds the node idle for ``idle_s`` pays beyond its own service: nothing, nominally."""
+    def wake(self, idle_s: float, service_s: float) -> float:
+        """What a request of ``service_s`` that finds the node idle for ``idle_s`` pays beyond its own service:
+        nothing, nominally."""
         return 0.0
 
 
@@ -88,8 +89,8 @@ class ProfiledCosts:
             after = settle.latency_s + (backed + saved) * nbytes / settle.bytes_per_s
         return service, after
 
-    def wake(self, idle_s: float) -> float:
-        return self.profile.idle.seconds(idle_s)
+    def wake(self, idle_s: float, service_s: float) -> float:
+        return self.profile.idle.seconds(idle_s, service_s)
 
 
 Costs = NominalCosts | ProfiledCosts
@@ -134,7 +135,7 @@ def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Seq
     for i, (r, node, hit, moved, now) in enumerate(zip(requests, nodes, served, no_moves, arrivals)):
         service, after = request_cost(r.input_length, hit, moved)
         if now > free_at[node]:  # the node is idle when it comes
-            service += wake(now - free_at[node])
+            service += wake(now - free_at[node], service)
         start = free_at[node] if free_at[node] > now else now
         free_at[node] = start + service + after
         busy[node] += service + after

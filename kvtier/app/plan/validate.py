@@ -217,8 +217,11 @@ def run_config(eng: Engine, work: EngineSlice, setup: Setup, pred: Prediction, c
     real = measure(work, setup)
     predicted = _side(pred.served, pred_ttft, pred_queue, pred.bytes_moved, work.requests, eng.page_tokens)
     measured = _side(real.served, real.ttft_s, real.queue_s, real.bytes_moved, work.requests, eng.page_tokens)
-    rows = [{"pages_predicted": list(p), "pages_measured": list(m), "ttft_predicted_s": round(float(a), 5), "ttft_measured_s": round(b, 5)}
-            for p, m, a, b in zip(pred.served, real.served, pred_ttft, real.ttft_s)]
+    rows = [{"pages_predicted": list(p), "pages_measured": list(m), "ttft_predicted_s": round(float(a), 5), "ttft_measured_s": round(b, 5),
+             "queue_predicted_s": round(float(q), 5)}
+            for p, m, a, b, q in zip(pred.served, real.served, pred_ttft, real.ttft_s, pred_queue)]
+    for row, q, svc in zip(rows, real.queue_s, real.service_s):
+        row["queue_measured_s"], row["service_measured_s"] = round(q, 5), round(svc, 5)
     measured["wall_s"] = round(real.wall_s, 3)
     measured.update(real.extra)
     error = compare(predicted, measured, pred_ttft, real.ttft_s, pred.served, real.served)
@@ -242,7 +245,7 @@ def change(base: ConfigResult, other: ConfigResult) -> dict:
 
 
 def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: Profile, profile_path: str, *, workload: str, start: int = 0,
-             time_scale: float | None = None, target_load: float = 0.6, what: str | None = None,
+             time_scale: float | None = None, target_load: float = 0.5, what: str | None = None,
              measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None) -> ValidationReport:
     """The slice ``requests`` on ``eng`` under ``setup`` (and ``what``, a :data:`WHAT_IFS` name), planner against engine."""
     check_setup(eng, setup.cache, what)

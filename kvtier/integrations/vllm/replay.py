@@ -120,7 +120,8 @@ async def _warm(engine, job: dict, tag: str) -> None:
 
 async def _calibrate(job: dict) -> dict:
     engine = _engine(job)
-    samples: dict = {"device": [], "host": [], "storage": [], "idle": {g: [] for g in (0.0, *job["idle_gaps"])}}
+    samples: dict = {"device": [], "host": [], "storage": [], "idle": {n: {g: [] for g in (0.0, *job["idle_gaps"])}
+                                                                       for n in job["idle_tokens"]}}
     seq = iter(range(1 << 30))
     try:
         facts = await _start(engine, job)
@@ -149,13 +150,15 @@ async def _calibrate(job: dict) -> dict:
                 samples["storage"].append([n, _hit(out), t])
                 await _reset(engine)
         for rep in range(2 * job["reps"] + 1):  # a request that finds the engine idle, against one right after another
-            for gap, times in samples["idle"].items():
-                if gap:
+            for n, by_gap in samples["idle"].items():
+                for gap, times in by_gap.items():
+                    if not gap:
+                        await _warm(engine, job, f"i{n}-{rep}")
+                    woke = time.perf_counter() + gap
                     await asyncio.sleep(gap)
-                else:
-                    await _warm(engine, job, f"i{rep}")
-                t, _ = await _first_token(engine, job["prompt_of"](job["idle_tokens"], next(seq)), f"i{gap}-{rep}")
-                times.append(t)
+                    late = max(0.0, time.perf_counter() - woke)  # waking up late is part of what an idle engine costs
+                    t, _ = await _first_token(engine, job["prompt_of"](n, next(seq)), f"i{n}-{gap}-{rep}")
+                    times.append(late + t)
     finally:
         engine.shutdown()
     return {"samples": samples, **facts}
