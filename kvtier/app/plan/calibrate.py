@@ -2,7 +2,8 @@
 
 * **Prefill** -- the engine itself, on the paths a request takes: a prompt of ``n`` tokens after a
   cached prefix of ``c`` (the prefix is computed first, untimed, so it is on device), for ``n`` on a
-  geometric grid up to ``max_tokens`` and ``c`` at fixed fractions of it; each point's median of
+  geometric grid up to ``max_tokens`` and ``c`` at fixed fractions of it, up to all of it but the
+  last page; each point's median of
   ``reps`` runs, fitted by :func:`~kvtier.app.plan.profile.fit_prefill` (overhead, per token,
   attention, per page).
 * **Links** -- the benches' paths (:mod:`kvtier.app.bench.transfer`, :mod:`kvtier.app.bench.storage`):
@@ -42,8 +43,9 @@ class CalibrationPlan:
     max_tokens: int = 4096
     #: prompt lengths on a geometric grid from two pages to ``max_tokens``
     lengths: int = 6
-    #: cached prefix as fractions of the prompt
-    cached: tuple[float, ...] = (0.0, 0.5, 0.875)
+    #: cached prefix as fractions of the prompt; 1.0: every full page but the last a prompt may use (its last page
+    #: computed alone after a long prefix: a follow-up turn, most of a trace's requests)
+    cached: tuple[float, ...] = (0.0, 0.5, 0.875, 1.0)
     #: runs per point (their median is the point)
     reps: int = 3
     #: page counts per link operation
