@@ -39,15 +39,17 @@ def test_prefill_fit_recovers_the_coefficients_that_made_the_timings():
     fit = fit_prefill(n, c, seconds, 32)
     for name in ("overhead_s", "per_token_s", "per_context_s", "per_page_s"):
         assert getattr(fit, name) == pytest.approx(getattr(TRUE, name), rel=1e-6), name
-    assert fit.per_context_power_s == pytest.approx(0.0, abs=1e-15)  # a term the timings do not have stays out
+    # terms the timings do not have stay out
+    assert fit.per_context_power_s == pytest.approx(0.0, abs=1e-15) and fit.per_cached_page_s == pytest.approx(0.0, abs=1e-12)
     assert fit.points == 40 and fit.fit_error_pct == 0.0
 
 
-def test_prefill_fit_finds_the_exponent_of_a_context_term_that_is_not_quadratic():
-    true = replace(TRUE, per_context_s=0.0, per_context_power_s=4e-5, context_power=1.4)
+def test_prefill_fit_finds_the_exponent_of_a_context_term_that_is_not_quadratic_and_the_cost_of_a_cached_page():
+    true = replace(TRUE, per_context_s=0.0, per_context_power_s=4e-5, context_power=1.4, per_cached_page_s=5e-5)
     n, c = grid(4)
     fit = fit_prefill(n, c, [true.seconds(int(a), int(b)) for a, b in zip(n, c)], 32)
     assert fit.context_power == 1.4 and fit.per_context_power_s == pytest.approx(4e-5, rel=1e-6)
+    assert fit.per_cached_page_s == pytest.approx(5e-5, rel=1e-5)  # what reusing a page of prefix costs
     assert fit.per_context_s == pytest.approx(0.0, abs=1e-15) and fit.fit_error_pct == 0.0
     assert fit.seconds(4000, 1000) == pytest.approx(true.seconds(4000, 1000))
 

@@ -3,10 +3,11 @@
 
 * :class:`PrefillFit` -- seconds to prefill a prompt of ``n`` tokens after a cached prefix of ``c``:
   ``overhead + per_token * (n - c) + per_context * (n^2 - c^2) / 2 + per_page * pages computed
-  + per_context_power * (n^a - c^a)``. The quadratic term is attention (each computed token reads
-  every token before it); the page term an engine's per-chunk or per-step work; the last, with its
-  exponent ``a`` fitted in 1.1..1.9, an engine whose cost per token of context is not constant
-  (``kvtier run``'s reference model: about ``n^1.4`` on this VM's caches).
+  + per_context_power * (n^a - c^a) + per_cached_page * pages cached``. The quadratic term is
+  attention (each computed token reads every token before it); the page term an engine's per-chunk
+  or per-step work; the power term, its exponent ``a`` fitted in 1.1..1.9, an engine whose cost per
+  token of context is not constant (``kvtier run``'s reference model: about ``n^1.5`` on this VM's
+  caches); the last what reusing a prefix costs per page (matching, locking, touching it).
 * :class:`LinkFit` -- one tier's move: ``latency + bytes / bandwidth`` per operation (host<->device
   through the io backend, each L3 store's get and put).
 * ``after_request`` -- what holds the engine after a request's first token: ``kvtier run``'s commits
@@ -94,19 +95,22 @@ class PrefillFit:
     #: context falls as the context outgrows the CPU's caches, or that reads only part of it (DSA's top-k)
     per_context_power_s: float = 0.0
     context_power: float = 1.5
+    #: per cached page: matching, locking and touching the prefix a request reuses
+    per_cached_page_s: float = 0.0
 
     @staticmethod
     def columns(prompt: Sequence[int], cached: Sequence[int], page_tokens: int, power: float) -> np.ndarray:
         n, c = np.asarray(prompt, dtype=float), np.asarray(cached, dtype=float)
         pages = np.ceil(n / page_tokens) - np.floor(c / page_tokens)
-        return np.stack([np.ones_like(n), n - c, (n * n - c * c) / 2, pages, n**power - c**power], axis=1)
+        return np.stack([np.ones_like(n), n - c, (n * n - c * c) / 2, pages, n**power - c**power, np.floor(c / page_tokens)], axis=1)
 
     def seconds(self, prompt: int, cached: int) -> float:
         """Prefill of ``prompt`` tokens of which the first ``cached`` come from the cache."""
         pages = -(-prompt // self.page_tokens) - cached // self.page_tokens
         a = self.context_power
         return (self.overhead_s + self.per_token_s * (prompt - cached) + self.per_context_s * (prompt * prompt - cached * cached) / 2
-                + self.per_page_s * pages + self.per_context_power_s * (prompt**a - cached**a))
+                + self.per_page_s * pages + self.per_context_power_s * (prompt**a - cached**a)
+                + self.per_cached_page_s * (cached // self.page_tokens))
 
 
 def fit_prefill(prompt: Sequence[int], cached: Sequence[int], seconds: Sequence[float], page_tokens: int) -> PrefillFit:
@@ -124,8 +128,8 @@ def fit_prefill(prompt: Sequence[int], cached: Sequence[int], seconds: Sequence[
         if best is None or score < best[0] - 1e-12:
             best = (score, power, coef, median_abs_pct_error(cols @ coef, t))
     _, power, coef, err = best
-    overhead, per_token, per_context, per_page, per_power = (float(x) for x in coef)
-    return PrefillFit(overhead, per_token, per_context, per_page, page_tokens, int(t.size), round(err, 2), per_power, power)
+    overhead, per_token, per_context, per_page, per_power, per_cached = (float(x) for x in coef)
+    return PrefillFit(overhead, per_token, per_context, per_page, page_tokens, int(t.size), round(err, 2), per_power, power, per_cached)
 
 
 @dataclass(frozen=True)
