@@ -14,8 +14,8 @@ from kvtier.app.plan import PlanConfig, plan_costs, run_plan
 from kvtier.app.plan.config import TokenCosts
 from kvtier.app.plan.engine_slice import block_tokens, engine_requests, make_slice, prefix_ids, prompt_tokens, take_slice
 from kvtier.app.plan.engines import engine_model
-from kvtier.app.plan.profile import (EngineTraits, IdleFit, LinkFit, PrefillFit, fit_link, fit_prefill, load_profile, median_abs_pct_error,
-                                     nnls)
+from kvtier.app.plan.profile import (EngineTraits, IdleFit, LinkFit, PrefillFit, fit_after, fit_link, fit_prefill, load_profile,
+                                     median_abs_pct_error, nnls)
 from kvtier.app.plan.calibrate import idle_fit
 from kvtier.app.plan.timing import NominalCosts, ProfiledCosts, simulate
 from kvtier.app.workloads.mooncake import TraceRequest
@@ -72,6 +72,15 @@ def test_link_fit_recovers_latency_and_bandwidth():
     fit = fit_link(sizes, [120e-6 + b / 3e9 for b in sizes])
     assert fit.latency_s == pytest.approx(120e-6, rel=1e-6) and fit.bytes_per_s == pytest.approx(3e9, rel=1e-6)
     assert fit.seconds(0) == 0.0 and fit.seconds(3e9) == pytest.approx(1 + 120e-6)
+
+
+def test_after_request_fit_splits_a_fixed_part_from_a_drain_that_costs_only_when_bytes_move():
+    sizes = [0, 0, 0, 100_000, 100_000, 200_000, 400_000, 1_600_000]
+    overhead, drain = fit_after(sizes, [0.0003 + (0.0015 + b / 8e8 if b else 0.0) for b in sizes])
+    assert overhead == pytest.approx(0.0003, rel=1e-6) and drain.latency_s == pytest.approx(0.0015, rel=1e-6)
+    assert drain.bytes_per_s == pytest.approx(8e8, rel=1e-6) and drain.seconds(0) == 0.0
+    with pytest.raises(ConfigError, match="2 or more sizes that move bytes"):
+        fit_after([0, 0, 100], [0.1, 0.1, 0.2])
 
 
 def test_nnls_clamps_a_term_least_squares_would_make_negative():
@@ -177,8 +186,9 @@ def test_profiled_costs_add_up_as_the_engine_runs_them():
     fetch, load, room = link["storage_get"].seconds(3000), link["host_to_device"].seconds(4000), link["device_to_host"].seconds(1000)
     assert service == pytest.approx(fetch + room + max(compute, load))
     assert after == 0.0  # the made-up profile holds nothing after a request
-    drains = ProfiledCosts(profile_of(after_request=LinkFit(0.002, 1e6)), 32, 1000.0)
-    assert drains.request(320, (2, 1, 3), (1, 5, 5))[1] == pytest.approx(0.002 + 10 * 1000 / 1e6)
+    drains = ProfiledCosts(profile_of(after_request=LinkFit(0.002, 1e6), after_request_overhead_s=0.0005), 32, 1000.0)
+    assert drains.request(320, (2, 1, 3), (1, 5, 5))[1] == pytest.approx(0.0005 + 0.002 + 10 * 1000 / 1e6)
+    assert drains.request(320, (2, 1, 3), (0, 0, 0))[1] == pytest.approx(0.0005)  # nothing to drain: its commit alone
     serial = ProfiledCosts(profile_of(traits=EngineTraits(load_overlaps_compute=False, settle="background"), after_request=LinkFit(1, 1)),
                            32, 1000.0)
     service, after = serial.request(320, (2, 1, 3), (0, 5, 5))

@@ -13,7 +13,7 @@
   bandwidth`` (:func:`~kvtier.app.plan.profile.fit_link`).
 * **After a request** -- ``kvtier run``'s engine commits it and drains its backups and L3 saves before
   the next (:mod:`~kvtier.app.plan.engine_run`): the time from its first token until that is done,
-  against the bytes moved, fitted like a link.
+  against the bytes moved (:func:`~kvtier.app.plan.profile.fit_after`).
 * **Idle** -- a request that finds the engine idle is slower than one right after another (on a
   shared VM, tens of milliseconds, more for a longer request): a short and a long prompt timed
   after gaps of 2 ms to 1 s (:func:`measure_idle`).
@@ -28,10 +28,12 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from kvtier.app.plan.engines import Engine, engine_model
-from kvtier.app.plan.profile import LINKS, EngineTraits, IdleFit, LinkFit, Profile, fit_link, fit_prefill
+from kvtier.app.plan.profile import (LINKS, EngineTraits, IdleFit, LinkFit, Profile, fit_after, fit_link, fit_prefill,
+                                     median_abs_pct_error)
+from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.config import CacheConfig, TierConfig
 from kvtier.errors import ConfigError
 from kvtier.spec import KVSpec
@@ -249,8 +251,9 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
     links = measure_links(spec, io_backend, storage_url, plan, progress)
     samples = timed.prefill
     fit = fit_prefill([n for n, _, _ in samples], [c for _, c, _ in samples], [t for _, _, t in samples], eng.page_tokens)
+    held, drain = fit_after(*zip(*timed.after))
     after = machine()
-    return Profile(
+    profile = Profile(
         engine=eng.name,
         model=eng.model,
         model_fingerprint=model.fingerprint(),
@@ -258,7 +261,8 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
         page_bytes=spec.page_bytes,
         prefill=fit,
         links=links,
-        after_request=fit_link(*zip(*timed.after)),
+        after_request=drain,
+        after_request_overhead_s=held,
         idle=timed.idle,
         # the hybrid engine waits for its load before its first page (its window pages and snapshot come with it)
         traits=EngineTraits(scheduling="serial", load_overlaps_compute=not eng.hybrid, settle="serial", threads=plan.threads),
@@ -268,10 +272,80 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
         machine={**after, "load_average_before": before["load_average"]},
         notes={"prefill_points": [list(s) for s in samples], "after_request_points": [list(a) for a in timed.after], "plan": asdict(plan)},
     )
+    return probe_run_engine(eng, profile, plan, progress)
+
+
+def probe_run_engine(eng: Engine, profile: Profile, plan: CalibrationPlan, progress: Callable[[str], None] | None = None) -> Profile:
+    """``profile`` with its :attr:`~Profile.load_scale` from the load probe on ``kvtier run``'s engine
+    (:mod:`~kvtier.app.plan.engine_run`, as a validation serves a slice)."""
+    from kvtier.app.plan.engine_run import replay_on_run_engine
+    from kvtier.app.plan.engine_slice import EngineSlice, prompt_tokens
+    from kvtier.app.plan.timing import ProfiledCosts
+
+    ps = eng.page_tokens
+    lengths = probe_lengths(plan.prompt_lengths(ps))
+    moves = [(0, n // ps, n // ps) for n in lengths]  # every full page backed up and saved (write_through)
+    costs = ProfiledCosts(profile, ps, profile.page_bytes)
+    arrivals = probe_arrivals([sum(costs.request(n, (0, 0, 0), m)) for n, m in zip(lengths, moves)])
+    requests = probe_requests(lengths, arrivals, ps)
+    work = EngineSlice(requests, [prompt_tokens(r, ps, eng.vocab, seed=7) for r in requests], arrivals, 1.0)
+    pages = sum(-(-n // ps) for n in lengths) + 1
+    real = replay_on_run_engine(eng, work, TierConfig(device_pages=pages, host_pages=pages), CacheConfig(), threads=plan.threads)
+    scale = fit_load_scale(profile, requests, moves, real.ttft_s, progress)
+    profile.notes["load_probe"] = {"lengths": lengths, "arrivals_s": arrivals, "ttft_s": real.ttft_s}
+    return replace(profile, load_scale=scale)
 
 
 #: vLLM calibration: the pause before each timed request, for the copies out and L3 writes of the ones before to finish
 SETTLE_S = 0.1
+
+#: the load probe: requests, and the share of the time they should keep the engine busy
+PROBE_REQUESTS = 60
+PROBE_LOAD = 0.5
+
+
+def probe_lengths(lengths: list[int], count: int = PROBE_REQUESTS) -> list[int]:
+    """The load probe's prompt lengths: the grid's short and middle ones, in turn."""
+    return [idle_sizes(lengths)[i % 2] for i in range(count)]
+
+
+def probe_arrivals(services: list[float], load: float = PROBE_LOAD, seed: int = 0) -> list[float]:
+    """Poisson arrivals (seconds from the first) that keep an engine serving ``services`` busy ``load`` of the time."""
+    import random
+
+    rng = random.Random(seed)
+    mean_gap = sum(services) / len(services) / load
+    t, out = 0.0, []
+    for _ in services:
+        out.append(t)
+        t += rng.expovariate(1.0 / mean_gap)
+    return out
+
+
+def probe_requests(lengths: list[int], arrivals: list[float], page_tokens: int) -> list[TraceRequest]:
+    """The probe as the planner sees it: requests sharing no block, at ``arrivals``."""
+    first = 1 << 40  # (block ids of their own)
+    return [TraceRequest(a * 1000.0, n, 1, tuple(range(first * (i + 1), first * (i + 1) + -(-n // page_tokens))))
+            for i, (n, a) in enumerate(zip(lengths, arrivals))]
+
+
+def fit_load_scale(profile: Profile, requests: list[TraceRequest], moves: list[tuple[int, int, int]], measured: list[float],
+                   progress: Callable[[str], None] | None = None) -> float:
+    """The service factor under which the planner's queue model (:func:`~kvtier.app.plan.timing.simulate`) best
+    matches the probe's measured TTFTs (the smallest median absolute percentage error, factors 0.5 to 3)."""
+    from kvtier.app.plan.config import PlanConfig
+    from kvtier.app.plan.timing import ProfiledCosts, simulate
+
+    best = None
+    for scale in (round(0.5 + 0.01 * i, 2) for i in range(251)):
+        costs = ProfiledCosts(replace(profile, load_scale=scale), profile.page_tokens, profile.page_bytes)
+        ttft = simulate(requests, [0] * len(requests), [(0, 0, 0)] * len(requests), PlanConfig(), costs, moves).per_request_ttft_s
+        err = median_abs_pct_error(ttft, measured)
+        if best is None or err < best[1] - 1e-9:
+            best = (scale, err)
+    if progress is not None:
+        progress(f"load probe: service x {best[0]:.2f} under load (per-request TTFT error {best[1]:.1f}% with it)")
+    return best[0]
 
 
 def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io_backend: str = "direct",
@@ -298,7 +372,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
                       "model": eng.vllm_model, "block_size": ps, "device_pages": 4 * (-(-max(lengths) // ps)) + 8,
                       "host_pages": host_pages, "max_model_len": max(lengths) + ps, "vocab": eng.vocab, "grid": grid, "reps": plan.reps,
                       "load_lengths": loads, "flush_tokens": flush_tokens, "flush_prompts": -(-2 * host_pages * ps // flush_tokens),
-                      "settle_s": SETTLE_S})
+                      "settle_s": SETTLE_S, "probe_lengths": probe_lengths(lengths), "probe_load": PROBE_LOAD})
     samples = result["samples"]
     fit = fit_prefill(*zip(*samples["device"]), ps)
     links = measure_links(spec, io_backend, None, plan, progress)
@@ -309,7 +383,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
     storage = [(row["storage_pages"] * page_bytes, t - fit.seconds(n, row["cached_tokens"])
                 - links["host_to_device"].seconds(row["storage_pages"] * page_bytes)) for n, row, t in samples["storage"]]
     links["storage_get"] = fit_link([b for b, _ in storage], [max(x, 1e-6) for _, x in storage])
-    return Profile(
+    profile = Profile(
         engine=eng.name,
         model=eng.model,
         model_fingerprint=model.fingerprint(),
@@ -325,5 +399,9 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine={**machine(), "load_average_before": before["load_average"]},
         notes={"prefill_points": samples["device"], "host_loads": samples["host"], "storage_loads": samples["storage"],
-               "plan": asdict(plan), "vllm_model": eng.vllm_model},
+               "plan": asdict(plan), "vllm_model": eng.vllm_model, "load_probe": samples["probe"]},
     )
+    probe = samples["probe"]
+    requests = probe_requests(probe["lengths"], probe["arrivals_s"], ps)
+    measured = [row["ttft_s"] for row in probe["rows"]]
+    return replace(profile, load_scale=fit_load_scale(profile, requests, [(0, 0, 0)] * len(requests), measured, progress))

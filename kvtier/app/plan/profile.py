@@ -11,9 +11,13 @@
 * :class:`LinkFit` -- one tier's move: ``latency + bytes / bandwidth`` per operation (host<->device
   through the io backend, each L3 store's get and put).
 * ``after_request`` -- what holds the engine after a request's first token: ``kvtier run``'s commits
-  the request and drains its backups and L3 saves before the next (``overhead + bytes / rate``).
+  the request and drains its backups and L3 saves before the next (:func:`fit_after`: a fixed part,
+  and ``latency + bytes / rate`` when anything moves).
 * :class:`IdleFit` -- what a request that finds the engine idle pays over one that follows another
   at once (on a shared VM: tens of milliseconds, more for a longer request), against the idle gap.
+* ``load_scale`` -- what a request's service takes under load over what it takes alone: the
+  calibration's load probe (prompts sharing nothing, at arrivals that should keep the engine half
+  busy) is served, and the factor that makes the planner's queue model match its TTFTs kept.
 * :class:`EngineTraits` -- how the engine schedules: one request at a time or chunked batches,
   whether a load overlaps the compute, whether the tiers settle before the next request.
 
@@ -181,6 +185,20 @@ class IdleFit:
         return float(np.interp(x, at, fixed) + np.interp(x, at, share) * service_s)
 
 
+def fit_after(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, LinkFit]:
+    """What holds an engine after each of its requests: a fixed part (``overhead``), and when its tiers move
+    anything, a drain of ``latency + bytes / bandwidth`` (a :class:`LinkFit`, which costs nothing for no
+    bytes): ``(overhead, drain)``, non-negative, fitted on relative error."""
+    t = np.asarray(seconds, dtype=float)
+    b = np.asarray(nbytes, dtype=float)
+    if t.size < 3 or (t <= 0).any() or not (b > 0).any() or len(set(b[b > 0].tolist())) < 2:
+        raise ConfigError(f"an after-request fit needs timings of 2 or more sizes that move bytes, all positive; got {t.size}")
+    cols = np.stack([np.ones_like(b), (b > 0).astype(float), b], axis=1)
+    overhead, latency, per_byte = _relative_fit(cols, t)
+    err = median_abs_pct_error(cols @ np.array([overhead, latency, per_byte]), t)
+    return float(overhead), LinkFit(float(latency), float(1.0 / per_byte) if per_byte > 0 else math.inf, int(t.size), round(err, 2))
+
+
 #: the links a profile measures, and what each is
 LINKS = {
     "host_to_device": "a load of cached pages from host into the device pool",
@@ -214,9 +232,14 @@ class Profile:
     page_bytes: int
     prefill: PrefillFit
     links: dict[str, LinkFit]
-    #: what keeps the engine busy after a request's first token, against the bytes its tiers then move
-    #: (``kvtier run``'s engine: its commit, then draining the backups and L3 saves; vLLM: none, they run beside)
+    #: what keeps the engine busy after a request's first token: ``after_request_overhead_s`` always (its commit),
+    #: and ``after_request`` when its tiers move bytes (draining its backups and L3 saves) -- ``kvtier run``'s
+    #: engine; vLLM's run beside its next steps: none
     after_request: LinkFit = field(default_factory=lambda: LinkFit(0.0, math.inf))
+    after_request_overhead_s: float = 0.0
+    #: what a request's service takes under load over what it takes alone (the load probe's fit: batching and
+    #: contention the engine's processes and threads add when requests come one after another)
+    load_scale: float = 1.0
     idle: IdleFit = field(default_factory=IdleFit)
     traits: EngineTraits = field(default_factory=EngineTraits)
     io_backend: str = "direct"

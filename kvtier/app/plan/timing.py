@@ -82,11 +82,10 @@ class ProfiledCosts:
         load = p.links["host_to_device"].seconds((h + s) * nbytes)
         room, backed, saved = moves or (0, 0, 0)
         evict = p.links["device_to_host"].seconds(room * nbytes)
-        service = fetch + evict + (max(compute, load) if p.traits.load_overlaps_compute else compute + load)
+        service = (fetch + evict + (max(compute, load) if p.traits.load_overlaps_compute else compute + load)) * p.load_scale
         after = 0.0
         if p.traits.settle == "serial":  # its commit, then its backups and L3 saves drained
-            settle = p.after_request
-            after = settle.latency_s + (backed + saved) * nbytes / settle.bytes_per_s
+            after = p.after_request_overhead_s + p.after_request.seconds((backed + saved) * nbytes)
         return service, after
 
     def wake(self, idle_s: float, service_s: float) -> float:

@@ -12,7 +12,8 @@ the time to its first token from its arrival, vLLM's ``num_cached_tokens`` and w
 
 ``calibrate``: prefills after a prefix vLLM's own cache holds (a grid of prompt and prefix lengths),
 after a prefix only kvtier's host holds (vLLM's cache reset between), and after one only its L3
-holds (host pushed out by other prompts), each alone on the engine.
+holds (host pushed out by other prompts), each alone on the engine; requests after idle gaps; and a
+load probe, prompts sharing nothing sent at a given arrival rate, as a validation sends them.
 """
 
 from __future__ import annotations
@@ -87,23 +88,29 @@ async def _start(engine, job: dict) -> dict:
     return {"block_size": block, "max_num_batched_tokens": engine.vllm_config.scheduler_config.max_num_batched_tokens}
 
 
+async def _serve(engine, prompts: list[list[int]], arrivals_s: list[float], tag: str = "") -> tuple[list[dict], float]:
+    """Every prompt sent at its arrival (seconds from now), as a server receives them: (per request its seconds
+    from arrival to first token and what served it, the wall time)."""
+    loop_t0 = time.perf_counter() + 0.05
+    rows: list[dict] = [{} for _ in prompts]
+
+    async def one(i: int, ids: list[int], arrival: float) -> None:
+        delay = loop_t0 + arrival - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        late = time.perf_counter() - (loop_t0 + arrival)  # the event loop's lateness counts as waiting
+        ttft, out = await _first_token(engine, ids, f"{tag}{i}")
+        rows[i] = {"ttft_s": ttft + max(late, 0.0), **_hit(out)}
+
+    await asyncio.gather(*(one(i, p, a) for i, (p, a) in enumerate(zip(prompts, arrivals_s))))
+    return rows, time.perf_counter() - loop_t0
+
+
 async def _replay(job: dict) -> dict:
     engine = _engine(job)
     try:
         facts = await _start(engine, job)
-        loop_t0 = time.perf_counter() + 0.05
-        rows: list[dict | None] = [None] * len(job["prompts"])
-
-        async def one(i: int, ids: list[int], arrival: float) -> None:
-            delay = loop_t0 + arrival - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            late = time.perf_counter() - (loop_t0 + arrival)  # the event loop's lateness counts as waiting
-            ttft, out = await _first_token(engine, ids, str(i))
-            rows[i] = {"ttft_s": ttft + max(late, 0.0), **_hit(out)}
-
-        await asyncio.gather(*(one(i, p, a) for i, (p, a) in enumerate(zip(job["prompts"], job["arrivals_s"]))))
-        wall = time.perf_counter() - loop_t0
+        rows, wall = await _serve(engine, job["prompts"], job["arrivals_s"])
         stats = await engine.collective_rpc("kvtier_stats")
     finally:
         engine.shutdown()
@@ -159,9 +166,26 @@ async def _calibrate(job: dict) -> dict:
                     late = max(0.0, time.perf_counter() - woke)  # waking up late is part of what an idle engine costs
                     t, _ = await _first_token(engine, job["prompt_of"](n, next(seq)), f"i{n}-{gap}-{rep}")
                     times.append(late + t)
+        await _reset(engine)
+        await asyncio.sleep(job["settle_s"])
+        samples["probe"] = await _probe(engine, job, samples["device"], seq)
     finally:
         engine.shutdown()
     return {"samples": samples, **facts}
+
+
+async def _probe(engine, job: dict, device: list, seq) -> dict:
+    """The load probe: prompts sharing nothing at Poisson arrivals that keep the engine busy ``probe_load`` of the
+    time, as each prompt's length took alone (its grid point with nothing cached)."""
+    from statistics import median
+
+    from kvtier.app.plan.calibrate import probe_arrivals
+
+    lengths = job["probe_lengths"]
+    alone = {n: median(t for m, c, t in device if m == n and c == 0) for n in set(lengths)}
+    arrivals = probe_arrivals([alone[n] for n in lengths], job["probe_load"])
+    rows, _ = await _serve(engine, [job["prompt_of"](n, next(seq)) for n in lengths], arrivals, "probe")
+    return {"lengths": lengths, "arrivals_s": arrivals, "rows": rows}
 
 
 def _prompt_of(vocab: int):
