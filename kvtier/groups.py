@@ -30,6 +30,17 @@ from kvtier.spec import KVSpec, dtype_of
 
 GroupKind = Literal["full", "sliding_window", "state"]
 
+#: each kind of KV group and what one of its objects is: ``"attention"`` (a page of the group's attention
+#: buffers) or ``"state"`` (a snapshot). The rules of each kind live in :mod:`kvtier.core.group_kinds`,
+#: whose ``register`` adds a kind of one's own here.
+GROUP_KINDS: dict[str, str] = {"full": "attention", "sliding_window": "attention", "state": "state"}
+
+
+def window_pages(window: int, pages: int, page_size: int) -> range:
+    """The pages of a ``pages``-page prefix a sliding window of ``window`` tokens reads to continue from it:
+    those covering tokens ``[pages * page_size - window, pages * page_size)``."""
+    return range(max(0, pages * page_size - window) // page_size, pages)
+
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -85,14 +96,14 @@ class KVGroup:
             if not cond:
                 raise SpecError(f"KV group {self.name!r} ({self.kind!r}): {field} {msg}")
 
-        need(self.kind in ("full", "sliding_window", "state"), "kind", f"must be full, sliding_window or state, got {self.kind!r}")
+        need(self.kind in GROUP_KINDS, "kind", f"must be one of {', '.join(GROUP_KINDS)}, got {self.kind!r}")
         layers = self.layers
         need(isinstance(layers, tuple) and all(_is_int(i) and i >= 0 for i in layers),
              "layers", f"must be a tuple of layer indices (ints >= 0), got {layers!r}")
         need(len(layers) > 0 and len(set(layers)) == len(layers), "layers", f"must be distinct and at least one, got {layers!r}")
         window = self.window
         need(_is_int(window), "window", f"must be a whole number of tokens (an int), got {window!r}")
-        if self.kind == "state":
+        if self.keeps == "state":
             need(self.attention is None, "attention", "must be None: a state group keeps state tensors, not attention buffers")
             need(isinstance(self.state, tuple) and len(self.state) > 0 and all(isinstance(t, StateTensor) for t in self.state),
                  "state", f"must be a non-empty tuple of StateTensor, got {self.state!r}")
@@ -105,6 +116,11 @@ class KVGroup:
             need(window > 0, "window", f"must be > 0 tokens for a sliding_window group, got {window!r}")
         else:
             need(window == 0, "window", f"is for sliding_window groups only (leave it 0), got {window!r}")
+
+    @property
+    def keeps(self) -> str:
+        """What one of this group's objects is: ``"attention"`` (a page of its buffers) or ``"state"`` (a snapshot)."""
+        return GROUP_KINDS[self.kind]
 
     @property
     def bytes_per_token(self) -> int:
@@ -120,7 +136,7 @@ class KVGroup:
         """What one of this group's objects is, as a spec pools and stores take: a sliding-window
         page is a page of its attention spec; a state snapshot is a one-slot page of a state spec
         (every tensor of one layer's state, packed, per layer). Full groups: their attention spec."""
-        if self.kind != "state":
+        if self.keeps != "state":
             return self.attention
         return KVSpec.state(f"{self.name}-state", len(self.layers), sum(t.nbytes for t in self.state))
 
@@ -135,8 +151,7 @@ class KVGroup:
             return range(pages)
         if self.kind == "state":
             return range(pages, pages)
-        first = max(0, num_tokens - self.window) // page_size
-        return range(first, pages)
+        return window_pages(self.window, pages, page_size)
 
 
 @dataclass(frozen=True)

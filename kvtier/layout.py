@@ -53,6 +53,3 @@ class HostLayout:
     def page_layers(self, buf: torch.Tensor, page: int) -> torch.Tensor:
         """``[layers, page_bytes]`` view of one page (strided for layer_first)."""
         return buf[:, page] if self.kind == "layer_first" else buf[page]
-
-    def page_is_contiguous(self) -> bool:
-        return self.kind == "page_first"

@@ -44,7 +44,12 @@ class CacheStats:
     storage_prefetched_pages: int = 0
     storage_prefetched_bytes: int = 0
     storage_failures: int = 0
+    #: objects that failed their check on read (wrong size, header, checksum, key): each deleted, so the next save repairs it
     storage_corrupt_pages: int = 0
+    #: of ``storage_hit_pages`` (what the store held at lookup), the pages a prefetch could not serve because an
+    #: object failed its check: its page and the ones after it (a hybrid model: also those before it that no boundary
+    #: can be served from without it). Misses after all: ``miss_pages`` counts them
+    storage_corrupt_miss_pages: int = 0
 
     def snapshot(self) -> CacheStats:
         return dataclasses.replace(self)
@@ -54,7 +59,8 @@ class CacheStats:
 
     @property
     def miss_pages(self) -> int:
-        return self.lookup_pages - self.device_hit_pages - self.host_hit_pages - self.storage_hit_pages
+        """Pages looked up and served by no tier (an L3 hit a corrupt object kept from being served included)."""
+        return self.lookup_pages - self.device_hit_pages - self.host_hit_pages - self.storage_hit_pages + self.storage_corrupt_miss_pages
 
     def hit_ratio(self, tier: str) -> float:
         hits = getattr(self, f"{tier}_hit_pages")

@@ -45,7 +45,7 @@ def as_index_tensor(indices: torch.Tensor | np.ndarray | list[int] | range, *, w
             raise PageIndexError(f"{what}: a value does not fit in int64; indices are slots of a pool") from None
         if arr.size == 0:
             return torch.zeros(0, dtype=torch.int64)
-        if arr.dtype.kind in "iu" and any(x is True or x is False for x in indices):  # numpy made bools ints
+        if arr.dtype.kind in "iu" and bool in set(map(type, indices)):  # numpy made bools ints
             raise IndexTypeError(f"{what} must be integers; got a bool; pass whole slot numbers")
         if arr.dtype.kind not in "iu" or arr.dtype == np.uint64:  # the slow path: only to name what is wrong
             items = list(indices) if arr.ndim == 1 else []

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import sys
 from operator import attrgetter
 from collections.abc import Callable, Iterator, Sequence
 
@@ -78,6 +79,10 @@ def leading_present(present, keys: Sequence, hi: int | None = None, lo: int = 0)
     return lo
 
 
+#: a stamp no node reaches (an eviction walk with no ``older_than`` bound)
+_NEVER = sys.maxsize
+
+
 class PageNode:
     """One cached page. ``__slots__`` and few of them: hundreds of thousands exist at once."""
 
@@ -92,10 +97,6 @@ class PageNode:
         "hit_count",
         "last_access",
         "flags",
-        # a hybrid model's window pages sharing the full pages' pool: when they were last written or read
-        # (kvtier.core.group_residency; set when the node is made, with its page, and whenever one is attached
-        # later, so a reused node's old value is never read)
-        "window_used",
     )
 
     #: slots a subclass adds (:func:`node_type_with`), None in every node the tree makes
@@ -115,7 +116,7 @@ class PageNode:
         self.host_page = NO_PAGE
         self.lock_ref = 0
         self.hit_count = 0
-        self.last_access = self.window_used = stamp
+        self.last_access = stamp
         self.flags = 0
 
     @property
@@ -154,13 +155,25 @@ class PageNode:
 _NODE_TYPES: dict[tuple[str, ...], type[PageNode]] = {}
 
 
+class HybridNode(PageNode):
+    """A hybrid model's node: ``window_used`` -- when its window pages were last written or read, for
+    window pages sharing the full pages' pool (:mod:`kvtier.core.group_objects`); set with the node's
+    page, and whenever one is attached later, so a reused node's old value is never read."""
+
+    __slots__ = ("window_used",)
+
+    def reset(self, key: PageHash, parent: PageNode | None, stamp: int, device_page: int = NO_PAGE, children: int = 0) -> None:
+        PageNode.reset(self, key, parent, stamp, device_page, children)
+        self.window_used = stamp
+
+
 def node_type_with(slots: tuple[str, ...]) -> type[PageNode]:
-    """A :class:`PageNode` with ``slots`` more, each None in a node the tree makes: where a hybrid
+    """A :class:`HybridNode` with ``slots`` more, each None in a node the tree makes: where a hybrid
     model's other KV groups keep their object ids (:mod:`kvtier.core.node_objects`). One class per
-    set of names; a full-attention tree keeps plain nodes and pays nothing for them."""
+    set of names; a full-attention tree keeps plain nodes and pays nothing for them (no slot, no stamp)."""
     cls = _NODE_TYPES.get(slots)
     if cls is None:
-        cls = _NODE_TYPES[slots] = type(f"PageNode_{len(slots)}", (PageNode,), {"__slots__": slots, "object_slots": slots})
+        cls = _NODE_TYPES[slots] = type(f"PageNode_{len(slots)}", (HybridNode,), {"__slots__": slots, "object_slots": slots})
     return cls
 
 
@@ -241,6 +254,8 @@ class PrefixTree:
         self._spare: list[PageNode] = []
         #: the class of the nodes it makes (:meth:`use_node_type`)
         self.node_type: type[PageNode] = PageNode
+        #: whether its nodes keep a window recency (:class:`HybridNode`)
+        self._windows = False
         self.reserve(reserve)
         seq = itertools.count()
         #: per locked node, the anchor of each lock on it (where its walk stopped), for :meth:`unlock`
@@ -282,6 +297,7 @@ class PrefixTree:
         empty yet, and its preallocated nodes are made again of that class."""
         assert not self.nodes and issubclass(cls, PageNode), "the node type is chosen before the first page"
         self.node_type = cls
+        self._windows = issubclass(cls, HybridNode)
         n = len(self._spare)
         self._spare = []
         self._spare.extend(self._blank_nodes(n))
@@ -392,8 +408,11 @@ class PrefixTree:
             node.device_page = page
             node.host_page = NO_PAGE
             node.lock_ref = node.hit_count = node.flags = 0
-            node.last_access = node.window_used = stamp
+            node.last_access = stamp
             prev = node
+        if self._windows:  # (a hybrid tree: the new nodes' window pages are as recent as their pages)
+            for node in chain:
+                node.window_used = stamp
         prev.num_children = prev.device_children = 0
         self.nodes.update(zip(keys, chain))
         owned = self.device_owned
@@ -695,13 +714,14 @@ class PrefixTree:
             eligible = _device_evictable
         return self._victims(self.device_heap, limit, eligible, lambda n: n.device_children, older_than)
 
-    def drop_backed_up(self, limit: int, dropped: list[PageNode] | None = None, older_than: int | None = None) -> list[int]:
+    def drop_backed_up(self, limit: int) -> list[int]:
         """Drop up to ``limit`` device copies whose host copy is ready (free to drop), LRU device
         leaves first, and return their device pages: :meth:`device_victims` with
         ``require_host_copy`` and :meth:`clear_devices` in one walk, the eviction hot path. A
         leaf is cleared as it is taken, so its parent is a real leaf at once: taken next when
         it is older than every queued leaf (a chain), else queued with its inherited stamp.
-        ``dropped``: collects the nodes cleared; ``older_than``: as :meth:`device_victims`."""
+        (:meth:`drop_backed_up_bounded` is the same walk with a bound and the nodes collected, for a
+        hybrid model: two loops, so that a full-attention model's walk tests nothing it never needs.)"""
         self._maybe_compact()
         heap = self.device_heap
         entries, seq = heap.entries, heap.seq
@@ -724,15 +744,9 @@ class PrefixTree:
                     keep.append(entry)
                     node = None
                     continue
-                if older_than is not None and stamp >= older_than:
-                    keep.append(entry)
-                    node = None
-                    break
             page = node.device_page
             node.device_page = NO_PAGE
             pages.append(page)
-            if dropped is not None:
-                dropped.append(node)
             if owned:
                 owned[page] = 0
             left -= 1
@@ -744,7 +758,65 @@ class PrefixTree:
                 if parent.device_children == 0:  # a device leaf now (never a host leaf: its child stays)
                     if (
                         (not entries or parent.last_access < entries[0][0])
-                        and (older_than is None or parent.last_access < older_than)
+                        and not parent.lock_ref
+                        and parent.host_page != NO_PAGE
+                        and parent.flags & _HOST_READY
+                    ):
+                        node = parent
+                    else:
+                        push(entries, (parent.last_access, next(seq), parent))
+        if node is not None:  # the chain's next leaf, not taken: it needs its heap entry
+            push(entries, (node.last_access, next(seq), node))
+        for entry in keep:
+            push(entries, entry)
+        return pages
+
+    def drop_backed_up_bounded(self, limit: int, dropped: list[PageNode], older_than: int | None = None) -> list[int]:
+        """:meth:`drop_backed_up` for a hybrid model: ``dropped`` collects the nodes cleared (their
+        other groups' objects leave with them); ``older_than``: as :meth:`device_victims`."""
+        self._maybe_compact()
+        bound = _NEVER if older_than is None else older_than  # (one compare per leaf, not two)
+        heap = self.device_heap
+        entries, seq = heap.entries, heap.seq
+        pop, push = heapq.heappop, heapq.heappush
+        owned = self.device_owned
+        pages: list[int] = []
+        keep: list[tuple[int, int, PageNode]] = []  # valid leaves passed over (locked, no ready host copy)
+        left = limit
+        node = None
+        while left > 0:
+            if node is None:
+                if not entries:
+                    break
+                entry = pop(entries)
+                stamp, _, node = entry
+                if stamp != node.last_access or node.device_page == NO_PAGE or node.device_children:  # stale
+                    node = None
+                    continue
+                if node.lock_ref or node.host_page == NO_PAGE or not node.flags & _HOST_READY:
+                    keep.append(entry)
+                    node = None
+                    continue
+                if stamp >= bound:
+                    keep.append(entry)
+                    node = None
+                    break
+            page = node.device_page
+            node.device_page = NO_PAGE
+            pages.append(page)
+            dropped.append(node)
+            if owned:
+                owned[page] = 0
+            left -= 1
+            parent, stamp, node = node.parent, node.last_access, None
+            if parent is not None:
+                parent.device_children -= 1
+                if stamp > parent.last_access:
+                    parent.last_access = stamp
+                if parent.device_children == 0:  # a device leaf now (never a host leaf: its child stays)
+                    if (
+                        (not entries or parent.last_access < entries[0][0])
+                        and parent.last_access < bound
                         and not parent.lock_ref
                         and parent.host_page != NO_PAGE
                         and parent.flags & _HOST_READY
@@ -800,6 +872,7 @@ class PrefixTree:
         (a chain), else queued. Popped entries that are still valid go back on the heap: the
         caller may not evict them all. ``older_than``: the walk stops at the first leaf used since."""
         self._maybe_compact()
+        bound = _NEVER if older_than is None else older_than
         entries, seq, is_leaf, in_tier = heap.entries, heap.seq, heap.is_leaf, heap.in_tier
         pop, push = heapq.heappop, heapq.heappush
         chosen: list[PageNode] = []
@@ -819,7 +892,7 @@ class PrefixTree:
                         node = None
                         continue
                     keep.append(entry)
-            if older_than is not None and stamp >= older_than:
+            if stamp >= bound:
                 break
             if node in picked or not eligible(node):
                 node = None

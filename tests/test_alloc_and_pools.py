@@ -3,7 +3,7 @@ import torch
 
 from kvtier import DevicePool, DoubleFreeError, HostMemoryBudgetError, HostPool, KVSpec, PageAlignmentError, UnknownNameError
 from kvtier.alloc import PageAllocator
-from conftest import tiny_specs
+from support.pools import tiny_specs
 
 
 def test_allocator_accounting_and_ascending_runs():

@@ -146,7 +146,7 @@ def test_bench_cache_replays_through_sglangs_trees_in_the_same_run(tmp_path):
         [
             sys.executable,
             "-c",
-            "from pathlib import Path; from kvtier.app.bench.sglang_replay import find_sglang_wheel, load_radix_cache; "
+            "from pathlib import Path; from peers.sglang_replay import find_sglang_wheel, load_radix_cache; "
             "m, _ = load_radix_cache(find_sglang_wheel()); print(m.__file__, type(m.RadixCache.match_prefix).__name__); "
             "import sglang.srt.mem_cache.rust_tree_core.mem_cache as rust; print(rust.__file__)",
         ],

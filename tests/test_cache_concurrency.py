@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from conftest import tiny_specs
-from cache_helpers import make_cache, serve
+from support.pools import tiny_specs
+from support.cache_helpers import make_cache, serve
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -34,7 +34,7 @@ def test_inflight_transfers_with_interleaved_requests(seed):
         elif op < 0.9 and inflight:
             m, ld, toks = inflight.pop(rng.randrange(len(inflight)))
             ld.wait()
-            from cache_helpers import expected_page
+            from support.cache_helpers import expected_page
 
             for j, page in enumerate(ld.device_pages):
                 assert cache.device.page_bytes(page) == expected_page(cache.device, toks, j)

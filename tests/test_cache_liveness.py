@@ -16,9 +16,9 @@ import threading
 
 import pytest
 
-from cache_helpers import make_tiered_cache, serve, serve_tiered
-from l3_scenarios import tiny
-from test_l3_tier import Injecting
+from support.cache_helpers import make_tiered_cache, serve, serve_tiered
+from support.l3_scenarios import tiny
+from support.proxies import Injecting
 
 
 def slow_cache(url: str, dev_pages: int, host_pages: int, release: threading.Event, **config):

@@ -6,8 +6,8 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.config import CacheConfig
 from kvtier.metrics import PrometheusCollector
-from conftest import tiny_specs
-from cache_helpers import make_cache, serve
+from support.pools import tiny_specs
+from support.cache_helpers import make_cache, serve
 
 REQ = list(range(16))  # 4 full pages at page_size 4
 

@@ -9,8 +9,8 @@ import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from conftest import tiny_specs
-from cache_helpers import expected_page, make_cache, serve
+from support.pools import tiny_specs
+from support.cache_helpers import expected_page, make_cache, serve
 
 PREFIXES = [list(range(0, 12)), list(range(0, 8)) + list(range(50, 58)), list(range(200, 216)), list(range(0, 4)) + [7] * 9]
 

@@ -8,8 +8,8 @@ import pytest
 
 from kvtier import PageAlignmentError
 from kvtier.errors import InvalidStateError
-from conftest import tiny_specs
-from cache_helpers import MODES, device_bytes, expected_page, fill_device, indexer_nonzero, make_cache, serve
+from support.pools import tiny_specs
+from support.cache_helpers import MODES, device_bytes, expected_page, fill_device, indexer_nonzero, make_cache, serve
 
 
 def tokens(start: int, n: int) -> list[int]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvtier.app.devservers import free_port
 
-from plan_helpers import profile_of
+from support.plan_profiles import profile_of
 
 RUN = ["run", "--no-progress"]
 RECORD = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}

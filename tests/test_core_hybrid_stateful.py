@@ -2,7 +2,7 @@
 
 Sliding windows smaller than a page, of a page and a half, and longer than any
 prefix; state cadences 1 and 3; windows and state together; tiny pools for
-every group and tier, so every step evicts. :class:`BytesExecutor` keeps a label
+every group and tier, so every step evicts. :class:`~support.stateful.BytesExecutor` keeps a label
 per page and per group object in each tier and moves labels as plans say --
 a plan that fails writes garbage into its destinations, a fetch cut short too, and
 L3 saves, fetches, settles and lost keys are drawn -- so a request that is
@@ -24,134 +24,12 @@ from hypothesis.stateful import invariant, precondition, rule, run_state_machine
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core import CacheCore, CutShort, Done, Failed, Reason, RequestState, Tier, Transfer
-from kvtier.core.hybrid_match import window_pages
-from kvtier.groups import KVGroup, ModelSpec, StateTensor
-from conftest import tiny_specs
-from test_core_stateful import ExecutorSide, leading_stored
+from kvtier.core import CacheCore, RequestState, Tier
+from support.hybrid_models import PAGE, hybrid_model
+from support.stateful import PREFIXES, BytesExecutor, ExecutorSide
+from support.hybrid_rules import read_places, snapshot_places
 
-PAGE = 4
-PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
 STEPS = {"total": 0, "group_hits": 0, "l3_hits": 0, "limited": 0, "failed": 0, "shared_evicted": 0, "filled": 0}
-
-
-def hybrid_model(window: int | None, state: bool) -> tuple[ModelSpec, object]:
-    full = tiny_specs(page_size=PAGE, num_layers=1)["mla"]
-    groups = [KVGroup("full", "full", (0,), attention=full)]
-    if window is not None:
-        groups.append(KVGroup("swa", "sliding_window", (len(groups),), attention=full, window=window))
-    if state:
-        groups.append(KVGroup("ssm", "state", (len(groups),), state=(StateTensor("h", (8,), "float32"),)))
-    return ModelSpec("hybrid-test", len(groups), tuple(groups)), full
-
-
-class BytesExecutor:
-    """Plans wait until the machine completes them; labels move as they say. L3 is a dict of labels by
-    key: a save stores what the host pages and objects hold, a fetch brings back the leading pages
-    whose page and objects are all there; the store forgets keys at random."""
-
-    has_storage = True
-    can_wait = True
-
-    def __init__(self, rnd: random.Random, pool_of: dict[str, str] | None = None):
-        self.rnd = rnd
-        #: group -> the pool its objects live in ("": the full pages' own, shared); else its own
-        self.pool_of = pool_of or {}
-        self.inflight: dict[int, Transfer] = {}
-        self.done: list = []
-        #: (tier, pool (a group's name, "" for the tree's pages and the groups sharing them), id) -> label
-        self.mem: dict[tuple[Tier, str, int], object] = {}
-        self.store: dict[bytes, object] = {}
-        #: fetches a settle answered: op -> places reported arrived (their bytes are in place)
-        self.settled: dict[int, int] = {}
-
-    def submit(self, plan: Transfer) -> None:
-        if Tier.STORAGE in (plan.src, plan.dst) and self.rnd.random() < 0.05:
-            self.done.append(Failed(plan.op, Reason.SKIPPED))  # queue full
-            return
-        self.inflight[plan.op] = plan
-
-    def _fetchable(self, plan: Transfer) -> int:
-        """Leading places whose page and objects the store holds."""
-        n = 0
-        while n < plan.num_pages and plan.keys[n] in self.store and all(
-                k in self.store for g in plan.groups for at, k in zip(g.at, g.keys) if at == n):
-            n += 1
-        return n
-
-    def _land(self, plan: Transfer, k: int, op: int, start: int = 0) -> None:
-        """A fetch's first ``k`` places are in host memory; the rest is garbage. Places before ``start``
-        landed earlier (a settle reported them): a fetch writes a page once, so they are not touched
-        again -- the cache may have reused those pages since."""
-        mem, store = self.mem, self.store
-        for i, page in enumerate(plan.dst_pages):
-            if i >= start:
-                mem[(Tier.HOST, "", page)] = store.get(plan.keys[i]) if i < k else ("garbage", op)
-        for g in plan.groups:
-            for at, gid, key in zip(g.at, g.dst_pages, g.keys):
-                if at >= start:
-                    mem[(Tier.HOST, self.pool_of.get(g.group, g.group), gid)] = store.get(key) if at < k else ("garbage", op)
-
-    def finish(self, op: int, outcome: str, cut: float = 0.5) -> None:
-        plan = self.inflight.pop(op)
-        mem, n = self.mem, plan.num_pages
-        if plan.src is Tier.STORAGE:  # never more than the store holds, never less than settled
-            floor = self.settled.pop(op, 0)
-            ceiling = max(self._fetchable(plan), floor)
-            k = ceiling if outcome == "done" else floor if outcome == "fail" else floor + int(cut * (ceiling - floor))
-            self._land(plan, k, op, floor)
-            self.done.append(Done(op) if k == n else CutShort(op, k, Reason.MISS if outcome != "fail" else Reason.ERROR))
-            return
-        if plan.dst is Tier.STORAGE:
-            k = n if outcome == "done" else int(cut * n) if outcome == "cut" else 0
-            for i in range(k):
-                self.store[plan.keys[i]] = mem.get((Tier.HOST, "", plan.src_pages[i]))
-            for g in plan.groups:
-                for at, gid, key in zip(g.at, g.src_pages, g.keys):
-                    if at < k:
-                        self.store[key] = mem.get((Tier.HOST, self.pool_of.get(g.group, g.group), gid))
-            self.done.append(Done(op) if k == n else CutShort(op, k, Reason.ERROR) if k else Failed(op, Reason.ERROR))
-            return
-        pool = self.pool_of.get
-        runs = [("", plan.src_pages, plan.dst_pages)] + [(pool(g.group, g.group), g.src_pages, g.dst_pages) for g in plan.groups]
-        for group, src, dst in runs:
-            for s, d in zip(src, dst):
-                mem[(plan.dst, group, d)] = mem.get((plan.src, group, s)) if outcome == "done" else ("garbage", op)
-        self.done.append(Done(op) if outcome == "done" else Failed(op, Reason.ERROR))
-
-    def poll(self):
-        out, self.done = self.done, []
-        return out
-
-    def wait(self, ops):
-        for op in ops:
-            if op in self.inflight:
-                self.finish(op, self.rnd.choice(["done", "done", "done", "cut", "fail"]), self.rnd.random())
-        return self.poll()
-
-    def settle(self, op, policy, budget_s):
-        plan = self.inflight[op]
-        if policy == "wait_complete":
-            self.finish(op, "done")
-            return self._fetchable(plan)
-        floor = self.settled.get(op, 0)
-        k = self.rnd.randint(floor, max(floor, self._fetchable(plan)))
-        self._land(plan, k, op, floor)  # what a settle reports arrived is in place
-        self.settled[op] = k
-        return k
-
-    def wait_layer(self, op, layer):
-        pass
-
-    def stored_prefix(self, keys):
-        return leading_stored(self.store, keys)
-
-    def forget(self, key: bytes) -> None:
-        """The store drops ``key`` on its own."""
-        del self.store[key]
-
-    def close(self):
-        pass
 
 
 class HybridMachine(ExecutorSide):
@@ -191,7 +69,7 @@ class HybridMachine(ExecutorSide):
         n = req.num_cached
         for c in self.core.components:
             given = req.groups[c.name]
-            needed = [n - 1] if c.is_state and n else [] if c.is_state else list(window_pages(c.group, n, PAGE))
+            needed = read_places(c.group, n, PAGE)
             assert sorted(given) == needed, f"group {c.name}: offered {sorted(given)} for a prefix of {n} pages that reads {needed}"
             pool = self.pool_of[c.name]
             for i, gid in given.items():
@@ -232,10 +110,10 @@ class HybridMachine(ExecutorSide):
                 for place, gid in req.groups[c.name].items():
                     if place < usable:
                         ids[place] = gid
-            if c.is_state:
-                places = [b - 1 for b in self.core.snapshot_boundaries(usable, full)]
+            if c.group.kind == "state":
+                places = snapshot_places(usable, full, self.core.state_every)
             else:  # an engine keeps some of its window pages (at least the last window's)
-                places = [p for p in range(usable, full) if p in window_pages(c.group, full, PAGE) or self.rnd.random() < keep]
+                places = [p for p in range(usable, full) if p in read_places(c.group, full, PAGE) or self.rnd.random() < keep]
             got = req.alloc_group(c.name, len(places))
             for place, gid in zip(places, got):
                 mem[(Tier.DEVICE, self.pool_of[c.name], gid)] = (req.keys[place], c.name)
@@ -283,6 +161,8 @@ class HybridMachine(ExecutorSide):
         mine = {p for req in self.open for p in req._allocated}
         mine_groups = {c.name: {g for req in self.open for g in req._group_alloc.get(c.name, ())} for c in core.components}
         core.check_integrity(caller_device_pages=mine, caller_group_pages=mine_groups)
+        for c in core.components:  # counted as loads complete, as the pages are: a group's objects among the pages loaded
+            assert c.loaded <= core.stats.loaded_pages, f"{c.name}: {c.loaded} objects loaded beside {core.stats.loaded_pages} pages"
         quarantined = core.quarantined_group_pages()
         sharing = [c for c in core.components if c.sharing]
         if sharing:  # one pool per tier: its pages and the sharing groups' objects fill it
@@ -431,7 +311,6 @@ def test_a_load_back_whose_device_prefix_fails_while_it_makes_room_loads_nothing
         ("begin", dict(pages=5, policy='timeout', prefix=0, tail=2)),
     ]
     replay(machine, steps)
-
 
 
 def test_making_device_room_for_a_load_never_evicts_the_host_objects_it_reads():

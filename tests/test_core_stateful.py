@@ -1,6 +1,6 @@
 """The policy core alone, driven by hypothesis: >= 10,000 steps over pool sizes and write policies.
 
-No tensors, no threads. :class:`ScriptedExecutor` holds every plan the core
+No tensors, no threads. :class:`~support.stateful.ScriptedExecutor` holds every plan the core
 sends out until the machine decides its fate -- done, failed, cut short at a
 random page, skipped at submission -- and answers the core's waits and
 settles with random (but consistent) outcomes. Requests share a few prefixes,
@@ -19,127 +19,21 @@ import random
 
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import invariant, precondition, rule, run_state_machine_as_test
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.executors.chain import ChainedExecutor
-from kvtier.core.plans import CutShort, Done, Failed, Reason, Tier, Transfer
 from kvtier.core import CacheCore
 from kvtier.errors import InvalidStateError, KVTierError, PageOwnershipError
 from kvtier.radix import NO_PAGE
 from kvtier.core import RequestState
-from conftest import tiny_specs
+from support.hybrid_models import PAGE
+from support.pools import tiny_specs
+from support.stateful import PREFIXES, ExecutorSide, ScriptedExecutor
 
-PAGE = 4
-PREFIXES = [list(range(1000 * p, 1000 * p + 6 * PAGE)) for p in range(3)]
 STEPS = {"total": 0}
-
-
-def leading_stored(store, keys) -> int:
-    """How many leading ``keys`` a store (any container of keys) holds: a stand-in store's ``stored_prefix``."""
-    n = 0
-    for k in keys:
-        if k not in store:
-            break
-        n += 1
-    return n
-
-
-class ScriptedExecutor:
-    """Plans wait here until the machine (or a blocking wait of the core) completes them."""
-
-    has_storage = True
-    can_wait = True
-
-    def __init__(self, rnd: random.Random):
-        self.rnd = rnd
-        self.inflight: dict[int, Transfer] = {}
-        self.done: list = []
-        self.store: set[bytes] = set()
-        #: fetches a settle answered: op -> pages reported arrived (the final answer may not be less)
-        self.settled: dict[int, int] = {}
-
-    def present(self, keys) -> int:
-        return leading_stored(self.store, keys)
-
-    def submit(self, plan: Transfer) -> None:
-        if Tier.STORAGE in (plan.src, plan.dst) and self.rnd.random() < 0.05:
-            self.done.append(Failed(plan.op, Reason.SKIPPED))  # queue full
-            return
-        self.inflight[plan.op] = plan
-
-    def finish(self, op: int, outcome: str, cut: float = 0.5) -> None:
-        plan = self.inflight.pop(op)
-        n = plan.num_pages
-        if plan.src is Tier.STORAGE:  # a fetch: never more than the store holds, never less than settled
-            floor, ceiling = self.settled.pop(op, 0), max(self.present(plan.keys), self.settled.get(op, 0))
-            k = ceiling if outcome == "done" else floor if outcome == "fail" else floor + int(cut * (ceiling - floor))
-            self.done.append(Done(op) if k == n else CutShort(op, k, Reason.MISS if outcome != "fail" else Reason.ERROR))
-            return
-        if outcome == "done":
-            c = Done(op, existing=self.present(plan.keys) if plan.dst is Tier.STORAGE else 0)
-        elif outcome == "cut" and plan.dst is Tier.STORAGE:
-            c = CutShort(op, int(cut * n), Reason.ERROR)
-        else:
-            c = Failed(op, Reason.ERROR)
-        if plan.dst is Tier.STORAGE:
-            self.store.update(plan.keys[: n if type(c) is Done else c.pages if type(c) is CutShort else 0])
-        self.done.append(c)
-
-    def poll(self):
-        out, self.done = self.done, []
-        return out
-
-    def wait(self, ops):
-        for op in ops:
-            if op in self.inflight:
-                self.finish(op, self.rnd.choice(["done", "done", "cut", "fail"]), self.rnd.random())
-        return self.poll()
-
-    def settle(self, op: int, policy: str, budget_s: float) -> int:
-        plan = self.inflight[op]
-        if policy == "wait_complete":
-            self.finish(op, "done")
-            return self.present(plan.keys)
-        k = self.rnd.randint(0, self.present(plan.keys))
-        self.settled[op] = k
-        return k
-
-    def wait_layer(self, op: int, layer: int) -> None:
-        pass
-
-    def stored_prefix(self, keys) -> int:
-        return self.present(keys)
-
-    def forget(self, key: bytes) -> None:
-        """The store drops ``key`` on its own (a cap, maxmemory, a lost server)."""
-        self.store.discard(key)
-
-    def close(self) -> None:
-        pass
-
-
-class ExecutorSide(RuleBasedStateMachine):
-    """Rules of the executor's side, shared by both machines: plans finish in any order, in any way,
-    and the store forgets keys."""
-
-    port: ScriptedExecutor
-    core: CacheCore
-
-    @precondition(lambda self: self.port.inflight)
-    @rule(pick=st.integers(0, 10**6), outcome=st.sampled_from(["done", "done", "cut", "fail"]), cut=st.floats(0, 1))
-    def complete(self, pick, outcome, cut):
-        ops = sorted(self.port.inflight)
-        self.port.finish(ops[pick % len(ops)], outcome, cut)
-        self.core.poll()
-
-    @precondition(lambda self: self.port.store)
-    @rule(pick=st.integers(0, 10**6))
-    def storage_loses_a_key(self, pick):
-        keys = sorted(self.port.store)
-        self.port.forget(keys[pick % len(keys)])
 
 
 class CoreMachine(ExecutorSide):
@@ -301,7 +195,7 @@ def test_core_state_machine_ten_thousand_steps():
             ),
         )
     assert STEPS["total"] >= 10_000, STEPS
-    assert STEPS["failed"] > 0, STEPS  # failed loads were drawn (commits over them are refused where drawn; test_hardening_round2 always)
+    assert STEPS["failed"] > 0, STEPS  # failed loads were drawn (commits over them are refused where drawn; test_failed_loads always)
 
 
 class EngineDeviceMachine(ExecutorSide):

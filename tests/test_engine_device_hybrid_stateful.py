@@ -3,7 +3,7 @@ window pages and snapshots out of their own blocks, look them up and load them b
 the fetch that fills their host pages, as a scheduler with workers elsewhere does -- while plans finish
 in any order, fail or are cut short, the store forgets keys and host memory is squeezed.
 
-Bytes are labels (:class:`~test_core_hybrid_stateful.BytesExecutor`): every load that completes must
+Bytes are labels (:class:`~support.stateful.BytesExecutor`): every load that completes must
 have written each engine id it names with the label of the page (or object) it claims, and only the
 objects its boundary reads; after every step the host accounting of every group adds up, and when
 idle everything is evictable."""
@@ -20,11 +20,11 @@ from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import Tier
 from kvtier.core.engine_device import EngineDeviceCore
-from kvtier.core.hybrid_match import window_pages
 from kvtier.core.plans import Done
 from kvtier.executors.chain import ChainedExecutor
-from test_core_hybrid_stateful import PAGE, PREFIXES, BytesExecutor, hybrid_model
-from test_core_stateful import ExecutorSide
+from support.hybrid_models import PAGE, hybrid_model
+from support.stateful import PREFIXES, BytesExecutor, ExecutorSide
+from support.hybrid_rules import read_places, snapshot_places
 
 STEPS = {"total": 0, "checked_loads": 0, "group_objects_checked": 0, "limited": 0}
 
@@ -63,8 +63,8 @@ class EngineHybridMachine(ExecutorSide):
             mem[(Tier.DEVICE, "", b)] = k
         groups = {}
         for c in self.core.components:
-            if c.is_state:  # snapshots at the cadence and at the last page
-                places = [b - 1 for b in self.core.snapshot_boundaries(0, pages)]
+            if c.group.kind == "state":  # snapshots at the cadence and at the last page
+                places = snapshot_places(0, pages, self.core.state_every)
             else:  # the engine still holds its last ``kept`` window blocks (vLLM freed the ones before)
                 places = list(range(max(0, pages - kept), pages))
             ids: list[int | None] = [None] * pages
@@ -116,7 +116,7 @@ class EngineHybridMachine(ExecutorSide):
         for i in range(first, d):
             assert mem.get((Tier.DEVICE, "", dst[i])) == keys[i], f"engine page {i} holds another page's bytes"
         for c in self.core.components:
-            needed = ({d - 1} if d else set()) if c.is_state else set(window_pages(c.group, d, PAGE))
+            needed = set(read_places(c.group, d, PAGE))
             for i, gid in enumerate(groups[c.name]):
                 if gid is None or i < first:
                     continue
@@ -153,6 +153,8 @@ class EngineHybridMachine(ExecutorSide):
         for c in core.components:
             host = c.alloc[Tier.HOST]
             assert host.num_free + len(c.at[Tier.HOST]) + len(host.parked) == host.num_pages
+            # counted as copies complete, as the pages are: a group's objects among the pages loaded
+            assert c.loaded <= core.stats.loaded_pages, f"{c.name}: {c.loaded} objects loaded beside {core.stats.loaded_pages} pages"
         left = []
         for entry in self.loads:
             ld = entry[0]

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import kvtier.app.bench.gpu_check as gpu_check
+from kvtier.core.plans import Tier
 from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
 
@@ -89,7 +90,7 @@ def test_gpu_check_catches_a_load_that_skips_a_layer(monkeypatch):
     class SkipsLayerZero(TransferEngine):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
-            real = self.handlers[("host", "device")]
+            real = self.handlers[(Tier.HOST, Tier.DEVICE)]
 
             def skip(engine, job, layer_done):
                 real(engine, job, layer_done)
@@ -97,7 +98,7 @@ def test_gpu_check_catches_a_load_that_skips_a_layer(monkeypatch):
                 for b in engine.device.spec.buffers:
                     engine.device.rows(b.name, 0)[job.dst_pages] = 0
 
-            self.handlers[("host", "device")] = skip
+            self.handlers[(Tier.HOST, Tier.DEVICE)] = skip
 
     monkeypatch.setattr(gpu_check, "TransferEngine", SkipsLayerZero)
     spec = KVSpec.preset("deepseek-v3.2").with_(num_layers=2)

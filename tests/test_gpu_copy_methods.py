@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import fill_random, tiny_specs
+from support.pools import fill_random, tiny_specs
+from kvtier.core.plans import Tier
 from kvtier.errors import ConfigError, TransferError
 from kvtier.pools.device import DevicePool
 from kvtier.pools.host import HostPool
@@ -179,7 +180,7 @@ def test_triton_kernel_through_the_transfer_engine(interpreter):
     host_pages, dev_pages = pages_for("shuffled", 5)
     engine = TransferEngine(host, dev, "triton")
     try:
-        job = engine.submit("host", "device", host_pages, dev_pages)
+        job = engine.submit(Tier.HOST, Tier.DEVICE, host_pages, dev_pages)
         job.wait()
     finally:
         engine.close()
@@ -204,6 +205,49 @@ def test_the_kernel_compiles_ahead_of_time_for_sm90():
     for k in kernels.values():
         assert k.asm["cubin"] and ".target sm_90" in k.asm["ptx"]
 
+def test_concurrent_kernel_launches_under_the_interpreter_each_copy_every_row(interpreter):
+    """A hybrid model's transfer engines (one thread per KV group) launch the kernel at once. Triton's
+    interpreter keeps a launch's grid, program id and patched language in globals, so unserialized
+    launches fail (``x >= grid_dim[0]``) or return with rows not copied; each launch must copy every row."""
+    import sys
+    import threading
+
+    from kvtier.transfer.triton_copy import copy_list
+
+    threads, launches, rows, row_bytes = 4, 8, 12, 32
+    failures: list[str] = []
+    start = threading.Barrier(threads)
+
+    def launch_many(t: int) -> None:
+        g = torch.Generator().manual_seed(t)
+        src = torch.randint(0, 256, (rows, row_bytes), dtype=torch.uint8, generator=g)
+        dst = torch.zeros_like(src)
+        offsets = np.arange(rows, dtype=np.int64) * row_bytes
+        copy = CopyList(src.data_ptr() + offsets, dst.data_ptr() + offsets, np.full(rows, row_bytes, np.int64))
+        start.wait()
+        for i in range(launches):
+            dst.zero_()
+            try:
+                copy_list(copy, torch.device("cpu"), programs=3)
+            except Exception as e:  # noqa: BLE001 -- every failure is the finding
+                failures.append(f"thread {t} launch {i}: {e!r}")
+                continue
+            missing = (dst != src).any(dim=1).nonzero().flatten().tolist()
+            if missing:
+                failures.append(f"thread {t} launch {i}: rows {missing} not copied")
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often: interleaved launches, were they not serialized
+    try:
+        workers = [threading.Thread(target=launch_many, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not failures, f"{len(failures)} of {threads * launches} launches failed:\n" + "\n".join(failures)
+
 
 # ---- choosing the method --------------------------------------------------------------------------------
 def test_auto_picks_the_kernel_for_many_small_rows_and_dma_otherwise(monkeypatch):
@@ -215,16 +259,57 @@ def test_auto_picks_the_kernel_for_many_small_rows_and_dma_otherwise(monkeypatch
     monkeypatch.setenv("KVTIER_KERNEL_MAX_ROW_BYTES", str(4 << 10))
     assert CopyMethodThresholds.from_env().method_for(small) == "dma"
     monkeypatch.setenv("KVTIER_KERNEL_PROGRAMS", "many")
-    with pytest.raises(ConfigError, match="KVTIER_KERNEL_PROGRAMS must be a whole number"):
+    with pytest.raises(ConfigError, match="KVTIER_KERNEL_PROGRAMS='many': .*kernel_programs must be an integer >= 1, <= 4096"):
         CopyMethodThresholds.from_env()
     with pytest.raises(ConfigError, match="kernel_programs must be an integer >= 1"):
         CopyMethodThresholds(kernel_programs=0)
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "4097", "1000000", "many", "2.5", ""])
+def test_a_bad_kernel_program_count_is_refused_when_the_engine_is_built(value, interpreter, monkeypatch):
+    """Not at the first copy (a failed job, the run going on): the variable, its range and the fix, at once."""
+    _, ((host, dev), _) = twin_pools("mha", "layer_first", 1)
+    monkeypatch.setenv("KVTIER_KERNEL_PROGRAMS", value)
+    for name in ("triton", "auto"):
+        with pytest.raises(ConfigError, match=rf"KVTIER_KERNEL_PROGRAMS={value!r}: .*kernel_programs must be an integer >= 1, <= 4096; "
+                                              r"got .*; set KVTIER_KERNEL_PROGRAMS within that range, or unset it for the default 16"):
+            TransferEngine(host, dev, name)
+    TransferEngine(host, dev, "direct").close()  # (a method without the setting does not read it)
+
+
+def test_the_engine_reads_the_kernel_settings_once_when_built(interpreter, monkeypatch):
+    spec, ((host, dev), (h_ref, d_ref)) = twin_pools("mla", "page_first", 3)
+    host_pages, dev_pages = pages_for("shuffled", 3)
+    monkeypatch.setenv("KVTIER_KERNEL_PROGRAMS", "4096")  # the bound itself is accepted
+    engine = TransferEngine(host, dev, "triton")
+    try:
+        monkeypatch.setenv("KVTIER_KERNEL_PROGRAMS", "0")  # a change after the build leaves the engine alone
+        engine.submit(Tier.HOST, Tier.DEVICE, host_pages, dev_pages).wait()
+    finally:
+        engine.close()
+    for layer in range(spec.num_layers):
+        load_pages_one_layer(h_ref, d_ref, host_pages, dev_pages, layer, get_io_backend("direct"))
+    assert snapshot(host, dev) == snapshot(h_ref, d_ref)
+
+
+def test_kvtier_run_refuses_a_bad_kernel_program_count_in_one_line():
+    import os
+    import subprocess
+    import sys
+
+    from support.cli import SMALL
+
+    env = {**os.environ, "TRITON_INTERPRET": "1", "KVTIER_KERNEL_PROGRAMS": "0"}
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "run", "--no-progress", "--model", "hybrid", "--cache-io-backend", "triton",
+                        *SMALL], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stdout == "", r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "KVTIER_KERNEL_PROGRAMS='0'" in r.stderr and "unset it" in r.stderr
+
+
 # ---- a hybrid model's object pools move the same way ------------------------------------------------------
 @pytest.mark.parametrize("layout", ["layer_first", "page_first"])
 def test_state_and_window_object_pools_move_bit_exact_by_address_list(layout, interpreter):
-    from test_core_hybrid_stateful import hybrid_model
+    from support.hybrid_models import hybrid_model
 
     model, _ = hybrid_model(window=8, state=True)
     for group in (g for g in model.groups if g.kind != "full"):
@@ -255,7 +340,7 @@ def test_kvtier_run_through_the_copy_kernel_is_bit_exact_with_recompute(tmp_path
     import subprocess
     import sys
 
-    from test_cli import SMALL
+    from support.cli import SMALL
 
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONWARNINGS": "ignore"}
     r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "run", "--no-progress", "--json", "-", "--cache-io-backend", "triton",

@@ -13,54 +13,14 @@ import pytest
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, Tier
-from kvtier.core.hybrid_match import window_pages
 from kvtier.errors import ConfigError, KVTierError, PageOwnershipError, UnknownNameError
 from kvtier.executors.accounting import AccountingExecutor
 from kvtier.groups import ModelSpec
-from test_core_hybrid_stateful import PAGE, hybrid_model
+from support.hybrid_core import commit_all, make
+from support.hybrid_models import PAGE, hybrid_model
+from support.hybrid_rules import read_places
 
 TOKENS = list(range(8 * PAGE))
-
-
-class Recorder(AccountingExecutor):
-    """Completes every plan at once (no bytes) and keeps it, to read what each plan moved."""
-
-    def __init__(self):
-        super().__init__(None)
-        self.plans = []
-
-    def submit(self, plan):
-        self.plans.append(plan)
-        super().submit(plan)
-
-
-def make(window: int | None, state: bool, *, every: int = 1, dev: int = 16, host: int = 16, objects: int = 16,
-         write_policy: str = "write_back") -> tuple[CacheCore, ModelSpec, Recorder]:
-    model, full = hybrid_model(window, state)
-    pools = {g.name: (PageAllocator(objects, f"{g.name} device"), PageAllocator(objects, f"{g.name} host"))
-             for g in model.groups if g.kind != "full"}
-    port = Recorder()
-    core = CacheCore(full, PageAllocator(dev, "device"), PageAllocator(host, "host"), port, CacheConfig(write_policy=write_policy),
-                     model=model, group_pools=pools, state_every=every)
-    return core, model, port
-
-
-def commit_all(core: CacheCore, tokens: list[int], *, windows: list[int] | None = None, snapshots: list[int] | None = None):
-    """One request that computes every page of ``tokens`` and hands over window objects at ``windows``
-    (default: all) and snapshots at ``snapshots`` (default: where the core asks)."""
-    req = core.begin(tokens)
-    full = len(req.keys)
-    new = req.alloc(full - req.num_cached)
-    groups = {}
-    for c in core.components:
-        places = ([b - 1 for b in req.snapshot_boundaries()] if snapshots is None else snapshots) if c.is_state else \
-            (range(req.num_cached, full) if windows is None else windows)
-        ids: list[int | None] = [None] * full
-        for place, gid in zip(places, req.alloc_group(c.name, len(places))):
-            ids[place] = gid
-        groups[c.name] = ids
-    req.commit(req.cached_pages + new.pages, groups)
-    return req
 
 
 def drop_object(core: CacheCore, name: str, place: int, tokens: list[int] = TOKENS) -> None:
@@ -74,10 +34,8 @@ def brute_force(model: ModelSpec, full: int, present: dict[str, set[int]]) -> in
     for d in range(full, -1, -1):
         ok = True
         for g in model.groups:
-            if g.kind == "state":
-                ok &= d == 0 or (d - 1) in present[g.name]
-            elif g.kind == "sliding_window":
-                ok &= all(i in present[g.name] for i in window_pages(g, d, PAGE))
+            if g.kind != "full":
+                ok &= all(i in present[g.name] for i in read_places(g, d, PAGE))
         if ok:
             return d
     raise AssertionError
@@ -209,7 +167,7 @@ def test_an_executor_with_one_specs_pools_refuses_group_plans_and_moves_no_byte(
     from kvtier.executors.local import LocalExecutor
     from kvtier.pools import DevicePool, HostPool
     from kvtier.transfer.engine import TransferEngine
-    from conftest import fill_random
+    from support.pools import fill_random
 
     _, full = hybrid_model(6, False)
     device, host = DevicePool(full, 4), HostPool(full, 4)

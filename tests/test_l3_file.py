@@ -14,8 +14,8 @@ from kvtier.l3.page import MAGIC
 from kvtier.l3 import open_backend
 from kvtier.l3.base import KeyStatus
 from kvtier.errors import StorageError, UnknownNameError
-import l3_scenarios as sc
-from cache_helpers import MODES
+from support import l3_scenarios as sc
+from support.cache_helpers import MODES
 
 
 def flip_file_byte(backend, key, offset):
@@ -62,7 +62,7 @@ def test_backend_contract_and_size_cap(tmp_path):
     assert b.get([keys[1], keys[4]], out) == [KeyStatus.OK, KeyStatus.MISS]
     assert bytes(out[0]) == MAGIC + bytes([1]) * 296
     wrong = memoryview(bytearray(10))
-    assert b.get([keys[0]], [wrong]) == [KeyStatus.ERROR]  # size mismatch is reported, not raised
+    assert b.get([keys[0]], [wrong]) == [KeyStatus.WRONG_SIZE]  # size mismatch is reported, not raised
     b.set(keys[3:], vals[3:])  # 1500 bytes > cap: LRU files are deleted down to 90% of the cap
     assert b.usage_bytes() <= 900 and b.exists([keys[4]]) == 1
     assert not any(p.name.startswith(".tmp-") for p in tmp_path.rglob("*"))
@@ -100,8 +100,8 @@ def test_two_processes_share_one_file_store(tmp_path):
         f"""
         import sys
         sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from cache_helpers import make_tiered_cache, serve, serve_tiered
-        import l3_scenarios as sc
+        from support.cache_helpers import make_tiered_cache, serve, serve_tiered
+        from support import l3_scenarios as sc
         c = make_tiered_cache(sc.tiny(), 8, 8, "file://{tmp_path}", model="two-processes")
         toks = list(range(20))
         if sys.argv[1] == "first":
@@ -122,7 +122,7 @@ def test_two_processes_share_one_file_store(tmp_path):
 
 def test_eviction_backups_are_written_through_to_l3(tmp_path):
     """Host copies made by a device eviction (write_back on device) still reach L3 under L3 write_through."""
-    from cache_helpers import make_tiered_cache, serve
+    from support.cache_helpers import make_tiered_cache, serve
 
     c = make_tiered_cache(sc.tiny(), 4, 8, f"file://{tmp_path}", model="evict-wt", write_policy="write_back")
     serve(c, list(range(16)))
@@ -146,7 +146,7 @@ def test_file_get_scattered_reads_into_pieces_and_rejects_wrong_sizes(tmp_path):
     assert be.get_scattered(["k"], [[memoryview(a), memoryview(b)]]) == [KeyStatus.OK]
     assert bytes(a + b) == data
     short = [memoryview(bytearray(4)), memoryview(bytearray(4))]
-    assert be.get_scattered(["k", "absent"], [short, [memoryview(bytearray(10))]]) == [KeyStatus.ERROR, KeyStatus.MISS]
+    assert be.get_scattered(["k", "absent"], [short, [memoryview(bytearray(10))]]) == [KeyStatus.WRONG_SIZE, KeyStatus.MISS]
 
 
 def test_file_set_from_two_threads_remakes_a_removed_directory_and_leaves_no_temp_files(tmp_path):

@@ -5,9 +5,9 @@ import os
 import numpy as np
 import pytest
 
-from cache_helpers import make_tiered_cache, serve, serve_tiered
+from support.cache_helpers import make_tiered_cache, serve, serve_tiered
 from kvtier.app.devservers import MooncakeMaster, wait_until
-import l3_scenarios as sc
+from support import l3_scenarios as sc
 
 pytestmark = pytest.mark.integration
 
@@ -87,7 +87,8 @@ def test_master_killed_mid_run_then_restarted(master):
 
 def test_scattered_get_and_set_registered_and_through_the_bounce_buffer(master):
     """Registered buffers go straight to the store (multi-buffer put/get); unregistered ones bounce.
-    Either way the bytes are exact, a miss is a miss, and a wrong total size is an error."""
+    Either way the bytes are exact, a miss is a miss, and an object of another size than asked is WRONG_SIZE
+    (never a store fault: the reader deletes it)."""
     from kvtier.l3 import open_backend
     from kvtier.l3.base import KeyStatus
 
@@ -112,7 +113,12 @@ def test_scattered_get_and_set_registered_and_through_the_bounce_buffer(master):
         statuses = be.get_scattered([keys[1], "scatter/absent", keys[0]], bounced)
         assert statuses == [KeyStatus.OK, KeyStatus.MISS, KeyStatus.OK]
         assert b"".join(bytes(p) for p in bounced[0]) == expect[1] and b"".join(bytes(p) for p in bounced[2]) == expect[0]
-        assert be.get_scattered([keys[0]], [[memoryview(bytearray(10))]]) == [KeyStatus.ERROR]
+        assert be.get_scattered([keys[0]], [[memoryview(bytearray(10))]]) == [KeyStatus.WRONG_SIZE]
+        assert be.get_scattered([keys[0]], [[memoryview(reg_out[0][:4000])]]) == [KeyStatus.WRONG_SIZE]  # registered: direct
+        longer = np.zeros(5000, dtype=np.uint8)
+        be.register_buffer(memoryview(longer))
+        assert be.get_scattered([keys[0]], [[memoryview(longer)]]) == [KeyStatus.WRONG_SIZE]
+        assert be.stats.errors == 0
     finally:
         be.delete([f"scatter/{i}" for i in range(3)])
         be.close()
@@ -150,3 +156,29 @@ def test_one_io_thread_by_default_and_registering_a_pool_twice_is_harmless(maste
     assert job.wait(10) and job.arrived == 4
     assert all(torch.equal(t, w) for t, w in zip(host.buffers.values(), want))
     first.close()  # closes the shared backend too: the second is done with it
+
+
+def test_header_slabs_that_grow_keep_their_registered_memory(master):
+    """The page mover's header slabs grow when a pool of smaller pages registers (SGLang: a Mamba state
+    pool after the KV pool; a Mooncake batch holds more of them). The block they grow from stays alive,
+    as registered memory must: freed, it was where the next block could land -- memory Mooncake refuses
+    to register twice ("overlapped memory region"), so the SGLang backend with a Mamba pool failed to start."""
+    import gc
+    import weakref
+
+    from kvtier.l3 import open_backend
+    from kvtier.l3.breaker import CircuitBreaker
+    from kvtier.l3.mover import PageMover
+
+    be = open_backend(master.url)
+    try:
+        mover = PageMover(be, CircuitBreaker(be, 1.0, 1.0, probe_key="ns/probe"))
+        mover.reserve_slabs(4, 1000)
+        with mover._heads(1) as slab:
+            first = weakref.ref(slab.base)  # the registered block the slabs are rows of
+        del slab
+        mover.reserve_slabs(4, 2000)
+        gc.collect()
+        assert first() is not None and mover.slabs_free == 4
+    finally:
+        be.close()

@@ -1,9 +1,10 @@
 """The storage tier's parallel scattered I/O: batches run on several threads, results land in order.
 
-The store is the real file backend; :class:`Injecting` wraps it to delay, fail or
+The store is the real file backend; :class:`~support.proxies.Injecting` wraps it to delay, fail or
 hold individual calls (a fault injector around the real thing, not a stand-in),
 one page per call, so a job of ten pages is ten batches with up to
-``2 * io_threads`` in flight.
+``2 * io_threads`` in flight. The counts that size a tier's buffers and threads are bounded before
+anything is allocated.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import replace
 
 import pytest
 import torch
@@ -24,61 +24,10 @@ from kvtier.l3.base import KeyStatus
 from kvtier.l3.page import HEADER_BYTES
 from kvtier.l3.tier import StorageTier
 from kvtier.pools import HostPool
-from l3_scenarios import tiny
+from support.l3_scenarios import tiny
+from support.proxies import Injecting
 
 PAGES = 10
-
-
-class Injecting:
-    """A real backend with hooks: ``before_get(call_index)`` / ``before_set(call_index)`` run
-    before the call is passed on and may sleep, block or raise; ``set_status`` overrides results."""
-
-    def __init__(self, inner, object_bytes: int):
-        self.inner = inner
-        self.name, self.stats = inner.name, inner.stats
-        self.capabilities = replace(inner.capabilities, batch_bytes=object_bytes)  # one page per call
-        self.before_get = self.before_set = lambda i: None
-        self.set_status = None
-        self.finished: list[int] = []  # get calls in the order they returned
-        self._calls = {"get": 0, "set": 0}
-        self._lock = threading.Lock()
-
-    def _next(self, op: str) -> int:
-        with self._lock:
-            self._calls[op] += 1
-            return self._calls[op] - 1
-
-    def calls(self, op: str) -> int:
-        return self._calls[op]
-
-    def exists(self, keys):
-        return self.inner.exists(keys)
-
-    def get(self, keys, outs):
-        return self.inner.get(keys, outs)
-
-    def set(self, keys, values):
-        return self.inner.set(keys, values)
-
-    def get_scattered(self, keys, outs):
-        i = self._next("get")
-        self.before_get(i)
-        out = self.inner.get_scattered(keys, outs)
-        with self._lock:
-            self.finished.append(i)
-        return out
-
-    def set_scattered(self, keys, parts):
-        i = self._next("set")
-        self.before_set(i)
-        out = self.inner.set_scattered(keys, parts)
-        return self.set_status(i, out) if self.set_status else out
-
-    def delete(self, keys):
-        self.inner.delete(keys)
-
-    def close(self):
-        self.inner.close()
 
 
 def filled_pool(seed: int) -> HostPool:
@@ -214,6 +163,20 @@ def test_parallel_saves_store_every_page_and_a_failed_batch_ends_the_job(tmp_pat
 def test_io_threads_is_validated():
     with pytest.raises(ConfigError, match="io_threads must be an integer >= 1"):
         StorageConfig(url="file:///tmp/x", io_threads=0)
+
+
+
+def test_batch_and_thread_counts_are_bounded_before_anything_is_allocated():
+    from kvtier.config import StorageConfig
+    from kvtier.errors import ConfigError
+    from kvtier.integrations.sglang.options import SGLangStorageOptions
+
+    for make in (lambda **kw: SGLangStorageOptions(**kw), lambda **kw: StorageConfig(url="file:///tmp/x", **kw)):
+        with pytest.raises(ConfigError, match=r"batch_pages must be an integer >= 1, <= 4096; got 1000000000"):
+            make(batch_pages=10**9)
+        with pytest.raises(ConfigError, match=r"io_threads must be an integer >= 1, <= 64; got 1000000"):
+            make(io_threads=10**6)
+        make(batch_pages=4096, io_threads=64)  # the bounds themselves are fine
 
 
 def test_io_threads_default_to_the_backends_choice_and_config_overrides(tmp_path):

@@ -16,8 +16,9 @@ from kvtier.core import CacheCore, Tier
 from kvtier.core.node_objects import NodeObjects
 from kvtier.executors.accounting import AccountingExecutor
 from kvtier.radix import PageNode, PrefixTree, node_type_with
-from conftest import tiny_specs
-from test_hybrid_core import PAGE, commit_all, make
+from support.pools import tiny_specs
+from support.hybrid_core import commit_all, make
+from support.hybrid_models import PAGE
 
 
 def test_a_full_attention_tree_keeps_plain_nodes():

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier import hashing
+from kvtier.errors import ConfigError
 from kvtier.hashing import Namespace, hasher, page_keys, token_array
 
 ROOT = Namespace("model", "fp").root()
@@ -61,6 +62,20 @@ def test_wide_and_narrow_pages_never_alias():
     narrow = page_keys([1] + [0] * 15, 16, ROOT)
     wide = page_keys([2**32 + 1] + [0] * 15, 16, ROOT)
     assert narrow != wide and len(narrow) == len(wide) == 1
+
+
+
+def test_token_ids_beyond_int32_never_alias_small_ids():
+    root = Namespace("m", "fp").root()
+    big = np.array([2**32 + 1] + list(range(2, 65)), dtype=np.int64)
+    small = np.array([1] + list(range(2, 65)), dtype=np.int64)
+    assert page_keys(big, 16, root)[0] != page_keys(small, 16, root)[0]
+    assert page_keys(big, 16, root)[1:] != page_keys(small, 16, root)[1:]  # chained: every later page differs too
+    # pages whose ids fit in int32 keep their keys whatever the container (list, int32 or int64 array)
+    assert page_keys(small, 16, root) == page_keys(small.tolist(), 16, root) == page_keys(small.astype(np.int32), 16, root)
+    for bad in ([0.5] * 16, [[1] * 16], ["a"] * 16, [2**70] * 16):
+        with pytest.raises(ConfigError):
+            page_keys(bad, 16, root)
 
 
 _ids = st.one_of(

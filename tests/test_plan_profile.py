@@ -21,7 +21,7 @@ from kvtier.app.plan.timing import NominalCosts, ProfiledCosts, simulate
 from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.errors import ConfigError
 
-from plan_helpers import PREFILL, profile_of
+from support.plan_profiles import PREFILL, profile_of
 
 TRUE = PREFILL
 

@@ -16,7 +16,7 @@ import pytest
 from kvtier.app.plan.calibrate import CalibrationPlan
 from kvtier.app.plan.profile import load_profile
 
-from plan_helpers import profile_of
+from support.plan_profiles import profile_of
 
 TIERS = ("device", "host", "storage")
 

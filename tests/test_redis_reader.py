@@ -45,10 +45,10 @@ def test_values_land_in_parts_across_arbitrary_splits():
     sock.close()
 
 
-def test_wrong_size_is_an_error_and_skipped_whole():
+def test_wrong_size_is_reported_and_skipped_whole():
     sock, t = feed([bulk(b"0123456789"), bulk(b"ok")])
     r = _BulkReader(sock, time.monotonic() + 30)
-    assert r.get_into([memoryview(bytearray(4))]) is KeyStatus.ERROR
+    assert r.get_into([memoryview(bytearray(4))]) is KeyStatus.WRONG_SIZE
     out = memoryview(bytearray(2))
     assert r.get_into([out]) is KeyStatus.OK and bytes(out) == b"ok"
     t.join()

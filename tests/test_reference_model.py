@@ -10,7 +10,7 @@ from kvtier.app.model.dsa import quantize, read_pages, write_tokens
 from kvtier.app.engine import ReferenceEngine
 from kvtier.app.model import ModelConfig, ReferenceModel
 from kvtier.core import NullCache
-from conftest import loads_refused
+from support.pools import loads_refused
 
 CFG = ModelConfig(hidden=64, num_layers=3, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
                   index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)

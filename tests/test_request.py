@@ -1,12 +1,13 @@
 """The request protocol (``cache.begin`` -> ``alloc`` -> ``commit`` / ``abort``) and misuse of it or of
-``insert``: each misuse is a typed error that leaves the index, the allocators and the locks as they were."""
+``insert``, or of a closed cache: each misuse is a typed error that leaves the index, the allocators and the locks as
+they were."""
 
 import pytest
 
-from cache_helpers import expected_page, make_cache, make_tiered_cache, serve, write_page
-from conftest import tiny_specs
+from support.cache_helpers import expected_page, make_cache, make_tiered_cache, serve, tokens, write_page
+from support.pools import tiny_specs
 from kvtier.errors import IndexTypeError, InvalidStateError, PageIndexError, PageOwnershipError
-from l3_scenarios import tiny
+from support.l3_scenarios import tiny
 
 PS = 4
 TOKS = list(range(3 * PS + 2))  # 3 full pages + a 2-token tail
@@ -134,3 +135,38 @@ def test_unlock_of_an_unlocked_node_is_an_invalid_state():
     with pytest.raises(InvalidStateError):
         cache.unlock(m.last_node)
     cache.check_integrity(idle=True)
+
+
+# ---- a closed cache, and arguments that are not what the request API takes -----------------------
+def test_begin_on_a_closed_cache_is_a_typed_error():
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    cache = make_cache(spec, dev_pages=4, host_pages=4)
+    cache.close()
+    cache.close()  # twice: a no-op
+    for call in (lambda: cache.begin(tokens(0, 8)), lambda: cache.match(tokens(0, 8)), lambda: cache.alloc_device(1),
+                 lambda: cache.insert(tokens(0, 4), [1])):
+        with pytest.raises(InvalidStateError, match="closed"):
+            call()
+
+
+def test_request_api_misuse_is_a_typed_error_and_changes_nothing():
+    from kvtier.errors import IndexTypeError, KVTierError
+
+    spec = tiny_specs(page_size=4, num_layers=1)["mla"]
+    cache = make_cache(spec, dev_pages=8, host_pages=8)
+    serve(cache, tokens(0, 8))
+    before = (len(cache.tree), cache.dev_alloc.num_free, cache.stats.requests)
+    for bad in (None, (t for t in range(8)), set(range(8)), {1: 2}, "abcdefgh"):
+        with pytest.raises(IndexTypeError, match="ordered sequence"):
+            cache.begin(bad)
+    with pytest.raises(KVTierError, match="integers"):
+        cache.begin([0.5] * 8)
+    assert (len(cache.tree), cache.dev_alloc.num_free, cache.stats.requests) == before
+    req = cache.begin(tokens(0, 8))
+    for bad in (None, 5, {0, 1}):
+        with pytest.raises(IndexTypeError, match="commit: pages"):
+            req.commit(bad)
+    req.commit(list(req.cached_pages))  # still open, and commits as it should
+    cache.wait_idle()
+    cache.check_integrity(idle=True)
+    cache.close()

@@ -1,6 +1,6 @@
 """kvtier inside SGLang's default cache stack, as an SGLang server runs it, on CPU.
 
-Each server is a process running :mod:`kvtier.app.sglang_stack`: SGLang 0.5.23's
+Each server is a process running ``tests/support/sglang_stack.py``: SGLang 0.5.23's
 ``UnifiedRadixCache`` (Rust tree core) built by SGLang's own ``default_radix_cache_factory``
 with the hierarchical cache on, its host pool, its ``HybridCacheController`` with its own
 prefetch / IO / backup threads, and kvtier attached through ``attach_storage_backend`` on the
@@ -36,8 +36,10 @@ PAGES = 8  # the scenario's prompt: 8 pages of 4 tokens
 
 def run_servers(scenario: str, url: str, kind: str = "mha", world: int = 1) -> list[dict]:
     """``world`` ranks of one server (one process each, a gloo group on 127.0.0.1), each running ``scenario``."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    procs = [subprocess.Popen([sys.executable, "-m", "kvtier.app.sglang_stack", scenario, url, str(rank), str(world), kind],
+    tests = Path(__file__).resolve().parent  # the harness (support/) and the clone's peers/ beside kvtier
+    path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": path}
+    procs = [subprocess.Popen([sys.executable, "-m", "support.sglang_stack", scenario, url, str(rank), str(world), kind],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in range(world)]
     reports = []
     for p in procs:

@@ -6,7 +6,7 @@ indexer host pool, and the ``HiCacheController``'s storage methods (``_page_back
 ``_page_transfer`` with ``_page_get_zero_copy`` / ``_page_set_zero_copy`` or the generic
 flat-page functions). Replaced, because they need a GPU or a running server: the device KV
 buffers (CPU tensors), the DSA device pool (a namespace of its buffers), pinned memory, and the
-controller's ``__init__`` (threads, torch.distributed groups) -- see tests/sglang_helpers.py.
+controller's ``__init__`` (threads, torch.distributed groups) -- see tests/support/sglang_helpers.py.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_helpers import (
+from support.sglang_helpers import (
     PoolHitPolicy,
     PoolName,
     PoolTransfer,
     StorageBackendFactory,
+    _mamba_pool,
     attach,
     backup,
     controller,
@@ -487,7 +488,7 @@ def test_sglang_host_pool_in_a_spawned_process_reads_what_this_one_wrote(file_ur
     script = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
-        from sglang_helpers import attach, mha_pool, page_bytes, page_keys, prefetch, controller, storage_config
+        from support.sglang_helpers import attach, mha_pool, page_bytes, page_keys, prefetch, controller, storage_config
         dst = mha_pool()
         backend = attach(storage_config({file_url!r}), dst)
         keys = page_keys(list(range(16)), 4)
@@ -568,22 +569,6 @@ def test_a_key_that_is_not_utf8_is_a_miss_and_the_store_stays_up(file_url):
     got = dst.alloc(3 * P)
     assert backend.batch_exists(keys) == 3 and backend.batch_get_v1(keys, got) == [True] * 3  # every other key still hits
     assert same_pages(src, idx, dst, got)
-
-
-def _mamba_pool(seed: int | None = None):
-    """SGLang's own MambaPoolHost on CPU (page_first: its supported host layout), 2 layers of fp32
-    SSM state and bf16 conv state per slot; its get_data_page concatenates them into a copy."""
-    from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
-    from sglang.srt.mem_cache.pool_host.mamba import MambaPoolHost
-
-    info = MambaStateBufferInfo(temporal=torch.zeros(2, 9, 4, 8, dtype=torch.float32),
-                                conv=(torch.zeros(2, 9, 3, 16, dtype=torch.bfloat16),))
-    pool = MambaPoolHost(info, 2.0, 0, device_capacity=8, pin_memory=False, device="cpu", layout="page_first")
-    if seed is not None:
-        g = torch.Generator().manual_seed(seed)
-        pool.temporal_buffer.copy_(torch.randn(pool.temporal_buffer.shape, generator=g))
-        pool.conv_buffer[0].copy_(torch.randn(pool.conv_buffer[0].shape, generator=g).to(torch.bfloat16))
-    return pool
 
 
 def test_mamba_state_pool_whose_pages_are_copies_round_trips_bit_exact(file_url):

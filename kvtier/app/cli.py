@@ -113,15 +113,16 @@ def bench_sglang(
     as_json: bool = typer.Option(False, "--json", help="print JSON rows instead of a table"),
 ) -> None:
     """kvtier as SGLang's HiCache storage backend: set/get GB/s through SGLang's host pool and controller, vs SGLang's own backends."""
+    from kvtier.app.bench.peers import peer_module
     from kvtier.app.bench.sglang_storage import as_json_rows, run_sglang_bench
-    from kvtier.app.sglang_wheel import find_sglang_wheel, import_sglang
 
     if layout not in ("page_first", "layer_first", "page_first_direct"):
         from kvtier.errors import UnknownNameError
 
         raise UnknownNameError("SGLang host pool layout", layout, ("page_first", "layer_first", "page_first_direct"))
     names = _backend_list(backends, ("file", "mooncake"))
-    import_sglang(find_sglang_wheel(sglang_wheel))
+    wheel = peer_module("sglang_wheel")
+    wheel.import_sglang(wheel.find_sglang_wheel(sglang_wheel))
     _emit(as_json_rows(run_sglang_bench(names, pages, reps, layout=layout)), as_json)
 
 
@@ -219,11 +220,12 @@ def _print_run_report(r) -> None:
     for name, g in (r.groups or {}).items():
         if not isinstance(g, dict) or "bytes" not in g or name == "full":
             continue
+        apart = f"{g['filled']} filled, {g['load_failed']} in failed loads"
         if "snapshots_loaded" in g:
-            t.add_row(f"group {name} (state)", f"{g['snapshots_loaded']} snapshots loaded ({g['snapshots_from_l3']} from L3)")
+            t.add_row(f"group {name} (state)", f"{g['snapshots_loaded']} snapshots loaded ({g['snapshots_from_l3']} from L3); {apart}")
         else:
             t.add_row(f"group {name} (window)",
-                      f"{g['pages_loaded']} pages loaded ({g['pages_from_l3']} from L3), {g['pages_skipped']} skipped")
+                      f"{g['pages_loaded']} pages loaded ({g['pages_from_l3']} from L3), {g['pages_skipped']} skipped; {apart}")
     if r.groups:
         t.add_row("bytes per loaded page", f"{r.groups['bytes_per_loaded_page']} ({r.groups['vs_full_attention_twin']:.2f} of a "
                                            "full-attention model of the same size)")

@@ -84,8 +84,8 @@ class ReferenceEngine:
 @dataclass(frozen=True)
 class HybridObjects:
     """What a hybrid request allocates beside its pages, and hands over with them at commit: a window
-    page for every page it computes (the partial tail's included), a state snapshot at each boundary
-    the cache asks for (``snapshot_boundaries``). :class:`HybridEngine` and the planner's replay of it
+    page for every page it computes (the partial tail's included), a state snapshot at each page the
+    cache wants one at (``req.handed_places``). :class:`HybridEngine` and the planner's replay of it
     (``kvtier plan --validate run-hybrid``) both allocate through :meth:`alloc`: the same calls, the
     same hits."""
 
@@ -93,18 +93,18 @@ class HybridObjects:
     state: str | None
     #: window page ids of pages ``usable .. total``
     window: list[int]
-    #: boundary (pages from the start) -> snapshot id
+    #: place (the full page whose end it is kept at) -> snapshot id
     slots: dict[int, int]
 
     @classmethod
-    def alloc(cls, cache, req, usable: int, total: int, sliding: str | None, state: str | None) -> HybridObjects | None:
+    def alloc(cls, req, usable: int, total: int, sliding: str | None, state: str | None) -> HybridObjects | None:
         """The request's window pages and snapshot slots past its ``usable`` cached pages of ``total``; None
         when the window pool could not give a page for each page to compute."""
         window = req.alloc_group(sliding, total - usable) if sliding else []
         if len(window) < (total - usable if sliding else 0):
             return None
-        bounds = cache.snapshot_boundaries(usable, len(req.keys)) if state else []
-        return cls(sliding, state, window, dict(zip(bounds, req.alloc_group(state, len(bounds)))) if bounds else {})
+        places = req.handed_places(state) if state else []  # the pages whose end the cache keeps a snapshot at
+        return cls(sliding, state, window, dict(zip(places, req.alloc_group(state, len(places)))) if places else {})
 
     def handover(self, usable: int, full: int) -> dict[str, list[int | None]]:
         """``commit``'s groups: the window pages of the full pages computed, and a snapshot id where one was kept."""
@@ -112,7 +112,7 @@ class HybridObjects:
         if self.sliding:
             groups[self.sliding] = [None] * usable + self.window[: full - usable]
         if self.state:
-            groups[self.state] = [self.slots.get(b + 1) for b in range(full)]
+            groups[self.state] = [self.slots.get(p) for p in range(full)]
         return groups
 
 
@@ -156,7 +156,7 @@ class HybridEngine:
         usable = req.usable((n - 1) // ps)
         total_pages, full = -(-n // ps), n // ps
         new = req.alloc(total_pages - usable)
-        objects = HybridObjects.alloc(cache, req, usable, total_pages, self.sliding, self.state) if new.ok else None
+        objects = HybridObjects.alloc(req, usable, total_pages, self.sliding, self.state) if new.ok else None
         if objects is None:
             req.abort()
             raise ConfigError(f"device pools too small: a {n}-token request needs {total_pages - usable} free pages (and as many "
@@ -176,8 +176,8 @@ class HybridEngine:
             end = min(n, (p + 1) * ps)
             logits, sel = self.model.prefill_page(self.pools, tokens[p * ps : end], p * ps, tables, state, want_logits=end == n)
             selections.append(sel)
-            if p + 1 in slots:
-                self._write_state(slots[p + 1], state)
+            if p in slots:
+                self._write_state(slots[p], state)
         ttft = time.perf_counter() - t0
         req.commit(tables[FULL].tolist(), objects.handover(usable, full))
         dev_hit, host_hit, from_storage = req.served(usable)

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from kvtier.core.plans import Tier
 from kvtier.build import build_cache, build_hybrid_cache
 from kvtier.config import CacheConfig, ConfigError, StorageConfig, TierConfig, _help, check_number
 from kvtier.app.engine import HybridEngine, ReferenceEngine, RequestResult
@@ -184,7 +185,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
         cache.wait_idle()
         cache.check_integrity(idle=True)
         stats = cache.stats.snapshot()
-        groups = _group_report(cache, hcfg, ours) if hybrid else None
+        groups = _group_report(cache, hcfg) if hybrid else None
         busy = dict(cache.engine.busy_s)
         sbusy = dict(cache.storage.busy_s) if cache.storage else {}
     finally:
@@ -199,21 +200,23 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
     return report
 
 
-def _group_report(cache, hcfg: HybridConfig, ours: list[RequestResult]) -> dict:
-    """Per KV group of the hybrid model: what moved for the pages a hit loaded (host and L3 hits), and
-    the bytes moved per such page against a full-attention model of the same size."""
-    ps = hcfg.base.page_size
-    loaded_pages = sum(r.host_hit_tokens + r.storage_hit_tokens for r in ours) // ps
+def _group_report(cache, hcfg: HybridConfig) -> dict:
+    """Per KV group of the hybrid model: what moved for the pages hits loaded (host and L3 hits), and
+    the bytes moved per such page against a full-attention model of the same size. Every group counts
+    a load as it completes: the full group its pages, the others the objects beside them, so a window's
+    pages and the snapshots are among the full pages loaded; objects brought beside pages that stayed on
+    device (``filled``: their bytes moved too) and those of failed loads are counted apart."""
+    loaded_pages = cache.stats.loaded_pages
     full_bytes = cache.spec.page_bytes * loaded_pages
-    out: dict = {FULL: {"pages_loaded": loaded_pages, "bytes": full_bytes}}
+    out: dict = {FULL: {"pages_loaded": loaded_pages, "pages_load_failed": cache.stats.load_failed_pages, "bytes": full_bytes}}
     moved = full_bytes
     for c in cache.components:
-        nbytes = c.group.object_spec().page_bytes * c.loaded
+        nbytes = c.group.object_spec().page_bytes * (c.loaded + c.filled)
         moved += nbytes
-        what = "snapshots" if c.is_state else "pages"
+        what = "snapshots" if c.group.keeps == "state" else "pages"
         stats = c.stats()
         out[c.name] = {f"{what}_loaded": stats.pop("loaded"), f"{what}_from_l3": stats.pop("fetched"), "bytes": nbytes, **stats}
-        if not c.is_state:
+        if c.group.keeps != "state":
             out[c.name]["pages_skipped"] = loaded_pages - c.loaded  # pages of the hits outside every window
     twin = hcfg.full_attention_twin().page_bytes
     out["bytes_per_loaded_page"] = round(moved / loaded_pages) if loaded_pages else 0
@@ -242,8 +245,8 @@ def _report(requests, base, ours, stats, busy, sbusy, url) -> RunReport:
         "storage_to_host": stats.storage_prefetched_bytes,
     }
     secs = {
-        "host_to_device": busy.get(("host", "device"), 0.0),
-        "device_to_host": busy.get(("device", "host"), 0.0),
+        "host_to_device": busy.get((Tier.HOST, Tier.DEVICE), 0.0),
+        "device_to_host": busy.get((Tier.DEVICE, Tier.HOST), 0.0),
         "host_to_storage": sbusy.get("save", 0.0),
         "storage_to_host": sbusy.get("prefetch", 0.0),
     }

@@ -43,21 +43,20 @@ import numpy as np
 
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
-from kvtier.core.base import CoreBase
 from kvtier.core.device_space import DeviceSpace
-from kvtier.core.failed_loads import FailedLoads
-from kvtier.core.group_residency import GroupResidency
+from kvtier.core.group_objects import groups_for
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
+from kvtier.core.quarantine import Quarantine
 from kvtier.core.request import CacheRequest
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
-from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, GroupBackup, JobTag, LoadBack, PrefetchHandle, Save
+from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
 from kvtier.errors import ExecutorError, PageAlignmentError, PageOwnershipError
+from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
 from kvtier.pages import at_own_place, checked_page_list, first_duplicate
 from kvtier.radix import NO_PAGE, PageNode, device_page_of, host_page_of
-from kvtier.groups import ModelSpec
 from kvtier.spec import KVSpec
 
 __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave", "InsertResult", "JobTag", "LoadBack", "LoadResult",
@@ -66,17 +65,16 @@ __all__ = ["Backup", "CacheCore", "EvictResult", "EvictionBackup", "EvictionSave
 log = logging.getLogger(__name__)
 
 
-class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
+class CacheCore(DeviceSpace):
     """The policy over page ids (see the module docstring). ``device`` and ``host`` allocate the
     ids of the pools the executors hold; ``port`` carries plans to those executors.
 
-    Its parts, one module each: :mod:`~kvtier.core.base` (the tree, host pages, plans, L3; shared
-    with :class:`~kvtier.core.engine_device.EngineDeviceCore`), :mod:`~kvtier.core.device_space`
-    (device pages, backups, device eviction), :mod:`~kvtier.core.failed_loads` (device pages a
-    failed load left), :mod:`~kvtier.core.group_residency` (a hybrid model's other KV groups); here,
-    matching, the request protocol, loads back and inserts.
+    Its layers (:mod:`~kvtier.core.state` lists them) and its parts: ``groups``, a hybrid model's
+    other KV groups (:mod:`~kvtier.core.group_objects`), and ``quarantine``, the device pages a
+    failed load left (:mod:`~kvtier.core.quarantine`); here, matching, the request protocol,
+    loads back and inserts.
 
-    ``model``: a hybrid :class:`~kvtier.groups.ModelSpec` whose full-attention groups ``spec`` describes;
+    ``model``: a :class:`~kvtier.groups.ModelSpec` whose full-attention group ``spec`` describes;
     ``group_pools``: each other group's (device, host) allocators; ``state_every``: the cadence of
     state snapshots, in pages."""
 
@@ -86,27 +84,51 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                  state_every: int = 1):
         if namespace is None and model is not None and model.is_hybrid:
             namespace = Namespace("default", model.fingerprint())
-        super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats, device_pages=device.num_pages)
-        self.dev_alloc = device
-        #: device pages whose host->device load is still in flight: node -> the load's op
-        self._loading: dict[PageNode, int] = {}
+        super().__init__(spec, device, host, port, config, storage_config, namespace=namespace, stats=stats)
         #: live views of who holds each device page (tree / allocator), for insert's ownership check
         self._tree_owned = np.frombuffer(self.tree.device_owned, dtype=np.uint8)
         self._allocated = self.dev_alloc.allocated_view()
-        self._init_failed_loads()
-        self._init_groups(model, group_pools, state_every)
-        self._on |= {Backup: self._finish_backup, LoadBack: self._finish_load, EvictionBackup: self._applied_where_waited,
-                     GroupBackup: self._finish_group_backup}
+        self.groups = groups_for(model, group_pools, spec, tree=self.tree, state_every=state_every, device=device, host=host,
+                                 loading=self._loading, make_room=self._make_room)
+        self.quarantine = Quarantine(device, self._free_objects, self._oldest_op)
+        #: bumped on every failed load (the quarantine's generation): a request re-checks its prefix only when this moved
+        self.load_failure_gen = 0
+        self._waiting_for_plans = self.quarantine.entries
+        #: a request that ended (its quarantine entry bound once: one call per request, not two)
+        self.request_finished = self.quarantine.request_finished
+        self._on |= {LoadBack: self._finish_load}
+
+    def _free_objects(self, ids: dict[str, list[int]]) -> None:
+        self.groups.free_ids(Tier.DEVICE, ids)
 
     # ---- a hybrid model's device objects (kvtier owns the device; the engine-owned core has none) --------
     def alloc_group(self, name: str, n: int) -> list[int]:
         """Up to ``n`` device ids of group ``name``'s pool (evicting its unheld objects if needed)."""
         self.poll()
-        return self._alloc_group(self.component(name), Tier.DEVICE, n)
+        return self.groups.alloc(self.groups.component(name), Tier.DEVICE, n)
 
     def free_group(self, name: str, ids: list[int]) -> None:
         """Return caller-owned ids of group ``name``'s device pool."""
-        self.component(name).alloc[Tier.DEVICE].free(ids)
+        self.groups.component(name).alloc[Tier.DEVICE].free(ids)
+
+    # ---- failed loads: what a request needs to know of them (:mod:`~kvtier.core.quarantine`) --------
+    def quarantined_pages(self) -> set[int]:
+        return self.quarantine.pages()
+
+    def quarantined_group_pages(self) -> dict[str, set[int]]:
+        """Device ids of other KV groups' objects a failed load left, per group (freed with its pages)."""
+        return self.quarantine.objects()
+
+    def _oldest_op(self) -> int | None:
+        """The oldest plan still in flight (None: none)."""
+        return next(iter(self._inflight), None)
+
+    def _completions_applied(self) -> None:
+        self.quarantine.release()
+
+    def holds_object(self, name: str, node: PageNode, gid: int) -> bool:
+        """Whether ``node`` still holds device object ``gid`` of group ``name`` (a failed load takes them)."""
+        return self.groups.holds_object(name, node, gid)
 
     def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True, limit: int | None = None) -> MatchResult:
         """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
@@ -114,8 +136,11 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         ``count=False`` re-matches a request already counted (e.g. after its prefetch) without
         touching hit counts or stats. ``limit`` (a hybrid model): the request uses at most that many
         pages, so the prefix is the longest one every group can continue from within them."""
+        return self._match(self._keys(tokens_or_keys), count, limit)
+
+    def _match(self, keys: list[PageHash], count: bool = True, limit: int | None = None) -> MatchResult:
+        """:meth:`match` of page keys (``begin`` has them already)."""
         self.poll()
-        keys = self._keys(tokens_or_keys)
         tree = self.tree
         path = tree.walk(keys)
         tree.touch(path)
@@ -123,20 +148,22 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         matched = path[: n_dev + tree.readable_host_run(path[n_dev:])]  # the device pages, then readable host copies
         limited_by = None
         end = len(keys)
-        fills = [False]
-        if self.components:  # a hybrid model: the longest prefix every group can continue from
+        filled = False
+        groups = self.groups
+        if groups:  # a hybrid model: the longest prefix every group can continue from
             if limit is not None:
                 end = min(end, limit)
                 matched, path = matched[:end], path[:end]
-            hybrid = self._hybrid_prefix(path, n_dev, len(matched), fill=fills)
-            matched, limited_by = matched[: hybrid.pages], hybrid.limited_by
+            fills = [False]
+            hybrid = groups.prefix(path, n_dev, len(matched), fill=fills)
+            matched, limited_by, filled = matched[: hybrid.pages], hybrid.limited_by, fills[0]
             n_dev = min(n_dev, hybrid.pages)
         pending: tuple[int, ...] = ()
         if self._loading:
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, fills[0])
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, filled)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -146,7 +173,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         st.device_hit_pages += n_dev
         st.host_hit_pages += len(matched) - n_dev
         if limited_by is not None:
-            self.component(limited_by).limited += 1
+            groups.component(limited_by).limited += 1
         if self.config.write_policy == "write_through_selective":
             due = [n for n in path[:n_dev] if n.host_page == NO_PAGE and n.hit_count >= self.config.write_through_threshold]
             if due:
@@ -154,10 +181,10 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         n_storage = 0
         if self.port.has_storage and len(matched) == len(path) < end:
             n_storage = self._ask(self.port.stored_prefix, keys[len(path) : end])
-            if n_storage and self.components:  # a hybrid model: as far as every group's objects are there too
-                n_storage = self._stored_usable(path, n_dev, keys[:end], n_storage)
+            if n_storage and groups:  # a hybrid model: as far as every group's objects are there too
+                n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
             st.storage_hit_pages += n_storage
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, fills[0])
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
@@ -166,7 +193,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
         keys = self._keys(tokens_or_keys)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
-        m = self.match(keys, limit=want)
+        m = self._match(keys, True, want)
         self.lock(m.last_node)
         host_before = m.num_host_pages
         if prefetch and m.num_storage_pages and m.num_device_pages + m.num_host_pages < want:
@@ -174,7 +201,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 handle = self.prefetch(m)
                 if handle is not None:
                     self.resolve_prefetch(handle, prefetch_policy)
-                    again = self.match(keys, count=False, limit=want)
+                    again = self._match(keys, False, want)
             except ExecutorError:
                 self.unlock(m.last_node)  # the port is gone: nothing of this request stays locked
                 raise
@@ -182,20 +209,25 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 self.lock(again.last_node)
                 self.unlock(m.last_node)
                 m = again
+        quarantine = self.quarantine
+        if not self.groups:  # full attention: the device prefix, then every host page loaded back
+            ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+            host_hit = min(ld.loaded, host_before)
+            # the nodes of ld.device_pages: locked until commit
+            return CacheRequest(self, keys, len(keys), m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld,
+                                m.last_node, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
+                                failure_gen=self.load_failure_gen)
         ld = self.load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
-        # the nodes of ld.device_pages (the device prefix, then the host pages loaded): locked until commit
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
-        given: dict[str, dict[int, int]] = {}
-        held: list[PageNode] = []
-        if self.components:  # what the loads could bring: the prefix every group continues from, its objects held
-            if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
-                usable = self._hybrid_prefix(nodes, len(nodes), len(nodes)).pages
-                nodes, cached = nodes[:usable], cached[:usable]
-            given, held = self._given_objects(nodes)
+        # what the loads could bring: the prefix every group continues from, its objects held
+        if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
+            usable = self.groups.prefix(nodes, len(nodes), len(nodes)).pages
+            nodes, cached = nodes[:usable], cached[:usable]
+        given, held = self.groups.given_objects(nodes)
         device_hit = min(m.num_device_pages, len(cached))
         host_hit = min(ld.loaded, host_before, len(cached) - device_hit)
-        return CacheRequest(self, keys, device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node, nodes,
-                            serial=self._request_opened(), failure_gen=self.load_failure_gen, groups=given, _held=held)
+        return CacheRequest(self, keys, len(keys), device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node,
+                            nodes, serial=quarantine.request_opened(), failure_gen=self.load_failure_gen, groups=given, held=held)
 
     def load_back(self, match: MatchResult) -> LoadResult:
         """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
@@ -210,82 +242,141 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         # the match may be stale: keep the leading run that still directly follows the device prefix
         host_nodes = match.host_nodes
         valid = host_nodes[: self.tree.loadable_run(host_nodes)]
+        if self.groups:
+            return self._load_back_hybrid(match, valid)
+        pages = self._room_for(match, valid) if valid else None
+        if not pages:
+            return LoadResult(None, list(match.device_pages), 0, len(host_nodes), match.pending, self)
+        served = valid[: len(pages)]
+        tree = self.tree
+        tree.set_device_run(served, pages)
+        tree.touch(served)
+        tree.lock(served[-1])  # pins the path until the load completes (poll)
+        op = self._submit(copy_plan, LoadBack(served), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE, pages)
+        loading = self._loading
+        for n in served:
+            loading[n] = op
+        return LoadResult(op, match.device_pages + pages, len(served), len(host_nodes), match.pending, self)
+
+    def _room_for(self, match: MatchResult, valid: list[PageNode]) -> list[int] | None:
+        """Device pages for the leading nodes of ``valid`` (the host run below ``match``'s device prefix), as
+        many as the device holds after eviction; None when the prefix they follow changed meanwhile."""
+        self.tree.lock(valid[-1])  # pins the matched path while we make room
+        try:
+            got = self.alloc_device(len(valid))
+            if not got.ok:
+                take = min(len(valid), self.dev_alloc.num_free)
+                got = self.dev_alloc.alloc(take)
+                self.stats.load_shortfall_pages += len(valid) - take
+        finally:
+            self.tree.unlock(valid[-1])
+        first = len(match.device_pages)
+        if first and match.nodes[first - 1].device_page != match.device_pages[-1]:
+            # making room waited for plans in flight, and a load this prefix waited on failed: its pages left
+            # the device, so the host run no longer follows it (the request learns of the failure and shrinks)
+            self.dev_alloc.free(got.pages)
+            return None
+        return got.pages
+
+    def _load_back_hybrid(self, match: MatchResult, valid: list[PageNode]) -> LoadResult:
+        """:meth:`load_back` for a hybrid model: the pages of ``valid``, and the other groups' objects the
+        match's boundary reads beside them and beside device pages that lost theirs (fills). The objects
+        it reads are held throughout: making room for the pages and the objects may back pages up, and
+        the host room that needs may evict objects -- never these."""
+        groups = self.groups
+        lo = groups.object_fills(match.nodes, len(match.device_pages)) if match.fills else None
+        if not valid and lo is None:
+            return LoadResult(None, list(match.device_pages), 0, len(match.host_nodes), match.pending, self)
+        reading = match.nodes[groups.first_read(len(match.nodes)) :]
+        groups.hold(reading)
+        try:
+            return self._load_held(match, valid, lo)
+        finally:
+            groups.release(reading)
+
+    def _load_held(self, match: MatchResult, valid: list[PageNode], lo: int | None) -> LoadResult:
+        """The hybrid load back of the still loadable host run ``valid`` and of the fills from place ``lo``
+        (None: none), the objects they read held."""
         prefix_pages = list(match.device_pages)
         first = len(prefix_pages)
-        lo = self._object_fills(match.nodes, first) if match.fills else None
-        nothing = LoadResult(None, prefix_pages, 0, len(host_nodes), match.pending, self)
-        if not valid and lo is None:
-            return nothing
-        # the objects the match's boundary reads are held throughout: making room for the pages and the objects
-        # may back pages up, and the host room that needs may evict objects -- never these
-        reading = match.nodes[self.first_read(len(match.nodes)) :] if self.components else []
-        self.hold_groups(reading)
-        try:
-            return self._load_held(match, valid, prefix_pages, lo, nothing)
-        finally:
-            self.release_groups(reading)
-
-    def _load_held(self, match: MatchResult, valid: list[PageNode], prefix_pages: list[int], lo: int | None,
-                   nothing: LoadResult) -> LoadResult:
-        """:meth:`load_back` of the still loadable host run ``valid`` below ``prefix_pages`` and of the fills from
-        place ``lo`` (None: none), the objects they read held; ``nothing``: the answer when nothing loads."""
-        first = len(prefix_pages)
-        got = None
+        nothing = LoadResult(None, prefix_pages, 0, len(match.host_nodes), match.pending, self)
+        pages = []
         if valid:
-            self.tree.lock(valid[-1])  # pins the matched path while we make room
-            try:
-                got = self.alloc_device(len(valid))
-                if not got.ok:
-                    take = min(len(valid), self.dev_alloc.num_free)
-                    got = self.dev_alloc.alloc(take)
-                    self.stats.load_shortfall_pages += len(valid) - take
-            finally:
-                self.tree.unlock(valid[-1])
-            if first and match.nodes[first - 1].device_page != prefix_pages[-1]:
-                # making room waited for plans in flight, and a load this prefix waited on failed: its pages left
-                # the device, so the host run no longer follows it (the request learns of the failure and shrinks)
-                self.dev_alloc.free(got.pages)
+            pages = self._room_for(match, valid)
+            if pages is None:
                 return nothing
-        served = valid[: len(got.pages)] if got is not None else []
+        served = valid[: len(pages)]
         if not served and lo is None:
             return nothing
         start = first if lo is None else lo
         span = match.nodes[start : first + len(served)]
         if served:
-            self.tree.set_device_run(served, got.pages)
+            self.tree.set_device_run(served, pages)
             self.tree.touch(served)
         self.tree.lock(span[-1])  # pins the path while objects get device ids; released when the load completes (poll)
-        groups, fills = self._load_runs(match.nodes, start, first, len(served)) if self.components else ((), ())
+        groups, fills, counts = self.groups.load_runs(match.nodes, start, first, len(served))
         if not served:  # a plan of objects alone: its lock is on the deepest node whose objects it brings
             if fills:
                 self.tree.lock(fills[-1])
             self.tree.unlock(span[-1])
             if not fills:  # no device ids for the fills' objects: nothing to load
                 return nothing
-        op = self._submit(copy_plan, LoadBack(served, fills), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE,
-                          got.pages if served else [], 0, groups)
+        op = self._submit(copy_plan, LoadBack(served, fills, counts), Tier.HOST, list(map(host_page_of, served)), Tier.DEVICE,
+                          pages, 0, groups)
         for n in (*fills, *served):
             self._loading[n] = op
-        return LoadResult(op, prefix_pages + (got.pages if served else []), len(served), len(match.host_nodes), match.pending, self)
+        return LoadResult(op, prefix_pages + pages, len(served), len(match.host_nodes), match.pending, self)
 
     def _finish_load(self, c: Completion, tag: LoadBack) -> None:
-        nodes, fills = tag.nodes, tag.fills
-        locked = nodes[-1] if nodes else fills[-1]
+        nodes, fills, op = tag.nodes, tag.fills, c.op
         loading = self._loading
-        mine = [n for n in nodes if loading.get(n) == c.op]  # (a failed load above may have taken them already)
-        filled = [n for n in fills if loading.get(n) == c.op]
+        if type(c) is Done:
+            for n in (*fills, *nodes) if fills else nodes:
+                if loading.get(n) == op:  # (a failed load above may have taken it already)
+                    del loading[n]
+            if tag.groups:
+                self.groups.count_loads(tag.groups, True)
+            self.stats.loaded_pages += len(nodes)
+            self.stats.loaded_bytes += len(nodes) * self._page_bytes
+            self.tree.unlock(nodes[-1] if nodes else fills[-1])
+            return
+        mine = [n for n in nodes if loading.get(n) == op]
+        filled = [n for n in fills if loading.get(n) == op]
         for n in (*filled, *mine):
             del loading[n]
-        if type(c) is not Done:  # the device copies are garbage: off the tree now, freed once nobody can name them
-            self.stats.transfer_failures += 1
-            self.tree.unlock(locked)
-            self.stats.load_failed_pages += self._drop_failed_load(mine)
-            if filled:  # their pages were good; the objects brought beside them are not
-                self._drop_failed_objects(filled)
-            return
-        self.stats.loaded_pages += len(nodes)
-        self.stats.loaded_bytes += len(nodes) * self._page_bytes
-        self.tree.unlock(locked)
+        if tag.groups:
+            self.groups.count_loads(tag.groups, False)
+        # the device copies are garbage: off the tree now, freed once nobody can name them
+        self.stats.transfer_failures += 1
+        self.tree.unlock(nodes[-1] if nodes else fills[-1])
+        self.stats.load_failed_pages += self._drop_failed_load(mine)
+        if filled:  # their pages were good; the objects brought beside them are not
+            self._drop_failed_objects(filled)
+
+    def _drop_failed_load(self, nodes: list[PageNode]) -> int:
+        """Take a failed load's device copies (and every device page below them) off the tree into
+        quarantine. Returns how many pages were quarantined."""
+        tree = self.tree
+        bad = [n for n in nodes if n.device_page != NO_PAGE]
+        if not bad:
+            return 0
+        below_outside = bad[-1].device_children or any(n.device_children > 1 for n in bad[:-1])
+        victims = tree.device_subtree(bad[:1]) if below_outside else bad[::-1]
+        for n in victims:
+            self._loading.pop(n, None)  # a load of a page below is moot: its page is quarantined too
+        objects = self.groups.quarantined(victims) if self.groups else {}
+        pages = tree.clear_devices(victims)
+        self.quarantine.add(pages, objects, self._last_op)
+        self.load_failure_gen = self.quarantine.generation
+        return len(pages)
+
+    def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
+        """A failed load brought other groups' objects beside device pages it did not load (fills): the
+        objects leave the tree into quarantine, the pages stay (their bytes were never touched)."""
+        objects = self.groups.quarantined(nodes)
+        if objects:
+            self.quarantine.add([], objects, self._last_op)
+            self.load_failure_gen = self.quarantine.generation
 
     def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
@@ -303,7 +394,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         keys = self._keys(tokens_or_keys)
         device_pages = checked_page_list(device_pages, self.dev_alloc.num_pages, pool=self.dev_alloc.name, side="device")
         if groups:
-            self._check_group_ids(groups, len(keys))
+            self.groups.check_given(groups, len(keys))
         return self._insert(keys, device_pages, check=True, groups=groups)
 
     def commit_request(self, keys: list[PageHash], device_pages: list[int], prefix: list[PageNode] | None,
@@ -347,7 +438,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             freed = [p for p, c in zip(device_pages, canonical) if p != c]
         tree.set_device_run(path[n_dev:], device_pages[n_dev:n_have])
         canonical += device_pages[n_dev:]
-        if self._sharing:  # new nodes' window pages are stamped with them: after every page used so far
+        if self.groups.sharing:  # new nodes' window pages are stamped with them: after every page used so far
             tree.tick()
         fresh = tree.add_device_chain(keys[n_have:], device_pages[n_have:], path[-1] if path else None)
         last = fresh[-1] if fresh else (path[-1] if path else None)
@@ -355,7 +446,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
             tree.touch((last,))
         gained: list[PageNode] = []
         if groups:  # before any backup below: it copies the objects its pages hold; as recent as they are
-            gained = self._attach_groups(path + fresh, groups, len(path))
+            gained = self.groups.attach(path + fresh, groups, len(path))
         if freed:
             self.dev_alloc.free(freed)
         st = self.stats
@@ -389,7 +480,7 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
                 f"{where}: device page {pages[i]} (place {i}) belongs to the cache, not the caller; "
                 "pass the pages the match or load gave you, in order, and pages you allocated"
             )
-        failed = self._quarantined[arr] != 0
+        failed = self.quarantine.marks[arr] != 0
         if failed.any():
             i = int(np.argmax(failed))
             raise PageOwnershipError(
@@ -423,17 +514,17 @@ class CacheCore(DeviceSpace, FailedLoads, GroupResidency, CoreBase):
         every cached page is evictable -- nothing locked, no host page that is not readable,
         no L3 save still marked in flight -- so the pools can never silently shrink."""
         self._check_host(caller_host_pages, idle)
-        if self.components:
-            self._check_groups(caller_group_pages or {}, self.quarantined_group_pages(), idle)
+        if self.groups:
+            self.groups.check(caller_group_pages or {}, self.quarantine.objects(), idle)
         if idle:
             assert not self._loading, "idle, yet host->device loads are recorded in flight"
-            assert not self._quarantine, "idle, yet device pages of a failed load are still quarantined"
+            assert not self.quarantine.entries, "idle, yet device pages of a failed load are still quarantined"
         dev_owned = [n.device_page for n in self.tree.nodes.values() if n.device_page != NO_PAGE]
         assert len(dev_owned) == len(set(dev_owned)), "a device page is owned by two nodes"
         assert not (set(dev_owned) & set(caller_device_pages)), "a device page is owned by the tree and the caller"
-        quarantined = self.quarantined_pages()
+        quarantined = self.quarantine.pages()
         assert not (set(dev_owned) | set(caller_device_pages)) & quarantined, "a quarantined device page is in use"
-        objects = self._shared_ids(Tier.DEVICE, caller_group_pages, self.quarantined_group_pages())
+        objects = self.groups.shared_ids(Tier.DEVICE, caller_group_pages, self.quarantine.objects())
         assert not objects & (set(dev_owned) | set(caller_device_pages) | quarantined), (
             "a device id is both a page's and another group's object")
         assert set(dev_owned) | set(caller_device_pages) | quarantined | objects == self.dev_alloc.allocated_pages() - (

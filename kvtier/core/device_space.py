@@ -4,16 +4,22 @@ Device eviction takes LRU leaves: first pages whose host copy is ready (free to
 drop), then device-only pages, backed up to host first (``on_device_evict=
 "backup"``) or dropped; a device-only page with host-only pages below it that
 can get no host copy leaves with them. Locked pages and pages in flight are
-never taken. (Host eviction, which both cores share: :mod:`~kvtier.core.host_space`.)
+never taken. (Host eviction, which both cores share: :mod:`~kvtier.core.host_tier`.)
 """
 
 from __future__ import annotations
 
-from kvtier.alloc import Allocation
+from kvtier.alloc import Allocation, PageAllocator
+from kvtier.config import CacheConfig, StorageConfig
+from kvtier.core.base import CoreBase
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
+from kvtier.core.port import ExecutorPort
 from kvtier.core.results import EvictResult
 from kvtier.core.tags import Backup, EvictionBackup, GroupBackup, LoadBack
+from kvtier.hashing import Namespace
+from kvtier.metrics import CacheStats
 from kvtier.radix import NO_PAGE, SAVING, PageNode, device_page_of
+from kvtier.spec import KVSpec
 
 
 class _Leaving:
@@ -37,8 +43,45 @@ class _Leaving:
             self.children_gone[parent] = self.children_gone.get(parent, 0) + 1
 
 
-class DeviceSpace:
-    """Device allocation, backups and device eviction, part of :class:`~kvtier.core.cache_core.CacheCore`."""
+class DeviceSpace(CoreBase):
+    """Device allocation, backups and device eviction: the layer of :class:`~kvtier.core.cache_core.CacheCore`
+    above :class:`~kvtier.core.base.CoreBase`. ``device`` allocates the ids of the device pool the
+    executors hold."""
+
+    def __init__(self, spec: KVSpec, device: PageAllocator, host: PageAllocator, port: ExecutorPort, config: CacheConfig,
+                 storage_config: StorageConfig, *, namespace: Namespace | None, stats: CacheStats | None):
+        super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats, device_pages=device.num_pages)
+        self.dev_alloc = device
+        #: device pages whose host->device load is still in flight: node -> the load's op
+        self._loading: dict[PageNode, int] = {}
+        self._on |= {Backup: self._finish_backup, EvictionBackup: self._applied_where_waited}
+
+    def _make_room(self, tier: Tier, n: int) -> None:
+        """Free ``n`` ids of ``tier``'s pool. Where other groups' objects share it (one budget for a page
+        and its window), both kinds go in one least-recently-used order, a window page before a full
+        page of equal recency: window objects no newer than the oldest page that could go, then pages
+        older than the oldest window object that could go, and again."""
+        device = tier is Tier.DEVICE
+        evict_pages = self.evict_device if device else self.evict_host
+        sharing = self.groups.sharing
+        if not sharing:
+            evict_pages(n)
+            return
+        alloc = self.dev_alloc if device else self.host_alloc
+        oldest_page = self.tree.oldest_device_leaf if device else self.tree.oldest_host_leaf
+        evict_group = self.groups.evict
+        want = alloc.num_free + n
+        while alloc.num_free < want:
+            before = alloc.num_free
+            page_stamp = oldest_page()
+            for c in sharing:
+                if alloc.num_free < want:
+                    evict_group(c, tier, want - alloc.num_free, up_to=page_stamp)
+            if alloc.num_free < want:
+                stamps = [st for st in (evict_group(c, tier, 0) for c in sharing) if st is not None]
+                evict_pages(want - alloc.num_free, older_than=min(stamps, default=None))
+            if alloc.num_free == before:
+                return
 
     def alloc_device(self, n: int) -> Allocation:
         """``n`` device pages, evicting LRU device pages if needed; ``ok`` False if impossible."""
@@ -46,7 +89,10 @@ class DeviceSpace:
         got = self.dev_alloc.alloc(n)
         if got.ok:
             return got
-        self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
+        if self.groups.sharing:  # pages and window pages in one pool: weighed together
+            self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
+        else:
+            self.evict_device(n - self.dev_alloc.num_free)
         got = self.dev_alloc.alloc(n)
         if not got.ok and self.poll_inflight():
             # pages pinned only by transfers in flight: wait for them, then try once more
@@ -74,7 +120,7 @@ class DeviceSpace:
             return 0
         self.tree.set_hosts(nodes, got.pages, ready=False)
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
-        groups = self._group_runs(nodes, Tier.DEVICE, Tier.HOST) if self.components else ()
+        groups = self.groups.runs(nodes, Tier.DEVICE, Tier.HOST) if self.groups else ()
         self._submit(copy_plan, Backup(nodes), Tier.DEVICE, list(map(device_page_of, nodes)), Tier.HOST, got.pages, 0, groups)
         return len(nodes)
 
@@ -88,7 +134,7 @@ class DeviceSpace:
             self.stats.backed_up_bytes += len(nodes) * self._page_bytes
         else:
             self.stats.transfer_failures += 1
-            self._groups_left(Tier.HOST, nodes)
+            self.groups.left(Tier.HOST, nodes)
             self.host_alloc.free([tree.clear_host(n) for n in nodes])
         tree.unlock(nodes[-1])
         if ok and self.port.has_storage and self.storage_config.write_policy == "write_through":
@@ -106,10 +152,13 @@ class DeviceSpace:
         tree = self.tree
         while freed < n:
             before = freed
-            cleared: list[PageNode] | None = [] if self.components else None
-            cheap = tree.drop_backed_up(n - freed, cleared, older_than)
-            if cleared:
-                self._groups_left(Tier.DEVICE, cleared)
+            if self.groups:  # their other groups' objects leave with the pages
+                cleared: list[PageNode] = []
+                cheap = tree.drop_backed_up_bounded(n - freed, cleared, older_than)
+                if cleared:
+                    self.groups.left(Tier.DEVICE, cleared)
+            else:
+                cheap = tree.drop_backed_up(n - freed)
             self.dev_alloc.free(cheap)
             freed += len(cheap)
             if freed < n:
@@ -147,7 +196,8 @@ class DeviceSpace:
         tree, free their device pages; empties the batch."""
         if batch.leaving:
             tree = self.tree
-            self._groups_left(Tier.DEVICE, batch.leaving)
+            if self.groups:
+                self.groups.left(Tier.DEVICE, batch.leaving)
             pages = tree.clear_devices(batch.leaving)
             for node in batch.gone:
                 tree.remove(node)
@@ -162,7 +212,7 @@ class DeviceSpace:
             return False
         tree = self.tree
         self.stats.host_evicted_pages += self._forget_host_only(below)
-        self._groups_left(Tier.DEVICE, (v,))
+        self.groups.left(Tier.DEVICE, (v,))
         self.dev_alloc.free([tree.clear_device(v)])
         tree.remove(v)
         return True
@@ -177,14 +227,14 @@ class DeviceSpace:
             return 0
         self.tree.set_hosts(victims, got.pages, ready=False)  # victims are LRU-ordered, descendants first
         self.tree.pin(victims)  # on device: each lock covers its node alone
-        groups = self._group_runs(victims, Tier.DEVICE, Tier.HOST) if self.components else ()
+        groups = self.groups.runs(victims, Tier.DEVICE, Tier.HOST) if self.groups else ()
         op = self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages, 0,
                           groups)
         c = self._await(op)
         self.tree.unpin(victims)
         if type(c) is not Done:
             self.stats.transfer_failures += 1
-            self._groups_left(Tier.HOST, victims)
+            self.groups.left(Tier.HOST, victims)
             self.host_alloc.free([self.tree.clear_host(v) for v in victims])
             return 0
         self.tree.mark_host_ready(victims)

@@ -14,19 +14,23 @@ import itertools
 import logging
 
 from kvtier.core.plans import Completion, CutShort, Done, Failed, Reason
+from kvtier.core.state import CoreState
 from kvtier.core.tags import JobTag, PrefetchHandle
 from kvtier.errors import ExecutorError, InvalidStateError
-from kvtier.core.port import ExecutorPort
 from kvtier.radix import NO_PAGE
 
 log = logging.getLogger(__name__)
 
+#: what a completion may be (anything else from a port is counted and ignored)
+_COMPLETIONS = frozenset({Done, CutShort, Failed})
+_TIMEOUT = Reason.TIMEOUT
 
-class PlanDispatch:
-    """The plan/completion bookkeeping :class:`~kvtier.core.base.CoreBase` is built on."""
 
-    def _init_dispatch(self, port: ExecutorPort) -> None:
-        self.port = port
+class PlanDispatch(CoreState):
+    """The plan/completion bookkeeping every core is built on (the layer above :class:`CoreState`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._ops = itertools.count(1)
         #: plans in flight: op -> what for
         self._inflight: dict[int, JobTag | PrefetchHandle] = {}
@@ -41,6 +45,9 @@ class PlanDispatch:
         self._lost: str | None = None
         #: plans that timed out -> the host pages held until their late answer (see PageAllocator.hold)
         self._held_for: dict[int, list[int]] = {}
+        #: what waits for plans to finish (a core's quarantined pages; changed in place): while it holds
+        #: anything, :meth:`_completions_applied` runs after each batch of completions
+        self._waiting_for_plans: list = []
 
     def _submit(self, plan_of, tag: JobTag | PrefetchHandle, *args) -> int:
         op = self._last_op = next(self._ops)
@@ -94,42 +101,39 @@ class PlanDispatch:
             done, self._deferred = self._deferred + done, []
         for c in done:
             self._apply(c)
-        if done:
+        if done and self._waiting_for_plans:
             self._completions_applied()
         return len(done)
 
-    def _hold_late(self, op: int, nodes) -> None:
-        """Plan ``op`` may still write into ``nodes``' host copies after the core gave up on it: a core that
-        keeps other objects beside those pages holds them too, until :meth:`_released_late`."""
-
-    def _released_late(self, op: int) -> None:
-        """The late answer of plan ``op`` came: what :meth:`_hold_late` held may be handed out again."""
-
     def _completions_applied(self) -> None:
-        """Completions were applied (a core whose pages wait for plans to finish frees them here)."""
+        """Completions were applied while something waits for plans to finish (``_waiting_for_plans``):
+        :class:`~kvtier.core.cache_core.CacheCore` frees its quarantined pages here; nothing by default."""
 
     def _apply(self, c: Completion) -> None:
         kind = type(c)
-        completion = kind is Done or kind is CutShort or kind is Failed
-        tag = self._inflight.pop(c.op, None) if completion else None
+        tag = self._inflight.pop(c.op, None) if kind in _COMPLETIONS else None
         if tag is None:
-            held = self._held_for.pop(c.op, None) if completion else None
-            if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
-                self.host_alloc.release_hold(held)
-                self._released_late(c.op)
-                return
-            # a plan never made, or answered twice: nothing to apply, the rest of the batch still is
-            self.stats.unknown_completions += 1
-            log.warning("ignored a completion for no plan in flight: %r", c)
+            self._unmatched(c)
             return
-        if kind is Failed and c.reason is Reason.TIMEOUT:
+        if kind is not Done and c.reason is _TIMEOUT:
             # the plan may still run late: its host pages must not be handed out again until it answers
             held = [n.host_page for n in tag.nodes if n.host_page != NO_PAGE]
             self.host_alloc.hold(held)
             self._held_for[c.op] = held
-            self._hold_late(c.op, tag.nodes)
+            self.groups.hold_late(c.op, tag.nodes)
             self.stats.timed_out_plans += 1
         self._on[type(tag)](c, tag)
+
+    def _unmatched(self, c: object) -> None:
+        """A completion of no plan in flight: the late answer of one that timed out (its held pages go back
+        now), or of a plan never made or answered twice (ignored and counted; the batch goes on)."""
+        held = self._held_for.pop(c.op, None) if type(c) in _COMPLETIONS else None
+        if held is not None:  # the late answer of a plan that timed out: nothing touches its host pages now
+            self.host_alloc.release_hold(held)
+            self.groups.released_late(c.op)
+            return
+        self.stats.unknown_completions += 1
+        log.warning("ignored a completion for no plan in flight: %r", c)
 
     def wait_for(self, ops) -> int:
         """Block until the plans ``ops`` finished, then apply every completion collected."""

@@ -22,7 +22,7 @@ the copy into engine blocks together (the copy follows the fetch,
 plans the copy out of engine blocks and its write-through save together, and
 each outcome is applied when its completion comes back.
 
-Hybrid models (``model=``, :mod:`~kvtier.core.group_residency`): the engine owns
+Hybrid models (``model=``, :mod:`~kvtier.core.group_objects`): the engine owns
 every group's device blocks too, so the calls take them per group -- ``groups``
 maps each non-full group to one engine id (or None) per page: a sliding-window
 group's block of that page, a state group's slot holding the snapshot at the
@@ -45,16 +45,16 @@ from dataclasses import dataclass, field
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.base import CoreBase
-from kvtier.core.group_residency import GroupResidency
-from kvtier.core.hybrid_match import usable_prefix
+from kvtier.core.group_objects import groups_for
 from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
-from kvtier.core.results import MatchResult
-from kvtier.core.tags import GroupBackup, JobTag, PrefetchHandle
-from kvtier.errors import PageAlignmentError, PageIndexError
+from kvtier.core.results import MatchResult, Waiter
+from kvtier.core.tags import GroupLoad, JobTag, PrefetchHandle
+from kvtier.errors import PageAlignmentError, PageIndexError, PageOwnershipError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
+from kvtier.pages import first_duplicate
 from kvtier.radix import NO_PAGE, PageNode
 from kvtier.spec import KVSpec
 
@@ -101,7 +101,9 @@ class EngineLoad:
 
     ``wait_layer(i)`` blocks until layer ``i`` of those pages is in device memory.
     Pages ``loaded:`` were not available (evicted, missing or failed in L3) and must
-    be recomputed by the engine. Hand it back with :meth:`EngineDeviceCore.release`."""
+    be recomputed by the engine. Hand it back with :meth:`EngineDeviceCore.release`.
+    The core records what the load keeps (its locks, held objects, outcome) through
+    its methods; nothing else writes them."""
 
     requested: int
     loaded: int
@@ -109,13 +111,13 @@ class EngineLoad:
     from_storage: int
     device_pages: list[int]
     op: int | None = None
-    core: CoreBase | None = field(default=None, repr=False)
+    waiter: Waiter | None = field(default=None, repr=False)
+    #: planned (:meth:`EngineDeviceCore.plan_load`): released when its completion is applied
+    release_on_completion: bool = field(default=False, repr=False)
     #: the completion of the copy, once applied (None while in flight)
     outcome: Completion | None = field(default=None, repr=False)
     _locked: PageNode | None = field(default=None, repr=False)
     _released: bool = field(default=False, repr=False)
-    #: planned (:meth:`EngineDeviceCore.plan_load`): released when its completion is applied
-    release_on_completion: bool = field(default=False, repr=False)
     #: a hybrid model: the nodes whose group objects the copy reads (held until it is released)
     _held: list[PageNode] = field(default_factory=list, repr=False)
     #: the deepest page a fetch before the copy brought, locked from the fetch's completion to the copy's
@@ -126,9 +128,40 @@ class EngineLoad:
         """False when the copy failed: every page of this load must be recomputed."""
         return self.outcome is None or type(self.outcome) is Done
 
+    @property
+    def released(self) -> bool:
+        return self._released
+
     def wait_layer(self, layer: int) -> None:
-        if self.op is not None and self.core is not None:
-            self.core.wait_layer(self.op, layer)
+        if self.op is not None and self.waiter is not None:
+            self.waiter.wait_layer(self.op, layer)
+
+    def finished(self, outcome: Completion) -> bool:
+        """The copy's completion; True when the load releases itself now (a planned one)."""
+        self.outcome = outcome
+        return self.release_on_completion and self.mark_released()
+
+    def mark_released(self) -> bool:
+        """True the first time (the caller then hands back what the load keeps), False after."""
+        if self._released:
+            return False
+        self._released = True
+        return True
+
+    def keep_fetched(self, node: PageNode) -> bool:
+        """The fetch before the copy completed and ``node``, its deepest page, is locked for the copy: kept
+        until the load is released. False when it is released already (the caller unlocks it at once)."""
+        if self._released:
+            return False
+        self._fetch_locked = node
+        return True
+
+    def hand_back(self) -> tuple[PageNode | None, PageNode | None, list[PageNode]]:
+        """What the load keeps -- its lock, the fetch's lock, its held objects' nodes --, handed back once."""
+        out = (self._locked, self._fetch_locked, self._held)
+        self._locked = self._fetch_locked = None
+        self._held = []
+        return out
 
 
 class OffloadCopy(JobTag):
@@ -143,30 +176,31 @@ class VoidSave(JobTag):
     __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
 class IntoEngine(JobTag):
-    """host pages -> engine device blocks; the nodes stay locked by ``load`` until it is released."""
+    """host pages -> engine device blocks; the nodes stay locked by ``load`` until it is released.
+    ``groups``: how many objects of each other group it brings."""
 
-    load: EngineLoad
+    __slots__ = ("load", "groups")
+
+    def __init__(self, nodes: list[PageNode], load: EngineLoad, groups: tuple[GroupLoad, ...] = ()):
+        self.nodes = nodes
+        self.load = load
+        self.groups = groups
 
 
-class EngineDeviceCore(GroupResidency, CoreBase):
+class EngineDeviceCore(CoreBase):
     """See the module docstring: ``host`` allocates the ids of the host pool the executors hold;
     the engine allocates its device blocks itself. ``model``: a hybrid model whose full group is
-    ``spec``; ``group_hosts``: each other group's host allocator; ``state_every``: see
-    :meth:`~kvtier.core.group_residency.GroupResidency.snapshot_boundaries`."""
+    ``spec``; ``group_hosts``: each other group's host allocator; ``state_every``: the cadence
+    of state snapshots, in pages."""
 
     def __init__(self, spec: KVSpec, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
                  model: ModelSpec | None = None, group_hosts: dict[str, PageAllocator] | None = None, state_every: int = 1):
         super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats)
-        #: (no device loads of the tree's own: the engine's copies hold their objects instead)
-        self._loading: dict[PageNode, int] = {}
-        self._init_groups(model, {name: (None, alloc) for name, alloc in (group_hosts or {}).items()}, state_every)
-        self._on[OffloadCopy] = self._offloaded
-        self._on[IntoEngine] = self._finish_into_engine
-        self._on[VoidSave] = self._applied_where_waited
-        self._on[GroupBackup] = self._finish_group_backup
+        pools = {name: (None, alloc) for name, alloc in (group_hosts or {}).items()}
+        self.groups = groups_for(model, pools, spec, tree=self.tree, state_every=state_every, device=None, host=host)
+        self._on |= {OffloadCopy: self._offloaded, IntoEngine: self._finish_into_engine, VoidSave: self._applied_where_waited}
         #: planned offload copy -> the write-through save that follows it
         self._save_after: dict[int, int] = {}
 
@@ -176,8 +210,8 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         also proves every cached page is evictable."""
         self._check_host(caller_host_pages, idle)
         assert all(n.device_page == NO_PAGE for n in self.tree.nodes.values()), "a node holds a device page in an engine-device core"
-        if self.components:
-            self._check_groups({}, {}, idle)
+        if self.groups:
+            self.groups.check({}, {}, idle)
 
     # ---- queries ---------------------------------------------------------------------------
     def lookup(self, keys: Sequence[PageHash]) -> HostLookup:
@@ -192,7 +226,7 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         st.host_hit_pages += host
         st.storage_hit_pages += stored
         if limited_by is not None:
-            self.component(limited_by).limited += 1
+            self.groups.component(limited_by).limited += 1
         return HostLookup(host, stored, probed, limited_by)
 
     def _usable(self, keys: list[PageHash]) -> tuple[list[PageNode], int, int, str | None, bool]:
@@ -204,13 +238,13 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         host = self.tree.readable_host_run(path)
         limited_by = None
         usable = host
-        if self.components:
-            hybrid = self._hybrid_prefix(path, 0, host)
+        if self.groups:
+            hybrid = self.groups.prefix(path, 0, host)
             usable, limited_by = hybrid.pages, hybrid.limited_by
         probed = self.port.has_storage and host == len(path) < len(keys)
         stored = self._ask(self.port.stored_prefix, keys[host:]) if probed else 0
-        if stored and self.components:
-            stored = self._stored_usable(path, 0, keys[: host + stored], stored)
+        if stored and self.groups:
+            stored = self.groups.stored_usable(path, 0, keys[: host + stored], stored, self._stored_prefix)
         if stored:
             return path, host, stored, None, probed
         return path, usable, 0, limited_by, probed
@@ -244,7 +278,7 @@ class EngineDeviceCore(GroupResidency, CoreBase):
             # below readable ones, so that a copy that fails never strands pages below it
             return OffloadResult(len(keys), have, 0, want)
         objects_op = None
-        if groups and self.components and have:  # objects the engine has beside pages held without them
+        if groups and self.groups and have:  # objects the engine has beside pages held without them
             sources = {name: {path[i]: ids[i] for i in range(have) if ids[i] is not None} for name, ids in groups.items()}
             objects_op = self._backup_objects(path, sources)
             if objects_op is not None and wait:  # (applied through its handler: the nodes are unpinned there)
@@ -266,7 +300,7 @@ class EngineDeviceCore(GroupResidency, CoreBase):
             tree.lock(nodes[-1])  # released when the copy completes
             tree.touch(path + nodes)
             tag = OffloadCopy(nodes)
-            runs = self._objects_out(nodes, groups, have) if groups and self.components else ()
+            runs = self._objects_out(nodes, groups, have) if groups and self.groups else ()
             op = self._submit(copy_plan, tag, Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages, 0, runs)
             if not wait:  # the engine keeps its blocks until this op completes (a connector's get_finished)
                 if self.port.has_storage and self.storage_config.write_policy == "write_through":
@@ -308,7 +342,7 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         """The engine's per-group ids, before anything changes: known groups, one entry per page, ids
         that are whole numbers >= 0 or None."""
         for name, ids in (groups or {}).items():
-            self.component(name)
+            self.groups.component(name)
             if not isinstance(ids, (list, tuple)) or len(ids) != num_pages:
                 raise PageAlignmentError(f"{call}, KV group {name!r}: pass one engine id (or None) per page ({num_pages}), got "
                                          f"{len(ids) if isinstance(ids, (list, tuple)) else type(ids).__name__}")
@@ -321,12 +355,12 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         id of its group (as many as its pool can give) and attached now: they are readable when
         their pages are, and leave with them if the copy fails."""
         runs = []
-        for c in self.components:
+        for c in self.groups.components:
             ids = groups.get(c.name)
             if ids is None:
                 continue
             at = [j for j in range(len(nodes)) if ids[first + j] is not None]
-            got = self._alloc_group(c, Tier.HOST, len(at)) if at else []
+            got = self.groups.alloc(c, Tier.HOST, len(at)) if at else []
             at = at[: len(got)]
             if not at:
                 continue
@@ -344,31 +378,26 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         arriving with the fetch), and an engine id for each one after ``first`` -- and the runs that
         copy those objects into the engine's ids (places counted from ``first``), and the nodes they
         hang on, held until the load is released. Without groups: every node, no runs."""
-        if not self.components:
+        groups_part = self.groups
+        if not groups_part:
             return len(nodes), (), []
         groups = groups or {}
         none = [None] * len(nodes)
-        in_tree = self._tree_has(nodes, 0)  # (readable on host: an object still being copied there is not)
-        has = {}
-        for c in self.components:
-            ids, there = groups.get(c.name) or none, in_tree[c.name]
-            if c.is_state:  # the snapshot at boundary b hangs on page b - 1
-                has[c.name] = lambda b, ids=ids, there=there: b <= first or (ids[b - 1] is not None and there(b))
-            else:
-                has[c.name] = lambda i, ids=ids, there=there: i < first or (ids[i] is not None and there(i))
-        d = usable_prefix(len(nodes), self.model.groups, self.spec.page_size, has).pages
+        in_tree = groups_part.tree_has(nodes, 0)  # (readable on host: an object still being copied there is not)
+        has = {c.name: lambda p, ids=groups.get(c.name) or none, there=in_tree[c.name]: p < first or (ids[p] is not None and there(p))
+               for c in groups_part.components}
+        d = groups_part.usable(len(nodes), has)
         if d <= first:
             return d, (), []
         runs, held = [], {}
-        for c in self.components:
+        for c in groups_part.components:
             ids, at = groups[c.name], c.at[Tier.HOST]
-            places = [i for i in self.needed_places(c, d) if i >= first]
+            places = [i for i in c.kind.places(d) if i >= first]
             if places:
                 runs.append(GroupRun(c.name, tuple(i - first for i in places), tuple(at[nodes[i]] for i in places),
                                      tuple(ids[i] for i in places)))
-                c.loaded += len(places)
                 held.update(dict.fromkeys(nodes[i] for i in places))
-        self.hold_groups(list(held))
+        groups_part.hold(list(held))
         return d, tuple(runs), list(held)
 
     # ---- L3 -> host -> engine device ----------------------------------------------------------
@@ -379,6 +408,7 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         if len(keys) != len(engine_pages):
             raise PageAlignmentError(f"load: {len(keys)} page keys but {len(engine_pages)} device pages; pass one device page per key")
         self._check_engine_groups("load", groups, len(keys))
+        _check_load_targets(engine_pages, groups)
         self.poll()
         keys = list(keys)
         path, host, stored, _, _ = self._usable(keys)
@@ -396,12 +426,13 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         """The copy of ``nodes`` (a hybrid model: as far as every group can continue) into the engine."""
         n, runs, held = self._objects_in(nodes, groups, first)
         nodes = nodes[:n]
-        load = EngineLoad(len(keys), n, min(host, n), max(0, n - host), list(engine_pages[first:n]), core=self, _locked=locked,
-                          release_on_completion=planned, _held=held)
+        load = EngineLoad(len(keys), n, min(host, n), max(0, n - host), list(engine_pages[first:n]), waiter=self,
+                          release_on_completion=planned, _locked=locked, _held=held)
         if n:
             self.tree.touch(nodes)
         if n > first:
-            load.op = self._submit(copy_plan, IntoEngine(nodes[first:], load), Tier.HOST, [node.host_page for node in nodes[first:]],
+            tag = IntoEngine(nodes[first:], load, tuple(GroupLoad(run.group, len(run.at)) for run in runs))
+            load.op = self._submit(copy_plan, tag, Tier.HOST, [node.host_page for node in nodes[first:]],
                                    Tier.DEVICE, list(engine_pages[first:n]), handle.op if handle is not None else 0, runs)
             if handle is not None:  # the pages it fetches stay locked for this copy once they arrived
                 handle.then = load
@@ -446,21 +477,20 @@ class EngineDeviceCore(GroupResidency, CoreBase):
         return self._engine_load(keys, engine_pages, nodes, host, first, groups, locked, planned=True, handle=handle)
 
     def _finish_into_engine(self, c: Completion, tag: IntoEngine) -> None:
-        tag.load.outcome = c
+        if tag.groups:  # (a copy cut short counts as failed, as its pages do)
+            self.groups.count_loads(tag.groups, type(c) is Done)
         if type(c) is Done:
             self.stats.loaded_pages += len(tag.nodes)
             self.stats.loaded_bytes += len(tag.nodes) * self._page_bytes
         else:
             self.stats.transfer_failures += 1
-        if tag.load.release_on_completion:
-            tag.load._released = True
+        if tag.load.finished(c):
             self._unlock_load(tag.load)
 
     def release(self, load: EngineLoad) -> None:
         """Wait for ``load``'s copy to land, then unlock its host pages. Idempotent."""
-        if load._released:
+        if not load.mark_released():
             return
-        load._released = True
         try:
             if load.op is not None and load.op in self._inflight:
                 self.wait_for((load.op,))
@@ -468,15 +498,27 @@ class EngineDeviceCore(GroupResidency, CoreBase):
             self._unlock_load(load)
 
     def _fetched_for(self, load: EngineLoad, node: PageNode) -> None:
-        if not load._released:
-            self.tree.lock(node)
-            load._fetch_locked = node
+        self.tree.lock(node)
+        if not load.keep_fetched(node):
+            self.tree.unlock(node)
 
     def _unlock_load(self, load: EngineLoad) -> None:
-        self.tree.unlock(load._locked)
-        load._locked = None
-        self.tree.unlock(load._fetch_locked)
-        load._fetch_locked = None
-        if load._held:
-            self.release_groups(load._held)
-            load._held = []
+        locked, fetch_locked, held = load.hand_back()
+        self.tree.unlock(locked)
+        self.tree.unlock(fetch_locked)
+        if held:
+            self.groups.release(held)
+
+
+def _check_load_targets(engine_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None) -> None:
+    """A load's engine ids name each destination once: an engine block per page, an id per object of a
+    group (two copies into one would race for it, as a plan's would, :func:`~kvtier.core.plans.plan_error`).
+    Raises :class:`PageOwnershipError` before the core changes anything."""
+    twice = first_duplicate(engine_pages)
+    if twice is not None:
+        raise PageOwnershipError(f"load: engine block {twice} is named for two pages; each page lands in a block of its own")
+    for name, ids in (groups or {}).items():
+        twice = first_duplicate([i for i in ids if i is not None])
+        if twice is not None:
+            raise PageOwnershipError(f"load, KV group {name!r}: engine id {twice} is named for two objects; each object lands in "
+                                     "an id of its own")

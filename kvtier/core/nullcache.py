@@ -1,7 +1,9 @@
 """A prefix cache that caches nothing: the recompute baseline, behind the same API.
 
 It is a real backend, not a mock: ``kvtier run`` replays every workload through
-it to measure what recomputing everything costs, with the same engine code.
+it to measure what recomputing everything costs, with the same engine code. It
+serves :class:`~kvtier.core.request.CacheRequest` through the request's declared
+face (:class:`~kvtier.core.request.RequestCache`) and keys nothing.
 """
 
 from __future__ import annotations
@@ -15,22 +17,46 @@ from kvtier.errors import UnknownNameError
 from kvtier.metrics import CacheStats
 
 
-class NullCache:
-    """``group_pools``: a hybrid model's other groups' device pools (by group name): a request computes
-    their objects too, and they are freed at commit like its pages."""
+class BaselineGroups:
+    """A hybrid model's other groups in the baseline: their device pools by name (a request computes their
+    objects too, freed at commit like its pages), nothing kept, so no object is wanted anywhere and no
+    request is given one (what :class:`~kvtier.core.request.CacheRequest` asks of a cache's groups)."""
 
-    #: nothing is matched, so no request is ever given a group's objects
-    components = ()
+    __slots__ = ("pools",)
+    components: tuple = ()
+
+    def __init__(self, pools: dict):
+        self.pools = pools
+
+    def component(self, name: str):
+        if name not in self.pools:
+            raise UnknownNameError("KV group beside full attention", name, self.pools)
+        return self.pools[name]
+
+    def handed_places(self, name: str, first: int, pages: int, *, at_end: bool = True) -> Sequence[int]:
+        self.component(name)
+        return []
+
+    def release(self, nodes) -> None:
+        """(No request is ever given an object to hold.)"""
+
+
+class NullCache:
+    """``group_pools``: a hybrid model's other groups' device pools (by group name)."""
 
     def __init__(self, device_pool, group_pools: dict | None = None):
         self.device = device_pool
         self.spec = device_pool.spec
         self.dev_alloc = device_pool.allocator
         self.group_pools = dict(group_pools or {})
+        self.groups = BaselineGroups(self.group_pools)
         self.stats = CacheStats()
         self.storage = None
-        #: no load ever fails here (nothing is loaded): the request's failed-load checks stay idle
-        self.load_failure_gen = 0
+
+    #: nothing is matched, so no request is ever given a group's objects
+    components = ()
+    #: no load ever fails here (nothing is loaded): a request's failed-load checks stay idle
+    load_failure_gen = 0
 
     def match(self, tokens_or_keys: Sequence[int], *, count: bool = True) -> MatchResult:
         if count:
@@ -41,23 +67,11 @@ class NullCache:
     def begin(self, tokens_or_keys: Sequence[int], *, usable_pages: int | None = None, prefetch: bool = True,
               prefetch_policy: str | None = None) -> CacheRequest:
         """A request with nothing cached: every page is computed, committed pages are freed."""
-        m = self.match(tokens_or_keys)
-        full = len(tokens_or_keys) // self.spec.page_size
-        return CacheRequest(self, [None] * full, 0, 0, 0, [], self.load_back(m), None)  # keys are never looked at
+        self.match(tokens_or_keys)
+        return CacheRequest(self, (), len(tokens_or_keys) // self.spec.page_size, 0, 0, 0, [], LoadResult(None, [], 0, 0), None)
 
-    def lock(self, node) -> None:
+    def unlock(self, node) -> None:
         pass
-
-    unlock = lock
-
-    def prefetch(self, match: MatchResult) -> None:
-        return None
-
-    def resolve_prefetch(self, handle, policy: str | None = None) -> int:
-        return 0
-
-    def load_back(self, match: MatchResult) -> LoadResult:
-        return LoadResult(None, [], 0, 0)
 
     def request_finished(self, serial: int) -> None:
         pass
@@ -71,27 +85,19 @@ class NullCache:
     def free_device(self, pages: list[int]) -> None:
         self.dev_alloc.free(pages)
 
-    def insert(self, tokens_or_keys, device_pages: Sequence[int]) -> InsertResult:
-        self.dev_alloc.free(list(device_pages))
-        return InsertResult([], 0, list(device_pages), None)
-
     def commit_request(self, keys, device_pages: Sequence[int], prefix, groups=None) -> InsertResult:
         for name, ids in (groups or {}).items():
             self.free_group(name, [i for i in ids if i is not None])
-        return self.insert(keys, device_pages)
-
-    def component(self, name: str):
-        if name not in self.group_pools:
-            raise UnknownNameError("KV group beside full attention", name, self.group_pools)
-        return self.group_pools[name]
+        self.dev_alloc.free(list(device_pages))
+        return InsertResult([], 0, list(device_pages), None)
 
     def alloc_group(self, name: str, n: int) -> list[int]:
-        alloc = self.component(name).allocator
+        alloc = self.groups.component(name).allocator
         return alloc.alloc(min(n, alloc.num_free)).pages
 
     def free_group(self, name: str, ids: list[int]) -> None:
         if ids:
-            self.component(name).allocator.free(ids)
+            self.groups.component(name).allocator.free(ids)
 
     def snapshot_boundaries(self, first: int, pages: int) -> list[int]:
         return []  # nothing is kept: no state snapshot is worth taking

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import ClassVar
 
 import numpy as np
 
@@ -66,12 +67,18 @@ class Transfer:
     groups: tuple[GroupRun, ...] = ()
 
     def __post_init__(self) -> None:
-        n = self.num_pages
-        sides = (self.src_pages, self.src), (self.dst_pages, self.dst)
-        for pages, tier in sides:
-            if len(pages if tier is not Tier.STORAGE else self.keys) != n:
-                raise PageAlignmentError(f"plan {self.op}: {self.src.name}->{self.dst.name} names {len(pages)} {tier.name.lower()} pages "
-                                         f"for {n} pages; every side of a plan names whole pages, one per page")
+        src, dst, storage = self.src, self.dst, Tier.STORAGE
+        if src is storage or dst is storage:  # a save or a fetch: one key per page
+            n = len(self.keys)
+            whole = len(self.src_pages if src is not storage else self.dst_pages) == n
+        else:
+            n = len(self.src_pages)
+            whole = len(self.dst_pages) == n
+        if not whole:
+            for pages, tier in (self.src_pages, src), (self.dst_pages, dst):
+                if tier is not storage and len(pages) != n:
+                    raise PageAlignmentError(f"plan {self.op}: {src.name}->{dst.name} names {len(pages)} {tier.name.lower()} pages "
+                                             f"for {n} pages; every side of a plan names whole pages, one per page")
 
     @property
     def num_pages(self) -> int:
@@ -106,11 +113,17 @@ class Reason(Enum):
     TIMEOUT = "timeout"          # not every rank reported it within the bound; it may still run (its host pages are held)
 
 
+# Every completion answers the same questions -- ``op``, ``reason`` (None when done), ``existing`` (saves: pages
+# the store already held) and ``corrupt`` (fetches: objects that failed their checks) -- so a reader never probes.
+
+
 @dataclass(frozen=True, slots=True)
 class Done:
     op: int
     #: saves: pages the store already held (not written again)
     existing: int = 0
+    reason: ClassVar[None] = None
+    corrupt: ClassVar[int] = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +142,8 @@ class Failed:
     op: int
     reason: Reason
     detail: str = ""
+    existing: ClassVar[int] = 0
+    corrupt: ClassVar[int] = 0
 
 
 Completion = Done | CutShort | Failed
@@ -139,6 +154,10 @@ def completed_pages(c: Completion, num_pages: int) -> int:
     if type(c) is Done:
         return num_pages
     return c.pages if type(c) is CutShort else 0
+
+
+#: the element types a checked plan's tuples may hold (checked in C: ``set(map(type, xs)) <= ...``)
+_INT, _BYTES, _GROUP_RUN = frozenset({int}), frozenset({bytes}), frozenset({GroupRun})
 
 
 def plan_shape_error(plan: object) -> str | None:
@@ -155,19 +174,21 @@ def plan_shape_error(plan: object) -> str | None:
         return f"plan {op}: no executor moves {src!r} -> {dst!r}"
     if type(plan.after) is not int or plan.after < 0:
         return f"plan {op}: after={plan.after!r} is not a plan op"
-    if type(plan.groups) is not tuple or any(type(g) is not GroupRun for g in plan.groups):
+    if type(plan.groups) is not tuple or not set(map(type, plan.groups)) <= _GROUP_RUN:
         return f"plan {op}: groups must be a tuple of GroupRun"
     return None
 
 
 def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: dict[str, tuple[int, int]] | None = None,
-               group_storage: Collection[str] = ()) -> str | None:
+               group_storage: Collection[str] = (), group_pools: dict[str, tuple[str | None, str | None]] | None = None) -> str | None:
     """Why an executor must refuse ``plan`` before any byte moves, or None: its shape
     (:func:`plan_shape_error`), a page id that is not an integer in ``[0, pages)`` of its pool, a
-    destination page twice, keys that are not bytes, sides of different lengths, or objects of a
+    destination written twice in one pool (across the page run and every group run: see
+    :func:`_written_twice`), keys that are not bytes, sides of different lengths, or objects of a
     KV group the executor has no pools for (``group_pages``: each group's (device, host) pool
-    sizes; ``group_storage``: the groups it can save and fetch), named the same way. A plan that
-    crossed a pipe was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
+    sizes; ``group_storage``: the groups it can save and fetch; ``group_pools``: the pools a group's
+    objects are written to, :func:`pools_written`), named the same way. A plan that crossed a pipe
+    was unpickled without ``__post_init__``, so nothing about it is taken on trust."""
     why = plan_shape_error(plan)
     if why is not None:
         return why
@@ -186,7 +207,7 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
                 return f"plan {op}: the storage side is named by keys, yet it lists {len(pages)} page ids"
             continue
         arr = np.asarray(pages) if pages else np.zeros(0, dtype=np.int64)
-        if arr.ndim != 1 or arr.dtype.kind not in "iu" or any(type(p) is bool for p in pages):
+        if arr.ndim != 1 or arr.dtype.kind not in "iu" or bool in set(map(type, pages)):
             return f"plan {op}: {tier.name.lower()} pages {pages[:8]!r} are not page ids (integers)"
         if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= sizes[tier]):
             bad = int(arr.min()) if int(arr.min()) < 0 else int(arr.max())
@@ -197,13 +218,45 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
             return f"plan {op}: {n} source pages for {arr.size} destination pages"
         n = arr.size
     keys = plan.keys
-    if type(keys) is not tuple or any(type(k) is not bytes for k in keys):
+    if type(keys) is not tuple or not set(map(type, keys)) <= _BYTES:
         return f"plan {op}: keys must be a tuple of bytes"
     if Tier.STORAGE in (src, dst):
         if len(keys) != n:
             return f"plan {op}: {len(keys)} keys for {n} host pages"
     elif keys:
         return f"plan {op}: a device<->host copy names {len(keys)} storage keys"
+    return _written_twice(plan, group_pools or {}) if plan.groups else None
+
+
+def pools_written(full: tuple[object, object], groups: dict[str, tuple[object, object]]) -> dict[str, tuple[str | None, str | None]]:
+    """Each group's (device, host) pools as :func:`plan_error` names them: None where they are the full
+    pages' own (``full``: a group that shares them, one budget per tier), else the name of the first
+    group over them. Pools are told apart by identity: a shared pool is the same object."""
+    owner = {id(full[0]): None, id(full[1]): None}
+    return {name: (owner.setdefault(id(dev), name), owner.setdefault(id(host), name)) for name, (dev, host) in groups.items()}
+
+
+def _written_twice(plan: Transfer, group_pools: dict[str, tuple[str | None, str | None]]) -> str | None:
+    """A destination id two of ``plan``'s runs would write in one pool -- its pages and a group's objects
+    in the pools they share, or two runs of one group -- or one run writes twice. Each group's copies
+    run on their own engine thread, so which landed last would be a race. (The page run alone is
+    checked where its ids are.)"""
+    if plan.dst is Tier.STORAGE:
+        return None
+    tier = plan.dst.name.lower()
+    side = 0 if plan.dst is Tier.DEVICE else 1
+    writers: dict[str | None, dict[int, str]] = {}
+    for k, run in enumerate(plan.groups):
+        pool = group_pools.get(run.group, (run.group, run.group))[side]
+        if pool not in writers:
+            writers[pool] = dict.fromkeys(plan.dst_pages, "the plan's pages") if pool is None else {}
+        written, by = writers[pool], f"KV group {run.group!r} (run {k})"
+        for i in run.dst_pages:
+            if i in written:
+                where = "the full pages'" if pool is None else f"KV group {pool!r}'s"
+                return (f"plan {plan.op}: {tier} id {i} of {where} {tier} pool is written twice, by {written[i]} and by {by}: which "
+                        "lands last would be a race; a plan writes each destination once")
+            written[i] = by
     return None
 
 
@@ -219,24 +272,22 @@ def _group_run_error(plan: Transfer, run: GroupRun, group_pages: dict[str, tuple
     sizes = {Tier.DEVICE: dev, Tier.HOST: host}
     n = plan.num_pages
     for name, pages in (("at", run.at), ("source", run.src_pages), ("destination", run.dst_pages)):
-        if type(pages) is not tuple or any(type(p) is not int for p in pages):
+        if type(pages) is not tuple or not set(map(type, pages)) <= _INT:
             return f"plan {op}: KV group {run.group!r}: {name} ids must be a tuple of ints"
-    if type(run.keys) is not tuple or any(type(k) is not bytes for k in run.keys):
+    if type(run.keys) is not tuple or not set(map(type, run.keys)) <= _BYTES:
         return f"plan {op}: KV group {run.group!r}: keys must be a tuple of bytes"
     sides = [(run.src_pages, plan.src), (run.dst_pages, plan.dst)]
     named = [len(ids) if tier is not Tier.STORAGE else len(run.keys) for ids, tier in sides]
     places = len(run.at) if n else named[0]  # (a plan of no pages: objects alone, no places)
-    if n == 0 and run.at or not places == named[0] == named[1] or (not storage and run.keys) or any(
-            ids and t is Tier.STORAGE for ids, t in sides):
+    if n == 0 and run.at or not places == named[0] == named[1] or (not storage and run.keys) or (
+            run.src_pages and plan.src is Tier.STORAGE) or (run.dst_pages and plan.dst is Tier.STORAGE):
         return (f"plan {op}: KV group {run.group!r}: {len(run.at)} places, {len(run.src_pages)} source ids, {len(run.dst_pages)} "
                 f"destination ids and {len(run.keys)} keys do not name one object each")
-    if any(not 0 <= p < n for p in run.at):
+    if run.at and (min(run.at) < 0 or max(run.at) >= n):
         return f"plan {op}: KV group {run.group!r}: a place outside the plan's {n} pages"
     for pages, tier in sides:
-        if tier is not Tier.STORAGE and any(not 0 <= p < sizes[tier] for p in pages):
+        if tier is not Tier.STORAGE and pages and (min(pages) < 0 or max(pages) >= sizes[tier]):
             return f"plan {op}: KV group {run.group!r}: a {tier.name.lower()} id outside its pool of {sizes[tier]}"
-    if len(set(run.dst_pages)) != len(run.dst_pages):
-        return f"plan {op}: KV group {run.group!r}: destination ids repeat: two objects would land in one"
     return None
 
 

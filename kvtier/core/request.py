@@ -13,12 +13,13 @@ request twice, leak a lock, free a page the tree maps). Here it is::
     req.commit(pages)                        # all the request's pages in order: full ones are
                                              # inserted, the partial tail is freed, locks released
 
-A hybrid model (:mod:`~kvtier.core.group_residency`): ``req.groups[name]`` maps
+A hybrid model (:mod:`~kvtier.core.group_objects`): ``req.groups[name]`` maps
 places to the device ids of the other groups' objects the request continues
 from (its window's pages, the snapshot at its boundary), held until it ends;
 ``req.alloc_group(name, n)`` gives ids for the objects it computes, and
 ``commit(pages, groups={name: [id or None per full page]})`` hands them over
-(``req.snapshot_boundaries()`` says where the cache wants state snapshots).
+(``req.handed_places(name)`` says at which pages the cache wants them: every page
+it computed for a window, where it keeps a snapshot for a state group).
 
 Lifecycle (enforced; a second ``commit`` or ``abort`` is an :class:`InvalidStateError`)::
 
@@ -34,21 +35,50 @@ out-of-range page is a typed error and the request stays open.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from types import MappingProxyType
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from kvtier.alloc import Allocation
-from kvtier.core.hybrid_match import usable_prefix
+from kvtier.alloc import Allocation, PageAllocator
 from kvtier.errors import IndexTypeError, InvalidStateError, PageOwnershipError
 from kvtier.pages import checked_page_list, first_duplicate, is_ordered_sequence
 
-
 if TYPE_CHECKING:
-    from kvtier.core.cache_core import CacheCore
+    from kvtier.core.group_objects import Groups, NoGroups
     from kvtier.core.results import InsertResult, LoadResult
     from kvtier.hashing import PageHash
     from kvtier.radix import PageNode
+
+
+class RequestCache(Protocol):
+    """What a :class:`CacheRequest` needs of its cache: :class:`~kvtier.core.cache_core.CacheCore` and the
+    recompute baseline :class:`~kvtier.core.nullcache.NullCache` both serve it."""
+
+    #: the device pool's ids (a commit's pages are checked against it)
+    dev_alloc: PageAllocator
+    #: a hybrid model's other KV groups (what a request holds of them, and how far it can continue)
+    groups: Groups | NoGroups
+
+    #: bumped on every failed host->device load: a request re-checks its prefix only when it moved
+    load_failure_gen: int
+
+    def quarantined_pages(self) -> set[int]: ...
+
+    def request_finished(self, serial: int) -> None: ...
+
+    def alloc_device(self, n: int) -> Allocation: ...
+
+    def free_device(self, pages: list[int]) -> None: ...
+
+    def alloc_group(self, name: str, n: int) -> list[int]: ...
+
+    def free_group(self, name: str, ids: list[int]) -> None: ...
+
+    def commit_request(self, keys: Sequence[PageHash], device_pages: list[int], prefix: list[PageNode] | None,
+                       groups: dict[str, list[int | None]] | None = None) -> InsertResult: ...
+
+    def unlock(self, node: PageNode | None) -> None: ...
 
 
 class RequestState(Enum):
@@ -57,39 +87,60 @@ class RequestState(Enum):
     ABORTED = "aborted"
 
 
-@dataclass(eq=False, slots=True)
-class CacheRequest:
-    """Made by :meth:`CacheCore.begin`; see the module docstring for the protocol.
-    ``slots``: one is made per request, on the scheduler's hot path."""
+#: the objects a request of a model without other KV groups is given: none (shared, read-only)
+_NO_OBJECTS: Mapping[str, dict[int, int]] = MappingProxyType({})
 
-    cache: CacheCore
-    keys: list[PageHash]
-    #: pages of the prefix that were on device when the request began (usable at once)
-    device_hit: int
-    #: pages that were in host memory and are being loaded back (layer by layer; see :meth:`wait_layer`)
-    host_hit: int
-    #: pages this request's prefetch brought from L3 to host, loaded back after the host ones
-    storage_hit: int
-    #: device pages holding the cached prefix, in order: ``device_hit + host_hit`` of them
-    cached_pages: list[int]
-    load: LoadResult
-    _locked: PageNode | None
-    #: the nodes of ``cached_pages`` (kept on device by the lock): commit does not look them up again
-    _prefix: list[PageNode] = field(default_factory=list)
-    _allocated: list[int] = field(default_factory=list)
-    state: RequestState = RequestState.OPEN
-    #: the request's number in the cache (a failed load's pages are freed once older requests finish)
-    serial: int = 0
-    #: the cache's failed-load count when this request last checked its prefix
-    failure_gen: int = 0
-    #: cached pages this request lost to a failed host->device load (they must be recomputed)
-    failed: int = 0
-    #: a hybrid model: group -> place -> device id of the objects the cached prefix continues from
-    groups: dict[str, dict[int, int]] = field(default_factory=dict)
-    #: the nodes whose objects are held for this request
-    _held: list[PageNode] = field(default_factory=list)
-    #: group -> device ids this request allocated (alloc_group) and not yet handed over
-    _group_alloc: dict[str, list[int]] = field(default_factory=dict)
+
+#: the one element type the fast commit path takes (a bool, a numpy integer or a float goes the checked way)
+_INTS = frozenset({int})
+
+
+class CacheRequest:
+    """Made by :meth:`CacheCore.begin`; see the module docstring for the protocol. Slotted, with a plain
+    ``__init__``: one is made per request, on the scheduler's hot path.
+
+    ``cache``: its cache; ``keys``: the page keys of its full pages (empty for a cache that keys
+    nothing: the recompute baseline); ``full_pages``: how many full pages it has; ``device_hit``:
+    pages of the prefix on device when it began (usable at once); ``host_hit``: pages in host memory,
+    loaded back layer by layer (:meth:`wait_layer`); ``storage_hit``: pages its prefetch brought from
+    L3, loaded back after those; ``cached_pages``: the device pages holding the cached prefix, in
+    order; ``load``: the loads it waits on; ``serial``: its number in the cache (a failed load's pages
+    are freed once older requests finish); ``failure_gen``: the cache's failed-load count when it
+    last checked its prefix; ``groups`` (a hybrid model): group -> place -> device id of the objects
+    the cached prefix continues from, held for it on the nodes ``held``."""
+
+    __slots__ = ("cache", "keys", "full_pages", "device_hit", "host_hit", "storage_hit", "cached_pages", "load", "_locked", "_prefix",
+                 "_allocated", "state", "serial", "failure_gen", "failed", "groups", "_held", "_group_alloc")
+
+    def __init__(self, cache: RequestCache, keys: Sequence[PageHash], full_pages: int, device_hit: int, host_hit: int,
+                 storage_hit: int, cached_pages: list[int], load: LoadResult, locked: PageNode | None,
+                 prefix: list[PageNode] | None = None, *, serial: int = 0, failure_gen: int = 0,
+                 groups: dict[str, dict[int, int]] | None = None, held: list[PageNode] | None = None):
+        self.cache = cache
+        self.keys = keys
+        self.full_pages = full_pages
+        self.device_hit = device_hit
+        self.host_hit = host_hit
+        self.storage_hit = storage_hit
+        self.cached_pages = cached_pages
+        self.load = load
+        self._locked = locked
+        #: the nodes of ``cached_pages`` (kept on device by the lock): commit does not look them up again
+        self._prefix = prefix if prefix is not None else []
+        self._allocated: list[int] = []
+        self.state = RequestState.OPEN
+        self.serial = serial
+        self.failure_gen = failure_gen
+        #: cached pages this request lost to a failed host->device load (they must be recomputed)
+        self.failed = 0
+        self.groups = groups if groups is not None else _NO_OBJECTS
+        self._held = held if held is not None else ()
+        #: group -> device ids this request allocated (alloc_group) and not yet handed over
+        self._group_alloc: dict[str, list[int]] = {}
+
+    def __repr__(self) -> str:
+        return (f"CacheRequest({self.state.value}, {self.full_pages} pages, cached {self.num_cached}: device {self.device_hit}, "
+                f"host {self.host_hit}, storage {self.storage_hit}, failed {self.failed})")
 
     @property
     def num_cached(self) -> int:
@@ -103,10 +154,17 @@ class CacheRequest:
             n = self._hybrid_usable(n)
         return n
 
+    def handed_places(self, name: str) -> Sequence[int]:
+        """Where the cache wants this request's objects of group ``name`` (places: the full pages they hang
+        on): every page it computes past its cached prefix (a window), or the pages that end where it
+        keeps a state snapshot (every ``state_every`` pages and its last full page)."""
+        return self.cache.groups.handed_places(name, self.num_cached, self.full_pages)
+
     def snapshot_boundaries(self) -> list[int]:
         """Where the cache wants this request's state snapshots: boundaries (pages from the start) past its
-        cached prefix, every ``state_every`` pages and at its last full page."""
-        return self.cache.snapshot_boundaries(self.num_cached, len(self.keys))
+        cached prefix, every ``state_every`` pages and at its last full page (none without a state group)."""
+        state = next((c.name for c in self.cache.groups.components if c.kind.keeps == "state"), None)
+        return [] if state is None else [p + 1 for p in self.handed_places(state)]
 
     def alloc_group(self, name: str, n: int) -> list[int]:
         """Up to ``n`` device ids of group ``name``'s pool, the request's until commit or abort."""
@@ -146,7 +204,8 @@ class CacheRequest:
         full pages first (inserted) and at most one partial tail page (freed). Pages the
         request allocated but did not pass are freed too. Unlocks the prefix."""
         self._check_open("commit")
-        if type(pages) is not list and not is_ordered_sequence(pages):
+        is_list = type(pages) is list
+        if not is_list and not is_ordered_sequence(pages):
             raise IndexTypeError(f"commit: pages must be a list of device page ids, in order, got {type(pages).__name__}")
         cache = self.cache
         load = self.load
@@ -154,19 +213,13 @@ class CacheRequest:
             load.wait()  # every load's outcome is known before anything is inserted over it
         if self.failure_gen != cache.load_failure_gen:
             self._check_prefix()
-        full = len(self.keys)
+        full = self.full_pages
         if not full <= len(pages) <= full + 1:
             raise PageOwnershipError(f"commit: {len(pages)} pages for a request of {full} full pages; pass its {full} full pages "
                                      f"in order, then its partial tail page if it has one")
         alloc = self._allocated
         k = len(pages) - len(alloc)
-        if (
-            isinstance(pages, list)
-            and k >= 0
-            and pages[k:] == alloc
-            and pages[:k] == self.cached_pages[:k]
-            and set(map(type, pages)) <= {int}
-        ):
+        if is_list and k >= 0 and pages[k:] == alloc and pages[:k] == self.cached_pages[:k] and set(map(type, pages)) <= _INTS:
             # the usual shape, the cached prefix then every page it allocated: list comparisons in C
             rest = pages[full:]
             known = self._prefix[:k]
@@ -180,7 +233,8 @@ class CacheRequest:
         result = cache.commit_request(self.keys, pages[:full], known, handed)  # ownership proven above, more strictly than insert's
         if rest:
             cache.free_device(rest)
-        self._free_group_alloc(handed or {})
+        if self._group_alloc:
+            self._free_group_alloc(handed or {})
         self._finish(RequestState.COMMITTED)
         return result
 
@@ -189,13 +243,14 @@ class CacheRequest:
         self._check_open("abort")
         if self._allocated:
             self.cache.free_device(list(self._allocated))
-        self._free_group_alloc({})
+        if self._group_alloc:
+            self._free_group_alloc({})
         self._finish(RequestState.ABORTED)
 
     # ---- internals -----------------------------------------------------------------
     def _check_prefix(self) -> None:
         """Shrink the cached prefix to its last good page if a host->device load failed since the
-        last check (the cache took its device copies away; see :mod:`kvtier.core.failed_loads`)."""
+        last check (the cache took its device copies away; see :mod:`kvtier.core.quarantine`)."""
         gen = self.cache.load_failure_gen
         if gen == self.failure_gen:
             return
@@ -205,30 +260,26 @@ class CacheRequest:
         while good < len(cached) and prefix[good].device_page == cached[good]:
             good += 1
         if self.groups:  # the objects the failure took; then the prefix the rest still continues from
-            cache = self.cache
-            self.groups = {name: {i: gid for i, gid in objs.items() if i < good and cache.holds_object(name, prefix[i], gid)}
+            parts = self.cache.groups
+            self.groups = {name: {i: gid for i, gid in objs.items() if i < good and parts.holds_object(name, prefix[i], gid)}
                            for name, objs in self.groups.items()}
             good = self._hybrid_usable(good)
-            self.groups = {c.name: {i: self.groups[c.name][i] for i in cache.needed_places(c, good)} for c in cache.components}
+            self.groups = {c.name: {i: self.groups[c.name][i] for i in c.kind.places(good)} for c in parts.components}
         if good < len(cached):
             self.failed += len(cached) - good
             self.cached_pages = cached[:good]
             self._prefix = prefix[:good]
 
     def _hybrid_usable(self, n: int) -> int:
-        groups = self.groups
-        has = {name: (lambda i, objs=objs: i in objs) for name, objs in groups.items()}
-        for c in self.cache.components:  # a state group's snapshot at boundary b hangs on page b - 1
-            if c.is_state:
-                has[c.name] = lambda b, objs=groups[c.name]: (b - 1) in objs
-        return usable_prefix(n, self.cache.model.groups, self.cache.spec.page_size, has).pages
+        """The longest prefix of ``n`` pages every group continues from with the objects this request holds."""
+        return self.cache.groups.usable(n, {name: objs.__contains__ for name, objs in self.groups.items()})
 
     def _check_groups(self, groups: dict[str, Sequence[int | None]], full: int) -> dict[str, list[int | None]]:
         """The other groups' ids handed to commit: one entry per full page, each None, the object the
         request was given at that place, or one it allocated; once. Nothing changes on an error."""
         out = {}
         for name, ids in groups.items():
-            self.cache.component(name)  # an unknown group is an UnknownNameError
+            self.cache.groups.component(name)  # an unknown group is an UnknownNameError
             if type(ids) is not list and not is_ordered_sequence(ids) or len(ids) != full:
                 raise PageOwnershipError(f"commit, KV group {name!r}: pass one entry per full page ({full}): an id from "
                                          f"alloc_group, the id the request was given there, or None")
@@ -298,8 +349,8 @@ class CacheRequest:
 
     def _finish(self, state: RequestState) -> None:
         if self._held:
-            self.cache.release_groups(self._held)
-            self._held = []
+            self.cache.groups.release(self._held)
+            self._held = ()
         self.cache.unlock(self._locked)
         self.cache.request_finished(self.serial)
         self._locked = None

@@ -5,14 +5,22 @@ and several of these are built per request on the scheduler's hot path."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvtier.hashing import PageHash
 from kvtier.radix import PageNode
 
-if TYPE_CHECKING:
-    from kvtier.core.base import CoreBase
+
+class Waiter(Protocol):
+    """What a load in flight waits through: the core that planned it (its plans' per-layer waits)."""
+
+    def wait_layer(self, op: int, layer: int) -> None: ...
+
+    def wait_for(self, ops: Collection[int]) -> int: ...
+
+    def in_flight(self, op: int) -> bool: ...
 
 
 @dataclass(slots=True)
@@ -31,7 +39,7 @@ class MatchResult:
     #: pages after the host run that the L3 store holds (prefetch them with :meth:`CacheCore.prefetch`)
     num_storage_pages: int = 0
     #: a hybrid model: the KV group whose objects were missing where the full pages ran on (None: the
-    #: full pages themselves are the limit); see :mod:`kvtier.core.hybrid_match`
+    #: full pages themselves are the limit); see :mod:`kvtier.core.group_kinds`
     limited_by: str | None = None
     #: a hybrid model: the prefix counts objects of device pages that only a host copy holds (the load
     #: back brings them: :meth:`CacheCore.load_back`'s fills)
@@ -70,7 +78,7 @@ class LoadResult:
     loaded: int
     requested: int
     pending: tuple[int, ...] = ()
-    core: CoreBase | None = field(default=None, compare=False, repr=False)
+    waiter: Waiter | None = field(default=None, compare=False, repr=False)
 
     @property
     def ops(self) -> tuple[int, ...]:
@@ -78,15 +86,16 @@ class LoadResult:
 
     def wait_layer(self, layer: int) -> None:
         """Layer ``layer`` of every page of the prefix is in place (the executor's per-layer wait)."""
-        if self.core is not None:
-            core = self.core
+        if self.waiter is not None:
+            waiter = self.waiter
             for op in self.ops:
-                core.wait_layer(op, layer)
+                waiter.wait_layer(op, layer)
 
     def wait(self) -> None:
         """Every load the prefix needs has finished (and its completion is applied)."""
-        if self.core is not None and self.ops:
-            self.core.wait_for(self.ops)
+        waiter = self.waiter
+        if waiter is not None and any(map(waiter.in_flight, self.ops)):  # (already applied: nothing to wait for)
+            waiter.wait_for(self.ops)
 
 
 @dataclass(slots=True)

@@ -15,7 +15,7 @@ class PrefetchHandle:
     op: int = 0
     applied: int = 0
     #: a planned copy out of these host pages that runs after the fetch (an engine-device core's load):
-    #: when the fetch completes, the pages that arrived stay locked for it (``StoragePolicy._fetched_for``)
+    #: when the fetch completes, the pages that arrived stay locked for it (``HostTier._fetched_for``)
     then: object = None
 
     @property
@@ -23,12 +23,30 @@ class PrefetchHandle:
         return len(self.nodes)
 
 
-# ---- what each plan is for: its tag, typed (completions dispatch on the type) ----
 @dataclass(frozen=True, slots=True)
-class JobTag:
-    """The nodes a plan moves; the subclass says what for."""
+class GroupLoad:
+    """What a load brings of one of a hybrid model's other groups, counted when it completes
+    (:meth:`~kvtier.core.group_objects.Groups.count_loads`): ``loaded`` objects
+    beside the pages it loads, ``filled`` beside device pages it does not (fills)."""
 
-    nodes: list[PageNode]
+    group: str
+    loaded: int
+    filled: int = 0
+
+
+# ---- what each plan is for: its tag, typed (completions dispatch on the type) ----
+class JobTag:
+    """The nodes a plan moves; the subclass says what for. Plain slotted classes, read-only by
+    convention: one is made per plan, on the scheduler's hot path (a frozen dataclass's ``__init__``
+    costs twice as much)."""
+
+    __slots__ = ("nodes",)
+
+    def __init__(self, nodes: list[PageNode]):
+        self.nodes = nodes
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self.nodes)} nodes)"
 
 
 class Backup(JobTag):
@@ -37,12 +55,17 @@ class Backup(JobTag):
     __slots__ = ()
 
 
-@dataclass(frozen=True, slots=True)
 class LoadBack(JobTag):
     """host -> device copies of a request's host run; applied by :meth:`CacheCore.poll`. ``fills``:
-    nodes above that run whose pages are on device already, whose other groups' objects it brings."""
+    nodes above that run whose pages are on device already, whose other groups' objects it brings;
+    ``groups``: how many objects of each group it brings."""
 
-    fills: tuple[PageNode, ...] = ()
+    __slots__ = ("fills", "groups")
+
+    def __init__(self, nodes: list[PageNode], fills: tuple[PageNode, ...] = (), groups: tuple[GroupLoad, ...] = ()):
+        self.nodes = nodes
+        self.fills = fills
+        self.groups = groups
 
 
 class EvictionBackup(JobTag):

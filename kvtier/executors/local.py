@@ -14,13 +14,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
-from kvtier.core.plans import Completion, CutShort, Done, Failed, GroupRun, Reason, Tier, Transfer, completed_pages, plan_error, refused
+from kvtier.core.plans import (Completion, CutShort, Done, Failed, GroupRun, Reason, Tier, Transfer, completed_pages, plan_error,
+                                pools_written, refused)
 from kvtier.l3.base import KeyStatus
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.transfer.engine import TransferEngine, TransferJob
-
-_MEDIUM = {Tier.DEVICE: "device", Tier.HOST: "host"}
-
 
 class LocalExecutor:
     def __init__(self, engine: TransferEngine, storage: StorageTier | None = None, groups: dict[str, TransferEngine] | None = None,
@@ -34,6 +32,8 @@ class LocalExecutor:
         self._device_pages = engine.device.num_pages
         self._host_pages = engine.host.num_pages
         self._group_pages = {name: (e.device.num_pages, e.host.num_pages) for name, e in self.groups.items()}
+        #: which pools each group writes (its own, or the full pages' it shares): a plan writes each id of a pool once
+        self._group_pools = pools_written((engine.device, engine.host), {name: (e.device, e.host) for name, e in self.groups.items()})
         self._jobs: dict[int, TransferJob | StorageJob] = {}
         #: a plan's group objects, moving as jobs of their own: op -> (run, its job or None if it could not start)
         self._parts: dict[int, list[tuple[GroupRun, TransferJob | StorageJob | None]]] = {}
@@ -44,13 +44,14 @@ class LocalExecutor:
 
     def submit(self, plan: Transfer, *, layered: bool = False) -> None:
         """Start ``plan``; one that names what it cannot (:func:`~kvtier.core.plans.plan_error`: a page
-        outside its pool, a non-integer page, mismatched lengths) completes as ``Failed(INVALID)``
+        outside its pool, a non-integer page, mismatched lengths, one destination written twice -- by its
+        pages and a group sharing their pools, or by two group runs) completes as ``Failed(INVALID)``
         before any byte moves, and one the engine or tier refuses as ``Failed(ERROR)``, as it would
         across a pipe -- the core's bookkeeping never sees an exception mid-decision.
 
         ``layered`` (a copy out of device pages an engine is computing now): each layer
         is copied once :meth:`release_layer` says it is written (:meth:`release_rest`: all)."""
-        why = plan_error(plan, self._device_pages, self._host_pages, self._group_pages, self.group_storage)
+        why = plan_error(plan, self._device_pages, self._host_pages, self._group_pages, self.group_storage, self._group_pools)
         if why is not None:  # before any byte moves, whatever sent it
             self._ready.append(refused(plan, why))
             return
@@ -71,7 +72,7 @@ class LocalExecutor:
             parts = [(run, self.group_storage[run.group].submit(kind, list(run.keys), list(run.src_pages or run.dst_pages), tag=plan.op))
                      for run in plan.groups]
         else:
-            src, dst = _MEDIUM[plan.src], _MEDIUM[plan.dst]
+            src, dst = plan.src, plan.dst
             # (a layered copy out: each group's objects are copied as that group's layers are written, release_layer)
             parts = [(run, self.groups[run.group].submit(src, dst, list(run.src_pages), list(run.dst_pages), tag=plan.op, layered=layered))
                      for run in plan.groups]
@@ -114,7 +115,8 @@ class LocalExecutor:
         return self.poll()
 
     def settle(self, op: int, policy: str, budget_s: float) -> int:
-        job = self._jobs.get(op)
+        # (a fetch whose pages' job finished while its group objects still move waits in _main_done)
+        job = self._jobs.get(op) or self._main_done.get(op)
         if job is None:
             return 0
         job.settle(policy, budget_s)

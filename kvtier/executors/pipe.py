@@ -50,8 +50,8 @@ class WorkerSpec:
 
     def build(self):
         """The worker's :class:`LocalExecutor` (called in the worker's process)."""
-        from kvtier.build import open_storage_tier
         from kvtier.executors.local import LocalExecutor, group_movers
+        from kvtier.l3.tier import open_storage_tier
         from kvtier.pools import DevicePool, HostPool
         from kvtier.transfer.engine import TransferEngine
 

@@ -7,7 +7,12 @@ Contract of a :class:`StorageBackend` (every method is batched):
 * ``exists(keys)`` -> number of leading keys present (the longest stored prefix).
 * ``get(keys, outs)`` reads each value into the caller's buffer ``outs[i]``
   (a writable memoryview of exactly the object size; zero-copy where the
-  backend allows) and returns a :class:`KeyStatus` per key.
+  backend allows) and returns a :class:`KeyStatus` per key: ``OK`` (the value
+  is in the buffer), ``MISS`` (no such key), ``WRONG_SIZE`` (the key holds a
+  value, but not one of the buffer's size: truncated, extended or empty; the
+  buffer holds no meaning), ``ERROR`` (the store failed for the key). A value
+  of the wrong size is never a store fault: the reader deletes it like an
+  object that fails its check (:mod:`kvtier.l3.mover`), so its key heals.
 * ``set(keys, values)`` stores each value (a readable memoryview) and returns
   a status per key; a value must never be visible half-written.
 * ``delete(keys)`` removes keys (missing ones are fine).
@@ -26,6 +31,11 @@ Contract of a :class:`StorageBackend` (every method is batched):
   tier may run several such calls at once, one per I/O thread, so they must be
   thread-safe. With ``registers_buffers``, memory must be registered with
   ``register_buffer(memoryview)`` before those calls move it without a copy.
+  With ``nodes`` (a Redis Cluster), keys live on nodes that fail apart:
+  ``node_of(key)`` names the node serving a key, a fault is counted against
+  the nodes it came from (``stats.node_errors``; :data:`STORE` for one no node
+  owns), and ``probe_node(name)`` says whether that node answers (see
+  :mod:`kvtier.l3.breaker`).
 
 URLs are parsed and dispatched to backends in :mod:`kvtier.l3.registry`; this
 module imports no backend.
@@ -46,10 +56,16 @@ from kvtier.errors import StorageError
 log = logging.getLogger(__name__)
 
 
+#: the node name of a store's own faults: a store without nodes is this one node
+STORE = "store"
+
+
 class KeyStatus(str, Enum):
     OK = "ok"
     MISS = "miss"
     ERROR = "error"
+    #: ``get``: present, but not an object of the size asked for (see the module docstring)
+    WRONG_SIZE = "wrong_size"
 
 
 @dataclass
@@ -61,6 +77,8 @@ class BackendStats:
     bytes_read: int = 0
     bytes_written: int = 0
     last_error: str = ""
+    #: faults per node, for a store with several (``Capabilities.nodes``); ``errors`` counts them all
+    node_errors: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -75,6 +93,8 @@ class Capabilities:
     batch_bytes: int | None = None
     #: the tier's I/O threads when ``StorageConfig.io_threads`` is unset
     io_threads: int = 2
+    #: keys live on nodes that fail apart: ``node_of(key)``, ``probe_node(name)``, faults per node in ``stats.node_errors``
+    nodes: bool = False
 
 
 class StorageBackend(Protocol):
@@ -91,15 +111,23 @@ class StorageBackend(Protocol):
 
 
 @contextmanager
-def map_storage_errors(stats: BackendStats, what: str, on_error: Callable[[BaseException], None]):
-    """The one place backend client exceptions become per-call failures (logged, counted)."""
+def map_storage_errors(stats: BackendStats, what: str, on_error: Callable[[BaseException], None], nodes: Sequence[str] = ()):
+    """The one place backend client exceptions become per-call failures (logged, counted; against
+    ``nodes`` too, the nodes the call went to, for a store with several)."""
     try:
         yield
     except Exception as e:  # OSError, TimeoutError and each client's own hierarchy (redis.RedisError, ...)
-        stats.errors += 1
-        stats.last_error = f"{what}: {type(e).__name__}: {e}"
-        log.warning("L3 %s failed: %s", what, e)
+        count_fault(stats, what, e, nodes)
         on_error(e)
+
+
+def count_fault(stats: BackendStats, what: str, e: BaseException, nodes: Sequence[str] = ()) -> None:
+    """Count, log and remember a fault (a backend that handles the exception itself calls this)."""
+    for name in nodes:  # before ``errors``: a breaker that sees ``errors`` move finds the node's count moved too
+        stats.node_errors[name] = stats.node_errors.get(name, 0) + 1
+    stats.errors += 1
+    stats.last_error = f"{what}: {type(e).__name__}: {e}"
+    log.warning("L3 %s failed: %s", what, e)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import itertools
 import logging
 import os
 import re
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -261,8 +262,9 @@ class FileBackend:
                     fd = -1
                 if fd >= 0:
                     try:
-                        size = os.fstat(fd).st_size
-                        got = os.preadv(fd, parts, 0) if size == want else -1
+                        st = os.fstat(fd)
+                        regular, size = stat.S_ISREG(st.st_mode), st.st_size
+                        got = os.preadv(fd, parts, 0) if regular and size == want else -1
                         if got == want:
                             os.utime(fd)  # LRU: a hit is a use
                     finally:
@@ -271,8 +273,10 @@ class FileBackend:
                         status[0] = KeyStatus.OK
                         self.stats.get_hits += 1
                         self.stats.bytes_read += got
-                    else:
-                        status[0] = KeyStatus.ERROR  # wrong size: reported, the tier treats it as a miss
+                    elif regular and size != want:
+                        status[0] = KeyStatus.WRONG_SIZE  # not read: the reader deletes it, so the next save writes it again
+                    else:  # not a file (never an object of this store: left alone), or a short read (changed in place)
+                        status[0] = KeyStatus.ERROR
             result.append(status[0])
         return result
 

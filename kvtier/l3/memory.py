@@ -45,7 +45,7 @@ class MemoryBackend:
             if v is None:
                 out.append(KeyStatus.MISS)
             elif len(v) != len(buf):
-                out.append(KeyStatus.ERROR)
+                out.append(KeyStatus.WRONG_SIZE)
             else:
                 self.data.move_to_end(k)
                 buf[:] = v

@@ -137,30 +137,38 @@ class MooncakeBackend:
         totals = [sum(s) for s in sizes]
         ptrs = [self._direct(parts) for parts in outs]
         if all(p is not None for p in ptrs):
-            return self._got(self.store.batch_get_into_multi_buffers(list(keys), ptrs, sizes), totals)
+            return self._got(keys, self.store.batch_get_into_multi_buffers(list(keys), ptrs, sizes), totals)
         with self._bounce_lock:
             offs = self._bounce_offsets(totals, "get")
-            statuses = self._got(self.store.batch_get_into(list(keys), [self._bounce.ctypes.data + o for o in offs], totals), totals)
+            statuses = self._got(keys, self.store.batch_get_into(list(keys), [self._bounce.ctypes.data + o for o in offs], totals), totals)
             for st, parts, o, n in zip(statuses, outs, offs, totals):
                 if st is KeyStatus.OK:
                     scatter_into(self._bounce[o : o + n].data, parts)
         return statuses
 
-    def _got(self, codes: Sequence[int], totals: Sequence[int]) -> list[KeyStatus]:
-        """Per-key statuses of a batch get (a code is the bytes read, or an error)."""
+    def _got(self, keys: Sequence[str], codes: Sequence[int], totals: Sequence[int]) -> list[KeyStatus]:
+        """Per-key statuses of a batch get (a code is the bytes read, or an error). An object of another
+        size fails its get -- fewer bytes read into a plain buffer, an error code for a registered one,
+        or for a buffer too small (-600) -- so a failed key's size is asked: WRONG_SIZE where it differs."""
         out: list[KeyStatus] = []
-        for c, size in zip(codes, totals):
+        for key, c, size in zip(keys, codes, totals):
             if c == size:
                 out.append(KeyStatus.OK)
                 self.stats.get_hits += 1
                 self.stats.bytes_read += size
             elif c == _NOT_FOUND:
                 out.append(KeyStatus.MISS)
+            elif c >= 0 or self._holds_another_size(key, size):
+                out.append(KeyStatus.WRONG_SIZE)
             else:
                 out.append(KeyStatus.ERROR)
         if KeyStatus.ERROR in out:
             self._fault("mooncake get", codes)
         return out
+
+    def _holds_another_size(self, key: str, size: int) -> bool:
+        stored = self.store.get_size(key)  # (negative: an error code, e.g. not found)
+        return stored >= 0 and stored != size
 
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]:
         return self.set_scattered(keys, [(v,) for v in values])

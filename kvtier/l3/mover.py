@@ -12,8 +12,10 @@ through :class:`~kvtier.integrations.sglang.backend.KvtierStorage`):
   in a slab (``get_scattered``), or in a staged object that is checked before
   a byte is copied out; every page is checked against its header
   (:class:`~kvtier.l3.page.PageCodec`) before it counts as read;
-* **repair**: an object that fails its check is a miss, deleted from the
-  store so the next save of its key writes it again, and counted;
+* **repair**: an object that fails its check -- or that the store reports
+  present but of the wrong size (``KeyStatus.WRONG_SIZE``: truncated,
+  extended, empty) -- is a miss, deleted from the store so the next save of
+  its key writes it again (saves skip keys the store has), and counted;
 * **order**: :func:`in_order` runs batches on I/O threads, a bounded number in
   flight, and applies their results in batch order until one fails.
 
@@ -44,8 +46,8 @@ Verdict = tuple[KeyStatus, str]
 
 
 class PageMover:
-    """Reads and writes page objects of one store through its breaker (a store marked down is
-    never called). Thread-safe: I/O threads call it at once, each with its own header slab."""
+    """Reads and writes page objects of one store through its breaker (a store, or a node, marked
+    down is never called). Thread-safe: I/O threads call it at once, each with its own header slab."""
 
     def __init__(self, backend: StorageBackend, breaker: CircuitBreaker, *, on_discard: Callable[[str, str], None] | None = None):
         self.backend = backend
@@ -58,6 +60,8 @@ class PageMover:
         self._lock = threading.Lock()
         self._rows = 0
         self._slabs: queue.SimpleQueue[np.ndarray] = queue.SimpleQueue()
+        #: every block registered with the store, kept while it is open (registered memory must stay alive)
+        self._registered: list[np.ndarray] = []
 
     # ---- batches -----------------------------------------------------------------------
     def batch_pages(self, codec: PageCodec, fallback: int) -> int:
@@ -77,6 +81,7 @@ class PageMover:
         block = np.zeros((count, rows, HEADER_BYTES), dtype=np.uint8)  # one allocation, registered once
         if self.backend.capabilities.registers_buffers:
             self.backend.register_buffer(memoryview(block).cast("B"))
+            self._registered.append(block)  # (freed, the next block could land on it: registered twice, refused)
         for slab in block:
             self._slabs.put(slab)
 
@@ -101,7 +106,8 @@ class PageMover:
     def write(self, codec: PageCodec, names: Sequence[str], keys: Sequence[bytes],
               payloads: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
         """Store each page: ``names[i]`` gets a header for ``keys[i]`` hashed over ``payloads[i]``, then
-        the payload as it is. A status per page (an empty list: the store is marked down)."""
+        the payload as it is. A status per page (an empty list: the store is marked down); from the
+        first page on a node marked down, ERROR without a call."""
         if not self.breaker.available:
             return []
         with self._heads(len(names)) as heads:
@@ -110,16 +116,20 @@ class PageMover:
                 heads[j] = np.frombuffer(codec.header_for_parts(k, payload), dtype=np.uint8)
                 parts.append([memoryview(heads[j]), *payload])
             if self.scattered:
-                return self.breaker.call(self.backend.set_scattered, list(names), parts)
-            return self.breaker.call(self.backend.set, list(names), [memoryview(b"".join(ps)) for ps in parts])
+                statuses = self.breaker.call(self.backend.set_scattered, list(names), parts)
+            else:
+                statuses = self.breaker.call(self.backend.set, list(names), [memoryview(b"".join(ps)) for ps in parts])
+            return _unreached_failed(statuses, len(names))
 
     # ---- read --------------------------------------------------------------------------
     def read(self, codec: PageCodec, names: Sequence[str], keys: Sequence[bytes], payloads: Sequence[Sequence[memoryview]], *,
              leading: bool = True) -> list[Verdict]:
         """Read each page into ``payloads[i]``; a verdict per page, in order. A page is OK only when its
         object arrived and passed its check (a scattered read may have written a page that failed: its
-        buffers hold no meaning then). ``leading``: stop at the first page that is not OK (a chained
-        prefix is useless past it). An empty list: the store is marked down."""
+        buffers hold no meaning then); an object that failed, or was of the wrong size, is deleted and
+        its verdict says why. ``leading``: stop at the first page that is not OK (a chained prefix is
+        useless past it). An empty list: the store is marked down; from the first page on a node
+        marked down, ERROR without a call."""
         if not self.breaker.available:
             return []
         with self._heads(len(names)) as heads:
@@ -137,10 +147,10 @@ class PageMover:
                         scatter_into(memoryview(staged[j]), parts[j])  # header into its slab row, payload into place
                     return verdict
             out: list[Verdict] = []
-            for j, st in enumerate(statuses):
+            for j, st in enumerate(_unreached_failed(statuses, len(names))):
                 why = ""
-                if st is KeyStatus.OK:
-                    verdict = check(j)
+                if st is KeyStatus.OK or st is KeyStatus.WRONG_SIZE:  # an object is there: it must pass its check
+                    verdict = check(j) if st is KeyStatus.OK else "size"
                     if verdict != "ok":
                         st, why = KeyStatus.ERROR, f"{names[j]} rejected ({verdict})"
                         self.discard(names[j], verdict)
@@ -158,6 +168,12 @@ class PageMover:
             self.on_discard(name, verdict)
         with map_storage_errors(self.backend.stats, "delete corrupt", lambda _e: None):
             self.backend.delete([name])
+
+
+def _unreached_failed(statuses: list[KeyStatus] | None, n: int) -> list[KeyStatus]:
+    """A breaker call's statuses for ``n`` names: those it did not reach (past a node marked down) failed."""
+    statuses = statuses or []
+    return statuses + [KeyStatus.ERROR] * (n - len(statuses))
 
 
 def in_order(io: Executor, starts: Iterable[int], work: Callable[[int], object], apply: Callable[[object], bool], *,

@@ -85,10 +85,6 @@ class PageCodec:
             h.update(part)
         return head + h.digest()
 
-    def encode_into(self, out: memoryview, key: PageHash) -> None:
-        """``out`` holds the payload at ``[HEADER_BYTES:]``; write the header in front of it."""
-        out[:HEADER_BYTES] = self.header(key, out[HEADER_BYTES:])
-
     def check(self, obj: memoryview, key: PageHash) -> Verdict:
         if len(obj) != self.object_bytes:
             return "size"

@@ -9,18 +9,28 @@ copy -- redis-py parses a 5 MB value in 64 KB feeds and then returns a copy.
 SETs are framed here and sent from the caller's buffers. In cluster mode the
 keys are grouped by the node redis-py's slot map names, each group going the
 same direct way on that node's pool; keys a node redirects (MOVED, ASK,
-TRYAGAIN, CLUSTERDOWN) and groups whose node fails are retried through
-redis-py's cluster pipeline, which follows the redirect, refreshes the slot map
-and reports a node that is really gone. Each direct call and each such pipeline
-runs under one deadline of the URL's ``timeout`` (a pipeline on a helper thread,
-abandoned at its deadline); after a fault the connection is dropped and the
-next call reconnects, so a restarted server resumes the tier.
+TRYAGAIN, CLUSTERDOWN) and groups whose node fails at once (refused, reset) are
+retried through redis-py's cluster pipeline, which follows the redirect,
+refreshes the slot map and reports a node that is really gone. A node that
+takes its whole deadline (stalled) fails its keys there and then: a retry would
+wait as long again. Faults are counted per node (``stats.node_errors``), so the
+circuit breaker (:mod:`kvtier.l3.breaker`) marks only that node down and
+probes it (:meth:`RedisBackend.probe_node`).
+
+Each direct call and each such pipeline runs under one deadline of the URL's
+``timeout`` (a pipeline on a helper thread, abandoned at its deadline); a lookup
+(``exists``, which the engine's thread waits on) under the shorter
+``lookup_timeout``. After a fault the connection is dropped and the next call
+reconnects, so a restarted server resumes the tier.
 
 URLs::
 
     redis://[:password@]host:port/db?timeout=2        plain TCP
     rediss://host:port/0?ssl_ca_certs=/path/ca.pem     TLS
     redis+cluster://host:port?timeout=2                Redis Cluster (any node as seed)
+
+    timeout=2           seconds each whole call may take (a read or write of a batch)
+    lookup_timeout=0.25 seconds a lookup may take (default: the smaller of 0.25 and ``timeout``)
 """
 
 from __future__ import annotations
@@ -34,10 +44,25 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors, query_number, redact_url, scatter_into
+from kvtier.l3.base import (
+    STORE,
+    BackendStats,
+    Capabilities,
+    KeyStatus,
+    StorageURL,
+    count_fault,
+    map_storage_errors,
+    query_number,
+    redact_url,
+    scatter_into,
+)
 
 log = logging.getLogger(__name__)
 
+
+#: a lookup's deadline unless the URL says (``lookup_timeout``): the engine's thread waits on lookups,
+#: and a node that has not answered EXISTS in this long is better treated as down (a miss)
+DEFAULT_LOOKUP_TIMEOUT_S = 0.25
 
 #: error replies by which a cluster node says "not here" or "not now"; redis-py's cluster client
 #: knows what to do with each (follow, refresh its slot map, retry)
@@ -108,8 +133,8 @@ class _BulkReader:
         del self.buf[:n]
 
     def get_into(self, parts: Sequence[memoryview]) -> KeyStatus | None:
-        """One GET reply: OK (value in ``parts``), MISS (nil), ERROR (error reply, wrong size), or
-        None when a cluster node redirects the key (another node, or not now, must serve it)."""
+        """One GET reply: OK (value in ``parts``), MISS (nil), WRONG_SIZE (a value of another size: skipped),
+        ERROR (error reply), or None when a cluster node redirects the key (another node, or not now, must serve it)."""
         head = self.line()
         kind = head[:1]
         if kind == b"$":
@@ -118,7 +143,7 @@ class _BulkReader:
                 return KeyStatus.MISS
             if size != sum(len(p) for p in parts):
                 self.skip(size + 2)  # keep the stream in step; the value is not ours to use
-                return KeyStatus.ERROR
+                return KeyStatus.WRONG_SIZE
             self.read_into(parts)
             return KeyStatus.OK
         if kind == b"_":  # RESP3 null
@@ -140,21 +165,25 @@ class _BulkReader:
 class RedisBackend:
     name = "redis"
 
-    def __init__(self, client, *, cluster: bool = False, timeout: float = 2.0):
+    def __init__(self, client, *, cluster: bool = False, timeout: float = 2.0, lookup_timeout: float | None = None):
         self.client = client
         self.cluster = cluster
         #: seconds each whole call may take (connect, send and every reply): not per receive
         self.timeout = timeout
+        #: the same for a lookup (``exists``) and a probe: the engine's thread waits on lookups
+        self.lookup_timeout = min(timeout, DEFAULT_LOOKUP_TIMEOUT_S) if lookup_timeout is None else lookup_timeout
         self.stats = BackendStats()
         #: I/O threads: a single node runs one command at a time, so a second connection only takes
         #: turns with the first and, on a shared host, competes with it for CPU (loopback, 2 cores,
         #: 96 pages of 1.25 MB: gets 1.55 GB/s median on one thread vs 1.03 on two, puts 1.19 vs
         #: 1.23). A cluster's calls spread over its nodes. Batches: the tier's ``batch_pages``.
-        self.capabilities = Capabilities(scattered=True, io_threads=2 if cluster else 1)
+        self.capabilities = Capabilities(scattered=True, io_threads=2 if cluster else 1, nodes=cluster)
         #: (re)connects run here, so a call can stop waiting for one at its deadline
         self._connector = ThreadPoolExecutor(2, thread_name_prefix="kvtier-redis-connect")
         #: redis-py cluster pipelines (redirects, failed nodes) run here, for the same reason
         self._pipelines = ThreadPoolExecutor(2, thread_name_prefix="kvtier-redis-cluster")
+        #: node probes run here: one that outlives its deadline holds up only the next probe
+        self._probes = ThreadPoolExecutor(1, thread_name_prefix="kvtier-redis-probe")
 
     @classmethod
     def from_url(cls, u: StorageURL) -> RedisBackend:
@@ -167,6 +196,7 @@ class RedisBackend:
         from redis.retry import Retry
 
         timeout = query_number(u, "timeout", 2.0, minimum=0.001)
+        lookup_timeout = query_number(u, "lookup_timeout", min(timeout, DEFAULT_LOOKUP_TIMEOUT_S), minimum=0.001)
         # one quick retry, not redis-py's default exponential backoff (seconds per failed call):
         # a dead store must turn into fast misses, the tier's circuit breaker does the rest
         retry = Retry(ConstantBackoff(0.01), int(query_number(u, "retries", 1, integer=True)))
@@ -185,13 +215,13 @@ class RedisBackend:
         host, port = u.host or "127.0.0.1", u.port or 6379
         try:
             if u.scheme == "redis+cluster":
-                backend = cls(RedisCluster(host=host, port=port, **common), cluster=True, timeout=timeout)
+                backend = cls(RedisCluster(host=host, port=port, **common), cluster=True, timeout=timeout, lookup_timeout=lookup_timeout)
             else:
                 db_text = u.path.strip("/") or "0"
                 if not db_text.isdigit():
                     raise StorageError(f"redis URL {redact_url(u.url)!r}: the database must be a number (redis://host:6379/0), "
                                        f"got {db_text!r}")
-                backend = cls(redis.Redis(host=host, port=port, db=int(db_text), **common), timeout=timeout)
+                backend = cls(redis.Redis(host=host, port=port, db=int(db_text), **common), timeout=timeout, lookup_timeout=lookup_timeout)
             backend.client.ping()  # at start-up: a wrong password or a dead server is an error now, not silent misses
         except redis.AuthenticationError:
             if "password" not in common:
@@ -207,8 +237,9 @@ class RedisBackend:
             raise StorageError(f"cannot reach redis at {host}:{port} ({type(e).__name__}: {e}); start it or fix the storage URL") from None
         return backend
 
-    def _cluster_pipeline(self, queue: Callable[[object], object]) -> list:
-        """The replies of a redis-py cluster pipeline that ``queue(pipe)`` filled, within ``timeout``.
+    def _cluster_pipeline(self, queue: Callable[[object], object], timeout: float | None = None) -> list:
+        """The replies of a redis-py cluster pipeline that ``queue(pipe)`` filled, within ``timeout``
+        (None: the URL's).
 
         redis-py follows redirects and retries a failed node with a timeout per receive, so left
         to itself a stalled node holds the call for several timeouts, refreshing its slot map in
@@ -220,19 +251,19 @@ class RedisBackend:
         queue(pipe)
         future = self._pipelines.submit(pipe.execute)
         try:
-            return future.result(timeout=self.timeout)
+            return future.result(timeout=self.timeout if timeout is None else timeout)
         except FutureTimeout:
             raise TimeoutError(
                 "redis cluster call passed its deadline (a node stalled or kept redirecting); the URL's timeout bounds each whole call"
             ) from None
 
     def exists(self, keys: Sequence[str]) -> int:
-        """Leading keys present: EXISTS pipelined on the node's connection under the call's deadline."""
+        """Leading keys present: EXISTS pipelined on the node's connection under the lookup deadline."""
         if not keys:
             return 0
 
         def via_client(ks: Sequence[str], _b) -> list[KeyStatus]:
-            replies = self._cluster_pipeline(lambda pipe: [pipe.exists(k) for k in ks])
+            replies = self._cluster_pipeline(lambda pipe: [pipe.exists(k) for k in ks], self.lookup_timeout)
             return [KeyStatus.OK if present else KeyStatus.MISS for present in replies]
 
         statuses = self._by_node(keys, [None] * len(keys), "exists", self._exists_direct, via_client)
@@ -244,7 +275,7 @@ class RedisBackend:
         return n
 
     def _exists_direct(self, pool, keys: Sequence[str], _bufs) -> list[KeyStatus | None]:
-        with self._direct(pool, _key_commands(b"EXISTS", keys)) as reader:
+        with self._direct(pool, _key_commands(b"EXISTS", keys), self.lookup_timeout) as reader:
             replies = [reader.integer() for _ in keys]
         return [None if r is None else KeyStatus.OK if r else KeyStatus.MISS for r in replies]
 
@@ -266,43 +297,83 @@ class RedisBackend:
         return self._by_node(keys, parts, "set", self._set_direct, via_client)
 
     def _by_node(self, keys: Sequence[str], bufs: Sequence, what: str, direct, via_client) -> list[KeyStatus]:
-        """Run ``direct(pool, keys, bufs)`` per node's pool; in cluster mode, what a node redirected
-        (None) or what failed on a node goes through ``via_client`` (redis-py's cluster pipeline)."""
+        """Run ``direct(pool, keys, bufs)`` per node's pool. In cluster mode, what a node redirected
+        (None) or what failed on a node at once goes through ``via_client`` (redis-py's cluster
+        pipeline); a node that took its whole deadline fails its keys now. Faults count per node."""
         statuses = [KeyStatus.ERROR] * len(keys)
         if not self.cluster:
             with map_storage_errors(self.stats, f"redis {what}", lambda _e: None):
                 statuses = [KeyStatus.ERROR if st is None else st for st in direct(self.client.connection_pool, keys, bufs)]
             return statuses
         retry: list[int] = []
+        retry_nodes: list[str] = []  # whose keys the retry serves: its fault is theirs
         try:
             groups = self._node_groups(keys)
         except Exception:  # no slot map (cluster down, slot uncovered): let redis-py find out
-            groups, retry = [], list(range(len(keys)))
-        for pool, idx in groups:
+            groups, retry, retry_nodes = [], list(range(len(keys))), [STORE]
+        for name, pool, idx in groups:
             try:
                 got = direct(pool, [keys[i] for i in idx], [bufs[i] for i in idx])
+            except TimeoutError as e:  # stalled: a retry would wait as long again (its probe finds it back)
+                count_fault(self.stats, f"redis cluster {what} on {name}", e, (name,))
+                continue
             except Exception as e:  # the node failed: redis-py reconnects, refreshes its map, or fails
                 log.debug("redis cluster direct %s failed, retrying through redis-py: %s", what, e)
                 retry += idx
+                retry_nodes.append(name)
                 continue
             for i, st in zip(idx, got):
                 if st is None:
                     retry.append(i)
                 else:
                     statuses[i] = st
+            if None in got:
+                retry_nodes.append(name)
         if retry:
-            with map_storage_errors(self.stats, f"redis cluster {what}", lambda _e: None):
+            with map_storage_errors(self.stats, f"redis cluster {what}", lambda _e: None, retry_nodes):
                 for i, st in zip(retry, via_client([keys[i] for i in retry], [bufs[i] for i in retry])):
                     statuses[i] = st
         return statuses
 
-    def _node_groups(self, keys: Sequence[str]) -> list[tuple[object, list[int]]]:
-        """Key indices grouped by the primary that redis-py's slot map says serves them, with that node's pool."""
+    def _node_groups(self, keys: Sequence[str]) -> list[tuple[str, object, list[int]]]:
+        """Key indices grouped by the primary that redis-py's slot map says serves them: its name, its pool, the indices."""
         groups: dict[str, tuple[object, list[int]]] = {}
         for i, k in enumerate(keys):
             node = self.client.get_node_from_key(k)
             groups.setdefault(node.name, (node, []))[1].append(i)
-        return [(self.client.get_redis_connection(node).connection_pool, idx) for node, idx in groups.values()]
+        return [(name, self.client.get_redis_connection(node).connection_pool, idx) for name, (node, idx) in groups.items()]
+
+    def node_of(self, key: str) -> str:
+        """The cluster node (``host:port``) that redis-py's slot map names for ``key``; :data:`STORE`
+        while there is none (no slot map yet, the slot uncovered: a call finds out, as the store's fault)."""
+        try:
+            return self.client.get_node_from_key(key).name
+        except Exception:
+            return STORE
+
+    def probe_node(self, name: str) -> bool:
+        """Whether cluster node ``name`` answers a PING within the lookup deadline (the breaker's probe
+        of a node marked down). When it does not, redis-py re-reads its slot map, on the probe's
+        thread: a cluster that failed the node over then has its slots served by the new primary."""
+        node = self.client.get_node(node_name=name)
+        if node is None:
+            return True  # no longer in the slot map: no key goes to it, nothing waits on it
+        future = self._probes.submit(self._ping_or_refresh, node)
+        try:
+            return future.result(timeout=self.lookup_timeout)
+        except Exception as e:
+            log.info("redis cluster node %s still down (probe: %s: %s)", name, type(e).__name__, e)
+            return False
+
+    def _ping_or_refresh(self, node) -> bool:
+        try:
+            return bool(self.client.get_redis_connection(node).ping())
+        except Exception:
+            try:
+                self.client.nodes_manager.initialize()
+            except Exception as e:  # every node unreachable: the next probe tries again
+                log.debug("redis cluster slot map refresh failed: %s", e)
+            raise
 
     def _get_via_client(self, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
         """GETs through redis-py's pipeline, each value copied once into its buffers."""
@@ -315,16 +386,18 @@ class RedisBackend:
                 statuses[i] = KeyStatus.OK
                 self.stats.get_hits += 1
                 self.stats.bytes_read += len(value)
+            else:
+                statuses[i] = KeyStatus.WRONG_SIZE
         return statuses
 
     @contextmanager
-    def _direct(self, pool, chunks: Sequence):
+    def _direct(self, pool, chunks: Sequence, timeout: float | None = None):
         """Send ``chunks`` (framed commands) on a connection of ``pool`` and yield a reader of its replies.
 
         The whole call -- connect, send, every reply -- runs under one deadline of ``timeout``
-        seconds. The caller reads every reply inside the block; on any error the connection is
-        dropped, since a half-read reply must never meet the next command."""
-        deadline = time.monotonic() + self.timeout
+        seconds (None: the URL's). The caller reads every reply inside the block; on any error the
+        connection is dropped, since a half-read reply must never meet the next command."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         conn = self._connection(pool, deadline)
         try:
             sock = conn._sock
@@ -434,6 +507,7 @@ class RedisBackend:
     def close(self) -> None:
         self._connector.shutdown(wait=False, cancel_futures=True)
         self._pipelines.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
         try:
             self.client.close()
         except Exception:

@@ -26,18 +26,20 @@ each page from memory.
 
 Nothing here raises into the cache for a storage fault: statuses are per page,
 faults are counted, and the cache turns them into misses. A page that fails its
-check is deleted from the store, so the next save of its key repairs it (saves
-skip keys the store already has, and a corrupt object would otherwise stay
-forever). The job queue is bounded and the submitting (engine) thread never
+check, or whose object is of the wrong size, is deleted from the store, so the
+next save of its key repairs it (saves skip keys the store already has, and a
+corrupt object would otherwise stay forever). The job queue is bounded and the submitting (engine) thread never
 waits on it: a full queue skips the save or misses the prefetch, counted
 (``backpressure_s`` > 0 lets a save wait that long first). Every backend call
 has a whole-call deadline, so ``drain`` and ``close`` return within a bound.
 
 Circuit breaker (:mod:`kvtier.l3.breaker`): after a backend fault the tier treats
-the store as down (lookups answer "absent", jobs fail at once) for a back-off that
-doubles while the fault persists, and a probe on a helper thread finds the store
-back, so a dead or stalled server costs the engine's thread one deadline, not one
-per request or per back-off.
+the node it came from as down (a single server, or one Redis Cluster node) for a
+back-off that doubles while the fault persists: lookups answer "absent" from the
+first key on that node, reads and writes fail there at once, and a probe on a
+helper thread asks that node until it is back. A dead or stalled node costs the
+engine's thread at most one lookup deadline, not one per request or per back-off,
+and the other nodes keep serving.
 """
 
 from __future__ import annotations
@@ -50,10 +52,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S
+from kvtier.jobs import JobWorker
+from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S, StorageConfig
 from kvtier.hashing import Namespace, PageHash
 from kvtier.l3.base import KeyStatus, StorageBackend, map_storage_errors
-from kvtier.l3.breaker import CircuitBreaker, probe_store
+from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.mover import PageMover, Verdict, in_order
 from kvtier.l3.page import PageCodec
 
@@ -108,8 +111,6 @@ class StorageTier:
         max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
         owns_backend: bool = True,
     ):
-        if not host_pool.materialized:
-            raise ValueError("a storage tier moves bytes: give it a host pool with memory (materialize=True)")
         self.backend = backend
         #: False for a tier sharing another's backend (a hybrid model's group objects): it leaves closing it to that one
         self.owns_backend = owns_backend
@@ -123,17 +124,15 @@ class StorageTier:
         self.backpressure_s = backpressure_s
         #: per pool buffer: (its bytes, bytes between pages, bytes between layers, bytes per page per layer)
         self._geometry = [self._buffer_geometry(b.name, b.page_bytes) for b in self.spec.buffers]
-        self._queue: queue.Queue[StorageJob | None] = queue.Queue(maxsize=queue_depth)
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
         self.skipped_saves = 0
         #: prefetches not started because the queue was full (each a miss for its request)
         self.skipped_prefetches = 0
         self._closed = False
-        self.breaker = CircuitBreaker(backend.stats, cooldown_s, max_cooldown_s, probe=lambda: probe_store(backend, f"{self.prefix}/probe"))
+        self.breaker = CircuitBreaker(backend, cooldown_s, max_cooldown_s, probe_key=f"{self.prefix}/probe")
         self.mover = PageMover(backend, self.breaker)
         #: seconds the worker spent per job kind ("save" / "prefetch")
         self.busy_s: dict[str, float] = {}
-        self._worker = threading.Thread(target=self._run, name="kvtier-storage", daemon=True)
         #: None: the backend's choice (file 2; one Redis node or Mooncake 1: see their modules)
         if io_threads is None:
             io_threads = backend.capabilities.io_threads
@@ -148,7 +147,7 @@ class StorageTier:
         if backend.capabilities.registers_buffers:  # zero-copy I/O where the backend needs memory registered
             for pool_bytes, *_ in self._geometry:
                 backend.register_buffer(pool_bytes)
-        self._worker.start()
+        self._worker = JobWorker(self._process, name="kvtier-storage", maxsize=queue_depth)
 
     @property
     def discarded_corrupt(self) -> int:
@@ -170,7 +169,7 @@ class StorageTier:
 
     # ---- synchronous queries (owner thread) ----------------------------------------
     def stored_prefix(self, keys: list[PageHash]) -> int:
-        """Leading ``keys`` present in the store (a fault, or a store marked down, counts as absent)."""
+        """Leading ``keys`` present in the store (a fault, or a key on a node marked down, ends the run)."""
         if not keys or not self.available:
             return 0
         found = [0]
@@ -179,7 +178,7 @@ class StorageTier:
             found[0] = 0
 
         with map_storage_errors(self.backend.stats, "exists", failed):
-            found[0] = self.breaker.call(self.backend.exists, [self.key(k) for k in keys])
+            found[0] = self.breaker.call(self.backend.exists, [self.key(k) for k in keys]) or 0
         return found[0]
 
     # ---- submission ------------------------------------------------------------------
@@ -190,10 +189,7 @@ class StorageTier:
         if self._closed:
             return None
         try:
-            if kind == "save" and self.backpressure_s > 0:
-                self._queue.put(job, timeout=self.backpressure_s)
-            else:
-                self._queue.put_nowait(job)
+            self._worker.put(job, timeout_s=self.backpressure_s if kind == "save" and self.backpressure_s > 0 else None)
         except queue.Full:
             if kind == "save":
                 self.skipped_saves += len(keys)
@@ -212,16 +208,6 @@ class StorageTier:
                 return out
 
     # ---- worker ----------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                self._process(job)
-            finally:
-                self._queue.task_done()
-
     def _process(self, job: StorageJob) -> None:
         t0 = time.monotonic()
         try:
@@ -309,14 +295,7 @@ class StorageTier:
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted job finished (at most ``timeout_s``); True when idle."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        with self._queue.all_tasks_done:
-            while self._queue.unfinished_tasks:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._queue.all_tasks_done.wait(left)
-        return True
+        return self._worker.wait_idle(timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish queued jobs for up to ``timeout_s``, then fail what is left and stop the worker.
@@ -326,22 +305,22 @@ class StorageTier:
             self._closed = True
             if not self.drain(timeout_s):
                 log.warning("L3 tier closing with jobs unfinished after %.1f s; the rest are dropped", timeout_s)
-                while True:
-                    try:
-                        job = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                    if job is not None:
-                        job.cancel()
-                        job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
-                        self._finished.put(job)
-                        job.finished.set()
-                    self._queue.task_done()
-            try:
-                self._queue.put_nowait(None)
-            except queue.Full:
-                pass
-            self._worker.join(timeout_s)
+                for job in self._worker.take_queued():
+                    job.cancel()
+                    job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
+                    self._finished.put(job)
+                    job.finished.set()
+            self._worker.stop(timeout_s)
             self._io.shutdown(wait=False, cancel_futures=True)
         if self.owns_backend:
             self.backend.close()
+
+
+def open_storage_tier(storage: StorageConfig, host, namespace: Namespace) -> StorageTier | None:
+    """The L3 tier over the host pool ``host`` for ``storage.url``, with the config's settings (None when L3 is off)."""
+    if not storage.url:
+        return None
+    from kvtier.l3.registry import open_backend
+
+    return StorageTier(open_backend(storage.url), host, namespace, batch_pages=storage.batch_pages, io_threads=storage.io_threads,
+                       queue_depth=storage.queue_depth, cooldown_s=storage.cooldown_s, max_cooldown_s=storage.max_cooldown_s)

@@ -4,8 +4,7 @@ Buffers follow DESIGN.md exactly (``k``/``v`` ``[num_slots, kv_heads, head_dim]`
 ``latent`` ``[num_slots, 1, rank + rope]``, ``indexer`` uint8 ``[num_pages, page_bytes]``).
 The DSA indexer has no allocator of its own: it rides on the same page indices
 as the latent buffer, so one allocation covers every buffer of the spec.
-With ``materialize=False`` the pool accounts pages but allocates no bytes
-(capacity planning at real model sizes). :meth:`DevicePool.wrap` adopts memory an
+:meth:`DevicePool.wrap` adopts memory an
 engine already owns (vLLM's KV tensors): the engine allocates its blocks, kvtier
 only moves whole pages in and out of them.
 """
@@ -16,8 +15,9 @@ import torch
 
 from kvtier.alloc import PageAllocator
 from kvtier.errors import ConfigError, DeviceMemoryBudgetError, SpecError
-from kvtier.pools.rows import as_wide_rows
+from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.spec import KVSpec
+from kvtier.transfer.rows import as_wide_rows
 
 
 def _checked_device(device: str | torch.device) -> torch.device:
@@ -38,7 +38,6 @@ def _device_memory_available(device: torch.device) -> tuple[int, int]:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free, 256 << 20
-    from kvtier.pools.host import DEFAULT_RESERVE_BYTES, host_memory_available
 
     return host_memory_available(), DEFAULT_RESERVE_BYTES
 
@@ -69,8 +68,8 @@ class DevicePool:
         device: str | torch.device = "cpu",
         *,
         reserve_padding_page: bool = False,
-        materialize: bool = True,
         name: str = "device pool",
+        _buffers: bool = True,
     ):
         self.spec = spec
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 1:
@@ -78,17 +77,16 @@ class DevicePool:
         self.num_pages = num_pages
         self.device = _checked_device(device)
         self.name = name
-        if materialize:  # before the allocator: its free list alone could exhaust memory
+        if _buffers:  # before the allocator: its free list alone could exhaust memory
             requested = num_pages * spec.page_bytes
             available, reserve = _device_memory_available(self.device)
             if requested > available - reserve:
                 raise DeviceMemoryBudgetError(requested, available, reserve, max(available - reserve, 0) // spec.page_bytes,
                                               pool=name, hint="(e.g. --tiers-device-pages)")
         self.allocator = PageAllocator(num_pages, name, reserve_padding_page)
-        self.materialized = materialize
         self.buffers: dict[str, list[torch.Tensor]] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
-        if not materialize:
+        if not _buffers:  # (wrap: the engine's tensors are the buffers)
             return
         for b in spec.buffers:
             shape = b.device_shape(num_pages, spec.page_size)
@@ -114,8 +112,7 @@ class DevicePool:
             num_pages = first.shape[0]
         else:
             num_pages = first.numel() * first.element_size() // spec.buffers[0].page_bytes
-        pool = cls(spec, num_pages, first.device, materialize=False, name=name)
-        pool.materialized = True
+        pool = cls(spec, num_pages, first.device, name=name, _buffers=False)
         for b in spec.buffers:
             layers = buffers[b.name]
             if len(layers) != spec.num_layers:
@@ -135,10 +132,6 @@ class DevicePool:
             pool.buffers[b.name] = list(layers)
             pool._rows[b.name] = [_page_rows(t, num_pages, b.page_bytes) for t in layers]
         return pool
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.spec.page_size
 
     @property
     def nbytes(self) -> int:

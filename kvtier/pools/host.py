@@ -14,19 +14,18 @@ page-aligned. Transfers in engine terms (token slot indices) are
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
-from kvtier.alloc import Allocation, PageAllocator
+from kvtier.alloc import PageAllocator
 from kvtier.errors import HostMemoryBudgetError, PageAlignmentError, SpecError
 from kvtier.layout import DEFAULT_HOST_LAYOUT, HostLayout, LayoutKind, check_layout
 from kvtier.pages import check_layer, check_page_count, check_pages_in_range, pages_to_slots, slots_to_pages
 from kvtier.pools.device import DevicePool
-from kvtier.pools.rows import as_wide_rows
+from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
+from kvtier.transfer.rows import as_wide_rows
 from kvtier.spec import KVSpec
 
-DEFAULT_RESERVE_BYTES = 1 << 30
 #: host buffers start on a 4 KiB boundary (see :func:`page_aligned_empty`)
 ALIGN_BYTES = 4096
 
@@ -47,18 +46,6 @@ def page_aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor
     return raw[start : start + nbytes]
 
 
-def host_memory_available() -> int:
-    """Bytes the kernel says can be allocated without swapping (MemAvailable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 class HostPool:
     def __init__(
         self,
@@ -69,25 +56,19 @@ class HostPool:
         pin_memory: bool | None = None,
         reserve_bytes: int = DEFAULT_RESERVE_BYTES,
         available_bytes: int | None = None,
-        materialize: bool = True,
         name: str = "host pool",
     ):
         self.spec = spec
         self.num_pages = num_pages
         self.layout = HostLayout(check_layout(layout), spec.num_layers, num_pages)
         self.name = name
-        self.materialized = materialize
-        if materialize:  # before anything else is allocated, the allocator's bookkeeping included
-            requested = num_pages * spec.page_bytes
-            available = host_memory_available() if available_bytes is None else available_bytes
-            if requested > available - reserve_bytes:
-                raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
+        requested = num_pages * spec.page_bytes  # checked before anything is allocated, the allocator's bookkeeping included
+        available = host_memory_available() if available_bytes is None else available_bytes
+        if requested > available - reserve_bytes:
+            raise HostMemoryBudgetError(requested, available, reserve_bytes, max(available - reserve_bytes, 0) // spec.page_bytes)
         self.allocator = PageAllocator(num_pages, name)
         self.buffers: dict[str, torch.Tensor] = {}
         self._rows: dict[str, list[torch.Tensor]] = {}
-        if not materialize:
-            self.pinned = False
-            return
         self.pinned = torch.cuda.is_available() if pin_memory is None else pin_memory
         for b in spec.buffers:
             shape = self.layout.shape(b.page_bytes)
@@ -100,9 +81,6 @@ class HostPool:
     @property
     def nbytes(self) -> int:
         return self.num_pages * self.spec.page_bytes
-
-    def alloc_pages(self, n: int) -> Allocation:
-        return self.allocator.alloc(n)
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Token slots for ``num_tokens`` (page-aligned) or ``None`` when the pool is full."""

@@ -17,56 +17,18 @@ triton     a copy kernel over the list, grid capped                 CUDA (CPU: t
 auto       per list: the kernel for many small rows, else DMA       CUDA
 =========  ======================================================  ==============
 
-``auto``'s thresholds are :class:`~kvtier.transfer.gpu_methods.CopyMethodThresholds`
-(environment overrides; ``python -m kvtier.app.bench.gpu_check`` prints measured ones).
+``auto``'s thresholds and ``triton``'s program count are
+:class:`~kvtier.transfer.gpu_methods.CopyMethodThresholds` (environment overrides, read
+once per transfer engine: :meth:`IOBackend.configured`; ``python -m kvtier.app.bench.gpu_check``
+prints measured ones).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from kvtier.errors import UnknownNameError
+from kvtier.transfer.io_backend import IOBackend
 
-import torch
-
-from kvtier.errors import ConfigError, UnknownNameError
-
-
-@dataclass(frozen=True)
-class IOBackend:
-    name: str
-    #: plan(src_pages, dst_pages) -> opaque plan, reusable for every buffer and layer of one transfer.
-    plan: Callable[[torch.Tensor, torch.Tensor], Any]
-    #: copy(plan, src_rows, dst_rows): dst_rows[dst_pages[i]] = src_rows[src_pages[i]].
-    copy: Callable[[Any, torch.Tensor, torch.Tensor], None]
-    #: backup_whole_pages(host, device, host_pages, device_pages): every layer of device pages
-    #: into a page_first host pool in whole pages (its pages are one run across layers), used
-    #: for all-layer backups to a GPU's page_first host pool; None: per layer through ``copy``
-    backup_whole_pages: Callable[[Any, Any, torch.Tensor, torch.Tensor], None] | None = None
-    #: copy_list(rows, src_device, dst_device): an address list (every buffer of a layer, or of every
-    #: layer) on the current stream of the GPU side; a backend with it takes :meth:`transfer_plan`'s
-    #: address plans instead of ``plan`` / ``copy``
-    copy_list: Callable[[Any, torch.device, torch.device], None] | None = None
-    #: unavailable(device): why it cannot move pages to and from a pool on ``device`` (None: it can)
-    unavailable: Callable[[torch.device], str | None] | None = None
-
-    def transfer_plan(self, src_pool, dst_pool, src_pages: torch.Tensor, dst_pages: torch.Tensor) -> Any:
-        """The plan of one transfer, reused for every layer and buffer: an address plan for a
-        backend that copies address lists, else ``plan``'s."""
-        if self.copy_list is not None:
-            from kvtier.transfer.address_list import AddressPlan
-
-            return AddressPlan(src_pool, dst_pool, src_pages, dst_pages)
-        return self.plan(src_pages, dst_pages)
-
-    def check_runs_on(self, device: torch.device) -> None:
-        reason = self.unavailable(device) if self.unavailable is not None else None
-        if reason is not None:
-            raise ConfigError(f"io_backend {self.name!r}: {reason}")
-
-    def copy_pages(self, src_rows: torch.Tensor, src_pages: torch.Tensor, dst_rows: torch.Tensor, dst_pages: torch.Tensor) -> None:
-        self.copy(self.plan(src_pages, dst_pages), src_rows, dst_rows)
-
+__all__ = ["IOBackend", "get_io_backend", "register_io_backend"]
 
 _REGISTRY: dict[str, IOBackend] = {}
 
@@ -82,10 +44,6 @@ def get_io_backend(name: str | IOBackend) -> IOBackend:
         return _REGISTRY[name]
     except KeyError:
         raise UnknownNameError("io_backend", name, _REGISTRY) from None
-
-
-def io_backends() -> list[str]:
-    return sorted(_REGISTRY)
 
 
 def _register_builtin() -> None:

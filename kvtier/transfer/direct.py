@@ -24,7 +24,7 @@ from typing import Literal
 import torch
 
 from kvtier.pages import paired_runs, runs_of
-from kvtier.pools.rows import as_wide_rows
+from kvtier.transfer.rows import as_wide_rows
 
 #: Runs may be at most this fraction of pages before chunked gather+scatter is cheaper.
 _MAX_RUN_FRACTION = 0.25

@@ -24,8 +24,6 @@ Contract:
   caller's current stream, and the copy stream waits on it before reading.
 * A job that fails records its exception (``job.error``) and is still finished;
   nothing is retried here.
-* With unmaterialized pools (capacity planning) jobs complete at submission and
-  move nothing.
 """
 
 from __future__ import annotations
@@ -37,27 +35,24 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
+from kvtier.core.plans import Tier
+from kvtier.jobs import JobWorker
 from kvtier.transfer.backends import IOBackend, get_io_backend
 from kvtier.transfer.ops import backup_pages_all_layers, backup_pages_one_layer, load_pages_one_layer
 
 log = logging.getLogger(__name__)
 
-Medium = Literal["device", "host", "storage"]
 
-#: the completion event of jobs that finish at submission (shared: never cleared)
-DONE = threading.Event()
-DONE.set()
 
 
 @dataclass(eq=False)
 class TransferJob:
     job_id: int
-    src: Medium
-    dst: Medium
+    src: Tier
+    dst: Tier
     src_pages: torch.Tensor
     dst_pages: torch.Tensor
     num_layers: int
@@ -118,68 +113,67 @@ def _host_to_device(engine: TransferEngine, job: TransferJob, layer_done: Callab
         layer_done(layer)
 
 
+
+def _name(tier: object) -> str:
+    """A tier as messages name it (``host``); anything else as it is (a caller's wrong value)."""
+    return tier.name.lower() if isinstance(tier, Tier) else repr(tier)
+
 class TransferEngine:
     def __init__(self, host_pool, device_pool, io_backend: str | IOBackend = "direct", *, name: str = "kvtier-transfer"):
         self.host = host_pool
         self.device = device_pool
-        self.backend = get_io_backend(io_backend)
+        self.backend = get_io_backend(io_backend).configured()  # (its settings read once: a bad one fails here)
         self.num_layers = host_pool.spec.num_layers
-        self.materialized = host_pool.materialized and device_pool.materialized
-        if self.materialized:
-            self.backend.check_runs_on(device_pool.device)
-        self.cuda = self.materialized and device_pool.device.type == "cuda"
+        self.backend.check_runs_on(device_pool.device)
+        self.cuda = device_pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
-        self.handlers: dict[tuple[Medium, Medium], Handler] = {}
-        self.register_handler("device", "host", _device_to_host)
-        self.register_handler("host", "device", _host_to_device)
+        self.handlers: dict[tuple[Tier, Tier], Handler] = {}
+        self.register_handler(Tier.DEVICE, Tier.HOST, _device_to_host)
+        self.register_handler(Tier.HOST, Tier.DEVICE, _host_to_device)
         self._ids = itertools.count(1)
         self._finished: queue.SimpleQueue[TransferJob] = queue.SimpleQueue()
-        self._queue: queue.Queue[TransferJob | None] = queue.Queue()
         self._closed = False
         #: layered jobs with layers not released yet (close() releases them); like submit and release,
         #: touched only by the thread that owns the engine
         self._layered: dict[int, TransferJob] = {}
         #: seconds the worker spent moving bytes, per (src, dst): bytes / busy = achieved GB/s
-        self.busy_s: dict[tuple[Medium, Medium], float] = {}
-        self._worker = threading.Thread(target=self._run, name=name, daemon=True) if self.materialized else None
-        if self._worker is not None:
-            self._worker.start()
+        self.busy_s: dict[tuple[Tier, Tier], float] = {}
+        #: jobs, and released layers of layered jobs, run in order
+        self._worker = JobWorker(self._run, name=name)
 
-    def register_handler(self, src: Medium, dst: Medium, handler: Handler) -> None:
+    def register_handler(self, src: Tier, dst: Tier, handler: Handler) -> None:
         self.handlers[(src, dst)] = handler
 
     # ---- submission ----------------------------------------------------------------
-    def submit(self, src: Medium, dst: Medium, src_pages: list[int] | torch.Tensor, dst_pages: list[int] | torch.Tensor, tag: object = None,
+    def submit(self, src: Tier, dst: Tier, src_pages: list[int] | torch.Tensor, dst_pages: list[int] | torch.Tensor, tag: object = None,
                *, layered: bool = False) -> TransferJob:
         from kvtier.errors import InvalidStateError, UnknownNameError
 
         if self._closed:
             raise InvalidStateError("transfer engine is closed")
         if (src, dst) not in self.handlers:
-            raise UnknownNameError("transfer direction", f"{src}->{dst}", [f"{a}->{b}" for a, b in self.handlers])
-        if layered and (src, dst) != ("device", "host"):
-            raise InvalidStateError(f"a layered job copies device pages out as their layers are written; {src}->{dst} cannot be layered")
-        if self._worker is None:  # accounting only: no bytes, no tensors, no events, done at once
-            job = TransferJob(next(self._ids), src, dst, src_pages, dst_pages, self.num_layers, tag, finished=DONE)  # type: ignore[arg-type]
-            self._finished.put(job)
-            return job
+            raise UnknownNameError("transfer direction", f"{_name(src)}->{_name(dst)}",
+                                   [f"{_name(a)}->{_name(b)}" for a, b in self.handlers])
+        if layered and (src, dst) != (Tier.DEVICE, Tier.HOST):
+            raise InvalidStateError(f"a layered job copies device pages out as their layers are written; "
+                                    f"{_name(src)}->{_name(dst)} cannot be layered")
         src_t, dst_t = self._checked(src, src_pages), self._checked(dst, dst_pages)
         if src_t.numel() != dst_t.numel():
             from kvtier.errors import PageAlignmentError
 
             raise PageAlignmentError(
-                f"{src}->{dst} transfer: {src_t.numel()} source pages but {dst_t.numel()} destination pages; "
+                f"{_name(src)}->{_name(dst)} transfer: {src_t.numel()} source pages but {dst_t.numel()} destination pages; "
                 "pass one destination page per source page"
             )
         job = TransferJob(next(self._ids), src, dst, src_t, dst_t, self.num_layers, tag)
-        if dst == "device" or layered:
+        if dst is Tier.DEVICE or layered:
             job.layer_ready = [threading.Event() for _ in range(self.num_layers)]
         if layered:
             job.released = bytearray(self.num_layers)
             job.layers_left = self.num_layers
             self._layered[job.job_id] = job
         else:
-            self._queue.put(job)
+            self._worker.put(job)
         return job
 
     def release_layer(self, job: TransferJob, layer: int) -> None:
@@ -199,7 +193,7 @@ class TransferEngine:
         if self.cuda:  # the copy stream reads the layer only after the caller's stream wrote it
             ready = torch.cuda.Event()
             ready.record()
-        self._queue.put((job, layer, ready))
+        self._worker.put((job, layer, ready))
 
     def release_rest(self, job: TransferJob) -> None:
         """Every layer of a layered job not released yet is written: queue their copies."""
@@ -209,18 +203,18 @@ class TransferEngine:
             if not job.released[layer]:
                 self.release_layer(job, layer)
 
-    def _checked(self, medium: Medium, pages) -> torch.Tensor:
+    def _checked(self, medium: Tier, pages) -> torch.Tensor:
         """Whole request validated before it is queued: a bad page must not fail after others moved."""
         from kvtier.pages import checked_pages
 
-        pool = self.host if medium == "host" else self.device
+        pool = self.host if medium is Tier.HOST else self.device
         return checked_pages(pages, pool.num_pages, pool=pool.name, side=medium)
 
     def load(self, host_pages, device_pages, tag: object = None) -> TransferJob:
-        return self.submit("host", "device", host_pages, device_pages, tag)
+        return self.submit(Tier.HOST, Tier.DEVICE, host_pages, device_pages, tag)
 
     def backup(self, device_pages, host_pages, tag: object = None) -> TransferJob:
-        return self.submit("device", "host", device_pages, host_pages, tag)
+        return self.submit(Tier.DEVICE, Tier.HOST, device_pages, host_pages, tag)
 
     def take_finished(self) -> list[TransferJob]:
         out = []
@@ -231,18 +225,11 @@ class TransferEngine:
                 return out
 
     # ---- worker --------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if type(job) is tuple:
-                    self._execute_layer(*job)
-                else:
-                    self._execute(job)
-            finally:
-                self._queue.task_done()
+    def _run(self, job: TransferJob | tuple) -> None:
+        if type(job) is tuple:
+            self._execute_layer(*job)
+        else:
+            self._execute(job)
 
     def _execute_layer(self, job: TransferJob, layer: int, ready) -> None:
         """One released layer of a layered device->host job; the last one finishes the job."""
@@ -294,7 +281,7 @@ class TransferEngine:
             else:
                 self.handlers[(job.src, job.dst)](self, job, layer_done)
         except BaseException as e:  # recorded for the owner; the worker keeps serving
-            log.warning("transfer job %s (%s->%s, %s pages) failed: %s", job.job_id, job.src, job.dst, job.num_pages, e)
+            log.warning("transfer job %s (%s->%s, %s pages) failed: %s", job.job_id, _name(job.src), _name(job.dst), job.num_pages, e)
             job.error = e
         finally:
             self._busy(job, t0)
@@ -312,8 +299,7 @@ class TransferEngine:
 
     def drain(self) -> None:
         """Block until every queued job has finished (of a layered job: the layers released so far)."""
-        if self._worker is not None:
-            self._queue.join()
+        self._worker.wait_idle()
 
     def close(self) -> None:
         """Finish queued jobs, then stop the worker. Idempotent."""
@@ -322,9 +308,7 @@ class TransferEngine:
         for job in list(self._layered.values()):  # their waiters must not hang: copy what the caller never released
             self.release_rest(job)
         self._closed = True
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join()
+        self._worker.stop()
 
     def __enter__(self) -> TransferEngine:
         return self

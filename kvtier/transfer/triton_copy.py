@@ -12,13 +12,19 @@ every address and size (:attr:`CopyList.alignment`, at most 8 bytes).
 
 The kernel is made on first use (``triton.jit`` reads ``TRITON_INTERPRET`` then):
 under the interpreter it runs on CPU tensors, which is how the suite checks it
-bit-exact. :func:`compile_ahead` compiles it for a CUDA target without a GPU
-(Triton's own ptxas), so a kernel only the interpreter accepts fails in CI.
+bit-exact. The interpreter keeps a launch's grid, its program ids and its patched
+``triton.language`` in module globals, so under it launches run one at a time,
+process-wide (a hybrid model's transfer engines, one thread per KV group, launch
+at once); a GPU launch takes no lock. :func:`compile_ahead` compiles it for a
+CUDA target without a GPU (Triton's own ptxas), so a kernel only the interpreter
+accepts fails in CI.
 Triton is an optional extra (``pip install 'kvtier[gpu]'``, pinned to the lent
 GPU image's 3.6.0).
 """
 
 import os
+import threading
+from contextlib import nullcontext
 from functools import lru_cache
 
 import numpy as np
@@ -29,6 +35,9 @@ from kvtier.transfer.address_list import CopyList
 
 #: words per program per step (a uint64 word: 8 KiB)
 BLOCK = 1024
+
+#: held around every launch under the interpreter (its launch state is global): one launch at a time in this process
+_INTERPRETER_LAUNCH = threading.Lock()
 
 try:
     import triton
@@ -84,14 +93,16 @@ def copy_list(rows: CopyList, device: torch.device, programs: int) -> None:
         raise ConfigError(f"the copy kernel's programs must be a whole number >= 1, got {programs!r}")
     if not len(rows):
         return
-    if device.type != "cuda" and not interpreting():
+    interpret = interpreting()
+    if device.type != "cuda" and not interpret:
         raise ConfigError("the Triton copy kernel runs on a GPU (or on CPU tensors under TRITON_INTERPRET=1); use io_backend 'direct'")
     word = min(rows.alignment, 8)
     table = torch.from_numpy(np.stack([rows.src, rows.dst, rows.size]))
     if device.type == "cuda":  # pinned (torch's caching host allocator keeps it until the copy is done), then async
         table = table.pin_memory().to(device, non_blocking=True)
     grid = (min(programs, len(rows)),)
-    _kernel(interpreting())[grid](table[0], table[1], table[2], len(rows), WORD=word, DTYPE=_word_type(word), BLOCK=BLOCK)
+    with _INTERPRETER_LAUNCH if interpret else nullcontext():
+        _kernel(interpret)[grid](table[0], table[1], table[2], len(rows), WORD=word, DTYPE=_word_type(word), BLOCK=BLOCK)
 
 
 def compile_ahead(capability: int = 90, words: tuple[int, ...] = (1, 2, 4, 8)) -> dict[int, object]:

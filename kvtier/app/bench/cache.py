@@ -17,7 +17,7 @@ through vLLM's ``KVCacheManager`` in the same process (``vllm``), and
 ``vs_vllm`` is kvtier's ``pages_per_s`` over vLLM's, on the same scope. When
 SGLang's wheel is at hand (``--sglang-wheel``, ``$KVTIER_SGLANG_WHEEL`` or
 ``.kvtier/wheels/``, where ``./run.sh test`` puts it) the replay also runs
-through SGLang's trees (see :mod:`kvtier.app.bench.sglang_replay`): its default,
+through SGLang's trees (see the clone's ``peers/sglang_replay.py``): its default,
 ``UnifiedRadixCache`` with the Rust tree core (``sglang``, and ``vs_sglang`` the
 same ratio against it), the same cache with the Python tree core, and the legacy
 ``RadixCache``; ``sglang_trees`` has each one's figures, the tree core that ran,
@@ -134,7 +134,7 @@ def replay_hybrid(cache: CacheCore, requests, page_size: int) -> tuple[int, int,
         new = req.alloc(full - have)
         got = {}  # its state at the core's cadence; every window page it computed (vLLM keeps them as cached
         for c in comps:  # free blocks: the pool's LRU decides)
-            places = [b - 1 for b in req.snapshot_boundaries()] if c.is_state else range(have, full)
+            places = req.handed_places(c.name)
             got[c.name] = (places, req.alloc_group(c.name, len(places)))
         t2 = time.perf_counter()
         groups = {}  # the engine's own work, not timed: one entry per full page
@@ -234,7 +234,9 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
                     reps: int = 3, model: str | None = None) -> CacheBenchResult:
     """``vllm`` / ``sglang``: None runs that comparison when it is available (vLLM importable; SGLang's
     wheel found), True insists on it, False skips it. ``reps``: rounds (see the module docstring)."""
-    from kvtier.app.bench.sglang_replay import SGLANG_TREES, SGLANG_VERSION, find_sglang_wheel, one_torch_thread, replay_sglang
+    from kvtier.app.bench.peers import peer_module
+
+    from kvtier.app.bench.timing import one_torch_thread
     from kvtier.app.bench.vllm_replay import replay_vllm, vllm_available
 
     if reps < 1:
@@ -243,19 +245,26 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
         vllm = vllm_available()
     elif vllm and not vllm_available():
         raise ConfigError("the vLLM comparison needs vLLM: pip install 'kvtier[vllm]' (CPU build: install torch==2.13.0 first)")
-    wheel = find_sglang_wheel(sglang_wheel) if sglang is not False else None
+    peer = None  # the SGLang replay (a clone's peers/ folder), when asked for or when it is there
+    if sglang is not False:
+        try:
+            peer = peer_module("sglang_replay")
+        except ConfigError:
+            if sglang:
+                raise
+    wheel = peer.find_sglang_wheel(sglang_wheel) if peer is not None else None
     if sglang and wheel is None:
         raise ConfigError(
-            f"the SGLang comparison needs its wheel: pip download --no-deps sglang=={SGLANG_VERSION} -d .kvtier/wheels "
+            f"the SGLang comparison needs its wheel: pip download --no-deps sglang=={peer.SGLANG_VERSION} -d .kvtier/wheels "
             "(or pass --sglang-wheel PATH)"
         )
     requests = load_mooncake_trace(trace_path, limit)
     spec = KVSpec.preset("deepseek-v3.2")
     ours: list[tuple[float, float, float]] = []  # per round: (hash s, tree s, wall s)
     vllm_rounds, hybrid_rounds = [], []
-    sglang_rounds: dict[str, list] = {tree: [] for tree in SGLANG_TREES} if wheel is not None else {}
+    sglang_rounds: dict[str, list] = {tree: [] for tree in peer.SGLANG_TREES} if wheel is not None else {}
     counts = None
-    with one_torch_thread():  # every system's replay with one intra-op thread (see sglang_replay)
+    with one_torch_thread():  # every system's replay with one intra-op thread (see timing.one_torch_thread)
         for i in range(reps):
             cache = _bookkeeping_cache(requests, spec)
             gc.collect()  # startup is over (pools and preallocated nodes built): measure steady state
@@ -278,7 +287,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
             if vllm:
                 vllm_rounds.append(replay_vllm(requests, spec.page_size))
             for tree, rounds in sglang_rounds.items():
-                rounds.append(replay_sglang(requests, spec.page_size, wheel, tree))
+                rounds.append(peer.replay_sglang(requests, spec.page_size, wheel, tree))
             if model is not None:
                 hybrid = _hybrid_cache(requests, model)
                 gc.collect()
@@ -291,7 +300,7 @@ def run_cache_bench(trace_path: str, limit: int | None = None, transfer: bool = 
     rate = pages / (t_hash + t_tree)
     per_round = [pages / (h + t) for h, t, _ in ours]
     theirs = max(vllm_rounds, key=lambda r: r.pages_per_s) if vllm_rounds else None
-    default_rounds = sglang_rounds.get(SGLANG_TREES[0], [])
+    default_rounds = sglang_rounds.get(peer.SGLANG_TREES[0], []) if peer is not None else []
     sgl = max(default_rounds, key=lambda r: r.pages_per_s) if default_rounds else None
     sglang_trees = {tree: _peer_report(rounds, rate, per_round) for tree, rounds in sglang_rounds.items()} or None
     hybrid_report = None

@@ -52,6 +52,7 @@ import numpy as np
 import torch
 import typer
 
+from kvtier.core.plans import Tier
 from kvtier.pools import DevicePool, HostPool
 from kvtier.spec import KVSpec
 from kvtier.transfer import direct
@@ -162,7 +163,7 @@ def layered_save(spec: KVSpec, device: torch.device, pages: int, work: int) -> d
     busy = torch.randn(work, work, device=device) / work**0.5
     g = torch.Generator(device="cpu").manual_seed(11)
     try:
-        job = engine.submit("device", "host", list(range(pages)), list(range(pages)), layered=True)
+        job = engine.submit(Tier.DEVICE, Tier.HOST, list(range(pages)), list(range(pages)), layered=True)
         for layer in range(spec.num_layers):
             busy = torch.tanh(busy @ busy)  # a forward still running when the layer's write is queued
             for b in spec.buffers:
@@ -245,12 +246,13 @@ def overlap(spec: KVSpec, device: torch.device, pages: int, work: int, backend: 
 
 def copy_methods(device: torch.device) -> tuple[dict[str, IOBackend], dict[str, str]]:
     """The methods to measure on ``device`` and the ones it cannot run (with why)."""
-    from kvtier.transfer.gpu_methods import kernel_copy_list
+    from kvtier.transfer.gpu_methods import CopyMethodThresholds, kernel_copy_list
 
     programs = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    uncapped = CopyMethodThresholds(kernel_programs=programs)
     capped = get_io_backend("triton")
     candidates = {"direct": get_io_backend("direct"), "dma": get_io_backend("dma"),
-                  "kernel": IOBackend("kernel", direct.plan, direct.copy, None, partial(kernel_copy_list, programs=programs),
+                  "kernel": IOBackend("kernel", direct.plan, direct.copy, None, partial(kernel_copy_list, thresholds=uncapped),
                                       capped.unavailable),
                   "kernel_capped": capped}
     run, skipped = {}, {}
@@ -274,13 +276,13 @@ def probes(device: torch.device) -> dict:
     if reason is not None:
         out["triton_reads_pinned_host"] = {"ok": False, "detail": reason}
         return out
-    from kvtier.transfer.gpu_methods import kernel_copy_list
+    from kvtier.transfer.gpu_methods import CopyMethodThresholds, kernel_copy_list
 
     try:
         host = torch.arange(4096, dtype=torch.int64).pin_memory()
         dst = torch.zeros(4096, dtype=torch.int64, device=device)
         rows = CopyList(np.array([host.data_ptr()]), np.array([dst.data_ptr()]), np.array([host.nbytes]))
-        kernel_copy_list(rows, torch.device("cpu"), device, 4)
+        kernel_copy_list(rows, torch.device("cpu"), device, CopyMethodThresholds(kernel_programs=4))
         torch.cuda.synchronize(device)
         ok = bool(torch.equal(dst.cpu(), host))
         out["triton_reads_pinned_host"] = {"ok": ok, "detail": "read by its host address (UVA)" if ok else "bytes differ"}

@@ -2,7 +2,7 @@
 
 Every side is driven the way SGLang's cache controller drives its storage
 backend, through the controller's own methods on SGLang's own MHA host pool
-(:mod:`kvtier.app.sglang_harness`): a *set* round is ``_page_backup`` of
+(the clone's ``peers/sglang_harness.py``): a *set* round is ``_page_backup`` of
 ``pages`` host pages under fresh keys (one 128-page storage batch by default,
 SGLang's ``STORAGE_BATCH_SIZE``), a *get* round is ``batch_exists`` plus
 ``_page_transfer`` of those pages into other host pages.
@@ -103,7 +103,9 @@ def _compare(name: str, sides: dict[str, _Side], pages: int, page_bytes: int, re
 def run_sglang_bench(backends: tuple[str, ...] = ("file", "mooncake"), pages: int = 128, reps: int = 10,
                      layers: int = 8, heads: int = 8, head_dim: int = 128, page_size: int = 16,
                      layout: str = "page_first") -> list[SGLangStorageCase]:
-    from kvtier.app import sglang_harness as h
+    from kvtier.app.bench.peers import peer_module
+
+    h = peer_module("sglang_harness")
     from kvtier.app.devservers import MooncakeMaster
 
     unknown = set(backends) - {"file", "mooncake"}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 
 def median_seconds(fn: Callable[[int], object], reps: int, warmup: int = 1) -> float:
@@ -42,3 +43,17 @@ def interleaved_times(fns: dict[str, object], rounds: int, after=None) -> dict[s
             if after is not None:
                 after(name, i)
     return times
+
+
+@contextmanager
+def one_torch_thread():
+    """Torch's intra-op threads at one while open: every system a bench compares replays alike (with two
+    on a loaded machine, OpenMP's spin-waiting slowed some replays 10-20x)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

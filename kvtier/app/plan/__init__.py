@@ -180,7 +180,8 @@ def run_plan(
     groups = _group_report(cfg, cap, counts) if counts.groups else None
     extra = groups["moved_bytes"] if groups else {}
     per_node = {
-        "host_to_device": ((hits["host"] + hits["storage"]) * spec.bytes_per_token + extra.get("loaded", 0)) / duration / cfg.nodes,
+        "host_to_device": ((hits["host"] + hits["storage"]) * spec.bytes_per_token + extra.get("loaded", 0) + extra.get("filled", 0))
+        / duration / cfg.nodes,
         "device_to_host": (counts.backed_up_blocks * spec.page_bytes + extra.get("backed_up", 0)) / duration / cfg.nodes,
         "storage_to_host": (hits["storage"] * spec.bytes_per_token + extra.get("fetched", 0)) / duration / cfg.nodes,
         "host_to_storage": (counts.storage_saved_blocks * spec.page_bytes + extra.get("saved", 0)) / duration / cfg.nodes,
@@ -243,7 +244,7 @@ def _group_report(cfg: PlanConfig, cap: Capacity, counts: ReplayCounts) -> dict:
         peak = dict(zip(("device", "host"), counts.peaks.get(g.name, [0, 0])))
         out[g.name] = {"kind": g.kind, "layers": len(g.layers), "bytes_per_object": nbytes, "window_tokens": g.window or None,
                        "shares_slots": g.name in shared, "objects_held_at_most": peak, **moved}
-        for k in ("loaded", "backed_up", "saved", "fetched"):
+        for k in ("loaded", "filled", "backed_up", "saved", "fetched"):  # (objects filled beside device pages move too)
             moved_bytes[k] = moved_bytes.get(k, 0) + moved.get(k, 0) * nbytes
         if g.name in shared:  # its pages take the tier's slots, as many as the tier keeps
             continue

@@ -18,7 +18,7 @@
   shared VM, tens of milliseconds, more for a longer request): a short and a long prompt timed
   after gaps of 2 ms to 1 s (:func:`measure_idle`).
 * **Scheduling** -- ``kvtier run``'s engine serves one request at a time; vLLM's traits come from its
-  own calibration run (:mod:`kvtier.integrations.vllm.replay`).
+  own calibration run (:mod:`kvtier.app.plan.engine_vllm`).
 """
 
 from __future__ import annotations
@@ -279,14 +279,14 @@ def probe_run_engine(eng: Engine, profile: Profile, plan: CalibrationPlan, progr
     """``profile`` with its :attr:`~Profile.load_scale` from the load probe on ``kvtier run``'s engine
     (:mod:`~kvtier.app.plan.engine_run`, as a validation serves a slice)."""
     from kvtier.app.plan.engine_run import replay_on_run_engine
-    from kvtier.app.plan.engine_slice import EngineSlice, prompt_tokens
+    from kvtier.app.plan.engine_slice import EngineSlice, probe_arrivals, prompt_tokens
     from kvtier.app.plan.timing import ProfiledCosts
 
     ps = eng.page_tokens
     lengths = probe_lengths(plan.prompt_lengths(ps))
     moves = [(0, n // ps, n // ps) for n in lengths]  # every full page backed up and saved (write_through)
     costs = ProfiledCosts(profile, ps, profile.page_bytes)
-    arrivals = probe_arrivals([sum(costs.request(n, (0, 0, 0), m)) for n, m in zip(lengths, moves)])
+    arrivals = probe_arrivals([sum(costs.request(n, (0, 0, 0), m)) for n, m in zip(lengths, moves)], PROBE_LOAD)
     requests = probe_requests(lengths, arrivals, ps)
     work = EngineSlice(requests, [prompt_tokens(r, ps, eng.vocab, seed=7) for r in requests], arrivals, 1.0)
     pages = sum(-(-n // ps) for n in lengths) + 1
@@ -307,19 +307,6 @@ PROBE_LOAD = 0.5
 def probe_lengths(lengths: list[int], count: int = PROBE_REQUESTS) -> list[int]:
     """The load probe's prompt lengths: the grid's short and middle ones, in turn."""
     return [idle_sizes(lengths)[i % 2] for i in range(count)]
-
-
-def probe_arrivals(services: list[float], load: float = PROBE_LOAD, seed: int = 0) -> list[float]:
-    """Poisson arrivals (seconds from the first) that keep an engine serving ``services`` busy ``load`` of the time."""
-    import random
-
-    rng = random.Random(seed)
-    mean_gap = sum(services) / len(services) / load
-    t, out = 0.0, []
-    for _ in services:
-        out.append(t)
-        t += rng.expovariate(1.0 / mean_gap)
-    return out
 
 
 def probe_requests(lengths: list[int], arrivals: list[float], page_tokens: int) -> list[TraceRequest]:
@@ -351,11 +338,11 @@ def fit_load_scale(profile: Profile, requests: list[TraceRequest], moves: list[t
 def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io_backend: str = "direct",
                    progress: Callable[[str], None] | None = None) -> Profile:
     """The profile of vLLM's CPU engine with kvtier's connector (``vllm`` or ``vllm-hybrid``), measured in one
-    engine process (:mod:`kvtier.integrations.vllm.replay`): its prefill fit from prefixes vLLM's own cache
+    engine process (:mod:`kvtier.app.plan.engine_vllm`): its prefill fit from prefixes vLLM's own cache
     held; the connector's load (host -> vLLM's blocks) and L3 read from prefixes only kvtier held, as the
     time they add over that fit. Its copies out and L3 writes run beside the next steps (settle:
     background); the profile still records their links, timed on the benches' paths."""
-    from kvtier.integrations.vllm.replay import run_job
+    from kvtier.app.plan.engine_vllm import run_job
 
     model = engine_model(eng.model)
     spec = model.group("full").attention

@@ -107,3 +107,17 @@ def take_slice(requests: Sequence[TraceRequest], start: int, count: int, source:
         raise ConfigError(f"a slice of {count} requests from request {start} runs past the end of {source} ({len(requests)} requests); "
                           f"give --limit {max(1, len(requests) - start)} or less")
     return list(requests[start : start + count])
+
+
+def probe_arrivals(services: list[float], load: float, seed: int = 0) -> list[float]:
+    """Poisson arrivals (seconds from the first) that keep an engine serving ``services`` busy ``load`` of the time
+    (calibration's load probe, on ``kvtier run``'s engine and on vLLM's alike)."""
+    import random
+
+    rng = random.Random(seed)
+    mean_gap = sum(services) / len(services) / load
+    t, out = 0.0, []
+    for _ in services:
+        out.append(t)
+        t += rng.expovariate(1.0 / mean_gap)
+    return out

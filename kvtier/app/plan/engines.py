@@ -4,7 +4,7 @@
   reference MLA + DSA model or the hybrid variant, on kvtier's real tiers (device and host pools on
   the CPU, a file L3);
 * ``vllm`` / ``vllm-hybrid``: vLLM's CPU engine with kvtier's connector in a process of its own
-  (:mod:`kvtier.integrations.vllm.replay`), a tiny Llama or a tiny Gemma 3 (sliding-window layers
+  (:mod:`kvtier.app.plan.engine_vllm`), a tiny Llama or a tiny Gemma 3 (sliding-window layers
   beside full ones), float32; vLLM's own prefix cache is the device tier.
 
 Each engine's model is also a plan spec (``--plan-spec reference-dsa`` ...), so a profile measured

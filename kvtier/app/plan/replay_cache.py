@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import numpy as np
+
 from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import CacheCore, Tier
@@ -129,10 +131,9 @@ def replay_cache(
     # a node's pools are sized from the blocks routed to it (and their window pages): it can never hold
     # more, so larger pools change nothing and would only be allocated (1000 TB of host is 2e9 page
     # ids; 4096 nodes, 4096 cores)
-    need = [1] * nodes
+    blocks = np.bincount(np.asarray(nodes_of, dtype=np.int64), weights=[len(r.hash_ids) for r in requests], minlength=nodes)
     per_block = shape.slots_per_block
-    for r, j in zip(requests, nodes_of):
-        need[j] += len(r.hash_ids) * per_block
+    need = [1 + int(b) * per_block for b in blocks]
     caches = [_node_cache(shape, Capacity(min(cap.device, n), min(cap.host, n), cap.storage), storage, cache_cfg) if n > 1 else None
               for n in need]
     out = ReplayCounts(per_request=[] if per_request or moves else None, moves=[] if moves else None)
@@ -159,11 +160,10 @@ def _group_objects(node: CacheCore, req, usable: int, total: int) -> dict[str, l
     not at the prompt's end, which the core would also take: the tiers' snapshot bytes are then
     exactly one per ``state_every`` blocks, as :func:`~kvtier.app.plan.config.block_bytes` reserves."""
     full = len(req.keys)
-    every = node.state_every
     out = {}
     for c in node.components:
         ids: list[int | None] = [None] * full
-        places = [b - 1 for b in node.snapshot_boundaries(usable, full) if b % every == 0] if c.is_state else range(usable, full)
+        places = node.groups.handed_places(c.name, usable, full, at_end=False)
         for place, gid in zip(places, req.alloc_group(c.name, len(places))):
             ids[place] = gid
         out[c.name] = ids
@@ -188,7 +188,7 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
         total = -(-r.input_length // block)
         new = req.alloc(total - usable)
         if new.ok:
-            req.commit(req.cached_pages[:usable] + new.pages, handover(node, req, usable, total) if node.components else None)
+            req.commit(req.cached_pages[:usable] + new.pages, handover(node, req, usable, total) if node.groups else None)
         else:
             req.abort()
         served = req.served(usable)
@@ -200,9 +200,9 @@ def _replay(requests: list[TraceRequest], caches: list[CacheCore], nodes_of: Seq
             during = st.backed_up_pages - before[0]  # device pages backed up to make room (write_back): inside the request
             node.wait_idle()  # its own backups and L3 saves, applied before the next request
             moves.append((during, st.backed_up_pages - before[0] - during, st.storage_saved_pages - before[1]))
-        if node.components:  # the most objects (and, beside window pages sharing the pool, pages) a node's tiers held at once
+        if node.groups:  # the most objects (and, beside window pages sharing the pool, pages) a node's tiers held at once
             dev_used, host_used = node.dev_alloc.num_used, node.host_alloc.num_used
-            for c in node.components:
+            for c in node.groups.components:
                 n_dev, n_host = len(c.at[Tier.DEVICE]), len(c.at[Tier.HOST])
                 peak = out.peaks.setdefault(c.name, [0, 0])
                 peak[0], peak[1] = max(peak[0], n_dev), max(peak[1], n_host)

@@ -8,7 +8,7 @@ time: loaded, not saturated). The planner replays the slice through the policy c
 engine's own model and handover (:class:`~kvtier.app.plan.replay_cache.NodeShape`) and times it
 with the engine's measured profile (:class:`~kvtier.app.plan.timing.ProfiledCosts`); the engine
 serves it on real tiers (:mod:`~kvtier.app.plan.engine_run`, or vLLM's CPU engine with kvtier's
-connector, :mod:`kvtier.integrations.vllm.replay`).
+connector, :mod:`kvtier.app.plan.engine_vllm`).
 
 Reported per configuration: hit ratio per tier, bytes each link moved, TTFT p50/p90/p99, and the
 median absolute percentage error of each request's TTFT; with a what-if (half the host, or
@@ -105,7 +105,7 @@ def _reference_hybrid_handover(core, req, usable: int, total: int) -> dict[str, 
     from kvtier.app.model.hybrid import SLIDING, STATE
 
     names = {c.name for c in core.components}
-    objects = HybridObjects.alloc(core, req, usable, total, SLIDING if SLIDING in names else None, STATE if STATE in names else None)
+    objects = HybridObjects.alloc(req, usable, total, SLIDING if SLIDING in names else None, STATE if STATE in names else None)
     return objects.handover(usable, len(req.keys)) if objects is not None else {}
 
 
@@ -271,7 +271,7 @@ def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: P
 def default_measure(eng: Engine, profile: Profile) -> Callable[[EngineSlice, Setup], MeasuredRun]:
     """How ``eng`` serves a slice: ``kvtier run``'s engine here, or vLLM's CPU engine in a process of its own."""
     if eng.vllm_model is not None:
-        from kvtier.integrations.vllm.replay import replay_on_vllm
+        from kvtier.app.plan.engine_vllm import replay_on_vllm
 
         return lambda work, setup: replay_on_vllm(eng, work, setup.device_pages, setup.host_pages)
     from kvtier.app.plan.engine_run import replay_on_run_engine

@@ -60,15 +60,16 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier.errors import ConfigError, PageAlignmentError
+from kvtier.errors import ConfigError, PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.l3.base import KeyStatus, redact_url
-from kvtier.l3.breaker import CircuitBreaker, probe_store
+from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.mover import PageMover, in_order
 from kvtier.l3.page import PageCodec
 from kvtier.l3.registry import open_backend
+from kvtier.pages import first_duplicate
 
 log = logging.getLogger(__name__)
 
@@ -147,8 +148,7 @@ class KvtierStorage(HiCacheStorage):
         self.options = SGLangStorageOptions.from_extra_config(storage_config.extra_config)
         self.model = self.options.model_name or storage_config.model_name or ""
         self.backend = open_backend(self.options.url)
-        self.breaker = CircuitBreaker(self.backend.stats, self.options.cooldown_s, self.options.max_cooldown_s,
-                                      probe=lambda: probe_store(self.backend, "kvtier-probe/0"))
+        self.breaker = CircuitBreaker(self.backend, self.options.cooldown_s, self.options.max_cooldown_s, probe_key="kvtier-probe/0")
         #: reads, checks, writes and repairs page objects (the same mover as kvtier's own L3 tier)
         self.mover = PageMover(self.backend, self.breaker, on_discard=self._count_corrupt)
         self.writer = storage_config.is_storage_writer
@@ -336,7 +336,7 @@ class KvtierStorage(HiCacheStorage):
             return 0
         found = [0]
         with self._guard("exists", []):
-            found[0] = self.breaker.call(self.backend.exists, pool.names(keys))
+            found[0] = self.breaker.call(self.backend.exists, pool.names(keys)) or 0
         return found[0]
 
     def _kv_hits(self, keys: Sequence[str], checked: set[str] = frozenset()) -> int:
@@ -442,8 +442,22 @@ class KvtierStorage(HiCacheStorage):
                                      f"pass {pool.pages.page_size} host slots per key")
         return pool, keys, pool.pages.pages(t.host_indices, len(keys))
 
+    @staticmethod
+    def _one_key_per_page(checked: list[tuple[_Pool, list[str], list[int]]]) -> None:
+        """A read's destinations, each named once per pool (in one transfer or across two): two keys read
+        into one page (one Mamba slot) would race for it. A :class:`PageOwnershipError` before any byte moves."""
+        into: dict[str, list[int]] = {}
+        for pool, _keys, pages in checked:
+            into.setdefault(pool.name, []).extend(pages)
+        for name, pages in into.items():
+            twice = first_duplicate(pages)
+            if twice is not None:
+                raise PageOwnershipError(f"batch_get_v2: host page {twice} of SGLang host pool {name!r} is the destination of two keys; "
+                                         "read each key into a page of its own")
+
     def batch_get_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:
         checked = [self._transfer_pages(t) for t in transfers]  # every transfer is checked before any byte moves
+        self._one_key_per_page(checked)
         return {p.name: self._read(p, keys, pages) for p, keys, pages in checked}
 
     def batch_set_v2(self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None) -> dict[str, list[bool]]:

@@ -91,7 +91,7 @@ def join(a: Completion, b: Completion) -> Completion:
     pa, pb = completed_pages(a, big), completed_pages(b, big)
     short = a if pa <= pb else b
     existing = min(a.existing, b.existing)
-    return CutShort(a.op, min(pa, pb), short.reason, max(getattr(a, "corrupt", 0), getattr(b, "corrupt", 0)), existing)
+    return CutShort(a.op, min(pa, pb), short.reason, max(a.corrupt, b.corrupt), existing)
 
 
 @dataclass

@@ -451,7 +451,7 @@ class ConnectorScheduler:
                 log.info(
                     "kvtier: %d pages failed to load (%s); not offered again for %.0f s",
                     len(keys) - done,
-                    getattr(load.outcome, "reason", "?"),
+                    load.outcome.reason,
                     self.recent_failures.ttl_s,
                 )
         self._loads = pending

@@ -23,7 +23,7 @@ from kvtier.errors import ExecutorError
 from kvtier.integrations.vllm.messages import RankResult
 from kvtier.l3.base import map_storage_errors
 from kvtier.config import StorageConfig
-from kvtier.l3.breaker import CircuitBreaker, probe_store
+from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.registry import open_backend
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,7 @@ class StoreProbe:
     def __init__(self, storage: StorageConfig, prefixes: Sequence[str]):
         self.backend = open_backend(storage.url)
         self.prefixes = list(prefixes)
-        self.breaker = CircuitBreaker(self.backend.stats, storage.cooldown_s, storage.max_cooldown_s,
-                                      probe=lambda: probe_store(self.backend, f"{self.prefixes[0]}/probe"))
+        self.breaker = CircuitBreaker(self.backend, storage.cooldown_s, storage.max_cooldown_s, probe_key=f"{self.prefixes[0]}/probe")
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:
         n = len(keys)
@@ -49,7 +48,7 @@ class StoreProbe:
                 found[0] = 0
 
             with map_storage_errors(self.backend.stats, "exists", failed):
-                found[0] = self.breaker.call(self.backend.exists, [f"{prefix}/{k.hex()}" for k in keys[:n]])
+                found[0] = self.breaker.call(self.backend.exists, [f"{prefix}/{k.hex()}" for k in keys[:n]]) or 0
             n = min(n, found[0])
         return n
 

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from kvtier.build import open_storage_tier
+from kvtier.l3.tier import open_storage_tier
 from kvtier.core.plans import Completion, Done, Tier, Transfer, completed_pages
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
@@ -285,7 +285,7 @@ class ConnectorWorker:
                 self.interval.data["store_seconds"].append(time.perf_counter() - ended)
             done = completed_pages(c, plan.num_pages)
             st = self.stats
-            moved = done - getattr(c, "existing", 0) if plan.dst is Tier.STORAGE else done
+            moved = done - c.existing if plan.dst is Tier.STORAGE else done
             tier = "storage" if Tier.STORAGE in (plan.src, plan.dst) else "host"
             direction = "load" if plan.dst is not Tier.STORAGE and plan.src is not Tier.DEVICE else "store"
             self.interval.record(tier, direction, moved * self._page_tokens, moved * self._page_bytes)
@@ -309,11 +309,11 @@ class ConnectorWorker:
                     st.load_failed_pages += plan.num_pages - done
                 if done < plan.num_pages and waiting is not None:  # (reported per request: finished_recving)
                     log.info("kvtier worker rank %d: a load of %d pages failed (%s); vLLM recomputes request %s", self.tp_rank,
-                             plan.num_pages, getattr(c, "reason", "?"), waiting[0])
+                             plan.num_pages, c.reason, waiting[0])
                 elif done < plan.num_pages:
                     self._failed_blocks.update(plan.dst_pages[done:])
                     log.info("kvtier worker rank %d: %d of %d pages not loaded (%s); vLLM recomputes them", self.tp_rank,
-                             plan.num_pages - done, plan.num_pages, getattr(c, "reason", "?"))
+                             plan.num_pages - done, plan.num_pages, c.reason)
             elif plan.src is Tier.STORAGE:
                 st.fetched_pages += done
             elif plan.src is Tier.DEVICE:
@@ -321,7 +321,7 @@ class ConnectorWorker:
                 for run in plan.groups if whole else ():
                     st.group_objects_offloaded[run.group] = st.group_objects_offloaded.get(run.group, 0) + len(run.dst_pages)
             elif plan.dst is Tier.STORAGE:
-                st.saved_pages += done - getattr(c, "existing", 0)
+                st.saved_pages += done - c.existing
                 st.save_failures += type(c) is not Done
 
     def take_results(self) -> KVTierWorkerMeta | None:

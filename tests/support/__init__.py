@@ -1,0 +1,1 @@
+"""Helpers the test files share (no test file imports another)."""
