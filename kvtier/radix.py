@@ -192,7 +192,7 @@ def _device_evictable(n: PageNode) -> bool:
 
 def _host_evictable(n: PageNode) -> bool:
     """A host leaf eviction may take: unlocked, readable, no device copy, not being saved to L3."""
-    return not n.lock_ref and n.device_page == NO_PAGE and n.host_ready and n.stored != SAVING
+    return not n.lock_ref and n.device_page == NO_PAGE and n.flags & _HOST_READY and n.flags >> 1 != SAVING
 
 
 class _LeafHeap:

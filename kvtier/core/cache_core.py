@@ -194,9 +194,9 @@ class CacheCore(DeviceSpace):
         keys = self._keys(tokens_or_keys)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
         m = self._match(keys, True, want)
-        self.lock(m.last_node)
-        host_before = m.num_host_pages
-        if prefetch and m.num_storage_pages and m.num_device_pages + m.num_host_pages < want:
+        self.lock(m.nodes[-1] if m.nodes else None)
+        host_before = len(m.nodes) - len(m.device_pages)
+        if prefetch and m.num_storage_pages and len(m.nodes) < want:
             try:
                 handle = self.prefetch(m)
                 if handle is not None:
@@ -211,11 +211,12 @@ class CacheCore(DeviceSpace):
                 m = again
         quarantine = self.quarantine
         if not self.groups:  # full attention: the device prefix, then every host page loaded back
-            ld = self.load_back(m) if m.num_host_pages else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+            # (the match's fields read directly, not through its properties: this runs once per request)
+            ld = self.load_back(m) if len(m.nodes) > len(m.device_pages) else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
             host_hit = min(ld.loaded, host_before)
             # the nodes of ld.device_pages: locked until commit
-            return CacheRequest(self, keys, len(keys), m.num_device_pages, host_hit, ld.loaded - host_hit, ld.device_pages, ld,
-                                m.last_node, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
+            return CacheRequest(self, keys, len(keys), len(m.device_pages), host_hit, ld.loaded - host_hit, ld.device_pages, ld,
+                                m.nodes[-1] if m.nodes else None, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
                                 failure_gen=self.load_failure_gen)
         ld = self.load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
@@ -366,8 +367,7 @@ class CacheCore(DeviceSpace):
             self._loading.pop(n, None)  # a load of a page below is moot: its page is quarantined too
         objects = self.groups.quarantined(victims) if self.groups else {}
         pages = tree.clear_devices(victims)
-        self.quarantine.add(pages, objects, self._last_op)
-        self.load_failure_gen = self.quarantine.generation
+        self._quarantine(pages, objects)
         return len(pages)
 
     def _drop_failed_objects(self, nodes: list[PageNode]) -> None:
@@ -375,8 +375,13 @@ class CacheCore(DeviceSpace):
         objects leave the tree into quarantine, the pages stay (their bytes were never touched)."""
         objects = self.groups.quarantined(nodes)
         if objects:
-            self.quarantine.add([], objects, self._last_op)
-            self.load_failure_gen = self.quarantine.generation
+            self._quarantine([], objects)
+
+    def _quarantine(self, pages: list[int], objects: dict[str, list[int]]) -> None:
+        """A failed load's pages and objects into the quarantine, its generation mirrored in the plain
+        attribute every commit reads (:attr:`load_failure_gen`)."""
+        self.quarantine.add(pages, objects, self._last_op)
+        self.load_failure_gen = self.quarantine.generation
 
     def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
         """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.

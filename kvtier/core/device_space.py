@@ -12,7 +12,7 @@ from __future__ import annotations
 from kvtier.alloc import Allocation, PageAllocator
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.base import CoreBase
-from kvtier.core.plans import Completion, Done, Tier, copy_plan
+from kvtier.core.plans import DEVICE, HOST, Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import EvictResult
 from kvtier.core.tags import Backup, EvictionBackup, GroupBackup, LoadBack
@@ -120,8 +120,8 @@ class DeviceSpace(CoreBase):
             return 0
         self.tree.set_hosts(nodes, got.pages, ready=False)
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
-        groups = self.groups.runs(nodes, Tier.DEVICE, Tier.HOST) if self.groups else ()
-        self._submit(copy_plan, Backup(nodes), Tier.DEVICE, list(map(device_page_of, nodes)), Tier.HOST, got.pages, 0, groups)
+        groups = self.groups.runs(nodes, DEVICE, HOST) if self.groups else ()
+        self._submit(copy_plan, Backup(nodes), DEVICE, list(map(device_page_of, nodes)), HOST, got.pages, 0, groups)
         return len(nodes)
 
     def _finish_backup(self, c: Completion, tag: Backup) -> None:

@@ -81,7 +81,7 @@ class Component:
         return [at.pop(n) for n in nodes if n in at]
 
     def evict(self, tier: Tier, n: int, movable: Callable[[PageNode, Tier, Component], bool], up_to: int | None = None) -> int | None:
-        """Free ``n`` of ``c``'s ids in ``tier``: least recently used unheld objects first (by their own
+        """Free ``n`` of this group's ids in ``tier``: least recently used unheld objects first (by their own
         recency in a shared pool, else their node's; a lazy heap as the tree keeps per tier); objects
         the kind keeps last (a state group's snapshots on leaves -- the last snapshot a cached prefix
         ends on) only after every other. ``up_to``: only objects used no later than that. Returns the

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from kvtier.alloc import Allocation
 from kvtier.core.dispatch import PlanDispatch
-from kvtier.core.plans import Completion, CutShort, Failed, Reason, Tier, completed_pages, fetch_plan, save_plan
+from kvtier.core.plans import HOST, STORAGE, Completion, CutShort, Failed, Reason, Tier, completed_pages, fetch_plan, save_plan
 from kvtier.core.results import EvictResult, MatchResult
 from kvtier.core.tags import EvictionSave, PrefetchHandle, Save
 from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_page_of
@@ -156,7 +156,7 @@ class HostTier(PlanDispatch):
         if not self.port.has_storage or not nodes:
             return None
         self.tree.set_stored(nodes, SAVING)
-        groups = self.groups.runs(nodes, Tier.HOST, Tier.STORAGE) if self.groups else ()
+        groups = self.groups.runs(nodes, HOST, STORAGE) if self.groups else ()
         return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after, groups)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:

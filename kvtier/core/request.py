@@ -87,6 +87,10 @@ class RequestState(Enum):
     ABORTED = "aborted"
 
 
+#: the states as module globals for the per-request paths (an enum member's lookup is not specialized on 3.11)
+OPEN, COMMITTED = RequestState.OPEN, RequestState.COMMITTED
+
+
 #: the objects a request of a model without other KV groups is given: none (shared, read-only)
 _NO_OBJECTS: Mapping[str, dict[int, int]] = MappingProxyType({})
 
@@ -128,7 +132,7 @@ class CacheRequest:
         #: the nodes of ``cached_pages`` (kept on device by the lock): commit does not look them up again
         self._prefix = prefix if prefix is not None else []
         self._allocated: list[int] = []
-        self.state = RequestState.OPEN
+        self.state = OPEN
         self.serial = serial
         self.failure_gen = failure_gen
         #: cached pages this request lost to a failed host->device load (they must be recomputed)
@@ -149,8 +153,9 @@ class CacheRequest:
     def usable(self, max_pages: int) -> int:
         """Cached pages a request that may use at most ``max_pages`` of them will use (a hybrid model: the
         longest such prefix every group can continue from with the objects this request holds)."""
-        n = max(0, min(self.num_cached, max_pages))
-        if self.groups and n < self.num_cached:
+        cached = len(self.cached_pages)
+        n = max(0, min(cached, max_pages))
+        if self.groups and n < cached:
             n = self._hybrid_usable(n)
         return n
 
@@ -235,7 +240,7 @@ class CacheRequest:
             cache.free_device(rest)
         if self._group_alloc:
             self._free_group_alloc(handed or {})
-        self._finish(RequestState.COMMITTED)
+        self._finish(COMMITTED)
         return result
 
     def abort(self) -> None:
@@ -320,7 +325,7 @@ class CacheRequest:
         self._group_alloc = {}
 
     def _check_open(self, what: str) -> None:
-        if self.state is not RequestState.OPEN:
+        if self.state is not OPEN:
             raise InvalidStateError(f"{what} on a request that is already {self.state.value}; begin a new request")
 
     def _check_pages(self, pages: list[int]) -> None:

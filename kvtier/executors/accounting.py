@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 
-from kvtier.core.plans import Completion, CutShort, Done, Reason, Tier, Transfer
+from kvtier.core.plans import STORAGE, Completion, CutShort, Done, Reason, Transfer
 
 
 class AccountingStore:
@@ -78,12 +78,12 @@ class AccountingExecutor:
         self._arrived: dict[int, int] = {}
 
     def submit(self, plan: Transfer) -> None:
-        if plan.dst is Tier.STORAGE:
+        if plan.dst is STORAGE:
             existing = self.store.save(plan.keys)
             for run in plan.groups:  # a hybrid model's objects, under their own keys
                 self.store.save(run.keys)
             self._done.append(Done(plan.op, existing))
-        elif plan.src is Tier.STORAGE:
+        elif plan.src is STORAGE:
             n = self.store.fetch(plan.keys)
             for run in plan.groups:  # a page counts as arrived once its objects did too
                 got = self.store.fetch(run.keys)

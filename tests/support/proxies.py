@@ -62,14 +62,14 @@ class DripProxy:
 
 class Injecting:
     """A real backend with hooks: ``before_get(call_index)`` / ``before_set(call_index)`` run
-    before the call is passed on and may sleep, block or raise; ``set_status`` overrides results."""
+    before the call is passed on and may sleep, block or raise. (A call index is the order the I/O
+    threads reached the store, not a batch's place: a fault meant for one page keys on its name.)"""
 
     def __init__(self, inner, object_bytes: int):
         self.inner = inner
         self.name, self.stats = inner.name, inner.stats
         self.capabilities = replace(inner.capabilities, batch_bytes=object_bytes)  # one page per call
         self.before_get = self.before_set = lambda i: None
-        self.set_status = None
         self.finished: list[int] = []  # get calls in the order they returned
         self._calls = {"get": 0, "set": 0}
         self._lock = threading.Lock()
@@ -102,8 +102,7 @@ class Injecting:
     def set_scattered(self, keys, parts):
         i = self._next("set")
         self.before_set(i)
-        out = self.inner.set_scattered(keys, parts)
-        return self.set_status(i, out) if self.set_status else out
+        return self.inner.set_scattered(keys, parts)
 
     def delete(self, keys):
         self.inner.delete(keys)
