@@ -16,7 +16,7 @@ from kvtier.app.plan.engine_slice import block_tokens, engine_requests, make_sli
 from kvtier.app.plan.engines import engine_model
 from kvtier.app.plan.profile import (EngineTraits, IdleFit, LinkFit, PrefillFit, fit_after, fit_link, fit_prefill, load_profile,
                                      median_abs_pct_error, nnls)
-from kvtier.app.plan.calibrate import idle_fit
+from kvtier.app.plan.calibrate import idle_fit, load_links
 from kvtier.app.plan.timing import NominalCosts, ProfiledCosts, simulate
 from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.errors import ConfigError
@@ -73,6 +73,26 @@ def test_link_fit_recovers_latency_and_bandwidth():
     assert fit.latency_s == pytest.approx(120e-6, rel=1e-6) and fit.bytes_per_s == pytest.approx(3e9, rel=1e-6)
     assert fit.seconds(0) == 0.0 and fit.seconds(3e9) == pytest.approx(1 + 120e-6)
 
+
+
+def test_load_links_are_what_a_host_and_an_l3_hit_add_over_the_prefill_fit():
+    """A load is priced as the engine pays it: a prefill whose prefix only host held, less the fit of one whose
+    device held it; an L3 hit's on top of that host load. The bench's links of the other ops are kept."""
+    page = 50_000
+    rows = {"host": [], "storage": []}
+    for n in (300, 700, 1500, 3000):
+        cached = (n - 1) // 32 * 32
+        pages = cached // 32
+        host = 1e-3 + pages * page / 2e9
+        rows["host"].append((n, {"cached_tokens": cached, "host_pages": pages, "storage_pages": 0}, TRUE.seconds(n, cached) + host))
+        rows["storage"].append((n, {"cached_tokens": cached, "host_pages": 0, "storage_pages": pages},
+                                TRUE.seconds(n, cached) + host + 3e-4 + pages * page / 1e9))
+    bench = {name: LinkFit(1e-5, 9e9) for name in ("host_to_device", "device_to_host", "storage_get", "storage_put")}
+    links = load_links(TRUE, bench, rows, page)
+    assert (links["host_to_device"].latency_s, links["host_to_device"].bytes_per_s) == (pytest.approx(1e-3), pytest.approx(2e9))
+    assert (links["storage_get"].latency_s, links["storage_get"].bytes_per_s) == (pytest.approx(3e-4), pytest.approx(1e9))
+    assert links["device_to_host"] is bench["device_to_host"] and links["storage_put"] is bench["storage_put"]
+    assert bench["host_to_device"].latency_s == 1e-5  # the caller's links are not changed
 
 def test_after_request_fit_splits_a_fixed_part_from_a_drain_that_costs_only_when_bytes_move():
     sizes = [0, 0, 0, 100_000, 100_000, 200_000, 400_000, 1_600_000]

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kvtier.app.plan.calibrate import CalibrationPlan
+from kvtier.app.plan.calibrate import CalibrationPlan, load_lengths
 from kvtier.app.plan.profile import load_profile
 
 from support.plan_profiles import profile_of
@@ -42,7 +42,15 @@ def run_profile(tmp_path_factory):
     assert all(t > 0 for _, _, t in points) and profile.prefill.points == len(points)
     assert set(profile.links) == {"host_to_device", "device_to_host", "storage_get", "storage_put"}
     timed = CalibrationPlan().link_reps * len(CalibrationPlan().link_pages)  # each op at each page count, the warm-up round left out
-    assert all(link.bytes_per_s > 0 and link.points == timed for link in profile.links.values())
+    assert all(profile.links[name].bytes_per_s > 0 and profile.links[name].points == timed for name in ("device_to_host", "storage_put"))
+    # loads are timed on the engine's own path: each prefix pushed off the device (and off the host), then loaded back whole
+    ps = profile.page_tokens
+    for name, where in (("host_to_device", "host"), ("storage_get", "storage")):
+        rows = profile.notes[f"{where}_loads"]
+        assert profile.links[name].points == len(rows) == len(load_lengths(lengths))
+        other = "storage" if where == "host" else "host"
+        assert all(row[f"{where}_pages"] == (n - 1) // ps and row[f"{other}_pages"] == 0 and row["cached_tokens"] == (n - 1) // ps * ps
+                   for n, row, _ in rows), rows
     return str(path)
 
 

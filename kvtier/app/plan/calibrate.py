@@ -28,10 +28,10 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from kvtier.app.plan.engines import Engine, engine_model
-from kvtier.app.plan.profile import (LINKS, EngineTraits, IdleFit, LinkFit, Profile, fit_after, fit_link, fit_prefill,
+from kvtier.app.plan.profile import (LINKS, EngineTraits, IdleFit, LinkFit, PrefillFit, Profile, fit_after, fit_link, fit_prefill,
                                      median_abs_pct_error)
 from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.config import CacheConfig, TierConfig
@@ -100,6 +100,8 @@ class EngineTimings:
     prefill: list[tuple[int, int, float]]
     after: list[tuple[float, float]]
     idle: IdleFit
+    #: prefills whose prefix only host ("host") or only L3 ("storage") held: (prompt tokens, what was served, seconds)
+    loads: dict[str, list[tuple[int, dict, float]]] = field(default_factory=dict)
 
 
 def measure_engine(eng: Engine, plan: CalibrationPlan, progress: Callable[[str], None] | None = None) -> EngineTimings:
@@ -142,13 +144,62 @@ def measure_engine(eng: Engine, plan: CalibrationPlan, progress: Callable[[str],
                     prefill.append((n, statistics.median_low([g for g, _ in runs]), statistics.median(t for _, t in runs)))
                     if progress is not None:
                         progress(f"prefill {n} tokens, {prefill[-1][1]} cached: {prefill[-1][2] * 1e3:.1f} ms")
+            loads = {where: [sample for n in load_lengths(lengths) for sample in
+                             _timed_loads(engine, cache, where, n, plan.reps, seeds, eng.vocab, progress)] for where in LOADS}
             idle = measure_idle(lambda n: engine.prefill(_prompt(n, next(seeds), eng.vocab)).ttft_s, cache.wait_idle,
                                 idle_sizes(lengths), plan, progress)
     finally:
         cache.close()
         if tmp is not None:
             tmp.cleanup()
-    return EngineTimings(prefill, after, idle)
+    return EngineTimings(prefill, after, idle, loads)
+
+
+#: where a timed load's prefix is pushed to before the prefill that loads it
+LOADS = ("host", "storage")
+
+
+def load_lengths(lengths: list[int]) -> list[int]:
+    """The prompt lengths loads are timed at: the grid's upper two thirds (a load of a page or two is lost in the noise)."""
+    return lengths[len(lengths) // 3:]
+
+
+def _timed_loads(engine, cache, where: str, n: int, reps: int, seeds, vocab: int, progress) -> list[tuple[int, dict, float]]:
+    """``reps`` prefills of ``n`` tokens whose prefix (every full page but the last) only ``where`` holds: the prefix
+    computed, backed up and saved (write_through), then pushed off the device (and, for ``storage``, off the host
+    too), so the timed prefill loads it on the engine's own path -- per layer, through its executors."""
+    ps = cache.spec.page_size
+    cached = (n - 1) // ps * ps
+    out = []
+    for _ in range(reps):
+        tokens = _prompt(n, next(seeds), vocab)
+        engine.prefill(tokens[:cached])
+        cache.wait_idle()
+        cache.evict_device(cache.device.num_pages)
+        if where == "storage":
+            cache.evict_host(cache.host.num_pages)
+        engine.prefill(_prompt(2 * ps, next(seeds), vocab))  # as on the grid: the timed request follows another
+        cache.wait_idle()
+        r = engine.prefill(tokens)
+        cache.wait_idle()
+        served = {"cached_tokens": r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens,
+                  "host_pages": r.host_hit_tokens // ps, "storage_pages": r.storage_hit_tokens // ps}
+        out.append((n, served, r.ttft_s))
+    if progress is not None:
+        progress(f"{n} tokens with {cached} from {where}: {statistics.median(t for _, _, t in out) * 1e3:.1f} ms")
+    return out
+
+
+def load_links(fit: PrefillFit, links: dict[str, LinkFit], loads: dict[str, list[tuple[int, dict, float]]],
+               page_bytes: int) -> dict[str, LinkFit]:
+    """``links`` with ``host_to_device`` and ``storage_get`` as what a load adds to the engine's prefill over the
+    ``fit`` of prefills whose prefix its device held: a host hit's excess, then an L3 hit's beyond a host hit's."""
+    host = [(row["host_pages"] * page_bytes, t - fit.seconds(n, row["cached_tokens"])) for n, row, t in loads["host"]]
+    to_device = fit_link([b for b, _ in host], [max(x, 1e-6) for _, x in host])
+    storage = [(row["storage_pages"] * page_bytes,
+                t - fit.seconds(n, row["cached_tokens"]) - to_device.seconds(row["storage_pages"] * page_bytes))
+               for n, row, t in loads["storage"]]
+    return {**links, "host_to_device": to_device, "storage_get": fit_link([b for b, _ in storage], [max(x, 1e-6) for _, x in storage])}
 
 
 def idle_sizes(lengths: list[int]) -> tuple[int, int]:
@@ -252,6 +303,7 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
     samples = timed.prefill
     fit = fit_prefill([n for n, _, _ in samples], [c for _, c, _ in samples], [t for _, _, t in samples], eng.page_tokens)
     held, drain = fit_after(*zip(*timed.after))
+    links = load_links(fit, links, timed.loads, spec.page_bytes)
     after = machine()
     profile = Profile(
         engine=eng.name,
@@ -264,13 +316,14 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
         after_request=drain,
         after_request_overhead_s=held,
         idle=timed.idle,
-        # the hybrid engine waits for its load before its first page (its window pages and snapshot come with it)
-        traits=EngineTraits(scheduling="serial", load_overlaps_compute=not eng.hybrid, settle="serial", threads=plan.threads),
+        # a load is timed as what it adds to the prefill (what the compute did not hide): it adds to the compute
+        traits=EngineTraits(scheduling="serial", load_overlaps_compute=False, settle="serial", threads=plan.threads),
         io_backend=io_backend,
         storage=(storage_url or "file://").split(":", 1)[0],
         measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         machine={**after, "load_average_before": before["load_average"]},
-        notes={"prefill_points": [list(s) for s in samples], "after_request_points": [list(a) for a in timed.after], "plan": asdict(plan)},
+        notes={"prefill_points": [list(s) for s in samples], "after_request_points": [list(a) for a in timed.after], "plan": asdict(plan),
+               "host_loads": timed.loads["host"], "storage_loads": timed.loads["storage"]},
     )
     return probe_run_engine(eng, profile, plan, progress)
 
@@ -349,7 +402,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
     ps = eng.page_tokens
     lengths = plan.prompt_lengths(ps)
     grid = [(n, min(int(n * f) // ps, (n - 1) // ps) * ps) for n in lengths for f in plan.cached]
-    loads = lengths[len(lengths) // 3:]
+    loads = load_lengths(lengths)
     host_pages = 2 * (-(-max(loads) // ps)) + 8
     flush_tokens = max(lengths)
     before = machine()
@@ -365,11 +418,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
     links = measure_links(spec, io_backend, None, plan, progress)
     page_bytes = spec.page_bytes
     # what a load adds over computing the rest: the connector's path into vLLM's blocks, then an L3 read before it
-    host = [(row["host_pages"] * page_bytes, t - fit.seconds(n, row["cached_tokens"])) for n, row, t in samples["host"]]
-    links["host_to_device"] = fit_link([b for b, _ in host], [max(x, 1e-6) for _, x in host])
-    storage = [(row["storage_pages"] * page_bytes, t - fit.seconds(n, row["cached_tokens"])
-                - links["host_to_device"].seconds(row["storage_pages"] * page_bytes)) for n, row, t in samples["storage"]]
-    links["storage_get"] = fit_link([b for b, _ in storage], [max(x, 1e-6) for _, x in storage])
+    links = load_links(fit, links, samples, page_bytes)
     profile = Profile(
         engine=eng.name,
         model=eng.model,
