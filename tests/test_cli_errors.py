@@ -11,6 +11,8 @@ from pathlib import Path
 
 from kvtier.app.devservers import free_port
 
+from support.plan_profiles import profile_of
+
 RUN = ["run", "--no-progress"]
 RECORD = {"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}
 
@@ -92,6 +94,36 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("plan-window-pool-own-no-window", ["plan", "--json", "--limit", "20", "--plan-window-pool", "own"], "no sliding-window group"),
         ("plan-window-pool-own-state-model", ["plan", "--json", "--limit", "20", "--plan-spec", "qwen3-next-80b-a3b",
                                               "--plan-window-pool", "own"], "'qwen3-next-80b-a3b' has no sliding-window group"),
+        # the planner's measured costs: a missing or corrupt profile, one of another model, a slice past the trace's end
+        *profile_cases(tmp),
+    ]
+
+
+def profile_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
+    """``kvtier plan --profile`` / ``--calibrate`` / ``--validate``: each fails before any engine starts."""
+    run, hybrid, corrupt = tmp / "run-profile.json", tmp / "hybrid-profile.json", tmp / "corrupt-profile.json"
+    profile_of("run").save(run)
+    profile_of("run-hybrid").save(hybrid)
+    corrupt.write_text('{"format": "kvtier-plan-profile", "version": 1, "engine": "run"')
+    validate = ["plan", "--json", "--validate", "run", "--profile", str(run)]
+    return [
+        ("plan-profile-missing", ["plan", "--json", "--limit", "20", "--profile", f"{tmp}/absent-profile.json"], "absent-profile.json"),
+        ("plan-profile-corrupt", ["plan", "--json", "--limit", "20", "--profile", str(corrupt)], "is not JSON"),
+        ("plan-profile-other-model", ["plan", "--json", "--limit", "20", "--profile", str(run)], "'reference-dsa', not 'deepseek-v3.2'"),
+        ("validate-profile-other-model", ["plan", "--json", "--validate", "run", "--profile", str(hybrid), "--limit", "20"],
+         "measured with model 'reference-hybrid', not 'reference-dsa'"),
+        ("validate-profile-corrupt", ["plan", "--json", "--validate", "run", "--profile", str(corrupt)], "corrupt-profile.json"),
+        ("validate-slice-past-end", [*validate, "--limit", "5000"], "runs past the end"),
+        ("validate-slice-start-past-end", [*validate, "--start", "3990", "--limit", "10"], "give --limit 3 or less"),
+        ("validate-no-profile", ["plan", "--json", "--validate", "run", "--limit", "20"], "give --profile PATH"),
+        ("validate-engine-unknown", ["plan", "--json", "--validate", "sglang", "--profile", str(run)], "'sglang'"),
+        ("validate-what-if-unknown", [*validate, "--limit", "20", "--what-if", "double-host"], "double-host"),
+        ("validate-vllm-write-back", ["plan", "--json", "--validate", "vllm", "--profile", str(run), "--limit", "20",
+                                      "--cache-write-policy", "write_back"], "write_through"),
+        ("validate-load-2", [*validate, "--limit", "20", "--validate-load", "2"], "--validate-load"),
+        ("calibrate-unwritable", ["plan", "--json", "--calibrate", f"{tmp}/no/such/dir/p.json"], "p.json"),
+        ("calibrate-grid-too-small", ["plan", "--json", "--calibrate", f"{tmp}/p.json", "--calibrate-max-tokens", "40"],
+         "--calibrate-max-tokens 40"),
     ]
 
 
@@ -115,7 +147,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 55
+    assert len(table) == 55 + 14
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

@@ -38,10 +38,38 @@ def plan(
         "given, else host sizes from the smallest accepted), and prompt tokens per node",
     ),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    profile: Optional[str] = typer.Option(None, "--profile", help="an engine's measured costs (kvtier plan --calibrate): TTFT from "
+                                          "them instead of the nominal --plan-* link speeds and FLOP rate", rich_help_panel="measured"),
+    calibrate: Optional[str] = typer.Option(None, "--calibrate", help="measure --engine on this machine (prefill against prompt and "
+                                            "cached prefix, each tier's links) and write the profile here", rich_help_panel="measured"),
+    engine: str = typer.Option("run", "--engine", help="--calibrate's engine: run, run-hybrid (kvtier run's), vllm, vllm-hybrid "
+                               "(vLLM's CPU engine with kvtier's connector)", rich_help_panel="measured"),
+    calibrate_max_tokens: int = typer.Option(4096, "--calibrate-max-tokens", help="the longest prompt calibration measures (the fit is "
+                                             "trusted up to it)", rich_help_panel="measured"),
+    calibrate_reps: int = typer.Option(3, "--calibrate-reps", help="runs per calibration point (their median)", rich_help_panel="measured"),
+    validate: Optional[str] = typer.Option(None, "--validate", help="replay a slice through the planner and through ENGINE (run, "
+                                           "run-hybrid, vllm, vllm-hybrid) on real tiers, side by side (needs --profile)",
+                                           rich_help_panel="measured"),
+    workload: str = typer.Option("trace", "--workload", help="--validate's requests: trace (the shipped trace, or --trace) or chat "
+                                 "(the synthetic multi-turn workload)", rich_help_panel="measured"),
+    start: int = typer.Option(0, "--start", help="--validate: the slice's first request (--limit: its length, default 300)",
+                              rich_help_panel="measured"),
+    what_if: Optional[str] = typer.Option(None, "--what-if", help="--validate a second configuration too: half-host, write-back or "
+                                          "write-through; reports the predicted change against the measured one",
+                                          rich_help_panel="measured"),
+    validate_load: float = typer.Option(0.5, "--validate-load", help="--validate: slow the trace's arrivals so the engine is busy this "
+                                        "share of the time (as the profile predicts)", rich_help_panel="measured"),
+    validate_time_scale: Optional[float] = typer.Option(None, "--validate-time-scale", help="--validate: machine seconds per trace "
+                                                        "second instead (overrides --validate-load)", rich_help_panel="measured"),
+    validate_device_pages: Optional[int] = typer.Option(None, "--validate-device-pages", help="--validate: device pages (default: a tenth "
+                                                        "of the slice's distinct pages)", rich_help_panel="measured"),
+    validate_host_pages: Optional[int] = typer.Option(None, "--validate-host-pages", help="--validate: host pages (default: a third of "
+                                                      "the slice's distinct pages)", rich_help_panel="measured"),
     **flags,
 ) -> None:
     """Replay a trace through the cache logic at real model sizes (no tensors): hit ratio per tier, link load,
-    queueing and TTFT per routing policy, load per node, load vs recompute."""
+    queueing and TTFT per routing policy, load per node, load vs recompute. With --calibrate, measure an
+    engine's costs; with --validate, check the planner against a real engine."""
     from dataclasses import replace
 
     from kvtier.app.cli_output import check_output_path, emit as _emit
@@ -54,6 +82,17 @@ def plan(
 
     sections = build_sections({"plan": PlanConfig, "cache": CacheConfig}, {}, flags)
     cfg, cache_cfg = sections["plan"], sections["cache"]
+    if calibrate and validate:
+        raise ConfigError("--calibrate and --validate are two runs: calibrate first, then --validate ENGINE --profile PATH")
+    if calibrate:
+        from kvtier.app.cli_validate import calibrate as run_calibration
+
+        return run_calibration(calibrate, engine, calibrate_max_tokens, calibrate_reps, cache_cfg.io_backend, as_json)
+    if validate:
+        from kvtier.app.cli_validate import validate as run_validation
+
+        return run_validation(validate, profile, workload, trace, start, limit, validate_device_pages, validate_host_pages, cache_cfg,
+                              validate_load, validate_time_scale, what_if, as_json)
     sweeps = {
         field: _numbers(flag, text)
         for field, flag, text in (
@@ -67,7 +106,13 @@ def plan(
         raise ConfigError("sweep one tier at a time: give one of --sweep-host-tb, --sweep-device-gb, --sweep-storage-tb")
     check_output_path("--plot", plot_png)
     requests = load_mooncake_trace(trace or default_trace_path(), limit)
-    report = run_plan(requests, cfg, cache_cfg)
+    costs = None
+    if profile:
+        from kvtier.app.plan import plan_costs
+        from kvtier.app.plan.profile import load_profile
+
+        costs = plan_costs(cfg, load_profile(profile), profile)
+    report = run_plan(requests, cfg, cache_cfg, costs=costs)
     if sweeps:
         [(field, values)] = sweeps.items()
     elif plot_png:  # the plot's default sweep: host sizes from the smallest accepted
@@ -75,11 +120,11 @@ def plan(
         field, values = "host_tb", [round_up(low * f) for f in (1.0, 1.5, 2.0, 4.0)]
     # one sweep per routing policy for the plot; the configured policy's is the report's sweep
     policies = ROUTING_POLICIES if plot_png else (cfg.routing,) if sweeps else ()
-    curves = {p: sweep(requests, replace(cfg, routing=p), field, values, cache_cfg) for p in policies}
+    curves = {p: sweep(requests, replace(cfg, routing=p), field, values, cache_cfg, costs) for p in policies}
     if sweeps:
         report.sweep = curves[cfg.routing]
     if compare_routing or plot_png:
-        report.routing_comparison = compare(requests, cfg, cache_cfg)
+        report.routing_comparison = compare(requests, cfg, cache_cfg, costs)
     if plot_png:
         from kvtier.app.plan.plot import plot_plan
 
@@ -114,5 +159,8 @@ def plan(
         f"TTFT p50 {report.latency['ttft_s']['p50']:.3f} s, p99 {report.latency['ttft_s']['p99']:.3f} s; "
         f"a host hit loads {report.load_vs_recompute['host_hit_speedup']}x faster than recomputing it"
     )
+    costs_from = report.cost_model
+    console.print(f"times from the measured profile {costs_from['profile']} (engine {costs_from['engine']}, {costs_from['measured_at']})"
+                  if costs_from["source"] == "profile" else f"times from nominal figures: {costs_from['note']}")
     if plot_png:
         console.print(f"plot written to {plot_png}")

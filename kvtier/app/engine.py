@@ -81,6 +81,41 @@ class ReferenceEngine:
         return RequestResult(n, dev_hit * ps, host_hit * ps, from_storage * ps, n - usable * ps, ttft, logits, selections)
 
 
+@dataclass(frozen=True)
+class HybridObjects:
+    """What a hybrid request allocates beside its pages, and hands over with them at commit: a window
+    page for every page it computes (the partial tail's included), a state snapshot at each page the
+    cache wants one at (``req.handed_places``). :class:`HybridEngine` and the planner's replay of it
+    (``kvtier plan --validate run-hybrid``) both allocate through :meth:`alloc`: the same calls, the
+    same hits."""
+
+    sliding: str | None
+    state: str | None
+    #: window page ids of pages ``usable .. total``
+    window: list[int]
+    #: place (the full page whose end it is kept at) -> snapshot id
+    slots: dict[int, int]
+
+    @classmethod
+    def alloc(cls, req, usable: int, total: int, sliding: str | None, state: str | None) -> HybridObjects | None:
+        """The request's window pages and snapshot slots past its ``usable`` cached pages of ``total``; None
+        when the window pool could not give a page for each page to compute."""
+        window = req.alloc_group(sliding, total - usable) if sliding else []
+        if len(window) < (total - usable if sliding else 0):
+            return None
+        places = req.handed_places(state) if state else []  # the pages whose end the cache keeps a snapshot at
+        return cls(sliding, state, window, dict(zip(places, req.alloc_group(state, len(places)))) if places else {})
+
+    def handover(self, usable: int, full: int) -> dict[str, list[int | None]]:
+        """``commit``'s groups: the window pages of the full pages computed, and a snapshot id where one was kept."""
+        groups: dict[str, list[int | None]] = {}
+        if self.sliding:
+            groups[self.sliding] = [None] * usable + self.window[: full - usable]
+        if self.state:
+            groups[self.state] = [self.slots.get(p) for p in range(full)]
+        return groups
+
+
 class HybridEngine:
     """The same request loop for :class:`~kvtier.app.model.hybrid.HybridReferenceModel`: besides its
     full pages, a request continues from the window pages and the state snapshot the cache gives it
@@ -121,13 +156,12 @@ class HybridEngine:
         usable = req.usable((n - 1) // ps)
         total_pages, full = -(-n // ps), n // ps
         new = req.alloc(total_pages - usable)
-        window = req.alloc_group(self.sliding, total_pages - usable) if self.sliding else []
-        if not new.ok or len(window) < (total_pages - usable if self.sliding else 0):
+        objects = HybridObjects.alloc(req, usable, total_pages, self.sliding, self.state) if new.ok else None
+        if objects is None:
             req.abort()
             raise ConfigError(f"device pools too small: a {n}-token request needs {total_pages - usable} free pages (and as many "
                               "sliding-window pages) after eviction; raise the device pool size")
-        places = req.handed_places(self.state) if self.state else []  # the pages whose end the cache keeps a snapshot at
-        slots = dict(zip(places, req.alloc_group(self.state, len(places)))) if places else {}
+        window, slots = objects.window, objects.slots
         tables = {FULL: torch.tensor(req.cached_pages[:usable] + new.pages, dtype=torch.int64)}
         if self.sliding:
             given = req.groups.get(self.sliding, {})
@@ -145,12 +179,7 @@ class HybridEngine:
             if p in slots:
                 self._write_state(slots[p], state)
         ttft = time.perf_counter() - t0
-        groups = {}
-        if self.sliding:
-            groups[self.sliding] = [None] * usable + window[: full - usable]
-        if self.state:
-            groups[self.state] = [slots.get(p) for p in range(full)]
-        req.commit(tables[FULL].tolist(), groups)
+        req.commit(tables[FULL].tolist(), objects.handover(usable, full))
         dev_hit, host_hit, from_storage = req.served(usable)
         return RequestResult(n, dev_hit * ps, host_hit * ps, from_storage * ps, n - usable * ps, ttft, logits, selections)
 

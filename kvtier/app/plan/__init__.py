@@ -31,15 +31,17 @@ import time
 from dataclasses import replace
 
 from kvtier.config import CacheConfig, ConfigError
-from kvtier.app.plan.config import (GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts, TokenCosts, block_bytes, capacity,
+from kvtier.app.plan.config import (GB, TB, Capacity, PlanConfig, PlanReport, ReplayCounts, TokenCosts, block_bytes, capacity, plan_model,
                                     planning_model, planning_spec, slots_per_block, window_groups)
-from kvtier.app.plan.replay_cache import replay_cache
+from kvtier.app.plan.profile import Profile
+from kvtier.app.plan.replay_cache import NodeShape, replay_cache
 from kvtier.app.plan.routing import ROUTING_POLICIES, route
-from kvtier.app.plan.timing import simulate
+from kvtier.app.plan.timing import Costs, NominalCosts, ProfiledCosts, simulate
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 __all__ = ["PlanConfig", "PlanReport", "ReplayCounts", "capacity", "check_plannable", "compare_routing", "distinct_blocks",
-           "infinite_cache_hit_ratio", "min_host_tb", "planning_spec", "replay", "round_up", "route", "run_plan", "sweep", "sweep_host"]
+           "infinite_cache_hit_ratio", "min_host_tb", "plan_costs", "planning_spec", "replay", "round_up", "route", "run_plan", "sweep",
+           "sweep_host"]
 
 
 def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE_BLOCK_TOKENS) -> float:
@@ -60,14 +62,12 @@ def infinite_cache_hit_ratio(requests: list[TraceRequest], block: int = MOONCAKE
 
 
 def replay(requests: list[TraceRequest], cfg: PlanConfig = PlanConfig(), cache_cfg: CacheConfig = CacheConfig(), *,
-           per_request: bool = False, nodes_of: list[int] | None = None) -> ReplayCounts:
+           per_request: bool = False, moves: bool = False, nodes_of: list[int] | None = None) -> ReplayCounts:
     """Replay ``requests`` through the policy core, one core per node (no size checks: see :func:`run_plan`).
     ``nodes_of``: the node of each request (default: :func:`route` by ``cfg.routing``)."""
-    spec = planning_spec(cfg)
     cap = capacity(cfg, block_bytes(cfg))
-    return replay_cache(
-        requests, cfg, cache_cfg, spec, cap, route(requests, cfg) if nodes_of is None else nodes_of, per_request=per_request
-    )
+    return replay_cache(requests, NodeShape.of_plan(cfg), cache_cfg, cap, route(requests, cfg) if nodes_of is None else nodes_of,
+                        cfg.nodes, per_request=per_request, moves=moves)
 
 
 def round_up(x: float, digits: int = 4) -> float:
@@ -140,14 +140,25 @@ def check_plannable(requests: list[TraceRequest], cfg: PlanConfig) -> None:
             )
 
 
+def plan_costs(cfg: PlanConfig, profile: Profile | None = None, path: str = "") -> Costs:
+    """What a request costs in time: the nominal figures of ``cfg``, or ``profile``'s measured ones (a
+    profile of another model than ``cfg.spec`` is refused)."""
+    if profile is None:
+        return NominalCosts(TokenCosts.of(cfg))
+    profile.check_model(cfg.spec, plan_model(cfg.spec).fingerprint(), path)
+    return ProfiledCosts(profile, MOONCAKE_BLOCK_TOKENS, planning_spec(cfg).page_bytes, path)
+
+
 def run_plan(
     requests: list[TraceRequest],
     cfg: PlanConfig = PlanConfig(),
     cache_cfg: CacheConfig = CacheConfig(),
     *,
     nodes_of: list[int] | None = None,
+    costs: Costs | None = None,
 ) -> PlanReport:
-    """``nodes_of``: a route computed earlier for the same trace and routing (sweeps reuse one)."""
+    """``nodes_of``: a route computed earlier for the same trace and routing (sweeps reuse one); ``costs``:
+    what time a request takes (default: ``cfg``'s nominal figures, :func:`plan_costs`)."""
     check_plannable(requests, cfg)
     spec = planning_spec(cfg)
     block = MOONCAKE_BLOCK_TOKENS
@@ -156,9 +167,11 @@ def run_plan(
     t0 = time.perf_counter()
     if nodes_of is None:
         nodes_of = route(requests, cfg)
-    counts = replay(requests, cfg, cache_cfg, per_request=True, nodes_of=nodes_of)
+    costs = costs or plan_costs(cfg)
+    # what each request's tiers moved besides its hits: only measured costs time it
+    counts = replay(requests, cfg, cache_cfg, per_request=True, moves=isinstance(costs, ProfiledCosts), nodes_of=nodes_of)
     elapsed = time.perf_counter() - t0
-    timing = simulate(requests, nodes_of, counts.per_request or [], cfg)
+    timing = simulate(requests, nodes_of, counts.per_request or [], cfg, costs, counts.moves)
     input_tokens = counts.input_tokens
     hits = {k: v * block for k, v in counts.hit_blocks.items()}
     duration = max((requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0, 1e-3) if requests else 1.0
@@ -208,6 +221,7 @@ def run_plan(
         load_balance=timing.imbalance,
         warnings=timing.warnings,
         groups=groups,
+        cost_model=costs.describe(),
     )
 
 
@@ -254,7 +268,8 @@ SWEEPABLE = {"host_tb": "host", "device_gb": "device", "storage_tb": "storage"}
 
 
 def sweep(
-    requests: list[TraceRequest], cfg: PlanConfig, field: str, values: list[float], cache_cfg: CacheConfig = CacheConfig()
+    requests: list[TraceRequest], cfg: PlanConfig, field: str, values: list[float], cache_cfg: CacheConfig = CacheConfig(),
+    costs: Costs | None = None,
 ) -> list[dict]:
     """Hit ratios at each size of one tier (``field``: host_tb, device_gb or storage_tb), on one route.
     Every size is checked first (:func:`check_plannable`), so a refused size fails the sweep before it runs."""
@@ -266,7 +281,7 @@ def sweep(
     nodes_of = route(requests, cfg)
     rows = []
     for v, c in zip(values, configs):
-        r = run_plan(requests, c, cache_cfg, nodes_of=nodes_of)
+        r = run_plan(requests, c, cache_cfg, nodes_of=nodes_of, costs=costs)
         rows.append(
             {
                 field: v,
@@ -282,11 +297,12 @@ def sweep_host(requests: list[TraceRequest], cfg: PlanConfig, host_tbs: list[flo
     return sweep(requests, cfg, "host_tb", host_tbs, cache_cfg)
 
 
-def compare_routing(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig = CacheConfig()) -> list[dict]:
+def compare_routing(requests: list[TraceRequest], cfg: PlanConfig, cache_cfg: CacheConfig = CacheConfig(),
+                    costs: Costs | None = None) -> list[dict]:
     """The same cluster under every routing policy: hit ratio, queueing, TTFT and load balance, one row each."""
     rows = []
     for policy in ROUTING_POLICIES:
-        r = run_plan(requests, replace(cfg, routing=policy), cache_cfg)
+        r = run_plan(requests, replace(cfg, routing=policy), cache_cfg, costs=costs)
         rows.append(
             {
                 "routing": policy,

@@ -8,6 +8,7 @@ from typing import Literal
 
 from kvtier.app.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
 from kvtier.config import ConfigError, _help, check_number
+from kvtier.errors import UnknownNameError
 from kvtier.groups import HYBRID_PRESETS, ModelSpec, model_spec
 from kvtier.spec import KVSpec
 
@@ -69,8 +70,7 @@ class PlanConfig:
         check_number(self, "state_every", at_least=1, integer=True)
         if self.window_pool not in ("shared", "own"):
             raise ConfigError(f"PlanConfig.window_pool must be shared or own; got {self.window_pool!r}")
-        model = HYBRID_PRESETS.get(self.spec)
-        if self.window_pool == "own" and not any(g.kind == "sliding_window" for g in (model.groups if model else ())):
+        if self.window_pool == "own" and not any(g.kind == "sliding_window" for g in plan_model(self.spec).groups):
             raise ConfigError(f"PlanConfig.window_pool 'own' places sliding-window pages, and {self.spec!r} has no sliding-window "
                               "group: leave window_pool out (a model with one: " + ", ".join(
                                   n for n, m in HYBRID_PRESETS.items() if any(g.kind == "sliding_window" for g in m.groups)) + ")")
@@ -86,20 +86,34 @@ class Capacity:
     storage: int | None
 
 
+def plan_model(name: str) -> ModelSpec:
+    """The model a plan spec names: a KVSpec or hybrid preset, or an engine's model (``reference-dsa``,
+    ``reference-hybrid``, ``vllm-tiny-llama``, ``vllm-tiny-gemma3``: what ``--calibrate`` measures)."""
+    from kvtier.app.plan.engines import ENGINE_MODELS, engine_model
+
+    model = engine_model(name)
+    if model is not None:
+        return model
+    try:
+        return model_spec(name)
+    except UnknownNameError as e:
+        raise UnknownNameError("model preset", name, [*e.valid, *ENGINE_MODELS]) from None
+
+
 def planning_spec(cfg: PlanConfig) -> KVSpec:
     """The spec with one page per trace block (``512 / page_size`` pages of the real spec); a hybrid
     model's: its full-attention group's."""
-    base = model_spec(cfg.spec).group("full").attention  # (an unknown name lists every preset, hybrid ones too)
+    base = plan_model(cfg.spec).group("full").attention  # (an unknown name lists every preset, hybrid ones too)
     if MOONCAKE_BLOCK_TOKENS % base.page_size:
         raise ConfigError(f"spec page_size {base.page_size} must divide the trace block of {MOONCAKE_BLOCK_TOKENS} tokens")
     return base.with_(page_size=MOONCAKE_BLOCK_TOKENS)
 
 
 def planning_model(cfg: PlanConfig) -> ModelSpec | None:
-    """A hybrid preset's groups with one page per trace block (None for a full-attention preset)."""
-    if cfg.spec not in HYBRID_PRESETS:
+    """A hybrid model's groups with one page per trace block (None for a full-attention one)."""
+    model = plan_model(cfg.spec)
+    if not model.is_hybrid:
         return None
-    model = HYBRID_PRESETS[cfg.spec]
     groups = tuple(dataclasses.replace(g, attention=g.attention.with_(page_size=MOONCAKE_BLOCK_TOKENS)) if g.attention is not None else g
                    for g in model.groups)
     return ModelSpec(model.name, model.num_layers, groups)
@@ -195,8 +209,11 @@ class ReplayCounts:
     input_tokens: int = 0
     backed_up_blocks: int = 0
     storage_saved_blocks: int = 0
-    #: (device, host, storage) blocks served per request, when asked for (equivalence tests)
+    #: (device, host, storage) blocks served per request, when asked for
     per_request: list[tuple[int, int, int]] | None = None
+    #: when asked for: per request, (blocks backed up to host to make room for it, blocks of it backed up to
+    #: host after it, blocks saved to L3 after it) -- what its tiers moved besides its hits
+    moves: list[tuple[int, int, int]] | None = None
     #: a hybrid model: per other group, its objects moved and evicted, summed over nodes
     groups: dict[str, dict[str, int]] = field(default_factory=dict)
     #: per other group, the most objects one node's device and host held at once
@@ -241,6 +258,8 @@ class PlanReport:
     routing_comparison: list[dict] = field(default_factory=list)
     #: a hybrid model: per group, what a block costs, what each tier holds and what moved
     groups: dict | None = None
+    #: where the time figures come from: nominal link speeds and FLOP rate, or a measured profile
+    cost_model: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

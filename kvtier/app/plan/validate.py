@@ -1,0 +1,281 @@
+"""``kvtier plan --validate ENGINE``: a trace slice through the planner and through a real engine, side by side.
+
+Both sides get the same requests (:mod:`~kvtier.app.plan.engine_slice`: one trace block per engine
+page, token ids that share exactly what the trace's blocks share), the same tier sizes in pages,
+the same write policy, an unbounded L3 and the same arrivals, slowed to this machine by
+``time_scale`` (chosen, unless given, so the planner expects the engine busy ``target_load`` of the
+time: loaded, not saturated). The planner replays the slice through the policy core with the
+engine's own model and handover (:class:`~kvtier.app.plan.replay_cache.NodeShape`) and times it
+with the engine's measured profile (:class:`~kvtier.app.plan.timing.ProfiledCosts`); the engine
+serves it on real tiers (:mod:`~kvtier.app.plan.engine_run`, or vLLM's CPU engine with kvtier's
+connector, :mod:`kvtier.app.plan.engine_vllm`).
+
+Reported per configuration: hit ratio per tier, bytes each link moved, TTFT p50/p90/p99, and the
+median absolute percentage error of each request's TTFT; with a what-if (half the host, or
+another write policy), the change the planner predicts against the change measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import numpy as np
+
+from kvtier.app.plan.config import MAX_BLOCKS, Capacity, PlanConfig
+from kvtier.app.plan.engine_run import MeasuredRun
+from kvtier.app.plan.engine_slice import EngineSlice, make_slice
+from kvtier.app.plan.engines import Engine, engine_model
+from kvtier.app.plan.profile import Profile, median_abs_pct_error
+from kvtier.app.plan.replay_cache import NodeShape, replay_cache
+from kvtier.app.plan.timing import ProfiledCosts, simulate, spread
+from kvtier.app.workloads.mooncake import TraceRequest
+from kvtier.config import CacheConfig
+from kvtier.errors import ConfigError
+
+TIERS = ("device", "host", "storage")
+#: what-ifs a validation can check: a name -> what it changes
+WHAT_IFS = {"half-host": "half the host pages", "write-back": "write_back instead of the write policy given",
+            "write-through": "write_through instead of the write policy given"}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration both sides run."""
+
+    name: str
+    device_pages: int
+    host_pages: int
+    cache: CacheConfig
+
+    def describe(self) -> dict:
+        return {"name": self.name, "device_pages": self.device_pages, "host_pages": self.host_pages,
+                "write_policy": self.cache.write_policy, "storage": "file L3, unbounded"}
+
+
+def what_if(base: Setup, name: str) -> Setup:
+    """The configuration ``name`` (:data:`WHAT_IFS`) makes of ``base``."""
+    if name == "half-host":
+        return replace(base, name="half host", host_pages=max(1, base.host_pages // 2))
+    if name in ("write-back", "write-through"):
+        policy = name.replace("-", "_")
+        if policy == base.cache.write_policy:
+            raise ConfigError(f"--what-if {name}: the base configuration is {policy} already; choose another --what-if or "
+                              f"--cache-write-policy")
+        return replace(base, name=policy, cache=replace(base.cache, write_policy=policy))
+    from kvtier.errors import UnknownNameError
+
+    raise UnknownNameError("what-if", name, WHAT_IFS)
+
+
+def check_setup(eng: Engine, cache: CacheConfig, what: str | None) -> None:
+    """Refuse a configuration ``eng`` cannot run, before anything does: vLLM's connector copies every block it
+    computes out to host, which is write_through and nothing else."""
+    if what is not None and what not in WHAT_IFS:
+        from kvtier.errors import UnknownNameError
+
+        raise UnknownNameError("--what-if", what, WHAT_IFS)
+    if eng.vllm_model is None:
+        return
+    policies = [cache.write_policy] + ([what.replace("-", "_")] if what in ("write-back", "write-through") else [])
+    for policy in policies:
+        if policy != "write_through":
+            raise ConfigError(f"vLLM's connector copies every block vLLM computes out to host: write_through only, not {policy}; "
+                              f"validate {policy} on kvtier run's engine (--validate run), or give vLLM --what-if half-host")
+
+
+def node_shape(eng: Engine) -> NodeShape:
+    """The engine's model and pools as its cache builds them, and its handover (the hybrid reference
+    engine's own allocation, :class:`~kvtier.app.engine.HybridObjects`)."""
+    model = engine_model(eng.model)
+    spec = model.group("full").attention
+    if not model.is_hybrid:
+        return NodeShape(spec)
+    shared = tuple(g.name for g in model.groups if g.kind == "sliding_window" and g.object_spec() == spec)  # build_hybrid_cache's rule
+    own = tuple(g.name for g in model.groups if g.kind != "full" and g.name not in shared)
+    if eng.vllm_model is not None:  # vLLM's own allocator hands over: the planner's engine stands in for it
+        return NodeShape(spec, model, shared, own, 1)
+    from kvtier.app.model.hybrid import HybridConfig
+
+    return NodeShape(spec, model, shared, own, HybridConfig().state_every, _reference_hybrid_handover)
+
+
+def _reference_hybrid_handover(core, req, usable: int, total: int) -> dict[str, list[int | None]]:
+    from kvtier.app.engine import HybridObjects
+    from kvtier.app.model.hybrid import SLIDING, STATE
+
+    names = {c.name for c in core.components}
+    objects = HybridObjects.alloc(req, usable, total, SLIDING if SLIDING in names else None, STATE if STATE in names else None)
+    return objects.handover(usable, len(req.keys)) if objects is not None else {}
+
+
+@dataclass
+class Prediction:
+    served: list[tuple[int, int, int]]
+    moves: list[tuple[int, int, int]]
+    #: each request's (service, time the node stays busy after it), seconds, alone on the machine
+    costs: list[tuple[float, float]]
+    bytes_moved: dict[str, int]
+
+
+def predict(eng: Engine, work: EngineSlice, setup: Setup) -> Prediction:
+    """The planner's replay of ``work`` on ``setup`` (hits and moves; times come from :func:`predicted_times`)."""
+    shape = node_shape(eng)
+    host = setup.host_pages
+    if eng.vllm_model is not None:
+        # vLLM's one block pool holds a window page as a full page (shared on device), while kvtier's connector keeps a
+        # window group's host objects in a pool of their own as large as the pages' one; the core takes a group sharing
+        # both tiers' pools or neither, so the planner's host holds both pools' slots in one
+        host *= 1 + len(shape.shared)
+    counts = replay_cache(work.requests, shape, setup.cache, Capacity(setup.device_pages, host, MAX_BLOCKS), [0] * len(work.requests), 1,
+                          moves=True)
+    page = shape.spec.page_bytes
+    hits = counts.hit_blocks
+    moved = {"host_to_device": (hits["host"] + hits["storage"]) * page, "device_to_host": counts.backed_up_blocks * page,
+             "host_to_storage": counts.storage_saved_blocks * page, "storage_to_host": hits["storage"] * page}
+    return Prediction(list(counts.per_request), list(counts.moves), [], moved)
+
+
+def predicted_times(work: EngineSlice, pred: Prediction, costs: ProfiledCosts) -> tuple[np.ndarray, np.ndarray]:
+    """(each request's TTFT, its queueing delay) as the planner's queue model gives them at ``work``'s arrivals."""
+    requests = work.requests
+    cfg = PlanConfig(arrival_speedup=1.0 / work.time_scale)
+    timing = simulate(requests, [0] * len(requests), pred.served, cfg, costs, pred.moves)
+    return timing.per_request_ttft_s, timing.per_request_queue_s
+
+
+def time_scale_for(requests: Sequence[TraceRequest], pred: Prediction, costs: ProfiledCosts, target_load: float) -> float:
+    """Machine seconds per trace second that keep the engine busy ``target_load`` of the slice's span."""
+    busy = sum(sum(costs.request(r.input_length, s, m)) for r, s, m in zip(requests, pred.served, pred.moves))
+    span = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000.0 if len(requests) > 1 else 0.0
+    if span <= 0:
+        raise ConfigError("the slice's requests all arrive at once: there is no arrival rate to scale; give a longer --limit")
+    return busy / (target_load * span)
+
+
+def _side(served: Sequence[tuple[int, int, int]], ttft: Sequence[float], queue: Sequence[float], moved: dict[str, int],
+          requests: Sequence[TraceRequest], page_tokens: int) -> dict:
+    tokens = sum(r.input_length for r in requests)
+    pages = {t: sum(s[i] for s in served) for i, t in enumerate(TIERS)}
+    ratio = {t: round(pages[t] * page_tokens / tokens, 4) for t in TIERS}
+    ratio["total"] = round(sum(pages.values()) * page_tokens / tokens, 4)
+    return {"hit_ratio": ratio, "hit_pages": pages, "bytes_moved": dict(moved), "ttft_s": spread(np.asarray(ttft)),
+            "queue_s": spread(np.asarray(queue)) if len(queue) else None}
+
+
+def _pct(p: float, m: float) -> float | None:
+    return round((p - m) / m * 100, 2) if m else None
+
+
+def compare(predicted: dict, measured: dict, pred_ttft: Sequence[float], meas_ttft: Sequence[float],
+            pred_served: Sequence[tuple[int, int, int]], meas_served: Sequence[tuple[int, int, int]]) -> dict:
+    """Errors: hit ratios in percentage points, TTFT percentiles and bytes in percent, per-request TTFT as a median
+    absolute percentage error; and how many requests were served the same pages per tier."""
+    same = sum(tuple(a) == tuple(b) for a, b in zip(pred_served, meas_served))
+    return {
+        "hit_ratio_pp": {t: round((predicted["hit_ratio"][t] - measured["hit_ratio"][t]) * 100, 2) for t in (*TIERS, "total")},
+        "ttft_pct": {k: _pct(predicted["ttft_s"][k], measured["ttft_s"][k]) for k in ("p50", "p90", "p99", "mean")},
+        "ttft_per_request_mape_pct": round(median_abs_pct_error(pred_ttft, meas_ttft), 2),
+        "bytes_pct": {k: _pct(predicted["bytes_moved"][k], v) for k, v in measured["bytes_moved"].items()},
+        "requests_served_alike": same,
+        "hit_pages_equal": predicted["hit_pages"] == measured["hit_pages"],
+    }
+
+
+@dataclass
+class ConfigResult:
+    setup: dict
+    predicted: dict
+    measured: dict
+    error: dict
+    #: per request: (pages device/host/storage predicted, measured, TTFT predicted, measured)
+    per_request: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class ValidationReport:
+    engine: str
+    workload: str
+    requests: int
+    start: int
+    page_tokens: int
+    time_scale: float
+    target_load: float | None
+    profile: dict
+    configurations: list[ConfigResult]
+    what_if: dict | None = None
+    machine: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def run_config(eng: Engine, work: EngineSlice, setup: Setup, pred: Prediction, costs: ProfiledCosts,
+               measure: Callable[[EngineSlice, Setup], MeasuredRun]) -> ConfigResult:
+    """One configuration: the planner's prediction against the engine's run."""
+    pred_ttft, pred_queue = predicted_times(work, pred, costs)
+    real = measure(work, setup)
+    predicted = _side(pred.served, pred_ttft, pred_queue, pred.bytes_moved, work.requests, eng.page_tokens)
+    measured = _side(real.served, real.ttft_s, real.queue_s, real.bytes_moved, work.requests, eng.page_tokens)
+    rows = [{"pages_predicted": list(p), "pages_measured": list(m), "ttft_predicted_s": round(float(a), 5), "ttft_measured_s": round(b, 5),
+             "queue_predicted_s": round(float(q), 5)}
+            for p, m, a, b, q in zip(pred.served, real.served, pred_ttft, real.ttft_s, pred_queue)]
+    for row, q, svc in zip(rows, real.queue_s, real.service_s):
+        row["queue_measured_s"], row["service_measured_s"] = round(q, 5), round(svc, 5)
+    measured["wall_s"] = round(real.wall_s, 3)
+    measured.update(real.extra)
+    error = compare(predicted, measured, pred_ttft, real.ttft_s, pred.served, real.served)
+    return ConfigResult(setup.describe(), predicted, measured, error, rows)
+
+
+def change(base: ConfigResult, other: ConfigResult) -> dict:
+    """The what-if: each side's change from ``base`` to ``other`` (TTFT in percent, hit ratio in points) and
+    the prediction's error against the measured change, in percentage points."""
+    out: dict = {"from": base.setup["name"], "to": other.setup["name"]}
+    for k in ("p50", "p90", "mean"):
+        pred = _pct(other.predicted["ttft_s"][k], base.predicted["ttft_s"][k])
+        meas = _pct(other.measured["ttft_s"][k], base.measured["ttft_s"][k])
+        out[f"ttft_{k}"] = {"predicted_change_pct": pred, "measured_change_pct": meas,
+                            "error_pp": round(pred - meas, 2) if pred is not None and meas is not None else None}
+    for t in (*TIERS, "total"):
+        pred = round((other.predicted["hit_ratio"][t] - base.predicted["hit_ratio"][t]) * 100, 2)
+        meas = round((other.measured["hit_ratio"][t] - base.measured["hit_ratio"][t]) * 100, 2)
+        out[f"hit_{t}"] = {"predicted_change_pp": pred, "measured_change_pp": meas, "error_pp": round(pred - meas, 2)}
+    return out
+
+
+def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: Profile, profile_path: str, *, workload: str, start: int = 0,
+             time_scale: float | None = None, target_load: float = 0.5, what: str | None = None,
+             measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None) -> ValidationReport:
+    """The slice ``requests`` on ``eng`` under ``setup`` (and ``what``, a :data:`WHAT_IFS` name), planner against engine."""
+    check_setup(eng, setup.cache, what)
+    model = engine_model(eng.model)
+    profile.check_model(eng.model, model.fingerprint(), profile_path, engine=eng.name)
+    other = what_if(setup, what) if what else None
+    costs = ProfiledCosts(profile, eng.page_tokens, profile.page_bytes, profile_path)
+    work = make_slice(requests, eng.page_tokens, eng.vocab, 1.0)
+    pred = predict(eng, work, setup)
+    if time_scale is None:
+        time_scale = time_scale_for(work.requests, pred, costs, target_load)
+    else:
+        target_load = None
+    work = make_slice(requests, eng.page_tokens, eng.vocab, time_scale)
+    measure = measure or default_measure(eng, profile)
+    results = [run_config(eng, work, setup, pred, costs, measure)]
+    if other is not None:
+        results.append(run_config(eng, work, other, predict(eng, work, other), costs, measure))
+    return ValidationReport(eng.name, workload, len(requests), start, eng.page_tokens, round(time_scale, 6), target_load,
+                            costs.describe(), results, change(*results) if other is not None else None)
+
+
+def default_measure(eng: Engine, profile: Profile) -> Callable[[EngineSlice, Setup], MeasuredRun]:
+    """How ``eng`` serves a slice: ``kvtier run``'s engine here, or vLLM's CPU engine in a process of its own."""
+    if eng.vllm_model is not None:
+        from kvtier.app.plan.engine_vllm import replay_on_vllm
+
+        return lambda work, setup: replay_on_vllm(eng, work, setup.device_pages, setup.host_pages)
+    from kvtier.app.plan.engine_run import replay_on_run_engine
+    from kvtier.config import TierConfig
+
+    return lambda work, setup: replay_on_run_engine(eng, work, TierConfig(device_pages=setup.device_pages, host_pages=setup.host_pages),
+                                                    setup.cache, threads=profile.traits.threads)
