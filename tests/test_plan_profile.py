@@ -75,7 +75,7 @@ def test_link_fit_recovers_latency_and_bandwidth():
 
 
 
-def test_load_links_are_what_a_host_and_an_l3_hit_add_over_the_prefill_fit():
+def test_load_links_are_what_a_host_and_an_l3_hit_add_over_the_same_prefill_on_the_device():
     """A load is priced as the engine pays it: a prefill whose prefix only host held, less the fit of one whose
     device held it; an L3 hit's on top of that host load. The bench's links of the other ops are kept."""
     page = 50_000
@@ -93,6 +93,13 @@ def test_load_links_are_what_a_host_and_an_l3_hit_add_over_the_prefill_fit():
     assert (links["storage_get"].latency_s, links["storage_get"].bytes_per_s) == (pytest.approx(3e-4), pytest.approx(1e9))
     assert links["device_to_host"] is bench["device_to_host"] and links["storage_put"] is bench["storage_put"]
     assert bench["host_to_device"].latency_s == 1e-5  # the caller's links are not changed
+    # where the grid measured the same prompt and prefix on the device, that is the reference, not the fit (which
+    # misses this engine's prefills by 2 ms here, as much as a small load costs)
+    points = [(n, row["cached_tokens"], TRUE.seconds(n, row["cached_tokens"]) + 2e-3) for n, row, _ in rows["host"]]
+    off = {where: [(n, row, t + 2e-3) for n, row, t in rows[where]] for where in rows}
+    paired = load_links(TRUE, bench, off, page, points + points)
+    assert (paired["host_to_device"].latency_s, paired["storage_get"].latency_s) == (pytest.approx(1e-3), pytest.approx(3e-4))
+    assert load_links(TRUE, bench, off, page)["host_to_device"].latency_s == pytest.approx(3e-3)
 
 def test_after_request_fit_splits_a_fixed_part_from_a_drain_that_costs_only_when_bytes_move():
     sizes = [0, 0, 0, 100_000, 100_000, 200_000, 400_000, 1_600_000]

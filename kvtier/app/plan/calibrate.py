@@ -27,7 +27,7 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from kvtier.app.plan.engines import Engine, engine_model
@@ -190,17 +190,26 @@ def _timed_loads(engine, cache, where: str, n: int, reps: int, seeds, vocab: int
     return out
 
 
-def load_links(fit: PrefillFit, links: dict[str, LinkFit], loads: dict[str, list[tuple[int, dict, float]]],
-               page_bytes: int) -> dict[str, LinkFit]:
-    """``links`` with ``host_to_device`` and ``storage_get`` as what a load adds to the engine's prefill over the
-    ``fit`` of prefills whose prefix its device held: a host hit's excess, then an L3 hit's beyond a host hit's."""
-    host = [(row["host_pages"] * page_bytes, t - fit.seconds(n, row["cached_tokens"])) for n, row, t in loads["host"]]
+def load_links(fit: PrefillFit, links: dict[str, LinkFit], loads: dict[str, list[tuple[int, dict, float]]], page_bytes: int,
+               device_points: Sequence[tuple[int, int, float]] = ()) -> dict[str, LinkFit]:
+    """``links`` with ``host_to_device`` and ``storage_get`` as what a load adds to the engine's prefill over the same
+    prefill with its prefix on the device: a host hit's excess, then an L3 hit's beyond a host hit's. The reference is the
+    measured ``device_points`` (prompt, cached, seconds) of the same prompt and prefix where the grid has them (their
+    median: a fit's error at one point is as large as a small load), else the ``fit``."""
+    by_point: dict[tuple[int, int], list[float]] = {}
+    for n, c, t in device_points:
+        by_point.setdefault((n, c), []).append(t)
+
+    def on_device(n: int, cached: int) -> float:
+        measured = by_point.get((n, cached))
+        return statistics.median(measured) if measured else fit.seconds(n, cached)
+
+    host = [(row["host_pages"] * page_bytes, t - on_device(n, row["cached_tokens"])) for n, row, t in loads["host"]]
     to_device = fit_link([b for b, _ in host], [max(x, 1e-6) for _, x in host])
     storage = [(row["storage_pages"] * page_bytes,
-                t - fit.seconds(n, row["cached_tokens"]) - to_device.seconds(row["storage_pages"] * page_bytes))
+                t - on_device(n, row["cached_tokens"]) - to_device.seconds(row["storage_pages"] * page_bytes))
                for n, row, t in loads["storage"]]
     return {**links, "host_to_device": to_device, "storage_get": fit_link([b for b, _ in storage], [max(x, 1e-6) for _, x in storage])}
-
 
 def idle_sizes(lengths: list[int]) -> tuple[int, int]:
     """The short and the long prompt idle costs are measured at: the grid's shortest, and its middle."""
@@ -303,7 +312,7 @@ def calibrate_run_engine(eng: Engine, plan: CalibrationPlan = CalibrationPlan(),
     samples = timed.prefill
     fit = fit_prefill([n for n, _, _ in samples], [c for _, c, _ in samples], [t for _, _, t in samples], eng.page_tokens)
     held, drain = fit_after(*zip(*timed.after))
-    links = load_links(fit, links, timed.loads, spec.page_bytes)
+    links = load_links(fit, links, timed.loads, spec.page_bytes, samples)
     after = machine()
     profile = Profile(
         engine=eng.name,
@@ -418,7 +427,7 @@ def calibrate_vllm(eng: Engine, plan: CalibrationPlan = CalibrationPlan(), *, io
     links = measure_links(spec, io_backend, None, plan, progress)
     page_bytes = spec.page_bytes
     # what a load adds over computing the rest: the connector's path into vLLM's blocks, then an L3 read before it
-    links = load_links(fit, links, samples, page_bytes)
+    links = load_links(fit, links, samples, page_bytes, samples["device"])
     profile = Profile(
         engine=eng.name,
         model=eng.model,
