@@ -6,8 +6,10 @@ go into the report only."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -45,3 +47,55 @@ def test_validate_vllm_reports_every_field_and_hits_agree_within_tolerance(tmp_p
         assert abs(pp) <= TOLERANCE_PP, (tier, pred["hit_ratio"], meas["hit_ratio"])
     # what the connector's workers moved, against the planner's count of the same pages
     assert meas["bytes_moved"]["host_to_device"] > 0 and meas["bytes_moved"]["host_to_storage"] > 0
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue  # gone meanwhile
+            if int(fields[2]) == pgid and fields[0] != "Z":  # (pgrp is the 5th field; a zombie is gone)
+                members.append(int(entry))
+    return members
+
+
+def _replay_process() -> int | None:
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"kvtier.app.plan.engine_vllm" in cmd:
+                return int(entry)
+    return None
+
+
+@pytest.mark.integration
+def test_a_calibration_killed_by_sigkill_leaves_no_vllm_process_behind(tmp_path):
+    """``kvtier plan --calibrate --engine vllm`` SIGKILLed while vLLM runs: the replay process and vLLM's engine core
+    (its group) end within seconds, where before they kept running with init as their parent."""
+    cli = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "plan", "--calibrate", str(tmp_path / "p.json"), "--engine", "vllm"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        replay = None
+        while time.monotonic() < deadline and cli.poll() is None:
+            replay = replay or _replay_process()
+            if replay is not None and len(_group_members(replay)) >= 2:  # vLLM's engine core has started beside it
+                break
+            time.sleep(0.5)
+        assert replay is not None and len(_group_members(replay)) >= 2, "vLLM's engine core never started"
+    finally:
+        cli.kill()
+        cli.wait()
+    deadline = time.monotonic() + 20
+    while _group_members(replay) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _group_members(replay)
+    for pid in left:  # (cleanup if the test fails)
+        os.kill(pid, 9)
+    assert not left, f"processes of the vLLM replay left running: {left}"

@@ -21,8 +21,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 from kvtier.integrations.vllm.session import reset_prefix_cache  # noqa: F401  (sets vLLM's CPU defaults on import)
@@ -198,7 +200,21 @@ def _prompt_of(vocab: int):
     return prompt
 
 
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """End this process's whole group -- it, vLLM's engine core and workers (:func:`run_job` starts it in a session
+    of its own) -- when its parent is gone, whatever ended the parent (a SIGKILL runs no cleanup there)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.killpg(0, signal.SIGKILL)
+
+    threading.Thread(target=watch, name="kvtier-exit-with-parent", daemon=True).start()
+
+
 def main(path: str) -> None:
+    exit_with_parent()
     with open(path) as f:
         job = json.load(f)
     # a trace's longest prompt may pass the tiny models' position limit (SmolLM2's config: 8192); their weights are
@@ -224,11 +240,24 @@ def run_job(job: dict, timeout_s: float | None = None) -> dict:
         path = os.path.join(tmp, "job.json")
         with open(path, "w") as f:
             json.dump(job, f)
-        out = subprocess.run([sys.executable, "-m", "kvtier.app.plan.engine_vllm", path], capture_output=True, text=True,
-                             timeout=timeout_s, env=os.environ.copy())
-    if out.returncode != 0:
-        raise RuntimeError(f"vLLM replay exited {out.returncode}:\n{out.stderr[-4000:]}")
-    return json.loads(next(line for line in out.stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+        # a session of its own: when the job ends, however it ends, its group goes -- vLLM's engine core and workers too
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.plan.engine_vllm", path], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=os.environ.copy(), start_new_session=True)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout_s)
+        finally:
+            _kill_group(proc)
+    if proc.returncode != 0:
+        raise RuntimeError(f"vLLM replay exited {proc.returncode}:\n{stderr[-4000:]}")
+    return json.loads(next(line for line in stdout.splitlines() if line.startswith(MARKER))[len(MARKER):])
+
+
+def _kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # the group is gone already
+    proc.wait()
 
 
 def served_pages(row: dict, block: int) -> tuple[int, int, int]:
