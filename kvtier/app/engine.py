@@ -31,6 +31,11 @@ class RequestResult:
     logits: torch.Tensor
     selections: list[torch.Tensor]
 
+    @property
+    def hit_tokens(self) -> int:
+        """Tokens served from the cache, any tier."""
+        return self.device_hit_tokens + self.host_hit_tokens + self.storage_hit_tokens
+
 
 class ReferenceEngine:
     def __init__(self, model: ReferenceModel, cache):

@@ -128,16 +128,21 @@ class DeviceSpace(CoreBase):
         self._submit(copy_plan, Backup(nodes), DEVICE, list(map(device_page_of, nodes)), HOST, got.pages, 0, groups)
         return len(nodes)
 
+    def _backed_up(self, nodes: list[PageNode]) -> None:
+        """A backup of ``nodes`` completed: their host copies are readable, other engines sharing the host tier
+        may have them, and they count."""
+        self.tree.mark_host_ready(nodes)
+        if self.shared_host:
+            self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
+        self.stats.backed_up_pages += len(nodes)
+        self.stats.backed_up_bytes += len(nodes) * self._page_bytes
+
     def _finish_backup(self, c: Completion, tag: Backup) -> None:
         nodes = tag.nodes
         tree = self.tree
         ok = type(c) is Done
         if ok:
-            tree.mark_host_ready(nodes)
-            if self.shared_host:
-                self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
-            self.stats.backed_up_pages += len(nodes)
-            self.stats.backed_up_bytes += len(nodes) * self._page_bytes
+            self._backed_up(nodes)
         else:
             self.stats.transfer_failures += 1
             self.groups.left(Tier.HOST, nodes)
@@ -243,11 +248,7 @@ class DeviceSpace(CoreBase):
             self.groups.left(Tier.HOST, victims)
             self.host_alloc.free([self.tree.clear_host(v) for v in victims])
             return 0
-        self.tree.mark_host_ready(victims)
-        if self.shared_host:
-            self.shared_host.publish([v.key for v in victims], [v.host_page for v in victims])
-        self.stats.backed_up_pages += len(victims)
-        self.stats.backed_up_bytes += len(victims) * self._page_bytes
+        self._backed_up(victims)
         if self.port.has_storage and self.storage_config.write_policy == "write_through":
             self._save(self.tree.not_stored(victims))  # every new host copy goes to L3
         return len(victims)

@@ -138,7 +138,7 @@ def measure_engine(eng: Engine, plan: CalibrationPlan, progress: Callable[[str],
                         r = engine.prefill(tokens)
                         cache.wait_idle()  # its commit, backups and L3 saves: what holds the engine after its first token
                         held = time.perf_counter() - t0 - r.ttft_s
-                        got = r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens
+                        got = r.hit_tokens
                         runs.append((got, r.ttft_s))
                         after.append((2 * (n // ps - got // ps) * page_bytes, held))  # each new full page backed up and saved
                     prefill.append((n, statistics.median_low([g for g, _ in runs]), statistics.median(t for _, t in runs)))
@@ -182,7 +182,7 @@ def _timed_loads(engine, cache, where: str, n: int, reps: int, seeds, vocab: int
         cache.wait_idle()
         r = engine.prefill(tokens)
         cache.wait_idle()
-        served = {"cached_tokens": r.device_hit_tokens + r.host_hit_tokens + r.storage_hit_tokens,
+        served = {"cached_tokens": r.hit_tokens,
                   "host_pages": r.host_hit_tokens // ps, "storage_pages": r.storage_hit_tokens // ps}
         out.append((n, served, r.ttft_s))
     if progress is not None:
@@ -210,6 +210,7 @@ def load_links(fit: PrefillFit, links: dict[str, LinkFit], loads: dict[str, list
                 t - on_device(n, row["cached_tokens"]) - to_device.seconds(row["storage_pages"] * page_bytes))
                for n, row, t in loads["storage"]]
     return {**links, "host_to_device": to_device, "storage_get": fit_link([b for b, _ in storage], [max(x, 1e-6) for _, x in storage])}
+
 
 def idle_sizes(lengths: list[int]) -> tuple[int, int]:
     """The short and the long prompt idle costs are measured at: the grid's shortest, and its middle."""
