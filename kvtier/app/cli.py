@@ -1,4 +1,4 @@
-"""The ``kvtier`` command line: ``run``, ``plan``, ``serve``, ``bench {transfer,cache,storage,sglang,plan}``, ``spec``."""
+"""The ``kvtier`` command line: ``run``, ``plan``, ``serve``, ``bench {transfer,cache,storage,sglang,plan,service}``, ``spec``."""
 
 from __future__ import annotations
 
@@ -138,6 +138,21 @@ def bench_plan(
     from kvtier.app.workloads.mooncake import default_trace_path
 
     _emit(to_json(run_plan_bench(trace or str(default_trace_path()), limit, reps=reps)), as_json)
+
+
+@bench_app.command("service")
+def bench_service(
+    prompt_tokens: int = typer.Option(2048, min=64, help="tokens per prompt in the lookup rows (a multiple of the page size, 64)"),
+    requests: int = typer.Option(200, min=4, help="requests per lookup row and side"),
+    copy_pages: int = typer.Option(256, min=1, help="pages per host->device copy in the bandwidth row"),
+    rounds: int = typer.Option(9, min=1, help="rounds of copies, each side once per round (best round reported)"),
+    trace_limit: int = typer.Option(60, min=1, help="trace requests each engine runs in the sharing row"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """The node service (kvtier serve) against an in-process host tier: lookup cost, copy bandwidth, two engines sharing."""
+    from kvtier.app.bench.service import as_json as to_json, run_service_bench
+
+    _emit(to_json(run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit)), as_json)
 
 
 def _backend_list(backends: str, valid: tuple[str, ...]) -> tuple[str, ...]:

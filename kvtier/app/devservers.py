@@ -214,3 +214,42 @@ class MooncakeMaster:
     def stop(self) -> None:
         self.kill()
         self.node = stop_process(self.node)
+
+
+@dataclass
+class NodeServiceProcess:
+    """``kvtier serve`` on a socket under ``workdir`` (this interpreter's kvtier), stopped by its pid with
+    SIGTERM (it removes its socket and region), SIGKILL if it does not exit within 30 s."""
+
+    workdir: Path
+    host_gb: float
+    proc: subprocess.Popen | None = None
+
+    @property
+    def socket(self) -> str:
+        return str(self.workdir / "run" / "node.sock")
+
+    def start(self, timeout_s: float = 120.0) -> NodeServiceProcess:
+        import selectors
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(self.host_gb), "--socket", self.socket]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=(self.workdir / "serve.log").open("w"), text=True)
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            banner = self.proc.stdout.readline() if sel.select(timeout_s) else ""
+        if "listening on unix://" not in banner:
+            error = (self.workdir / "serve.log").read_text() if self.proc.poll() is not None else ""
+            self.stop()
+            raise RuntimeError(f"kvtier serve did not start within {timeout_s:g} s: {(banner + error).strip()!r}")
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.proc = None

@@ -1,0 +1,261 @@
+"""``kvtier bench service``: the node service (``kvtier serve``) against a host tier of the engine's own, in one run.
+
+* ``lookup`` -- the scheduler side of a request (``begin``: match, lock, plan the host->device loads;
+  the loads themselves run after the clock stops) for prompts of ``prompt_tokens``, per request,
+  p50 and p99 in microseconds. ``host_hit``: every page of the prompt is on host -- in the engine's
+  own host tier, or published to the service by another engine, which costs one lookup round trip
+  and the adoption of its pages. ``miss``: nobody has the prompt -- the service is still asked
+  (one round trip that finds nothing), the in-process tier is not. A tiny page format (bytes do not
+  enter a lookup). The two sides take turns, prompt by prompt.
+* ``bandwidth`` -- host->device copies of the same pages (kvtier's direct backend, scattered source
+  pages into a run of device pages, a model's page format) from the service's region, mapped by
+  this process, against from a host pool of this process's own; GB/s, best round of several taken in
+  turns, and their ratio.
+* ``sharing`` -- two engines run the same workload (requests of the Mooncake trace) one after the
+  other: once each with a host tier of its own, once both attached to one service. Host bytes held
+  at the end (two private tiers against the service's region pages) and the second engine's hit
+  ratio (tokens served from cache over input tokens).
+
+The service is a real ``kvtier serve`` process on a socket in a temporary directory, stopped by its
+pid at the end. Nothing here is a timed assertion: figures and ratios, as JSON.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from kvtier.app.bench.timing import interleaved_times
+from kvtier.app.devservers import NodeServiceProcess
+from kvtier.app.workloads import load_mooncake_trace, trace_tokens
+from kvtier.app.workloads.mooncake import default_trace_path
+from kvtier.build import build_cache
+from kvtier.cache import HierarchicalCache
+from kvtier.config import TierConfig
+from kvtier.pools import DevicePool, HostPool
+from kvtier.service.client import ServiceClient, query_status
+from kvtier.service.region import RegionFormat, map_region
+from kvtier.spec import KVSpec
+from kvtier.transfer.backends import get_io_backend
+
+#: a page format whose bytes are small: a lookup's cost does not depend on them
+LOOKUP_SPEC = KVSpec.mha("bench-lookup", 1, kv_heads=1, head_dim=64)
+#: a model's page format for the copies (llama-3.1-8b's, two layers: the per-layer cost is depth-independent)
+COPY_SPEC = KVSpec.preset("llama-3.1-8b", num_layers=2)
+#: the trace's requests run through the sharing engines: tiny pages, many of them
+SHARING_SPEC = LOOKUP_SPEC
+
+
+@dataclass(frozen=True)
+class LookupRow:
+    case: str  # host_hit | miss
+    pages: int  # pages per request
+    requests: int
+    in_process_p50_us: float
+    in_process_p99_us: float
+    service_p50_us: float
+    service_p99_us: float
+    p50_ratio: float  # service / in-process
+
+
+@dataclass(frozen=True)
+class BandwidthRow:
+    spec: str
+    pages: int
+    page_bytes: int
+    private_gbps: float
+    region_gbps: float
+    ratio: float  # region / private (the issue's target: >= 0.95)
+
+
+@dataclass(frozen=True)
+class SharingRow:
+    requests: int  # per engine
+    input_tokens: int  # per engine
+    in_process_host_bytes: int  # both engines' own host tiers at the end
+    service_host_bytes: int  # the service's region pages held at the end
+    bytes_ratio: float  # service / in-process
+    in_process_second_hit_ratio: float
+    service_second_hit_ratio: float
+    service_second_host_hit_pages: int
+
+
+@dataclass(frozen=True)
+class ServiceBench:
+    lookup: list[LookupRow]
+    bandwidth: BandwidthRow
+    sharing: SharingRow
+
+
+def _prompt(seed: int, tokens: int) -> list[int]:
+    return [(seed * 1_000_003 + i) % 50_000 + 1 for i in range(tokens)]
+
+
+def _serve(cache: HierarchicalCache, tokens: list[int]) -> tuple[int, int]:
+    """One request as an engine runs it (loads waited for, the rest computed -- bytes not written --
+    and committed, so it is backed up to host); (pages served from cache, of them from host)."""
+    req = cache.begin(tokens)
+    cached = req.wait()
+    new = req.alloc(len(tokens) // cache.spec.page_size - cached)
+    req.commit(req.cached_pages + new.pages)
+    return cached, req.host_hit
+
+
+def _percentile_us(xs: list[float], q: int) -> float:
+    return round(statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1e6, 1)
+
+
+def _lookup_rows(socket: str, prompt_tokens: int, requests: int) -> list[LookupRow]:
+    pages = prompt_tokens // LOOKUP_SPEC.page_size
+    host_pages = pages * (requests + 4)  # every prompt and the fillers, none evicted
+    own = build_cache(LOOKUP_SPEC, TierConfig(device_pages=pages * 2, host_pages=host_pages))
+    publisher, attached = (build_cache(LOOKUP_SPEC, TierConfig(device_pages=pages * 2, host_pages=host_pages, service=socket))
+                           for _ in range(2))
+    try:
+        hits = [_prompt(seed, prompt_tokens) for seed in range(requests + 1)]
+        for toks in hits:  # on host: in the own tier by its own earlier run, in the service by another engine
+            _serve(own, toks)
+            _serve(publisher, toks)
+        for seed in (-1, -2):  # the own tier's device holds two prompts: fillers push the last ones to host only
+            _serve(own, _prompt(seed, prompt_tokens))
+        own.wait_idle()
+        publisher.wait_idle()
+        misses = [_prompt(10_000 + seed, prompt_tokens) for seed in range(requests + 1)]
+        sides = {"own": own, "service": attached}
+        return [_lookup_row(case, prompts, sides, requests) for case, prompts in (("host_hit", hits), ("miss", misses))]
+    finally:
+        for c in (own, publisher, attached):
+            c.close()
+
+
+def _lookup_row(case: str, prompts: list[list[int]], sides: dict[str, HierarchicalCache], requests: int) -> LookupRow:
+    """Each side begins every prompt once, in the same order, the sides taking turns; only ``begin`` is timed."""
+    pages = len(prompts[0]) // LOOKUP_SPEC.page_size
+    begun = []
+
+    def timed(cache: HierarchicalCache):
+        order = iter(prompts)
+
+        def run(_i: int) -> None:
+            begun.append(cache.begin(next(order)))
+        return run
+
+    def finish(name: str, _i: int) -> None:  # untimed: the loads, then the request ends (a hit kept, a miss dropped)
+        req = begun.pop()
+        served = req.wait()
+        if served != (pages if case == "host_hit" else 0) or req.device_hit:
+            raise RuntimeError(f"bench service: a {case} request of the {name} side was served {served} of {pages} pages "
+                               f"({req.device_hit} from device): the row would measure something else")
+        if served:
+            req.commit(req.cached_pages)
+        else:
+            req.abort()
+
+    t = interleaved_times({name: timed(cache) for name, cache in sides.items()}, requests, after=finish)
+    own_p50, svc_p50 = _percentile_us(t["own"], 50), _percentile_us(t["service"], 50)
+    return LookupRow(case, pages, requests, own_p50, _percentile_us(t["own"], 99), svc_p50, _percentile_us(t["service"], 99),
+                     round(svc_p50 / own_p50, 3))
+
+
+def _bandwidth_row(socket: str, pages: int, rounds: int) -> BandwidthRow:
+    spec = COPY_SPEC
+    client = ServiceClient(socket, "bench-bandwidth", RegionFormat.of(spec, "page_first"))
+    try:
+        region = HostPool(spec, client.num_pages, "page_first", memory=map_region(client.region, client.region_size))
+        own = HostPool(spec, client.num_pages, "page_first")
+        device = DevicePool(spec, pages * 2, "cpu")
+        for pool in (region, own):  # touched: neither side pays first-touch page faults in the clock
+            for t in pool.buffers.values():
+                t.fill_(1)
+        backend = get_io_backend("direct")
+        gen = torch.Generator().manual_seed(0)
+        srcs = [torch.randperm(client.num_pages, generator=gen)[:pages] for _ in range(rounds + 1)]
+        dst = torch.arange(pages)
+
+        def copy(pool: HostPool):
+            def run(i: int) -> None:
+                plan = backend.plan(srcs[i], dst)
+                for b in spec.buffers:
+                    for layer in range(spec.num_layers):
+                        backend.copy(plan, pool.rows(b.name, layer), device.rows(b.name, layer))
+            return run
+
+        t = interleaved_times({"own": copy(own), "region": copy(region)}, rounds)
+        nbytes = pages * spec.page_bytes
+        own_gbps, region_gbps = nbytes / min(t["own"]) / 1e9, nbytes / min(t["region"]) / 1e9
+        return BandwidthRow(spec.name, pages, spec.page_bytes, round(own_gbps, 3), round(region_gbps, 3), round(region_gbps / own_gbps, 3))
+    finally:
+        client.close()
+
+
+def _held_host_bytes(cache: HierarchicalCache) -> int:
+    return cache.host.allocator.num_used * cache.spec.page_bytes
+
+
+def _run_pair(first: HierarchicalCache, second: HierarchicalCache, workload: list[list[int]]) -> tuple[float, int]:
+    for toks in workload:
+        _serve(first, toks)
+    first.wait_idle()
+    served = host = 0
+    for toks in workload:
+        cached, from_host = _serve(second, toks)
+        served += cached
+        host += from_host
+    second.wait_idle()
+    tokens = sum(len(t) for t in workload)
+    return served * SHARING_SPEC.page_size / tokens, host
+
+
+def _sharing_row(socket: str, limit: int) -> SharingRow:
+    ps = SHARING_SPEC.page_size
+    trace = load_mooncake_trace(default_trace_path(), limit)
+    workload = [toks[: len(toks) // ps * ps] for toks in (trace_tokens(r).tolist() for r in trace)]
+    pages = sum(len(t) for t in workload) // ps
+    device = max(len(t) for t in workload) // ps * 2
+    own = [build_cache(SHARING_SPEC, TierConfig(device_pages=device, host_pages=pages)) for _ in range(2)]
+    try:
+        own_hit, _ = _run_pair(*own, workload)
+        own_bytes = sum(_held_host_bytes(c) for c in own)
+    finally:
+        for c in own:
+            c.close()
+    shared = [build_cache(SHARING_SPEC, TierConfig(device_pages=device, host_pages=pages, service=socket)) for _ in range(2)]
+    try:
+        svc_hit, svc_host = _run_pair(*shared, workload)
+        svc_bytes = query_status(socket)["ready"] * SHARING_SPEC.page_bytes
+    finally:
+        for c in shared:
+            c.close()
+    return SharingRow(len(workload), sum(len(t) for t in workload), own_bytes, svc_bytes, round(svc_bytes / own_bytes, 3),
+                      round(own_hit, 4), round(svc_hit, 4), svc_host)
+
+
+def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages: int = 256, rounds: int = 9,
+                      trace_limit: int = 60) -> ServiceBench:
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-service-") as tmp:
+        region_gb = (prompt_tokens // LOOKUP_SPEC.page_size * (2 * requests + 4) * LOOKUP_SPEC.page_bytes) / 1e9
+        lookup_svc = NodeServiceProcess(Path(tmp) / "lookup", host_gb=max(region_gb * 2, 0.01)).start()
+        try:
+            lookup = _lookup_rows(lookup_svc.socket, prompt_tokens, requests)
+        finally:
+            lookup_svc.stop()
+        copy_svc = NodeServiceProcess(Path(tmp) / "copy", host_gb=copy_pages * 4 * COPY_SPEC.page_bytes / 1e9).start()
+        try:
+            bandwidth = _bandwidth_row(copy_svc.socket, copy_pages, rounds)
+        finally:
+            copy_svc.stop()
+        share_svc = NodeServiceProcess(Path(tmp) / "share", host_gb=1.0).start()
+        try:
+            sharing = _sharing_row(share_svc.socket, trace_limit)
+        finally:
+            share_svc.stop()
+    return ServiceBench(lookup, bandwidth, sharing)
+
+
+def as_json(bench: ServiceBench) -> dict:
+    return {"date": time.strftime("%Y-%m-%d"), **asdict(bench)}

@@ -1,0 +1,37 @@
+"""``kvtier bench service`` (issue 46's benchmark), a small run: a real ``kvtier serve`` per part, both sides
+of every row measured in the run, and the facts its figures stand on -- the attached engine's lookups took
+the published pages from the service, one copy of the pages is held for two engines, the second engine
+is served every page the first computed, from host."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from support.cli import kvtier
+
+PAGE = 64  # the bench's page formats' page size
+
+
+def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
+    r = kvtier("bench", "service", "--json", "--prompt-tokens", "256", "--requests", "6", "--copy-pages", "16", "--rounds", "2",
+               "--trace-limit", "6")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert [row["case"] for row in out["lookup"]] == ["host_hit", "miss"]
+    for row in out["lookup"]:
+        assert row["pages"] == 256 // PAGE and row["requests"] == 6
+        assert 0 < row["in_process_p50_us"] <= row["in_process_p99_us"] and 0 < row["service_p50_us"] <= row["service_p99_us"]
+        assert row["p50_ratio"] == round(row["service_p50_us"] / row["in_process_p50_us"], 3)
+    bw = out["bandwidth"]
+    assert bw["pages"] == 16 and bw["private_gbps"] > 0 and bw["region_gbps"] > 0
+    assert bw["ratio"] == pytest.approx(bw["region_gbps"] / bw["private_gbps"], rel=0.02)  # (the GB/s printed rounded)
+    share = out["sharing"]
+    assert share["requests"] == 6
+    # two engines of their own hold two copies; through the service, one
+    assert share["in_process_host_bytes"] == 2 * share["service_host_bytes"] > 0
+    # the second engine attached to the service is served every full page of the workload, from host
+    assert share["service_second_hit_ratio"] == 1.0
+    assert share["service_second_host_hit_pages"] == share["input_tokens"] // PAGE
+    assert share["in_process_second_hit_ratio"] < 1.0
