@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import threading
 
@@ -180,6 +181,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     a_file = tmp_path / "run2"
     a_file.mkdir(mode=0o700)
     (a_file / "node.sock").write_text("not a socket")
+    busy = socket.create_server(("127.0.0.1", 0))  # a port in use
     cases = [
         (["serve", "--socket", str(tmp_path / "x" / "s.sock")], "needs --host-gb"),
         (["serve", "--host-gb", "-1", "--socket", str(tmp_path / "x" / "s.sock")], "ServeConfig.host_gb must be a number > 0"),
@@ -188,12 +190,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
         (["serve", "--host-gb", "0.01", "--socket", str(open_dir / "s.sock")], "mode 0700 (it is uid"),
         (["serve", "--host-gb", "0.01", "--socket", str(a_file / "node.sock")], "exists and is not a socket"),
         (["serve", "--status", "--socket", str(tmp_path / "x" / "none.sock")], "no node service listens"),
+        (["serve", "--host-gb", "0.01", "--socket", str(tmp_path / "busy" / "s.sock"), "--metrics-port", str(busy.getsockname()[1])],
+         f"--metrics-port {busy.getsockname()[1]} on --metrics-host 127.0.0.1: cannot serve metrics there (Address already in use)"),
     ]
     for argv, text in cases:
         r = kvtier(*argv, timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and text in lines[0] and "Traceback" not in r.stderr, (argv, r.stderr)
-    assert not (open_dir / "s.sock").exists()
+    busy.close()
+    assert not (open_dir / "s.sock").exists() and not (tmp_path / "busy").exists()  # (the port is tried before the socket is made)
 
 
 @pytest.mark.parametrize("fields, message", [
