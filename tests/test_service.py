@@ -23,7 +23,7 @@ from kvtier.build import build_cache
 from kvtier.config import TierConfig
 from kvtier.errors import ConfigError, ServiceAccessError, ServiceError
 from kvtier.service.client import ServiceClient, query_status
-from kvtier.service.peer import PeerCredentials, check_peer
+from kvtier.service.peer import PeerCredentials, check_peer, supplementary_groups
 from kvtier.service.region import RegionFormat
 from kvtier.service.server import NodeService, ServeConfig
 from kvtier.service.wire import MAX_FRAME
@@ -143,6 +143,15 @@ def test_a_peer_of_another_uid_is_refused(tmp_path):
     with pytest.raises(ServiceAccessError, match="runs as uid 4242; this node service admits uid 1000 only"):
         check_peer(PeerCredentials(pid=7, uid=4242, gid=4242), 1000)
     check_peer(PeerCredentials(pid=7, uid=1000, gid=1000), 1000)
+    # with a group allowed (--allow-group): admitted by its gid, or by a supplementary group of the live process
+    check_peer(PeerCredentials(pid=7, uid=4242, gid=4343), 1000, 4343)
+    me = os.getpid()
+    assert supplementary_groups(me) == set(os.getgroups())
+    for group in os.getgroups():
+        check_peer(PeerCredentials(pid=me, uid=4242, gid=4242), 1000, group)
+    with pytest.raises(ServiceAccessError, match="runs as uid 4242, gid 4242, groups .*; this node service admits uid 1000 and group 4343"):
+        check_peer(PeerCredentials(pid=me, uid=4242, gid=4242), 1000, 4343)
+    # (real processes of another uid, with and without --allow-group: tests/test_service_ops.py)
     # and the service applying it: one that admits another uid than ours refuses us, typed, before any op
     service = NodeService(ServeConfig(host_gb=0.01, socket=str(tmp_path / "run" / "node.sock")), uid=os.getuid() + 1)
     stopping = threading.Event()

@@ -1,5 +1,6 @@
 """``kvtier serve``'s operations (issue 46, parts 6 and 7): its Prometheus metrics scraped over HTTP from a
-real service with real engines attached, the values what happened; and ``--allow-group``: real processes
+real service with real engines attached, the values what happened, and an engine's own metrics counting
+the service as its host tier; and ``--allow-group``: real processes
 of another uid (forked children that drop root) admitted only as members of the group, the region
 shared read-write with them, anyone else refused while the service goes on serving. Every wait bounded."""
 
@@ -18,15 +19,19 @@ import pytest
 
 from support.service import (OtherUser, as_other_user, frame, peer_report, raw_connection, read_answer, running_service, start_peer,
                              wait_until)
-from support.service_peer import NAMESPACE, PUBLISHED, SPEC, UNPUBLISHED, fill
+from support.cache_helpers import expected_page
+from support.service_peer import NAMESPACE, PROMPT, PUBLISHED, SPEC, UNPUBLISHED, fill
 
+from kvtier.build import build_cache
+from kvtier.config import TierConfig
+from kvtier.metrics import PrometheusCollector
 from kvtier.pools.host import HostPool
 from kvtier.service.client import ServiceClient, query_status
 from kvtier.service.region import RegionFormat, map_region
 
 pytestmark = pytest.mark.timeout(300)
 
-PAGES = 5  # the peers' prompt (support.service_peer.PROMPT)
+PAGES = len(PROMPT) // SPEC.page_size
 FMT = RegionFormat.of(SPEC, "page_first")
 #: ids nobody on this machine uses (the tests run as root and become them in forked children)
 GROUP, MEMBER, PRIMARY_MEMBER, STRANGER = 54320, 54321, 54322, 54323
@@ -110,6 +115,38 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
             x.communicate("exit\n", timeout=60)
         m, _ = wait_until(lambda: (m := _scrape(url))[("kvtier_service_clients", (("state", "orphaned"),))] == 0 and m, 2.0)
         assert _counter(m, "expired_leases") == 4 and _pages(m, NAMESPACE)["leased"] == 0
+
+
+def test_an_engines_own_metrics_count_the_service_as_its_host_tier(tmp_path):
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with running_service(tmp_path, 0.01, "--metrics-port", "0") as svc:
+        url = re.search(r"metrics on (http://\S+)", svc.banner).group(1)
+        a = start_peer("compute", svc.socket)  # another engine computed the prompt and published it
+        try:
+            assert peer_report(a)["backed_up"] == PAGES
+            cache = build_cache(SPEC, TierConfig(device_pages=16, host_pages=32, service=svc.socket))  # this process's engine
+            try:
+                registry = CollectorRegistry()
+                registry.register(PrometheusCollector(lambda: cache.stats.snapshot(), labels={"engine": "b"}))
+                req = cache.begin(PROMPT)
+                req.wait()
+                assert [cache.device.page_bytes(p) for p in req.cached_pages] == [expected_page(SPEC, PROMPT, i) for i in range(PAGES)]
+                req.commit(req.cached_pages)
+                cache.wait_idle()
+                text = generate_latest(registry).decode()
+                engine = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+            finally:
+                cache.close()
+            # the engine's own tiers: every page a host hit, all of them taken from the service; nothing from device or L3
+            assert engine["kvtier_host_hit_pages_total"] == engine["kvtier_shared_host_pages_total"] == PAGES, engine
+            assert engine["kvtier_device_hit_pages_total"] == engine["kvtier_storage_hit_pages_total"] == 0
+            # and the service's view of the same lookups
+            (ns,) = query_status(svc.socket)["pages_per_namespace"]
+            assert _counter(_scrape(url), "lookup_hit_pages", namespace=ns) == PAGES
+        finally:
+            a.communicate("done\n", timeout=60)
 
 
 def test_the_metrics_server_goes_when_the_service_stops(tmp_path):
