@@ -6,6 +6,7 @@ shared read-write with them, anyone else refused while the service goes on servi
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
@@ -97,6 +98,14 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
             assert (_counter(m, "dropped_writes"), _counter(m, "expired_leases"), _counter(m, "published_pages")) == (2, 2, PAGES + 2)
             assert (_counter(m, "protocol_errors"), _counter(m, "refused_peers"), _counter(m, "unread_drops")) == (1, 0, 0)
             assert m[("kvtier_service_clients", (("state", "attached"),))] == 2
+            # a salted namespace: its salt (a secret of its engines) never appears, a digest of it stands for it
+            salted = ServiceClient(svc.socket, "model-fp-tp0-sEcReT%2Dsalt", FMT)
+            assert salted.lookup(PUBLISHED) == []
+            salted.close()
+            with urllib.request.urlopen(url, timeout=10) as r:
+                assert "sEcReT" not in r.read().decode()
+            label = "model-fp-tp0-#" + hashlib.blake2b(b"sEcReT%2Dsalt", digest_size=4).hexdigest()
+            assert _counter(_scrape(url), "lookup_miss_pages", namespace=label) == 2
             # the reader detaches quiesced: its holds released, nothing expired; the pages stay published, held by nobody
             reader.close()
             wait_until(lambda: _pages(_scrape(url), NAMESPACE)["held"] == 0, 2.0)

@@ -4,10 +4,14 @@ Nothing is counted per page for them: a scrape takes a :class:`ServiceSnapshot` 
 lock -- the index's counters and one pass over its pages per namespace -- and turns it into metric
 families (a custom collector, as :class:`kvtier.metrics.PrometheusCollector` is for a cache). Names
 follow the cache's (``kvtier_<what>_total`` counters), under ``kvtier_service_``.
+
+A namespace's salt is a secret its engines share (it keeps others from probing their prefixes) and the
+metrics' port is open to every local user: a label shows a salt as a digest (:func:`namespace_label`).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -64,6 +68,16 @@ _HELP = {
 }
 
 
+def namespace_label(namespace: str) -> str:
+    """``namespace`` as a metric label: a :class:`~kvtier.hashing.Namespace`'s string is ``model-fingerprint-tpN``
+    and, if salted, ``-salt`` (each field percent-encoded, so ``-`` only joins them); what follows the third
+    ``-`` is shown as ``#`` and 8 hex digits of its BLAKE2b digest, never as it is."""
+    head = namespace.split("-", 3)
+    if len(head) < 4:
+        return namespace
+    return "-".join(head[:3]) + "-#" + hashlib.blake2b(head[3].encode(), digest_size=4).hexdigest()
+
+
 class ServiceCollector:
     """A Prometheus collector over a :class:`NodeService`, read at each scrape."""
 
@@ -82,14 +96,14 @@ class ServiceCollector:
         nbytes = GaugeMetricFamily(f"{PREFIX}_bytes", "bytes of kvtier_service_pages", labels=["namespace", "state"])
         for ns, counts in sorted(snap.namespaces.items()):
             for state in STATES:
-                pages.add_metric([ns, state], getattr(counts, state))
-                nbytes.add_metric([ns, state], getattr(counts, state) * snap.page_bytes)
+                pages.add_metric([namespace_label(ns), state], getattr(counts, state))
+                nbytes.add_metric([namespace_label(ns), state], getattr(counts, state) * snap.page_bytes)
         yield pages
         yield nbytes
         for what, per_ns, verb in (("hit", snap.hit_pages, "offered"), ("miss", snap.miss_pages, "not offered")):
             fam = CounterMetricFamily(f"{PREFIX}_lookup_{what}_pages", f"pages a namespace's lookups were {verb}", labels=["namespace"])
             for ns, n in sorted(per_ns.items()):
-                fam.add_metric([ns], n)
+                fam.add_metric([namespace_label(ns)], n)
             yield fam
         clients = GaugeMetricFamily(f"{PREFIX}_clients", "engines attached, and dropped sessions kept while their process lives",
                                     labels=["state"])

@@ -105,7 +105,8 @@ def private_socket_dir(path: str, uid: int, gid: int | None = None) -> None:
     st = os.lstat(folder)
     grouped = gid is not None and st.st_gid == gid and not st.st_mode & 0o027
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or (st.st_mode & 0o077 and not grouped):
-        raise ConfigError(f"--socket {path}: its directory {folder} must be a directory of uid {uid} with mode 0700 (it is uid "
+        wanted = "mode 0700" if gid is None else f"mode 0700, or 0750 of group {gid}"
+        raise ConfigError(f"--socket {path}: its directory {folder} must be a directory of uid {uid} with {wanted} (it is uid "
                           f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}{'' if stat.S_ISDIR(st.st_mode) else ', not a directory'}); "
                           "use a fresh directory, or chmod 700 it")
     if gid is not None:
