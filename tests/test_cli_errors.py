@@ -96,6 +96,21 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
                                               "--plan-window-pool", "own"], "'qwen3-next-80b-a3b' has no sliding-window group"),
         # the planner's measured costs: a missing or corrupt profile, one of another model, a slice past the trace's end
         *profile_cases(tmp),
+        *serve_cases(tmp),
+    ]
+
+
+def serve_cases(tmp: Path) -> list[tuple[str, list[str], str]]:
+    """``kvtier serve``'s operations options (issue 46): each refused before its socket's directory is made."""
+    serve = ["serve", "--host-gb", "0.01", "--socket", f"{tmp}/run/node.sock"]
+    return [
+        ("serve-metrics-port-70000", [*serve, "--metrics-port", "70000"], "metrics_port must be an integer >= 0, <= 65535; got 70000"),
+        ("serve-metrics-port-string", [*serve, "--metrics-port", "lots"], "'lots'"),
+        ("serve-metrics-host-unknown", [*serve, "--metrics-port", "0", "--metrics-host", "no.such.host.invalid"],
+         "--metrics-host no.such.host.invalid: cannot serve metrics there"),
+        ("serve-allow-group-unknown", [*serve, "--allow-group", "no-such-group-kvtier"],
+         "--allow-group no-such-group-kvtier: no such group"),
+        ("serve-allow-group-huge", [*serve, "--allow-group", str(2**32)], f"--allow-group {2**32}: not a gid"),
     ]
 
 
@@ -147,7 +162,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 55 + 14
+    assert len(table) == 55 + 14 + 5
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

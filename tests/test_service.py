@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import stat
 import threading
 
@@ -22,7 +23,7 @@ from kvtier.build import build_cache
 from kvtier.config import TierConfig
 from kvtier.errors import ConfigError, ServiceAccessError, ServiceError
 from kvtier.service.client import ServiceClient, query_status
-from kvtier.service.peer import PeerCredentials, check_peer
+from kvtier.service.peer import PeerCredentials, check_peer, supplementary_groups
 from kvtier.service.region import RegionFormat
 from kvtier.service.server import NodeService, ServeConfig
 from kvtier.service.wire import MAX_FRAME
@@ -142,6 +143,15 @@ def test_a_peer_of_another_uid_is_refused(tmp_path):
     with pytest.raises(ServiceAccessError, match="runs as uid 4242; this node service admits uid 1000 only"):
         check_peer(PeerCredentials(pid=7, uid=4242, gid=4242), 1000)
     check_peer(PeerCredentials(pid=7, uid=1000, gid=1000), 1000)
+    # with a group allowed (--allow-group): admitted by its gid, or by a supplementary group of the live process
+    check_peer(PeerCredentials(pid=7, uid=4242, gid=4343), 1000, 4343)
+    me = os.getpid()
+    assert supplementary_groups(me) == set(os.getgroups())
+    for group in os.getgroups():
+        check_peer(PeerCredentials(pid=me, uid=4242, gid=4242), 1000, group)
+    with pytest.raises(ServiceAccessError, match="runs as uid 4242, gid 4242, groups .*; this node service admits uid 1000 and group 4343"):
+        check_peer(PeerCredentials(pid=me, uid=4242, gid=4242), 1000, 4343)
+    # (real processes of another uid, with and without --allow-group: tests/test_service_ops.py)
     # and the service applying it: one that admits another uid than ours refuses us, typed, before any op
     service = NodeService(ServeConfig(host_gb=0.01, socket=str(tmp_path / "run" / "node.sock")), uid=os.getuid() + 1)
     stopping = threading.Event()
@@ -180,6 +190,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
     a_file = tmp_path / "run2"
     a_file.mkdir(mode=0o700)
     (a_file / "node.sock").write_text("not a socket")
+    busy = socket.create_server(("127.0.0.1", 0))  # a port in use
     cases = [
         (["serve", "--socket", str(tmp_path / "x" / "s.sock")], "needs --host-gb"),
         (["serve", "--host-gb", "-1", "--socket", str(tmp_path / "x" / "s.sock")], "ServeConfig.host_gb must be a number > 0"),
@@ -188,12 +199,15 @@ def test_cli_bad_input_is_one_line_and_exit_2(tmp_path):
         (["serve", "--host-gb", "0.01", "--socket", str(open_dir / "s.sock")], "mode 0700 (it is uid"),
         (["serve", "--host-gb", "0.01", "--socket", str(a_file / "node.sock")], "exists and is not a socket"),
         (["serve", "--status", "--socket", str(tmp_path / "x" / "none.sock")], "no node service listens"),
+        (["serve", "--host-gb", "0.01", "--socket", str(tmp_path / "busy" / "s.sock"), "--metrics-port", str(busy.getsockname()[1])],
+         f"--metrics-port {busy.getsockname()[1]} on --metrics-host 127.0.0.1: cannot serve metrics there (Address already in use)"),
     ]
     for argv, text in cases:
         r = kvtier(*argv, timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and text in lines[0] and "Traceback" not in r.stderr, (argv, r.stderr)
-    assert not (open_dir / "s.sock").exists()
+    busy.close()
+    assert not (open_dir / "s.sock").exists() and not (tmp_path / "busy").exists()  # (the port is tried before the socket is made)
 
 
 @pytest.mark.parametrize("fields, message", [

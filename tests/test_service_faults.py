@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import tempfile
 import time
 
 import pytest
@@ -22,8 +23,8 @@ from support.service_peer import NAMESPACE, PUBLISHED, SPEC, Serving, fill, prom
 
 from kvtier.errors import ServiceError
 from kvtier.pools.host import HostPool
-from kvtier.service.client import ServiceClient
-from kvtier.service.region import RegionFormat, map_region
+from kvtier.service.client import ServiceClient, query_status
+from kvtier.service.region import OWNER_FILE, REGION_PREFIX, SHM_DIR, Owner, RegionFormat, map_region
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -185,6 +186,10 @@ def test_after_the_service_restarts_with_a_new_region_no_page_id_of_the_old_one_
 #: the longest a request may take while the service is stalled: its lookups and reservations miss their short
 #: deadline once, the tier is lost, and the next requests go on without it (misses) instead of waiting on it
 STALL_BOUND_S = 2.0
+#: ServeConfig.send_deadline_s's default (kvtier serve's): a client that leaves its answers unread this long is dropped
+SEND_DEADLINE_S = 5.0
+#: how far past it the drop may come: the kernel's socket buffer must fill first, then a turn of the service's loop
+DROP_SLACK_S = 15.0
 
 
 def _serve(engine: Serving, until, limit_s: float) -> float:
@@ -259,3 +264,81 @@ def test_a_note_to_a_stalled_service_whose_socket_buffer_is_full_fails_within_th
         finally:
             os.kill(svc.proc.pid, signal.SIGCONT)
             client.close()
+
+
+def test_a_client_that_stops_reading_is_dropped_within_the_bound_while_an_engine_is_served_and_its_leases_end_when_it_exits(tmp_path):
+    with running_service(tmp_path) as svc:
+        status = query_status_of(svc.socket)
+        engine = Serving(svc.socket)  # this process's engine, warm: it reads its host tier in the region
+        x = None
+        try:
+            _serve(engine, lambda: engine.host_hit >= PAGES, 120.0)
+            x = start_peer("stop-reading", svc.socket)
+            leased = peer_report(x)["pages"]
+            assert len(leased) == 2 and status()["writing"] == 2
+            tell(x, "flood")  # lookups, their answers never read
+            flooding = time.monotonic()
+            engine.requests = engine.bad = engine.host_hit = 0
+            worst = _serve(engine, lambda: status()["unread_drops"] == 1, SEND_DEADLINE_S + DROP_SLACK_S)
+            dropped_after = time.monotonic() - flooding
+            st = status()
+            assert st["unread_drops"] == 1, st  # dropped within the bound, for leaving its answers unread
+            assert dropped_after >= SEND_DEADLINE_S  # (no sooner than the deadline: a slow reader is not dropped at once)
+            # meanwhile the engine was served: every request bounded, its bytes right, host hits through the service
+            assert worst < STALL_BOUND_S and engine.bad == 0 and engine.requests > 2 and engine.host_hit > 0, (worst, engine.report())
+            assert peer_report(x)["frames"] > 0  # its next send found the connection closed
+            # its process lives: its leases stay out of circulation, as an orphan
+            assert (st["orphaned"], st["writing"], st["clients"]) == (1, 2, 1), st
+            tell(x, "exit")
+            assert x.wait(60) == 0, x.stderr.read()[-3000:]
+            st, _ = wait_until(lambda: (s := status())["orphaned"] == 0 and s, EXIT_BOUND_S)
+            assert (st["writing"], st["dropped_writes"], st["expired_leases"], st["clients"]) == (0, 2, 2, 1), st
+            engine.cache.wait_idle()
+            engine.cache.check_integrity(idle=True)
+            assert not engine.cache.host.allocator.lost  # the engine never lost the service
+        finally:
+            if x is not None and x.poll() is None:
+                x.kill()
+                x.wait(30)
+            engine.cache.close()
+
+
+def test_a_starting_service_removes_the_regions_its_users_killed_services_left_and_nothing_else(tmp_path):
+    fmt = RegionFormat.of(SPEC, "page_first")
+    made: list[str] = []
+    live = start_service(str(tmp_path / "live" / "node.sock"))
+    try:
+        killed = start_service(str(tmp_path / "killed" / "node.sock"))
+        for svc in (live, killed):
+            client = ServiceClient(svc.socket, NAMESPACE, fmt)  # its region is made
+            made.append(os.path.dirname(client.region))
+            client.close()
+        os.kill(killed.proc.pid, signal.SIGKILL)
+        killed.proc.wait(30)
+        live_region, killed_region = made
+        assert os.path.isdir(killed_region)  # left behind
+        # a region whose owner's pid now runs another process (this one: its start time differs)
+        me = Owner.of(os.getpid())
+        reused = _fake_region(made, Owner(me.pid, me.start - 1))
+        theirs = _fake_region(made, Owner(killed.proc.pid, 1), uid=54321)  # another user's, its owner gone
+        unnamed = _fake_region(made, None)  # names no owner (being made, or an older kvtier's)
+        with running_service(tmp_path) as svc:
+            assert ServiceClient(svc.socket, NAMESPACE, fmt).region  # (it works)
+            assert not os.path.exists(killed_region) and not os.path.exists(reused)
+            assert all(os.path.isdir(d) for d in (live_region, theirs, unnamed))
+            assert query_status(live.socket)["region"] == os.path.join(live_region, "region")  # the live service untouched
+    finally:
+        stop(live.proc)
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _fake_region(made: list[str], owner: Owner | None, uid: int | None = None) -> str:
+    folder = tempfile.mkdtemp(prefix=REGION_PREFIX, dir=SHM_DIR)
+    made.append(folder)
+    if owner is not None:
+        with open(os.path.join(folder, OWNER_FILE), "w") as f:
+            json.dump({"pid": owner.pid, "start": owner.start}, f)
+    if uid is not None:
+        os.chown(folder, uid, uid)
+    return folder

@@ -21,6 +21,15 @@ def serve(
     ),
     status: bool = typer.Option(False, "--status", help="print the running service's status as JSON (pages per namespace, clients, "
                                                         "counters) and exit"),
+    allow_group: Optional[str] = typer.Option(
+        None, "--allow-group", help="also admit processes of other users in this group (name or gid): the socket's directory "
+                                    "becomes 0750 and the region 0660 of the group, and its members can read and write every page"
+    ),
+    metrics_port: Optional[int] = typer.Option(
+        None, "--metrics-port", help="serve Prometheus metrics at http://HOST:PORT/metrics (pages and bytes per namespace, hits, "
+                                     "clients, lease expiries, dropped writes, protocol errors); 0: a free port, named in the banner"
+    ),
+    metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="the address --metrics-port listens on"),
 ) -> None:
     """Serve a host tier outside the engine, shared by every engine on the node, until SIGTERM."""
     from kvtier.service.peer import default_socket_path
@@ -36,13 +45,15 @@ def serve(
         raise ConfigError("kvtier serve needs --host-gb: the host tier's size in GB (e.g. --host-gb 64)")
     from kvtier.service.server import NodeService, ServeConfig
 
-    service = NodeService(ServeConfig(host_gb=host_gb, socket=path))
+    service = NodeService(ServeConfig(host_gb=host_gb, socket=path, allow_group=allow_group, metrics_port=metrics_port,
+                                      metrics_host=metrics_host))
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     try:
+        metrics = f"; metrics on {service.metrics.url}" if service.metrics is not None else ""
         print(f"kvtier serve: listening on unix://{path} (pid {os.getpid()}, host tier {host_gb:g} GB, "
-              "its region made at the first attach)", flush=True)
+              f"its region made at the first attach){metrics}", flush=True)
         service.serve(lambda: bool(stop))
     finally:
         service.close()

@@ -20,7 +20,7 @@ leaves), the deepest goes first here too, so a prefix shortens from its end and 
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 from kvtier.alloc import PageAllocator
@@ -53,9 +53,20 @@ class IndexStatus:
     published_pages: int
     evicted_pages: int
     dropped_writes: int
+    expired_leases: int
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+@dataclass
+class NamespacePages:
+    """One namespace's pages now: ``published`` (READY under one of its keys: offered to its lookups),
+    ``held`` (READY and held by a client of it) and ``leased`` (being written by a client of it)."""
+
+    published: int = 0
+    held: int = 0
+    leased: int = 0
 
 
 class HostIndex:
@@ -70,6 +81,11 @@ class HostIndex:
         self._holders: dict[int, set[int]] = {}  # READY page -> clients holding it (absent: nobody)
         self._unheld: OrderedDict[int, None] = OrderedDict()  # READY, held by nobody: least recently released first
         self.lookups = self.hit_pages = self.published_pages = self.evicted_pages = self.dropped_writes = 0
+        #: of ``dropped_writes``: pages whose writer's process had died (its lease expired rather than being given up)
+        self.expired_leases = 0
+        #: per namespace: pages its lookups were offered, and keys they asked for that were not (the run stopped before them)
+        self.hit_pages_of: Counter[str] = Counter()
+        self.miss_pages_of: Counter[str] = Counter()
 
     # ---- clients ---------------------------------------------------------------------------
     def attach(self, client: int, namespace: str) -> None:
@@ -81,10 +97,12 @@ class HostIndex:
         c = self.clients[client]
         return bool(c.writing or c.held)
 
-    def detach(self, client: int) -> None:
-        """The client's connection is gone: its writes are dropped unpublished, its holds released."""
+    def detach(self, client: int, *, died: bool = False) -> None:
+        """The client's connection is gone: its writes are dropped unpublished, its holds released.
+        ``died``: its process is gone (its leases expired: counted apart)."""
         c = self.clients[client]
         self.dropped_writes += len(c.writing)
+        self.expired_leases += len(c.writing) if died else 0
         for page in c.writing:
             del self._writer[page]
         self.alloc.free(sorted(c.writing))
@@ -109,6 +127,8 @@ class HostIndex:
             self._holders.setdefault(page, set()).add(client)
             c.held[page] = None
         self.hit_pages += len(pages)
+        self.hit_pages_of[c.namespace] += len(pages)
+        self.miss_pages_of[c.namespace] += len(keys) - len(pages)
         return pages
 
     def reserve(self, client: int, n: int) -> list[int]:
@@ -159,7 +179,21 @@ class HostIndex:
             per_ns[ns] = per_ns.get(ns, 0) + 1
         return IndexStatus(self.alloc.num_pages, self.alloc.num_free, len(self._writer), len(self._key_of), len(self._holders),
                            len(self.clients), per_ns, self.lookups, self.hit_pages, self.published_pages, self.evicted_pages,
-                           self.dropped_writes)
+                           self.dropped_writes, self.expired_leases)
+
+    def pages_by_namespace(self) -> dict[str, NamespacePages]:
+        """Every namespace's pages now (one pass over the region's pages: for a scrape, not a request's path).
+        A duplicate page (unindexed) counts as held in its holder's namespace."""
+        out: dict[str, NamespacePages] = {}
+        for ns, _key in self._page_of:
+            out.setdefault(ns, NamespacePages()).published += 1
+        for page, holders in self._holders.items():
+            key = self._key_of[page]
+            ns = key[0] if key is not None else self.clients[next(iter(holders))].namespace
+            out.setdefault(ns, NamespacePages()).held += 1
+        for client in self._writer.values():
+            out.setdefault(self.clients[client].namespace, NamespacePages()).leased += 1
+        return out
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_pages(self, client: int, pages: list[int], mine: set[int], what: str, why: str) -> None:

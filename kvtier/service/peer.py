@@ -1,13 +1,16 @@
-"""Who may attach to the node service: the socket's directory and the peer's uid.
+"""Who may attach to the node service: the socket's directory and the peer's uid (or group).
 
 Two gates, both the kernel's: the socket lives in a directory of mode 0700 owned by the service's
 user (nobody else can reach the socket at all), and each peer's uid, read with ``SO_PEERCRED`` when
-it connects, must be the service's own. Processes that pass can read and write every page they map:
-the gates keep other users out, not one of the user's own processes from another.
+it connects, must be the service's own. With ``--allow-group`` the directory is 0750 and the socket
+0660 of that group, and a peer of another uid is admitted when the group is its gid (``SO_PEERCRED``)
+or one of its supplementary groups (``/proc/PID/status``). Processes that pass can read and write
+every page they map: the gates keep other users out, not one admitted process from another.
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import socket
 import stat
@@ -31,10 +34,53 @@ def peer_credentials(sock: socket.socket) -> PeerCredentials:
     return PeerCredentials(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
 
 
-def check_peer(peer: PeerCredentials, uid: int) -> None:
-    """A peer whose uid is not ``uid`` (the service's) is refused."""
-    if peer.uid != uid:
+def check_peer(peer: PeerCredentials, uid: int, gid: int | None = None) -> None:
+    """A peer whose uid is not ``uid`` (the service's) is refused, unless ``gid`` (``--allow-group``) is
+    its gid or one of its supplementary groups."""
+    if peer.uid == uid:
+        return
+    if gid is None:
         raise ServiceAccessError(f"process {peer.pid} runs as uid {peer.uid}; this node service admits uid {uid} only")
+    if peer.gid == gid:
+        return
+    groups = supplementary_groups(peer.pid)
+    if gid not in groups:
+        raise ServiceAccessError(f"process {peer.pid} runs as uid {peer.uid}, gid {peer.gid}, groups {sorted(groups)}; this node "
+                                 f"service admits uid {uid} and group {gid} only")
+
+
+def supplementary_groups(pid: int) -> set[int]:
+    """The supplementary groups of process ``pid`` now (``Groups:`` of ``/proc/PID/status``); none if it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+def group_id(group: str) -> int:
+    """``--allow-group``'s value: a group name, or a numeric gid (which needs no entry in the group database)."""
+    if group.isdigit():
+        if int(group) >= (1 << 32) - 1:
+            raise ConfigError(f"--allow-group {group}: not a gid (gids are below {(1 << 32) - 1})")
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ConfigError(f"--allow-group {group}: no such group (getent group lists them); give a group name or a numeric gid") from None
+
+
+def share_with_group(path: str, gid: int, mode: int, what: str) -> None:
+    """Give ``path`` (the service's) to group ``gid`` with ``mode``; a service not in the group may not."""
+    try:
+        os.chown(path, -1, gid, follow_symlinks=False)
+        os.chmod(path, mode)
+    except OSError as e:
+        raise ConfigError(f"--allow-group {gid}: cannot give {what} {path} to group {gid} ({e.strerror}); a service may share "
+                          "only with a group its user is a member of") from None
 
 
 def default_socket_path() -> str:
@@ -44,10 +90,11 @@ def default_socket_path() -> str:
     return os.path.join(folder, "node.sock")
 
 
-def private_socket_dir(path: str, uid: int) -> None:
+def private_socket_dir(path: str, uid: int, gid: int | None = None) -> None:
     """Make the socket's directory (mode 0700) if it is missing; refuse one that is not a real directory
     owned by ``uid`` that only it can enter (a directory made in advance by someone else is how a
-    socket gets hijacked)."""
+    socket gets hijacked). ``gid`` (``--allow-group``): the directory, private so far or that group's
+    already, becomes 0750 of that group."""
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.mkdir(folder, 0o700)
@@ -56,10 +103,14 @@ def private_socket_dir(path: str, uid: int) -> None:
     except OSError as e:
         raise ConfigError(f"--socket {path}: cannot make its directory {folder} ({e.strerror}); choose a path in a directory you own")
     st = os.lstat(folder)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
-        raise ConfigError(f"--socket {path}: its directory {folder} must be a directory of uid {uid} with mode 0700 (it is uid "
+    grouped = gid is not None and st.st_gid == gid and not st.st_mode & 0o027
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or (st.st_mode & 0o077 and not grouped):
+        wanted = "mode 0700" if gid is None else f"mode 0700, or 0750 of group {gid}"
+        raise ConfigError(f"--socket {path}: its directory {folder} must be a directory of uid {uid} with {wanted} (it is uid "
                           f"{st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}{'' if stat.S_ISDIR(st.st_mode) else ', not a directory'}); "
                           "use a fresh directory, or chmod 700 it")
+    if gid is not None:
+        share_with_group(folder, gid, 0o750, "the socket's directory")
 
 
 def claim_socket_path(path: str) -> None:

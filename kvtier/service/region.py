@@ -7,14 +7,24 @@ process that attaches a ``SharedMemory`` registers it with its own resource trac
 segment when that process exits -- an engine that stops would take the service's region with it (the
 tracker can be told otherwise only from 3.13). A file is named by the service alone, lives in a fresh
 directory of mode 0700 (nobody else can even look it up) with mode 0600 itself, is on tmpfs (memory,
-never written back to a disk), and is removed by the service on SIGTERM.
+never written back to a disk), and is removed by the service on SIGTERM. With ``--allow-group`` the
+directory is 0750 and the file 0660 of that group: its engines map the region read-write (their
+backups write pages into it).
+
+A SIGKILLed service cannot remove its region. Each region's directory names its owner (``owner``: the
+service's pid and that process's start time, which a reused pid does not share), and a starting service
+removes the regions of its own user whose owner is gone (:func:`remove_stale_regions`) -- never another
+user's, never a live service's, never one that names no owner.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import mmap
 import os
 import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 
@@ -25,8 +35,13 @@ from kvtier.layout import LAYOUTS
 from kvtier.pools.host import region_offsets
 from kvtier.spec import KVSpec
 
+log = logging.getLogger(__name__)
+
 #: where regions are made: tmpfs, memory that is never written back to a disk
 SHM_DIR = "/dev/shm"
+REGION_PREFIX = "kvtier-region-"
+#: in a region's directory: the owning service's pid and start time (JSON)
+OWNER_FILE = "owner"
 
 
 @dataclass(frozen=True)
@@ -74,19 +89,25 @@ class Region:
     size: int
 
 
-def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR) -> Region:
+def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR, gid: int | None = None) -> Region:
     """A fresh zeroed region of as many whole pages of ``fmt`` as ``host_bytes`` holds, in a new 0700
-    directory under ``parent``, itself 0600; its memory is allocated now (a full tmpfs fails here,
-    not at a client's first write)."""
+    directory under ``parent`` that names this process as its owner, itself 0600 (``gid``: 0750 and
+    0660 of that group); its memory is allocated now (a full tmpfs fails here, not at a client's first write)."""
     num_pages = host_bytes // fmt.page_bytes
     if num_pages < 1:
         raise ServiceError(f"the service's {host_bytes} host bytes hold no {fmt.page_bytes}-byte page of this format; raise --host-gb")
     size = fmt.size(num_pages)
-    folder = tempfile.mkdtemp(prefix="kvtier-region-", dir=parent)  # mode 0700
+    folder = tempfile.mkdtemp(prefix=REGION_PREFIX, dir=parent)  # mode 0700
     path = os.path.join(folder, "region")
     try:
+        _write_owner(folder)  # (before the region: a directory that names no owner is never removed by another service)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
+            if gid is not None:
+                os.fchown(fd, -1, gid)
+                os.fchmod(fd, 0o660)
+                os.chown(folder, -1, gid)
+                os.chmod(folder, 0o750)
             os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
@@ -98,6 +119,67 @@ def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR) -> 
 
 def remove_region(region: Region) -> None:
     shutil.rmtree(os.path.dirname(region.path), ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Owner:
+    """A process, told apart from a later one that reuses its pid by its start time (clock ticks after boot)."""
+
+    pid: int
+    start: int
+
+    @classmethod
+    def of(cls, pid: int) -> Owner | None:
+        """Process ``pid`` as it is now; None if there is none."""
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat_line = f.read()
+        except OSError:
+            return None
+        # field 22, counted after the command name's closing parenthesis (the name may hold spaces and parentheses)
+        return cls(pid, int(stat_line[stat_line.rindex(")") + 2:].split()[19]))
+
+    def alive(self) -> bool:
+        return Owner.of(self.pid) == self
+
+
+def _write_owner(folder: str) -> None:
+    me = Owner.of(os.getpid())
+    with open(os.path.join(folder, OWNER_FILE), "x") as f:
+        json.dump({"pid": me.pid, "start": me.start}, f)
+
+
+def _read_owner(folder: str) -> Owner | None:
+    try:
+        fd = os.open(os.path.join(folder, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            d = json.loads(f.read(256))
+        return Owner(d["pid"], d["start"]) if type(d["pid"]) is int and type(d["start"]) is int else None
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[str]:
+    """Remove the region directories under ``parent`` of user ``uid`` (default: this process's) whose owning
+    service is gone -- a SIGKILLed service's; the paths removed. Another user's directory, one whose owner
+    lives, and one that names no owner (being made, or made by an older kvtier) are left alone."""
+    uid = os.getuid() if uid is None else uid
+    removed = []
+    for name in sorted(os.listdir(parent)):
+        folder = os.path.join(parent, name)
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            continue
+        if not name.startswith(REGION_PREFIX) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+            continue
+        owner = _read_owner(folder)
+        if owner is None or owner.alive():
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        log.warning("removed %s: the region of service process %d, which is gone (killed before it could remove it)", folder, owner.pid)
+        removed.append(folder)
+    return removed
 
 
 def map_region(path: str, size: int) -> torch.Tensor:

@@ -26,17 +26,18 @@ import secrets
 import select
 import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.config import check_number
-from kvtier.errors import ConfigError, KVTierError, ServiceError, ServiceProtocolError
+from kvtier.errors import ConfigError, KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.index import HostIndex
 from kvtier.service.messages import Bye, Hello, Lookup, Publish, Release, Reserve, Status, parse_batch
-from kvtier.service.peer import check_peer, claim_socket_path, peer_credentials, private_socket_dir
-from kvtier.service.region import Region, RegionFormat, create_region, remove_region
+from kvtier.service.peer import check_peer, claim_socket_path, group_id, peer_credentials, private_socket_dir, share_with_group
+from kvtier.service.region import Region, RegionFormat, create_region, remove_region, remove_stale_regions
 from kvtier.service.wire import FrameReader, encode
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,23 @@ class ServeConfig:
     host_gb: float = field(metadata={"help": "host tier size in GB: the shared region every attached engine maps"})
     socket: str = field(metadata={"help": "Unix socket path; its directory is made with mode 0700 (or must be so)"})
     send_deadline_s: float = field(default=5.0, metadata={"help": "a client that leaves answers unread this long is dropped"})
+    allow_group: str | None = field(default=None, metadata={
+        "help": "a group (name or gid) whose members of other uids may attach: the socket's directory 0750 and the region 0660 "
+                "of that group; they can read and write every page of the region"})
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "serve Prometheus metrics over HTTP on this port (0: a free one, named in the banner)"})
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "the address the metrics are served on"})
 
     def __post_init__(self) -> None:
         check_number(self, "host_gb", above=0)
         check_number(self, "send_deadline_s", above=0)
+        check_number(self, "metrics_port", at_least=0, at_most=65535, integer=True)
         if not isinstance(self.socket, str) or not self.socket:
             raise ConfigError(f"ServeConfig.socket must be a path; got {self.socket!r}")
+        if not isinstance(self.metrics_host, str) or not self.metrics_host:
+            raise ConfigError(f"ServeConfig.metrics_host must be an address; got {self.metrics_host!r}")
+        if self.allow_group is not None and (not isinstance(self.allow_group, str) or not self.allow_group):
+            raise ConfigError(f"ServeConfig.allow_group must be a group name or gid; got {self.allow_group!r}")
 
     @property
     def host_bytes(self) -> int:
@@ -103,50 +115,83 @@ def _exited(pidfd: int) -> bool:
 
 
 class NodeService:
-    """Binds ``config.socket`` (its directory private, a stale socket replaced) and serves until
-    :meth:`serve`'s ``stop`` says so; :meth:`close` removes the socket and the region. ``uid``: the
-    one uid admitted (default: the service's own)."""
+    """Binds ``config.socket`` (its directory private, a stale socket replaced), removes the regions its
+    user's killed services left, and serves until :meth:`serve`'s ``stop`` says so; :meth:`close`
+    removes the socket and the region. ``uid``: the one uid admitted (default: the service's own;
+    ``config.allow_group`` admits that group's members too). ``lock`` is held while the loop acts on
+    what it selected (a metrics scrape reads the service under it)."""
 
     def __init__(self, config: ServeConfig, *, uid: int | None = None):
         self.config = config
         self.uid = os.getuid() if uid is None else uid
+        self.gid = None if config.allow_group is None else group_id(config.allow_group)
         available = host_memory_available()
         if config.host_bytes > available - DEFAULT_RESERVE_BYTES:
             raise ConfigError(f"--host-gb {config.host_gb:g} is more than the {max(available - DEFAULT_RESERVE_BYTES, 0) / (1 << 30):.2f} "
                               "GB of host memory available (minus a 1 GB reserve); lower --host-gb")
-        private_socket_dir(config.socket, os.getuid())
-        claim_socket_path(config.socket)
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(config.socket)
-        os.chmod(config.socket, 0o600)
-        self.listener.listen(64)
-        self.listener.setblocking(False)
         self.region: Region | None = None
         self.index: HostIndex | None = None
         self._conns: dict[int, _Conn] = {}
         self._sessions: dict[str, _Conn] = {}  # attached connections by session
         self._orphans: dict[str, _Orphan] = {}
         self._next_id = 1
+        self.lock = threading.Lock()
+        #: peers refused at the door; connections refused for a message that broke the protocol; clients dropped
+        #: for leaving their answers unread
+        self.refused = self.protocol_errors = self.unread_drops = 0
+        self.metrics = None
+        if config.metrics_port is not None:  # (first: a busy port or a bad address fails before anything is made)
+            from kvtier.service.metrics import serve_metrics
+
+            self.metrics = serve_metrics(self, config.metrics_host, config.metrics_port)
+        try:
+            self.listener = self._listen()
+        except BaseException:
+            if self.metrics is not None:
+                self.metrics.close()
+            raise
+        remove_stale_regions()  # (what its user's killed services left)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
-        self.refused = 0
+
+    def _listen(self) -> socket.socket:
+        """The listening socket at ``config.socket``: its directory private (or the allowed group's), a stale
+        socket replaced, the socket itself 0600 (0660 of the group)."""
+        path = self.config.socket
+        private_socket_dir(path, os.getuid(), self.gid)
+        claim_socket_path(path)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        if self.gid is None:
+            os.chmod(path, 0o600)
+        else:
+            share_with_group(path, self.gid, 0o660, "the socket")
+        listener.listen(64)
+        listener.setblocking(False)
+        return listener
 
     # ---- the loop --------------------------------------------------------------------------------
     def serve(self, stop: Callable[[], bool], tick_s: float = 0.1) -> None:
         while not stop():
-            for key, mask in self._sel.select(tick_s):
-                if key.data is None:
-                    self._accept()
-                    continue
-                if type(key.data) is _Orphan:  # its process exited
-                    self._end_orphan(key.data, "its process exited")
-                    continue
-                conn = key.data
-                if mask & selectors.EVENT_READ and conn.id in self._conns:
-                    self._read(conn)
-                if mask & selectors.EVENT_WRITE and conn.id in self._conns:
-                    self._flush(conn)
-            self._drop_stalled_readers()
+            events = self._sel.select(tick_s)
+            with self.lock:
+                self._handle(events)
+                self._drop_stalled_readers()
+
+    def _handle(self, events: list) -> None:
+        for key, mask in events:
+            if key.data is None:
+                self._accept()
+                continue
+            if type(key.data) is _Orphan:  # its process exited
+                if key.data.session in self._orphans:
+                    self._end_orphan(key.data, "its process exited", died=True)
+                continue
+            conn = key.data
+            if mask & selectors.EVENT_READ and conn.id in self._conns:
+                self._read(conn)
+            if mask & selectors.EVENT_WRITE and conn.id in self._conns:
+                self._flush(conn)
 
     def _accept(self) -> None:
         try:
@@ -155,16 +200,21 @@ class NodeService:
             return
         cid, self._next_id = self._next_id, self._next_id + 1
         conn = _Conn(cid, sock)
+        peer = peer_credentials(sock)
+        pidfd = _open_pidfd(peer.pid)  # (before its groups are read: alive after, they were that process's)
         try:
-            peer = peer_credentials(sock)
-            check_peer(peer, self.uid)
+            check_peer(peer, self.uid, self.gid)
+            if peer.uid != self.uid and (pidfd is None or _exited(pidfd)):
+                raise ServiceAccessError(f"process {peer.pid} exited while it was checked")
         except KVTierError as e:
             self.refused += 1
             log.warning("refused a peer: %s", e)
             self._send_error(conn, 0, e)
             sock.close()
+            if pidfd is not None:
+                os.close(pidfd)
             return
-        conn.pid, conn.pidfd = peer.pid, _open_pidfd(peer.pid)
+        conn.pid, conn.pidfd = peer.pid, pidfd
         sock.setblocking(False)
         self._conns[cid] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
@@ -224,7 +274,7 @@ class NodeService:
             raise ServiceProtocolError("hello twice on one connection")
         fmt = RegionFormat.from_wire(op.format)
         if self.region is None:
-            self.region = create_region(fmt, self.config.host_bytes)
+            self.region = create_region(fmt, self.config.host_bytes, gid=self.gid)
             self.index = HostIndex(self.region.num_pages)
             log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
         elif fmt != self.region.format:
@@ -253,12 +303,21 @@ class NodeService:
             self._detach(old)
             self._drop(old)
 
+    @property
+    def attached_clients(self) -> int:
+        return len(self._sessions)
+
+    @property
+    def orphaned_clients(self) -> int:
+        return len(self._orphans)
+
     def status(self) -> dict:
         out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None}
         if self.index is not None:
             out |= self.index.status().as_dict()
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
-        return out | {"clients": len(self._sessions), "orphaned": len(self._orphans)}
+        return out | {"clients": self.attached_clients, "orphaned": self.orphaned_clients, "protocol_errors": self.protocol_errors,
+                      "unread_drops": self.unread_drops}
 
     # ---- connections -------------------------------------------------------------------------------
     def _send(self, conn: _Conn, obj: dict) -> None:
@@ -290,10 +349,12 @@ class NodeService:
         for conn in [c for c in self._conns.values() if c.unread_since is not None]:
             if now - conn.unread_since > self.config.send_deadline_s:
                 log.warning("client %d left its answers unread for %.1f s: dropped", conn.id, now - conn.unread_since)
+                self.unread_drops += 1
                 self._drop(conn)
 
     def _refuse(self, conn: _Conn, seq: int, error: KVTierError) -> None:
         log.warning("client %d: %s: %s (connection closed)", conn.id, type(error).__name__, error)
+        self.protocol_errors += isinstance(error, ServiceProtocolError)
         self._send_error(conn, seq, error)
         self._drop(conn)
 
@@ -313,19 +374,21 @@ class NodeService:
             return
         self._sel.unregister(conn.sock)
         conn.sock.close()
-        if conn.attached and conn.pidfd is not None and self.index.holds_anything(conn.id) and not _exited(conn.pidfd):
+        died = conn.pidfd is None or _exited(conn.pidfd)
+        if conn.attached and not died and self.index.holds_anything(conn.id):
             self._orphan(conn)
             return
-        self._detach(conn)
+        self._detach(conn, died=died)
         if conn.pidfd is not None:
             os.close(conn.pidfd)
 
-    def _detach(self, conn: _Conn) -> None:
-        """The connection's writes dropped unpublished, its holds released (if it is attached)."""
+    def _detach(self, conn: _Conn, *, died: bool = False) -> None:
+        """The connection's writes dropped unpublished (``died``: its process is gone, its leases expired),
+        its holds released (if it is attached)."""
         if conn.attached:
             conn.attached = False
             del self._sessions[conn.session]
-            self.index.detach(conn.id)
+            self.index.detach(conn.id, died=died)
 
     def _orphan(self, conn: _Conn) -> None:
         orphan = _Orphan(conn.id, conn.pid, conn.pidfd, conn.session)
@@ -336,15 +399,17 @@ class NodeService:
         log.warning("client %d (process %d) dropped while its process lives: its %d held and %d leased pages stay out of circulation "
                     "until it exits or reattaches", conn.id, conn.pid, len(c.held), len(c.writing))
 
-    def _end_orphan(self, orphan: _Orphan, why: str) -> None:
+    def _end_orphan(self, orphan: _Orphan, why: str, *, died: bool = False) -> None:
         del self._orphans[orphan.session]
         self._sel.unregister(orphan.pidfd)
         os.close(orphan.pidfd)
-        self.index.detach(orphan.cid)
+        self.index.detach(orphan.cid, died=died)
         log.info("client %d's orphaned session ended: %s", orphan.cid, why)
 
     def close(self) -> None:
-        """Close every connection and the socket; remove the socket file and the region."""
+        """Close every connection and the socket (and the metrics server); remove the socket file and the region."""
+        if self.metrics is not None:
+            self.metrics.close()
         for conn in list(self._conns.values()):
             self._drop(conn)
         for orphan in list(self._orphans.values()):

@@ -31,18 +31,18 @@ class RunningService:
 
 
 @contextmanager
-def running_service(tmp_path: Path, host_gb: float = 0.01):
-    """``kvtier serve`` on ``tmp_path/run/node.sock`` until the block ends (then SIGTERM, then SIGKILL)."""
-    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb)
+def running_service(tmp_path: Path, host_gb: float = 0.01, *options: str):
+    """``kvtier serve`` on ``tmp_path/run/node.sock`` (and ``options``) until the block ends (then SIGTERM, then SIGKILL)."""
+    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb, *options)
     try:
         yield svc
     finally:
         stop(svc.proc)
 
 
-def start_service(sock: str, host_gb: float = 0.01) -> RunningService:
-    """``kvtier serve`` on ``sock``, once it listens (the caller stops it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(host_gb), "--socket", sock],
+def start_service(sock: str, host_gb: float = 0.01, *options: str) -> RunningService:
+    """``kvtier serve`` on ``sock`` (and ``options``), once it listens (the caller stops it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(host_gb), "--socket", sock, *options],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = read_line(proc, START_TIMEOUT_S)
@@ -163,3 +163,68 @@ def query_status_of(sock: str):
     from kvtier.service.client import query_status
 
     return lambda: query_status(sock)
+
+
+# ---- a process of another user ------------------------------------------------------------------
+@dataclass(frozen=True)
+class OtherUser:
+    """Credentials a forked child takes before it runs (the tests run as root): ``uid`` as real, effective
+    and saved uid unless ``saved_uid``; ``gid``; supplementary ``groups``; and, where a test needs a process
+    that reaches a path its credentials would not (the directory gate passed, the service's own check
+    left), a filesystem ``fsuid`` / ``fsgid`` of its own."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+    fsgid: int | None = None
+    saved_uid: int | None = None
+    fsuid: int | None = None
+
+    def become(self) -> None:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        os.setgroups(list(self.groups))
+        os.setgid(self.gid)
+        if self.fsgid is not None:
+            libc.setfsgid(self.fsgid)
+        os.setresuid(self.uid, self.uid, self.uid if self.saved_uid is None else self.saved_uid)
+        if self.fsuid is not None:
+            libc.setfsuid(self.fsuid)
+
+
+def as_other_user(user: OtherUser, fn, timeout_s: float = 60.0) -> dict:
+    """``fn()`` (a JSON-able dict) in a child forked from this process that became ``user``; an exception it
+    raises comes back as ``{"error": type name, "message": ...}``. The child runs only code imported
+    already (another user cannot read this interpreter's files) and exits with ``os._exit``."""
+    import selectors
+
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child
+        os.close(read_end)
+        try:
+            user.become()
+            out = fn()
+        except BaseException as e:  # noqa: BLE001 -- every failure is the child's answer
+            out = {"error": type(e).__name__, "message": str(e)}
+        os.write(write_end, json.dumps(out).encode())
+        os._exit(0)
+    os.close(write_end)
+    sel = selectors.DefaultSelector()
+    sel.register(read_end, selectors.EVENT_READ)
+    chunks, deadline = [], time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline and sel.select(deadline - time.monotonic()):
+            chunk = os.read(read_end, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        else:
+            os.kill(pid, signal.SIGKILL)
+            raise AssertionError(f"the child as uid {user.uid} did not answer in {timeout_s:g} s")
+    finally:
+        sel.close()
+        os.close(read_end)
+        os.waitpid(pid, 0)
+    return json.loads(b"".join(chunks))

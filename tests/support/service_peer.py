@@ -11,6 +11,9 @@
   and prints. Each stdin line then: ``write`` (it goes on writing into its 2 unpublished pages, as a
   copy still in flight would), ``reattach`` (it attaches again naming its dropped session, quiesced),
   ``exit``.
+* ``stop-reading SOCKET``: a raw socket client attaches and reserves 2 pages (it holds their leases), prints,
+  and on a ``flood`` line sends lookups at a steady pace and never reads an answer, until a send fails (the
+  service dropped it); it prints when, and lives on until a line arrives on stdin.
 * ``serve SOCKET``: a HierarchicalCache serving requests, each stdin line a JSON command -- ``{"loop": n}``
   (requests over ``n`` prompts, round and round, each followed by the one 4 back, until the next line arrives; a ``{"warm": requests}``
   line once a prompt's worth of pages were host hits), ``{"compute": seed}``,
@@ -120,6 +123,34 @@ def violate(sock: str) -> None:
             return
 
 
+def stop_reading(sock: str) -> None:
+    import socket
+
+    from support.service import read_answer
+
+    from kvtier.service.messages import hello_op, lookup_op, reserve_op
+    from kvtier.service.wire import encode
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10.0)  # (a send into a full buffer fails rather than hangs)
+    s.connect(sock)
+    s.sendall(encode({"seq": 1, "ops": [hello_op(NAMESPACE, RegionFormat.of(SPEC, "page_first").as_wire()), reserve_op(2)]}))
+    pages = read_answer(s)["results"][1]  # the last answer it reads
+    print(json.dumps({"pages": pages}), flush=True)
+    sys.stdin.readline()
+    lookups = [lookup_op([bytes([9, i]) * 8]) for i in range(256)]  # misses: each answered with an empty run
+    start, frames = time.monotonic(), 0
+    while time.monotonic() - start < 120:
+        try:
+            s.sendall(encode({"seq": 2 + frames, "ops": lookups}))
+        except OSError:  # the service closed the connection: dropped
+            break
+        frames += 1
+        time.sleep(0.005)
+    print(json.dumps({"dropped_after_s": time.monotonic() - start, "frames": frames}), flush=True)
+    sys.stdin.readline()
+
+
 def prompt(seed: int) -> list[int]:
     """A 5-page prompt of its own for each seed (every engine builds the same one)."""
     return tokens(100_000 * (seed + 1), len(PROMPT))
@@ -181,4 +212,5 @@ def serve(sock: str) -> None:
 
 if __name__ == "__main__":
     role, sock, *rest = sys.argv[1:]
-    {"compute": compute, "load": load, "write-and-hang": write_and_hang, "violate": violate, "serve": serve}[role](sock, *rest)
+    {"compute": compute, "load": load, "write-and-hang": write_and_hang, "violate": violate, "serve": serve,
+     "stop-reading": stop_reading}[role](sock, *rest)

@@ -1,0 +1,146 @@
+"""``kvtier serve --metrics-port``: the node service's Prometheus metrics, served over HTTP.
+
+Nothing is counted per page for them: a scrape takes a :class:`ServiceSnapshot` of the service under its
+lock -- the index's counters and one pass over its pages per namespace -- and turns it into metric
+families (a custom collector, as :class:`kvtier.metrics.PrometheusCollector` is for a cache). Names
+follow the cache's (``kvtier_<what>_total`` counters), under ``kvtier_service_``.
+
+A namespace's salt is a secret its engines share (it keeps others from probing their prefixes) and the
+metrics' port is open to every local user: a label shows a salt as a digest (:func:`namespace_label`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.errors import ConfigError
+from kvtier.service.index import NamespacePages
+
+if TYPE_CHECKING:
+    from kvtier.service.server import NodeService
+
+PREFIX = "kvtier_service"
+#: the page states per namespace (:class:`NamespacePages`' fields), a label of ``kvtier_service_pages`` and ``_bytes``
+STATES = ("published", "held", "leased")
+
+
+@dataclass(frozen=True)
+class ServiceSnapshot:
+    """What a scrape reports, read at one instant (no region yet: page counts are 0)."""
+
+    page_bytes: int
+    num_pages: int
+    free_pages: int
+    namespaces: dict[str, NamespacePages]
+    hit_pages: dict[str, int]
+    miss_pages: dict[str, int]
+    counters: dict[str, int]
+    clients: int
+    orphaned: int
+
+    @classmethod
+    def of(cls, service: NodeService) -> ServiceSnapshot:
+        with service.lock:
+            index, region = service.index, service.region
+            counters = {"refused_peers": service.refused, "protocol_errors": service.protocol_errors, "unread_drops": service.unread_drops}
+            clients, orphaned = service.attached_clients, service.orphaned_clients
+            if index is None:  # no engine attached yet: no region
+                return cls(0, 0, 0, {}, {}, {}, counters | dict.fromkeys(_INDEX_COUNTERS, 0), clients, orphaned)
+            counters |= {name: getattr(index, name) for name in _INDEX_COUNTERS}
+            return cls(region.format.page_bytes, index.alloc.num_pages, index.alloc.num_free, index.pages_by_namespace(),
+                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned)
+
+
+#: the index's counters exported as ``kvtier_service_<name>_total``
+_INDEX_COUNTERS = ("lookups", "published_pages", "evicted_pages", "dropped_writes", "expired_leases")
+
+_HELP = {
+    "refused_peers": "peers refused when they connected (another uid, not of --allow-group)",
+    "protocol_errors": "connections closed for a message that broke the protocol",
+    "unread_drops": "clients dropped for leaving their answers unread past the send deadline",
+    "lookups": "lookup ops answered",
+    "published_pages": "pages published (written and offered to lookups of their namespace)",
+    "evicted_pages": "pages nobody held evicted to make room",
+    "dropped_writes": "pages reserved and never published, freed when their writer detached",
+    "expired_leases": "of dropped_writes: pages whose writer's process died (its lease expired)",
+}
+
+
+def namespace_label(namespace: str) -> str:
+    """``namespace`` as a metric label: a :class:`~kvtier.hashing.Namespace`'s string is ``model-fingerprint-tpN``
+    and, if salted, ``-salt`` (each field percent-encoded, so ``-`` only joins them); what follows the third
+    ``-`` is shown as ``#`` and 8 hex digits of its BLAKE2b digest, never as it is."""
+    head = namespace.split("-", 3)
+    if len(head) < 4:
+        return namespace
+    return "-".join(head[:3]) + "-#" + hashlib.blake2b(head[3].encode(), digest_size=4).hexdigest()
+
+
+class ServiceCollector:
+    """A Prometheus collector over a :class:`NodeService`, read at each scrape."""
+
+    def __init__(self, service: NodeService):
+        self.service = service
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        snap = ServiceSnapshot.of(self.service)
+        yield GaugeMetricFamily(f"{PREFIX}_region_pages", "pages the shared region holds", value=snap.num_pages)
+        yield GaugeMetricFamily(f"{PREFIX}_region_bytes", "bytes of the region's pages", value=snap.num_pages * snap.page_bytes)
+        yield GaugeMetricFamily(f"{PREFIX}_free_pages", "region pages neither written nor published", value=snap.free_pages)
+        pages = GaugeMetricFamily(f"{PREFIX}_pages", "pages per namespace: published (offered to its lookups), held by a client, "
+                                  "leased (being written)", labels=["namespace", "state"])
+        nbytes = GaugeMetricFamily(f"{PREFIX}_bytes", "bytes of kvtier_service_pages", labels=["namespace", "state"])
+        for ns, counts in sorted(snap.namespaces.items()):
+            for state in STATES:
+                pages.add_metric([namespace_label(ns), state], getattr(counts, state))
+                nbytes.add_metric([namespace_label(ns), state], getattr(counts, state) * snap.page_bytes)
+        yield pages
+        yield nbytes
+        for what, per_ns, verb in (("hit", snap.hit_pages, "offered"), ("miss", snap.miss_pages, "not offered")):
+            fam = CounterMetricFamily(f"{PREFIX}_lookup_{what}_pages", f"pages a namespace's lookups were {verb}", labels=["namespace"])
+            for ns, n in sorted(per_ns.items()):
+                fam.add_metric([namespace_label(ns)], n)
+            yield fam
+        clients = GaugeMetricFamily(f"{PREFIX}_clients", "engines attached, and dropped sessions kept while their process lives",
+                                    labels=["state"])
+        clients.add_metric(["attached"], snap.clients)
+        clients.add_metric(["orphaned"], snap.orphaned)
+        yield clients
+        for name, value in snap.counters.items():
+            yield CounterMetricFamily(f"{PREFIX}_{name}", _HELP[name], value=value)
+
+
+class MetricsServer:
+    """The HTTP server a service's metrics are scraped from (``/metrics``), on its own thread."""
+
+    def __init__(self, httpd, thread):
+        self._httpd, self._thread = httpd, thread
+        self.host, self.port = httpd.server_address[:2]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(10)
+
+
+def serve_metrics(service: NodeService, host: str, port: int) -> MetricsServer:
+    """Serve ``service``'s metrics on ``host``:``port`` (0: a free port; :attr:`MetricsServer.port` says which)."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(ServiceCollector(service))
+    try:
+        httpd, thread = start_http_server(port, host, registry)
+    except OSError as e:
+        raise ConfigError(f"--metrics-port {port} on --metrics-host {host}: cannot serve metrics there ({e.strerror or e}); "
+                          "choose another port or address") from None
+    return MetricsServer(httpd, thread)
