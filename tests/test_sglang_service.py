@@ -117,6 +117,7 @@ def test_mha_ranks_keep_their_own_shards_and_mla_is_stored_once(service):
     other_model = attach(service_config(service.socket, tp_rank=0, tp_size=2, model="other"), mha_pool())
     assert other_model.batch_exists(keys) == 0
     assert rank0.batch_exists(keys) == 4
+    assert query_status_of(service.socket)()["held"] == 0  # an existence query holds nothing once it returned
 
 
 def test_mla_only_the_storage_writer_writes_and_every_rank_reads(tmp_path):
@@ -214,13 +215,15 @@ def test_a_stopped_service_costs_a_call_at_most_its_deadline_then_misses(service
     fill(src, seed=9)
     keys = page_keys(list(range(16)), P)
     idx = src.alloc(16)
-    backend = attach(service_config(service.socket, service_lookup_timeout_s=0.25), src)
+    backend = attach(service_config(service.socket), src)  # the default lookup deadline: 0.25 s
     assert backend.batch_set_v1(keys, idx) == [True] * 4
     os.kill(service.proc.pid, signal.SIGSTOP)
     try:
         start = time.monotonic()
         assert backend.batch_get_v1(keys, idx) == [False] * 4
         assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, idx) == [False] * 4
+        time.sleep(0.3)  # past the first backoff step: the next call tries to attach again, within the lookup deadline
+        assert backend.batch_exists(keys) == 0 and backend.batch_get_v1(keys, idx) == [False] * 4
         assert time.monotonic() - start < 2.0
     finally:
         os.kill(service.proc.pid, signal.SIGCONT)

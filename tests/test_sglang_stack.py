@@ -196,6 +196,25 @@ def test_two_servers_on_one_node_service_share_pages_bit_exact(tmp_path, kind, t
         assert (status["held"], status["writing"], status["clients"], status["orphaned"]) == (0, 0, 0, 0)
 
 
+def test_a_server_up_while_another_stores_prefetches_its_pages(tmp_path):
+    """Two servers attached to one service at once: the reader is up (attached when SGLang registered its pools)
+    before the writer computes the prefix; it then prefetches the writer's pages, bit-exact."""
+    with running_service(tmp_path) as svc:
+        reader = start_server("read-when-told", service_url(svc), stdin=subprocess.PIPE)
+        try:
+            assert next_report(reader)["ready"]
+            assert query_status_of(svc.socket)()["clients"] >= 1
+            [writer] = run_servers("write", service_url(svc))
+            tell(reader, "go")
+            r = next_report(reader)
+            assert reader.wait(60) == 0
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+        assert (r["prefetched"], r["pages_read"], r["errors"]) == (PAGES * 4, PAGES, [])
+        assert r["reloaded"] == writer["written"]
+
+
 def test_tp2_mha_servers_keep_per_rank_shards_in_one_node_service(tmp_path):
     with running_service(tmp_path) as svc:
         writers = run_servers("write", service_url(svc), "mha", world=2)

@@ -503,6 +503,10 @@ def run_scenario(name: str, storage_url: str, rank: int = 0, world: int = 1, kin
         report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "again")
     elif name == "read":  # a fresh server: the prefix is in storage only
         report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "fresh")
+    elif name == "read-when-told":  # a server already up (attached) when another stores the prefix; a stdin line says when
+        say({"ready": True})
+        sys.stdin.readline()
+        report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "told")
     elif name == "outage":
         outage(stack, tokens, report)
     else:

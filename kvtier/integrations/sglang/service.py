@@ -42,7 +42,7 @@ from kvtier.errors import ServiceError, ServiceProtocolError
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
-from kvtier.service.client import ServiceClient
+from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
 from kvtier.service.leased import RETRY_FIRST_S, RETRY_MAX_S
 from kvtier.service.messages import publish_op, release_op
 from kvtier.service.region import RegionFormat, map_region
@@ -109,7 +109,8 @@ class ServicePages:
         self.group = list(group)
         self.format = region_format(self.group)
         self.deadline_s = deadline_s
-        self.lookup_deadline_s = lookup_deadline_s
+        #: the deadline of every call from SGLang's threads, attaching again included
+        self.lookup_deadline_s = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
         self.on_fault = on_fault
         self._state = _ThreadState()
         self._lock = threading.Lock()
@@ -133,7 +134,7 @@ class ServicePages:
         if not force and time.monotonic() < state.retry_at:
             return None
         try:
-            state.session = self._attach(state.lost, attach_s if attach_s is not None else self._quick_s)
+            state.session = self._attach(state.lost, attach_s if attach_s is not None else self.lookup_deadline_s)
         except ServiceError as e:
             state.retry_at = time.monotonic() + state.retry_s
             state.retry_s = min(2 * state.retry_s, RETRY_MAX_S)
@@ -141,14 +142,11 @@ class ServicePages:
                     "(%s); pages miss until it is", self.socket_path, e)
             return None
         if state.lost is not None:
-            self.reattaches += 1
+            with self._lock:
+                self.reattaches += 1
             log.warning("kvtier HiCache storage: attached to the node service at %s again", self.socket_path)
         state.lost, state.retry_s = None, RETRY_FIRST_S
         return state.session
-
-    @property
-    def _quick_s(self) -> float:
-        return min(self.lookup_deadline_s or self.deadline_s, self.deadline_s)
 
     def _attach(self, previous: str | None, attach_s: float) -> _Session:
         client = ServiceClient(self.socket_path, self.namespace, self.format, deadline_s=self.deadline_s,
@@ -174,9 +172,9 @@ class ServicePages:
         with self._lock:
             if session in self._sessions:  # (not when close() detached it already)
                 self._sessions.remove(session)
+            self.losses += 1
         state.session, state.lost = None, session.client.session
         state.retry_at, state.retry_s = time.monotonic() + RETRY_FIRST_S, 2 * RETRY_FIRST_S
-        self.losses += 1
         self.on_fault()
         log.warning("kvtier HiCache storage: the node service at %s is lost (%s); misses until it is back", self.socket_path, error)
 
@@ -238,7 +236,8 @@ class ServicePages:
                     _copy_out(pool, page, session.row(row, region_page))
             session.client.note([publish_op(got, keys[len(held):len(held) + len(got)]), release_op(got)])
             written = len(got)
-            self.skipped_pages += todo - written
+            with self._lock:
+                self.skipped_pages += todo - written
         except ServiceError as e:
             self._lose(session, e)
             return WriteResult(0, 0)
