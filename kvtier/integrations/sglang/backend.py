@@ -150,7 +150,7 @@ class _Pool:
 
 
 class KvtierStorage(HiCacheStorage):
-    """SGLang ``HiCacheStorage`` over kvtier's L3. Built by SGLang's backend factory as
+    """SGLang ``HiCacheStorage`` over kvtier's L3 (or the node service's region: ``service``). Built by SGLang's backend factory as
     ``KvtierStorage(storage_config, kwargs)``; options come from ``storage_config.extra_config``
     (:class:`~kvtier.integrations.sglang.options.SGLangStorageOptions`)."""
 
@@ -222,14 +222,14 @@ class KvtierStorage(HiCacheStorage):
             self._check_service_pool(name, pool, kv_derived)
         self._pools[name] = _Pool(name, pages, PageCodec(pages.fingerprint, pages.payload_bytes, pages.page_size),
                                   str(namespace), kv_derived, writer=self.writer or not mla_shared)
+        log.info("kvtier HiCache storage: pool %r (%s, %s layout), %d-byte pages, namespace %s", name, type(pool).__name__,
+                 getattr(pool, "layout", "?"), pages.payload_bytes, namespace)
         if self.backend is None:
             return
         # header slabs: each caller thread (SGLang's prefetch and backup threads) has up to io_threads calls in flight
         self.mover.reserve_slabs(2 * self.io_threads + 2, max(self._step(p) for p in self._pools.values()))
         if self.backend.capabilities.registers_buffers and pages.buffer is not None:
             self.backend.register_buffer(pages.buffer)
-        log.info("kvtier HiCache storage: pool %r (%s, %s layout), %d-byte pages, namespace %s", name, type(pool).__name__,
-                 getattr(pool, "layout", "?"), pages.payload_bytes, namespace)
 
     # ---- the node service -------------------------------------------------------------
     def _check_service_pool(self, name: str, pool, kv_derived: bool) -> None:
@@ -496,7 +496,7 @@ class KvtierStorage(HiCacheStorage):
                 break
             pool = self._pool(t.name)
             if t.hit_policy == PoolHitPolicy.ALL_PAGES:  # (the node service: on the KV pool's region pages)
-                boundary = kv_pages if self.service is not None else self._stored_prefix(pool, keys[:kv_pages])
+                boundary = kv_pages if self.options.service is not None else self._stored_prefix(pool, keys[:kv_pages])
                 mine = set(range(1, boundary + 1))
             elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 trailing = max(1, len(t.keys) if t.keys else 1)

@@ -181,8 +181,8 @@ class ServicePages:
     # ---- pages ---------------------------------------------------------------------------------
     def stored(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` the service holds (held for the answer, released at once)."""
-        session = self._session()
-        if session is None or not keys:
+        session = self._session() if keys else None
+        if session is None:
             return 0
         try:
             pages = session.client.lookup(keys)
@@ -195,8 +195,8 @@ class ServicePages:
 
     def read(self, pool: PoolPages, keys: list[bytes], into: list[int]) -> int:
         """The leading run of ``keys`` the service holds, copied into ``pool``'s pages ``into``; how many."""
-        session = self._session()
-        if session is None or not keys:
+        session = self._session() if keys else None
+        if session is None:
             return 0
         row = self.row_of(pool)
         try:
@@ -220,8 +220,8 @@ class ServicePages:
         for pool in self.group[1:]:  # the pools on the KV pool's page ids: those pages exist in each
             check_pages_in_range(torch.tensor(pages, dtype=torch.int64), pool.num_pages, pool=f"SGLang host pool {pool.name!r}",
                                  side="host")
-        session = self._session()
-        if session is None or not keys:
+        session = self._session() if keys else None
+        if session is None:
             return WriteResult(0, 0)
         written = 0
         try:
