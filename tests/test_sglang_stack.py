@@ -14,6 +14,10 @@ path is replaced. Pages are compared by the xxh3-128 of their device bytes: the 
 computed on one server against the bytes another server (or the same one after evicting them)
 loaded back from kvtier's store.
 
+Stacks attached to the node service (``kvtier serve`` on a temp socket, the extra config's
+``service`` instead of a store) share pages through its region: what one server stored, another
+prefetches; the service SIGKILLed under a server is misses, and a restarted one is used again.
+
 Not here: ``sglang.launch_server`` itself (it does not start on this CPU machine; see the README).
 """
 
@@ -21,12 +25,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from support.service import query_status_of, read_line, running_service, start_service, stop, tell
 from kvtier.app.devservers import free_port
 
 pytestmark = pytest.mark.integration
@@ -34,13 +40,20 @@ pytestmark = pytest.mark.integration
 PAGES = 8  # the scenario's prompt: 8 pages of 4 tokens
 
 
-def run_servers(scenario: str, url: str, kind: str = "mha", world: int = 1) -> list[dict]:
-    """``world`` ranks of one server (one process each, a gloo group on 127.0.0.1), each running ``scenario``."""
+def start_server(scenario: str, url: str, kind: str = "mha", world: int = 1, rank: int = 0, port: int | None = None,
+                 **popen) -> subprocess.Popen:
+    """One rank of a server running ``scenario`` (``port``: its gloo group's, shared by its ranks)."""
     tests = Path(__file__).resolve().parent  # the harness (support/) and the clone's peers/ beside kvtier
     path = os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": path}
-    procs = [subprocess.Popen([sys.executable, "-m", "support.sglang_stack", scenario, url, str(rank), str(world), kind],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in range(world)]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port or free_port()), "PYTHONPATH": path}
+    return subprocess.Popen([sys.executable, "-m", "support.sglang_stack", scenario, url, str(rank), str(world), kind],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **popen)
+
+
+def run_servers(scenario: str, url: str, kind: str = "mha", world: int = 1) -> list[dict]:
+    """``world`` ranks of one server (one process each, a gloo group on 127.0.0.1), each running ``scenario``."""
+    port = free_port()
+    procs = [start_server(scenario, url, kind, world, rank, port) for rank in range(world)]
     reports = []
     for p in procs:
         try:
@@ -145,3 +158,107 @@ def test_tp2_mha_every_rank_writes_its_own_shard(tmp_path):
     for r in ranks:
         assert r["reloaded"] == r["written"] and r["pages_written"] == PAGES and r["pages_read"] == PAGES
     assert len(stored_objects(tmp_path)) == 2 * PAGES  # one namespace per rank
+
+
+# ---- stacks attached to the node service ------------------------------------------------------------
+def service_url(svc) -> str:
+    return f"unix://{svc.socket}"
+
+
+def next_report(proc: subprocess.Popen, timeout_s: float = 300.0) -> dict:
+    """The next JSON line a server prints (anything else it prints is skipped)."""
+    while True:
+        line = read_line(proc, timeout_s)
+        if not line:
+            proc.wait(10)
+            raise AssertionError(f"server exited {proc.returncode}: {proc.stderr.read()[-3000:]}")
+        if line.startswith("{"):
+            return json.loads(line)
+
+
+# (stack, prompt tokens, region pages stored, pool pages read): the DSA indexer's page is in its latent page's region
+# page, written once with it; SGLang reads it in a call of its own (the KV row, then the indexer row)
+SERVICE_STACKS = [("mha", 32, PAGES, PAGES), ("dsa", 8 * 64, PAGES, 2 * PAGES)]
+
+
+@pytest.mark.parametrize("kind,tokens,pages,read", SERVICE_STACKS, ids=[s[0] for s in SERVICE_STACKS])
+def test_two_servers_on_one_node_service_share_pages_bit_exact(tmp_path, kind, tokens, pages, read):
+    with running_service(tmp_path) as svc:
+        [writer] = run_servers("write", service_url(svc), kind)
+        assert_sglangs_own_stack(writer)
+        assert writer["pages_written"] == pages and writer["reloaded"] == writer["written"] and writer["errors"] == []
+        [reader] = run_servers("read", service_url(svc), kind)
+        assert_sglangs_own_stack(reader)
+        assert (reader["prefetched"], reader["on_device"], reader["pages_read"]) == (tokens, tokens, read)
+        assert reader["reloaded"] == writer["written"] and reader["errors"] == []
+        status = query_status_of(svc.socket)()
+        assert list(status["pages_per_namespace"].values()) == [pages]  # one copy on the node, one namespace
+        assert (status["held"], status["writing"], status["clients"], status["orphaned"]) == (0, 0, 0, 0)
+
+
+def test_a_server_up_while_another_stores_prefetches_its_pages(tmp_path):
+    """Two servers attached to one service at once: the reader is up (attached when SGLang registered its pools)
+    before the writer computes the prefix; it then prefetches the writer's pages, bit-exact."""
+    with running_service(tmp_path) as svc:
+        reader = start_server("read-when-told", service_url(svc), stdin=subprocess.PIPE)
+        try:
+            assert next_report(reader)["ready"]
+            assert query_status_of(svc.socket)()["clients"] >= 1
+            [writer] = run_servers("write", service_url(svc))
+            tell(reader, "go")
+            r = next_report(reader)
+            assert reader.wait(60) == 0
+        finally:
+            if reader.poll() is None:
+                reader.kill()
+        assert (r["prefetched"], r["pages_read"], r["errors"]) == (PAGES * 4, PAGES, [])
+        assert r["reloaded"] == writer["written"]
+
+
+def test_tp2_mha_servers_keep_per_rank_shards_in_one_node_service(tmp_path):
+    with running_service(tmp_path) as svc:
+        writers = run_servers("write", service_url(svc), "mha", world=2)
+        readers = run_servers("read", service_url(svc), "mha", world=2)
+        for w, r in zip(writers, readers):
+            assert w["pages_written"] == PAGES and r["pages_read"] == PAGES and r["reloaded"] == w["written"]
+        assert writers[0]["written"] != writers[1]["written"]  # each rank's own heads
+        status = query_status_of(svc.socket)()
+        assert sorted(status["pages_per_namespace"].values()) == [PAGES, PAGES]
+
+
+def test_tp2_mla_servers_store_the_latent_once_per_node(tmp_path):
+    with running_service(tmp_path) as svc:
+        ranks = run_servers("write", service_url(svc), "mla", world=2)
+        assert [r["pages_written"] for r in ranks] == [PAGES, 0]
+        readers = run_servers("read", service_url(svc), "mla", world=2)
+        for r in readers:
+            assert r["reloaded"] == ranks[0]["written"] and r["pages_read"] == PAGES
+        assert list(query_status_of(svc.socket)()["pages_per_namespace"].values()) == [PAGES]
+
+
+def test_a_node_service_killed_under_a_server_is_misses_then_a_restarted_one_is_used_again(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock)
+    server = start_server("outage", f"unix://{sock}", stdin=subprocess.PIPE)
+    try:
+        assert next_report(server)["stored"] == PAGES
+        os.kill(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait(30)
+        tell(server, "killed")
+        assert next_report(server)["down"]
+        svc = start_service(sock)
+        tell(server, "restarted")
+        r = next_report(server)
+        assert server.wait(60) == 0
+        [reader] = run_servers("read", f"unix://{sock}")  # another server prefetches what it stored after the restart
+        assert reader["reloaded"] == r["written"] and reader["errors"] == []
+    finally:
+        if server.poll() is None:
+            server.kill()
+        stop(svc.proc)
+    # while it was down: misses, nothing stored, no exception in SGLang's threads, in bounded time
+    assert (r["down_prefetched"], r["down_on_device"], r["down_written"]) == (0, 0, 0) and r["down_faults"] >= 1
+    assert r["down_s"] < 60 and r["errors"] == []
+    # once it was back: the server attached again on its own, stored and prefetched back bit-exact
+    assert r["reattaches"] >= 1 and (r["prefetched"], r["on_device"]) == (PAGES * 4, PAGES * 4)
+    assert r["reloaded"] == r["written"]

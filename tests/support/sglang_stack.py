@@ -33,15 +33,20 @@ Replaced, each because this machine has no GPU and no server around the cache:
 Nothing on the storage path is replaced: SGLang's controller threads call kvtier's
 ``KvtierStorage`` as on a GPU server. Each stack lives in its own process (SGLang registers
 Prometheus metrics and a process group once per process): ``python -m support.sglang_stack`` (from tests/)
-runs one scenario and prints what it saw as JSON, for the tests.
+runs one scenario and prints what it saw as JSON, for the tests. A storage URL of ``unix:///path``
+attaches the stack to the node service on that socket (the extra config's ``service``) instead of
+an L3 store. Every exception SGLang logs (its controller threads log what they catch) or a thread
+dies of is reported (``errors``).
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import logging
 import os
 import sys
+import threading
 import time
 from array import array
 from dataclasses import dataclass
@@ -52,10 +57,14 @@ import xxhash
 
 from peers.sglang_wheel import FACTORY_DEFAULTS, import_sglang, publish_config
 from kvtier.integrations.sglang import extra_config
+from kvtier.integrations.sglang.options import SERVICE_SCHEME
+from kvtier.service.leased import RETRY_MAX_S
 
 
 #: stacks with a Mamba2-style state layer beside their full-attention layer (MHA, or MLA)
 MAMBA_KINDS = ("mamba", "mla-mamba")
+#: stacks whose KV is MLA's latent (replicated on every TP rank)
+MLA_KINDS = ("mla", "dsa", "mla-mamba")
 
 
 def transfer_kv_direct(src_layers, dst_layers, src_indices, dst_indices, page_size: int) -> None:
@@ -91,7 +100,8 @@ def create_custom_parallel_group(group_ranks, backend: str = "gloo"):
 
 
 def _memory_config(storage_url: str, write_policy: str, layout: str = "layer_first", **options) -> dict:
-    extra = {**extra_config(storage_url, **options), "prefetch_threshold": 1}
+    where = {"service": storage_url} if storage_url.startswith(SERVICE_SCHEME) else {"storage_url": storage_url}
+    extra = {**extra_config(**where, **options), "prefetch_threshold": 1}
     return dict(FACTORY_DEFAULTS["memory"], hicache_host_memory_mode="cache", hicache_storage_backend="dynamic",
                 hicache_storage_backend_extra_config=json.dumps(extra), hicache_ratio=2.0, hicache_size=0,
                 hicache_mem_layout=layout, hicache_write_policy=write_policy, hicache_io_backend="direct",
@@ -280,7 +290,8 @@ def serve_computed(stack: Stack, tokens: list[int], seed: int) -> list[str]:
     from sglang.srt.mem_cache.base_prefix_cache import InsertParams
 
     slots = _alloc(stack, len(tokens))
-    g = torch.Generator().manual_seed(seed)
+    # MLA's latent KV is the same on every TP rank; an MHA rank holds its own heads, so bytes of its own
+    g = torch.Generator().manual_seed(seed if stack.kind in MLA_KINDS else seed + 1000 * stack.rank)
     for buf, by_page in stack.device_buffers():
         _fill(buf, stack.rows(slots, by_page), g)
     if stack.kind == "swa":  # the window layer's pool, at the slots SGLang's allocator mapped the request to
@@ -348,14 +359,21 @@ def wait_stored(stack: Stack, tokens: list[int]) -> list[str]:
     pages = len(tokens) // stack.page_size
 
     def stored() -> list[str] | None:
-        cache = stack.cache
-        if cache.ongoing_write_through or cache.ongoing_backup:  # SGLang's own in-flight copies (each holds its node):
-            return None  # every group's objects (window pages, state) are acknowledged, not only the KV pages
-        node, core = match(stack, tokens).last_device_node, cache.tree_core  # pages are hashed when backed up
-        keys = list(core.get_prefix_hash_values(node)) + list(core.get_hash_values(node) or [])
-        return keys if len(keys) == pages and stack.storage.batch_exists(keys) == pages else None
+        keys = backed_up_keys(stack, tokens)
+        return keys if keys is not None and stack.storage.batch_exists(keys) == pages else None
 
     return _wait(f"{pages} pages stored", stored, stack)
+
+
+def backed_up_keys(stack: Stack, tokens: list[int]) -> list[str] | None:
+    """SGLang's storage keys for ``tokens`` once no write-through or storage backup is in flight (the
+    backup's outcome known, stored or not); None while one is."""
+    cache = stack.cache
+    if cache.ongoing_write_through or cache.ongoing_backup:  # SGLang's own in-flight copies (each holds its node):
+        return None  # every group's objects (window pages, state) are acknowledged, not only the KV pages
+    node, core = match(stack, tokens).last_device_node, cache.tree_core  # pages are hashed when backed up
+    keys = list(core.get_prefix_hash_values(node)) + list(core.get_hash_values(node) or [])
+    return keys if len(keys) == len(tokens) // stack.page_size else None
 
 
 def match(stack: Stack, tokens: list[int]):
@@ -408,8 +426,66 @@ def storage_metric_samples(name: str) -> float:
     return sum(s.value for metric in REGISTRY.collect() if metric.name == name for s in metric.samples if s.name == name + "_sum")
 
 
+class _Errors(logging.Handler):
+    """Every exception logged (SGLang's controller threads log what they catch with ``logger.exception``)."""
+
+    def __init__(self):
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info:
+            self.seen.append(f"{record.name}: {record.getMessage()}: {record.exc_info[1]!r}")
+
+
+def watch_errors() -> list[str]:
+    """The exceptions logged, and those a thread died of, from now on (a list that fills as they happen)."""
+    handler = _Errors()
+    logging.getLogger().addHandler(handler)
+    previous = threading.excepthook
+
+    def died(args) -> None:
+        handler.seen.append(f"thread {args.thread.name if args.thread else '?'} died: {args.exc_value!r}")
+        previous(args)
+
+    threading.excepthook = died
+    return handler.seen
+
+
+def say(facts: dict) -> None:
+    """One JSON line to the test driving this server step by step."""
+    print(json.dumps(facts), flush=True)
+
+
+def outage(stack: Stack, tokens: list[int], report: dict) -> None:
+    """The node service SIGKILLed under a serving stack, then restarted; the test says when, one stdin line each.
+    While it is down: a prefetch and a backup (misses, no exception, bounded time); once it is back: ``tokens``
+    computed, stored, evicted and prefetched back as in the ``write`` scenario."""
+    early, later = ([base + i for i in range(len(tokens))] for base in (3000, 5000))
+    serve_computed(stack, early, seed=3)
+    wait_stored(stack, early)
+    say({"stored": len(early) // stack.page_size})
+    sys.stdin.readline()  # the service was SIGKILLed
+    start, written_before = time.monotonic(), stack.storage.get_stats().pages_written
+    evict_everything(stack)
+    report["down_prefetched"], report["down_on_device"], _ = prefetch_and_load(stack, early, "down")
+    serve_computed(stack, later, seed=5)
+    _wait("the backup's outcome", lambda: backed_up_keys(stack, later), stack)
+    stats = stack.storage.get_stats()
+    report.update(down_s=time.monotonic() - start, down_written=stats.pages_written - written_before, down_faults=stats.faults)
+    say({"down": True})
+    sys.stdin.readline()  # a new service listens on the socket
+    time.sleep(RETRY_MAX_S)  # (past every SGLang thread's backoff: its next call attempts to attach)
+    report["written"] = serve_computed(stack, tokens, seed=7)
+    report["keys"] = wait_stored(stack, tokens)
+    evict_everything(stack)
+    report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "back")
+    report["reattaches"] = stack.storage.service.reattaches
+
+
 def run_scenario(name: str, storage_url: str, rank: int = 0, world: int = 1, kind: str = "mha") -> dict:
     """One server's part of a test, reported as JSON-able facts (digests, counts, the classes that ran)."""
+    errors = watch_errors()
     # SGLang's DSA pools take 64-token pages only, its Mamba tree component 1-token pages (without its extra buffer)
     page_size = {"dsa": 64, "mamba": 1, "mla-mamba": 1}.get(kind, 4)
     stack = build_stack(storage_url, kind=kind, rank=rank, world=world, page_size=page_size, tokens=max(64 * page_size, 256))
@@ -427,6 +503,12 @@ def run_scenario(name: str, storage_url: str, rank: int = 0, world: int = 1, kin
         report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "again")
     elif name == "read":  # a fresh server: the prefix is in storage only
         report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "fresh")
+    elif name == "read-when-told":  # a server already up (attached) when another stores the prefix; a stdin line says when
+        say({"ready": True})
+        sys.stdin.readline()
+        report["prefetched"], report["on_device"], report["reloaded"] = prefetch_and_load(stack, tokens, "told")
+    elif name == "outage":
+        outage(stack, tokens, report)
     else:
         raise ValueError(f"unknown scenario {name!r}")
     cache.check_hicache_events()
@@ -434,7 +516,7 @@ def run_scenario(name: str, storage_url: str, rank: int = 0, world: int = 1, kin
     report.update(pages_written=stats.pages_written, pages_read=stats.pages_read, corrupt=stats.corrupt,
                   stats_class=[c.__module__ + "." + c.__name__ for c in type(stats).__mro__[1:2]],
                   backup_pgs_logged=storage_metric_samples("sglang:backup_pgs"),
-                  prefetch_pgs_logged=storage_metric_samples("sglang:prefetch_pgs"))
+                  prefetch_pgs_logged=storage_metric_samples("sglang:prefetch_pgs"), faults=stats.faults, errors=errors)
     return report
 
 

@@ -35,6 +35,16 @@ What it guarantees:
   into SGLang's controller threads; a corrupt object is deleted (the next save
   repairs it), and a circuit breaker answers misses without calling a dead
   store for ``cooldown_s``. Hits resume when the store is back.
+
+**The node service instead of a store.** With ``"service": "unix:///path/node.sock"``
+(``kvtier serve``) and no ``storage_url``, the pages go to the service's shared host
+region (:mod:`.service`): SGLang servers on one node attached to one service share
+them -- what one backs up, another prefetches -- in the same namespaces. The service
+holds the KV pool and the pools on its page ids (the DSA indexer: one region page
+holds a page and its indexer); any other pool (a sliding-window layer's, Mamba state)
+is a :class:`~kvtier.errors.ConfigError` when it is registered. Faults stay misses:
+a service that is down, stalled past ``service_lookup_timeout_s`` or drops the
+connection gives misses, and the backend attaches again on its own.
 """
 
 from __future__ import annotations
@@ -64,6 +74,7 @@ from kvtier.errors import ConfigError, PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
+from kvtier.integrations.sglang.service import ServicePages, region_format
 from kvtier.l3.base import KeyStatus, redact_url
 from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.mover import PageMover, in_order
@@ -139,7 +150,7 @@ class _Pool:
 
 
 class KvtierStorage(HiCacheStorage):
-    """SGLang ``HiCacheStorage`` over kvtier's L3. Built by SGLang's backend factory as
+    """SGLang ``HiCacheStorage`` over kvtier's L3 (or the node service's region: ``service``). Built by SGLang's backend factory as
     ``KvtierStorage(storage_config, kwargs)``; options come from ``storage_config.extra_config``
     (:class:`~kvtier.integrations.sglang.options.SGLangStorageOptions`)."""
 
@@ -147,25 +158,34 @@ class KvtierStorage(HiCacheStorage):
         self.config = storage_config
         self.options = SGLangStorageOptions.from_extra_config(storage_config.extra_config)
         self.model = self.options.model_name or storage_config.model_name or ""
-        self.backend = open_backend(self.options.url)
-        self.breaker = CircuitBreaker(self.backend, self.options.cooldown_s, self.options.max_cooldown_s, probe_key="kvtier-probe/0")
-        #: reads, checks, writes and repairs page objects (the same mover as kvtier's own L3 tier)
-        self.mover = PageMover(self.backend, self.breaker, on_discard=self._count_corrupt)
         self.writer = storage_config.is_storage_writer
         self.metrics = StorageMetrics()
         #: keys that could not name an object (not UTF-8 strings): misses, never store faults
         self.invalid_keys = 0
         self._metrics_lock = threading.Lock()
         self._pools: dict[str, _Pool] = {}
-        caps = self.backend.capabilities
-        self.io_threads = self.options.io_threads or caps.io_threads
+        self.mem_pool_host = None
+        #: the node service's pages (options.service), made once the pools are known; None: an L3 store
+        self.service: ServicePages | None = None
+        self._service_lock = threading.Lock()
+        self.backend = self.breaker = self.mover = self._io = None
+        self.io_threads = 1
+        if self.options.service is None:
+            self._open_store()
+        where = f"node service {self.options.socket_path}" if self.options.service else redact_url(self.options.url)
+        log.info("kvtier HiCache storage: %s, model %r, shard %s, writer %s", where, self.model, self._shard_rank(PoolName.KV),
+                 self.writer)
+
+    def _open_store(self) -> None:
+        self.backend = open_backend(self.options.url)
+        self.breaker = CircuitBreaker(self.backend, self.options.cooldown_s, self.options.max_cooldown_s, probe_key="kvtier-probe/0")
+        #: reads, checks, writes and repairs page objects (the same mover as kvtier's own L3 tier)
+        self.mover = PageMover(self.backend, self.breaker, on_discard=self._count_corrupt)
+        self.io_threads = self.options.io_threads or self.backend.capabilities.io_threads
         #: one pool of I/O threads per direction: a burst of backups never queues ahead of the prefetches
         #: a request's TTFT waits on (SGLang calls each from its own thread; with one I/O thread, there)
         self._io = {kind: ThreadPoolExecutor(self.io_threads, thread_name_prefix=f"kvtier-hicache-{kind}")
                     for kind in ("read", "write")} if self.io_threads > 1 else None
-        self.mem_pool_host = None
-        log.info("kvtier HiCache storage: %s, model %r, shard %s, writer %s", redact_url(self.options.url), self.model,
-                 self._shard_rank(PoolName.KV), self.writer)
 
     # ---- registration ------------------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
@@ -198,14 +218,46 @@ class KvtierStorage(HiCacheStorage):
         decl = getattr(pool, "decl", None)
         kv_derived = name != PoolName.KV and decl is not None and getattr(decl, "indices_from_pool", None) == PoolName.KV \
             and getattr(decl, "hit_policy", PoolHitPolicy.ALL_PAGES) == PoolHitPolicy.ALL_PAGES
+        if self.options.service is not None:
+            self._check_service_pool(name, pool, kv_derived)
         self._pools[name] = _Pool(name, pages, PageCodec(pages.fingerprint, pages.payload_bytes, pages.page_size),
                                   str(namespace), kv_derived, writer=self.writer or not mla_shared)
+        log.info("kvtier HiCache storage: pool %r (%s, %s layout), %d-byte pages, namespace %s", name, type(pool).__name__,
+                 getattr(pool, "layout", "?"), pages.payload_bytes, namespace)
+        if self.backend is None:
+            return
         # header slabs: each caller thread (SGLang's prefetch and backup threads) has up to io_threads calls in flight
         self.mover.reserve_slabs(2 * self.io_threads + 2, max(self._step(p) for p in self._pools.values()))
         if self.backend.capabilities.registers_buffers and pages.buffer is not None:
             self.backend.register_buffer(pages.buffer)
-        log.info("kvtier HiCache storage: pool %r (%s, %s layout), %d-byte pages, namespace %s", name, type(pool).__name__,
-                 getattr(pool, "layout", "?"), pages.payload_bytes, namespace)
+
+    # ---- the node service -------------------------------------------------------------
+    def _check_service_pool(self, name: str, pool, kv_derived: bool) -> None:
+        """The service holds the KV pool and the pools on its page ids, registered before its region page is fixed."""
+        if name != PoolName.KV and not kv_derived:
+            raise ConfigError(f"kvtier HiCache storage: the node service holds the KV pool and the pools on its page ids (the DSA "
+                              f"indexer); pool {name!r} ({type(pool).__name__}) has pages of its own. Use an L3 store "
+                              "(storage_url, no service) for this model")
+        if self.service is not None:
+            raise ConfigError(f"kvtier HiCache storage: pool {name!r} registered after the node service's region page was fixed "
+                              f"(pools {', '.join(p.name for p in self.service.group)}); register every pool before the first transfer")
+
+    def on_host_pools_registered(self) -> None:
+        """The pool set is known: the region page is fixed and this thread attaches (the first hello makes
+        the service's region; a service that is not there yet is a warning, then misses until it is)."""
+        super().on_host_pools_registered()
+        if self.options.service is not None:
+            self._service().attach_now()
+
+    def _service(self) -> ServicePages:
+        with self._service_lock:
+            if self.service is None:
+                group = [self._kv.pages] + [p.pages for p in self._pools.values() if p.kv_derived]
+                namespace = Namespace(self.model, region_format(group).fingerprint, self._shard_rank(PoolName.KV), self.options.salt)
+                o = self.options
+                self.service = ServicePages(o.socket_path, str(namespace), group, deadline_s=o.service_timeout_s,
+                                            lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault)
+            return self.service
 
     def _pool(self, name) -> _Pool:
         try:
@@ -270,8 +322,11 @@ class KvtierStorage(HiCacheStorage):
         if not keys:
             return []
         t0 = time.perf_counter()
-        got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read")
-        run = got.index(False) if False in got else len(got)
+        if self.options.service is not None:
+            run = self._service().read(pool.pages, [pool.key16(k) for k in keys], list(pages))
+        else:
+            got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read")
+            run = got.index(False) if False in got else len(got)
         self._count_read(pool, run, len(keys), time.perf_counter() - t0)
         return [True] * run + [False] * (len(keys) - run)
 
@@ -308,12 +363,22 @@ class KvtierStorage(HiCacheStorage):
         if not keys:
             return []
         t0 = time.perf_counter()
+        if self.options.service is not None and pool.writer:
+            return self._write_to_service(pool, keys, pages, t0)
         have = self._stored_prefix(pool, keys)
         if not pool.writer:  # another rank writes this shard (MLA): report what the store has
             return [i < have for i in range(len(keys))]
         done = [True] * have + self._chunked(pool, len(keys), have, lambda a, b: self._write_chunk(pool, keys[a:b], pages[a:b]), "write")
         self._count_write(pool, have, sum(done) - have, time.perf_counter() - t0)
         return done
+
+    def _write_to_service(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int], t0: float) -> list[bool]:
+        """The region pages of ``pages`` (every pool on these page ids: a page goes with its indexer); the
+        leading run the service has already is not written again."""
+        service = self._service()
+        done = service.write([pool.key16(k) for k in keys], list(pages))
+        self._count_write(pool, done.stored, done.written, time.perf_counter() - t0, service.format.page_bytes)
+        return [i < done.stored + done.written for i in range(len(keys))]
 
     def _write_chunk(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int]) -> list[bool]:
         out: list[bool] = []
@@ -332,6 +397,8 @@ class KvtierStorage(HiCacheStorage):
     def _stored_prefix(self, pool: _Pool, keys: Sequence[str]) -> int:
         """Leading ``keys`` stored for ``pool`` (a fault, or a store marked down, counts as absent)."""
         keys = keys[: self._valid_prefix(keys)]
+        if self.options.service is not None:  # (one region page holds the pages of every pool the service holds)
+            return self._service().stored([pool.key16(k) for k in keys])
         if not keys or not self.breaker.available:
             return 0
         found = [0]
@@ -342,6 +409,8 @@ class KvtierStorage(HiCacheStorage):
     def _kv_hits(self, keys: Sequence[str], checked: set[str] = frozenset()) -> int:
         """Leading KV pages stored, each with every KV-derived pool's page (the DSA indexer)."""
         n = self._stored_prefix(self._kv, keys)
+        if self.options.service is not None:
+            return n  # the region page of a KV page holds its indexer page
         for pool in self._pools.values():
             if n and pool.kv_derived and pool.name not in checked:
                 n = self._stored_prefix(pool, keys[:n])
@@ -368,20 +437,29 @@ class KvtierStorage(HiCacheStorage):
             m = self.metrics
             m.pages_read += hits
             m.misses += asked - hits
-            m.bytes_read += hits * pool.codec.object_bytes
+            m.bytes_read += hits * self._page_bytes(pool)
             if self.config.enable_storage_metrics and hits:
                 m.prefetch_pgs.append(hits)
-                m.prefetch_bandwidth.append(hits * pool.codec.object_bytes / 1e9 / max(seconds, 1e-9))
+                m.prefetch_bandwidth.append(hits * self._page_bytes(pool) / 1e9 / max(seconds, 1e-9))
 
-    def _count_write(self, pool: _Pool, skipped: int, written: int, seconds: float) -> None:
+    def _count_write(self, pool: _Pool, skipped: int, written: int, seconds: float, page_bytes: int | None = None) -> None:
+        page_bytes = page_bytes or self._page_bytes(pool)
         with self._metrics_lock:
             m = self.metrics
             m.pages_already_stored += skipped
             m.pages_written += written
-            m.bytes_written += written * pool.codec.object_bytes
+            m.bytes_written += written * page_bytes
             if self.config.enable_storage_metrics and written:
                 m.backup_pgs.append(written)
-                m.backup_bandwidth.append(written * pool.codec.object_bytes / 1e9 / max(seconds, 1e-9))
+                m.backup_bandwidth.append(written * page_bytes / 1e9 / max(seconds, 1e-9))
+
+    def _page_bytes(self, pool: _Pool) -> int:
+        """Bytes a page of ``pool`` moves: its L3 object, or its row of a region page (the node service)."""
+        return pool.pages.payload_bytes if self.options.service is not None else pool.codec.object_bytes
+
+    def _count_fault(self) -> None:
+        with self._metrics_lock:
+            self.metrics.faults += 1
 
     def get_stats(self) -> StorageMetrics:
         """A snapshot: the per-batch lists since the last call (then cleared) and the running counters."""
@@ -417,8 +495,8 @@ class KvtierStorage(HiCacheStorage):
             if not restorable:
                 break
             pool = self._pool(t.name)
-            if t.hit_policy == PoolHitPolicy.ALL_PAGES:
-                boundary = self._stored_prefix(pool, keys[:kv_pages])
+            if t.hit_policy == PoolHitPolicy.ALL_PAGES:  # (the node service: on the KV pool's region pages)
+                boundary = kv_pages if self.options.service is not None else self._stored_prefix(pool, keys[:kv_pages])
                 mine = set(range(1, boundary + 1))
             elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 trailing = max(1, len(t.keys) if t.keys else 1)
@@ -470,6 +548,7 @@ class KvtierStorage(HiCacheStorage):
 
     def batch_get(self, keys: list[str], target_locations: list[torch.Tensor] | None = None,
                   target_sizes=None) -> list[torch.Tensor | None]:
+        self._store_only("batch_get")
         pool = self._kv
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
         targets = [t if t is not None else pool.pages.pool.get_dummy_flat_data_page() for t in targets]
@@ -493,6 +572,7 @@ class KvtierStorage(HiCacheStorage):
 
     def batch_set(self, keys: list[str], values=None, target_locations=None, target_sizes=None) -> bool:
         """Store flat data pages; True when every key is stored (SGLang's generic backup checks all)."""
+        self._store_only("batch_set")
         pool = self._kv
         values = list(values or [])
         if len(values) != len(keys):
@@ -514,13 +594,22 @@ class KvtierStorage(HiCacheStorage):
         self._count_write(pool, have, sum(ok), time.perf_counter() - t0)
         return len(ok) == len(todo) and all(ok)
 
+    def _store_only(self, what: str) -> None:
+        if self.options.service is not None:
+            raise ConfigError(f"kvtier HiCache storage: {what} (SGLang's flat-page path) is not served by the node service; "
+                              'SGLang takes the zero-copy path with "interface_v1": 1 in the extra config')
+
     def exists(self, key: str) -> bool:
         return self._kv_hits([key]) == 1
 
     # ---- lifecycle ---------------------------------------------------------------------
     def clear(self) -> bool:
         """Delete every page of this backend's namespaces (this model and shard, every registered
-        pool); other models' and other shards' pages in the same store stay."""
+        pool); other models' and other shards' pages in the same store stay. The node service's pages
+        are not deleted (it has no such call; they age out by its LRU): False."""
+        if self.options.service is not None:
+            log.warning("kvtier HiCache storage: the node service's pages are not cleared (it evicts them by LRU)")
+            return False
         removed = 0
         ok = True
         for pool in self._pools.values():
@@ -531,6 +620,9 @@ class KvtierStorage(HiCacheStorage):
         return ok
 
     def close(self) -> None:
+        if self.service is not None:
+            self.service.close()
         for io in (self._io or {}).values():
             io.shutdown(wait=True)
-        self.backend.close()
+        if self.backend is not None:
+            self.backend.close()

@@ -7,6 +7,11 @@ accepted here and left to SGLang; ``file_storage_path`` (SGLang adds it for
 ``--file-storage-path``) is the file store's root when ``storage_url`` is unset.
 Any other unknown key is a :class:`~kvtier.errors.ConfigError` that lists the
 valid ones, so a typo never silently falls back to a default store.
+
+``service`` attaches the backend to the node service (``kvtier serve``) instead of an
+L3 store: the pages go to the service's shared host region (see
+:mod:`kvtier.integrations.sglang.service`). ``storage_url`` beside it is refused;
+``file_storage_path`` is then not used.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S, MAX_BATCH_PAGES, MAX_IO_THREADS, _help, check_number
 from kvtier.errors import ConfigError
+from kvtier.service.client import DEFAULT_DEADLINE_S, DEFAULT_LOOKUP_DEADLINE_S
 
 #: keys SGLang itself reads from the same object (its dynamic-backend loader, and the cache controller's
 #: prefetch policy, which the PD decode-offload path leaves in the JSON): accepted, left to SGLang
@@ -25,6 +31,8 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "pre
 #: SGLang adds ``--file-storage-path`` under this key (UnifiedRadixCache): kvtier's file store root when
 #: ``storage_url`` is not given, as SGLang means it for its own file backend
 SGLANG_FILE_PATH_KEY = "file_storage_path"
+#: how ``service`` may name the node service's socket: ``unix:///path`` or the path itself
+SERVICE_SCHEME = "unix://"
 
 
 def default_storage_url() -> str:
@@ -49,6 +57,14 @@ class SGLangStorageOptions:
         DEFAULT_COOLDOWN_S,
     )
     max_cooldown_s: float = _help("the longest the back-off after a storage fault grows to", DEFAULT_MAX_COOLDOWN_S)
+    service: str | None = _help(
+        "the node service's socket (kvtier serve --socket), unix:///path or the path: SGLang's host pool pages go to the "
+        "service's shared host region, shared with every SGLang server attached to it, instead of an L3 store", None)
+    service_timeout_s: float = _help("the node service: seconds attaching at start may take", DEFAULT_DEADLINE_S)
+    service_lookup_timeout_s: float | None = _help(
+        "the node service: seconds a call from SGLang's I/O threads may take (a lookup, a reservation, attaching again); past "
+        f"it the service is lost until it answers again (misses). Default: the smaller of {DEFAULT_LOOKUP_DEADLINE_S:g} and "
+        "service_timeout_s", None)
 
     def __post_init__(self) -> None:
         check_number(self, "batch_pages", at_least=1, at_most=MAX_BATCH_PAGES, integer=True)
@@ -61,6 +77,29 @@ class SGLangStorageOptions:
                 raise ConfigError(f"extra_config {name} must be a string, got {type(value).__name__}")
         if not isinstance(self.salt, str):
             raise ConfigError(f"extra_config salt must be a string, got {type(self.salt).__name__}")
+        self._check_service()
+
+    def _check_service(self) -> None:
+        check_number(self, "service_timeout_s", above=0)
+        check_number(self, "service_lookup_timeout_s", above=0)
+        if self.service is None:
+            return
+        if not isinstance(self.service, str) or not self.socket_path or "://" in self.socket_path:
+            raise ConfigError(f"extra_config service must be the node service's socket, {SERVICE_SCHEME}/path or the path "
+                              f"(kvtier serve --socket); got {self.service!r}")
+        if self.storage_url is not None:
+            raise ConfigError("extra_config service and storage_url are both set: pages go to the node service or to an L3 "
+                              "store, not both; drop one")
+        if self.service_lookup_timeout_s is not None and self.service_lookup_timeout_s > self.service_timeout_s:
+            raise ConfigError(f"extra_config service_lookup_timeout_s={self.service_lookup_timeout_s:g} is longer than "
+                              f"service_timeout_s={self.service_timeout_s:g}; lower it, or raise service_timeout_s")
+
+    @property
+    def socket_path(self) -> str | None:
+        """The node service's socket path (``service`` without its ``unix://``), or None."""
+        if self.service is None:
+            return None
+        return self.service.removeprefix(SERVICE_SCHEME)
 
     @property
     def url(self) -> str:
@@ -77,15 +116,19 @@ class SGLangStorageOptions:
         if not isinstance(extra, dict):
             raise ConfigError(f"extra_config must be a JSON object, got {type(extra).__name__}")
         ours = {k: v for k, v in extra.items() if k not in SGLANG_KEYS and k != SGLANG_FILE_PATH_KEY}
-        path = extra.get(SGLANG_FILE_PATH_KEY)
-        if path is not None:
-            if not isinstance(path, str) or not path:
-                raise ConfigError(f"extra_config {SGLANG_FILE_PATH_KEY} must be a directory path, got {path!r}")
-            ours.setdefault("storage_url", f"file://{os.path.abspath(path)}")  # an explicit storage_url wins
         unknown = sorted(set(ours) - set(cls.valid_keys()))
         if unknown:
             raise ConfigError(
                 f"kvtier SGLang storage: unknown extra_config key(s) {', '.join(unknown)}; "
                 f"valid: {', '.join(cls.valid_keys())} (and SGLang's own: {', '.join((*SGLANG_KEYS, SGLANG_FILE_PATH_KEY))})"
             )
+        path = extra.get(SGLANG_FILE_PATH_KEY)
+        if ours.get("service") is not None:
+            if not extra.get("interface_v1"):
+                raise ConfigError("kvtier SGLang storage: extra_config service needs SGLang's zero-copy page path; add "
+                                  '"interface_v1": 1 (kvtier.integrations.sglang.extra_config does)')
+        elif path is not None:
+            if not isinstance(path, str) or not path:
+                raise ConfigError(f"extra_config {SGLANG_FILE_PATH_KEY} must be a directory path, got {path!r}")
+            ours.setdefault("storage_url", f"file://{os.path.abspath(path)}")  # an explicit storage_url wins
         return cls(**ours)

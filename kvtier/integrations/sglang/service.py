@@ -1,0 +1,269 @@
+"""SGLang's host pool pages in the node service's shared region (``kvtier serve``): the page store of
+:class:`~kvtier.integrations.sglang.backend.KvtierStorage` when its extra config names a ``service``.
+
+**The region's page.** One region page holds one SGLang page of every pool in the *group*: the KV
+pool and the pools that ride on its page ids (the DSA indexer), one buffer row each
+(:func:`~kvtier.pools.host.region_offsets` with one layer per row), each row the pool's page as
+SGLang's ``get_data_page`` flattens it -- the payload kvtier's L3 page object holds. So a page is a
+hit only with its indexer: both are in the one region page, published together. Pages are copied
+between SGLang's host pool and the region whole, page by page (:class:`PoolPages` views); a write
+copies every group pool's page before it is published, a read copies the one pool's row it is asked
+for.
+
+**Connections.** SGLang calls the backend from several threads at once (its prefetch query, its
+prefetch I/O and its backup thread). Each thread gets a connection of its own: a lookup's holds are a
+connection's (the service ends a lookup's run at a page the connection holds already), and one thread's
+call is then never behind another's on one socket. Every call is synchronous: a lookup's pages are
+released once copied (at once for an existence query), a reserved page is published (and released)
+once its bytes are copied, so when a call returns no page of its connection is held or leased.
+
+**Faults are misses.** Any :class:`~kvtier.errors.ServiceError` (the service is down, stalled past
+the lookup deadline, or dropped the connection) ends the thread's connection, and the call reports
+what it finished (misses after it); no exception leaves. The thread attaches again at a later call --
+one attempt per backoff step (:data:`~kvtier.service.leased.RETRY_FIRST_S` doubling to
+:data:`~kvtier.service.leased.RETRY_MAX_S`), each within the lookup deadline -- naming its lost
+session as quiesced (nothing touches its pages once its call returned), so a service that kept it as
+an orphan frees it; the region it names then (a restarted service's is a new file) is mapped anew.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from kvtier.errors import ServiceError, ServiceProtocolError
+from kvtier.integrations.sglang.pool_pages import PoolPages
+from kvtier.pages import check_pages_in_range
+from kvtier.pools.host import region_offsets
+from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
+from kvtier.service.leased import RETRY_FIRST_S, RETRY_MAX_S
+from kvtier.service.messages import publish_op, release_op
+from kvtier.service.region import RegionFormat, map_region
+
+log = logging.getLogger(__name__)
+
+#: a region page's rows are laid out one after another per buffer; one "layer" per row (the pool's whole page)
+_ROW_LAYERS = 1
+
+
+def region_format(group: Sequence[PoolPages]) -> RegionFormat:
+    """The region page of ``group`` (the KV pool first, then the pools on its page ids): one row per pool."""
+    fingerprint = xxhash.xxh3_64_hexdigest(json.dumps(["sglang", *(p.fingerprint for p in group)]).encode())
+    return RegionFormat(fingerprint, "page_first", _ROW_LAYERS, tuple(p.payload_bytes for p in group))
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    """A write's pages: ``stored`` were in the service already (its leading run), ``written`` were copied
+    and published after them; the rest did not fit (every region page held) or the service was lost."""
+
+    stored: int
+    written: int
+
+
+class _Session:
+    """One thread's attachment: its client and the mapped region (with each row's offset in it)."""
+
+    def __init__(self, client: ServiceClient, memory: torch.Tensor, fmt: RegionFormat):
+        self.client = client
+        self.memory = memory  # keeps the mapping alive while this session may copy
+        self.bytes = memoryview(memory.numpy()).cast("B")
+        self.row_offsets = region_offsets(fmt.buffer_page_bytes, _ROW_LAYERS, client.num_pages)[0]
+        self.row_bytes = fmt.buffer_page_bytes
+
+    def row(self, row: int, page: int) -> memoryview:
+        start = self.row_offsets[row] + page * self.row_bytes[row]
+        return self.bytes[start : start + self.row_bytes[row]]
+
+    def check(self, pages: list[int], what: str) -> None:
+        """Page ids the service gave are inside its region (a service that names others is out of protocol)."""
+        for page in pages:
+            if type(page) is not int or not 0 <= page < self.client.num_pages:
+                raise ServiceProtocolError(f"the node service's {what} named page {page!r}, outside its region of "
+                                           f"{self.client.num_pages} pages")
+
+
+class _ThreadState(threading.local):
+    session: _Session | None = None
+    #: the session this thread lost (named as quiesced when it attaches again)
+    lost: str | None = None
+    retry_at = 0.0
+    retry_s = RETRY_FIRST_S
+
+
+class ServicePages:
+    """The group's pages in the service at ``socket_path``, in ``namespace`` (a
+    :class:`~kvtier.hashing.Namespace`'s string). ``on_fault()`` is called once per lost connection."""
+
+    def __init__(self, socket_path: str, namespace: str, group: Sequence[PoolPages], *, deadline_s: float,
+                 lookup_deadline_s: float | None, on_fault: Callable[[], None] = lambda: None):
+        self.socket_path = socket_path
+        self.namespace = namespace
+        self.group = list(group)
+        self.format = region_format(self.group)
+        self.deadline_s = deadline_s
+        #: the deadline of every call from SGLang's threads, attaching again included
+        self.lookup_deadline_s = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
+        self.on_fault = on_fault
+        self._state = _ThreadState()
+        self._lock = threading.Lock()
+        self._sessions: list[_Session] = []  # every thread's, for close()
+        self._mapped: tuple[str, torch.Tensor] | None = None  # the region mapped last, shared by the sessions on it
+        self.losses = self.reattaches = self.skipped_pages = 0
+
+    def row_of(self, pool: PoolPages) -> int:
+        return next(i for i, p in enumerate(self.group) if p is pool)
+
+    # ---- attaching ---------------------------------------------------------------------------------
+    def attach_now(self) -> bool:
+        """Attach this thread within the whole call deadline (at start: the first hello makes the region);
+        a service that is not there is a warning, then misses until it is."""
+        return self._session(self.deadline_s, force=True) is not None
+
+    def _session(self, attach_s: float | None = None, force: bool = False) -> _Session | None:
+        state = self._state
+        if state.session is not None:
+            return state.session
+        if not force and time.monotonic() < state.retry_at:
+            return None
+        try:
+            state.session = self._attach(state.lost, attach_s if attach_s is not None else self.lookup_deadline_s)
+        except ServiceError as e:
+            state.retry_at = time.monotonic() + state.retry_s
+            state.retry_s = min(2 * state.retry_s, RETRY_MAX_S)
+            log.log(logging.WARNING if force else logging.DEBUG, "kvtier HiCache storage: the node service at %s is not attached "
+                    "(%s); pages miss until it is", self.socket_path, e)
+            return None
+        if state.lost is not None:
+            with self._lock:
+                self.reattaches += 1
+            log.warning("kvtier HiCache storage: attached to the node service at %s again", self.socket_path)
+        state.lost, state.retry_s = None, RETRY_FIRST_S
+        return state.session
+
+    def _attach(self, previous: str | None, attach_s: float) -> _Session:
+        client = ServiceClient(self.socket_path, self.namespace, self.format, deadline_s=self.deadline_s,
+                               lookup_deadline_s=self.lookup_deadline_s, previous=previous, attach_deadline_s=attach_s)
+        try:
+            session = _Session(client, self._map(client), self.format)
+        except BaseException:
+            client.close()
+            raise
+        with self._lock:
+            self._sessions.append(session)
+        return session
+
+    def _map(self, client: ServiceClient) -> torch.Tensor:
+        with self._lock:
+            if self._mapped is None or self._mapped[0] != client.region:
+                self._mapped = (client.region, map_region(client.region, client.region_size))
+            return self._mapped[1]
+
+    def _lose(self, session: _Session, error: ServiceError) -> None:
+        state = self._state
+        session.client.close(quiesced=False)  # (its holds, if the service lives, end when this thread attaches again)
+        with self._lock:
+            if session in self._sessions:  # (not when close() detached it already)
+                self._sessions.remove(session)
+            self.losses += 1
+        state.session, state.lost = None, session.client.session
+        state.retry_at, state.retry_s = time.monotonic() + RETRY_FIRST_S, 2 * RETRY_FIRST_S
+        self.on_fault()
+        log.warning("kvtier HiCache storage: the node service at %s is lost (%s); misses until it is back", self.socket_path, error)
+
+    # ---- pages ---------------------------------------------------------------------------------
+    def stored(self, keys: list[bytes]) -> int:
+        """How many leading ``keys`` the service holds (held for the answer, released at once)."""
+        session = self._session() if keys else None
+        if session is None:
+            return 0
+        try:
+            pages = session.client.lookup(keys)
+            if pages:
+                session.client.release(pages)
+        except ServiceError as e:
+            self._lose(session, e)
+            return 0
+        return len(pages)
+
+    def read(self, pool: PoolPages, keys: list[bytes], into: list[int]) -> int:
+        """The leading run of ``keys`` the service holds, copied into ``pool``'s pages ``into``; how many."""
+        session = self._session() if keys else None
+        if session is None:
+            return 0
+        row = self.row_of(pool)
+        try:
+            held = session.client.lookup(keys)
+            try:
+                session.check(held, "lookup")
+                for page, region_page in zip(into, held):
+                    _copy_in(pool, page, session.row(row, region_page))
+            finally:
+                if held:
+                    session.client.release(held)
+        except ServiceError as e:
+            self._lose(session, e)
+            return 0
+        return len(held)
+
+    def write(self, keys: list[bytes], pages: list[int]) -> WriteResult:
+        """Every group pool's ``pages`` into region pages under ``keys``: the leading run the service has
+        is skipped, the rest reserved, copied, then published (and released: the service's LRU may evict
+        them once no engine holds them)."""
+        for pool in self.group[1:]:  # the pools on the KV pool's page ids: those pages exist in each
+            check_pages_in_range(torch.tensor(pages, dtype=torch.int64), pool.num_pages, pool=f"SGLang host pool {pool.name!r}",
+                                 side="host")
+        session = self._session() if keys else None
+        if session is None:
+            return WriteResult(0, 0)
+        written = 0
+        try:
+            held = session.client.lookup(keys)
+            if held:
+                session.client.release(held)
+            todo = len(keys) - len(held)
+            got = session.client.reserve(todo) if todo else []
+            session.check(got, "reservation")
+            for region_page, page in zip(got, pages[len(held):]):
+                for row, pool in enumerate(self.group):
+                    _copy_out(pool, page, session.row(row, region_page))
+            session.client.note([publish_op(got, keys[len(held):len(held) + len(got)]), release_op(got)])
+            written = len(got)
+            with self._lock:
+                self.skipped_pages += todo - written
+        except ServiceError as e:
+            self._lose(session, e)
+            return WriteResult(0, 0)
+        return WriteResult(len(held), written)
+
+    def close(self) -> None:
+        """Detach every thread's session (SGLang stopped its threads: nothing touches their pages)."""
+        with self._lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.client.close(quiesced=True)
+
+
+def _copy_in(pool: PoolPages, page: int, row: memoryview) -> None:
+    """A region row into ``pool``'s page ``page``, run by run."""
+    views = pool.views(page)
+    at = 0
+    for view in views:
+        view[:] = row[at : at + len(view)]
+        at += len(view)
+    pool.write_back(page, views)
+
+
+def _copy_out(pool: PoolPages, page: int, row: memoryview) -> None:
+    """``pool``'s page ``page`` into a region row, run by run."""
+    at = 0
+    for view in pool.views(page):
+        row[at : at + len(view)] = view
+        at += len(view)

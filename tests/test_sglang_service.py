@@ -1,0 +1,244 @@
+"""kvtier's SGLang storage backend attached to the node service (``"service": ...`` in its extra config),
+driven by SGLang 0.5.23's own classes on CPU (its backend factory, host pools and controller storage
+methods, as in tests/test_sglang_storage.py) against a real ``kvtier serve`` subprocess on a temp socket.
+
+Two backends attached to one service are two SGLang servers on one node: what one backs up, the other
+prefetches, bit-exact, from the service's shared region. The whole stacks (SGLang's cache, its
+controller threads) attached to a service run in tests/test_sglang_stack.py.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from support.service import query_status_of, running_service, start_service, stop, wait_until
+from support.sglang_helpers import (
+    PoolName,
+    PoolTransfer,
+    StorageBackendFactory,
+    _mamba_pool,
+    attach,
+    backup,
+    controller,
+    dsa_indexer_pool,
+    fill,
+    mha_pool,
+    mla_pool,
+    page_bytes,
+    page_keys,
+    prefetch,
+    storage_config,
+)
+from kvtier.errors import ConfigError, PageAlignmentError
+from kvtier.integrations.sglang.backend import KvtierStorage
+
+pytestmark = pytest.mark.timeout(300)
+
+P = 4  # tokens per page in every pool below
+
+
+def same_pages(src, src_idx, dst, dst_idx) -> bool:
+    return all(page_bytes(src, i) == page_bytes(dst, j) for i, j in zip(src_idx[::P].tolist(), dst_idx[::P].tolist()))
+
+
+def service_config(sock: str, **kw):
+    return storage_config(None, service=f"unix://{sock}", **kw)
+
+
+@pytest.fixture
+def service(tmp_path):
+    with running_service(tmp_path) as svc:
+        yield svc
+
+
+# ---- two servers share pages -------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_what_one_server_backs_up_another_prefetches_bit_exact(service, layout):
+    src, dst = mha_pool(layout), mha_pool(layout)
+    fill(src, seed=1)
+    keys = page_keys(list(range(48)), P)
+    src_idx = src.alloc(48)
+    writer = attach(service_config(service.socket), src)
+    assert backup(controller(writer, src), keys, src_idx) == 48
+    reader = attach(service_config(service.socket), dst)
+    dst.alloc(8)  # other slots than the writer's
+    dst_idx = dst.alloc(48)
+    assert prefetch(controller(reader, dst), keys, dst_idx) == 12
+    assert same_pages(src, src_idx, dst, dst_idx)
+    status = query_status_of(service.socket)()
+    assert list(status["pages_per_namespace"].values()) == [12] and status["published_pages"] == 12
+    assert status["held"] == 0 and status["writing"] == 0  # nothing held once the calls returned
+    stats = reader.get_stats()
+    assert (stats.pages_read, stats.faults) == (12, 0) and writer.get_stats().pages_written == 12
+    # a second backup of the same pages writes nothing: the service has them
+    assert writer.batch_set_v1(keys, src_idx) == [True] * 12 and writer.get_stats().pages_already_stored == 12
+    assert query_status_of(service.socket)()["published_pages"] == 12
+
+
+def test_dsa_page_and_its_indexer_are_one_region_page(service):
+    """The indexer rides on the KV pool's page ids: the region page holds both, so the indexer comes back with
+    its latent page bit-exact, and the backup SGLang makes in two calls (indexer, then KV) publishes each page once."""
+    src = mla_pool()
+    src_ix = dsa_indexer_pool(src)
+    fill(src, seed=5)
+    fill(src_ix, seed=6)
+    keys = page_keys(list(range(40)), P)
+    idx = src.alloc(40)
+    writer = attach(service_config(service.socket, mla=True), src, (PoolName.INDEXER, src_ix))
+    assert backup(controller(writer, src), keys, idx, sidecars=[PoolName.INDEXER]) == 40
+    assert query_status_of(service.socket)()["published_pages"] == 10
+    dst = mla_pool()
+    dst_ix = dsa_indexer_pool(dst)
+    reader = attach(service_config(service.socket, mla=True), dst, (PoolName.INDEXER, dst_ix))
+    dst.alloc(8)
+    didx = dst.alloc(40)
+    assert prefetch(controller(reader, dst), keys, didx, sidecars=[PoolName.INDEXER]) == 10
+    assert same_pages(src, idx, dst, didx) and same_pages(src_ix, idx, dst_ix, didx)
+    hit = reader.batch_exists_v2(keys, [PoolTransfer(name=PoolName.INDEXER, keys=keys)])
+    assert hit.kv_hit_pages == 10 and hit.extra_pool_hit_pages == {PoolName.KV: 10, PoolName.INDEXER: 10}
+    # a server without the indexer pool has another region page: it needs a service of its own (a miss, no exception)
+    assert attach(service_config(service.socket, mla=True), mla_pool()).batch_exists(keys) == 0
+
+
+def test_mha_ranks_keep_their_own_shards_and_mla_is_stored_once(service):
+    mha_src = mha_pool()
+    fill(mha_src, seed=2)
+    keys = page_keys(list(range(16)), P)
+    idx = mha_src.alloc(16)
+    rank0 = attach(service_config(service.socket, tp_rank=0, tp_size=2), mha_src)
+    assert rank0.batch_set_v1(keys, idx) == [True] * 4
+    rank1 = attach(service_config(service.socket, tp_rank=1, tp_size=2), mha_pool())
+    assert rank1.batch_exists(keys) == 0  # rank 1's heads are not rank 0's
+    other_model = attach(service_config(service.socket, tp_rank=0, tp_size=2, model="other"), mha_pool())
+    assert other_model.batch_exists(keys) == 0
+    assert rank0.batch_exists(keys) == 4
+    assert query_status_of(service.socket)()["held"] == 0  # an existence query holds nothing once it returned
+
+
+def test_mla_only_the_storage_writer_writes_and_every_rank_reads(tmp_path):
+    with running_service(tmp_path) as svc:
+        src = mla_pool()
+        fill(src, seed=3)
+        keys = page_keys(list(range(16)), P)
+        idx = src.alloc(16)
+        rank1 = attach(service_config(svc.socket, mla=True, tp_rank=1, tp_size=2), src)
+        assert not rank1.writer
+        assert rank1.batch_set_v1(keys, idx) == [False] * 4  # not the writer: reports what is stored (nothing)
+        assert query_status_of(svc.socket)()["published_pages"] == 0
+        rank0 = attach(service_config(svc.socket, mla=True, tp_rank=0, tp_size=2), src)
+        assert rank0.batch_set_v1(keys, idx) == [True] * 4
+        assert rank1.batch_set_v1(keys, idx) == [True] * 4 and rank1.batch_exists(keys) == 4
+        status = query_status_of(svc.socket)()
+        assert status["published_pages"] == 4 and len(status["pages_per_namespace"]) == 1  # one copy for both ranks
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+def test_bad_service_options_are_config_errors_naming_the_fix(tmp_path):
+    sock = str(tmp_path / "node.sock")
+    with pytest.raises(ConfigError) as e:
+        StorageBackendFactory.create_backend("dynamic", service_config(sock, servcie_timeout_s=1), mha_pool())
+    assert "servcie_timeout_s" in str(e.value) and "service" in str(e.value) and "service_lookup_timeout_s" in str(e.value)
+    for bad, match in [(dict(storage_url="file:///tmp/x"), "storage_url"), (dict(service="redis://h:1"), "socket"),
+                       (dict(service=""), "socket"), (dict(service_lookup_timeout_s=20.0), "service_lookup_timeout_s"),
+                       (dict(service_timeout_s=0), "service_timeout_s")]:
+        cfg = service_config(sock)
+        cfg.extra_config = cfg.extra_config | bad
+        with pytest.raises(ConfigError, match=match):
+            StorageBackendFactory.create_backend("dynamic", cfg, mha_pool())
+    cfg = service_config(sock)
+    del cfg.extra_config["interface_v1"]
+    with pytest.raises(ConfigError, match="interface_v1"):
+        StorageBackendFactory.create_backend("dynamic", cfg, mha_pool())
+
+
+def test_a_pool_the_service_cannot_hold_is_refused_at_registration(service):
+    """A Mamba state pool has pages of its own (not on the KV pool's page ids): a ConfigError when it registers."""
+    backend = StorageBackendFactory.create_backend("dynamic", service_config(service.socket), mha_pool())
+    backend.register_mem_pool_host(mha_pool())
+    with pytest.raises(ConfigError, match="mamba.*L3 store"):
+        backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+
+
+def test_partial_pages_are_refused_before_anything_reaches_the_service(service):
+    src = mha_pool()
+    fill(src, seed=4)
+    backend = attach(service_config(service.socket), src)
+    idx = src.alloc(16)
+    with pytest.raises(PageAlignmentError):
+        backend.batch_set_v1(page_keys(list(range(16)), P), idx[:14])
+    with pytest.raises(PageAlignmentError):
+        backend.batch_get_v1(page_keys(list(range(16)), P), idx[1:13])
+    with pytest.raises(ConfigError, match="interface_v1"):
+        backend.batch_set(page_keys(list(range(4)), P), [src.get_data_page(0, flat=True)])
+    status = query_status_of(service.socket)()
+    assert status["published_pages"] == 0 and status["writing"] == 0 and status["held"] == 0
+
+
+# ---- faults are misses -------------------------------------------------------------------------
+def test_a_killed_service_gives_misses_and_a_restarted_one_is_attached_again(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    src = mha_pool()
+    fill(src, seed=8)
+    keys = page_keys(list(range(32)), P)
+    idx = src.alloc(32)
+    svc = start_service(sock)
+    try:
+        backend = attach(service_config(sock), src)
+        assert backend.batch_set_v1(keys[:4], idx[:16]) == [True] * 4
+        os.kill(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait(30)
+        start = time.monotonic()
+        assert backend.batch_exists(keys) == 0
+        assert backend.batch_get_v1(keys[:4], idx[16:32]) == [False] * 4
+        assert backend.batch_set_v1(keys[4:], idx[16:]) == [False] * 4
+        assert time.monotonic() - start < 5.0  # misses at once: nothing waits on a dead service
+        assert backend.get_stats().faults >= 1
+        svc = start_service(sock)  # a new region: the old pages are gone
+        stored, _took = wait_until(lambda: (lambda r: r if r[0] else None)(backend.batch_set_v1(keys[4:], idx[16:])), 30)
+        assert stored == [True] * 4 and backend.service.reattaches >= 1
+        dst = mha_pool()
+        dst_idx = dst.alloc(16)
+        reader = attach(service_config(sock), dst)
+        assert reader.batch_get_v1(keys[4:], dst_idx) == [True] * 4
+        assert same_pages(src, idx[16:], dst, dst_idx)
+    finally:
+        stop(svc.proc)
+
+
+def test_a_stopped_service_costs_a_call_at_most_its_deadline_then_misses(service):
+    src = mha_pool()
+    fill(src, seed=9)
+    keys = page_keys(list(range(16)), P)
+    idx = src.alloc(16)
+    backend = attach(service_config(service.socket), src)  # the default lookup deadline: 0.25 s
+    assert backend.batch_set_v1(keys, idx) == [True] * 4
+    os.kill(service.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert backend.batch_get_v1(keys, idx) == [False] * 4
+        assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, idx) == [False] * 4
+        time.sleep(0.3)  # past the first backoff step: the next call tries to attach again, within the lookup deadline
+        assert backend.batch_exists(keys) == 0 and backend.batch_get_v1(keys, idx) == [False] * 4
+        assert time.monotonic() - start < 2.0
+    finally:
+        os.kill(service.proc.pid, signal.SIGCONT)
+    hits, _took = wait_until(lambda: backend.batch_exists(keys), 30)
+    assert hits == 4  # the same service: its pages are still there
+    again = src.alloc(16)  # read back into other slots of the same pool
+    assert backend.batch_get_v1(keys, again) == [True] * 4 and same_pages(src, idx, src, again)
+    # the dropped session's holds ended when it attached again: nothing is held now
+    wait_until(lambda: query_status_of(service.socket)()["orphaned"] == 0, 10)
+    assert query_status_of(service.socket)()["held"] == 0
+
+
+def test_no_service_listening_at_start_is_misses_not_an_error(tmp_path):
+    src = mha_pool()
+    backend = attach(service_config(str(tmp_path / "none.sock")), src)
+    keys = page_keys(list(range(8)), P)
+    assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, src.alloc(8)) == [False] * 2
+    assert isinstance(backend, KvtierStorage) and torch.is_tensor(src.kv_buffer)
