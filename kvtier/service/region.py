@@ -12,15 +12,16 @@ never written back to a disk), and is removed by the service on SIGTERM.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.errors import ServiceError, ServiceProtocolError
+from kvtier.errors import KVTierError, ServiceError, ServiceProtocolError
 from kvtier.layout import LAYOUTS
 from kvtier.pools.host import region_offsets
 from kvtier.spec import KVSpec
@@ -32,16 +33,19 @@ SHM_DIR = "/dev/shm"
 @dataclass(frozen=True)
 class RegionFormat:
     """What fixes the region's bytes: the spec (by fingerprint), its buffers' page sizes and the host layout.
-    Every engine attached to one service shares it (this slice serves one page format per service)."""
+    Every engine attached to one service shares it (this slice serves one page format per service).
+    ``spec``: the spec itself, which a service with an L3 tier needs to write the page objects an engine's
+    own L3 writes (not part of the format's identity: the fingerprint is)."""
 
     fingerprint: str
     layout: str
     num_layers: int
     buffer_page_bytes: tuple[int, ...]
+    spec: KVSpec | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, spec: KVSpec, layout: str) -> RegionFormat:
-        return cls(spec.fingerprint(), layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers))
+        return cls(spec.fingerprint(), layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers), spec)
 
     @property
     def page_bytes(self) -> int:
@@ -51,8 +55,11 @@ class RegionFormat:
         return region_offsets(self.buffer_page_bytes, self.num_layers, num_pages)[1]
 
     def as_wire(self) -> dict:
-        return {"fingerprint": self.fingerprint, "layout": self.layout, "num_layers": self.num_layers,
+        wire = {"fingerprint": self.fingerprint, "layout": self.layout, "num_layers": self.num_layers,
                 "buffer_page_bytes": list(self.buffer_page_bytes)}
+        if self.spec is not None:
+            wire["spec"] = dataclasses.asdict(self.spec)
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> RegionFormat:
@@ -61,7 +68,20 @@ class RegionFormat:
               and type(sizes) is list and 0 < len(sizes) <= 16 and all(type(s) is int and 0 < s <= 1 << 30 for s in sizes))
         if not ok:
             raise ServiceProtocolError(f"hello's format is not a page format: {str(d)[:120]}")
-        return cls(fp, layout, layers, tuple(sizes))
+        fmt = cls(fp, layout, layers, tuple(sizes))
+        return fmt if d.get("spec") is None else dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt))
+
+
+def _spec_of(wire: object, fmt: RegionFormat) -> KVSpec:
+    """The spec a hello's format names, checked: it must be a spec, and the one the format's fields say."""
+    try:
+        spec = KVSpec(**wire) if type(wire) is dict else None
+        same = spec is not None and RegionFormat.of(spec, fmt.layout) == fmt
+    except (TypeError, ValueError, OverflowError, KVTierError):
+        same = False
+    if not same:
+        raise ServiceProtocolError(f"hello's format names a spec that is not the format's: {str(wire)[:120]}")
+    return spec
 
 
 @dataclass(frozen=True)
