@@ -14,16 +14,21 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 
 import pytest
 
-from support.cache_helpers import expected_page
+from support.cache_helpers import expected_page, write_page
 from support.proxies import Injecting
 from support.service import ENV, ROOT, peer_report, query_status_of, start_peer, start_service, stop, wait_until
 from support.service_peer import PATIENT_LOOKUP_S, PROMPT, SPEC, Serving, prompt
 
 from kvtier.app.devservers import RedisServer
+from kvtier.build import build_cache
+from kvtier.config import StorageConfig, TierConfig
+from kvtier.pools.host import HostPool
+from kvtier.service.client import ServiceClient
+from kvtier.service.region import RegionFormat, map_region
 from kvtier.l3.page import HEADER_BYTES
 from kvtier.l3.registry import open_backend
 from kvtier.service.server import NodeService, ServeConfig
@@ -131,8 +136,66 @@ def test_an_engine_reattaches_to_a_restarted_service_on_its_own_and_its_l3_hits_
             shutil.rmtree(os.path.dirname(region), ignore_errors=True)
 
 
-#: the drain's bound in the test below (s)
+#: the drain's bound in the tests below that run the service in this process (s)
 DRAIN_S = 3.0
+
+
+def _held_store_service(sock: str, url: str) -> tuple[NodeService, Injecting, threading.Event]:
+    """A service in this process over the store at ``url``, its calls to the store hookable (one page a call),
+    and an event for the hooks to wait on."""
+    service = NodeService(ServeConfig(host_gb=0.01, socket=sock, storage_url=url, drain_timeout_s=DRAIN_S))
+    service.storage.backend = Injecting(service.storage.backend, HEADER_BYTES + SPEC.page_bytes)
+    return service, service.storage.backend, threading.Event()
+
+
+@contextmanager
+def _looping(service: NodeService):
+    """``service``'s loop on a thread of this process until the block ends (then it is ready to close)."""
+    stopped = threading.Event()
+    loop = threading.Thread(target=service.serve, args=(stopped.is_set,), daemon=True)
+    loop.start()
+    try:
+        yield
+    finally:
+        stopped.set()
+        loop.join(30)
+
+
+def test_a_page_being_fetched_is_never_offered_and_the_next_lookup_finds_it_once_verified(tmp_path, file_url):
+    # an engine with an L3 tier of its own (no service) wrote the prompt's objects: the service reads them as its own
+    own = build_cache(SPEC, TierConfig(device_pages=16, host_pages=32), storage=StorageConfig(url=file_url))
+    req = own.begin(PROMPT)
+    new = req.alloc(PAGES)
+    for i, page in enumerate(new.pages):
+        write_page(own.device, page, PROMPT, i)
+    req.commit(new.pages)
+    own.wait_idle()  # backed up to its host tier, and from there written through to its store
+    keys, namespace = own.page_keys(PROMPT), str(own.namespace)
+    with closing(open_backend(file_url)) as check:
+        wait_until(lambda: check.exists([f"{namespace}/{k.hex()}" for k in keys]) == PAGES, 30)
+    own.close()
+    sock = str(tmp_path / "run" / "node.sock")
+    service, store, answer = _held_store_service(sock, file_url)
+    store.before_get = lambda _call: answer.wait(60)  # the store's reads hang until told
+    try:
+        with _looping(service):
+            client = ServiceClient(sock, namespace, RegionFormat.of(SPEC, "page_first"), lookup_deadline_s=1.0)
+            pool = HostPool(SPEC, client.num_pages, "page_first", memory=map_region(client.region, client.region_size))
+            start = time.monotonic()
+            assert client.lookup(keys) == []  # answered when its wait ran out (half its deadline), with what the region had
+            assert 0.4 < time.monotonic() - start < 1.0
+            st = client.status()
+            assert (st["writing"], st["ready"], st["l3"]["fetching_pages"]) == (PAGES, 0, PAGES)  # leased to the service
+            assert client.lookup(keys) == []  # asked again while they are read in: still offered to nobody
+            answer.set()
+            wait_until(lambda: client.status()["l3"]["fetched_pages"] == PAGES, 30)
+            pages = client.lookup(keys)  # verified and published: the next lookup has them
+            assert [pool.page_bytes(p) for p in pages] == [expected_page(SPEC, PROMPT, i) for i in range(PAGES)]
+            client.release(pages)
+            client.close()
+    finally:
+        answer.set()
+        service.close()
 
 
 @pytest.mark.parametrize("store_answers", [True, False], ids=["store-answers", "store-hangs"])
@@ -140,22 +203,14 @@ def test_sigterm_drains_the_saves_under_way_within_the_bound(tmp_path, file_url,
     """The service in this process, its store's writes held: closing it (what SIGTERM does) waits for the saves
     under way -- they all land -- or, if the store never answers, gives up after ``drain_timeout_s``."""
     sock = str(tmp_path / "run" / "node.sock")
-    service = NodeService(ServeConfig(host_gb=0.01, socket=sock, storage_url=file_url, drain_timeout_s=DRAIN_S))
-    answer = threading.Event()
-    store = service.storage.backend = Injecting(service.storage.backend, HEADER_BYTES + SPEC.page_bytes)
+    service, store, answer = _held_store_service(sock, file_url)
     store.before_set = lambda _call: answer.wait(60)
-    stopped = threading.Event()
-    loop = threading.Thread(target=service.serve, args=(stopped.is_set,), daemon=True)
-    loop.start()
-    try:
+    with _looping(service):
         engine = Serving(sock)
         engine.request(PROMPT)
         engine.cache.wait_idle()  # published: the service's save of them waits on the store
         wait_until(lambda: store.calls("set") >= 1, 30)
         engine.cache.close()
-    finally:
-        stopped.set()
-        loop.join(30)
     if store_answers:
         threading.Timer(0.5, answer.set).start()
     start = time.monotonic()

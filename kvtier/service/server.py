@@ -49,6 +49,8 @@ log = logging.getLogger(__name__)
 
 #: answers a peer may leave unread before it is dropped (bytes)
 MAX_UNREAD = 64 << 20
+#: frames a peer may send while its answer is deferred (a client waits for its answer; notes are few)
+MAX_QUEUED_FRAMES = 1024
 
 
 @dataclass(frozen=True)
@@ -236,6 +238,9 @@ class NodeService:
             return
         try:
             conn.frames += conn.reader.feed(data)
+            if len(conn.frames) > MAX_QUEUED_FRAMES:
+                raise ServiceProtocolError(f"{len(conn.frames)} frames sent while an answer was pending (at most {MAX_QUEUED_FRAMES}); "
+                                           "wait for a call's answer before the next call")
         except ServiceProtocolError as e:
             self._refuse(conn, 0, e)
             return
