@@ -20,7 +20,8 @@ import pytest
 
 from support.cache_helpers import expected_page, write_page
 from support.proxies import Injecting
-from support.service import ENV, ROOT, peer_report, query_status_of, start_peer, start_service, stop, wait_until
+from support.service import (ENV, ROOT, closed_by_peer, frame, peer_report, query_status_of, raw_connection, read_answer, start_peer,
+                             start_service, stop, wait_until)
 from support.service_peer import PATIENT_LOOKUP_S, PROMPT, SPEC, Serving, prompt
 
 from kvtier.app.devservers import RedisServer
@@ -28,6 +29,7 @@ from kvtier.build import build_cache
 from kvtier.config import StorageConfig, TierConfig
 from kvtier.pools.host import HostPool
 from kvtier.service.client import ServiceClient
+from kvtier.service.messages import MAX_WAIT_S, hello_op
 from kvtier.service.region import RegionFormat, map_region
 from kvtier.l3.page import HEADER_BYTES
 from kvtier.l3.registry import open_backend
@@ -179,11 +181,11 @@ def test_a_page_being_fetched_is_never_offered_and_the_next_lookup_finds_it_once
     store.before_get = lambda _call: answer.wait(60)  # the store's reads hang until told
     try:
         with _looping(service):
-            client = ServiceClient(sock, namespace, RegionFormat.of(SPEC, "page_first"), lookup_deadline_s=1.0)
+            client = ServiceClient(sock, namespace, RegionFormat.of(SPEC, "page_first"), lookup_deadline_s=2.0)
             pool = HostPool(SPEC, client.num_pages, "page_first", memory=map_region(client.region, client.region_size))
             start = time.monotonic()
             assert client.lookup(keys) == []  # answered when its wait ran out (half its deadline), with what the region had
-            assert 0.4 < time.monotonic() - start < 1.0
+            assert 0.9 < time.monotonic() - start < 2.0
             st = client.status()
             assert (st["writing"], st["ready"], st["l3"]["fetching_pages"]) == (PAGES, 0, PAGES)  # leased to the service
             assert client.lookup(keys) == []  # asked again while they are read in: still offered to nobody
@@ -314,3 +316,44 @@ def test_a_bad_storage_url_is_one_line_and_exit_2_before_the_service_listens(tmp
     assert r.returncode == 2 and r.stdout == ""
     assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr, r.stderr
     assert not sock.exists()
+
+
+def _refusal(sock: str, ops: list[dict]) -> dict:
+    """``ops`` (a first hello among them, or after one of the right format) on a fresh connection: the
+    service's typed error, the connection closed after it."""
+    s = raw_connection(sock)
+    try:
+        if ops[0]["op"] != "hello":
+            s.sendall(frame({"seq": 1, "ops": [hello_op("raw", RegionFormat.of(SPEC, "page_first").as_wire())]}))
+            assert "results" in read_answer(s)
+        s.sendall(frame({"seq": 2, "ops": ops}))
+        answer = read_answer(s)
+        assert answer is not None and "error" in answer and closed_by_peer(s), answer
+        return answer["error"]
+    finally:
+        s.close()
+
+
+def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_service_serves_on(tmp_path, file_url):
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = _start(sock, file_url)
+    try:
+        fmt = RegionFormat.of(SPEC, "page_first").as_wire()
+        other = RegionFormat.of(SPEC.with_(page_size=2 * SPEC.page_size), "page_first").as_wire()["spec"]
+        cases = {
+            "no spec": ([hello_op("raw", {k: v for k, v in fmt.items() if k != "spec"})], "names no spec"),
+            "another spec": ([hello_op("raw", fmt | {"spec": other})], "names a spec that is not the format's"),
+            "not a spec": ([hello_op("raw", fmt | {"spec": {"name": "x", "num_layers": "many"}})], "not the format's"),
+            "negative wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": -1}], "lookup's wait_s"),
+            "long wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": MAX_WAIT_S + 1}], "lookup's wait_s"),
+            "wait not a number": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": "soon"}], "lookup's wait_s"),
+        }
+        for name, (ops, text) in cases.items():
+            err = _refusal(sock, ops)
+            assert err["type"] == "ServiceProtocolError" and text in err["message"], (name, err)
+        engine = start_peer("compute", sock)  # the service serves on
+        assert peer_report(engine)["backed_up"] == PAGES
+        engine.communicate("done\n", timeout=60)
+        assert engine.returncode == 0, engine.stderr
+    finally:
+        assert stop(svc.proc) == 0
