@@ -89,3 +89,21 @@ def test_a_page_that_is_not_the_clients_is_refused_with_nothing_changed(what, pa
         ix.publish(B, pages, K[: len(pages)])
     assert ix.status() == before
     ix.check_integrity()
+
+
+def test_publish_names_the_pages_it_indexed_and_a_hold_keeps_a_page_from_eviction():
+    ix = index(pages=2)
+    first = ix.reserve(A, 1)
+    assert ix.publish(A, first, K[:1]) == first  # indexed: the service's L3 saves these
+    dup = ix.reserve(B, 1)
+    assert ix.publish(B, dup, K[:1]) == []  # a key published before: a duplicate, not indexed, nothing to save
+    ix.release(B, dup)
+    ix.attach(-1, "model-x")  # the service's own client (its L3 saves hold pages while they read them)
+    ix.hold(-1, first)
+    ix.release(A, first)
+    ix.check_integrity()
+    assert ix.reserve(C, 2) == dup  # the held page is not evicted to make room
+    ix.release(-1, first)
+    ix.check_integrity()
+    assert ix.reserve(C, 1) == first and ix.status().evicted_pages == 1  # let go: evicted like any unheld page
+    ix.check_integrity()

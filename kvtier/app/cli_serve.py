@@ -19,6 +19,12 @@ def serve(
         None, "--socket", help="Unix socket path, in a directory only you can enter (made with mode 0700 if missing); default: "
                                "$XDG_RUNTIME_DIR/kvtier/node.sock, else /tmp/kvtier-<uid>/node.sock"
     ),
+    storage_url: Optional[str] = typer.Option(
+        None, "--storage-url", help="an L3 tier below the host tier (any kvtier storage URL: file:///dir, redis://host:port/0, "
+                                    "mooncake://..., memory://): published pages are saved to it, lookups fetch from it into the region"
+    ),
+    drain_timeout_s: float = typer.Option(30.0, "--drain-timeout-s", help="on SIGTERM, how long L3 saves under way may take before "
+                                                                        "the service stops without them"),
     status: bool = typer.Option(False, "--status", help="print the running service's status as JSON (pages per namespace, clients, "
                                                         "counters) and exit"),
     allow_group: Optional[str] = typer.Option(
@@ -45,15 +51,16 @@ def serve(
         raise ConfigError("kvtier serve needs --host-gb: the host tier's size in GB (e.g. --host-gb 64)")
     from kvtier.service.server import NodeService, ServeConfig
 
-    service = NodeService(ServeConfig(host_gb=host_gb, socket=path, allow_group=allow_group, metrics_port=metrics_port,
-                                      metrics_host=metrics_host))
+    service = NodeService(ServeConfig(host_gb=host_gb, socket=path, storage_url=storage_url, drain_timeout_s=drain_timeout_s,
+                                      allow_group=allow_group, metrics_port=metrics_port, metrics_host=metrics_host))
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     try:
+        l3 = f", L3 {service.storage.status()['url']}" if service.storage is not None else ""
         metrics = f"; metrics on {service.metrics.url}" if service.metrics is not None else ""
         print(f"kvtier serve: listening on unix://{path} (pid {os.getpid()}, host tier {host_gb:g} GB, "
-              f"its region made at the first attach){metrics}", flush=True)
+              f"its region made at the first attach{l3}){metrics}", flush=True)
         service.serve(lambda: bool(stop))
     finally:
         service.close()

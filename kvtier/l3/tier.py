@@ -48,6 +48,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -101,7 +102,7 @@ class StorageTier:
         self,
         backend: StorageBackend,
         host_pool,
-        namespace: Namespace,
+        namespace: Namespace | str,
         *,
         batch_pages: int = 8,
         io_threads: int | None = None,
@@ -110,8 +111,11 @@ class StorageTier:
         cooldown_s: float = DEFAULT_COOLDOWN_S,
         max_cooldown_s: float = DEFAULT_MAX_COOLDOWN_S,
         owns_backend: bool = True,
+        on_finished: Callable[[], None] | None = None,
     ):
         self.backend = backend
+        #: called on the worker's thread after each job finished (the node service wakes its selector with it)
+        self._on_finished = on_finished
         #: False for a tier sharing another's backend (a hybrid model's group objects): it leaves closing it to that one
         self.owns_backend = owns_backend
         self._settings = dict(batch_pages=batch_pages, io_threads=io_threads, queue_depth=queue_depth, backpressure_s=backpressure_s,
@@ -221,6 +225,8 @@ class StorageTier:
         self.busy_s[job.kind] = self.busy_s.get(job.kind, 0.0) + time.monotonic() - t0
         self._finished.put(job)  # before finished.set(): a waiter that then polls must see the job
         job.finished.set()
+        if self._on_finished is not None:
+            self._on_finished()
 
     # ---- host pages as bytes ---------------------------------------------------------------
     def _buffer_geometry(self, name: str, page_bytes: int) -> tuple[memoryview, int, int, int]:

@@ -20,7 +20,7 @@ import socket
 import time
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
-from kvtier.service.messages import BYE_OP, STATUS_OP, hello_op, lookup_op, publish_op, release_op, reserve_op
+from kvtier.service.messages import BYE_OP, MAX_WAIT_S, STATUS_OP, hello_op, lookup_op, publish_op, release_op, reserve_op
 from kvtier.service.region import RegionFormat
 from kvtier.service.wire import recv_frame, send_frame
 
@@ -32,6 +32,9 @@ DEFAULT_DEADLINE_S = 10.0
 #: the deadline of a call an engine's thread waits on unless told (``lookup_deadline_s``; never longer than
 #: ``deadline_s``): a service that has not answered a lookup in this long is better treated as lost (misses)
 DEFAULT_LOOKUP_DEADLINE_S = 0.25
+#: the share of a lookup's deadline the service may spend fetching pages from its L3 tier before it answers
+#: (the rest is the answer's way back, and the service's other work on a loaded node)
+LOOKUP_WAIT_SHARE = 0.5
 
 
 class ServiceClient:
@@ -131,7 +134,10 @@ class ServiceClient:
 
     # ---- the ops ---------------------------------------------------------------------------------
     def lookup(self, keys: list[bytes]) -> list[int]:
-        return self._call([lookup_op(keys)], time.monotonic() + self.lookup_deadline_s)[0]
+        """The service's leading run of ``keys``; a service with an L3 tier may take up to half the lookup
+        deadline to fetch the rest of the run from L3 into its region (:data:`LOOKUP_WAIT_SHARE`)."""
+        wait_s = min(self.lookup_deadline_s * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
+        return self._call([lookup_op(keys, wait_s)], time.monotonic() + self.lookup_deadline_s)[0]
 
     def reserve(self, n: int) -> list[int]:
         return self._call([reserve_op(n)], time.monotonic() + self.lookup_deadline_s)[0]

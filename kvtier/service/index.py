@@ -122,10 +122,7 @@ class HostIndex:
             if page is None or page in c.held:
                 break
             pages.append(page)
-        for page in pages:
-            self._unheld.pop(page, None)
-            self._holders.setdefault(page, set()).add(client)
-            c.held[page] = None
+        self._hold(client, c, pages)
         self.hit_pages += len(pages)
         self.hit_pages_of[c.namespace] += len(pages)
         self.miss_pages_of[c.namespace] += len(keys) - len(pages)
@@ -144,11 +141,13 @@ class HostIndex:
         c.writing.update(got)
         return got
 
-    def publish(self, client: int, pages: list[int], keys: list[bytes]) -> None:
+    def publish(self, client: int, pages: list[int], keys: list[bytes]) -> list[int]:
         """The client wrote ``pages``: each is READY under ``keys[i]``, held by the client. Checked whole
-        before anything changes: every page must be one it is writing."""
+        before anything changes: every page must be one it is writing. Returns the pages now indexed
+        (not duplicates of a key published before)."""
         c = self.clients[client]
         self._check_pages(client, pages, c.writing, "publish", "it is not writing (reserve it first)")
+        indexed_pages = []
         for page, key in zip(pages, keys):
             c.writing.discard(page)
             del self._writer[page]
@@ -156,10 +155,21 @@ class HostIndex:
             indexed = k not in self._page_of
             if indexed:
                 self._page_of[k] = page
+                indexed_pages.append(page)
             self._key_of[page] = k if indexed else None
             self._holders[page] = {client}
             c.held[page] = None
         self.published_pages += len(pages)
+        return indexed_pages
+
+    def hold(self, client: int, pages: list[int]) -> None:
+        """The client holds READY ``pages`` it does not hold yet (the service's own L3 saves read them)."""
+        assert all(page in self._key_of for page in pages), pages
+        self._hold(client, self.clients[client], pages)
+
+    def has(self, namespace: str, key: bytes) -> bool:
+        """Whether ``key`` is published in ``namespace``."""
+        return (namespace, key) in self._page_of
 
     def release(self, client: int, pages: list[int]) -> None:
         """The client is done with ``pages``: each one it holds or writes. Checked whole first."""
@@ -207,6 +217,12 @@ class HostIndex:
             if page in seen:
                 raise ServiceProtocolError(f"{what}: page {page} is listed twice")
             seen.add(page)
+
+    def _hold(self, client: int, c: Client, pages: list[int]) -> None:
+        for page in pages:
+            self._unheld.pop(page, None)
+            self._holders.setdefault(page, set()).add(client)
+            c.held[page] = None
 
     def _unhold(self, client: int, page: int) -> None:
         del self.clients[client].held[page]

@@ -23,6 +23,8 @@ MAX_PAGES = 1 << 20
 MAX_KEY_BYTES = 64
 MAX_NAMESPACE = 1024
 MAX_SESSION = 64
+#: the longest a lookup may ask the service to wait for pages it fetches from its L3 tier (seconds)
+MAX_WAIT_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +40,12 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class Lookup:
-    """The leading run of ``keys`` the service holds in the caller's namespace: their pages, now held for it."""
+    """The leading run of ``keys`` the service holds in the caller's namespace: their pages, now held for it.
+    ``wait_s``: how long a service with an L3 tier may hold the answer back while it fetches the keys after
+    the run from L3 (0: answer at once; what it fetches is found by the next lookup)."""
 
     keys: list[bytes]
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +121,10 @@ def parse_op(op: object) -> Op:
                                        f"{_show(previous)}")
         return Hello(namespace, fmt, previous)
     if kind == "lookup":
-        return Lookup(_keys(op, "keys"))
+        wait_s = op.get("wait_s", 0.0)
+        if type(wait_s) not in (int, float) or not 0 <= wait_s <= MAX_WAIT_S:
+            raise ServiceProtocolError(f"lookup's wait_s must be a number of seconds from 0 to {MAX_WAIT_S:g}, got {_show(wait_s)}")
+        return Lookup(_keys(op, "keys"), float(wait_s))
     if kind == "reserve":
         n = op.get("n")
         if type(n) is not int or not 0 <= n <= MAX_PAGES:
@@ -172,8 +180,8 @@ def hello_op(namespace: str, fmt: dict, previous: str | None = None) -> dict:
     return op
 
 
-def lookup_op(keys: list[bytes]) -> dict:
-    return {"op": "lookup", "keys": [k.hex() for k in keys]}
+def lookup_op(keys: list[bytes], wait_s: float = 0.0) -> dict:
+    return {"op": "lookup", "keys": [k.hex() for k in keys], "wait_s": wait_s}
 
 
 def reserve_op(n: int) -> dict:

@@ -19,6 +19,7 @@ user's, never a live service's, never one that names no owner.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import mmap
@@ -26,11 +27,11 @@ import os
 import shutil
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.errors import ServiceError, ServiceProtocolError
+from kvtier.errors import KVTierError, ServiceError, ServiceProtocolError
 from kvtier.layout import LAYOUTS
 from kvtier.pools.host import region_offsets
 from kvtier.spec import KVSpec
@@ -47,16 +48,19 @@ OWNER_FILE = "owner"
 @dataclass(frozen=True)
 class RegionFormat:
     """What fixes the region's bytes: the spec (by fingerprint), its buffers' page sizes and the host layout.
-    Every engine attached to one service shares it (this slice serves one page format per service)."""
+    Every engine attached to one service shares it (this slice serves one page format per service).
+    ``spec``: the spec itself, which a service with an L3 tier needs to write the page objects an engine's
+    own L3 writes (not part of the format's identity: the fingerprint is)."""
 
     fingerprint: str
     layout: str
     num_layers: int
     buffer_page_bytes: tuple[int, ...]
+    spec: KVSpec | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, spec: KVSpec, layout: str) -> RegionFormat:
-        return cls(spec.fingerprint(), layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers))
+        return cls(spec.fingerprint(), layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers), spec)
 
     @property
     def page_bytes(self) -> int:
@@ -66,8 +70,11 @@ class RegionFormat:
         return region_offsets(self.buffer_page_bytes, self.num_layers, num_pages)[1]
 
     def as_wire(self) -> dict:
-        return {"fingerprint": self.fingerprint, "layout": self.layout, "num_layers": self.num_layers,
+        wire = {"fingerprint": self.fingerprint, "layout": self.layout, "num_layers": self.num_layers,
                 "buffer_page_bytes": list(self.buffer_page_bytes)}
+        if self.spec is not None:
+            wire["spec"] = dataclasses.asdict(self.spec)
+        return wire
 
     @classmethod
     def from_wire(cls, d: dict) -> RegionFormat:
@@ -76,7 +83,20 @@ class RegionFormat:
               and type(sizes) is list and 0 < len(sizes) <= 16 and all(type(s) is int and 0 < s <= 1 << 30 for s in sizes))
         if not ok:
             raise ServiceProtocolError(f"hello's format is not a page format: {str(d)[:120]}")
-        return cls(fp, layout, layers, tuple(sizes))
+        fmt = cls(fp, layout, layers, tuple(sizes))
+        return fmt if d.get("spec") is None else dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt))
+
+
+def _spec_of(wire: object, fmt: RegionFormat) -> KVSpec:
+    """The spec a hello's format names, checked: it must be a spec, and the one the format's fields say."""
+    try:
+        spec = KVSpec(**wire) if type(wire) is dict else None
+        same = spec is not None and RegionFormat.of(spec, fmt.layout) == fmt
+    except (TypeError, ValueError, OverflowError, KVTierError):
+        same = False
+    if not same:
+        raise ServiceProtocolError(f"hello's format names a spec that is not the format's: {str(wire)[:120]}")
+    return spec
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,12 @@
 A single thread runs a selector over the listening socket and every connection; each frame is one
 batch of ops, applied to the index in order and answered in one frame. A peer that breaks the
 protocol gets a typed error frame and its connection closed; so does a peer whose answers it does not
-read within ``send_deadline_s``. The service never touches the region's bytes: it makes it, names its
-pages, and removes it on close.
+read within ``send_deadline_s``. The service makes the region, names its pages, and removes it on
+close; it touches the region's bytes only with an L3 tier (:mod:`kvtier.service.storage`: published
+pages saved, pages fetched from the store), on that tier's worker threads, never on the selector
+thread. A lookup's answer may then wait, at most the ``wait_s`` it names, for the pages after its run
+to come in from the store; the connection's next frames wait behind it (answers go out in order), the
+other connections do not.
 
 What a closed connection held (:meth:`NodeService._drop`):
 
@@ -28,6 +32,7 @@ import selectors
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,15 +40,18 @@ from kvtier.config import check_number
 from kvtier.errors import ConfigError, KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.index import HostIndex
-from kvtier.service.messages import Bye, Hello, Lookup, Publish, Release, Reserve, Status, parse_batch
+from kvtier.service.messages import MAX_WAIT_S, Bye, Hello, Lookup, Publish, Release, Reserve, Status, parse_batch
 from kvtier.service.peer import check_peer, claim_socket_path, group_id, peer_credentials, private_socket_dir, share_with_group
 from kvtier.service.region import Region, RegionFormat, create_region, remove_region, remove_stale_regions
+from kvtier.service.storage import Load, ServiceStorage
 from kvtier.service.wire import FrameReader, encode
 
 log = logging.getLogger(__name__)
 
 #: answers a peer may leave unread before it is dropped (bytes)
 MAX_UNREAD = 64 << 20
+#: frames a peer may send while its answer is deferred (a client waits for its answer; notes are few)
+MAX_QUEUED_FRAMES = 1024
 
 
 @dataclass(frozen=True)
@@ -59,17 +67,23 @@ class ServeConfig:
     metrics_port: int | None = field(default=None, metadata={
         "help": "serve Prometheus metrics over HTTP on this port (0: a free one, named in the banner)"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "the address the metrics are served on"})
+    storage_url: str | None = field(default=None, metadata={"help": "the L3 tier below the region (any kvtier storage URL); None: none"})
+    drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, how long pending L3 saves may take before the "
+                                                                   "service stops without them"})
 
     def __post_init__(self) -> None:
         check_number(self, "host_gb", above=0)
         check_number(self, "send_deadline_s", above=0)
         check_number(self, "metrics_port", at_least=0, at_most=65535, integer=True)
+        check_number(self, "drain_timeout_s", at_least=0)
         if not isinstance(self.socket, str) or not self.socket:
             raise ConfigError(f"ServeConfig.socket must be a path; got {self.socket!r}")
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ConfigError(f"ServeConfig.metrics_host must be an address; got {self.metrics_host!r}")
         if self.allow_group is not None and (not isinstance(self.allow_group, str) or not self.allow_group):
             raise ConfigError(f"ServeConfig.allow_group must be a group name or gid; got {self.allow_group!r}")
+        if self.storage_url is not None and (not isinstance(self.storage_url, str) or not self.storage_url):
+            raise ConfigError(f"ServeConfig.storage_url must be a storage URL (e.g. file:///var/cache/kvtier); got {self.storage_url!r}")
 
     @property
     def host_bytes(self) -> int:
@@ -77,7 +91,8 @@ class ServeConfig:
 
 
 class _Conn:
-    __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session")
+    __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session", "namespace", "frames",
+                 "deferred")
 
     def __init__(self, cid: int, sock: socket.socket, pid: int = 0):
         self.id = cid
@@ -90,6 +105,23 @@ class _Conn:
         #: the peer process, pinned when it connected (None: gone already, so nothing of it is kept)
         self.pidfd: int | None = None
         self.session = ""
+        self.namespace = ""
+        #: frames read and not yet applied: they wait while an answer is deferred (answers go out in order)
+        self.frames: deque[dict] = deque()
+        self.deferred: _Deferred | None = None
+
+
+@dataclass(eq=False)
+class _Deferred:
+    """A batch's answer held back while its lookups' L3 loads run, until they are done or ``deadline``;
+    ``waits``: (the op's index in the answer, its keys, the load)."""
+
+    answer: dict
+    waits: list[tuple[int, list[bytes], Load]]
+    deadline: float
+
+    def ready(self, now: float) -> bool:
+        return now >= self.deadline or all(load.done for _i, _keys, load in self.waits)
 
 
 @dataclass(frozen=True)
@@ -139,20 +171,28 @@ class NodeService:
         #: peers refused at the door; connections refused for a message that broke the protocol; clients dropped
         #: for leaving their answers unread
         self.refused = self.protocol_errors = self.unread_drops = 0
-        self.metrics = None
-        if config.metrics_port is not None:  # (first: a busy port or a bad address fails before anything is made)
-            from kvtier.service.metrics import serve_metrics
-
-            self.metrics = serve_metrics(self, config.metrics_host, config.metrics_port)
+        #: the L3 tier below the region and the metrics server (first: a bad URL, a busy port or a bad address
+        #: fails before the socket is made, so before anyone attaches)
+        self.storage = self.metrics = None
         try:
+            self.storage = ServiceStorage(config.storage_url) if config.storage_url else None
+            if config.metrics_port is not None:
+                from kvtier.service.metrics import serve_metrics
+
+                self.metrics = serve_metrics(self, config.metrics_host, config.metrics_port)
             self.listener = self._listen()
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
+            if self.storage is not None:
+                self.storage.close(0.0)
             raise
         remove_stale_regions()  # (what its user's killed services left)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
+        if self.storage is not None:
+            self._sel.register(self.storage, selectors.EVENT_READ, self.storage)
+        self._deferred: set[_Conn] = set()
 
     def _listen(self) -> socket.socket:
         """The listening socket at ``config.socket``: its directory private (or the allowed group's), a stale
@@ -173,15 +213,19 @@ class NodeService:
     # ---- the loop --------------------------------------------------------------------------------
     def serve(self, stop: Callable[[], bool], tick_s: float = 0.1) -> None:
         while not stop():
-            events = self._sel.select(tick_s)
+            events = self._sel.select(self._wait_s(tick_s))
             with self.lock:
                 self._handle(events)
+                self._answer_deferred()
                 self._drop_stalled_readers()
 
     def _handle(self, events: list) -> None:
         for key, mask in events:
             if key.data is None:
                 self._accept()
+                continue
+            if key.data is self.storage:  # an L3 worker finished something
+                self.storage.poll()
                 continue
             if type(key.data) is _Orphan:  # its process exited
                 if key.data.session in self._orphans:
@@ -192,6 +236,12 @@ class NodeService:
                 self._read(conn)
             if mask & selectors.EVENT_WRITE and conn.id in self._conns:
                 self._flush(conn)
+
+    def _wait_s(self, tick_s: float) -> float:
+        """The selector's wait: a tick, or less when a deferred answer's deadline comes sooner."""
+        if not self._deferred:
+            return tick_s
+        return max(0.0, min(tick_s, min(c.deferred.deadline for c in self._deferred) - time.monotonic()))
 
     def _accept(self) -> None:
         try:
@@ -230,20 +280,64 @@ class NodeService:
             self._drop(conn)
             return
         try:
-            frames = conn.reader.feed(data)
+            conn.frames += conn.reader.feed(data)
+            if len(conn.frames) > MAX_QUEUED_FRAMES:
+                raise ServiceProtocolError(f"{len(conn.frames)} frames sent while an answer was pending (at most {MAX_QUEUED_FRAMES}); "
+                                           "wait for a call's answer before the next call")
         except ServiceProtocolError as e:
             self._refuse(conn, 0, e)
             return
-        for frame in frames:
+        self._apply_frames(conn)
+
+    def _apply_frames(self, conn: _Conn) -> None:
+        """Apply ``conn``'s frames in order, until one's answer is deferred (the rest wait for it)."""
+        while conn.frames and conn.deferred is None and conn.id in self._conns:
+            frame = conn.frames.popleft()
             seq = frame.get("seq") if type(frame.get("seq")) is int else 0
+            waits: list[tuple[int, list[bytes], Load]] = []
+            wait_s = MAX_WAIT_S
             try:
                 batch = parse_batch(frame)
-                results = [self._apply(conn, op) for op in batch.ops]
+                results = []
+                for op in batch.ops:
+                    results.append(self._apply(conn, op))
+                    load = self._load_after(conn, op, results[-1]) if type(op) is Lookup else None
+                    if load is not None and op.wait_s > 0:
+                        waits.append((len(results) - 1, op.keys, load))
+                        wait_s = min(wait_s, op.wait_s)
             except ServiceError as e:  # (a protocol error is one)
                 self._refuse(conn, seq, e)
                 return
-            if not batch.note:
-                self._send(conn, {"seq": batch.seq, "results": results})
+            if batch.note:
+                continue
+            answer = {"seq": batch.seq, "results": results}
+            if waits:
+                conn.deferred = _Deferred(answer, waits, time.monotonic() + wait_s)
+                self._deferred.add(conn)
+            else:
+                self._send(conn, answer)
+
+    def _load_after(self, conn: _Conn, op: Lookup, pages: list[int]) -> Load | None:
+        """The L3 load of the keys after a lookup's run in the region (None: no L3, the run is whole, or
+        the store has nothing to add)."""
+        if self.storage is None or len(pages) == len(op.keys):
+            return None
+        return self.storage.load(conn.namespace, op.keys[len(pages):])
+
+    def _answer_deferred(self) -> None:
+        """Send the deferred answers that are ready: each lookup's run extended by what its load brought
+        into the region by now (held for the client as any lookup's pages)."""
+        now = time.monotonic()
+        for conn in [c for c in self._deferred if c.deferred.ready(now)]:
+            self._deferred.discard(conn)
+            deferred, conn.deferred = conn.deferred, None
+            if conn.id not in self._conns:
+                continue
+            results = deferred.answer["results"]
+            for i, keys, _load in deferred.waits:
+                results[i] = results[i] + self.index.lookup(conn.id, keys[len(results[i]):])
+            self._send(conn, deferred.answer)
+            self._apply_frames(conn)
 
     # ---- ops -------------------------------------------------------------------------------------
     def _apply(self, conn: _Conn, op) -> object:
@@ -263,7 +357,10 @@ class NodeService:
         if kind is Reserve:
             return index.reserve(conn.id, op.n)
         if kind is Publish:
-            index.publish(conn.id, op.pages, op.keys)
+            indexed = index.publish(conn.id, op.pages, op.keys)
+            if self.storage is not None:  # write-through: what it indexed now is saved
+                key_of = dict(zip(op.pages, op.keys))
+                self.storage.published(conn.namespace, indexed, [key_of[p] for p in indexed])
             return None
         assert kind is Release
         index.release(conn.id, op.pages)
@@ -273,9 +370,14 @@ class NodeService:
         if conn.attached:
             raise ServiceProtocolError("hello twice on one connection")
         fmt = RegionFormat.from_wire(op.format)
+        if self.storage is not None and fmt.spec is None:
+            raise ServiceProtocolError("hello's format names no spec, and this service's L3 tier needs it to write the page objects "
+                                       "an engine's own L3 writes; attach with a kvtier client that sends it")
         if self.region is None:
             self.region = create_region(fmt, self.config.host_bytes, gid=self.gid)
             self.index = HostIndex(self.region.num_pages)
+            if self.storage is not None:
+                self.storage.bind(self.region, self.index)
             log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
         elif fmt != self.region.format:
             raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
@@ -284,6 +386,7 @@ class NodeService:
             self._end_previous(conn, op.previous)
         self.index.attach(conn.id, op.namespace)
         conn.attached = True
+        conn.namespace = op.namespace
         conn.session = secrets.token_hex(16)
         self._sessions[conn.session] = conn
         return {"region": self.region.path, "size": self.region.size, "num_pages": self.region.num_pages, "session": conn.session}
@@ -315,6 +418,8 @@ class NodeService:
         out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None}
         if self.index is not None:
             out |= self.index.status().as_dict()
+        if self.storage is not None:
+            out["l3"] = self.storage.status()
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
         return out | {"clients": self.attached_clients, "orphaned": self.orphaned_clients, "protocol_errors": self.protocol_errors,
                       "unread_drops": self.unread_drops}
@@ -372,6 +477,7 @@ class NodeService:
         """Close ``conn``; what it held is released now, or kept as an orphan while its process lives."""
         if self._conns.pop(conn.id, None) is None:
             return
+        self._deferred.discard(conn)
         self._sel.unregister(conn.sock)
         conn.sock.close()
         died = conn.pidfd is None or _exited(conn.pidfd)
@@ -407,18 +513,29 @@ class NodeService:
         log.info("client %d's orphaned session ended: %s", orphan.cid, why)
 
     def close(self) -> None:
-        """Close every connection and the socket (and the metrics server); remove the socket file and the region."""
+        """Stop accepting (and serving metrics), close every connection, let the L3 saves under way finish (at
+        most ``drain_timeout_s``), then remove the socket file and the region."""
         if self.metrics is not None:
             self.metrics.close()
+        self._sel.unregister(self.listener)
+        self.listener.close()
         for conn in list(self._conns.values()):
             self._drop(conn)
         for orphan in list(self._orphans.values()):
             self._end_orphan(orphan, "the service stops")
         self._sel.close()
-        self.listener.close()
+        if self.storage is not None:
+            self._close_storage()
         try:
             os.unlink(self.config.socket)
         except FileNotFoundError:
             pass
         if self.region is not None:
             remove_region(self.region)
+
+    def _close_storage(self) -> None:
+        drained = self.storage.close(self.config.drain_timeout_s)
+        c = self.storage.counters
+        log.log(logging.INFO if drained else logging.WARNING, "L3 %s: %d pages saved, %d failed%s", self.storage.status()["url"],
+                c.saved_pages, c.save_failed_pages, "" if drained else f"; saves still under way after {self.config.drain_timeout_s:g} s "
+                "were dropped")

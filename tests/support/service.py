@@ -31,18 +31,19 @@ class RunningService:
 
 
 @contextmanager
-def running_service(tmp_path: Path, host_gb: float = 0.01, *options: str):
-    """``kvtier serve`` on ``tmp_path/run/node.sock`` (and ``options``) until the block ends (then SIGTERM, then SIGKILL)."""
-    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb, *options)
+def running_service(tmp_path: Path, host_gb: float = 0.01, *args: str):
+    """``kvtier serve`` on ``tmp_path/run/node.sock`` (``args``: more of its options) until the block ends
+    (then SIGTERM, then SIGKILL)."""
+    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb, *args)
     try:
         yield svc
     finally:
         stop(svc.proc)
 
 
-def start_service(sock: str, host_gb: float = 0.01, *options: str) -> RunningService:
-    """``kvtier serve`` on ``sock`` (and ``options``), once it listens (the caller stops it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(host_gb), "--socket", sock, *options],
+def start_service(sock: str, host_gb: float = 0.01, *args: str) -> RunningService:
+    """``kvtier serve`` on ``sock`` (``args``: more of its options), once it listens (the caller stops it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(host_gb), "--socket", sock, *args],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = read_line(proc, START_TIMEOUT_S)

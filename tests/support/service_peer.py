@@ -4,7 +4,10 @@
 * ``compute SOCKET``: a HierarchicalCache computes a 5-page prompt (labelled bytes), its backups
   published; then it stays attached until a line arrives on stdin.
 * ``load SOCKET OUT [SEED]``: a HierarchicalCache begins the same prompt (or :func:`prompt` ``SEED``), waits
-  for its loads, and writes the bytes of its cached device pages to OUT.
+  for its loads, writes the bytes of its cached device pages to OUT, and computes the rest.
+* ``load-l3 SOCKET OUT``: ``load`` with a lookup deadline of :data:`PATIENT_LOOKUP_S` (half of it the time a
+  service with an L3 tier may take to fetch the prompt's pages from its store before it answers).
+* ``load-store URL OUT``: ``load`` by an engine with no service and an L3 tier of its own at URL.
 * ``write-and-hang SOCKET``: a raw client reserves 4 pages, writes into all 4, publishes 2 (keys
   :data:`PUBLISHED`), leaves 2 mid-write (:data:`UNPUBLISHED`), prints, and sleeps (to be SIGKILLed).
 * ``violate SOCKET``: the same client's 4 pages, 2 published; then it breaks the protocol and is dropped,
@@ -33,7 +36,7 @@ from support.cache_helpers import expected_page, tokens, write_page
 from support.pools import tiny_specs
 
 from kvtier.build import build_cache
-from kvtier.config import TierConfig
+from kvtier.config import StorageConfig, TierConfig
 from kvtier.pools.host import HostPool
 from kvtier.errors import ServiceProtocolError
 from kvtier.service.client import ServiceClient
@@ -44,10 +47,12 @@ PROMPT = tokens(1000, SPEC.page_size * 5)
 PUBLISHED = [bytes([i]) * 16 for i in (1, 2)]
 UNPUBLISHED = [bytes([i]) * 16 for i in (3, 4)]
 NAMESPACE = "service-test-raw"
+#: ``load-l3``'s lookup deadline: generous, for a loaded machine (the store's reads are what is tested, not their speed)
+PATIENT_LOOKUP_S = 5.0
 
 
-def cache(sock: str):
-    return build_cache(SPEC, TierConfig(device_pages=16, host_pages=32, service=sock))
+def cache(sock: str, lookup_s: float | None = None):
+    return build_cache(SPEC, TierConfig(device_pages=16, host_pages=32, service=sock, service_lookup_timeout_s=lookup_s))
 
 
 def compute(sock: str) -> None:
@@ -65,8 +70,18 @@ def compute(sock: str) -> None:
 
 
 def load(sock: str, out: str, seed: str | None = None) -> None:
-    c = cache(sock)
-    toks = PROMPT if seed is None else prompt(int(seed))
+    _load(cache(sock), PROMPT if seed is None else prompt(int(seed)), out)
+
+
+def load_l3(sock: str, out: str) -> None:
+    _load(cache(sock, PATIENT_LOOKUP_S), PROMPT, out)
+
+
+def load_store(url: str, out: str) -> None:
+    _load(build_cache(SPEC, TierConfig(device_pages=16, host_pages=32), storage=StorageConfig(url=url)), PROMPT, out)
+
+
+def _load(c, toks: list[int], out: str) -> None:
     req = c.begin(toks)
     req.wait()
     with open(out, "wb") as f:
@@ -74,7 +89,10 @@ def load(sock: str, out: str, seed: str | None = None) -> None:
             f.write(c.device.page_bytes(page))
     print(json.dumps({"device_hit": req.device_hit, "host_hit": req.host_hit, "storage_hit": req.storage_hit,
                       "cached": len(req.cached_pages), "shared_host_pages": c.stats.shared_host_pages}), flush=True)
-    req.commit(req.cached_pages)
+    new = req.alloc(len(toks) // SPEC.page_size - len(req.cached_pages))  # (what was not cached: computed, as an engine does)
+    for i, page in enumerate(new.pages, len(req.cached_pages)):
+        write_page(c.device, page, toks, i)
+    req.commit(req.cached_pages + new.pages)
     c.wait_idle()
     c.check_integrity(idle=True)
     c.close()
@@ -159,8 +177,8 @@ def prompt(seed: int) -> list[int]:
 class Serving:
     """One engine's requests, every cached page's bytes checked against the prompt's."""
 
-    def __init__(self, sock: str):
-        self.cache = cache(sock)
+    def __init__(self, sock: str, lookup_s: float | None = None):
+        self.cache = cache(sock, lookup_s)
         self.requests = self.bad = self.host_hit = self.cached = 0
 
     def request(self, toks: list[int]) -> None:
@@ -212,5 +230,6 @@ def serve(sock: str) -> None:
 
 if __name__ == "__main__":
     role, sock, *rest = sys.argv[1:]
-    {"compute": compute, "load": load, "write-and-hang": write_and_hang, "violate": violate, "serve": serve,
-     "stop-reading": stop_reading}[role](sock, *rest)
+    roles = {"compute": compute, "load": load, "load-l3": load_l3, "load-store": load_store, "write-and-hang": write_and_hang,
+             "violate": violate, "serve": serve, "stop-reading": stop_reading}
+    roles[role](sock, *rest)
