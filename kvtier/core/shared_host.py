@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvtier.errors import ConfigError
 from kvtier.hashing import PageHash
 
 
@@ -59,3 +60,11 @@ class NoSharedHost(tuple):
 
 
 NO_SHARED_HOST = NoSharedHost()
+
+
+def check_shared_host(shared_host: SharedHost, model, port) -> None:
+    """A shared host tier serves a core of a full-attention model with no L3 of its own (the service keeps
+    the tiers below the engine); a :class:`ConfigError` otherwise, before the core is built."""
+    if shared_host and (model is not None and model.is_hybrid or port.has_storage):
+        raise ConfigError("a shared host tier (the node service) serves models of full attention only, with no L3 of the engine's own "
+                          "(the service keeps the tiers below the engine): drop the storage URL, or the service")

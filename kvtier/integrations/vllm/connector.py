@@ -100,7 +100,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = ConnectorScheduler(self.options, self.block_size, parallel.world_size, self.model_name, groups)
         else:
-            self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank, groups)
+            self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank, groups,
+                                          parallel.world_size)
         self._handshake: KVTierHandshake | None = None
         #: the metadata of the step the worker has begun (see _begin_step)
         self._step_meta: KVTierConnectorMetadata | None = None
@@ -125,6 +126,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is not self._step_meta:
             assert isinstance(meta, KVTierConnectorMetadata)
             self._step_meta = meta
+            if meta.region is not None:
+                self.worker.use_region(meta.region)
             self.worker.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed,
                                     meta.preempted_copies)
 

@@ -32,6 +32,8 @@ class PromptResult:
     external_hit_tokens: int = 0
     host_hit_pages: int = 0
     storage_hit_pages: int = 0
+    #: of the host hit, the pages the lookup took from the node service (``service`` in the extra config)
+    shared_host_pages: int = 0
 
 
 @dataclass
@@ -149,6 +151,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
                 hit.get("external_tokens", 0),
                 hit.get("host_pages", 0),
                 hit.get("storage_pages", 0),
+                hit.get("shared_host_pages", 0),
             )
         )
     for turn in range(chat_turns):  # one conversation: each prompt is the history plus a new question
@@ -166,6 +169,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
                 hit.get("external_tokens", 0),
                 hit.get("host_pages", 0),
                 hit.get("storage_pages", 0),
+                hit.get("shared_host_pages", 0),
             )
         )
         history = history + list(out.outputs[0].token_ids)

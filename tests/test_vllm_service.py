@@ -1,0 +1,137 @@
+"""The vLLM connector attached to the node service (``kv_connector_extra_config: {"service": ...}``).
+
+Quick tests drive the connector's scheduler side and two tensor-parallel workers the way vLLM does
+(:mod:`support.vllm_split`) against a real ``kvtier serve`` subprocess: one engine's pages are a host hit
+for another, each rank's shard bit-exact; a restarted service is attached to again and the workers map
+its new region. The integration tests run vLLM's CPU build through ``LLM(...)`` (each engine a process of
+its own, as tests/test_vllm_connector.py does) against one running service, with no L3.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from support.service import running_service, start_service, stop
+from support.vllm_split import BS, TOKENS, Engine, serve
+
+from kvtier.errors import ConfigError, ServiceError
+from kvtier.integrations.vllm.groups import VllmGroup
+from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.service.leased import RETRY_FIRST_S
+from kvtier.service.region import RegionFormat
+
+pytestmark = pytest.mark.timeout(300)
+
+#: TOKENS' three full blocks (the partial tail is never stored)
+PAGES = len(TOKENS) // BS
+OTHER = list(range(500, 514))  # another prompt of three full blocks
+
+
+# ---- options ------------------------------------------------------------------------------------
+def test_service_keys_set_the_tier_config_and_a_url_or_a_plain_path_names_the_socket():
+    opts = ConnectorOptions.from_extra_config({"service": "unix:///run/kv/node.sock", "service_timeout_s": 5,
+                                               "service_lookup_timeout_s": 0.5, "host_pages": 64})
+    assert (opts.tiers.service, opts.tiers.service_timeout_s, opts.tiers.service_lookup_timeout_s) == ("/run/kv/node.sock", 5, 0.5)
+    assert ConnectorOptions.from_extra_config({"service": "/run/kv/node.sock"}).tiers.service == "/run/kv/node.sock"
+    assert ConnectorOptions.from_extra_config({}).tiers.service is None
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key.*service_url.*valid:.*service, service_lookup_timeout_s"):
+        ConnectorOptions.from_extra_config({"service_url": "/x"})
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"service": "/x.sock", "storage_url": "file:///tmp/l3"}, "service and storage_url cannot both be set.*drop storage_url"),
+    ({"service": "unix://relative.sock"}, "not a socket URL; write unix:///absolute"),
+    ({"service": "tcp://127.0.0.1:9"}, "listens on a unix socket"),
+    ({"service": ""}, "TierConfig.service must be a socket path"),
+    ({"service": "/x.sock", "service_timeout_s": 1, "service_lookup_timeout_s": 2}, "service_lookup_timeout_s=2 is longer"),
+    ({"service": "/x.sock", "service_timeout_s": 0}, "service_timeout_s"),
+])
+def test_bad_service_options_are_config_errors_naming_the_fix(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        ConnectorOptions.from_extra_config(extra)
+
+
+def test_a_hybrid_model_is_refused_with_the_service_before_anything_attaches():
+    opts = ConnectorOptions.from_extra_config({"service": "/nowhere/node.sock"})
+    groups = [VllmGroup(0, "full", "full", ("l0",), BS), VllmGroup(1, "window", "sliding_window", ("l1",), BS, window=8)]
+    with pytest.raises(ConfigError, match="serves models of full attention only.*window"):
+        ConnectorScheduler(opts, BS, 1, "tiny", groups)
+
+
+def test_a_region_page_holds_every_ranks_shard_and_each_rank_maps_its_own_slice():
+    from kvtier.spec import KVSpec
+
+    spec = KVSpec.mha("shard", num_layers=2, kv_heads=1, head_dim=8, page_size=BS)
+    one, two = RegionFormat.of_shards(spec, "page_first", 1), RegionFormat.of_shards(spec, "page_first", 2)
+    assert one == RegionFormat.of(spec, "page_first") and two.fingerprint != one.fingerprint  # another split never shares pages
+    assert two.page_bytes == 2 * one.page_bytes
+    (s0, n0), (s1, n1) = two.shard(100, 0, 2), two.shard(100, 1, 2)
+    assert (s0, n0, s1, s0 + n0 + n1) == (0, one.size(100), n0, two.size(100))  # disjoint, each a whole pool of one rank's spec
+
+
+# ---- the connector on a real service (no engine) ------------------------------------------------
+def test_one_engines_pages_are_a_host_hit_for_another_each_ranks_shard_bit_exact(tmp_path):
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=f"unix://{svc.socket}")
+        try:
+            _req, external, hit = serve(a, "a", TOKENS, [3, 7, 5, 9])
+            assert external == 0 and hit["offloaded_pages"] == PAGES and hit["shared_host_pages"] == 0
+            originals = [[a.page(r, b) for b in (3, 7, 5)] for r in range(2)]
+            assert originals[0] != originals[1]  # each rank's own shard (its own tensors)
+            b = Engine(None, seed=2, service=svc.socket)  # another engine, attached at once
+            try:
+                _req, external, hit = serve(b, "b", TOKENS, [0, 1, 2, 4])
+                assert external == PAGES * BS
+                assert (hit["host_pages"], hit["shared_host_pages"], hit["storage_pages"]) == (PAGES, PAGES, 0)
+                for r in range(2):
+                    assert [b.page(r, blk) for blk in (0, 1, 2)] == originals[r]
+                assert b.load_errors[-1] == set()
+                assert b.workers[0].region == a.workers[1].region == a.scheduler.leased.region  # one region, each rank a slice
+            finally:
+                b.close()
+        finally:
+            a.close()
+
+
+def test_another_tensor_parallel_split_of_the_model_is_never_offered_its_pages(tmp_path):
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=svc.socket)
+        try:
+            serve(a, "a", TOKENS, [3, 7, 5, 9])
+            with pytest.raises(ServiceError, match="one page format per service"):
+                Engine(None, ranks=1, seed=2, service=svc.socket)
+        finally:
+            a.close()
+
+
+def test_after_the_service_restarts_the_scheduler_attaches_again_and_the_workers_map_the_new_region(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock)
+    a = Engine(None, seed=1, service=sock)
+    try:
+        serve(a, "a", TOKENS, [3, 7, 5, 9])
+        old = a.scheduler.leased.region
+        assert all(w.region == old for w in a.workers)
+        stop(svc.proc)
+        svc = start_service(sock)  # a new region file
+        _req, external, _hit = serve(a, "b", OTHER, [0, 1, 2, 4])  # its lookup finds the service gone: misses
+        assert external == 0 and a.scheduler.leased.lost
+        time.sleep(3 * RETRY_FIRST_S)  # the first attempt to attach again is due
+        _req, external, hit = serve(a, "c", OTHER, [6, 8, 10, 11])  # old pages forgotten, attached again, copied out anew
+        new = a.scheduler.leased.region
+        assert not a.scheduler.leased.lost and new.path != old.path and all(w.region == new for w in a.workers)
+        assert hit["offloaded_pages"] == PAGES
+        written = [[a.page(r, blk) for blk in (6, 8, 10)] for r in range(2)]
+        b = Engine(None, seed=2, service=sock)  # the copies went into the new region: another engine reads them there
+        try:
+            _req, external, hit = serve(b, "d", OTHER, [0, 1, 2, 4])
+            assert (external, hit["shared_host_pages"]) == (PAGES * BS, PAGES)
+            assert [[b.page(r, blk) for blk in (0, 1, 2)] for r in range(2)] == written
+        finally:
+            b.close()
+    finally:
+        a.close()
+        stop(svc.proc)
