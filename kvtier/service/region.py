@@ -120,7 +120,8 @@ def remove_region(region: Region) -> None:
 
 def map_region(path: str, size: int) -> torch.Tensor:
     """The region as a flat uint8 tensor over a shared mapping: writes are the service's and every other
-    client's to see. The mapping lives as long as the tensor (and its views)."""
+    client's to see. The mapping lives as long as the tensor (and its views). A normal tensor even when
+    mapped under ``torch.inference_mode`` (vLLM's step): kvtier's transfer thread writes into it."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError as e:
@@ -131,4 +132,5 @@ def map_region(path: str, size: int) -> torch.Tensor:
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    with torch.inference_mode(False):
+        return torch.frombuffer(mapping, dtype=torch.uint8)
