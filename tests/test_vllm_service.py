@@ -232,3 +232,29 @@ def test_two_engines_at_once_the_second_gets_the_firsts_prefix_from_host(tmp_pat
         [r] = second["results"]
         assert (r["external_hit_tokens"], r["host_hit_pages"], r["shared_host_pages"]) == (p * second["block_size"], p, p)
         assert second["worker_stats"][0]["load_failed_pages"] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(2400)
+def test_tensor_parallel_two_ranks_each_keep_their_shard_in_the_region_and_a_restarted_engine_loads_them(tmp_path):
+    """TP=2 in vLLM's multi-process engine (a tiny Llama whose 2 KV heads split in two, seeded dummy weights):
+    each rank copies its shard into its own slice of the service's region pages, and a restarted engine's
+    ranks load them back (outputs equal TP=2 without kvtier)."""
+    tp = ["--tp", "2"]
+    want = outputs(session(*tp, *[f"--prompt-tokens={n}" for n in LENGTHS], "--no-kvtier"))
+    with running_service(tmp_path, SERVICE_GB) as svc:
+        first = session(*tp, *attached(svc.socket, *LENGTHS))
+        assert outputs(first) == want
+        stored = sum(n // first["block_size"] for n in LENGTHS)
+        assert [w["offloaded_pages"] for w in first["worker_stats"]] == [stored, stored]
+        r0, r1 = first["regions"]
+        assert r0["path"] == r1["path"] and r0["offset"] + r0["size"] == r1["offset"]  # one region, disjoint slices
+        with open(r0["path"], "rb") as f:
+            shards = [f.read(r0["size"]), f.read(r1["size"])]
+        assert shards[0] != shards[1] and all(any(s) for s in shards)  # each rank wrote its own shard
+
+        second = session(*tp, *attached(svc.socket, *LENGTHS))  # restarted: every rank maps the region anew
+        assert outputs(second) == want
+        pages = [prefix_pages(second, n) for n in LENGTHS]
+        assert [(r["host_hit_pages"], r["shared_host_pages"]) for r in second["results"]] == [(p, p) for p in pages]
+        assert all(w["loaded_pages"] >= sum(pages) and w["load_failed_pages"] == 0 for w in second["worker_stats"])

@@ -16,9 +16,10 @@ gives no pages and takes none back, and the core's next match forgets every host
 are all the region's), after the copies in flight that touch them completed. The engine goes on with
 misses; the tier attaches again on its own once nothing of the old attachment is left in the core.
 
-The choice is made once, at construction (:class:`~kvtier.core.cache_core.CacheCore`'s ``shared_host``):
-:data:`NO_SHARED_HOST` (falsy) for a host tier of the engine's own, so the per-request paths test one
-attribute and call nothing.
+The choice is made once, at construction (``shared_host`` of :class:`~kvtier.core.cache_core.CacheCore`
+and of :class:`~kvtier.core.engine_device.EngineDeviceCore`, vLLM's scheduler; both run
+:class:`~kvtier.core.base.CoreBase`'s code for it): :data:`NO_SHARED_HOST` (falsy) for a host tier of
+the engine's own, so the per-request paths test one attribute and call nothing.
 """
 
 from __future__ import annotations

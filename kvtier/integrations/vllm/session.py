@@ -53,6 +53,8 @@ class SessionReport:
     chat_s: float = 0.0
     #: each rank's L3 namespace (Namespace fields), with kvtier
     namespaces: list[dict] = field(default_factory=list)
+    #: attached to the node service: each rank's slice of its region (path, offset, size; None before a step mapped it)
+    regions: list[dict | None] = field(default_factory=list)
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
@@ -177,6 +179,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
     if kvtier:
         report.worker_stats = llm.collective_rpc("kvtier_stats")
         report.namespaces = llm.collective_rpc("kvtier_namespace")
+        report.regions = llm.collective_rpc("kvtier_region")
     llm.llm_engine.engine_core.shutdown()  # the worker connectors drain their L3 writes here
     return report
 
@@ -211,6 +214,17 @@ class KVTierWorkerExtension:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         return asdict(get_kv_transfer_group().worker.namespace)
+
+    def kvtier_region(self) -> dict | None:
+        """Attached to the node service: this rank's slice of the region its host pool maps."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker
+        region = worker.region
+        if region is None:
+            return None
+        offset, size = region.format.shard(region.num_pages, worker.tp_rank, worker.tp_size)
+        return {"path": region.path, "offset": offset, "size": size, "num_pages": region.num_pages}
 
 
 MARKER = "KVTIER_SESSION "
