@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from support.service import running_service, start_service, stop
-from support.vllm_split import BS, TOKENS, Engine, serve
+from support.vllm_split import BS, TOKENS, Engine, gate_copies, request, serve, start
 
 from kvtier.errors import ConfigError, ServiceError
 from kvtier.integrations.vllm.groups import VllmGroup
@@ -152,6 +152,42 @@ def test_after_the_service_restarts_the_scheduler_attaches_again_and_the_workers
         finally:
             b.close()
     finally:
+        a.close()
+        stop(svc.proc)
+
+
+def test_a_copy_out_running_when_the_service_is_lost_is_never_offered_and_its_pages_go_before_attaching_again(tmp_path,
+                                                                                                              monkeypatch):
+    """The scheduler never waits for its workers: pages a copy out in flight writes when the service is lost
+    are made unreadable at once (no lookup offers them), forgotten once the copy completed, and only then
+    does the scheduler attach to the service again (no page id of the old region left in its books)."""
+    gate = gate_copies(monkeypatch)
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock)
+    a = Engine(None, seed=1, service=sock)
+    try:
+        start(a, "a", TOKENS, [3, 7, 5, 9])  # its copy out waits at the gate
+        leased, core = a.scheduler.leased, a.scheduler.core
+        old = leased.region
+        stop(svc.proc)
+        svc = start_service(sock)
+        assert a.scheduler.get_num_new_matched_tokens(request("b", OTHER), 0) == (0, False)  # the service lost at this lookup
+        assert leased.lost
+        time.sleep(3 * RETRY_FIRST_S)  # an attempt to attach again would be due
+        assert a.scheduler.get_num_new_matched_tokens(request("c", TOKENS), 0) == (0, False)  # in flight: not offered
+        assert leased.lost and leased.num_used == PAGES  # the copy's pages are still in its books: not attached again
+        gate.set()
+        for _ in range(50):  # the copy completes on both ranks
+            a.settle()
+            if not core.plans_in_flight:
+                break
+        assert not core.plans_in_flight
+        assert a.scheduler.get_num_new_matched_tokens(request("d", TOKENS), 0) == (0, False)  # forgotten, attached again
+        assert not leased.lost and leased.region.path != old.path and leased.num_used == 0
+        assert core.stats.shared_host_lost_pages == PAGES
+        core.check_integrity()
+    finally:
+        gate.set()
         a.close()
         stop(svc.proc)
 

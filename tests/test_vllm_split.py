@@ -22,7 +22,7 @@ from kvtier.hashing import page_keys
 from kvtier.integrations.vllm.messages import KVTierWorkerMeta, RankResult, join
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
-from support.vllm_split import BS, LAYERS, TOKENS, Engine, finish, request, serve, start
+from support.vllm_split import BS, LAYERS, TOKENS, Engine, finish, gate_copies, request, serve, start
 
 
 def test_pages_round_trip_through_l3_on_every_rank(tmp_path):
@@ -321,20 +321,7 @@ def test_blocks_computed_in_a_step_are_copied_out_as_each_layer_is_written(annou
 
 @pytest.fixture
 def gated_copies(monkeypatch):
-    """Copies out of the engine's blocks wait until the test opens the gate (bounded: 10 s)."""
-    import threading
-
-    from kvtier.transfer import engine as engine_mod
-
-    gate = threading.Event()
-    real = engine_mod.backup_pages_one_layer
-
-    def gated(*args, **kwargs):
-        gate.wait(10)
-        real(*args, **kwargs)
-
-    monkeypatch.setattr(engine_mod, "backup_pages_one_layer", gated)
-    return gate
+    return gate_copies(monkeypatch)
 
 
 def test_a_finished_requests_blocks_are_kept_until_every_rank_copied_them(gated_copies):

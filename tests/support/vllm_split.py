@@ -145,3 +145,20 @@ def finish(engine: Engine, req, max_steps: int = 50) -> tuple[bool, dict | None]
 
 
 TOKENS = list(range(100, 114))  # 3 full blocks of 4 and a partial tail of 2
+
+
+def gate_copies(monkeypatch):
+    """Copies out of the engine's blocks wait until the test opens the returned gate (bounded: 10 s)."""
+    import threading
+
+    from kvtier.transfer import engine as engine_mod
+
+    gate = threading.Event()
+    real = engine_mod.backup_pages_one_layer
+
+    def gated(*args, **kwargs):
+        gate.wait(10)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(engine_mod, "backup_pages_one_layer", gated)
+    return gate
