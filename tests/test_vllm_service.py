@@ -273,10 +273,11 @@ def test_two_engines_at_once_the_second_gets_the_firsts_prefix_from_host(tmp_pat
 @pytest.mark.integration
 @pytest.mark.timeout(2400)
 def test_tensor_parallel_two_ranks_each_keep_their_shard_in_the_region_and_a_restarted_engine_loads_them(tmp_path):
-    """TP=2 in vLLM's multi-process engine (a tiny Llama whose 2 KV heads split in two, seeded dummy weights):
-    each rank copies its shard into its own slice of the service's region pages, and a restarted engine's
-    ranks load them back (outputs equal TP=2 without kvtier)."""
-    tp = ["--tp", "2"]
+    """TP=2 in vLLM's multi-process engine (a tiny Llama whose 2 KV heads split in two, seeded random weights,
+    so the ranks' shards differ): each rank copies its shard into its own slice of the service's region
+    pages, and a restarted engine's ranks load them back (outputs equal TP=2 without kvtier: a rank given
+    the other's shard would attend over the wrong heads)."""
+    tp = ["--tp", "2", "--model", "tiny-llama-seeded"]
     want = outputs(session(*tp, *[f"--prompt-tokens={n}" for n in LENGTHS], "--no-kvtier"))
     with running_service(tmp_path, SERVICE_GB) as svc:
         first = session(*tp, *attached(svc.socket, *LENGTHS))

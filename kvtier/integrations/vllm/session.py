@@ -66,9 +66,10 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
 
 
 #: ``--model`` choices: SmolLM2-135M (the default; tensor parallel runs take the tiny Llama, whose heads split),
-#: a tiny Llama with dummy weights, Gemma 3 configs of sliding-window and full-attention layers (tiny: the tests';
-#: small: the benchmark's), a tiny Qwen3-Next of linear-attention and full-attention layers (bf16 only)
-MODELS = ("smollm2", "tiny-llama", "tiny-gemma3", "small-gemma3", "tiny-qwen3-next")
+#: a tiny Llama with dummy weights (the same on every rank) or seeded random ones, Gemma 3 configs of sliding-window
+#: and full-attention layers (tiny: the tests'; small: the benchmark's), a tiny Qwen3-Next of linear-attention and
+#: full-attention layers (bf16 only)
+MODELS = ("smollm2", "tiny-llama", "tiny-llama-seeded", "tiny-gemma3", "small-gemma3", "tiny-qwen3-next")
 
 
 def _model_args(model: str, tp: int) -> dict:
@@ -86,6 +87,8 @@ def _model_args(model: str, tp: int) -> dict:
         return dict(model=str(ensure_model()))
     if model == "tiny-llama":
         return dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
+    if model == "tiny-llama-seeded":
+        return dict(model=str(ensure_tiny_llama(weights=True)), tensor_parallel_size=tp)
     if model == "tiny-gemma3":
         return dict(model=str(ensure_tiny_gemma3()), tensor_parallel_size=tp)
     if model == "small-gemma3":
