@@ -17,6 +17,11 @@ vLLM's default engine-core process with its workers, any tensor-parallel size:
   completions back (``build_connector_worker_meta``), joined over ranks before
   the core sees them: a page is loaded or saved only when every rank has it.
 
+With ``service`` (the node service, ``kvtier serve``) the host tier is the
+service's shared region: the scheduler's core leases, looks up and publishes its
+pages, and each worker maps its rank's slice of the region the step's metadata
+names (:mod:`kvtier.service`, docs/service.md).
+
 Hybrid models (:class:`SupportsHMA`): vLLM keeps its hybrid KV cache manager on,
 and the connector serves its full-attention, sliding-window and block-aligned
 state groups (:mod:`.groups`; anything else is refused at start-up with the

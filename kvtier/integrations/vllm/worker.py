@@ -1,8 +1,9 @@
 """The connector on one vLLM worker (one tensor-parallel rank): bytes only, no policy.
 
 It holds this rank's slice of everything: vLLM's KV blocks (the device side),
-a host pool addressed by the page ids every rank shares, and its own L3 I/O
-under a namespace that carries the rank. Each step it runs the plans the
+a host pool addressed by the page ids every rank shares -- attached to the node
+service, its rank's slice of the service's region (:meth:`ConnectorWorker.use_region`) --,
+and its own L3 I/O under a namespace that carries the rank. Each step it runs the plans the
 scheduler's core sent (:class:`~kvtier.integrations.vllm.messages.KVTierConnectorMetadata`)
 and reports their completions back; it decides nothing.
 
