@@ -23,6 +23,7 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.host_tier import HostTier
+from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
 from kvtier.core.tags import GroupBackup
 from kvtier.errors import IndexTypeError
 from kvtier.hashing import Namespace, PageHash, page_keys
@@ -119,6 +120,77 @@ class CoreBase(HostTier):
         if not ok:
             self.stats.transfer_failures += 1
 
+    # ---- a host tier other engines share (:mod:`~kvtier.core.shared_host`) -------------------------
+    #: the node service's host tier, or :data:`~kvtier.core.shared_host.NO_SHARED_HOST` (falsy): told of every
+    #: finished backup, asked where a walk ends early
+    shared_host: SharedHost = NO_SHARED_HOST
+
+    def _backed_up(self, nodes: list[PageNode]) -> None:
+        """A copy of ``nodes`` to host completed: their host copies are readable, other engines sharing the
+        host tier may have them, and they count."""
+        self.tree.mark_host_ready(nodes)
+        if self.shared_host:
+            self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
+        self.stats.backed_up_pages += len(nodes)
+        self.stats.backed_up_bytes += len(nodes) * self._page_bytes
+
+    def _settle_shared_pages(self) -> None:
+        """Before :meth:`_forget_shared_host`: nothing here (a copy in flight locks its pages, so the
+        forget leaves them unreadable and takes them at a later walk); kvtier's own device waits."""
+
+    def _may_adopt_below(self, path: list[PageNode]) -> bool:
+        """Whether pages of the shared tier may hang below ``path`` (see :meth:`_shared_walk`)."""
+        return True
+
+    def _shared_walk(self, keys: list[PageHash], limit: int | None) -> list[PageNode]:
+        """The tree's walk of ``keys``, continued by what other engines published to the shared host tier;
+        where the tier was lost, its pages are forgotten first."""
+        if self.shared_host.lost and self.tree.hosted:
+            self._forget_shared_host()
+        path = self.tree.walk(keys)
+        if len(path) < len(keys) and self._may_adopt_below(path):
+            path += self._adopt_shared(keys, path, limit)
+        return path
+
+    def _forget_shared_host(self) -> None:
+        """The shared host tier is lost (:mod:`~kvtier.core.shared_host`), and every host page is one of its
+        region's: once the copies in flight have completed, the tree forgets them -- misses from now on,
+        freed into the host allocator once each (it gives nothing back to a lost tier). A host-only page a
+        request still locks is made unreadable now (no match offers it, no load reads it) and forgotten
+        at a later match (an engine-device core's copies in flight lock their pages: they are among those)."""
+        self._settle_shared_pages()
+        tree = self.tree
+        hosted = list(tree.hosted)
+        pages = [tree.clear_host(n) for n in hosted if n.device_page != NO_PAGE]
+        host_only = [n for n in hosted if n.device_page == NO_PAGE]
+        gone = _unlocked_from_leaves_up(host_only)
+        for n in set(host_only).difference(gone):
+            n.host_ready = False
+        if self.on_host_evicted is not None:
+            self.on_host_evicted([n.key for n in hosted if n.device_page != NO_PAGE] + [n.key for n in gone])
+        pages += tree.remove_host_only(gone)
+        self.host_alloc.free(pages)
+        self.stats.shared_host_lost_pages += len(pages)
+
+    def _adopt_shared(self, keys: list[PageHash], path: list[PageNode], limit: int | None) -> list[PageNode]:
+        """The pages after ``path`` (up to ``limit``) that other engines published to the shared host tier:
+        this core's readable host pages from now on, room made for them by its own host LRU."""
+        rest = keys[len(path) : limit]
+        pages = self.shared_host.lookup(rest)
+        if not pages:
+            return []
+        parent = path[-1] if path else None
+        short = len(pages) - self.host_alloc.num_free
+        if short > 0:
+            self.tree.lock(parent)  # the path the adopted pages hang from stays
+            try:
+                self.evict_host(short)
+            finally:
+                self.tree.unlock(parent)
+        n = self.shared_host.adopt(pages)
+        self.stats.shared_host_pages += n
+        return self.tree.add_host_chain(rest[:n], pages[:n], parent, ready=True) if n else []
+
     def _check_host(self, caller_host_pages: set[int], idle: bool) -> None:
         """The shared half of ``check_integrity``: the tree's own invariants, host accounting and,
         when ``idle``, liveness (nothing locked or in flight, every host page readable)."""
@@ -138,3 +210,22 @@ class CoreBase(HostTier):
         assert set(host_owned) | set(caller_host_pages) | parked | objects == self.host_alloc.allocated_pages(), (
             "host allocator and tree disagree (leak or foreign page)"
         )
+
+
+def _unlocked_from_leaves_up(host_only: list[PageNode]) -> list[PageNode]:
+    """Of host-only ``host_only`` (a union of whole subtrees below device pages), those no lock keeps,
+    each after its children: the order :meth:`~kvtier.radix.PrefixTree.remove_host_only` takes them in.
+    (A lock on a host-only node counts on each host-only node above it, so a node whose count is zero
+    has none below it.)"""
+    children_left = {n: n.num_children for n in host_only}
+    ready = [n for n in host_only if not n.num_children and not n.lock_ref]
+    order = []
+    while ready:
+        n = ready.pop()
+        order.append(n)
+        parent = n.parent
+        if parent in children_left:
+            children_left[parent] -= 1
+            if not children_left[parent] and not parent.lock_ref:
+                ready.append(parent)
+    return order

@@ -50,9 +50,9 @@ from kvtier.core.port import ExecutorPort
 from kvtier.core.quarantine import Quarantine
 from kvtier.core.request import CacheRequest
 from kvtier.core.results import EvictResult, InsertResult, LoadResult, MatchResult
-from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
+from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost, check_shared_host
 from kvtier.core.tags import Backup, EvictionBackup, EvictionSave, JobTag, LoadBack, PrefetchHandle, Save
-from kvtier.errors import ConfigError, ExecutorError, PageAlignmentError, PageOwnershipError
+from kvtier.errors import ExecutorError, PageAlignmentError, PageOwnershipError
 from kvtier.groups import ModelSpec
 from kvtier.hashing import Namespace, PageHash
 from kvtier.metrics import CacheStats
@@ -84,9 +84,7 @@ class CacheCore(DeviceSpace):
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
                  model: ModelSpec | None = None, group_pools: dict[str, tuple[PageAllocator, PageAllocator]] | None = None,
                  state_every: int = 1, shared_host: SharedHost = NO_SHARED_HOST):
-        if shared_host and (model is not None and model.is_hybrid or port.has_storage):
-            raise ConfigError("a shared host tier (the node service) serves models of full attention only, with no L3 of the engine's own "
-                              "(the service keeps the tiers below the engine): drop the storage URL, or the service")
+        check_shared_host(shared_host, model, port)
         if namespace is None and model is not None and model.is_hybrid:
             namespace = Namespace("default", model.fingerprint())
         super().__init__(spec, device, host, port, config, storage_config, namespace=namespace, stats=stats)
@@ -191,55 +189,6 @@ class CacheCore(DeviceSpace):
                 n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
             st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled)
-
-    def _shared_walk(self, keys: list[PageHash], limit: int | None) -> list[PageNode]:
-        """The tree's walk of ``keys``, continued by what other engines published to the shared host tier;
-        where the tier was lost, its pages are forgotten first."""
-        if self.shared_host.lost and self.tree.hosted:
-            self._forget_shared_host()
-        path = self.tree.walk(keys)
-        if len(path) < len(keys):
-            path += self._adopt_shared(keys, path, limit)
-        return path
-
-    def _forget_shared_host(self) -> None:
-        """The shared host tier is lost (:mod:`~kvtier.core.shared_host`), and every host page is one of its
-        region's: once the copies in flight have completed, the tree forgets them -- misses from now on,
-        freed into the host allocator once each (it gives nothing back to a lost tier). A host-only page a
-        request still locks is made unreadable now (no match offers it, no load reads it) and forgotten
-        at a later match."""
-        self.poll_inflight()
-        tree = self.tree
-        hosted = list(tree.hosted)
-        pages = [tree.clear_host(n) for n in hosted if n.device_page != NO_PAGE]
-        host_only = [n for n in hosted if n.device_page == NO_PAGE]
-        gone = _unlocked_from_leaves_up(host_only)
-        for n in set(host_only).difference(gone):
-            n.host_ready = False
-        if self.on_host_evicted is not None:
-            self.on_host_evicted([n.key for n in hosted if n.device_page != NO_PAGE] + [n.key for n in gone])
-        pages += tree.remove_host_only(gone)
-        self.host_alloc.free(pages)
-        self.stats.shared_host_lost_pages += len(pages)
-
-    def _adopt_shared(self, keys: list[PageHash], path: list[PageNode], limit: int | None) -> list[PageNode]:
-        """The pages after ``path`` (up to ``limit``) that other engines published to the shared host tier:
-        this core's readable host pages from now on, room made for them by its own host LRU."""
-        rest = keys[len(path) : limit]
-        pages = self.shared_host.lookup(rest)
-        if not pages:
-            return []
-        parent = path[-1] if path else None
-        short = len(pages) - self.host_alloc.num_free
-        if short > 0:
-            self.tree.lock(parent)  # the path the adopted pages hang from stays
-            try:
-                self.evict_host(short)
-            finally:
-                self.tree.unlock(parent)
-        n = self.shared_host.adopt(pages)
-        self.stats.shared_host_pages += n
-        return self.tree.add_host_chain(rest[:n], pages[:n], parent, ready=True) if n else []
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
@@ -590,22 +539,3 @@ class CacheCore(DeviceSpace):
         assert set(dev_owned) | set(caller_device_pages) | quarantined | objects == self.dev_alloc.allocated_pages() - (
             {0} if self.dev_alloc.reserve_padding_page else set()
         ), "device allocator and tree disagree (leak or foreign page)"
-
-
-def _unlocked_from_leaves_up(host_only: list[PageNode]) -> list[PageNode]:
-    """Of host-only ``host_only`` (a union of whole subtrees below device pages), those no lock keeps,
-    each after its children: the order :meth:`~kvtier.radix.PrefixTree.remove_host_only` takes them in.
-    (A lock on a host-only node counts on each host-only node above it, so a node whose count is zero
-    has none below it.)"""
-    children_left = {n: n.num_children for n in host_only}
-    ready = [n for n in host_only if not n.num_children and not n.lock_ref]
-    order = []
-    while ready:
-        n = ready.pop()
-        order.append(n)
-        parent = n.parent
-        if parent in children_left:
-            children_left[parent] -= 1
-            if not children_left[parent] and not parent.lock_ref:
-                ready.append(parent)
-    return order

@@ -15,7 +15,6 @@ from kvtier.core.base import CoreBase
 from kvtier.core.plans import DEVICE, HOST, Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import EvictResult
-from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
 from kvtier.core.tags import Backup, EvictionBackup, GroupBackup, LoadBack
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats
@@ -48,9 +47,6 @@ class DeviceSpace(CoreBase):
     """Device allocation, backups and device eviction: the layer of :class:`~kvtier.core.cache_core.CacheCore`
     above :class:`~kvtier.core.base.CoreBase`. ``device`` allocates the ids of the device pool the
     executors hold."""
-
-    #: a host tier other engines share (:mod:`~kvtier.core.shared_host`): told of every finished backup
-    shared_host: SharedHost = NO_SHARED_HOST
 
     def __init__(self, spec: KVSpec, device: PageAllocator, host: PageAllocator, port: ExecutorPort, config: CacheConfig,
                  storage_config: StorageConfig, *, namespace: Namespace | None, stats: CacheStats | None):
@@ -108,6 +104,11 @@ class DeviceSpace(CoreBase):
         """Wait for device<->host plans in flight and apply them; True if any finished."""
         return self.wait_for(self._ops_for(Backup, LoadBack, GroupBackup)) > 0
 
+    def _settle_shared_pages(self) -> None:
+        """Before the tree forgets a lost shared host tier's pages: the backups and loads back that touch
+        them complete first (their completions read the nodes)."""
+        self.poll_inflight()
+
     def free_device(self, pages: list[int]) -> None:
         """Return caller-owned device pages (e.g. a request's partial tail page)."""
         self.dev_alloc.free(pages)
@@ -127,15 +128,6 @@ class DeviceSpace(CoreBase):
         groups = self.groups.runs(nodes, DEVICE, HOST) if self.groups else ()
         self._submit(copy_plan, Backup(nodes), DEVICE, list(map(device_page_of, nodes)), HOST, got.pages, 0, groups)
         return len(nodes)
-
-    def _backed_up(self, nodes: list[PageNode]) -> None:
-        """A backup of ``nodes`` completed: their host copies are readable, other engines sharing the host tier
-        may have them, and they count."""
-        self.tree.mark_host_ready(nodes)
-        if self.shared_host:
-            self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
-        self.stats.backed_up_pages += len(nodes)
-        self.stats.backed_up_bytes += len(nodes) * self._page_bytes
 
     def _finish_backup(self, c: Completion, tag: Backup) -> None:
         nodes = tag.nodes

@@ -165,6 +165,11 @@ class PlanDispatch(CoreState):
         del self._inflight[op]
         return mine
 
+    @property
+    def plans_in_flight(self) -> int:
+        """How many plans' completions have not been applied yet."""
+        return len(self._inflight)
+
     def in_flight(self, op: int) -> bool:
         """True until plan ``op``'s completion has been applied."""
         return op in self._inflight

@@ -49,6 +49,7 @@ from kvtier.core.group_objects import groups_for
 from kvtier.core.plans import Completion, Done, GroupRun, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import MatchResult, Waiter
+from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost, check_shared_host
 from kvtier.core.tags import GroupLoad, JobTag, PrefetchHandle
 from kvtier.errors import PageAlignmentError, PageIndexError, PageOwnershipError
 from kvtier.groups import ModelSpec
@@ -192,12 +193,17 @@ class EngineDeviceCore(CoreBase):
     """See the module docstring: ``host`` allocates the ids of the host pool the executors hold;
     the engine allocates its device blocks itself. ``model``: a hybrid model whose full group is
     ``spec``; ``group_hosts``: each other group's host allocator; ``state_every``: the cadence
-    of state snapshots, in pages."""
+    of state snapshots, in pages; ``shared_host``: a host tier other engines share
+    (:mod:`~kvtier.core.shared_host`, ``host`` its allocator; a model of full attention only, no L3):
+    a lookup whose tree ends early asks it for the rest, a completed copy out is published to it."""
 
     def __init__(self, spec: KVSpec, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
-                 model: ModelSpec | None = None, group_hosts: dict[str, PageAllocator] | None = None, state_every: int = 1):
+                 model: ModelSpec | None = None, group_hosts: dict[str, PageAllocator] | None = None, state_every: int = 1,
+                 shared_host: SharedHost = NO_SHARED_HOST):
+        check_shared_host(shared_host, model, port)
         super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats)
+        self.shared_host = shared_host
         pools = {name: (None, alloc) for name, alloc in (group_hosts or {}).items()}
         self.groups = groups_for(model, pools, spec, tree=self.tree, state_every=state_every, device=None, host=host)
         self._on |= {OffloadCopy: self._offloaded, IntoEngine: self._finish_into_engine, VoidSave: self._applied_where_waited}
@@ -234,7 +240,7 @@ class EngineDeviceCore(CoreBase):
         the group that cut the host prefix short, whether L3 was asked). L3 is asked only where every
         page of the path is readable on host; a hybrid model's prefix from L3 needs every group's
         objects, in the tree before the path's end, in L3 after it."""
-        path = self.tree.walk(keys)
+        path = self._shared_walk(keys, None) if self.shared_host else self.tree.walk(keys)
         host = self.tree.readable_host_run(path)
         limited_by = None
         usable = host
@@ -248,6 +254,11 @@ class EngineDeviceCore(CoreBase):
         if stored:
             return path, host, stored, None, probed
         return path, usable, 0, limited_by, probed
+
+    def _may_adopt_below(self, path: list[PageNode]) -> bool:
+        """Only below readable pages: a copy out still in flight that fails takes its pages with it, and
+        nothing may hang below them then."""
+        return self.tree.readable_host_run(path) == len(path)
 
     def holds(self, key: PageHash) -> bool:
         node = self.tree.nodes.get(key)
@@ -324,11 +335,8 @@ class EngineDeviceCore(CoreBase):
         tree.unlock(nodes[-1])
         chained = self._save_after.pop(c.op, None)
         if type(c) is Done:
-            tree.mark_host_ready(nodes)
-            n = len(nodes)
-            self.stats.backed_up_pages += n
-            self.stats.backed_up_bytes += n * self._page_bytes
-            self.stats.inserted_pages += n
+            self._backed_up(nodes)
+            self.stats.inserted_pages += len(nodes)
             if chained is None and self.port.has_storage and self.storage_config.write_policy == "write_through":
                 return self._save(nodes)
             return chained

@@ -16,15 +16,17 @@ gives no pages and takes none back, and the core's next match forgets every host
 are all the region's), after the copies in flight that touch them completed. The engine goes on with
 misses; the tier attaches again on its own once nothing of the old attachment is left in the core.
 
-The choice is made once, at construction (:class:`~kvtier.core.cache_core.CacheCore`'s ``shared_host``):
-:data:`NO_SHARED_HOST` (falsy) for a host tier of the engine's own, so the per-request paths test one
-attribute and call nothing.
+The choice is made once, at construction (``shared_host`` of :class:`~kvtier.core.cache_core.CacheCore`
+and of :class:`~kvtier.core.engine_device.EngineDeviceCore`, vLLM's scheduler; both run
+:class:`~kvtier.core.base.CoreBase`'s code for it): :data:`NO_SHARED_HOST` (falsy) for a host tier of
+the engine's own, so the per-request paths test one attribute and call nothing.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from kvtier.errors import ConfigError
 from kvtier.hashing import PageHash
 
 
@@ -59,3 +61,11 @@ class NoSharedHost(tuple):
 
 
 NO_SHARED_HOST = NoSharedHost()
+
+
+def check_shared_host(shared_host: SharedHost, model, port) -> None:
+    """A shared host tier serves a core of a full-attention model with no L3 of its own (the service keeps
+    the tiers below the engine); a :class:`ConfigError` otherwise, before the core is built."""
+    if shared_host and (model is not None and model.is_hybrid or port.has_storage):
+        raise ConfigError("a shared host tier (the node service) serves models of full attention only, with no L3 of the engine's own "
+                          "(the service keeps the tiers below the engine): drop the storage URL, or the service")

@@ -96,7 +96,13 @@ class HostPool:
         self._lay_out(memory)
 
     def _lay_out(self, memory: torch.Tensor | None) -> None:
-        """The buffers (and their per-layer row views): fresh memory of their own, or views of ``memory``."""
+        """The buffers (and their per-layer row views): fresh memory of their own, or views of ``memory``
+        -- normal tensors even when laid out under ``torch.inference_mode`` (a region mapped anew in an
+        engine's step), which kvtier's transfer thread could not write into."""
+        with torch.inference_mode(False):
+            self._lay_out_buffers(memory)
+
+    def _lay_out_buffers(self, memory: torch.Tensor | None) -> None:
         spec, name = self.spec, self.name
         offsets, size = region_offsets([b.page_bytes for b in spec.buffers], spec.num_layers, self.num_pages)
         if memory is not None and memory.numel() < size:

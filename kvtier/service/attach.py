@@ -1,4 +1,5 @@
-"""An engine attaches to the node service: its host pool becomes a view of the service's region."""
+"""An engine attaches to the node service: its host allocator leases the service's pages, and its host
+pool (where this process holds the bytes) is a view of the service's region."""
 
 from __future__ import annotations
 
@@ -10,17 +11,30 @@ from kvtier.service.region import RegionFormat, map_region
 from kvtier.spec import KVSpec
 
 
+def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str, share: int, *,
+                 deadline_s: float = DEFAULT_DEADLINE_S, lookup_deadline_s: float | None = None) -> LeasedPages:
+    """The host allocator of an engine attached to the service at ``socket_path`` in ``namespace``, for
+    pages of ``fmt``: a :class:`LeasedPages` holding at most ``share`` of the region's pages. ``close()``
+    detaches. The deadlines are :class:`ServiceClient`'s (``TierConfig.service_timeout_s``,
+    ``service_lookup_timeout_s``)."""
+    client = ServiceClient(socket_path, str(namespace), fmt, deadline_s=deadline_s, lookup_deadline_s=lookup_deadline_s)
+    try:
+        return LeasedPages(client, share)
+    except BaseException:
+        client.close()
+        raise
+
+
 def attach_host_pool(socket_path: str, spec: KVSpec, layout: str, namespace: Namespace, share: int, *,
                      deadline_s: float = DEFAULT_DEADLINE_S, lookup_deadline_s: float | None = None) -> HostPool:
     """A :class:`HostPool` over the region of the service at ``socket_path`` (mapped, not copied), whose
-    allocator is a :class:`LeasedPages` holding at most ``share`` of its pages for this engine.
-    ``pool.allocator.close()`` detaches (the cache that uses the pool does so when it closes). The
-    deadlines are :class:`ServiceClient`'s (``TierConfig.service_timeout_s``, ``service_lookup_timeout_s``)."""
-    client = ServiceClient(socket_path, str(namespace), RegionFormat.of(spec, layout), deadline_s=deadline_s,
-                           lookup_deadline_s=lookup_deadline_s)
+    allocator is :func:`attach_pages`'. ``pool.allocator.close()`` detaches (the cache that uses the pool
+    does so when it closes)."""
+    leased = attach_pages(socket_path, RegionFormat.of(spec, layout), namespace, share, deadline_s=deadline_s,
+                          lookup_deadline_s=lookup_deadline_s)
+    client = leased.client
     try:
         memory = map_region(client.region, client.region_size)
-        leased = LeasedPages(client, share)
         leased.pool = HostPool(spec, client.num_pages, layout, memory=memory, allocator=leased, name="node service region")
         return leased.pool
     except BaseException:

@@ -32,7 +32,7 @@ import time
 from kvtier.alloc import Allocation, PageAllocator
 from kvtier.errors import ConfigError, ServiceError
 from kvtier.service.client import ServiceClient
-from kvtier.service.region import map_region
+from kvtier.service.region import Region, map_region
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,9 @@ class LeasedPages(PageAllocator):
         self._used = 0
         #: pages the service had for us when it last gave fewer than asked (None: unknown, assume enough)
         self._room: int | None = None
-        #: the host pool over the region (set by :func:`~kvtier.service.attach.attach_host_pool`): mapped anew on reattaching
+        #: the host pool over the region (set by :func:`~kvtier.service.attach.attach_host_pool`): mapped anew on reattaching.
+        #: None where the bytes are elsewhere: vLLM's workers map the region its scheduler names in each step's metadata
+        #: (:attr:`region`), so they map the new one from the first step after reattaching
         self.pool = None
         self.lost = False
         self.losses = self.reattaches = 0
@@ -144,6 +146,12 @@ class LeasedPages(PageAllocator):
         if not self.lost:
             self._tell(self.client.publish, pages, keys)
 
+    @property
+    def region(self) -> Region:
+        """The region this engine's page ids are of (a restarted service's is another file)."""
+        c = self.client
+        return Region(c.region, c.fmt, c.num_pages, c.region_size)
+
     def close(self, *, quiesced: bool) -> None:
         """Detach (``quiesced``: no copy in flight touches this engine's pages, and none will)."""
         self.client.close(quiesced=quiesced)
@@ -185,7 +193,8 @@ class LeasedPages(PageAllocator):
             if client.num_pages != self.num_pages:
                 raise ServiceError(f"its region holds {client.num_pages} pages, this engine's host pool {self.num_pages}: "
                                    "restart the engine to use it")
-            self.pool.remap(map_region(client.region, client.region_size))
+            if self.pool is not None:
+                self.pool.remap(map_region(client.region, client.region_size))
         except ServiceError as e:
             client.close()
             self._retry_s = RETRY_MAX_S

@@ -62,6 +62,24 @@ class RegionFormat:
     def of(cls, spec: KVSpec, layout: str) -> RegionFormat:
         return cls(spec.fingerprint(), layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers), spec)
 
+    @classmethod
+    def of_shards(cls, spec: KVSpec, layout: str, tp_size: int) -> RegionFormat:
+        """A page of ``tp_size`` tensor-parallel ranks whose shards each make ``spec``: one region page holds
+        every rank's shard of it, rank ``r``'s buffers after those of ranks ``0..r-1`` (so each rank's shards
+        of every page are one contiguous slice of the region, :meth:`shard`, laid out as a host pool of
+        ``spec`` alone). The fingerprint names the tensor-parallel size: another split never shares pages."""
+        if tp_size == 1:
+            return cls.of(spec, layout)
+        return cls(f"{spec.fingerprint()}-tp{tp_size}", layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers) * tp_size)
+
+    def shard(self, num_pages: int, rank: int, tp_size: int) -> tuple[int, int]:
+        """(offset, size) of rank ``rank``'s slice of a region of ``num_pages`` pages (:meth:`of_shards`)."""
+        offsets, end = region_offsets(self.buffer_page_bytes, self.num_layers, num_pages)
+        per = len(self.buffer_page_bytes) // tp_size
+        start = offsets[rank * per]
+        stop = offsets[(rank + 1) * per] if rank + 1 < tp_size else end
+        return start, stop - start
+
     @property
     def page_bytes(self) -> int:
         return self.num_layers * sum(self.buffer_page_bytes)
@@ -204,7 +222,8 @@ def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[
 
 def map_region(path: str, size: int) -> torch.Tensor:
     """The region as a flat uint8 tensor over a shared mapping: writes are the service's and every other
-    client's to see. The mapping lives as long as the tensor (and its views)."""
+    client's to see. The mapping lives as long as the tensor (and its views). A normal tensor even when
+    mapped under ``torch.inference_mode`` (vLLM's step): kvtier's transfer thread writes into it."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError as e:
@@ -215,4 +234,5 @@ def map_region(path: str, size: int) -> torch.Tensor:
         mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
-    return torch.frombuffer(mapping, dtype=torch.uint8)
+    with torch.inference_mode(False):
+        return torch.frombuffer(mapping, dtype=torch.uint8)

@@ -17,6 +17,11 @@ vLLM's default engine-core process with its workers, any tensor-parallel size:
   completions back (``build_connector_worker_meta``), joined over ranks before
   the core sees them: a page is loaded or saved only when every rank has it.
 
+With ``service`` (the node service, ``kvtier serve``) the host tier is the
+service's shared region: the scheduler's core leases, looks up and publishes its
+pages, and each worker maps its rank's slice of the region the step's metadata
+names (:mod:`kvtier.service`, docs/service.md).
+
 Hybrid models (:class:`SupportsHMA`): vLLM keeps its hybrid KV cache manager on,
 and the connector serves its full-attention, sliding-window and block-aligned
 state groups (:mod:`.groups`; anything else is refused at start-up with the
@@ -100,7 +105,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = ConnectorScheduler(self.options, self.block_size, parallel.world_size, self.model_name, groups)
         else:
-            self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank, groups)
+            self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank, groups,
+                                          parallel.world_size)
         self._handshake: KVTierHandshake | None = None
         #: the metadata of the step the worker has begun (see _begin_step)
         self._step_meta: KVTierConnectorMetadata | None = None
@@ -125,6 +131,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is not self._step_meta:
             assert isinstance(meta, KVTierConnectorMetadata)
             self._step_meta = meta
+            if meta.region is not None:
+                self.worker.use_region(meta.region)
             self.worker.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed,
                                     meta.preempted_copies)
 

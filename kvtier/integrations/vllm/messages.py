@@ -5,6 +5,7 @@
   spec its tensors make, its host pages and its L3 namespace.
 * :class:`KVTierConnectorMetadata` -- scheduler -> every worker, each step: the
   core's plans (:class:`~kvtier.core.plans.Transfer`, page ids and page keys),
+  the node service's region their host page ids are of (attached to a service),
   and which copies out of vLLM's blocks hold blocks vLLM must keep (finished
   requests whose blocks wait for them, preempted requests' blocks).
 * :class:`KVTierWorkerMeta` -- each worker -> scheduler, each step
@@ -28,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvtier.core.plans import Completion, CutShort, Done, Failed, Transfer, completed_pages
+from kvtier.service.region import Region
 from kvtier.spec import KVSpec
 
 
@@ -35,6 +37,7 @@ from kvtier.spec import KVSpec
 class KVTierHandshake(KVConnectorHandshakeMetadata):
     tp_rank: int
     spec: KVSpec
+    #: this rank's host pages (0 attached to the node service: the scheduler's share of its region)
     host_pages: int
     #: the L3 key prefix of this rank's pages (``Namespace`` string), None without L3
     storage_prefix: str | None
@@ -60,6 +63,9 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     async_loads: dict[int, tuple[str, bool]] = field(default_factory=dict)
     #: requests whose asynchronous load could not be planned: reported finished and failed at once
     async_failed: list[str] = field(default_factory=list)
+    #: attached to the node service: the region every host page id of ``plans`` is of (each worker maps its
+    #: shard of it, and maps it anew when it changes: the scheduler attached to a restarted service)
+    region: Region | None = None
 
 
 @dataclass

@@ -118,12 +118,15 @@ def _tiny_config(folder: str, config: dict, cache_dir: str | os.PathLike | None,
     return out
 
 
-def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None) -> Path:
+def ensure_tiny_llama(cache_dir: str | os.PathLike | None = None, *, weights: bool = False) -> Path:
     """A 2-layer, 256-wide Llama config (4 query / 2 KV heads: both split over 2 tensor-parallel ranks),
-    for tensor-parallel runs on a CPU."""
-    return _tiny_config("tiny-llama-tp", {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-                                          "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-                                          "num_key_value_heads": 2, "head_dim": 64}, cache_dir)
+    for tensor-parallel runs on a CPU. ``weights``: with seeded random weights (vLLM's dummy weights are
+    the same on every rank's shard, so the ranks' KV shards would be equal: a test of per-rank shards
+    needs them to differ)."""
+    return _tiny_config("tiny-llama-tp-weights" if weights else "tiny-llama-tp",
+                        {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256, "intermediate_size": 512,
+                         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}, cache_dir,
+                        weights=weights)
 
 
 #: the sliding window of :func:`ensure_tiny_gemma3`, in tokens

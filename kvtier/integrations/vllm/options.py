@@ -2,7 +2,10 @@
 
 Keys are flat, as vLLM passes them: ``host_pages`` / ``host_gb`` / ``host_layout``
 set the :class:`~kvtier.config.TierConfig` (host side: vLLM owns the device
-blocks; default 1 GB of host), ``hash_algo`` / ``io_backend`` the
+blocks; default 1 GB of host), and so do ``service`` (a ``kvtier serve`` socket,
+``unix:///path`` or a plain path: the host tier is the node service's region,
+``host_pages`` / ``host_gb`` then the engine's share of it, all ranks' shards
+together), ``service_timeout_s`` and ``service_lookup_timeout_s``; ``hash_algo`` / ``io_backend`` the
 :class:`~kvtier.config.CacheConfig`, every :class:`~kvtier.config.StorageConfig`
 field prefixed with ``storage_`` (``storage_url``, ``storage_prefetch_policy``,
 ...) the L3 tier; ``model_name`` and ``salt`` name the L3 namespace; ``load_retry_s``
@@ -20,7 +23,9 @@ from kvtier.config import CacheConfig, StorageConfig, TierConfig, _help, check_n
 from kvtier.errors import ConfigError
 
 #: flat keys -> (section, field); the device side of TierConfig is vLLM's, not ours
-_TIER_KEYS = ("host_pages", "host_gb", "host_layout")
+_TIER_KEYS = ("host_pages", "host_gb", "host_layout", "service", "service_timeout_s", "service_lookup_timeout_s")
+#: how a service socket may be named besides a plain path
+UNIX_SCHEME = "unix://"
 _CACHE_KEYS = ("hash_algo", "io_backend")
 #: the host size when neither host_pages nor host_gb is given
 DEFAULT_HOST_GB = 1.0
@@ -57,6 +62,11 @@ class ConnectorOptions:
                 f"kvtier connector: unknown kv_connector_extra_config key(s) {', '.join(unknown)}; valid: {', '.join(cls.valid_keys())}"
             )
         tier = {k: extra[k] for k in _TIER_KEYS if k in extra}
+        if "service" in tier:
+            tier["service"] = service_path(tier["service"])
+            if extra.get("storage_url"):
+                raise ConfigError("kvtier connector: service and storage_url cannot both be set: an engine attached to the node service "
+                                  "has no L3 of its own (the service keeps the tiers below the engine); drop storage_url, or service")
         if "host_pages" not in tier:
             tier.setdefault("host_gb", DEFAULT_HOST_GB)
         return cls(
@@ -67,3 +77,18 @@ class ConnectorOptions:
             cache=CacheConfig(**{k: extra[k] for k in _CACHE_KEYS if k in extra}),
             storage=StorageConfig(**{f.name: extra[f"storage_{f.name}"] for f in fields(StorageConfig) if f"storage_{f.name}" in extra}),
         )
+
+
+def service_path(value: Any) -> Any:
+    """``unix:///run/kvtier/node.sock`` or ``/run/kvtier/node.sock`` -> the socket's path (anything else is left
+    to :class:`~kvtier.config.TierConfig`'s check, whose error names the field)."""
+    if isinstance(value, str) and value.startswith(UNIX_SCHEME):
+        path = value[len(UNIX_SCHEME) :]
+        if not path.startswith("/"):
+            raise ConfigError(f"kvtier connector: service={value!r} is not a socket URL; write unix:///absolute/path.sock or the "
+                              "plain path")
+        return path
+    if isinstance(value, str) and "://" in value:
+        raise ConfigError(f"kvtier connector: service={value!r}: the node service listens on a unix socket; write "
+                          "unix:///path/to/node.sock or the plain path")
+    return value

@@ -55,6 +55,7 @@ from kvtier.alloc import PageAllocator
 from kvtier.config import CacheConfig
 from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.core.plans import completed_pages
+from kvtier.core.shared_host import NO_SHARED_HOST
 from kvtier.errors import ConfigError
 from kvtier.hashing import Namespace, PageHash, hasher, page_keys
 from kvtier.integrations.vllm.events import TierEvents
@@ -62,6 +63,10 @@ from kvtier.integrations.vllm.groups import VllmGroup, model_spec
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler_port import SchedulerPort, StoreProbe
+from kvtier.service.attach import attach_pages
+from kvtier.service.leased import LeasedPages
+from kvtier.service.region import RegionFormat
+from kvtier.spec import KVSpec
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -86,6 +91,9 @@ class HitRecord:
     storage_pages: int
     #: pages whose copy out of vLLM's blocks was planned for this request (prompt and decode)
     offloaded_pages: int = 0
+    #: of ``host_pages``, those this lookup took from the node service (other engines', or an earlier
+    #: run's, published pages); 0 without a service
+    shared_host_pages: int = 0
 
 
 class RecentFailures:
@@ -151,11 +159,16 @@ class ConnectorScheduler:
         if options.storage.url and options.storage.write_policy != "write_through":
             raise ConfigError("kvtier connector: storage_write_policy must be write_through (a write_back save would make the "
                               "scheduler wait for a worker when host memory evicts)")
+        if options.tiers.service and groups is not None and len(groups) > 1:
+            raise ConfigError("kvtier connector: the node service (service=...) serves models of full attention only; this model has "
+                              f"KV cache groups {[g.name for g in groups]}: drop service (kvtier keeps a host tier of its own)")
         self.options = options
         self.block_size = block_size
         self.world_size = world_size
         self.model_name = model_name
         self.core: EngineDeviceCore | None = None
+        #: attached to the node service: the host allocator leasing its region's pages (the core's shared host tier)
+        self.leased: LeasedPages | None = None
         self.port: SchedulerPort | None = None
         self._requests: dict[str, _RequestState] = {}
         self._unavailable: list[int] = []
@@ -196,12 +209,15 @@ class ConnectorScheduler:
             if m.spec.page_bytes != first.spec.page_bytes or m.spec.num_layers != first.spec.num_layers:
                 raise ConfigError(f"kvtier connector: rank {r}'s pages ({m.spec.page_bytes} bytes, {m.spec.num_layers} layers) differ "
                                   f"from rank 0's ({first.spec.page_bytes}, {first.spec.num_layers}); every rank must hold an equal shard")
-        host_pages = min(metas[r].host_pages for r in ranks)
         prefixes = [metas[r].storage_prefix for r in ranks]
         probe = StoreProbe(self.options.storage, prefixes) if self.options.storage.url and all(prefixes) else None
         self.port = SchedulerPort(self.world_size, probe, self.options.rank_timeout_s)
         cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
-        host = PageAllocator(host_pages, "host pages (every rank's shard)")
+        if self.options.tiers.service:
+            host = self.leased = self._attach_service(first.spec)
+        else:
+            host = PageAllocator(min(metas[r].host_pages for r in ranks), "host pages (every rank's shard)")
+        host_pages = host.capacity
         fingerprint = first.spec.fingerprint()
         if self.groups:
             missing = [r for r in ranks if set(metas[r].group_pages) != {g.name for g in self._others}]
@@ -214,11 +230,24 @@ class ConnectorScheduler:
             self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, model=model, group_hosts=group_hosts)
             fingerprint = model.fingerprint()
         else:
-            self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage)
+            shared = self.leased if self.leased is not None else NO_SHARED_HOST
+            self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, shared_host=shared)
         self.core.on_host_evicted = self.events.evicted
         # page keys are the same on every rank (rank 0's namespace); L3 keys add each rank's prefix
         self._root = Namespace(self.model_name, fingerprint, 0, self.options.salt).root(self.options.cache.hash_algo)
-        log.info("kvtier scheduler: %d ranks, %d host pages each, L3 %s", self.world_size, host_pages, "on" if probe else "off")
+        log.info("kvtier scheduler: %d ranks, %d host pages each, L3 %s%s", self.world_size, host_pages, "on" if probe else "off",
+                 f", node service {self.options.tiers.service} (region {self.leased.region.path})" if self.leased else "")
+
+    def _attach_service(self, spec: KVSpec) -> LeasedPages:
+        """Attach to the node service: its region's pages hold every rank's shard of a page
+        (:meth:`~kvtier.service.region.RegionFormat.of_shards`), in a namespace of the model, the shards'
+        fingerprint with the tensor-parallel size, and the salt. ``host_pages`` / ``host_gb`` size this
+        engine's share of the region (pages of every rank's shards)."""
+        tiers = self.options.tiers
+        fmt = RegionFormat.of_shards(spec, tiers.host_layout, self.world_size)
+        namespace = Namespace(self.model_name, fmt.fingerprint, 0, self.options.salt)
+        return attach_pages(tiers.service, fmt, namespace, tiers.host_pages_for(fmt.page_bytes), deadline_s=tiers.service_timeout_s,
+                            lookup_deadline_s=tiers.service_lookup_timeout_s)
 
     # ---- keys --------------------------------------------------------------------------------
     def _request_root(self, request: Request) -> PageHash | None:
@@ -257,13 +286,15 @@ class ConnectorScheduler:
         self._extend_keys(state, usable)
         start = num_computed_tokens // bs
         asked = state.keys[: self.recent_failures.usable(state.keys[:usable])]
+        shared_before = self.core.stats.shared_host_pages
         found = self.core.lookup(asked)
         if found.probed and found.pages < len(asked):
             self.events.missing_from_storage(asked[found.pages])
         state.load_start, state.load_end, state.load_pending = start, max(start, found.pages), False
         external = (state.load_end - start) * bs
         state.hit = HitRecord(
-            request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages
+            request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages,
+            shared_host_pages=self.core.stats.shared_host_pages - shared_before,
         )
         self.hits.append(state.hit)
         return external, bool(self.groups) and external > 0
@@ -363,7 +394,7 @@ class ConnectorScheduler:
         async_loads, self._async_loads = self._async_loads, {}
         async_failed, self._async_failed = self._async_failed, []
         return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed,
-                                       preempted + fence, async_loads, async_failed)
+                                       preempted + fence, async_loads, async_failed, self.leased.region if self.leased else None)
 
     def _fenced(self, scheduler_output: SchedulerOutput) -> list[int]:
         """Copies out of window blocks that vLLM freed (they left the window) and allocated again this
@@ -477,3 +508,6 @@ class ConnectorScheduler:
     def shutdown(self) -> None:
         if self.port is not None:
             self.port.close()
+        if self.leased is not None:
+            # quiesced only when no copy in flight touches its pages; else the service keeps them until this process exits
+            self.leased.close(quiesced=self.core is None or not self.core.plans_in_flight)

@@ -32,6 +32,8 @@ class PromptResult:
     external_hit_tokens: int = 0
     host_hit_pages: int = 0
     storage_hit_pages: int = 0
+    #: of the host hit, the pages the lookup took from the node service (``service`` in the extra config)
+    shared_host_pages: int = 0
 
 
 @dataclass
@@ -51,6 +53,8 @@ class SessionReport:
     chat_s: float = 0.0
     #: each rank's L3 namespace (Namespace fields), with kvtier
     namespaces: list[dict] = field(default_factory=list)
+    #: attached to the node service: each rank's slice of its region (path, offset, size; None before a step mapped it)
+    regions: list[dict | None] = field(default_factory=list)
 
 
 def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
@@ -62,9 +66,10 @@ def prompt_ids(n: int, seed: int = 0, vocab: int = 49152) -> list[int]:
 
 
 #: ``--model`` choices: SmolLM2-135M (the default; tensor parallel runs take the tiny Llama, whose heads split),
-#: a tiny Llama with dummy weights, Gemma 3 configs of sliding-window and full-attention layers (tiny: the tests';
-#: small: the benchmark's), a tiny Qwen3-Next of linear-attention and full-attention layers (bf16 only)
-MODELS = ("smollm2", "tiny-llama", "tiny-gemma3", "small-gemma3", "tiny-qwen3-next")
+#: a tiny Llama with dummy weights (the same on every rank) or seeded random ones, Gemma 3 configs of sliding-window
+#: and full-attention layers (tiny: the tests'; small: the benchmark's), a tiny Qwen3-Next of linear-attention and
+#: full-attention layers (bf16 only)
+MODELS = ("smollm2", "tiny-llama", "tiny-llama-seeded", "tiny-gemma3", "small-gemma3", "tiny-qwen3-next")
 
 
 def _model_args(model: str, tp: int) -> dict:
@@ -82,6 +87,8 @@ def _model_args(model: str, tp: int) -> dict:
         return dict(model=str(ensure_model()))
     if model == "tiny-llama":
         return dict(model=str(ensure_tiny_llama()), load_format="dummy", tensor_parallel_size=tp)
+    if model == "tiny-llama-seeded":
+        return dict(model=str(ensure_tiny_llama(weights=True)), tensor_parallel_size=tp)
     if model == "tiny-gemma3":
         return dict(model=str(ensure_tiny_gemma3()), tensor_parallel_size=tp)
     if model == "small-gemma3":
@@ -149,6 +156,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
                 hit.get("external_tokens", 0),
                 hit.get("host_pages", 0),
                 hit.get("storage_pages", 0),
+                hit.get("shared_host_pages", 0),
             )
         )
     for turn in range(chat_turns):  # one conversation: each prompt is the history plus a new question
@@ -166,6 +174,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
                 hit.get("external_tokens", 0),
                 hit.get("host_pages", 0),
                 hit.get("storage_pages", 0),
+                hit.get("shared_host_pages", 0),
             )
         )
         history = history + list(out.outputs[0].token_ids)
@@ -173,6 +182,7 @@ def run_session(prompts: list[list[int]], *, kvtier: bool = True, storage_url: s
     if kvtier:
         report.worker_stats = llm.collective_rpc("kvtier_stats")
         report.namespaces = llm.collective_rpc("kvtier_namespace")
+        report.regions = llm.collective_rpc("kvtier_region")
     llm.llm_engine.engine_core.shutdown()  # the worker connectors drain their L3 writes here
     return report
 
@@ -207,6 +217,17 @@ class KVTierWorkerExtension:
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
         return asdict(get_kv_transfer_group().worker.namespace)
+
+    def kvtier_region(self) -> dict | None:
+        """Attached to the node service: this rank's slice of the region its host pool maps."""
+        from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+        worker = get_kv_transfer_group().worker
+        region = worker.region
+        if region is None:
+            return None
+        offset, size = region.format.shard(region.num_pages, worker.tp_rank, worker.tp_size)
+        return {"path": region.path, "offset": offset, "size": size, "num_pages": region.num_pages}
 
 
 MARKER = "KVTIER_SESSION "

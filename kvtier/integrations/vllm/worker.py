@@ -1,8 +1,9 @@
 """The connector on one vLLM worker (one tensor-parallel rank): bytes only, no policy.
 
 It holds this rank's slice of everything: vLLM's KV blocks (the device side),
-a host pool addressed by the page ids every rank shares, and its own L3 I/O
-under a namespace that carries the rank. Each step it runs the plans the
+a host pool addressed by the page ids every rank shares -- attached to the node
+service, its rank's slice of the service's region (:meth:`ConnectorWorker.use_region`) --,
+and its own L3 I/O under a namespace that carries the rank. Each step it runs the plans the
 scheduler's core sent (:class:`~kvtier.integrations.vllm.messages.KVTierConnectorMetadata`)
 and reports their completions back; it decides nothing.
 
@@ -47,6 +48,7 @@ import torch
 
 from kvtier.l3.tier import open_storage_tier
 from kvtier.core.plans import Completion, Done, Tier, Transfer, completed_pages
+from kvtier.errors import ConfigError
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace
@@ -57,6 +59,8 @@ from kvtier.integrations.vllm.metrics import KVTierConnectorStats
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.l3.base import redact_url
 from kvtier.pools import HostPool
+from kvtier.service.region import Region, RegionFormat, map_region
+from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -93,11 +97,17 @@ class WorkerStats:
 
 class ConnectorWorker:
     def __init__(self, options: ConnectorOptions, model: ModelShape, model_name: str, tp_rank: int,
-                 groups: list[VllmGroup] | None = None):
+                 groups: list[VllmGroup] | None = None, tp_size: int = 1):
         self.options = options
         self.model = model
         self.model_name = model_name
         self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        #: attached to the node service: the region this rank's host pool is a shard of (None: not mapped yet)
+        self.region: Region | None = None
+        self._host: HostPool | None = None
+        #: attached to the node service, until the first step names its region: the spec and the device pool
+        self._unmapped: tuple[KVSpec, object] | None = None
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.stats = WorkerStats()
         self.executor: ChainedExecutor | None = None
@@ -137,7 +147,7 @@ class ConnectorWorker:
         if self.groups is None:
             spec, device, index = map_kv_caches(kv_caches, self.model)
             self._layer_index = {n: (None, i) for n, i in index.items()}
-            host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout)
+            host = HostPool(spec, tiers.host_pages_for(spec.page_bytes), tiers.host_layout) if not tiers.service else None
             fingerprint, pools = spec.fingerprint(), {}
         else:  # each group's layers are a pool of their own (vLLM's block ids index every one of them)
             built = {}
@@ -156,17 +166,56 @@ class ConnectorWorker:
             pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
             fingerprint = model_spec(self.model_name, self.groups, {"full": spec, **{n: sp for n, (sp, _) in built.items()}}).fingerprint()
         namespace = self.namespace = Namespace(self.model_name, fingerprint, self.tp_rank, self.options.salt)
-        self.storage = open_storage_tier(self.options.storage, host, namespace)
-        io = self.options.cache.io_backend
-        engine = TransferEngine(host, device, io, name=f"kvtier-worker{self.tp_rank}")
-        self.executor = ChainedExecutor(LocalExecutor(engine, self.storage, *group_movers(pools, io, self.storage)))
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
         self._group_page_bytes = {name: hp.spec.page_bytes for name, (_, hp) in pools.items()}
         self._num_layers = len(self._layer_index)
+        if host is None:  # the node service's region: mapped when the first step names it (use_region)
+            self._unmapped = (spec, device)
+            log.info("kvtier worker rank %d of %d: %s, host tier on the node service %s", self.tp_rank, self.tp_size, spec.name,
+                     tiers.service)
+            return KVTierHandshake(self.tp_rank, spec, 0, None)
+        self._start_executor(host, device, pools)
         log.info("kvtier worker rank %d: %s, %d host pages (%s)%s, L3 %s", self.tp_rank, spec.name, host.num_pages, host.layout.kind,
                  f", KV groups {sorted(pools)} beside full attention" if pools else "", redact_url(self.options.storage.url) or "off")
         return KVTierHandshake(self.tp_rank, spec, host.num_pages, str(namespace) if self.storage is not None else None,
                                {name: (hp.spec, hp.num_pages) for name, (_, hp) in pools.items()})
+
+    def _start_executor(self, host: HostPool, device, pools: dict) -> None:
+        self._host = host
+        self.storage = open_storage_tier(self.options.storage, host, self.namespace)
+        io = self.options.cache.io_backend
+        engine = TransferEngine(host, device, io, name=f"kvtier-worker{self.tp_rank}")
+        self.executor = ChainedExecutor(LocalExecutor(engine, self.storage, *group_movers(pools, io, self.storage)))
+
+    def use_region(self, region: Region) -> None:
+        """Attached to the node service: this rank's shard of ``region`` (:meth:`~kvtier.service.region.RegionFormat.shard`)
+        is its host pool, mapped where the service made it (no pool of its own, no copy). The first step's
+        region starts the executor; another one later -- the scheduler attached to a restarted service -- is
+        mapped in its place before any of the step's plans runs. No plan on the old region is running then:
+        the scheduler attaches again only once none of the old region's pages is in its books, so every
+        copy that touched them has completed on every rank."""
+        if region == self.region:
+            return
+        if self._host is None and self._unmapped is None:
+            raise ConfigError("kvtier worker: the scheduler names a node service region, but this worker was not configured with "
+                              "service=...; give every rank the same kv_connector_extra_config")
+        spec = self._unmapped[0] if self._unmapped is not None else self._host.spec
+        want = RegionFormat.of_shards(spec, self.options.tiers.host_layout, self.tp_size)
+        if region.format != want:
+            raise ConfigError(f"kvtier worker rank {self.tp_rank}: the node service's region holds pages of {region.format}, this rank's "
+                              f"shards make {want}; every rank must register the same model, split {self.tp_size} ways")
+        start, size = region.format.shard(region.num_pages, self.tp_rank, self.tp_size)
+        memory = map_region(region.path, region.size)[start : start + size]
+        if self._host is None:
+            spec, device = self._unmapped
+            self._unmapped = None
+            host = HostPool(spec, region.num_pages, self.options.tiers.host_layout, memory=memory, name="node service region")
+            self._start_executor(host, device, {})
+        else:
+            self._host.remap(memory)
+        self.region = region
+        log.info("kvtier worker rank %d: host tier mapped from the node service's region %s (bytes %d..%d of %d pages)", self.tp_rank,
+                 region.path, start, start + size, region.num_pages)
 
     # ---- one step --------------------------------------------------------------------------
     def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = (), delayed: dict[str, list[int]] | None = None,

