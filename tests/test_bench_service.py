@@ -35,3 +35,18 @@ def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
     assert share["service_second_hit_ratio"] == 1.0
     assert share["service_second_host_hit_pages"] == share["input_tokens"] // PAGE
     assert share["in_process_second_hit_ratio"] < 1.0
+
+
+@pytest.mark.integration
+def test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service():
+    """Five vLLM engine processes (vLLM's CPU build): each side's prompt served every page from the tier its
+    row names (the bench checks it and refuses to print otherwise), TTFTs measured in this run."""
+    r = kvtier("bench", "service", "--json", "--prompt-tokens", "128", "--requests", "4", "--copy-pages", "4", "--rounds", "1",
+               "--trace-limit", "2", "--vllm", "--vllm-prompt-tokens", "300", "--vllm-prompts", "1", timeout=1500)
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout)["vllm"]
+    assert row["model"] == "smollm2" and row["prompt_tokens"] == 300 and row["prompts"] == 1
+    assert row["hit_pages"] >= 1  # whatever block size vLLM chose, the prefix fills at least one block
+    for side in ("service_restarted", "in_process_host", "file_l3_restarted", "recompute"):
+        assert row[f"{side}_ttft_ms"] > 0
+    assert row["service_over_in_process"] == pytest.approx(row["service_restarted_ttft_ms"] / row["in_process_host_ttft_ms"], rel=0.01)

@@ -41,6 +41,9 @@ def test_gpu_check_on_cpu_round_trips_bit_exact_and_measures():
     trip = report["cache_round_trip"]  # the policy core + local executor, evicted to host and loaded back
     assert trip["bit_exact"] is True and trip["evicted"] == trip["backed_up"] == trip["pages"] == 16 and trip["hit_device_host"] == [0, 16]
     assert report["layered_save"] == {"spec": "llama-3.1-8b", "pages": 16, "layers": 2, "bit_exact": True}
+    region = report["service_region"]  # through a node service region mapped as an engine maps it (no CUDA here: not registered)
+    assert region["bit_exact"] is True and region["registered"] is False and region["pages"] == 16
+    assert region["region_gbps"] > 0 and abs(region["region_over_own"] - region["region_gbps"] / region["own_pool_gbps"]) < 0.01
     # the copy methods: its first lines say what the machine resolves; here no driver, no GPU
     assert list(report)[2] == "probes" and report["probes"]["cuMemcpyBatchAsync"]["resolved"] is False
     assert report["probes"]["triton_reads_pinned_host"] == {"ok": False, "detail": "no CUDA device"}

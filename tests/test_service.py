@@ -13,6 +13,7 @@ import stat
 import threading
 
 import pytest
+import torch
 
 from support.cache_helpers import expected_page
 from support.service import (closed_by_peer, frame, peer_report, raw_connection, raw_frame, read_answer, running_service, start_peer,
@@ -254,3 +255,26 @@ def test_kvtier_run_through_the_service_twice_the_second_engine_starts_with_the_
         # (the first takes pages back too: ones its own host LRU let go, which the service kept beyond its share)
         assert second["shared_host_pages"] > first["shared_host_pages"]
         assert second["host_hit_pages"] > first["host_hit_pages"]
+
+
+def test_a_rank_maps_its_slice_of_the_region_alone_sharing_bytes_with_a_whole_mapping(tmp_path):
+    """``map_region(offset=, length=)`` (a tensor-parallel rank's slice): the same bytes as the whole
+    region's mapping at that offset, both ways; a slice off a 4 KiB boundary or past the end is refused;
+    without CUDA nothing is registered (``pin`` asked or not) and nothing fails."""
+    from kvtier.service.region import create_region, map_region, remove_region
+
+    fmt = RegionFormat.of(SPEC, "page_first")
+    region = create_region(fmt, 8 * fmt.page_bytes, parent=str(tmp_path))
+    try:
+        whole = map_region(region.path, region.size, pin=True)
+        start, size = 4096, region.size - 8192
+        part = map_region(region.path, region.size, offset=start, length=size, pin=True)
+        assert not whole.is_pinned() and not part.is_pinned()
+        part[:5] = torch.tensor([1, 2, 3, 4, 5], dtype=torch.uint8)
+        whole[start + size - 1] = 9
+        assert whole[start : start + 5].tolist() == [1, 2, 3, 4, 5] and part[-1].item() == 9
+        for offset, length in ((100, 4096), (0, region.size + 1), (region.size, 4096)):
+            with pytest.raises(ServiceError, match="not a mappable slice"):
+                map_region(region.path, region.size, offset=offset, length=length)
+    finally:
+        remove_region(region)

@@ -147,12 +147,18 @@ def bench_service(
     copy_pages: int = typer.Option(256, min=1, help="pages per host->device copy in the bandwidth row"),
     rounds: int = typer.Option(9, min=1, help="rounds of copies, each side once per round (best round reported)"),
     trace_limit: int = typer.Option(60, min=1, help="trace requests each engine runs in the sharing row"),
+    vllm: bool = typer.Option(False, "--vllm", help="also a restarted vLLM engine's TTFT from the service against its own host "
+                                                     "tier, a file L3 tier and recompute (vLLM's CPU build; five engine starts)"),
+    vllm_prompt_tokens: int = typer.Option(2048, min=2, help="the vLLM row's prompt length in tokens"),
+    vllm_prompts: int = typer.Option(3, min=1, help="distinct prompts per vLLM session (each TTFT the median over them)"),
+    vllm_model: str = typer.Option("smollm2", help="the vLLM row's model (kvtier.integrations.vllm.session's MODELS)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """The node service (kvtier serve) against an in-process host tier: lookup cost, copy bandwidth, two engines sharing."""
     from kvtier.app.bench.service import as_json as to_json, run_service_bench
 
-    _emit(to_json(run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit)), as_json)
+    bench = run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit, vllm, vllm_prompt_tokens, vllm_prompts, vllm_model)
+    _emit(to_json(bench), as_json)
 
 
 def _backend_list(backends: str, valid: tuple[str, ...]) -> tuple[str, ...]:

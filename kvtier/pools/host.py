@@ -122,6 +122,7 @@ class HostPool:
         """Lay the buffers out in ``memory`` from now on (a node service's region mapped anew when its
         engine attaches again; the old views go, and with the last of them the old mapping). Only while no
         copy is in flight: a copy reads the views when it starts."""
+        self.pinned = memory.is_pinned()
         self._lay_out(memory)
 
     # ---- space ---------------------------------------------------------------

@@ -35,7 +35,8 @@ def attach_host_pool(socket_path: str, spec: KVSpec, layout: str, namespace: Nam
     client = leased.client
     try:
         memory = map_region(client.region, client.region_size)
-        leased.pool = HostPool(spec, client.num_pages, layout, memory=memory, allocator=leased, name="node service region")
+        leased.pool = HostPool(spec, client.num_pages, layout, memory=memory, allocator=leased, name="node service region",
+                               pin_memory=memory.is_pinned())
         return leased.pool
     except BaseException:
         client.close()

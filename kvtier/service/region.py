@@ -27,8 +27,10 @@ import os
 import shutil
 import stat
 import tempfile
+import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from kvtier.errors import KVTierError, ServiceError, ServiceProtocolError
@@ -220,10 +222,18 @@ def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[
     return removed
 
 
-def map_region(path: str, size: int) -> torch.Tensor:
-    """The region as a flat uint8 tensor over a shared mapping: writes are the service's and every other
+def map_region(path: str, size: int, *, offset: int = 0, length: int | None = None, pin: bool | None = None) -> torch.Tensor:
+    """The region (or its bytes ``offset`` to ``offset + length``: a tensor-parallel rank's slice, on a
+    4 KiB boundary) as a flat uint8 tensor over a shared mapping: writes are the service's and every other
     client's to see. The mapping lives as long as the tensor (and its views). A normal tensor even when
-    mapped under ``torch.inference_mode`` (vLLM's step): kvtier's transfer thread writes into it."""
+    mapped under ``torch.inference_mode`` (vLLM's step): kvtier's transfer thread writes into it.
+
+    ``pin`` (default: when CUDA is available) registers the mapping with CUDA (:func:`register_with_cuda`),
+    so copies between it and a GPU are asynchronous DMA as from a pinned host pool of the engine's own;
+    ``tensor.is_pinned()`` says whether it is. The service itself maps with ``pin=False``."""
+    length = size - offset if length is None else length
+    if offset % mmap.ALLOCATIONGRANULARITY or not 0 <= offset < offset + length <= size:
+        raise ServiceError(f"bytes {offset} to {offset + length} are not a mappable slice of the {size}-byte region {path}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except OSError as e:
@@ -231,8 +241,31 @@ def map_region(path: str, size: int) -> torch.Tensor:
     try:
         if os.fstat(fd).st_size != size:
             raise ServiceError(f"the node service's region {path} is {os.fstat(fd).st_size} bytes, not the {size} it announced")
-        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
     finally:
         os.close(fd)
+    # (through a numpy array: its weak references are cleared before it lets the mapping go, so the CUDA
+    # registration below is undone while the memory is still mapped)
+    array = np.frombuffer(mapping, dtype=np.uint8)
     with torch.inference_mode(False):
-        return torch.frombuffer(mapping, dtype=torch.uint8)
+        memory = torch.from_numpy(array)
+    if torch.cuda.is_available() if pin is None else pin:
+        register_with_cuda(array, memory)
+    return memory
+
+
+def register_with_cuda(owner: object, memory: torch.Tensor) -> bool:
+    """Page-lock ``memory`` for CUDA (``cudaHostRegister``) until ``owner`` -- the object that keeps it
+    mapped -- is collected, then unregister it. False (a warning; copies stay correct, synchronous) when
+    CUDA is not there or refuses."""
+    if not torch.cuda.is_available():
+        return False
+    cudart = torch.cuda.cudart()
+    ptr = memory.data_ptr()
+    err = cudart.cudaHostRegister(ptr, memory.numel(), 0)
+    if int(err) != 0:
+        log.warning("the node service's region could not be registered with CUDA (cudaHostRegister error %d): copies from it are not "
+                    "asynchronous DMA", int(err))
+        return False
+    weakref.finalize(owner, cudart.cudaHostUnregister, ptr)
+    return True

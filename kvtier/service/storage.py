@@ -96,7 +96,7 @@ class ServiceStorage:
     def bind(self, region: Region, index: HostIndex) -> None:
         """Map ``region`` (its format names the spec) as a host pool; ``index`` is the service's."""
         self._pool = HostPool(region.format.spec, region.num_pages, region.format.layout,
-                              memory=map_region(region.path, region.size), name="node service region (L3)")
+                              memory=map_region(region.path, region.size, pin=False), name="node service region (L3)")
         self.index = index
         self.max_load_pages = max(1, region.num_pages // 2)
 

@@ -3,7 +3,7 @@
 ``python -m kvtier.app.bench.gpu_check`` prints one JSON object (``--device cpu`` runs the same code on the CPU
 path -- worker thread and per-layer events -- which is how the test suite keeps it working).
 
-Five checks, through kvtier's own pools and transfer engine (pinned host memory, a
+Seven checks, through kvtier's own pools and transfer engine (pinned host memory, a
 dedicated copy stream and per-layer CUDA events on a GPU):
 
 1. **bit-exact round trips**: random bytes in device pages -> ``backup`` (all layers) into
@@ -36,6 +36,9 @@ dedicated copy stream and per-layer CUDA events on a GPU):
    ``auto`` should use: ``KVTIER_KERNEL_MAX_ROW_BYTES``). Its first lines (``probes``) record
    whether ``cuGetProcAddress`` resolves the batch call and whether the kernel reads pinned host
    memory by its address. Methods this machine cannot run are listed in ``methods_skipped``.
+7. **the node service's region** (``kvtier serve``): mapped as an engine maps it (registered with
+   ``cudaHostRegister``), a round trip through it bit-exact and its load GB/s against a pinned host pool
+   of the engine's own (``service_region``).
 
 Prints one JSON object; exit 1 if a round trip is not bit-exact.
 """
@@ -83,6 +86,9 @@ class GpuCheckReport:
     overlap_speedup: float = 0.0
     cache_round_trip: dict = field(default_factory=dict)
     layered_save: dict = field(default_factory=dict)
+    #: the node service's region, registered with CUDA as an engine maps it: bit-exact, and loads from it
+    #: against from a pinned pool of the engine's own
+    service_region: dict = field(default_factory=dict)
     #: per method: round trips (bit-exact), transfers against copy_, overlap with a running matmul
     method_round_trips: list[dict] = field(default_factory=list)
     method_transfers: list[dict] = field(default_factory=list)
@@ -104,10 +110,12 @@ def _fill_random(dev: DevicePool, pages: list[int], seed: int) -> None:
             rows[pages] = torch.randint(0, 256, (len(pages), rows.shape[1]), dtype=torch.uint8, generator=g).to(dev.device)
 
 
-def round_trip(spec: KVSpec, layout: str, device: torch.device, pages: int, backend: str | IOBackend = "direct") -> dict:
-    """device pages [0, n) -> host pages (shuffled) -> device pages [n, 2n); bytes compared."""
+def round_trip(spec: KVSpec, layout: str, device: torch.device, pages: int, backend: str | IOBackend = "direct",
+               host: HostPool | None = None) -> dict:
+    """device pages [0, n) -> host pages (shuffled) -> device pages [n, 2n); bytes compared. ``host``: a pool
+    of at least ``pages`` pages to go through (default: a pinned one of its own)."""
     dev = DevicePool(spec, 2 * pages, device)
-    host = HostPool(spec, pages, layout)
+    host = host or HostPool(spec, pages, layout)
     engine = TransferEngine(host, dev, backend)
     try:
         src = list(range(pages))
@@ -179,12 +187,14 @@ def layered_save(spec: KVSpec, device: torch.device, pages: int, work: int) -> d
 
 
 def bandwidth(spec: KVSpec, device: torch.device, pages: int, reps: int, *, direction: str = "load",
-              shuffled: bool = False, layout: str = "layer_first", backend: str | IOBackend = "direct") -> tuple[float, float]:
+              shuffled: bool = False, layout: str = "layer_first", backend: str | IOBackend = "direct",
+              host: HostPool | None = None) -> tuple[float, float]:
     """(kvtier GB/s, plain copy_ GB/s) of the same bytes, best of ``reps``: a per-layer ``load``
     (host -> device) or an all-layer ``backup`` (device -> host); host pages in one run, or
-    ``shuffled``; the plain copy_ is one DMA between pinned host memory and the device."""
+    ``shuffled``; the plain copy_ is one DMA between pinned host memory and the device. ``host``: the
+    host pool (default: a pinned one of its own)."""
     dev = DevicePool(spec, pages, device)
-    host = HostPool(spec, pages, layout)
+    host = host or HostPool(spec, pages, layout)
     engine = TransferEngine(host, dev, backend)
     nbytes = pages * spec.page_bytes
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -324,6 +334,27 @@ def measure_thresholds(device: torch.device, methods: dict[str, IOBackend], reps
     return {"rows": rows, "per_row_size": table, "kernel_max_row_bytes": best_size}
 
 
+def service_region(spec: KVSpec, device: torch.device, pages: int, reps: int) -> dict:
+    """The node service's region as an engine maps it (:func:`~kvtier.service.region.map_region`, registered
+    with CUDA): a round trip through it, bit-exact, and a load's GB/s from it against from a pinned pool of
+    the engine's own, the same pages (issue 46's target: at least 0.95x)."""
+    from kvtier.service.region import RegionFormat, create_region, map_region, remove_region
+
+    layout = "page_first"
+    region = create_region(RegionFormat.of(spec, layout), pages * spec.page_bytes)
+    try:
+        memory = map_region(region.path, region.size)
+        host = HostPool(spec, region.num_pages, layout, memory=memory, pin_memory=memory.is_pinned())
+        trip = round_trip(spec, layout, device, min(pages, region.num_pages), host=host)
+        from_region, _ = bandwidth(spec, device, region.num_pages, reps, layout=layout, host=host)
+        from_own, _ = bandwidth(spec, device, region.num_pages, reps, layout=layout)
+        return {"spec": spec.name, "pages": region.num_pages, "registered": host.pinned, "bit_exact": trip["bit_exact"],
+                "region_gbps": round(from_region, 3), "own_pool_gbps": round(from_own, 3),
+                "region_over_own": round(from_region / from_own, 3)}
+    finally:
+        remove_region(region)
+
+
 def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers: int = 8, work: int = 2048,
                   budget_s: float = 240.0) -> GpuCheckReport:
     """``budget_s``: once the check has run this long, the copy methods not measured yet are skipped (listed
@@ -341,8 +372,9 @@ def run_gpu_check(device: str = "cuda", pages: int = 256, reps: int = 5, layers:
             report.round_trips.append(round_trip(spec, layout, dev, min(pages, 64)))
     report.cache_round_trip = cache_round_trip(specs[0], dev, min(pages, 32))
     report.layered_save = layered_save(specs[1], dev, min(pages, 64), work)
+    report.service_region = service_region(specs[1], dev, pages, reps)
     report.bit_exact = (all(r["bit_exact"] for r in report.round_trips) and report.cache_round_trip["bit_exact"]
-                        and report.layered_save["bit_exact"])
+                        and report.layered_save["bit_exact"] and report.service_region["bit_exact"])
     for layout in ("layer_first", "page_first"):
         for direction in ("load", "backup"):
             for shuffled in (False, True):

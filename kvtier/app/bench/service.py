@@ -11,6 +11,13 @@
   pages into a run of device pages, a model's page format) from the service's region, mapped by
   this process, against from a host pool of this process's own; GB/s, best round of several taken in
   turns, and their ratio.
+* ``vllm`` (``--vllm``) -- vLLM's CPU build in its default multi-process engine, one engine process
+  after another (``kvtier.integrations.vllm.session``): the median TTFT of ``vllm_prompts`` prompts of
+  ``vllm_prompt_tokens`` whose prefixes a previous engine process left in a running service (the engine restarted), against
+  the same prompts' prefixes from this engine's own host tier (sent twice, vLLM's prefix cache reset
+  between: not restarted), from a file L3 tier (restarted), and recomputed without kvtier. Each
+  session runs an unrelated warm-up prompt first. The issue's target: the restarted engine's TTFT from
+  the service within 1.2x of the in-process host hit.
 * ``sharing`` -- two engines run the same workload (requests of the Mooncake trace) one after the
   other: once each with a host tier of its own, once both attached to one service. Host bytes held
   at the end (two private tiers against the service's region pages) and the second engine's hit
@@ -22,6 +29,7 @@ pid at the end. Nothing here is a timed assertion: figures and ratios, as JSON.
 
 from __future__ import annotations
 
+import json
 import statistics
 import tempfile
 import time
@@ -86,10 +94,25 @@ class SharingRow:
 
 
 @dataclass(frozen=True)
+class VllmRestartRow:
+    model: str
+    prompt_tokens: int
+    prompts: int  # per session; each TTFT is the median over them
+    hit_pages: int  # the prefix's pages, each side served all of them from its tier (checked)
+    service_restarted_ttft_ms: float
+    in_process_host_ttft_ms: float
+    file_l3_restarted_ttft_ms: float
+    recompute_ttft_ms: float
+    service_over_in_process: float  # the issue's target: <= 1.2
+    service_over_recompute: float
+
+
+@dataclass(frozen=True)
 class ServiceBench:
     lookup: list[LookupRow]
     bandwidth: BandwidthRow
     sharing: SharingRow
+    vllm: VllmRestartRow | None = None
 
 
 def _prompt(seed: int, tokens: int) -> list[int]:
@@ -235,8 +258,52 @@ def _sharing_row(socket: str, limit: int) -> SharingRow:
                       round(own_hit, 4), round(svc_hit, 4), svc_host)
 
 
+def _vllm_session(*args: str) -> dict:
+    from kvtier.integrations.vllm.session import run_in_subprocess
+
+    return run_in_subprocess("--warmup", "--max-tokens", "1", *args, timeout=900)
+
+
+def _served_ms(session: dict, indices: range, field: str, pages: int, what: str) -> float:
+    """The median TTFT (ms) of results ``indices``, each checked to have been served ``pages`` pages by ``field``."""
+    times = []
+    for i in indices:
+        r = session["results"][i]
+        if r[field] < pages:
+            raise RuntimeError(f"bench service: the {what} run was served {r[field]} of {pages} pages ({field}) on prompt {i}: the "
+                               "row would measure something else")
+        times.append(r["ttft_s"] * 1e3)
+    return statistics.median(times)
+
+
+def _vllm_row(workdir: Path, prompt_tokens: int, prompts: int, model: str) -> VllmRestartRow:
+    """``prompts`` distinct prompts of ``prompt_tokens`` per session, each side's TTFT their median."""
+    common = [*(f"--prompt-tokens={prompt_tokens}" for _ in range(prompts)), "--seed=7", f"--model={model}"]
+    if model != "smollm2":
+        common.append("--dtype=float32")
+    svc = NodeServiceProcess(workdir / "vllm-service", host_gb=0.25 + prompts * 0.1).start()
+    try:
+        service = ["--storage-options", json.dumps({"service": f"unix://{svc.socket}"})]
+        first = _vllm_session(*service, *common)  # computes the prefixes into the service, then exits
+        pages = (prompt_tokens - 1) // first["block_size"]  # (the last prompt token is always computed)
+        restarted = _vllm_session(*service, *common)
+    finally:
+        svc.stop()
+    url = f"file://{workdir / 'vllm-l3'}"
+    own = _vllm_session(f"--storage-url={url}", "--repeat=2", *common)  # each prompt's second send: a hit on its own host tier
+    l3 = _vllm_session(f"--storage-url={url}", *common)  # restarted: its host tier empty, the store has the prefixes
+    base = _vllm_session("--no-kvtier", *common)
+    svc_ms = _served_ms(restarted, range(prompts), "shared_host_pages", pages, "restarted engine's (service)")
+    own_ms = _served_ms(own, range(1, 2 * prompts, 2), "host_hit_pages", pages, "in-process host")
+    l3_ms = _served_ms(l3, range(prompts), "storage_hit_pages", pages, "file L3")
+    base_ms = statistics.median(r["ttft_s"] * 1e3 for r in base["results"])
+    return VllmRestartRow(model, prompt_tokens, prompts, pages, round(svc_ms, 2), round(own_ms, 2), round(l3_ms, 2), round(base_ms, 2),
+                          round(svc_ms / own_ms, 3), round(svc_ms / base_ms, 3))
+
+
 def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages: int = 256, rounds: int = 9,
-                      trace_limit: int = 60) -> ServiceBench:
+                      trace_limit: int = 60, vllm: bool = False, vllm_prompt_tokens: int = 2048, vllm_prompts: int = 3,
+                      vllm_model: str = "smollm2") -> ServiceBench:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-service-") as tmp:
         region_gb = (prompt_tokens // LOOKUP_SPEC.page_size * (2 * requests + 4) * LOOKUP_SPEC.page_bytes) / 1e9
         lookup_svc = NodeServiceProcess(Path(tmp) / "lookup", host_gb=max(region_gb * 2, 0.01)).start()
@@ -254,7 +321,8 @@ def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages
             sharing = _sharing_row(share_svc.socket, trace_limit)
         finally:
             share_svc.stop()
-    return ServiceBench(lookup, bandwidth, sharing)
+        restart = _vllm_row(Path(tmp), vllm_prompt_tokens, vllm_prompts, vllm_model) if vllm else None
+    return ServiceBench(lookup, bandwidth, sharing, restart)
 
 
 def as_json(bench: ServiceBench) -> dict:

@@ -163,7 +163,7 @@ class ServicePages:
     def _map(self, client: ServiceClient) -> torch.Tensor:
         with self._lock:
             if self._mapped is None or self._mapped[0] != client.region:
-                self._mapped = (client.region, map_region(client.region, client.region_size))
+                self._mapped = (client.region, map_region(client.region, client.region_size, pin=False))  # (host<->host copies)
             return self._mapped[1]
 
     def _lose(self, session: _Session, error: ServiceError) -> None:

@@ -205,11 +205,12 @@ class ConnectorWorker:
             raise ConfigError(f"kvtier worker rank {self.tp_rank}: the node service's region holds pages of {region.format}, this rank's "
                               f"shards make {want}; every rank must register the same model, split {self.tp_size} ways")
         start, size = region.format.shard(region.num_pages, self.tp_rank, self.tp_size)
-        memory = map_region(region.path, region.size)[start : start + size]
+        memory = map_region(region.path, region.size, offset=start, length=size)  # this rank's slice alone (pinned on CUDA)
         if self._host is None:
             spec, device = self._unmapped
             self._unmapped = None
-            host = HostPool(spec, region.num_pages, self.options.tiers.host_layout, memory=memory, name="node service region")
+            host = HostPool(spec, region.num_pages, self.options.tiers.host_layout, memory=memory, name="node service region",
+                            pin_memory=memory.is_pinned())
             self._start_executor(host, device, {})
         else:
             self._host.remap(memory)
