@@ -29,9 +29,12 @@ RUN_BY = {
     "kvtier bench cache --json": ("tests/test_bench_cache.py", "test_bench_cache_replays_through_sglangs_trees_in_the_same_run"),
     "kvtier bench sglang --json": ("tests/test_sglang_storage.py", "test_bench_sglang_prints_both_sides_as_json"),
     "kvtier plan --json": ("tests/test_fresh_clone.py", "test_plan_from_a_fresh_clone"),
+    "kvtier bench service --json --vllm": ("tests/test_bench_service.py",
+                                           "test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service"),
     "kvtier plan --validate run --profile P.json --workload chat --json": ("tests/test_plan_validate.py",
                                                                             "test_validate_run_engine_serves_exactly_what_the_planner_predicts"),
     # the service is started as `kvtier serve --host-gb GB --socket PATH` (tests/support/service.py) by each of these tests
+    "kvtier serve": ("tests/test_service.py", "test_a_prefix_one_engine_computed_is_a_host_hit_for_another_bit_exact"),
     "kvtier serve --host-gb 8": ("tests/test_service.py", "test_a_prefix_one_engine_computed_is_a_host_hit_for_another_bit_exact"),
     "kvtier run --tiers-service PATH": ("tests/test_service.py",
                                         "test_kvtier_run_through_the_service_twice_the_second_engine_starts_with_the_first_ones_host_tier"),
