@@ -38,6 +38,7 @@ def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
 
 
 @pytest.mark.integration
+@pytest.mark.timeout(1500)  # (five vLLM engine starts: past the suite's 300 s default on a loaded machine)
 def test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service():
     """Five vLLM engine processes (vLLM's CPU build): each side's prompt served every page from the tier its
     row names (the bench checks it and refuses to print otherwise), TTFTs measured in this run."""

@@ -322,10 +322,11 @@ def test_a_starting_service_removes_the_regions_its_users_killed_services_left_a
         reused = _fake_region(made, Owner(me.pid, me.start - 1))
         theirs = _fake_region(made, Owner(killed.proc.pid, 1), uid=54321)  # another user's, its owner gone
         unnamed = _fake_region(made, None)  # names no owner (being made, or an older kvtier's)
+        elsewhere = _fake_region(made, Owner(killed.proc.pid, 1), pidns=1)  # its owner ran in another pid namespace
         with running_service(tmp_path) as svc:
             assert ServiceClient(svc.socket, NAMESPACE, fmt).region  # (it works)
             assert not os.path.exists(killed_region) and not os.path.exists(reused)
-            assert all(os.path.isdir(d) for d in (live_region, theirs, unnamed))
+            assert all(os.path.isdir(d) for d in (live_region, theirs, unnamed, elsewhere))
             assert query_status(live.socket)["region"] == os.path.join(live_region, "region")  # the live service untouched
     finally:
         stop(live.proc)
@@ -333,12 +334,12 @@ def test_a_starting_service_removes_the_regions_its_users_killed_services_left_a
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _fake_region(made: list[str], owner: Owner | None, uid: int | None = None) -> str:
+def _fake_region(made: list[str], owner: Owner | None, uid: int | None = None, pidns: int | None = None) -> str:
     folder = tempfile.mkdtemp(prefix=REGION_PREFIX, dir=SHM_DIR)
     made.append(folder)
     if owner is not None:
         with open(os.path.join(folder, OWNER_FILE), "w") as f:
-            json.dump({"pid": owner.pid, "start": owner.start}, f)
+            json.dump({"pid": owner.pid, "start": owner.start, **({"pidns": pidns} if pidns is not None else {})}, f)
     if uid is not None:
         os.chown(folder, uid, uid)
     return folder

@@ -256,3 +256,25 @@ def test_without_allow_group_another_users_process_is_refused_and_the_service_go
             assert owner.reserve(1)  # still serving
         finally:
             owner.close()
+
+
+def test_allow_group_refuses_a_socket_its_group_could_never_reach(tmp_path):
+    """``--allow-group`` with the socket below a directory the group cannot pass through (the default
+    ``$XDG_RUNTIME_DIR`` is one: 0700): a ConfigError naming that directory, nothing made below it."""
+    from kvtier.errors import ConfigError
+    from kvtier.service.peer import private_socket_dir
+
+    walled = tmp_path / "walled"
+    walled.mkdir(mode=0o700)
+    os.chmod(walled, 0o700)
+    sock = walled / "kvtier" / "node.sock"
+    with pytest.raises(ConfigError, match=f"cannot pass through {walled} .*mode 700.*could never reach the socket"):
+        private_socket_dir(str(sock), os.getuid(), 54321)
+    assert not sock.parent.exists()
+    open_to_all = tempfile.mkdtemp(prefix="kvtier-group-", dir="/tmp")  # (pytest's own tmp tree is 0700)
+    try:
+        os.chmod(open_to_all, 0o755)
+        private_socket_dir(os.path.join(open_to_all, "kvtier", "node.sock"), os.getuid(), 54321)  # every directory above lets it through
+        assert stat.S_IMODE(os.stat(os.path.join(open_to_all, "kvtier")).st_mode) == 0o750
+    finally:
+        shutil.rmtree(open_to_all)

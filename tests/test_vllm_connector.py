@@ -4,6 +4,8 @@ Each engine instance runs in its own process (as a restart would); they share an
 store. Greedy outputs must equal a run without kvtier.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -219,10 +221,22 @@ def test_chat_turn_two_hits_the_previous_answer():
     assert got["results"][1]["external_hit_tokens"] == (turn1 + 32 - 1) // bs * bs > turn1 // bs * bs
 @pytest.mark.integration
 @pytest.mark.timeout(1500)
-def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline):
+@pytest.mark.parametrize("below", ["storage", "service"])
+def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline, below):
     """``vllm serve`` with ``--kv-transfer-config`` naming the connector, requests over HTTP: a second server
-    on the same store gets the prompt from L3, both answer as vLLM without kvtier (the module's baseline
-    engine, same model, dtype, block size and seed), and ``/metrics`` shows kvtier's per-tier counters."""
+    gets the prompt -- from L3 on the same store (``storage``), or from the host tier of a node service
+    (``kvtier serve``) both servers attach to, with no L3 (``service``) -- both answer as vLLM without kvtier
+    (the module's baseline engine, same model, dtype, block size and seed), and ``/metrics`` shows kvtier's
+    per-tier counters."""
+    from support.service import running_service
+
+    with running_service(tmp_path, 0.5) if below == "service" else contextlib.nullcontext() as svc:
+        _serve_twice_over_http(tmp_path, baseline, {"service": f"unix://{svc.socket}"} if svc else
+                               {"storage_url": f"file://{tmp_path / 'store'}"})
+
+
+def _serve_twice_over_http(tmp_path, baseline, below: dict) -> None:
+    """Two ``vllm serve`` processes one after the other, ``below`` in their extra config (see the test above)."""
     from support.vllm_server import VllmServer
     from kvtier.integrations.vllm.model import ensure_model
     from kvtier.integrations.vllm.session import prompt_ids
@@ -230,8 +244,7 @@ def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline):
     model = str(ensure_model())
     args = ("--dtype", "float32", "--block-size", str(BS), "--max-model-len", "4096", "--enforce-eager", "--seed", "0")
     kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector", "kv_role": "kv_both",
-          "kv_load_failure_policy": "recompute",
-          "kv_connector_extra_config": {"host_gb": 0.25, "storage_url": f"file://{tmp_path / 'store'}"}}
+          "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"host_gb": 0.25, **below}}
     prompt = prompt_ids(LENGTHS[1], seed=1)  # the baseline engine's second prompt
     body = {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0.0}
     want = baseline["results"][1]["text"]
@@ -263,7 +276,8 @@ def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline):
 
         assert sample(metrics1, "vllm:kvtier_tokens_total", tier="host", direction="store") == stored
         assert sample(metrics1, "vllm:kvtier_tokens_total", tier="storage", direction="load") == 0
-        assert sample(metrics2, "vllm:kvtier_tokens_total", tier="storage", direction="load") == loaded
+        # from the store through the restarted server's host tier, or straight from the service's region
+        assert sample(metrics2, "vllm:kvtier_tokens_total", tier="storage", direction="load") == (0 if "service" in below else loaded)
         assert sample(metrics2, "vllm:kvtier_tokens_total", tier="host", direction="load") == loaded
         assert sample(metrics2, "vllm:kvtier_load_seconds_count") >= 1
     finally:

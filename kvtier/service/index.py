@@ -86,6 +86,10 @@ class HostIndex:
         #: per namespace: pages its lookups were offered, and keys they asked for that were not (the run stopped before them)
         self.hit_pages_of: Counter[str] = Counter()
         self.miss_pages_of: Counter[str] = Counter()
+        #: per namespace: pages indexed (offered to its lookups) and pages some client holds, kept as they change
+        #: so a metrics scrape costs as many steps as there are namespaces, not pages
+        self._published_of: Counter[str] = Counter()
+        self._held_of: Counter[str] = Counter()
 
     # ---- clients ---------------------------------------------------------------------------
     def attach(self, client: int, namespace: str) -> None:
@@ -114,8 +118,20 @@ class HostIndex:
     def lookup(self, client: int, keys: list[bytes]) -> list[int]:
         """The pages of the leading run of ``keys`` published in the client's namespace, now held for it
         (the run stops at a page it holds already: its own tree has that one)."""
-        c = self.clients[client]
         self.lookups += 1
+        pages = self._run(client, keys)
+        self.miss_pages_of[self.clients[client].namespace] += len(keys) - len(pages)
+        return pages
+
+    def extend(self, client: int, keys: list[bytes]) -> list[int]:
+        """A lookup's run continued over ``keys`` (those after it, which it counted as misses): what an L3
+        load brought into the region since, held for the client and counted as hits instead."""
+        pages = self._run(client, keys)
+        self.miss_pages_of[self.clients[client].namespace] -= len(pages)
+        return pages
+
+    def _run(self, client: int, keys: list[bytes]) -> list[int]:
+        c = self.clients[client]
         pages = []
         for key in keys:
             page = self._page_of.get((c.namespace, key))
@@ -125,7 +141,6 @@ class HostIndex:
         self._hold(client, c, pages)
         self.hit_pages += len(pages)
         self.hit_pages_of[c.namespace] += len(pages)
-        self.miss_pages_of[c.namespace] += len(keys) - len(pages)
         return pages
 
     def reserve(self, client: int, n: int) -> list[int]:
@@ -155,9 +170,11 @@ class HostIndex:
             indexed = k not in self._page_of
             if indexed:
                 self._page_of[k] = page
+                self._published_of[c.namespace] += 1
                 indexed_pages.append(page)
             self._key_of[page] = k if indexed else None
             self._holders[page] = {client}
+            self._held_of[c.namespace] += 1
             c.held[page] = None
         self.published_pages += len(pages)
         return indexed_pages
@@ -184,26 +201,30 @@ class HostIndex:
                 self._unhold(client, page)
 
     def status(self) -> IndexStatus:
-        per_ns: dict[str, int] = {}
-        for ns, _key in self._page_of:
-            per_ns[ns] = per_ns.get(ns, 0) + 1
+        per_ns = dict(+self._published_of)
         return IndexStatus(self.alloc.num_pages, self.alloc.num_free, len(self._writer), len(self._key_of), len(self._holders),
                            len(self.clients), per_ns, self.lookups, self.hit_pages, self.published_pages, self.evicted_pages,
                            self.dropped_writes, self.expired_leases)
 
     def pages_by_namespace(self) -> dict[str, NamespacePages]:
-        """Every namespace's pages now (one pass over the region's pages: for a scrape, not a request's path).
-        A duplicate page (unindexed) counts as held in its holder's namespace."""
+        """Every namespace's pages now, from the counts kept as they change (and one pass over the pages being
+        written). A duplicate page (unindexed) counts as held in its holder's namespace."""
         out: dict[str, NamespacePages] = {}
-        for ns, _key in self._page_of:
-            out.setdefault(ns, NamespacePages()).published += 1
-        for page, holders in self._holders.items():
-            key = self._key_of[page]
-            ns = key[0] if key is not None else self.clients[next(iter(holders))].namespace
-            out.setdefault(ns, NamespacePages()).held += 1
+        for ns, n in self._published_of.items():
+            if n:
+                out.setdefault(ns, NamespacePages()).published = n
+        for ns, n in self._held_of.items():
+            if n:
+                out.setdefault(ns, NamespacePages()).held = n
         for client in self._writer.values():
             out.setdefault(self.clients[client].namespace, NamespacePages()).leased += 1
         return out
+
+    def _walk_namespaces(self) -> tuple[Counter[str], Counter[str]]:
+        """Pages published and held per namespace, counted from the maps (what the kept counts must say)."""
+        published = Counter(ns for ns, _key in self._page_of)
+        held = Counter(self._namespace_of(page, self.clients[next(iter(holders))]) for page, holders in self._holders.items())
+        return published, held
 
     # ---- internals ----------------------------------------------------------------------------
     def _check_pages(self, client: int, pages: list[int], mine: set[int], what: str, why: str) -> None:
@@ -221,16 +242,27 @@ class HostIndex:
     def _hold(self, client: int, c: Client, pages: list[int]) -> None:
         for page in pages:
             self._unheld.pop(page, None)
-            self._holders.setdefault(page, set()).add(client)
+            holders = self._holders.get(page)
+            if holders is None:
+                holders = self._holders[page] = set()
+                self._held_of[self._namespace_of(page, c)] += 1
+            holders.add(client)
             c.held[page] = None
 
+    def _namespace_of(self, page: int, holder: Client) -> str:
+        """A READY page's namespace: its key's, or (a duplicate, held by its publisher alone) its holder's."""
+        key = self._key_of[page]
+        return key[0] if key is not None else holder.namespace
+
     def _unhold(self, client: int, page: int) -> None:
-        del self.clients[client].held[page]
+        c = self.clients[client]
+        del c.held[page]
         holders = self._holders[page]
         holders.discard(client)
         if holders:
             return
         del self._holders[page]
+        self._held_of[self._namespace_of(page, c)] -= 1
         if self._key_of[page] is None:  # a duplicate nobody can look up: its bytes are of no use now
             del self._key_of[page]
             self.alloc.free([page])
@@ -239,7 +271,9 @@ class HostIndex:
 
     def _evict(self, page: int) -> None:
         del self._unheld[page]
-        del self._page_of[self._key_of.pop(page)]
+        key = self._key_of.pop(page)
+        del self._page_of[key]
+        self._published_of[key[0]] -= 1
         self.alloc.free([page])
         self.evicted_pages += 1
 
@@ -256,3 +290,5 @@ class HostIndex:
             assert all(self._writer[p] == cid for p in c.writing)
             assert all(cid in self._holders[p] for p in c.held)
         assert sum(len(h) for h in self._holders.values()) == sum(len(c.held) for c in self.clients.values())
+        published, held = self._walk_namespaces()
+        assert +self._published_of == published and +self._held_of == held, "the per-namespace counts drifted from the maps"

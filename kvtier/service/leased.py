@@ -194,7 +194,7 @@ class LeasedPages(PageAllocator):
                 raise ServiceError(f"its region holds {client.num_pages} pages, this engine's host pool {self.num_pages}: "
                                    "restart the engine to use it")
             if self.pool is not None:
-                self.pool.remap(map_region(client.region, client.region_size))
+                self.pool.remap(map_region(client.region, client.region_size, pin_in_background=True))  # (on a request's path)
         except ServiceError as e:
             client.close()
             self._retry_s = RETRY_MAX_S

@@ -83,6 +83,27 @@ def share_with_group(path: str, gid: int, mode: int, what: str) -> None:
                           "only with a group its user is a member of") from None
 
 
+#: how an integration's option names the service's socket as a URL
+UNIX_SCHEME = "unix://"
+
+
+def service_socket_path(value: object, option: str) -> object:
+    """An integration's service option -- ``unix:///run/kvtier/node.sock`` or ``/run/kvtier/node.sock`` -- as
+    the socket's path. A relative ``unix://`` URL or another scheme is a :class:`ConfigError` naming
+    ``option``; anything that is not a string is returned as it is, for the caller's own check."""
+    if not isinstance(value, str):
+        return value
+    if value.startswith(UNIX_SCHEME):
+        path = value[len(UNIX_SCHEME) :]
+        if not path.startswith("/"):
+            raise ConfigError(f"{option}={value!r} is not a socket URL; write unix:///absolute/path.sock or the plain path")
+        return path
+    if "://" in value:
+        raise ConfigError(f"{option}={value!r}: the node service listens on a unix socket; write unix:///path/to/node.sock or the "
+                          "plain path (kvtier serve --socket)")
+    return value
+
+
 def default_socket_path() -> str:
     """``$XDG_RUNTIME_DIR/kvtier/node.sock``, else ``/tmp/kvtier-<uid>/node.sock``."""
     base = os.environ.get("XDG_RUNTIME_DIR")
@@ -96,6 +117,8 @@ def private_socket_dir(path: str, uid: int, gid: int | None = None) -> None:
     socket gets hijacked). ``gid`` (``--allow-group``): the directory, private so far or that group's
     already, becomes 0750 of that group."""
     folder = os.path.dirname(os.path.abspath(path))
+    if gid is not None:
+        _check_group_reaches(folder, gid, path)
     try:
         os.mkdir(folder, 0o700)
     except FileExistsError:
@@ -111,6 +134,21 @@ def private_socket_dir(path: str, uid: int, gid: int | None = None) -> None:
                           "use a fresh directory, or chmod 700 it")
     if gid is not None:
         share_with_group(folder, gid, 0o750, "the socket's directory")
+
+
+def _check_group_reaches(folder: str, gid: int, path: str) -> None:
+    """Every directory above ``folder`` lets group ``gid`` through (search permission for it or for
+    everyone): else ``--allow-group`` would admit a group that can never reach the socket."""
+    above = os.path.dirname(folder)
+    while True:
+        st = os.stat(above)
+        if not (st.st_mode & 0o001 or (st.st_gid == gid and st.st_mode & 0o010)):
+            raise ConfigError(f"--socket {path}: group {gid} (--allow-group) cannot pass through {above} (uid {st.st_uid}, gid "
+                              f"{st.st_gid}, mode {stat.S_IMODE(st.st_mode):o}), so its members could never reach the socket; put "
+                              "the socket in a directory they can reach (e.g. --socket /run/kvtier/node.sock)")
+        if above == os.path.dirname(above):
+            return
+        above = os.path.dirname(above)
 
 
 def claim_socket_path(path: str) -> None:

@@ -27,6 +27,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass, field
 
@@ -35,7 +36,7 @@ import torch
 
 from kvtier.errors import KVTierError, ServiceError, ServiceProtocolError
 from kvtier.layout import LAYOUTS
-from kvtier.pools.host import region_offsets
+from kvtier.pools.host import ALIGN_BYTES, region_offsets
 from kvtier.spec import KVSpec
 
 log = logging.getLogger(__name__)
@@ -183,10 +184,15 @@ class Owner:
         return Owner.of(self.pid) == self
 
 
+def _pid_namespace() -> int:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``): a pid means a process only in it."""
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
 def _write_owner(folder: str) -> None:
     me = Owner.of(os.getpid())
     with open(os.path.join(folder, OWNER_FILE), "x") as f:
-        json.dump({"pid": me.pid, "start": me.start}, f)
+        json.dump({"pid": me.pid, "start": me.start, "pidns": _pid_namespace()}, f)
 
 
 def _read_owner(folder: str) -> Owner | None:
@@ -194,6 +200,8 @@ def _read_owner(folder: str) -> Owner | None:
         fd = os.open(os.path.join(folder, OWNER_FILE), os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd) as f:
             d = json.loads(f.read(256))
+        if d.get("pidns", _pid_namespace()) != _pid_namespace():
+            return None  # a service in another pid namespace (a container sharing /dev/shm): its pid is not ours to read
         return Owner(d["pid"], d["start"]) if type(d["pid"]) is int and type(d["start"]) is int else None
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -202,7 +210,9 @@ def _read_owner(folder: str) -> Owner | None:
 def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[str]:
     """Remove the region directories under ``parent`` of user ``uid`` (default: this process's) whose owning
     service is gone -- a SIGKILLed service's; the paths removed. Another user's directory, one whose owner
-    lives, and one that names no owner (being made, or made by an older kvtier) are left alone."""
+    lives, one that names no owner (being made, or made by an older kvtier) and one whose owner ran in
+    another pid namespace (a container sharing ``/dev/shm``: whether it lives cannot be told from here)
+    are left alone."""
     uid = os.getuid() if uid is None else uid
     removed = []
     for name in sorted(os.listdir(parent)):
@@ -222,7 +232,8 @@ def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[
     return removed
 
 
-def map_region(path: str, size: int, *, offset: int = 0, length: int | None = None, pin: bool | None = None) -> torch.Tensor:
+def map_region(path: str, size: int, *, offset: int = 0, length: int | None = None, pin: bool | None = None,
+               pin_in_background: bool = False) -> torch.Tensor:
     """The region (or its bytes ``offset`` to ``offset + length``: a tensor-parallel rank's slice, on a
     4 KiB boundary) as a flat uint8 tensor over a shared mapping: writes are the service's and every other
     client's to see. The mapping lives as long as the tensor (and its views). A normal tensor even when
@@ -230,9 +241,12 @@ def map_region(path: str, size: int, *, offset: int = 0, length: int | None = No
 
     ``pin`` (default: when CUDA is available) registers the mapping with CUDA (:func:`register_with_cuda`),
     so copies between it and a GPU are asynchronous DMA as from a pinned host pool of the engine's own;
-    ``tensor.is_pinned()`` says whether it is. The service itself maps with ``pin=False``."""
+    ``tensor.is_pinned()`` says whether it is. The service itself maps with ``pin=False``.
+    ``pin_in_background``: register on a thread of its own (page-locking tens of GB takes seconds; an
+    engine mapping a restarted service's region from a request's path must not wait for it -- its copies
+    are correct, synchronous, until then)."""
     length = size - offset if length is None else length
-    if offset % mmap.ALLOCATIONGRANULARITY or not 0 <= offset < offset + length <= size:
+    if offset % ALIGN_BYTES or not 0 <= offset < offset + length <= size:
         raise ServiceError(f"bytes {offset} to {offset + length} are not a mappable slice of the {size}-byte region {path}")
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
@@ -241,16 +255,21 @@ def map_region(path: str, size: int, *, offset: int = 0, length: int | None = No
     try:
         if os.fstat(fd).st_size != size:
             raise ServiceError(f"the node service's region {path} is {os.fstat(fd).st_size} bytes, not the {size} it announced")
-        mapping = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=offset)
+        # (mapped from the kernel's allocation granularity below ``offset``: 64 KiB on some arm64 kernels)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        mapping = mmap.mmap(fd, offset + length - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
     finally:
         os.close(fd)
     # (through a numpy array: its weak references are cleared before it lets the mapping go, so the CUDA
     # registration below is undone while the memory is still mapped)
-    array = np.frombuffer(mapping, dtype=np.uint8)
+    array = np.frombuffer(mapping, dtype=np.uint8)[offset - start :]
     with torch.inference_mode(False):
         memory = torch.from_numpy(array)
     if torch.cuda.is_available() if pin is None else pin:
-        register_with_cuda(array, memory)
+        if pin_in_background:
+            threading.Thread(target=register_with_cuda, args=(array, memory), name="kvtier-region-pin", daemon=True).start()
+        else:
+            register_with_cuda(array, memory)
     return memory
 
 

@@ -92,7 +92,7 @@ class ServeConfig:
 
 class _Conn:
     __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session", "namespace", "frames",
-                 "deferred")
+                 "deferred", "deferred_bytes")
 
     def __init__(self, cid: int, sock: socket.socket, pid: int = 0):
         self.id = cid
@@ -109,6 +109,8 @@ class _Conn:
         #: frames read and not yet applied: they wait while an answer is deferred (answers go out in order)
         self.frames: deque[dict] = deque()
         self.deferred: _Deferred | None = None
+        #: bytes received while an answer was deferred (bounded: :data:`MAX_UNREAD`)
+        self.deferred_bytes = 0
 
 
 @dataclass(eq=False)
@@ -181,13 +183,13 @@ class NodeService:
 
                 self.metrics = serve_metrics(self, config.metrics_host, config.metrics_port)
             self.listener = self._listen()
+            remove_stale_regions()  # (what its user's killed services left)
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()
             if self.storage is not None:
                 self.storage.close(0.0)
             raise
-        remove_stale_regions()  # (what its user's killed services left)
         self._sel = selectors.DefaultSelector()
         self._sel.register(self.listener, selectors.EVENT_READ, None)
         if self.storage is not None:
@@ -232,10 +234,18 @@ class NodeService:
                     self._end_orphan(key.data, "its process exited", died=True)
                 continue
             conn = key.data
-            if mask & selectors.EVENT_READ and conn.id in self._conns:
-                self._read(conn)
-            if mask & selectors.EVENT_WRITE and conn.id in self._conns:
-                self._flush(conn)
+            try:
+                if mask & selectors.EVENT_READ and conn.id in self._conns:
+                    self._read(conn)
+                if mask & selectors.EVENT_WRITE and conn.id in self._conns:
+                    self._flush(conn)
+            except Exception:  # a bug one connection's messages reach ends that connection, never the service
+                self._fault(conn)
+
+    def _fault(self, conn: _Conn) -> None:
+        log.exception("client %d: an internal error serving it; its connection is closed, the others are served", conn.id)
+        self.protocol_errors += 1
+        self._drop(conn)
 
     def _wait_s(self, tick_s: float) -> float:
         """The selector's wait: a tick, or less when a deferred answer's deadline comes sooner."""
@@ -280,6 +290,11 @@ class NodeService:
             self._drop(conn)
             return
         try:
+            if conn.deferred is not None:
+                conn.deferred_bytes += len(data)
+                if conn.deferred_bytes > MAX_UNREAD:
+                    raise ServiceProtocolError(f"more than {MAX_UNREAD} bytes sent while an answer was pending; wait for a call's answer "
+                                               "before the next call")
             conn.frames += conn.reader.feed(data)
             if len(conn.frames) > MAX_QUEUED_FRAMES:
                 raise ServiceProtocolError(f"{len(conn.frames)} frames sent while an answer was pending (at most {MAX_QUEUED_FRAMES}); "
@@ -331,13 +346,18 @@ class NodeService:
         for conn in [c for c in self._deferred if c.deferred.ready(now)]:
             self._deferred.discard(conn)
             deferred, conn.deferred = conn.deferred, None
+            conn.deferred_bytes = 0
             if conn.id not in self._conns:
                 continue
-            results = deferred.answer["results"]
-            for i, keys, _load in deferred.waits:
-                results[i] = results[i] + self.index.lookup(conn.id, keys[len(results[i]):])
-            self._send(conn, deferred.answer)
-            self._apply_frames(conn)
+            try:
+                results = deferred.answer["results"]
+                if conn.attached:  # (a bye later in the batch detached it: nothing more is held for it)
+                    for i, keys, _load in deferred.waits:
+                        results[i] = results[i] + self.index.extend(conn.id, keys[len(results[i]):])
+                self._send(conn, deferred.answer)
+                self._apply_frames(conn)
+            except Exception:
+                self._fault(conn)
 
     # ---- ops -------------------------------------------------------------------------------------
     def _apply(self, conn: _Conn, op) -> object:

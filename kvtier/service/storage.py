@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -78,6 +79,7 @@ class ServiceStorage:
         self.counters = StorageCounters()
         self._wake = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._closed = False
+        self._wake_lock = threading.Lock()
         self._finder = ThreadPoolExecutor(1, thread_name_prefix="kvtier-serve-l3-exists")
         self._found: queue.SimpleQueue[tuple[Load, int]] = queue.SimpleQueue()
         self._tiers: dict[str, StorageTier] = {}
@@ -153,7 +155,9 @@ class ServiceStorage:
         return done
 
     def status(self) -> dict:
-        return {"url": redact_url(self.url), "available": all(t.available for t in self._tiers.values()),
+        # (None until a namespace's tier has called the store: nothing is known yet)
+        available = all(t.available for t in self._tiers.values()) if self._tiers else None
+        return {"url": redact_url(self.url), "available": available,
                 "saving_pages": sum(len(p) for p in self._saving.values()), "fetching_pages": len(self._fetching),
                 **self.counters.as_dict()}
 
@@ -169,15 +173,17 @@ class ServiceStorage:
         for tier in self._tiers.values():
             tier.close(timeout_s=0.0)
         self._finder.shutdown(wait=False, cancel_futures=True)
-        self._closed = True
-        os.close(self._wake)
+        with self._wake_lock:  # (a worker still finishing never writes into a closed, maybe reused, fd)
+            self._closed = True
+            os.close(self._wake)
         self.backend.close()
         return drained
 
     # ---- workers' side -------------------------------------------------------------------------
     def _notify(self) -> None:
-        if not self._closed:
-            os.eventfd_write(self._wake, 1)
+        with self._wake_lock:
+            if not self._closed:
+                os.eventfd_write(self._wake, 1)
 
     def _find(self, tier: StorageTier, load: Load) -> None:
         """(the exists thread) How many of the load's leading keys the store has (0 if that failed)."""

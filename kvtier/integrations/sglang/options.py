@@ -22,6 +22,7 @@ from typing import Any
 
 from kvtier.config import DEFAULT_COOLDOWN_S, DEFAULT_MAX_COOLDOWN_S, MAX_BATCH_PAGES, MAX_IO_THREADS, _help, check_number
 from kvtier.errors import ConfigError
+from kvtier.service.peer import UNIX_SCHEME, service_socket_path
 from kvtier.service.client import DEFAULT_DEADLINE_S, DEFAULT_LOOKUP_DEADLINE_S
 
 #: keys SGLang itself reads from the same object (its dynamic-backend loader, and the cache controller's
@@ -32,7 +33,6 @@ SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "pre
 #: ``storage_url`` is not given, as SGLang means it for its own file backend
 SGLANG_FILE_PATH_KEY = "file_storage_path"
 #: how ``service`` may name the node service's socket: ``unix:///path`` or the path itself
-SERVICE_SCHEME = "unix://"
 
 
 def default_storage_url() -> str:
@@ -84,8 +84,8 @@ class SGLangStorageOptions:
         check_number(self, "service_lookup_timeout_s", above=0)
         if self.service is None:
             return
-        if not isinstance(self.service, str) or not self.socket_path or "://" in self.socket_path:
-            raise ConfigError(f"extra_config service must be the node service's socket, {SERVICE_SCHEME}/path or the path "
+        if not isinstance(self.service, str) or not self.socket_path:
+            raise ConfigError(f"extra_config service must be the node service's socket, {UNIX_SCHEME}/path or the path "
                               f"(kvtier serve --socket); got {self.service!r}")
         if self.storage_url is not None:
             raise ConfigError("extra_config service and storage_url are both set: pages go to the node service or to an L3 "
@@ -99,7 +99,7 @@ class SGLangStorageOptions:
         """The node service's socket path (``service`` without its ``unix://``), or None."""
         if self.service is None:
             return None
-        return self.service.removeprefix(SERVICE_SCHEME)
+        return service_socket_path(self.service, "extra_config service")
 
     @property
     def url(self) -> str:

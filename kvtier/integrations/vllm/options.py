@@ -21,11 +21,10 @@ from typing import Any
 
 from kvtier.config import CacheConfig, StorageConfig, TierConfig, _help, check_number
 from kvtier.errors import ConfigError
+from kvtier.service.peer import service_socket_path
 
 #: flat keys -> (section, field); the device side of TierConfig is vLLM's, not ours
 _TIER_KEYS = ("host_pages", "host_gb", "host_layout", "service", "service_timeout_s", "service_lookup_timeout_s")
-#: how a service socket may be named besides a plain path
-UNIX_SCHEME = "unix://"
 _CACHE_KEYS = ("hash_algo", "io_backend")
 #: the host size when neither host_pages nor host_gb is given
 DEFAULT_HOST_GB = 1.0
@@ -63,7 +62,7 @@ class ConnectorOptions:
             )
         tier = {k: extra[k] for k in _TIER_KEYS if k in extra}
         if "service" in tier:
-            tier["service"] = service_path(tier["service"])
+            tier["service"] = service_socket_path(tier["service"], "kvtier connector: service")
             if extra.get("storage_url"):
                 raise ConfigError("kvtier connector: service and storage_url cannot both be set: an engine attached to the node service "
                                   "has no L3 of its own (the service keeps the tiers below the engine); drop storage_url, or service")
@@ -77,18 +76,3 @@ class ConnectorOptions:
             cache=CacheConfig(**{k: extra[k] for k in _CACHE_KEYS if k in extra}),
             storage=StorageConfig(**{f.name: extra[f"storage_{f.name}"] for f in fields(StorageConfig) if f"storage_{f.name}" in extra}),
         )
-
-
-def service_path(value: Any) -> Any:
-    """``unix:///run/kvtier/node.sock`` or ``/run/kvtier/node.sock`` -> the socket's path (anything else is left
-    to :class:`~kvtier.config.TierConfig`'s check, whose error names the field)."""
-    if isinstance(value, str) and value.startswith(UNIX_SCHEME):
-        path = value[len(UNIX_SCHEME) :]
-        if not path.startswith("/"):
-            raise ConfigError(f"kvtier connector: service={value!r} is not a socket URL; write unix:///absolute/path.sock or the "
-                              "plain path")
-        return path
-    if isinstance(value, str) and "://" in value:
-        raise ConfigError(f"kvtier connector: service={value!r}: the node service listens on a unix socket; write "
-                          "unix:///path/to/node.sock or the plain path")
-    return value

@@ -205,7 +205,9 @@ class ConnectorWorker:
             raise ConfigError(f"kvtier worker rank {self.tp_rank}: the node service's region holds pages of {region.format}, this rank's "
                               f"shards make {want}; every rank must register the same model, split {self.tp_size} ways")
         start, size = region.format.shard(region.num_pages, self.tp_rank, self.tp_size)
-        memory = map_region(region.path, region.size, offset=start, length=size)  # this rank's slice alone (pinned on CUDA)
+        # this rank's slice alone, registered with CUDA where there is one (in the background when it replaces a
+        # mapping: this is a step of vLLM's, and page-locking a large slice takes seconds)
+        memory = map_region(region.path, region.size, offset=start, length=size, pin_in_background=self._host is not None)
         if self._host is None:
             spec, device = self._unmapped
             self._unmapped = None
