@@ -357,3 +357,29 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
         assert engine.returncode == 0, engine.stderr
     finally:
         assert stop(svc.proc) == 0
+
+
+def test_a_deferred_lookup_and_a_bye_in_one_batch_are_answered_and_the_service_serves_on(tmp_path, file_url):
+    """A lookup whose answer waits on an L3 load, then ``bye``, in one batch: the answer comes (the run as it
+    was: the client holds nothing any more), and the service serves other engines. (The deferred answer
+    used to look the client up in the index after its bye: the selector loop raised and the service
+    stopped for every engine on the node.)"""
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = _start(sock, file_url)
+    try:
+        s = raw_connection(sock)
+        try:
+            s.sendall(frame({"seq": 1, "ops": [hello_op("raw", RegionFormat.of(SPEC, "page_first").as_wire())]}))
+            assert "results" in read_answer(s)
+            s.sendall(frame({"seq": 2, "ops": [{"op": "lookup", "keys": ["ab" * 16], "wait_s": 0.2}, {"op": "bye"}]}))
+            answer = read_answer(s)
+            assert answer == {"seq": 2, "results": [[], None]}, answer
+        finally:
+            s.close()
+        assert svc.proc.poll() is None
+        engine = start_peer("compute", sock)  # the service serves on
+        assert peer_report(engine)["backed_up"] == PAGES
+        engine.communicate("done\n", timeout=60)
+        assert engine.returncode == 0, engine.stderr
+    finally:
+        assert stop(svc.proc) == 0
