@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.service.index import NamespacePages
 
-if TYPE_CHECKING:
-    from kvtier.service.server import NodeService
+#: a :class:`~kvtier.service.server.NodeService` (not imported: the server imports this module)
+NodeService = Any
 
 PREFIX = "kvtier_service"
 #: the page states per namespace (:class:`NamespacePages`' fields), a label of ``kvtier_service_pages`` and ``_bytes``
