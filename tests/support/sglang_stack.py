@@ -57,7 +57,7 @@ import xxhash
 
 from peers.sglang_wheel import FACTORY_DEFAULTS, import_sglang, publish_config
 from kvtier.integrations.sglang import extra_config
-from kvtier.integrations.sglang.options import SERVICE_SCHEME
+from kvtier.service.peer import UNIX_SCHEME
 from kvtier.service.leased import RETRY_MAX_S
 
 
@@ -100,7 +100,7 @@ def create_custom_parallel_group(group_ranks, backend: str = "gloo"):
 
 
 def _memory_config(storage_url: str, write_policy: str, layout: str = "layer_first", **options) -> dict:
-    where = {"service": storage_url} if storage_url.startswith(SERVICE_SCHEME) else {"storage_url": storage_url}
+    where = {"service": storage_url} if storage_url.startswith(UNIX_SCHEME) else {"storage_url": storage_url}
     extra = {**extra_config(**where, **options), "prefetch_threshold": 1}
     return dict(FACTORY_DEFAULTS["memory"], hicache_host_memory_mode="cache", hicache_storage_backend="dynamic",
                 hicache_storage_backend_extra_config=json.dumps(extra), hicache_ratio=2.0, hicache_size=0,
