@@ -10,6 +10,7 @@ its own, as tests/test_vllm_connector.py does) against one running service, with
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -154,6 +155,34 @@ def test_after_the_service_restarts_the_scheduler_attaches_again_and_the_workers
     finally:
         a.close()
         stop(svc.proc)
+
+
+def test_a_region_a_worker_cannot_map_fails_that_steps_copies_without_raising_and_a_later_step_maps_it(tmp_path):
+    """The region's file gone under a worker (removed from /dev/shm, say) between the scheduler's lookup and
+    the step: nothing raises into vLLM's step, every copy of the step fails before a byte moves (the loads'
+    blocks are load errors: vLLM recomputes them), the scheduler's books stay whole, and once the file is
+    back the next step maps it and loads the same bytes."""
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=f"unix://{svc.socket}")
+        b = Engine(None, seed=2, service=f"unix://{svc.socket}", load_retry_s=0.2)  # (pages that failed: offered again soon)
+        try:
+            serve(a, "a", TOKENS, [3, 7, 5, 9])
+            region = b.scheduler.leased.region
+            os.rename(region.path, region.path + ".hidden")
+            _req, external, _hit = serve(b, "b", TOKENS, [0, 1, 2, 4])
+            assert external == PAGES * BS  # offered: the scheduler's lookup found them
+            assert b.load_errors[0] == {0, 1, 2} and all(w.region is None for w in b.workers)
+            assert not b.scheduler.core.plans_in_flight
+            b.scheduler.core.check_integrity()
+            os.rename(region.path + ".hidden", region.path)
+            time.sleep(0.3)
+            _req, external, hit = serve(b, "c", TOKENS, [6, 8, 10, 11])
+            assert (external, hit["host_pages"]) == (PAGES * BS, PAGES) and not b.load_errors[-1]  # (adopted at the first lookup)
+            assert all(w.region == region for w in b.workers)
+            assert [[b.page(r, blk) for blk in (6, 8, 10)] for r in range(2)] == [[a.page(r, blk) for blk in (3, 7, 5)] for r in range(2)]
+        finally:
+            b.close()
+            a.close()
 
 
 def test_a_copy_out_running_when_the_service_is_lost_is_never_offered_and_its_pages_go_before_attaching_again(tmp_path,

@@ -58,9 +58,7 @@ class Engine:
         metas, errors, sending = [], set(), []
         for w in self.workers:
             w.wait_copies(meta.preempted_copies)  # handle_preemptions, before the forward
-            if meta.region is not None:  # (the connector's _begin_step: the node service's region first)
-                w.use_region(meta.region)
-            w.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed)
+            w.begin_step(meta)  # (the connector's _begin_step)
             for layer in range(LAYERS):
                 w.wait_layer(f"layer{layer}")
                 if forward is not None:

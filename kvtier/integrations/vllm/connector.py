@@ -131,10 +131,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is not self._step_meta:
             assert isinstance(meta, KVTierConnectorMetadata)
             self._step_meta = meta
-            if meta.region is not None:
-                self.worker.use_region(meta.region)
-            self.worker.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed,
-                                    meta.preempted_copies)
+            self.worker.begin_step(meta)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._begin_step()

@@ -47,14 +47,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from kvtier.l3.tier import open_storage_tier
-from kvtier.core.plans import Completion, Done, Tier, Transfer, completed_pages
-from kvtier.errors import ConfigError
+from kvtier.core.plans import Completion, Done, Failed, Reason, Tier, Transfer, completed_pages
+from kvtier.errors import ConfigError, ServiceError
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace
 from kvtier.integrations.vllm.groups import VllmGroup, model_spec
 from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches, map_state_caches
-from kvtier.integrations.vllm.messages import KVTierHandshake, KVTierWorkerMeta, RankResult
+from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta, RankResult
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.l3.base import redact_url
@@ -108,6 +108,8 @@ class ConnectorWorker:
         self._host: HostPool | None = None
         #: attached to the node service, until the first step names its region: the spec and the device pool
         self._unmapped: tuple[KVSpec, object] | None = None
+        #: the region this rank last failed to map (warned about once)
+        self._unmappable: str | None = None
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.stats = WorkerStats()
         self.executor: ChainedExecutor | None = None
@@ -221,6 +223,32 @@ class ConnectorWorker:
                  region.path, start, start + size, region.num_pages)
 
     # ---- one step --------------------------------------------------------------------------
+    def begin_step(self, meta: KVTierConnectorMetadata) -> None:
+        """A step's metadata, once, before its forward: the node service's region mapped (when the scheduler
+        names one), then the step's plans started. A region this rank cannot map -- its file removed under the
+        service, a service gone between the scheduler's lookup and this step -- never raises into vLLM's step:
+        every plan of the step fails here before any byte moves (vLLM recomputes the loads' blocks, the copies
+        out are dropped and their pages released), and the next step tries the mapping again."""
+        unmapped = None
+        if meta.region is not None:
+            try:
+                self.use_region(meta.region)
+            except ServiceError as e:
+                unmapped = str(e)
+        if unmapped is None:
+            self.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed, meta.preempted_copies)
+            return
+        if meta.region.path != self._unmappable:
+            self._unmappable = meta.region.path
+            log.warning("kvtier worker rank %d: %s; this step's %d kvtier copies fail (vLLM recomputes what they would have "
+                        "loaded) and the next step maps it again", self.tp_rank, unmapped, len(meta.plans))
+        self.start_loads([], meta.unavailable_blocks, meta.delayed, {}, meta.async_failed, meta.preempted_copies)
+        for p in meta.plans:
+            self._open[p.op] = p
+            if p.op in meta.async_loads:
+                self._async[p.op] = meta.async_loads[p.op]
+        self._collect([Failed(p.op, Reason.ERROR, unmapped) for p in meta.plans])
+
     def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = (), delayed: dict[str, list[int]] | None = None,
                     async_loads: dict[int, tuple[str, bool]] | None = None, async_failed: list[str] = (),
                     fenced: list[int] = ()) -> None:
@@ -248,7 +276,7 @@ class ConnectorWorker:
         for p in plans:
             if p.src is Tier.STORAGE:  # the copy that follows starts with what this lets arrive
                 ex.settle(p.op, cfg.prefetch_policy, cfg.prefetch_budget_s(p.num_pages))
-        self._collect(ex.poll())
+        self._collect(self._poll())
 
     def wait_layer(self, layer_name: str) -> None:
         where = self._layer_index.get(layer_name)
@@ -285,13 +313,13 @@ class ConnectorWorker:
                 ex.release_rest(op)
                 if op in self._open:
                     self._copying[op] = now
-        self._collect(ex.poll())
+        self._collect(self._poll())
 
     def finished_sending(self) -> set[str]:
         """Finished requests whose blocks vLLM kept for this rank's copies out of them, now done (each once)."""
         if not self._delayed:
             return set()
-        self._collect(self.executor.poll())
+        self._collect(self._poll())
         self._abandon_overdue_copies()
         done = {req for req, ops in self._delayed.items() if not any(op in self._copying for op in ops)}
         for req in done:
@@ -325,6 +353,10 @@ class ConnectorWorker:
         running = [op for op in ops if op in self._copying]
         if running:
             self._collect(self.executor.wait(running))
+
+    def _poll(self) -> list[Completion]:
+        """The executor's completions since the last poll (none before a service's region is mapped)."""
+        return self.executor.poll() if self.executor is not None else []
 
     def _collect(self, completions: list[Completion]) -> None:
         for c in completions:
@@ -377,9 +409,8 @@ class ConnectorWorker:
                 st.save_failures += type(c) is not Done
 
     def take_results(self) -> KVTierWorkerMeta | None:
-        if self.executor is None:
-            return None
-        self._collect(self.executor.poll())
+        if self.executor is not None:
+            self._collect(self.executor.poll())
         done, self._done = self._done, {}
         return KVTierWorkerMeta({op: RankResult(c, frozenset({self.tp_rank})) for op, c in done.items()}) if done else None
 
