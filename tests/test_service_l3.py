@@ -200,6 +200,43 @@ def test_a_page_being_fetched_is_never_offered_and_the_next_lookup_finds_it_once
         service.close()
 
 
+def test_a_load_never_waits_behind_the_saves_of_what_engines_publish(tmp_path, file_url):
+    """The store's writes hang (an engine's published prefix is being written through): a lookup of another
+    prefix the store holds is still read in and answered within its wait, bit-exact -- loads have a worker
+    of their own."""
+    own = build_cache(SPEC, TierConfig(device_pages=16, host_pages=32), storage=StorageConfig(url=file_url))
+    req = own.begin(PROMPT)
+    new = req.alloc(PAGES)
+    for i, page in enumerate(new.pages):
+        write_page(own.device, page, PROMPT, i)
+    req.commit(new.pages)
+    own.wait_idle()
+    keys, namespace = own.page_keys(PROMPT), str(own.namespace)
+    with closing(open_backend(file_url)) as check:
+        wait_until(lambda: check.exists([f"{namespace}/{k.hex()}" for k in keys]) == PAGES, 30)
+    own.close()
+    sock = str(tmp_path / "run" / "node.sock")
+    service, store, answer = _held_store_service(sock, file_url)
+    store.before_set = lambda _call: answer.wait(60)
+    try:
+        with _looping(service):
+            engine = Serving(sock)
+            engine.request(prompt(7))  # published: its save hangs in the store
+            engine.cache.wait_idle()
+            wait_until(lambda: store.calls("set") >= 1, 30)
+            client = ServiceClient(sock, namespace, RegionFormat.of(SPEC, "page_first"), lookup_deadline_s=4.0)
+            pool = HostPool(SPEC, client.num_pages, "page_first", memory=map_region(client.region, client.region_size))
+            pages = client.lookup(keys)  # read in while the saves hang, answered within its wait (2 s)
+            assert [pool.page_bytes(p) for p in pages] == [expected_page(SPEC, PROMPT, i) for i in range(PAGES)]
+            assert client.status()["l3"]["saved_pages"] == 0  # the save still hangs
+            client.release(pages)
+            client.close()
+            engine.cache.close()
+    finally:
+        answer.set()
+        service.close()
+
+
 @pytest.mark.parametrize("store_answers", [True, False], ids=["store-answers", "store-hangs"])
 def test_sigterm_drains_the_saves_under_way_within_the_bound(tmp_path, file_url, store_answers):
     """The service in this process, its store's writes held: closing it (what SIGTERM does) waits for the saves

@@ -2,7 +2,7 @@
 through and read back into it.
 
 The objects are the ones an engine's own L3 writes (:class:`~kvtier.l3.tier.StorageTier` over a
-:class:`~kvtier.pools.host.HostPool` that is the service's own mapping of the region, one tier per
+:class:`~kvtier.pools.host.HostPool` that is the service's own mapping of the region, two tiers per
 namespace, all on one store): same keys (``namespace/page-hash``), same header and checksum, so a
 service and an engine of the same namespace read each other's objects.
 
@@ -17,7 +17,8 @@ service and an engine of the same namespace read each other's objects.
   counted (``corrupt_pages``); the run stops there.
 
 Nothing here blocks the selector thread: the ``exists`` runs on a thread of its own, reads and saves
-on the tiers' workers, each backend call under its deadline and the store's circuit breaker; a worker
+on the tiers' workers -- a namespace's loads on a tier of their own, so an engine waiting for a lookup
+never queues behind the write-through of what every engine publishes -- each backend call under its deadline and the store's circuit breaker; a worker
 that finishes writes the eventfd (:meth:`ServiceStorage.fileno`) the selector watches, and the
 selector thread applies the results (:meth:`ServiceStorage.poll`) -- it alone touches the index.
 """
@@ -53,6 +54,18 @@ class Load:
     done: bool = False
 
 
+@dataclass(frozen=True)
+class NamespaceTiers:
+    """One namespace's tiers on the store: the write-through's saves, and the loads on a worker (and I/O
+    threads) of their own."""
+
+    saves: StorageTier
+    loads: StorageTier
+
+    def __iter__(self):
+        return iter((self.saves, self.loads))
+
+
 @dataclass
 class StorageCounters:
     """What ``kvtier serve --status`` reports under ``l3``."""
@@ -82,7 +95,7 @@ class ServiceStorage:
         self._wake_lock = threading.Lock()
         self._finder = ThreadPoolExecutor(1, thread_name_prefix="kvtier-serve-l3-exists")
         self._found: queue.SimpleQueue[tuple[Load, int]] = queue.SimpleQueue()
-        self._tiers: dict[str, StorageTier] = {}
+        self._tiers: dict[str, NamespaceTiers] = {}
         self._clients: dict[str, int] = {}  # namespace -> the service's own index client
         self._fetching: dict[tuple[str, bytes], Load] = {}  # keys whose pages are being read in
         self._loads: dict[tuple[str, bytes], Load] = {}  # loads by their first key, until done
@@ -108,7 +121,7 @@ class ServiceStorage:
         if not pages:
             return
         self.index.hold(self._client(namespace), pages)
-        job = self._tier(namespace).submit("save", keys, pages)
+        job = self._tier(namespace).saves.submit("save", keys, pages)
         if job is None:  # the tier's queue is full: not saved (counted by the tier too)
             self._saved(namespace, pages, ok=0)
             return
@@ -123,7 +136,7 @@ class ServiceStorage:
         going = self._loads.get(first) or self._fetching.get(first)
         if going is not None:
             return going
-        tier = self._tier(namespace)
+        tier = self._tier(namespace).loads
         if not tier.available:
             return None
         load = Load(namespace, keys[: self.max_load_pages])
@@ -145,18 +158,18 @@ class ServiceStorage:
                 break
             if not self._fetch(load, found):
                 done.append(self._end(load))
-        for tier in self._tiers.values():
+        for tier in self._every_tier():
             for job in tier.take_finished():
                 if job.kind == "save":
                     self._saved(tier.prefix, self._saving.pop(job), ok=job.statuses.count(KeyStatus.OK))
                 else:
                     done.append(self._fetched(job))
-        self.counters.corrupt_pages = sum(t.discarded_corrupt for t in self._tiers.values())
+        self.counters.corrupt_pages = sum(t.discarded_corrupt for t in self._every_tier())
         return done
 
     def status(self) -> dict:
         # (None until a namespace's tier has called the store: nothing is known yet)
-        available = all(t.available for t in self._tiers.values()) if self._tiers else None
+        available = all(t.available for t in self._every_tier()) if self._tiers else None
         return {"url": redact_url(self.url), "available": available,
                 "saving_pages": sum(len(p) for p in self._saving.values()), "fetching_pages": len(self._fetching),
                 **self.counters.as_dict()}
@@ -168,9 +181,9 @@ class ServiceStorage:
             if load.job is not None:
                 load.job.cancel()  # (after the batch in flight: nobody waits for it any more)
         deadline = time.monotonic() + drain_timeout_s
-        drained = all(t.drain(max(0.0, deadline - time.monotonic())) for t in self._tiers.values())
+        drained = all([t.drain(max(0.0, deadline - time.monotonic())) for t in self._every_tier()])
         self.poll()
-        for tier in self._tiers.values():
+        for tier in self._every_tier():
             tier.close(timeout_s=0.0)
         self._finder.shutdown(wait=False, cancel_futures=True)
         with self._wake_lock:  # (a worker still finishing never writes into a closed, maybe reused, fd)
@@ -204,12 +217,15 @@ class ServiceStorage:
             self.index.attach(cid, namespace)
         return cid
 
-    def _tier(self, namespace: str) -> StorageTier:
-        tier = self._tiers.get(namespace)
-        if tier is None:
-            tier = self._tiers[namespace] = StorageTier(self.backend, self._pool, namespace, owns_backend=False,
-                                                        on_finished=self._notify)
-        return tier
+    def _tier(self, namespace: str) -> NamespaceTiers:
+        tiers = self._tiers.get(namespace)
+        if tiers is None:
+            tiers = self._tiers[namespace] = NamespaceTiers(*(StorageTier(self.backend, self._pool, namespace, owns_backend=False,
+                                                                          on_finished=self._notify) for _ in range(2)))
+        return tiers
+
+    def _every_tier(self) -> list[StorageTier]:
+        return [tier for tiers in self._tiers.values() for tier in tiers]
 
     def _fetch(self, load: Load, found: int) -> bool:
         """Reserve pages for the found run (up to the first key in the region or on its way) and read
@@ -226,7 +242,7 @@ class ServiceStorage:
         pages = self.index.reserve(cid, len(keys))
         if not pages:
             return False
-        job = self._tier(load.namespace).submit("prefetch", keys[: len(pages)], pages, tag=load)
+        job = self._tier(load.namespace).loads.submit("prefetch", keys[: len(pages)], pages, tag=load)
         if job is None:
             self.index.release(cid, pages)
             return False
