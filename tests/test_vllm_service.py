@@ -23,7 +23,7 @@ from kvtier.errors import ConfigError, ServiceError
 from kvtier.integrations.vllm.groups import VllmGroup
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
-from kvtier.service.leased import RETRY_FIRST_S
+from kvtier.service.backoff import RETRY_FIRST_S
 from kvtier.service.region import RegionFormat
 
 pytestmark = pytest.mark.timeout(300)

@@ -17,8 +17,8 @@ pages, finds none, tells the service nothing, and takes the core's pages back in
 the core forgets every region page it holds at its next match
 (:meth:`~kvtier.core.cache_core.CacheCore._forget_shared_host`). No exception reaches the engine. Once
 the core holds none of the old session's pages (so no copy touches them), a lookup or an allocation
-attaches again -- at most one attempt per backoff step (:data:`RETRY_FIRST_S` doubling to
-:data:`RETRY_MAX_S`), each bounded by the client's lookup deadline -- naming the old session as
+attaches again -- at most one attempt per backoff step (:class:`~kvtier.service.backoff.AttachBackoff`),
+each bounded by the client's lookup deadline -- naming the old session as
 quiesced, so a service that kept it (this process lives) frees it; the host pool then maps the
 service's region anew (a restarted service's region is another file, and the old one's page ids are in
 no tree any more).
@@ -27,19 +27,14 @@ no tree any more).
 from __future__ import annotations
 
 import logging
-import time
 
 from kvtier.alloc import Allocation, PageAllocator
 from kvtier.errors import ConfigError, ServiceError
+from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import ServiceClient
 from kvtier.service.region import Region, map_region
 
 log = logging.getLogger(__name__)
-
-#: seconds before the first attempt to attach again after the service was lost; doubled per failed attempt
-RETRY_FIRST_S = 0.1
-#: the longest wait between two attempts
-RETRY_MAX_S = 2.0
 
 
 class LeasedPages(PageAllocator):
@@ -59,8 +54,7 @@ class LeasedPages(PageAllocator):
         self.pool = None
         self.lost = False
         self.losses = self.reattaches = 0
-        self._retry_at = 0.0
-        self._retry_s = RETRY_FIRST_S
+        self._backoff = AttachBackoff()
 
     @property
     def capacity(self) -> int:
@@ -168,25 +162,22 @@ class LeasedPages(PageAllocator):
         self.client.close(quiesced=False)  # (what this engine holds stays out of circulation while it lives)
         self.lost = True
         self.losses += 1
-        self._retry_at, self._retry_s = time.monotonic() + RETRY_FIRST_S, RETRY_FIRST_S
+        self._backoff.lost()
         log.warning("the node service at %s is lost (%s): this engine goes on without it (host misses) and attaches again when it "
                     "is back", self.client.socket_path, error)
 
     def _try_reattach(self) -> bool:
         """Attach again if it is time to try and nothing of the old session is in use; True if attached."""
-        if self._used or time.monotonic() < self._retry_at:
+        if self._used or not self._backoff.due():
             return False
-        wait, self._retry_s = self._retry_s, min(2 * self._retry_s, RETRY_MAX_S)
-        try:
-            return self._attach_again()
-        finally:  # (the wait counts from the attempt's end: one that waited out its deadline is not due again at once)
-            self._retry_at = time.monotonic() + wait
+        return self._attach_again()
 
     def _attach_again(self) -> bool:
         old = self.client
         try:
             client = old.again()
         except ServiceError as e:
+            self._backoff.failed()
             log.debug("the node service at %s is not back yet: %s", old.socket_path, e)
             return False
         try:
@@ -197,10 +188,11 @@ class LeasedPages(PageAllocator):
                 self.pool.remap(map_region(client.region, client.region_size, pin_in_background=True))  # (on a request's path)
         except ServiceError as e:
             client.close()
-            self._retry_s = RETRY_MAX_S
+            self._backoff.failed(longest=True)
             log.warning("the node service at %s is back but cannot be attached to: %s", old.socket_path, e)
             return False
-        self.client, self.lost, self._room, self._retry_s = client, False, None, RETRY_FIRST_S
+        self.client, self.lost, self._room = client, False, None
+        self._backoff.attached()
         self.reattaches += 1
         log.warning("attached to the node service at %s again (region %s)", client.socket_path, client.region)
         return True

@@ -18,9 +18,10 @@ service and an engine of the same namespace read each other's objects.
 
 Nothing here blocks the selector thread: the ``exists`` runs on a thread of its own, reads and saves
 on the tiers' workers -- a namespace's loads on a tier of their own, so an engine waiting for a lookup
-never queues behind the write-through of what every engine publishes -- each backend call under its deadline and the store's circuit breaker; a worker
-that finishes writes the eventfd (:meth:`ServiceStorage.fileno`) the selector watches, and the
-selector thread applies the results (:meth:`ServiceStorage.poll`) -- it alone touches the index.
+never queues behind the write-through of what every engine publishes -- each backend call under its
+deadline and the store's circuit breaker; a worker that finishes writes the eventfd
+(:meth:`ServiceStorage.fileno`) the selector watches, and the selector thread applies the results
+(:meth:`ServiceStorage.poll`) -- it alone touches the index.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ import xxhash
 from peers.sglang_wheel import FACTORY_DEFAULTS, import_sglang, publish_config
 from kvtier.integrations.sglang import extra_config
 from kvtier.service.peer import UNIX_SCHEME
-from kvtier.service.leased import RETRY_MAX_S
+from kvtier.service.backoff import RETRY_MAX_S
 
 
 #: stacks with a Mamba2-style state layer beside their full-attention layer (MHA, or MLA)

@@ -20,8 +20,8 @@ once its bytes are copied, so when a call returns no page of its connection is h
 **Faults are misses.** Any :class:`~kvtier.errors.ServiceError` (the service is down, stalled past
 the lookup deadline, or dropped the connection) ends the thread's connection, and the call reports
 what it finished (misses after it); no exception leaves. The thread attaches again at a later call --
-one attempt per backoff step (:data:`~kvtier.service.leased.RETRY_FIRST_S` doubling to
-:data:`~kvtier.service.leased.RETRY_MAX_S`), each within the lookup deadline -- naming its lost
+one attempt per backoff step (:class:`~kvtier.service.backoff.AttachBackoff`, an engine's host tier's
+schedule), each within the lookup deadline -- naming its lost
 session as quiesced (nothing touches its pages once its call returned), so a service that kept it as
 an orphan frees it; the region it names then (a restarted service's is a new file) is mapped anew.
 """
@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
 from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
-from kvtier.service.leased import RETRY_FIRST_S, RETRY_MAX_S
+from kvtier.service.backoff import AttachBackoff
 from kvtier.service.messages import publish_op, release_op
 from kvtier.service.region import RegionFormat, map_region
 
@@ -94,8 +93,9 @@ class _ThreadState(threading.local):
     session: _Session | None = None
     #: the session this thread lost (named as quiesced when it attaches again)
     lost: str | None = None
-    retry_at = 0.0
-    retry_s = RETRY_FIRST_S
+
+    def __init__(self):
+        self.backoff = AttachBackoff()
 
 
 class ServicePages:
@@ -131,13 +131,12 @@ class ServicePages:
         state = self._state
         if state.session is not None:
             return state.session
-        if not force and time.monotonic() < state.retry_at:
+        if not force and not state.backoff.due():
             return None
         try:
             state.session = self._attach(state.lost, attach_s if attach_s is not None else self.lookup_deadline_s)
         except ServiceError as e:
-            state.retry_at = time.monotonic() + state.retry_s
-            state.retry_s = min(2 * state.retry_s, RETRY_MAX_S)
+            state.backoff.failed()
             log.log(logging.WARNING if force else logging.DEBUG, "kvtier HiCache storage: the node service at %s is not attached "
                     "(%s); pages miss until it is", self.socket_path, e)
             return None
@@ -145,7 +144,8 @@ class ServicePages:
             with self._lock:
                 self.reattaches += 1
             log.warning("kvtier HiCache storage: attached to the node service at %s again", self.socket_path)
-        state.lost, state.retry_s = None, RETRY_FIRST_S
+        state.lost = None
+        state.backoff.attached()
         return state.session
 
     def _attach(self, previous: str | None, attach_s: float) -> _Session:
@@ -174,7 +174,7 @@ class ServicePages:
                 self._sessions.remove(session)
             self.losses += 1
         state.session, state.lost = None, session.client.session
-        state.retry_at, state.retry_s = time.monotonic() + RETRY_FIRST_S, 2 * RETRY_FIRST_S
+        state.backoff.lost()
         self.on_fault()
         log.warning("kvtier HiCache storage: the node service at %s is lost (%s); misses until it is back", self.socket_path, error)
 
