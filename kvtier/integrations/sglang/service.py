@@ -181,30 +181,29 @@ class ServicePages:
     # ---- pages ---------------------------------------------------------------------------------
     def stored(self, keys: list[bytes]) -> int:
         """How many leading ``keys`` the service holds (held for the answer, released at once)."""
-        session = self._session() if keys else None
-        if session is None:
-            return 0
-        try:
-            pages = session.client.lookup(keys)
-            if pages:
-                session.client.release(pages)
-        except ServiceError as e:
-            self._lose(session, e)
-            return 0
-        return len(pages)
+        return self._held_run(keys, lambda _session, _held: None)
 
     def read(self, pool: PoolPages, keys: list[bytes], into: list[int]) -> int:
         """The leading run of ``keys`` the service holds, copied into ``pool``'s pages ``into``; how many."""
+        row = self.row_of(pool)
+
+        def copy_in(session: _Session, held: list[int]) -> None:
+            for page, region_page in zip(into, held):
+                _copy_in(pool, page, session.row(row, region_page))
+
+        return self._held_run(keys, copy_in)
+
+    def _held_run(self, keys: list[bytes], use: Callable[[_Session, list[int]], None]) -> int:
+        """The leading run of ``keys`` the service holds, held while ``use(session, pages)`` runs and released
+        after it; its length, or 0 when the service is not attached or was lost on the way."""
         session = self._session() if keys else None
         if session is None:
             return 0
-        row = self.row_of(pool)
         try:
             held = session.client.lookup(keys)
             try:
                 session.check(held, "lookup")
-                for page, region_page in zip(into, held):
-                    _copy_in(pool, page, session.row(row, region_page))
+                use(session, held)
             finally:
                 if held:
                     session.client.release(held)
