@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from kvtier.app.percentiles import percentiles
 from kvtier.core.plans import Tier
 from kvtier.build import build_cache, build_hybrid_cache
 from kvtier.config import CacheConfig, ConfigError, StorageConfig, TierConfig, _help, check_number
@@ -112,13 +113,7 @@ class RunReport:
 
 
 def _pcts(xs: list[float]) -> dict[str, float]:
-    qs = statistics.quantiles(xs, n=100, method="inclusive") if len(xs) > 1 else [xs[0]] * 99
-    return {
-        "p50": round(statistics.median(xs), 5),
-        "p90": round(qs[89], 5),
-        "p99": round(qs[98], 5),
-        "mean": round(statistics.fmean(xs), 5),
-    }
+    return {**{k: round(v, 5) for k, v in percentiles(xs).items()}, "mean": round(statistics.fmean(xs), 5)}
 
 
 def _ratio_spread(ours: list[float], base: list[float]) -> dict[str, float]:

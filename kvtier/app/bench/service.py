@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.app.percentiles import percentiles
 from kvtier.app.bench.timing import interleaved_times
 from kvtier.app.devservers import NodeServiceProcess
 from kvtier.app.workloads import load_mooncake_trace, trace_tokens
@@ -130,7 +131,7 @@ def _serve(cache: HierarchicalCache, tokens: list[int]) -> tuple[int, int]:
 
 
 def _percentile_us(xs: list[float], q: int) -> float:
-    return round(statistics.quantiles(xs, n=100, method="inclusive")[q - 1] * 1e6, 1)
+    return round(percentiles(xs, (q,))[f"p{q}"] * 1e6, 1)
 
 
 def _lookup_rows(socket: str, prompt_tokens: int, requests: int) -> list[LookupRow]:
