@@ -11,6 +11,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from support.service_peer import NAMESPACE, PROMPT, PUBLISHED, SPEC, UNPUBLISHED
 from kvtier.build import build_cache
 from kvtier.config import TierConfig
 from kvtier.errors import ConfigError, ServiceAccessError, ServiceError
-from kvtier.service.client import ServiceClient, query_status
+from kvtier.service.client import ServiceClient, SessionWriter, query_status
 from kvtier.service.peer import PeerCredentials, check_peer, supplementary_groups
 from kvtier.service.region import RegionFormat
 from kvtier.service.server import NodeService, ServeConfig
@@ -88,6 +89,57 @@ def test_a_writer_killed_mid_write_never_has_its_pages_offered_and_its_leases_en
             assert reader.lookup([PUBLISHED[0], UNPUBLISHED[0]]) == []  # (held already by this reader: the run stops)
         finally:
             reader.close()
+
+
+def test_a_killed_sessions_pages_stay_out_of_circulation_while_a_process_that_joined_it_as_a_writer_is_connected(tmp_path):
+    """A vLLM engine core SIGKILLed while its workers (other processes) may still have copies landing in the
+    pages its session reserved: the workers joined that session as writers, so the service frees nothing of
+    it until the last of them is gone too -- then within the bound."""
+    with running_service(tmp_path) as svc:
+        owner = start_peer("write-and-hang", svc.socket)
+        worker = None
+        try:
+            report = peer_report(owner)
+            worker = start_peer("join", svc.socket, report["session"])
+            assert peer_report(worker) == {"joined": report["session"]}
+            assert query_status(svc.socket)["writers"] == 1
+            os.kill(owner.pid, signal.SIGKILL)  # the engine core; its worker lives on
+            owner.wait(30)
+            wait_until(lambda: query_status(svc.socket)["orphaned"] == 1, LEASE_BOUND_S)
+            time.sleep(0.5)  # (several turns of the service's loop: nothing of it is freed while its writer is connected)
+            st = query_status(svc.socket)
+            assert (st["writing"], st["held"], st["orphaned"], st["dropped_writes"]) == (2, 2, 1, 0)
+        finally:
+            owner.kill()
+            if worker is not None:
+                worker.kill()  # the last writer gone: the session ends
+                worker.wait(30)
+        st, _took = wait_until(lambda: (s := query_status(svc.socket))["orphaned"] == 0 and s, LEASE_BOUND_S)
+        assert (st["writing"], st["held"], st["writers"], st["dropped_writes"]) == (0, 0, 0, 2)
+        reader = ServiceClient(svc.socket, NAMESPACE, _fmt())
+        try:
+            assert reader.lookup(UNPUBLISHED) == [] and reader.lookup(PUBLISHED) == report["pages"][:2]
+        finally:
+            reader.close()
+
+
+def test_join_names_an_attached_session_and_a_joined_connection_only_says_bye(tmp_path):
+    with running_service(tmp_path) as svc:
+        with pytest.raises(ServiceError, match="join: no attached session"):
+            SessionWriter(svc.socket, "f" * 32, 5.0)
+        owner = ServiceClient(svc.socket, NAMESPACE, _fmt())
+        try:
+            s = raw_connection(svc.socket)
+            try:
+                s.sendall(frame({"seq": 1, "ops": [{"op": "join", "session": owner.session}]}))
+                assert read_answer(s)["results"] == [{"session": owner.session}]
+                s.sendall(frame({"seq": 2, "ops": [{"op": "reserve", "n": 1}]}))
+                assert "reserve before hello" in read_answer(s)["error"]["message"] and closed_by_peer(s)
+            finally:
+                s.close()
+            assert query_status(svc.socket)["writers"] == 0  # (its connection's end took it off)
+        finally:
+            owner.close()
 
 
 def _refused(sock_path: str, data: bytes, *, hello: bool = True) -> dict:

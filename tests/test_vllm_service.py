@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from support.service import running_service, start_service, stop
+from support.service import running_service, start_service, stop, wait_until
 from support.vllm_split import BS, TOKENS, Engine, gate_copies, request, serve, start
 
 from kvtier.errors import ConfigError, ServiceError
@@ -24,6 +24,7 @@ from kvtier.integrations.vllm.groups import VllmGroup
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from kvtier.service.backoff import RETRY_FIRST_S
+from kvtier.service.client import query_status
 from kvtier.service.region import RegionFormat
 
 pytestmark = pytest.mark.timeout(300)
@@ -110,8 +111,11 @@ def test_one_engines_pages_are_a_host_hit_for_another_each_ranks_shard_bit_exact
                     assert [b.page(r, blk) for blk in (0, 1, 2)] == originals[r]
                 assert b.load_errors[-1] == set()
                 assert b.workers[0].region == a.workers[1].region == a.scheduler.leased.region  # one region, each rank a slice
+                # every rank joined its scheduler's session as a writer (a dead engine core's pages wait for its workers)
+                assert query_status(svc.socket)["writers"] == 4
             finally:
                 b.close()
+            wait_until(lambda: query_status(svc.socket)["writers"] == 2, 5)  # a closed engine's workers left
         finally:
             a.close()
 
@@ -258,7 +262,6 @@ def baseline():
 @pytest.mark.integration
 @pytest.mark.timeout(1500)
 def test_an_engine_restarted_against_a_running_service_gets_the_prefix_from_host(tmp_path, baseline):
-    from kvtier.service.client import query_status
 
     with running_service(tmp_path, SERVICE_GB) as svc:
         first = session(*attached(svc.socket, *LENGTHS))

@@ -20,7 +20,7 @@ import socket
 import time
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
-from kvtier.service.messages import BYE_OP, MAX_WAIT_S, STATUS_OP, hello_op, lookup_op, publish_op, release_op, reserve_op
+from kvtier.service.messages import BYE_OP, MAX_WAIT_S, STATUS_OP, hello_op, join_op, lookup_op, publish_op, release_op, reserve_op
 from kvtier.service.region import RegionFormat
 from kvtier.service.wire import recv_frame, send_frame
 
@@ -57,13 +57,7 @@ class ServiceClient:
         self._broken: str | None = None
         attach_s = deadline_s if attach_deadline_s is None else attach_deadline_s
         deadline = time.monotonic() + attach_s
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.settimeout(attach_s)  # (a stalled service's full backlog makes a connect wait)
-        try:
-            self._sock.connect(socket_path)
-        except OSError as e:
-            self._sock.close()
-            raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e}); start one with kvtier serve") from None
+        self._sock = _connect(socket_path, attach_s)
         (hello,) = self._call([hello_op(namespace, fmt.as_wire(), previous)], deadline)
         self.region: str = hello["region"]
         self.region_size: int = hello["size"]
@@ -163,6 +157,45 @@ class ServiceClient:
                     pass
             self._broken = "closed"
             self._sock.close()
+
+
+class SessionWriter:
+    """This process joined ``session`` (another process's attachment) as one that copies into its pages: a
+    vLLM worker of the engine whose scheduler holds ``session``. While this connection is open the service
+    keeps what ``session`` holds out of circulation, even once ``session``'s own process is gone; close it
+    when no copy of this process touches those pages any more. Connect and join within ``deadline_s``
+    (default: :data:`DEFAULT_LOOKUP_DEADLINE_S`, a vLLM worker joins on its step's path)."""
+
+    def __init__(self, socket_path: str, session: str, deadline_s: float | None = None):
+        deadline_s = DEFAULT_LOOKUP_DEADLINE_S if deadline_s is None else deadline_s
+        self.session = session
+        self._sock = _connect(socket_path, deadline_s)
+        deadline = time.monotonic() + deadline_s
+        try:
+            send_frame(self._sock, {"seq": 1, "ops": [join_op(session)]}, deadline)
+            answer = recv_frame(self._sock, deadline)
+        except ServiceError:
+            self._sock.close()
+            raise
+        if "error" in answer or answer.get("results") != [{"session": session}]:
+            self._sock.close()
+            raise _refusal(answer) if "error" in answer else ServiceProtocolError(f"the node service answered join out of protocol: "
+                                                                                 f"{str(answer)[:80]}")
+
+    def close(self) -> None:
+        """No copy of this process writes into the session's pages any more (its end says so too)."""
+        self._sock.close()
+
+
+def _connect(socket_path: str, timeout_s: float) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)  # (a stalled service's full backlog makes a connect wait)
+    try:
+        sock.connect(socket_path)
+    except OSError as e:
+        sock.close()
+        raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e}); start one with kvtier serve") from None
+    return sock
 
 
 def _refusal(answer: dict) -> ServiceError:

@@ -6,7 +6,8 @@ A request frame is ``{"seq": n, "ops": [op, ...]}``: a batch, answered by one fr
 and releases). ``"note": true`` marks a batch that wants no answer (publish, release: nothing waits on
 them). A refused batch is answered ``{"seq": n, "error": {"type": ..., "message": ...}}`` and the
 connection is closed. The first op of a connection is ``hello`` (its answer names the connection's
-session); ``bye`` detaches quiesced. Page keys travel as hex.
+session) or ``join`` (the connection's process writes into another connection's session's pages: a
+vLLM worker of that scheduler's engine); ``bye`` detaches quiesced. Page keys travel as hex.
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ class Hello:
     namespace: str
     format: dict
     previous: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Join:
+    """This connection's process copies into the pages of ``session`` (another process's attachment: a
+    vLLM worker of that scheduler's engine). While it is connected, what ``session`` holds stays out of
+    circulation even after ``session``'s own connection ended and its process exited: a copy of this
+    process may still be writing into those pages. Its ``bye`` or its end (the kernel closes a dead
+    process's socket) says it no longer writes."""
+
+    session: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +92,7 @@ class Bye:
     """The caller detaches quiesced (nothing in flight touches its pages): free its leases and holds now."""
 
 
-Op = Hello | Lookup | Reserve | Publish | Release | Status | Bye
+Op = Hello | Join | Lookup | Reserve | Publish | Release | Status | Bye
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +132,12 @@ def parse_op(op: object) -> Op:
             raise ServiceProtocolError(f"hello's previous must be a session id (a string of 1 to {MAX_SESSION} characters), got "
                                        f"{_show(previous)}")
         return Hello(namespace, fmt, previous)
+    if kind == "join":
+        session = op.get("session")
+        if type(session) is not str or not 0 < len(session) <= MAX_SESSION:
+            raise ServiceProtocolError(f"join's session must be a session id (a string of 1 to {MAX_SESSION} characters), got "
+                                       f"{_show(session)}")
+        return Join(session)
     if kind == "lookup":
         wait_s = op.get("wait_s", 0.0)
         if type(wait_s) not in (int, float) or not 0 <= wait_s <= MAX_WAIT_S:
@@ -141,7 +159,7 @@ def parse_op(op: object) -> Op:
         return Status()
     if kind == "bye":
         return Bye()
-    raise ServiceProtocolError(f"unknown message type {_show(kind)}; known: hello, lookup, reserve, publish, release, status, bye")
+    raise ServiceProtocolError(f"unknown message type {_show(kind)}; known: hello, join, lookup, reserve, publish, release, status, bye")
 
 
 def _pages(op: dict, name: str) -> list[int]:
@@ -178,6 +196,10 @@ def hello_op(namespace: str, fmt: dict, previous: str | None = None) -> dict:
     if previous is not None:
         op["previous"] = previous
     return op
+
+
+def join_op(session: str) -> dict:
+    return {"op": "join", "session": session}
 
 
 def lookup_op(keys: list[bytes], wait_s: float = 0.0) -> dict:

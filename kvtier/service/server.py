@@ -19,7 +19,12 @@ What a closed connection held (:meth:`NodeService._drop`):
   tree or have a copy writing into them. The orphan ends when the process exits (its pidfd, taken when
   it connected, becomes readable: a reused pid cannot pass for it) or when the process attaches again
   naming the session as ``previous`` in its hello, which it does only once it dropped every page of the
-  session from its tree and no copy touches them.
+  session from its tree and no copy touches them;
+* other processes joined the session as its writers (``join``: a vLLM engine's workers copy into the
+  pages its scheduler's session reserved and holds): while one of them is connected, the session is kept
+  as an orphan even when its own process is gone -- a worker of a SIGKILLed engine core may still have a
+  copy landing in those pages. It ends when its process has exited and its last writer has gone (or
+  when the process reattaches naming it, quiesced: every rank's copies are done then).
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from kvtier.config import check_number
 from kvtier.errors import ConfigError, KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.index import HostIndex
-from kvtier.service.messages import MAX_WAIT_S, Bye, Hello, Lookup, Publish, Release, Reserve, Status, parse_batch
+from kvtier.service.messages import MAX_WAIT_S, Bye, Hello, Join, Lookup, Publish, Release, Reserve, Status, parse_batch
 from kvtier.service.peer import check_peer, claim_socket_path, group_id, peer_credentials, private_socket_dir, share_with_group
 from kvtier.service.region import Region, RegionFormat, create_region, remove_region, remove_stale_regions
 from kvtier.service.storage import Load, ServiceStorage
@@ -92,7 +97,7 @@ class ServeConfig:
 
 class _Conn:
     __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session", "namespace", "frames",
-                 "deferred", "deferred_bytes")
+                 "deferred", "deferred_bytes", "joined")
 
     def __init__(self, cid: int, sock: socket.socket, pid: int = 0):
         self.id = cid
@@ -111,6 +116,8 @@ class _Conn:
         self.deferred: _Deferred | None = None
         #: bytes received while an answer was deferred (bounded: :data:`MAX_UNREAD`)
         self.deferred_bytes = 0
+        #: the session this connection's process writes into (``join``), if it joined one
+        self.joined: str | None = None
 
 
 @dataclass(eq=False)
@@ -126,14 +133,15 @@ class _Deferred:
         return now >= self.deadline or all(load.done for _i, _keys, load in self.waits)
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Orphan:
-    """A dropped connection's session whose process lives: its index client stays until the process
-    exits (``pidfd`` readable) or reattaches naming ``session``."""
+    """A dropped connection's session whose process lives, or whose writers (``join``) are still connected:
+    its index client stays until the process has exited (``pidfd`` readable; then None) and the last writer
+    has gone, or until the process reattaches naming ``session``."""
 
     cid: int
     pid: int
-    pidfd: int
+    pidfd: int | None
     session: str
 
 
@@ -168,6 +176,8 @@ class NodeService:
         self._conns: dict[int, _Conn] = {}
         self._sessions: dict[str, _Conn] = {}  # attached connections by session
         self._orphans: dict[str, _Orphan] = {}
+        #: per session, the connections of processes that joined it as writers (``join``)
+        self._writers: dict[str, set[_Conn]] = {}
         self._next_id = 1
         self.lock = threading.Lock()
         #: peers refused at the door; connections refused for a message that broke the protocol; clients dropped
@@ -231,7 +241,7 @@ class NodeService:
                 continue
             if type(key.data) is _Orphan:  # its process exited
                 if key.data.session in self._orphans:
-                    self._end_orphan(key.data, "its process exited", died=True)
+                    self._orphan_exited(key.data)
                 continue
             conn = key.data
             try:
@@ -366,6 +376,11 @@ class NodeService:
             return self.status()
         if kind is Hello:
             return self._hello(conn, op)
+        if kind is Join:
+            return self._join(conn, op)
+        if kind is Bye and conn.joined is not None:
+            self._leave(conn)
+            return None
         if not conn.attached:
             raise ServiceProtocolError(f"{kind.__name__.lower()} before hello (or after bye): a connection's first op is hello")
         if kind is Bye:
@@ -387,8 +402,8 @@ class NodeService:
         return None
 
     def _hello(self, conn: _Conn, op: Hello) -> dict:
-        if conn.attached:
-            raise ServiceProtocolError("hello twice on one connection")
+        if conn.attached or conn.joined is not None:
+            raise ServiceProtocolError("hello on a connection that said hello or join already")
         fmt = RegionFormat.from_wire(op.format)
         if self.storage is not None and fmt.spec is None:
             raise ServiceProtocolError("hello's format names no spec, and this service's L3 tier needs it to write the page objects "
@@ -410,6 +425,31 @@ class NodeService:
         conn.session = secrets.token_hex(16)
         self._sessions[conn.session] = conn
         return {"region": self.region.path, "size": self.region.size, "num_pages": self.region.num_pages, "session": conn.session}
+
+    def _join(self, conn: _Conn, op: Join) -> dict:
+        if conn.attached or conn.joined is not None:
+            raise ServiceProtocolError("join on a connection that said hello or join already")
+        if op.session not in self._sessions:
+            raise ServiceError(f"join: no attached session {op.session[:8]}...; its engine detached or lost the service (it names "
+                               "its new session in its next step)")
+        conn.joined = op.session
+        self._writers.setdefault(op.session, set()).add(conn)
+        return {"session": op.session}
+
+    def _leave(self, conn: _Conn) -> None:
+        """A writer's process no longer writes into its session's pages (it said bye, or it is gone): the
+        session's orphan ends if its own process has exited and this was its last writer."""
+        session, conn.joined = conn.joined, None
+        writers = self._writers.get(session)
+        if writers is None:
+            return
+        writers.discard(conn)
+        if writers:
+            return
+        del self._writers[session]
+        orphan = self._orphans.get(session)
+        if orphan is not None and orphan.pidfd is None:
+            self._end_orphan(orphan, "its process exited and its last writer has gone", died=True)
 
     def _end_previous(self, conn: _Conn, session: str) -> None:
         """The peer's process says its earlier ``session`` is quiesced: free what it held. A session the
@@ -435,7 +475,8 @@ class NodeService:
         return len(self._orphans)
 
     def status(self) -> dict:
-        out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None}
+        out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None,
+               "writers": sum(map(len, self._writers.values()))}
         if self.index is not None:
             out |= self.index.status().as_dict()
         if self.storage is not None:
@@ -500,9 +541,11 @@ class NodeService:
         self._deferred.discard(conn)
         self._sel.unregister(conn.sock)
         conn.sock.close()
+        if conn.joined is not None:
+            self._leave(conn)
         died = conn.pidfd is None or _exited(conn.pidfd)
-        if conn.attached and not died and self.index.holds_anything(conn.id):
-            self._orphan(conn)
+        if conn.attached and (not died or conn.session in self._writers) and self.index.holds_anything(conn.id):
+            self._orphan(conn, exited=died)
             return
         self._detach(conn, died=died)
         if conn.pidfd is not None:
@@ -516,19 +559,34 @@ class NodeService:
             del self._sessions[conn.session]
             self.index.detach(conn.id, died=died)
 
-    def _orphan(self, conn: _Conn) -> None:
-        orphan = _Orphan(conn.id, conn.pid, conn.pidfd, conn.session)
+    def _orphan(self, conn: _Conn, *, exited: bool) -> None:
+        orphan = _Orphan(conn.id, conn.pid, None if exited else conn.pidfd, conn.session)
         del self._sessions[conn.session]
         self._orphans[orphan.session] = orphan
-        self._sel.register(orphan.pidfd, selectors.EVENT_READ, orphan)
+        if exited:
+            if conn.pidfd is not None:
+                os.close(conn.pidfd)
+        else:
+            self._sel.register(orphan.pidfd, selectors.EVENT_READ, orphan)
         c = self.index.clients[conn.id]
-        log.warning("client %d (process %d) dropped while its process lives: its %d held and %d leased pages stay out of circulation "
-                    "until it exits or reattaches", conn.id, conn.pid, len(c.held), len(c.writing))
+        writers = len(self._writers.get(conn.session, ()))
+        log.warning("client %d (process %d) dropped while %s: its %d held and %d leased pages stay out of circulation until %s", conn.id,
+                    conn.pid, f"{writers} writer processes of it are connected" if exited else "its process lives", len(c.held),
+                    len(c.writing), "they are gone" if exited else "it exits or reattaches")
+
+    def _orphan_exited(self, orphan: _Orphan) -> None:
+        """The orphan's process exited: it ends now, or once its last writer has gone."""
+        self._sel.unregister(orphan.pidfd)
+        os.close(orphan.pidfd)
+        orphan.pidfd = None
+        if orphan.session not in self._writers:
+            self._end_orphan(orphan, "its process exited", died=True)
 
     def _end_orphan(self, orphan: _Orphan, why: str, *, died: bool = False) -> None:
         del self._orphans[orphan.session]
-        self._sel.unregister(orphan.pidfd)
-        os.close(orphan.pidfd)
+        if orphan.pidfd is not None:
+            self._sel.unregister(orphan.pidfd)
+            os.close(orphan.pidfd)
         self.index.detach(orphan.cid, died=died)
         log.info("client %d's orphaned session ended: %s", orphan.cid, why)
 

@@ -39,7 +39,7 @@ from kvtier.build import build_cache
 from kvtier.config import StorageConfig, TierConfig
 from kvtier.pools.host import HostPool
 from kvtier.errors import ServiceProtocolError
-from kvtier.service.client import ServiceClient
+from kvtier.service.client import ServiceClient, SessionWriter
 from kvtier.service.region import RegionFormat, map_region
 
 SPEC = tiny_specs()["dsa"]
@@ -115,8 +115,15 @@ def fill(pool: HostPool, pages: list[int], byte: int) -> None:
 
 
 def write_and_hang(sock: str) -> None:
-    _client, _pool, pages = _four_pages_two_published(sock)
-    print(json.dumps({"pages": pages}), flush=True)
+    client, _pool, pages = _four_pages_two_published(sock)
+    print(json.dumps({"pages": pages, "session": client.session}), flush=True)
+    time.sleep(600)
+
+
+def join(sock: str, session: str) -> None:
+    """Join ``session`` as a process that writes into its pages (a vLLM worker of its engine), then hang."""
+    writer = SessionWriter(sock, session, 10.0)  # (kept: its connection is the join)
+    print(json.dumps({"joined": writer.session}), flush=True)
     time.sleep(600)
 
 
@@ -231,5 +238,5 @@ def serve(sock: str) -> None:
 if __name__ == "__main__":
     role, sock, *rest = sys.argv[1:]
     roles = {"compute": compute, "load": load, "load-l3": load_l3, "load-store": load_store, "write-and-hang": write_and_hang,
-             "violate": violate, "serve": serve, "stop-reading": stop_reading}
+             "violate": violate, "serve": serve, "stop-reading": stop_reading, "join": join}
     roles[role](sock, *rest)

@@ -66,6 +66,10 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     #: attached to the node service: the region every host page id of ``plans`` is of (each worker maps its
     #: shard of it, and maps it anew when it changes: the scheduler attached to a restarted service)
     region: Region | None = None
+    #: the scheduler's session on the node service: each worker joins it as a process that writes into its
+    #: pages before it runs the step's plans (so the service keeps them out of circulation while a worker
+    #: of a dead scheduler may still be copying)
+    service_session: str | None = None
 
 
 @dataclass

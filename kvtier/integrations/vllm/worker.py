@@ -59,6 +59,7 @@ from kvtier.integrations.vllm.metrics import KVTierConnectorStats
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.l3.base import redact_url
 from kvtier.pools import HostPool
+from kvtier.service.client import SessionWriter
 from kvtier.service.region import Region, RegionFormat, map_region
 from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
@@ -108,8 +109,10 @@ class ConnectorWorker:
         self._host: HostPool | None = None
         #: attached to the node service, until the first step names its region: the spec and the device pool
         self._unmapped: tuple[KVSpec, object] | None = None
-        #: the region this rank last failed to map (warned about once)
-        self._unmappable: str | None = None
+        #: the region and session this rank last failed to use (warned about once)
+        self._unusable: tuple[str, str | None] | None = None
+        #: this rank's join of the scheduler's session on the node service
+        self._writer: SessionWriter | None = None
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.stats = WorkerStats()
         self.executor: ChainedExecutor | None = None
@@ -224,30 +227,44 @@ class ConnectorWorker:
 
     # ---- one step --------------------------------------------------------------------------
     def begin_step(self, meta: KVTierConnectorMetadata) -> None:
-        """A step's metadata, once, before its forward: the node service's region mapped (when the scheduler
-        names one), then the step's plans started. A region this rank cannot map -- its file removed under the
-        service, a service gone between the scheduler's lookup and this step -- never raises into vLLM's step:
+        """A step's metadata, once, before its forward: the node service's region mapped and the scheduler's
+        session joined (when the scheduler names them), then the step's plans started. A region this rank
+        cannot map or a session it cannot join -- the region's file removed under the service, the service
+        gone or the scheduler's session ended since the scheduler's lookup -- never raises into vLLM's step:
         every plan of the step fails here before any byte moves (vLLM recomputes the loads' blocks, the copies
-        out are dropped and their pages released), and the next step tries the mapping again."""
-        unmapped = None
+        out are dropped and their pages released), and the next step tries again."""
+        unusable = None
         if meta.region is not None:
             try:
                 self.use_region(meta.region)
+                self._join(meta.service_session)
             except ServiceError as e:
-                unmapped = str(e)
-        if unmapped is None:
+                unusable = str(e)
+        if unusable is None:
             self.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed, meta.preempted_copies)
             return
-        if meta.region.path != self._unmappable:
-            self._unmappable = meta.region.path
+        if (meta.region.path, meta.service_session) != self._unusable:
+            self._unusable = (meta.region.path, meta.service_session)
             log.warning("kvtier worker rank %d: %s; this step's %d kvtier copies fail (vLLM recomputes what they would have "
-                        "loaded) and the next step maps it again", self.tp_rank, unmapped, len(meta.plans))
+                        "loaded) and the next step tries again", self.tp_rank, unusable, len(meta.plans))
         self.start_loads([], meta.unavailable_blocks, meta.delayed, {}, meta.async_failed, meta.preempted_copies)
         for p in meta.plans:
             self._open[p.op] = p
             if p.op in meta.async_loads:
                 self._async[p.op] = meta.async_loads[p.op]
-        self._collect([Failed(p.op, Reason.ERROR, unmapped) for p in meta.plans])
+        self._collect([Failed(p.op, Reason.ERROR, unusable) for p in meta.plans])
+
+    def _join(self, session: str | None) -> None:
+        """Join the scheduler's ``session`` as a process writing into its pages (once per session): if the
+        engine core dies while a copy of this rank's is landing, the service frees none of its pages until
+        this rank is gone too. The session before it is left then: the scheduler attached anew only once
+        every copy into the old session's pages had completed on every rank."""
+        if session is None or (self._writer is not None and self._writer.session == session):
+            return
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        self._writer = SessionWriter(self.options.tiers.service, session, self.options.tiers.service_lookup_timeout_s)
 
     def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = (), delayed: dict[str, list[int]] | None = None,
                     async_loads: dict[int, tuple[str, bool]] | None = None, async_failed: list[str] = (),
@@ -446,3 +463,6 @@ class ConnectorWorker:
                         self.tp_rank, timeout_s)
         self.executor.close()
         self.executor = None
+        if self._writer is not None:  # (no copy of this rank writes into the session's pages any more)
+            self._writer.close()
+            self._writer = None
