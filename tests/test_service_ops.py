@@ -27,7 +27,7 @@ from kvtier.build import build_cache
 from kvtier.config import TierConfig
 from kvtier.metrics import PrometheusCollector
 from kvtier.pools.host import HostPool
-from kvtier.service.client import ServiceClient, query_status
+from kvtier.service.client import ServiceClient, SessionWriter, query_status
 from kvtier.service.region import RegionFormat, map_region
 
 pytestmark = pytest.mark.timeout(300)
@@ -98,6 +98,9 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
             assert (_counter(m, "dropped_writes"), _counter(m, "expired_leases"), _counter(m, "published_pages")) == (2, 2, PAGES + 2)
             assert (_counter(m, "protocol_errors"), _counter(m, "refused_peers"), _counter(m, "unread_drops")) == (1, 0, 0)
             assert m[("kvtier_service_clients", (("state", "attached"),))] == 2
+            writer = SessionWriter(svc.socket, reader.session)  # (a vLLM worker of the reader's engine)
+            assert _scrape(url)[("kvtier_service_clients", (("state", "writers"),))] == 1
+            writer.close()
             # a salted namespace: its salt (a secret of its engines) never appears, a digest of it stands for it
             salted = ServiceClient(svc.socket, "model-fp-tp0-sEcReT%2Dsalt", FMT)
             assert salted.lookup(PUBLISHED) == []

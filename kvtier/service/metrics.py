@@ -39,18 +39,19 @@ class ServiceSnapshot:
     counters: dict[str, int]
     clients: int
     orphaned: int
+    writers: int
 
     @classmethod
     def of(cls, service: NodeService) -> ServiceSnapshot:
         with service.lock:
             index, region = service.index, service.region
             counters = {"refused_peers": service.refused, "protocol_errors": service.protocol_errors, "unread_drops": service.unread_drops}
-            clients, orphaned = service.attached_clients, service.orphaned_clients
+            clients, orphaned, writers = service.attached_clients, service.orphaned_clients, service.joined_writers
             if index is None:  # no engine attached yet: no region
-                return cls(0, 0, 0, {}, {}, {}, counters | dict.fromkeys(_INDEX_COUNTERS, 0), clients, orphaned)
+                return cls(0, 0, 0, {}, {}, {}, counters | dict.fromkeys(_INDEX_COUNTERS, 0), clients, orphaned, writers)
             counters |= {name: getattr(index, name) for name in _INDEX_COUNTERS}
             return cls(region.format.page_bytes, index.alloc.num_pages, index.alloc.num_free, index.pages_by_namespace(),
-                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned)
+                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers)
 
 
 #: the index's counters exported as ``kvtier_service_<name>_total``
@@ -105,10 +106,11 @@ class ServiceCollector:
             for ns, n in sorted(per_ns.items()):
                 fam.add_metric([namespace_label(ns)], n)
             yield fam
-        clients = GaugeMetricFamily(f"{PREFIX}_clients", "engines attached, and dropped sessions kept while their process lives",
-                                    labels=["state"])
+        clients = GaugeMetricFamily(f"{PREFIX}_clients", "engines attached, dropped sessions kept while their process (or a writer "
+                                    "that joined them) lives, and processes joined to a session as its writers", labels=["state"])
         clients.add_metric(["attached"], snap.clients)
         clients.add_metric(["orphaned"], snap.orphaned)
+        clients.add_metric(["writers"], snap.writers)
         yield clients
         for name, value in snap.counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", _HELP[name], value=value)

@@ -474,9 +474,14 @@ class NodeService:
     def orphaned_clients(self) -> int:
         return len(self._orphans)
 
+    @property
+    def joined_writers(self) -> int:
+        """Connections of processes that joined a session as its writers (``join``)."""
+        return sum(map(len, self._writers.values()))
+
     def status(self) -> dict:
         out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None,
-               "writers": sum(map(len, self._writers.values()))}
+               "writers": self.joined_writers}
         if self.index is not None:
             out |= self.index.status().as_dict()
         if self.storage is not None:
