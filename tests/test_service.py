@@ -138,8 +138,12 @@ def test_join_names_an_attached_session_and_a_joined_connection_only_says_bye(tm
             finally:
                 s.close()
             assert query_status(svc.socket)["writers"] == 0  # (its connection's end took it off)
+            writer = SessionWriter(svc.socket, owner.session)
+            assert query_status(svc.socket)["writers"] == 1
         finally:
             owner.close()
+        wait_until(lambda: query_status(svc.socket)["writers"] == 0, 5)  # a session that ended has no writers left
+        writer.close()
 
 
 def _refused(sock_path: str, data: bytes, *, hello: bool = True) -> dict:

@@ -257,7 +257,10 @@ def map_region(path: str, size: int, *, offset: int = 0, length: int | None = No
             raise ServiceError(f"the node service's region {path} is {os.fstat(fd).st_size} bytes, not the {size} it announced")
         # (mapped from the kernel's allocation granularity below ``offset``: 64 KiB on some arm64 kernels)
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
-        mapping = mmap.mmap(fd, offset + length - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        try:
+            mapping = mmap.mmap(fd, offset + length - start, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+        except OSError as e:  # (ENOMEM: too many mappings, an address-space limit)
+            raise ServiceError(f"cannot map the node service's region {path} ({e})") from None
     finally:
         os.close(fd)
     # (through a numpy array: its weak references are cleared before it lets the mapping go, so the CUDA

@@ -562,7 +562,14 @@ class NodeService:
         if conn.attached:
             conn.attached = False
             del self._sessions[conn.session]
+            self._forget_writers(conn.session)
             self.index.detach(conn.id, died=died)
+
+    def _forget_writers(self, session: str) -> None:
+        """``session`` ended: the processes that joined it write into nothing of it any more (their
+        connections stay open, counted nowhere)."""
+        for writer in self._writers.pop(session, ()):
+            writer.joined = None
 
     def _orphan(self, conn: _Conn, *, exited: bool) -> None:
         orphan = _Orphan(conn.id, conn.pid, None if exited else conn.pidfd, conn.session)
@@ -592,6 +599,7 @@ class NodeService:
         if orphan.pidfd is not None:
             self._sel.unregister(orphan.pidfd)
             os.close(orphan.pidfd)
+        self._forget_writers(orphan.session)
         self.index.detach(orphan.cid, died=died)
         log.info("client %d's orphaned session ended: %s", orphan.cid, why)
 

@@ -182,7 +182,9 @@ class ServiceStorage:
             if load.job is not None:
                 load.job.cancel()  # (after the batch in flight: nobody waits for it any more)
         deadline = time.monotonic() + drain_timeout_s
-        drained = all([t.drain(max(0.0, deadline - time.monotonic())) for t in self._every_tier()])
+        drained = all([tiers.saves.drain(max(0.0, deadline - time.monotonic())) for tiers in self._tiers.values()])
+        for tiers in self._tiers.values():  # (cancelled: at most the batch in flight, in what time is left)
+            tiers.loads.drain(max(0.0, deadline - time.monotonic()))
         self.poll()
         for tier in self._every_tier():
             tier.close(timeout_s=0.0)

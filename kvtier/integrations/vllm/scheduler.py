@@ -395,7 +395,7 @@ class ConnectorScheduler:
         async_failed, self._async_failed = self._async_failed, []
         return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed,
                                        preempted + fence, async_loads, async_failed, self.leased.region if self.leased else None,
-                                       self.leased.client.session if self.leased else None)
+                                       self.leased.client.session if self.leased and not self.leased.lost else None)
 
     def _fenced(self, scheduler_output: SchedulerOutput) -> list[int]:
         """Copies out of window blocks that vLLM freed (they left the window) and allocated again this

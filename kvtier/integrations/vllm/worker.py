@@ -59,6 +59,7 @@ from kvtier.integrations.vllm.metrics import KVTierConnectorStats
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.l3.base import redact_url
 from kvtier.pools import HostPool
+from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import SessionWriter
 from kvtier.service.region import Region, RegionFormat, map_region
 from kvtier.spec import KVSpec
@@ -113,6 +114,7 @@ class ConnectorWorker:
         self._unusable: tuple[str, str | None] | None = None
         #: this rank's join of the scheduler's session on the node service
         self._writer: SessionWriter | None = None
+        self._join_backoff = AttachBackoff()
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.stats = WorkerStats()
         self.executor: ChainedExecutor | None = None
@@ -241,6 +243,7 @@ class ConnectorWorker:
             except ServiceError as e:
                 unusable = str(e)
         if unusable is None:
+            self._unusable = None
             self.start_loads(meta.plans, meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed, meta.preempted_copies)
             return
         if (meta.region.path, meta.service_session) != self._unusable:
@@ -264,7 +267,14 @@ class ConnectorWorker:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-        self._writer = SessionWriter(self.options.tiers.service, session, self.options.tiers.service_lookup_timeout_s)
+        if not self._join_backoff.due():  # (a session that cannot be joined is not asked again every step)
+            raise ServiceError(f"the scheduler's session on the node service {self.options.tiers.service} is not joined yet")
+        try:
+            self._writer = SessionWriter(self.options.tiers.service, session, self.options.tiers.service_lookup_timeout_s)
+        except ServiceError:
+            self._join_backoff.failed()
+            raise
+        self._join_backoff.attached()
 
     def start_loads(self, plans: list[Transfer], unavailable_blocks: list[int] = (), delayed: dict[str, list[int]] | None = None,
                     async_loads: dict[int, tuple[str, bool]] | None = None, async_failed: list[str] = (),
@@ -458,11 +468,12 @@ class ConnectorWorker:
         if self.executor is None:
             return
         self.wait_copies(list(self._copying))  # their L3 saves start when they complete
-        if self.storage is not None and not self.storage.drain(timeout_s):
+        drained = self.storage is None or self.storage.drain(timeout_s)
+        if not drained:
             log.warning("kvtier worker rank %d: L3 writes still running after %.0f s at shutdown; the rest are dropped",
                         self.tp_rank, timeout_s)
         self.executor.close()
         self.executor = None
-        if self._writer is not None:  # (no copy of this rank writes into the session's pages any more)
-            self._writer.close()
+        if self._writer is not None and drained:  # no copy of this rank writes into the session's pages any more (else its
+            self._writer.close()                  # process's end says so)
             self._writer = None
