@@ -68,7 +68,10 @@ case "${1:-}" in
         ls .kvtier/wheels/sglang-0.5.23-*.whl >/dev/null 2>&1 ||
             "$PY" -m pip download -q --no-deps "sglang==0.5.23" -d .kvtier/wheels
         export PATH="$(dirname "$PY"):$PATH"  # console scripts of the venv (mooncake_master, kvtier), as activation would
-        exec "$PY" -m pytest "$@"
+        # Two test processes (pytest-xdist; KVTIER_TEST_WORKERS, or -n after `./run.sh test`, says otherwise):
+        # most of the suite's time is single-threaded -- vLLM engines importing and starting, servers, waits --
+        # so two of them use a 2-core machine's second core. Every test passes beside a loaded core.
+        exec "$PY" -m pytest -n "${KVTIER_TEST_WORKERS:-2}" "$@"
         ;;
     -h|--help|help)
         echo "usage: ./run.sh [kvtier run options]   |   ./run.sh test [pytest options]"
