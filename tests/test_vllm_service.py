@@ -120,6 +120,37 @@ def test_one_engines_pages_are_a_host_hit_for_another_each_ranks_shard_bit_exact
             a.close()
 
 
+def test_mlas_latent_is_stored_once_per_node_rank_0_writes_it_and_every_rank_of_another_engine_loads_it(tmp_path):
+    """MLA's latent is the same on every tensor-parallel rank: a region page holds it once (one rank's
+    bytes, half what two shards take), rank 0's copy out fills it (rank 1 copies nothing), and both ranks
+    of another engine load it back bit-exact."""
+    from kvtier.spec import KVSpec
+
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, mla=True, service=svc.socket)
+        b = Engine(None, seed=2, mla=True, service=svc.socket)
+        try:
+            _req, external, hit = serve(a, "a", TOKENS, [3, 7, 5, 9])
+            assert external == 0 and hit["offloaded_pages"] == PAGES
+            spec = a.workers[0]._host.spec
+            assert spec.attention == "mla" and a.scheduler.leased.client.fmt.page_bytes == spec.page_bytes  # one shard a page
+            assert a.workers[0].region.format == RegionFormat.of(KVSpec.mla("tiny-mla", 2, 12, 4, BS), "page_first")
+            stats = [w.stats for w in a.workers]
+            assert (stats[0].offloaded_pages, stats[1].offloaded_pages, stats[1].copies_out_left_to_rank0) == (PAGES, 0, 1)
+            _req, external, hit = serve(b, "b", TOKENS, [0, 1, 2, 4])
+            assert (external, hit["shared_host_pages"]) == (PAGES * BS, PAGES) and b.load_errors[-1] == set()
+            for r in range(2):
+                assert [b.page(r, blk) for blk in (0, 1, 2)] == [a.page(0, blk) for blk in (3, 7, 5)]
+            tp1 = Engine(None, ranks=1, seed=3, mla=True, service=svc.socket)  # another split: its own namespace, no hit
+            try:
+                assert serve(tp1, "c", TOKENS, [0, 1, 2, 4])[1] == 0
+            finally:
+                tp1.close()
+        finally:
+            b.close()
+            a.close()
+
+
 def test_another_tensor_parallel_split_of_the_model_is_never_offered_its_pages(tmp_path):
     with running_service(tmp_path) as svc:
         a = Engine(None, seed=1, service=svc.socket)

@@ -48,6 +48,10 @@ REGION_PREFIX = "kvtier-region-"
 OWNER_FILE = "owner"
 
 
+#: attention whose KV every tensor-parallel rank holds whole (MLA's latent, DSA's latent and indexer)
+REPLICATED_ATTENTION = frozenset({"mla", "dsa"})
+
+
 @dataclass(frozen=True)
 class RegionFormat:
     """What fixes the region's bytes: the spec (by fingerprint), its buffers' page sizes and the host layout.
@@ -74,6 +78,14 @@ class RegionFormat:
         if tp_size == 1:
             return cls.of(spec, layout)
         return cls(f"{spec.fingerprint()}-tp{tp_size}", layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers) * tp_size)
+
+    @classmethod
+    def of_ranks(cls, spec: KVSpec, layout: str, tp_size: int) -> tuple[RegionFormat, int]:
+        """The region page of ``tp_size`` ranks whose shards each make ``spec``, and how many shards it holds:
+        one where every rank holds the same bytes (:data:`REPLICATED_ATTENTION`: rank 0 writes it, every rank
+        reads it -- the latent stored once per node), else one per rank (:meth:`of_shards`)."""
+        shards = 1 if spec.attention in REPLICATED_ATTENTION else tp_size
+        return cls.of_shards(spec, layout, shards), shards
 
     def shard(self, num_pages: int, rank: int, tp_size: int) -> tuple[int, int]:
         """(offset, size) of rank ``rank``'s slice of a region of ``num_pages`` pages (:meth:`of_shards`)."""

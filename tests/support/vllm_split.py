@@ -15,20 +15,28 @@ from kvtier.integrations.vllm.worker import ConnectorWorker
 
 BS, HEADS, HEAD, LAYERS, BLOCKS = 4, 1, 8, 2, 16
 SHAPE = ModelShape("tiny", BS, HEADS, HEAD)
+#: an MLA model's latent: every rank holds the same (vLLM replicates it across tensor-parallel ranks)
+MLA_SHAPE = ModelShape("tiny-mla", BS, 1, 0, use_mla=True, kv_lora_rank=12, qk_rope_dim=4)
 
 
 class Engine:
-    """One engine: a scheduler side and ``ranks`` workers, with vLLM's step protocol in between."""
+    """One engine: a scheduler side and ``ranks`` workers, with vLLM's step protocol in between (``mla``: an
+    MLA model, every rank's latent the same)."""
 
-    def __init__(self, url: str | None, ranks: int = 2, seed: int = 0, host_pages: int = 32, **options):
+    def __init__(self, url: str | None, ranks: int = 2, seed: int = 0, host_pages: int = 32, mla: bool = False, **options):
         extra = {"host_pages": host_pages, **({"storage_url": url} if url else {}), **options}
         self.options = ConnectorOptions.from_extra_config(extra)
         g = torch.Generator().manual_seed(seed)
-        self.kv = [{f"layer{i}": torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16) for i in range(LAYERS)}
-                   for _ in range(ranks)]
-        self.workers = [ConnectorWorker(self.options, SHAPE, "tiny", r, tp_size=ranks) for r in range(ranks)]
+        if mla:
+            latent = {f"layer{i}": torch.randn(BLOCKS, BS, 16, generator=g).to(torch.bfloat16) for i in range(LAYERS)}
+            self.kv = [{n: t.clone() for n, t in latent.items()} for _ in range(ranks)]
+        else:
+            self.kv = [{f"layer{i}": torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16) for i in range(LAYERS)}
+                       for _ in range(ranks)]
+        shape, name = (MLA_SHAPE, "tiny-mla") if mla else (SHAPE, "tiny")
+        self.workers = [ConnectorWorker(self.options, shape, name, r, tp_size=ranks) for r in range(ranks)]
         shakes = {r: pickle.loads(pickle.dumps(w.register(self.kv[r]))) for r, w in enumerate(self.workers)}
-        self.scheduler = ConnectorScheduler(self.options, BS, ranks, "tiny")
+        self.scheduler = ConnectorScheduler(self.options, BS, ranks, name)
         self.scheduler.handshake(shakes)
         self.load_errors: list[set[int]] = []
         #: per step, what each rank reported in get_finished (finished sending)

@@ -84,6 +84,8 @@ class WorkerStats:
     offload_layers_at_step_end: int = 0
     #: copies out of vLLM's blocks given up after rank_timeout_s (the blocks went back to vLLM)
     copies_abandoned: int = 0
+    #: on the node service with MLA's latent (one shard every rank shares): copies out this rank left to rank 0
+    copies_out_left_to_rank0: int = 0
     #: bytes of full-attention pages copied into vLLM's blocks
     loaded_bytes: int = 0
     #: a hybrid model, per KV group beside full attention: its objects (sliding-window pages, state
@@ -114,6 +116,9 @@ class ConnectorWorker:
         self._unusable: tuple[str, str | None] | None = None
         #: this rank's join of the scheduler's session on the node service
         self._writer: SessionWriter | None = None
+        #: a region page holds one shard every rank shares (MLA's latent) and this rank is not rank 0: its copies
+        #: out are rank 0's to make (it reports them done at once; the scheduler publishes when rank 0's is)
+        self._leaves_copies_out = False
         self._join_backoff = AttachBackoff()
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.stats = WorkerStats()
@@ -207,11 +212,13 @@ class ConnectorWorker:
             raise ConfigError("kvtier worker: the scheduler names a node service region, but this worker was not configured with "
                               "service=...; give every rank the same kv_connector_extra_config")
         spec = self._unmapped[0] if self._unmapped is not None else self._host.spec
-        want = RegionFormat.of_shards(spec, self.options.tiers.host_layout, self.tp_size)
+        want, shards = RegionFormat.of_ranks(spec, self.options.tiers.host_layout, self.tp_size)
         if region.format != want:
             raise ConfigError(f"kvtier worker rank {self.tp_rank}: the node service's region holds pages of {region.format}, this rank's "
                               f"shards make {want}; every rank must register the same model, split {self.tp_size} ways")
-        start, size = region.format.shard(region.num_pages, self.tp_rank, self.tp_size)
+        # one shard for every rank (MLA's latent): rank 0's copies out fill it, every rank's loads read it
+        self._leaves_copies_out = shards == 1 and self.tp_rank > 0
+        start, size = region.format.shard(region.num_pages, self.tp_rank if shards > 1 else 0, shards)
         # this rank's slice alone, registered with CUDA where there is one (in the background when it replaces a
         # mapping: this is a step of vLLM's, and page-locking a large slice takes seconds)
         memory = map_region(region.path, region.size, offset=start, length=size, pin_in_background=self._host is not None)
@@ -291,6 +298,10 @@ class ConnectorWorker:
         self._recv_failed.update(async_failed)
         self._load_started = time.perf_counter() if any(p.dst is Tier.DEVICE or p.src is Tier.STORAGE for p in plans) else None
         for p in plans:  # in plan order: a save follows the copy that fills its host pages (Transfer.after)
+            if p.src is Tier.DEVICE and self._leaves_copies_out:  # rank 0 writes the one shard every rank shares
+                self._done[p.op] = Done(p.op)
+                self.stats.copies_out_left_to_rank0 += 1
+                continue
             self._open[p.op] = p
             if p.src is Tier.DEVICE:
                 ex.submit(p, layered=True)
