@@ -58,6 +58,26 @@ def test_bad_service_options_are_config_errors_naming_the_fix(extra, match):
         ConnectorOptions.from_extra_config(extra)
 
 
+@pytest.mark.parametrize("parallel, match", [
+    (dict(pipeline_parallel_size=2), "pipeline parallel size must be 1"),
+    (dict(decode_context_parallel_size=2), r"context parallel sizes of 1, got \{'decode_context_parallel': 2"),
+    (dict(prefill_context_parallel_size=2), "drop decode/prefill context parallelism, or the service"),
+])
+def test_parallel_configs_the_service_cannot_serve_are_config_errors(parallel, match):
+    """Context parallelism splits MLA's latent by tokens across ranks; the service stores it once (every rank's
+    the same), so the pair is refused before anything attaches -- without the service it is not."""
+    from types import SimpleNamespace
+
+    from kvtier.integrations.vllm.connector import check_parallel
+
+    config = SimpleNamespace(**{"pipeline_parallel_size": 1, "decode_context_parallel_size": 1, "prefill_context_parallel_size": 1,
+                                **parallel})
+    with pytest.raises(ConfigError, match=match):
+        check_parallel(config, ConnectorOptions.from_extra_config({"service": "/x.sock"}))
+    if "pipeline_parallel_size" not in parallel:
+        check_parallel(config, ConnectorOptions.from_extra_config({}))
+
+
 def test_a_hybrid_model_is_refused_with_the_service_before_anything_attaches():
     opts = ConnectorOptions.from_extra_config({"service": "/nowhere/node.sock"})
     groups = [VllmGroup(0, "full", "full", ("l0",), BS), VllmGroup(1, "window", "sliding_window", ("l1",), BS, window=8)]
@@ -149,6 +169,32 @@ def test_mlas_latent_is_stored_once_per_node_rank_0_writes_it_and_every_rank_of_
         finally:
             b.close()
             a.close()
+
+
+def test_an_mla_engines_latent_is_saved_by_a_service_with_l3_and_a_new_service_brings_it_back(tmp_path):
+    """MLA's one shard a page is one kvtier spec, so a tensor-parallel MLA engine attaches to a service with L3
+    (a per-rank page of TP shards would not be): the service writes the latent through to the store, and
+    after a restart of the service both ranks of a new engine load it back from L3 through the region."""
+    sock, url = str(tmp_path / "run" / "node.sock"), f"file://{tmp_path / 'l3'}"
+    patient = {"mla": True, "service": sock, "service_lookup_timeout_s": 4.0}  # (a lookup waits up to 2 s for L3)
+    svc = start_service(sock, 0.01, "--storage-url", url, "--drain-timeout-s", "30")
+    try:
+        a = Engine(None, seed=1, **patient)
+        serve(a, "a", TOKENS, [3, 7, 5, 9])
+        latent = [a.page(0, blk) for blk in (3, 7, 5)]
+        a.close()
+        assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
+        svc = start_service(sock, 0.01, "--storage-url", url)
+        b = Engine(None, seed=2, **patient)
+        try:
+            _req, external, hit = serve(b, "b", TOKENS, [0, 1, 2, 4])
+            assert (external, hit["shared_host_pages"]) == (PAGES * BS, PAGES) and b.load_errors[-1] == set()
+            assert all([b.page(r, blk) for blk in (0, 1, 2)] == latent for r in range(2))
+            assert query_status(sock)["l3"]["fetched_pages"] == PAGES
+        finally:
+            b.close()
+    finally:
+        stop(svc.proc)
 
 
 def test_another_tensor_parallel_split_of_the_model_is_never_offered_its_pages(tmp_path):

@@ -89,14 +89,25 @@ def _model_shape(vllm_config: VllmConfig, name: str) -> ModelShape:
     )
 
 
+def check_parallel(parallel, options: ConnectorOptions) -> None:
+    """vLLM's parallel config is one kvtier serves: tensor parallel only (pipeline parallel size 1), and no
+    context parallelism with the node service -- it stores MLA's latent once, as every rank holds it whole,
+    where context parallelism splits it by tokens across the ranks."""
+    if parallel.pipeline_parallel_size != 1:
+        raise ConfigError("kvtier connector: pipeline parallel size must be 1 (tensor parallel is supported)")
+    context = {name: getattr(parallel, f"{name}_size", 1) or 1 for name in ("decode_context_parallel", "prefill_context_parallel")}
+    if options.tiers.service and max(context.values()) > 1:
+        raise ConfigError(f"kvtier connector: the node service (service=...) needs context parallel sizes of 1, got {context}; "
+                          "drop decode/prefill context parallelism, or the service")
+
+
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         groups = groups_of(kv_cache_config) if kv_cache_config is not None else None
         self.options = ConnectorOptions.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         parallel = vllm_config.parallel_config
-        if parallel.pipeline_parallel_size != 1:
-            raise ConfigError("kvtier connector: pipeline parallel size must be 1 (tensor parallel is supported)")
+        check_parallel(parallel, self.options)
         model = vllm_config.model_config.model
         self.model_name = self.options.model_name or os.path.basename(str(model).rstrip("/")) or str(model)
         self.block_size = vllm_config.cache_config.block_size
