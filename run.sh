@@ -70,8 +70,10 @@ case "${1:-}" in
         export PATH="$(dirname "$PY"):$PATH"  # console scripts of the venv (mooncake_master, kvtier), as activation would
         # Two test processes (pytest-xdist; KVTIER_TEST_WORKERS, or -n after `./run.sh test`, says otherwise):
         # most of the suite's time is single-threaded -- vLLM engines importing and starting, servers, waits --
-        # so two of them use a 2-core machine's second core. Every test passes beside a loaded core.
-        exec "$PY" -m pytest -n "${KVTIER_TEST_WORKERS:-2}" "$@"
+        # so two of them use a 2-core machine's second core. Every test passes beside a loaded core. A test
+        # file runs in one process (--dist loadfile): its module fixtures (a baseline engine, a wheel built in
+        # the clone) are made once, and its tests never race each other.
+        exec "$PY" -m pytest -n "${KVTIER_TEST_WORKERS:-2}" --dist loadfile "$@"
         ;;
     -h|--help|help)
         echo "usage: ./run.sh [kvtier run options]   |   ./run.sh test [pytest options]"

@@ -62,14 +62,16 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _replay_process() -> int | None:
+def _replay_process(parent: int) -> int | None:
+    """``parent``'s vLLM replay process (another test's, running beside this one, is not it)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
-            except OSError:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
                 continue
-            if b"kvtier.app.plan.engine_vllm" in cmd:
+            if b"kvtier.app.plan.engine_vllm" in cmd and ppid == parent:
                 return int(entry)
     return None
 
@@ -84,7 +86,7 @@ def test_a_calibration_killed_by_sigkill_leaves_no_vllm_process_behind(tmp_path)
         deadline = time.monotonic() + 300
         replay = None
         while time.monotonic() < deadline and cli.poll() is None:
-            replay = replay or _replay_process()
+            replay = replay or _replay_process(cli.pid)
             if replay is not None and len(_group_members(replay)) >= 2:  # vLLM's engine core has started beside it
                 break
             time.sleep(0.5)
