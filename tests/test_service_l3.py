@@ -163,19 +163,26 @@ def _looping(service: NodeService):
         loop.join(30)
 
 
-def test_a_page_being_fetched_is_never_offered_and_the_next_lookup_finds_it_once_verified(tmp_path, file_url):
-    # an engine with an L3 tier of its own (no service) wrote the prompt's objects: the service reads them as its own
+def _stored_by_an_engines_own_l3(file_url: str) -> tuple[list, str]:
+    """An engine with an L3 tier of its own (no service) computes :data:`PROMPT`: its page objects are in the
+    store (backed up to its host tier, written through from there), as a service reads them. Their keys and
+    namespace."""
     own = build_cache(SPEC, TierConfig(device_pages=16, host_pages=32), storage=StorageConfig(url=file_url))
     req = own.begin(PROMPT)
     new = req.alloc(PAGES)
     for i, page in enumerate(new.pages):
         write_page(own.device, page, PROMPT, i)
     req.commit(new.pages)
-    own.wait_idle()  # backed up to its host tier, and from there written through to its store
+    own.wait_idle()
     keys, namespace = own.page_keys(PROMPT), str(own.namespace)
     with closing(open_backend(file_url)) as check:
         wait_until(lambda: check.exists([f"{namespace}/{k.hex()}" for k in keys]) == PAGES, 30)
     own.close()
+    return keys, namespace
+
+
+def test_a_page_being_fetched_is_never_offered_and_the_next_lookup_finds_it_once_verified(tmp_path, file_url):
+    keys, namespace = _stored_by_an_engines_own_l3(file_url)
     sock = str(tmp_path / "run" / "node.sock")
     service, store, answer = _held_store_service(sock, file_url)
     store.before_get = lambda _call: answer.wait(60)  # the store's reads hang until told
@@ -204,17 +211,7 @@ def test_a_load_never_waits_behind_the_saves_of_what_engines_publish(tmp_path, f
     """The store's writes hang (an engine's published prefix is being written through): a lookup of another
     prefix the store holds is still read in and answered within its wait, bit-exact -- loads have a worker
     of their own."""
-    own = build_cache(SPEC, TierConfig(device_pages=16, host_pages=32), storage=StorageConfig(url=file_url))
-    req = own.begin(PROMPT)
-    new = req.alloc(PAGES)
-    for i, page in enumerate(new.pages):
-        write_page(own.device, page, PROMPT, i)
-    req.commit(new.pages)
-    own.wait_idle()
-    keys, namespace = own.page_keys(PROMPT), str(own.namespace)
-    with closing(open_backend(file_url)) as check:
-        wait_until(lambda: check.exists([f"{namespace}/{k.hex()}" for k in keys]) == PAGES, 30)
-    own.close()
+    keys, namespace = _stored_by_an_engines_own_l3(file_url)
     sock = str(tmp_path / "run" / "node.sock")
     service, store, answer = _held_store_service(sock, file_url)
     store.before_set = lambda _call: answer.wait(60)

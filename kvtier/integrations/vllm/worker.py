@@ -257,11 +257,8 @@ class ConnectorWorker:
             self._unusable = (meta.region.path, meta.service_session)
             log.warning("kvtier worker rank %d: %s; this step's %d kvtier copies fail (vLLM recomputes what they would have "
                         "loaded) and the next step tries again", self.tp_rank, unusable, len(meta.plans))
-        self.start_loads([], meta.unavailable_blocks, meta.delayed, {}, meta.async_failed, meta.preempted_copies)
-        for p in meta.plans:
-            self._open[p.op] = p
-            if p.op in meta.async_loads:
-                self._async[p.op] = meta.async_loads[p.op]
+        self.start_loads([], meta.unavailable_blocks, meta.delayed, meta.async_loads, meta.async_failed, meta.preempted_copies)
+        self._open.update((p.op, p) for p in meta.plans)
         self._collect([Failed(p.op, Reason.ERROR, unusable) for p in meta.plans])
 
     def _join(self, session: str | None) -> None:
@@ -447,8 +444,7 @@ class ConnectorWorker:
                 st.save_failures += type(c) is not Done
 
     def take_results(self) -> KVTierWorkerMeta | None:
-        if self.executor is not None:
-            self._collect(self.executor.poll())
+        self._collect(self._poll())
         done, self._done = self._done, {}
         return KVTierWorkerMeta({op: RankResult(c, frozenset({self.tp_rank})) for op, c in done.items()}) if done else None
 
