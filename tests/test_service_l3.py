@@ -29,7 +29,7 @@ from kvtier.build import build_cache
 from kvtier.config import StorageConfig, TierConfig
 from kvtier.pools.host import HostPool
 from kvtier.service.client import ServiceClient
-from kvtier.service.messages import MAX_WAIT_S, hello_op
+from kvtier.service.messages import MAX_WAIT_S, Hello
 from kvtier.service.region import RegionFormat, map_region
 from kvtier.l3.page import HEADER_BYTES
 from kvtier.l3.registry import open_backend
@@ -358,7 +358,7 @@ def _refusal(sock: str, ops: list[dict]) -> dict:
     s = raw_connection(sock)
     try:
         if ops[0]["op"] != "hello":
-            s.sendall(frame({"seq": 1, "ops": [hello_op("raw", RegionFormat.of(SPEC, "page_first").as_wire())]}))
+            s.sendall(frame({"seq": 1, "ops": [hello("raw", RegionFormat.of(SPEC, "page_first").as_wire())]}))
             assert "results" in read_answer(s)
         s.sendall(frame({"seq": 2, "ops": ops}))
         answer = read_answer(s)
@@ -368,6 +368,10 @@ def _refusal(sock: str, ops: list[dict]) -> dict:
         s.close()
 
 
+def hello(namespace: str, fmt: dict) -> dict:
+    return Hello(namespace=namespace, format=fmt).wire()
+
+
 def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_service_serves_on(tmp_path, file_url):
     sock = str(tmp_path / "run" / "node.sock")
     svc = _start(sock, file_url)
@@ -375,9 +379,9 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
         fmt = RegionFormat.of(SPEC, "page_first").as_wire()
         other = RegionFormat.of(SPEC.with_(page_size=2 * SPEC.page_size), "page_first").as_wire()["spec"]
         cases = {
-            "no spec": ([hello_op("raw", {k: v for k, v in fmt.items() if k != "spec"})], "names no spec"),
-            "another spec": ([hello_op("raw", fmt | {"spec": other})], "names a spec that is not the format's"),
-            "not a spec": ([hello_op("raw", fmt | {"spec": {"name": "x", "num_layers": "many"}})], "not the format's"),
+            "no spec": ([hello("raw", {k: v for k, v in fmt.items() if k != "spec"})], "names no spec"),
+            "another spec": ([hello("raw", fmt | {"spec": other})], "names a spec that is not the format's"),
+            "not a spec": ([hello("raw", fmt | {"spec": {"name": "x", "num_layers": "many"}})], "not the format's"),
             "negative wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": -1}], "lookup's wait_s"),
             "long wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": MAX_WAIT_S + 1}], "lookup's wait_s"),
             "wait not a number": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": "soon"}], "lookup's wait_s"),
@@ -403,7 +407,7 @@ def test_a_deferred_lookup_and_a_bye_in_one_batch_are_answered_and_the_service_s
     try:
         s = raw_connection(sock)
         try:
-            s.sendall(frame({"seq": 1, "ops": [hello_op("raw", RegionFormat.of(SPEC, "page_first").as_wire())]}))
+            s.sendall(frame({"seq": 1, "ops": [hello("raw", RegionFormat.of(SPEC, "page_first").as_wire())]}))
             assert "results" in read_answer(s)
             s.sendall(frame({"seq": 2, "ops": [{"op": "lookup", "keys": ["ab" * 16], "wait_s": 0.2}, {"op": "bye"}]}))
             answer = read_answer(s)

@@ -20,7 +20,7 @@ import socket
 import time
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
-from kvtier.service.messages import BYE_OP, MAX_WAIT_S, STATUS_OP, hello_op, join_op, lookup_op, publish_op, release_op, reserve_op
+from kvtier.service.messages import MAX_WAIT_S, Bye, Hello, Join, Lookup, Publish, Release, Reserve, Status
 from kvtier.service.region import RegionFormat
 from kvtier.service.wire import recv_frame, send_frame
 
@@ -58,7 +58,7 @@ class ServiceClient:
         attach_s = deadline_s if attach_deadline_s is None else attach_deadline_s
         deadline = time.monotonic() + attach_s
         self._sock = _connect(socket_path, attach_s)
-        (hello,) = self._call([hello_op(namespace, fmt.as_wire(), previous)], deadline)
+        (hello,) = self._call([Hello(namespace=namespace, format=fmt.as_wire(), previous=previous).wire()], deadline)
         self.region: str = hello["region"]
         self.region_size: int = hello["size"]
         self.num_pages: int = hello["num_pages"]
@@ -131,19 +131,19 @@ class ServiceClient:
         """The service's leading run of ``keys``; a service with an L3 tier may take up to half the lookup
         deadline to fetch the rest of the run from L3 into its region (:data:`LOOKUP_WAIT_SHARE`)."""
         wait_s = min(self.lookup_deadline_s * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
-        return self._call([lookup_op(keys, wait_s)], time.monotonic() + self.lookup_deadline_s)[0]
+        return self._call([Lookup(keys=keys, wait_s=wait_s).wire()], time.monotonic() + self.lookup_deadline_s)[0]
 
     def reserve(self, n: int) -> list[int]:
-        return self._call([reserve_op(n)], time.monotonic() + self.lookup_deadline_s)[0]
+        return self._call([Reserve(n=n).wire()], time.monotonic() + self.lookup_deadline_s)[0]
 
     def publish(self, pages: list[int], keys: list[bytes]) -> None:
-        self.note([publish_op(pages, keys)])
+        self.note([Publish(pages=pages, keys=keys).wire()])
 
     def release(self, pages: list[int]) -> None:
-        self.note([release_op(pages)])
+        self.note([Release(pages=pages).wire()])
 
     def status(self) -> dict:
-        return self.call([STATUS_OP])[0]
+        return self.call([Status().wire()])[0]
 
     def close(self, *, quiesced: bool = True) -> None:
         """Detach. ``quiesced`` (nothing in flight touches this client's pages, and nothing will read
@@ -152,7 +152,7 @@ class ServiceClient:
         if self._broken is None:
             if quiesced:
                 try:
-                    self.note([BYE_OP])
+                    self.note([Bye().wire()])
                 except ServiceError:
                     pass
             self._broken = "closed"
@@ -172,7 +172,7 @@ class SessionWriter:
         self._sock = _connect(socket_path, deadline_s)
         deadline = time.monotonic() + deadline_s
         try:
-            send_frame(self._sock, {"seq": 1, "ops": [join_op(session)]}, deadline)
+            send_frame(self._sock, {"seq": 1, "ops": [Join(session=session).wire()]}, deadline)
             answer = recv_frame(self._sock, deadline)
         except ServiceError:
             self._sock.close()
@@ -211,7 +211,7 @@ def query_status(socket_path: str, deadline_s: float = DEFAULT_DEADLINE_S) -> di
     try:
         sock.connect(socket_path)
         deadline = time.monotonic() + deadline_s
-        send_frame(sock, {"seq": 1, "ops": [STATUS_OP]}, deadline)
+        send_frame(sock, {"seq": 1, "ops": [Status().wire()]}, deadline)
         answer = recv_frame(sock, deadline)
     except OSError as e:
         raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e})") from None

@@ -1,5 +1,12 @@
-"""What crosses the node service's socket, as typed messages: every field a peer sends is checked here,
-before the service acts on it, and a bad one is a :class:`~kvtier.errors.ServiceProtocolError` naming it.
+"""What crosses the node service's socket, as typed messages: one definition per message, which the
+service's parsing, the client's frames and the service's dispatch all read.
+
+A message is a frozen dataclass registered under its wire name (:func:`message`); each field names its
+:class:`Codec` -- how a peer's JSON value is checked into the typed value, and how the typed value is
+written. :func:`parse_op` checks every field a peer sends before the service acts on it (a bad one is a
+:class:`~kvtier.errors.ServiceProtocolError` naming it); ``Message.wire()`` is the op a client sends. The
+service dispatches each message to its ``_on_<name>`` handler, and checks at import that every message
+has one (:func:`check_handlers`).
 
 A request frame is ``{"seq": n, "ops": [op, ...]}``: a batch, answered by one frame
 ``{"seq": n, "results": [one per op]}`` (one round trip for a scheduler step's lookups, reservations
@@ -12,7 +19,10 @@ vLLM worker of that scheduler's engine); ``bye`` detaches quiesced. Page keys tr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvtier.errors import ServiceProtocolError
 
@@ -28,77 +38,218 @@ MAX_SESSION = 64
 MAX_WAIT_S = 10.0
 
 
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """Attach in ``namespace`` for pages of ``format``. ``previous``: a session of this process the service
-    dropped, now quiesced -- its pages are out of this process's tree and no copy touches them -- so the
-    service may free them (:mod:`kvtier.service.server`'s orphaned sessions)."""
-
-    namespace: str
-    format: dict
-    previous: str | None = None
+class Invalid(Exception):
+    """A field's value is not one its codec takes; ``str(self)``, when given, replaces the generic words."""
 
 
 @dataclass(frozen=True, slots=True)
-class Join:
+class Codec:
+    """How one field crosses the wire. ``parse`` takes what a peer sent and returns the typed value, or
+    raises :class:`Invalid`; ``encode`` writes the typed value; ``expected`` says what the field must be."""
+
+    expected: str
+    parse: Callable[[object], object]
+    encode: Callable[[object], object] = staticmethod(lambda v: v)
+
+
+def wire(codec: Codec, default: object = dataclasses.MISSING) -> dataclasses.Field:
+    """A message field carried by ``codec`` (``default``: the value when a peer leaves it out)."""
+    return field(default=default, metadata={"codec": codec})
+
+
+#: every message by its wire name
+MESSAGES: dict[str, type[Message]] = {}
+
+
+class Message:
+    """One op of a batch. Subclasses are frozen, keyword-only dataclasses made by :func:`message`."""
+
+    __slots__ = ()
+    #: the op's wire name (``{"op": NAME, ...}``)
+    NAME: ClassVar[str]
+    #: whether the connection must have said hello first (its handler works in the caller's namespace)
+    ATTACHED: ClassVar[bool]
+
+    def wire(self) -> dict:
+        """The op as a client sends it."""
+        op = {"op": self.NAME}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None:
+                op[f.name] = f.metadata["codec"].encode(value)
+        return op
+
+    def check(self) -> None:
+        """What no single field can say (several fields together); raises :class:`ServiceProtocolError`."""
+
+
+def message(name: str, *, attached: bool = True) -> Callable[[type], type]:
+    """Register a message class under ``name`` as a frozen, keyword-only dataclass whose every field has a codec."""
+
+    def register(cls: type) -> type:
+        cls = dataclass(frozen=True, slots=True, kw_only=True)(cls)
+        for f in dataclasses.fields(cls):
+            if "codec" not in f.metadata:
+                raise TypeError(f"message {name}'s field {f.name} names no codec (use wire(...))")
+        cls.NAME, cls.ATTACHED = name, attached
+        if name in MESSAGES:
+            raise TypeError(f"two messages named {name}")
+        MESSAGES[name] = cls
+        return cls
+
+    return register
+
+
+# ---- the codecs ----------------------------------------------------------------------------------
+def _text(limit: int) -> Codec:
+    def parse(v: object) -> str:
+        if type(v) is not str or not 0 < len(v) <= limit:
+            raise Invalid
+        try:
+            v.encode()
+        except UnicodeEncodeError:  # (a lone surrogate: valid JSON, not text anything downstream can write)
+            raise Invalid(f"{_show(v)} is not valid UTF-8 text (a lone surrogate)") from None
+        return v
+
+    return Codec(f"a string of 1 to {limit} characters", parse)
+
+
+def _optional(codec: Codec) -> Codec:
+    return Codec(f"{codec.expected}, or absent", lambda v: None if v is None else codec.parse(v), codec.encode)
+
+
+def _count(limit: int) -> Codec:
+    def parse(v: object) -> int:
+        if type(v) is not int or not 0 <= v <= limit:
+            raise Invalid
+        return v
+
+    return Codec(f"an integer from 0 to {limit}", parse)
+
+
+def _seconds(limit: float) -> Codec:
+    def parse(v: object) -> float:
+        if type(v) not in (int, float) or not 0 <= v <= limit:
+            raise Invalid
+        return float(v)
+
+    return Codec(f"a number of seconds from 0 to {limit:g}", parse)
+
+
+def _object(v: object) -> dict:
+    if type(v) is not dict:
+        raise Invalid
+    return v
+
+
+def _version(v: object) -> int:
+    if v != VERSION:
+        raise ServiceProtocolError(f"hello speaks protocol version {_show(v)}; this service speaks {VERSION}")
+    return v
+
+
+def _page_ids(v: object) -> list[int]:
+    if type(v) is not list or len(v) > MAX_PAGES or any(type(p) is not int for p in v):
+        raise Invalid
+    return v
+
+
+def _page_keys(v: object) -> list[bytes]:
+    if type(v) is not list or len(v) > MAX_PAGES:
+        raise Invalid
+    out = []
+    for k in v:
+        try:
+            key = bytes.fromhex(k) if type(k) is str and len(k) <= 2 * MAX_KEY_BYTES else None
+        except ValueError:
+            key = None
+        if not key:
+            raise Invalid(f"{_show(k)} is not a page key (1 to {MAX_KEY_BYTES} bytes in hex)")
+        out.append(key)
+    return out
+
+
+NAMESPACE = _text(MAX_NAMESPACE)
+SESSION = Codec(f"a session id (a string of 1 to {MAX_SESSION} characters)", _text(MAX_SESSION).parse)
+PAGE_IDS = Codec(f"a list of at most {MAX_PAGES} integer page ids", _page_ids, list)
+PAGE_KEYS = Codec(f"a list of at most {MAX_PAGES} hex page keys", _page_keys, lambda keys: [k.hex() for k in keys])
+
+
+# ---- the messages --------------------------------------------------------------------------------
+@message("hello", attached=False)
+class Hello(Message):
+    """Attach in ``namespace`` for pages of ``format`` (a :class:`~kvtier.service.region.RegionFormat`'s
+    wire form). ``previous``: a session of this process the service dropped, now quiesced -- its pages
+    are out of this process's tree and no copy touches them -- so the service may free them
+    (:mod:`kvtier.service.sessions`' orphans)."""
+
+    version: int = wire(Codec(f"protocol version {VERSION}", _version), VERSION)
+    namespace: str = wire(NAMESPACE)
+    format: dict = wire(Codec("an object", _object))
+    previous: str | None = wire(_optional(SESSION), None)
+
+
+@message("join", attached=False)
+class Join(Message):
     """This connection's process copies into the pages of ``session`` (another process's attachment: a
     vLLM worker of that scheduler's engine). While it is connected, what ``session`` holds stays out of
     circulation even after ``session``'s own connection ended and its process exited: a copy of this
     process may still be writing into those pages. Its ``bye`` or its end (the kernel closes a dead
     process's socket) says it no longer writes."""
 
-    session: str
+    session: str = wire(SESSION)
 
 
-@dataclass(frozen=True, slots=True)
-class Lookup:
+@message("lookup")
+class Lookup(Message):
     """The leading run of ``keys`` the service holds in the caller's namespace: their pages, now held for it.
     ``wait_s``: how long a service with an L3 tier may hold the answer back while it fetches the keys after
     the run from L3 (0: answer at once; what it fetches is found by the next lookup)."""
 
-    keys: list[bytes]
-    wait_s: float = 0.0
+    keys: list[bytes] = wire(PAGE_KEYS)
+    wait_s: float = wire(_seconds(MAX_WAIT_S), 0.0)
 
 
-@dataclass(frozen=True, slots=True)
-class Reserve:
+@message("reserve")
+class Reserve(Message):
     """Up to ``n`` pages for the caller to write (leased: nobody else is offered them)."""
 
-    n: int
+    n: int = wire(_count(MAX_PAGES))
 
 
-@dataclass(frozen=True, slots=True)
-class Publish:
+@message("publish")
+class Publish(Message):
     """The caller's writes into ``pages`` are complete: each holds page ``keys[i]`` now."""
 
-    pages: list[int]
-    keys: list[bytes]
+    pages: list[int] = wire(PAGE_IDS)
+    keys: list[bytes] = wire(PAGE_KEYS)
+
+    def check(self) -> None:
+        if len(self.pages) != len(self.keys):
+            raise ServiceProtocolError(f"publish names {len(self.pages)} pages and {len(self.keys)} keys; give one key per page")
 
 
-@dataclass(frozen=True, slots=True)
-class Release:
+@message("release")
+class Release(Message):
     """The caller is done with ``pages`` (held or leased for writing)."""
 
-    pages: list[int]
+    pages: list[int] = wire(PAGE_IDS)
 
 
-@dataclass(frozen=True, slots=True)
-class Status:
-    pass
+@message("status", attached=False)
+class Status(Message):
+    """The service's state (what ``kvtier serve --status`` prints); asked with or without attaching."""
 
 
-@dataclass(frozen=True, slots=True)
-class Bye:
+@message("bye", attached=False)
+class Bye(Message):
     """The caller detaches quiesced (nothing in flight touches its pages): free its leases and holds now."""
-
-
-Op = Hello | Join | Lookup | Reserve | Publish | Release | Status | Bye
 
 
 @dataclass(frozen=True, slots=True)
 class Batch:
     seq: int
-    ops: list[Op]
+    ops: list[Message]
     note: bool
 
 
@@ -115,108 +266,39 @@ def parse_batch(frame: dict) -> Batch:
     return Batch(seq, [parse_op(op) for op in ops], note)
 
 
-def parse_op(op: object) -> Op:
+def parse_op(op: object) -> Message:
+    """The typed message of one op a peer sent, every field checked by its codec."""
     if type(op) is not dict:
         raise ServiceProtocolError(f"an op must be a JSON object, got {_show(op)}")
-    kind = op.get("op")
-    if kind == "hello":
-        if op.get("version") != VERSION:
-            raise ServiceProtocolError(f"hello speaks protocol version {_show(op.get('version'))}; this service speaks {VERSION}")
-        namespace, fmt = op.get("namespace"), op.get("format")
-        if type(namespace) is not str or not 0 < len(namespace) <= MAX_NAMESPACE:
-            raise ServiceProtocolError(f"hello's namespace must be a string of 1 to {MAX_NAMESPACE} characters, got {_show(namespace)}")
-        if type(fmt) is not dict:
-            raise ServiceProtocolError(f"hello's format must be an object, got {_show(fmt)}")
-        previous = op.get("previous")
-        if previous is not None and (type(previous) is not str or not 0 < len(previous) <= MAX_SESSION):
-            raise ServiceProtocolError(f"hello's previous must be a session id (a string of 1 to {MAX_SESSION} characters), got "
-                                       f"{_show(previous)}")
-        return Hello(namespace, fmt, previous)
-    if kind == "join":
-        session = op.get("session")
-        if type(session) is not str or not 0 < len(session) <= MAX_SESSION:
-            raise ServiceProtocolError(f"join's session must be a session id (a string of 1 to {MAX_SESSION} characters), got "
-                                       f"{_show(session)}")
-        return Join(session)
-    if kind == "lookup":
-        wait_s = op.get("wait_s", 0.0)
-        if type(wait_s) not in (int, float) or not 0 <= wait_s <= MAX_WAIT_S:
-            raise ServiceProtocolError(f"lookup's wait_s must be a number of seconds from 0 to {MAX_WAIT_S:g}, got {_show(wait_s)}")
-        return Lookup(_keys(op, "keys"), float(wait_s))
-    if kind == "reserve":
-        n = op.get("n")
-        if type(n) is not int or not 0 <= n <= MAX_PAGES:
-            raise ServiceProtocolError(f"reserve's n must be an integer from 0 to {MAX_PAGES}, got {_show(n)}")
-        return Reserve(n)
-    if kind == "publish":
-        pages, keys = _pages(op, "pages"), _keys(op, "keys")
-        if len(pages) != len(keys):
-            raise ServiceProtocolError(f"publish names {len(pages)} pages and {len(keys)} keys; give one key per page")
-        return Publish(pages, keys)
-    if kind == "release":
-        return Release(_pages(op, "pages"))
-    if kind == "status":
-        return Status()
-    if kind == "bye":
-        return Bye()
-    raise ServiceProtocolError(f"unknown message type {_show(kind)}; known: hello, join, lookup, reserve, publish, release, status, bye")
-
-
-def _pages(op: dict, name: str) -> list[int]:
-    pages = op.get(name)
-    if type(pages) is not list or len(pages) > MAX_PAGES or any(type(p) is not int for p in pages):
-        raise ServiceProtocolError(f"{op['op']}'s {name} must be a list of at most {MAX_PAGES} integer page ids, got {_show(pages)}")
-    return pages
-
-
-def _keys(op: dict, name: str) -> list[bytes]:
-    keys = op.get(name)
-    if type(keys) is not list or len(keys) > MAX_PAGES:
-        raise ServiceProtocolError(f"{op['op']}'s {name} must be a list of at most {MAX_PAGES} hex page keys, got {_show(keys)}")
-    out = []
-    for k in keys:
+    cls = MESSAGES.get(op.get("op"))  # type: ignore[arg-type]
+    if cls is None:
+        raise ServiceProtocolError(f"unknown message type {_show(op.get('op'))}; known: {', '.join(MESSAGES)}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        codec: Codec = f.metadata["codec"]
+        value = op.get(f.name, dataclasses.MISSING)
+        if value is dataclasses.MISSING and f.default is not dataclasses.MISSING:
+            values[f.name] = f.default
+            continue
+        value = None if value is dataclasses.MISSING else value
         try:
-            key = bytes.fromhex(k) if type(k) is str and len(k) <= 2 * MAX_KEY_BYTES else None
-        except ValueError:
-            key = None
-        if not key:
-            raise ServiceProtocolError(f"{op['op']}'s {name}: {_show(k)} is not a page key (1 to {MAX_KEY_BYTES} bytes in hex)")
-        out.append(key)
-    return out
+            values[f.name] = codec.parse(value)
+        except Invalid as e:
+            what = f": {e}" if str(e) else f" must be {codec.expected}, got {_show(value)}"
+            raise ServiceProtocolError(f"{cls.NAME}'s {f.name}{what}") from None
+    msg = cls(**values)
+    msg.check()
+    return msg
+
+
+def check_handlers(owner: type, prefix: str = "_on_", names: Iterable[str] | None = None) -> None:
+    """Every message has a handler ``owner.<prefix><name>`` (checked when the owner's module is imported):
+    a message added here without one fails at import, not on a peer's first use of it."""
+    missing = [n for n in (MESSAGES if names is None else names) if not callable(getattr(owner, prefix + n, None))]
+    if missing:
+        raise TypeError(f"{owner.__name__} handles no {', '.join(missing)} (define {', '.join(prefix + n for n in missing)})")
 
 
 def _show(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-# ---- the client's side: ops as the frames carry them ----------------------------------------------
-def hello_op(namespace: str, fmt: dict, previous: str | None = None) -> dict:
-    op = {"op": "hello", "version": VERSION, "namespace": namespace, "format": fmt}
-    if previous is not None:
-        op["previous"] = previous
-    return op
-
-
-def join_op(session: str) -> dict:
-    return {"op": "join", "session": session}
-
-
-def lookup_op(keys: list[bytes], wait_s: float = 0.0) -> dict:
-    return {"op": "lookup", "keys": [k.hex() for k in keys], "wait_s": wait_s}
-
-
-def reserve_op(n: int) -> dict:
-    return {"op": "reserve", "n": n}
-
-
-def publish_op(pages: list[int], keys: list[bytes]) -> dict:
-    return {"op": "publish", "pages": list(pages), "keys": [k.hex() for k in keys]}
-
-
-def release_op(pages: list[int]) -> dict:
-    return {"op": "release", "pages": list(pages)}
-
-
-STATUS_OP = {"op": "status"}
-BYE_OP = {"op": "bye"}

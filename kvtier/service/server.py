@@ -10,29 +10,15 @@ thread. A lookup's answer may then wait, at most the ``wait_s`` it names, for th
 to come in from the store; the connection's next frames wait behind it (answers go out in order), the
 other connections do not.
 
-What a closed connection held (:meth:`NodeService._drop`):
-
-* its peer said ``bye`` (quiesced), or its process is gone (a SIGKILLed engine's socket is closed by
-  the kernel): its writes are dropped unpublished and its holds released at once;
-* its process still lives (the service dropped it, or it gave up on a call): the session is kept as an
-  *orphan*, its leases and holds out of circulation -- that process may still read those pages from its
-  tree or have a copy writing into them. The orphan ends when the process exits (its pidfd, taken when
-  it connected, becomes readable: a reused pid cannot pass for it) or when the process attaches again
-  naming the session as ``previous`` in its hello, which it does only once it dropped every page of the
-  session from its tree and no copy touches them;
-* other processes joined the session as its writers (``join``: a vLLM engine's workers copy into the
-  pages its scheduler's session reserved and holds): while one of them is connected, the session is kept
-  as an orphan even when its own process is gone -- a worker of a SIGKILLed engine core may still have a
-  copy landing in those pages. It ends when its process has exited and its last writer has gone (or
-  when the process reattaches naming it, quiesced: every rank's copies are done then).
+What a closed connection held -- released, or kept as an orphan while its process lives or a writer of
+it is connected -- is :mod:`kvtier.service.sessions`' business; each message's handler is the
+``_on_<name>`` method its definition in :mod:`kvtier.service.messages` names (checked at import).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import secrets
-import select
 import selectors
 import socket
 import threading
@@ -45,9 +31,10 @@ from kvtier.config import check_number
 from kvtier.errors import ConfigError, KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.index import HostIndex
-from kvtier.service.messages import MAX_WAIT_S, Bye, Hello, Join, Lookup, Publish, Release, Reserve, Status, parse_batch
+from kvtier.service.messages import MAX_WAIT_S, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers, parse_batch
 from kvtier.service.peer import check_peer, claim_socket_path, group_id, peer_credentials, private_socket_dir, share_with_group
 from kvtier.service.region import Region, RegionFormat, create_region, remove_region, remove_stale_regions
+from kvtier.service.sessions import Orphan, Sessions, UnwatchedType, exited, open_pidfd
 from kvtier.service.storage import Load, ServiceStorage
 from kvtier.service.wire import FrameReader, encode
 
@@ -107,8 +94,9 @@ class _Conn:
         self.unread_since: float | None = None
         self.attached = False
         self.pid = pid
-        #: the peer process, pinned when it connected (None: gone already, so nothing of it is kept)
-        self.pidfd: int | None = None
+        #: the peer process, pinned when it connected (None: gone already, so nothing of it is kept;
+        #: UNWATCHED: no fd was left to pin it, so it is taken to live)
+        self.pidfd: int | None | UnwatchedType = None
         self.session = ""
         self.namespace = ""
         #: frames read and not yet applied: they wait while an answer is deferred (answers go out in order)
@@ -133,29 +121,6 @@ class _Deferred:
         return now >= self.deadline or all(load.done for _i, _keys, load in self.waits)
 
 
-@dataclass(eq=False)
-class _Orphan:
-    """A dropped connection's session whose process lives, or whose writers (``join``) are still connected:
-    its index client stays until the process has exited (``pidfd`` readable; then None) and the last writer
-    has gone, or until the process reattaches naming ``session``."""
-
-    cid: int
-    pid: int
-    pidfd: int | None
-    session: str
-
-
-def _open_pidfd(pid: int) -> int | None:
-    try:
-        return os.pidfd_open(pid)
-    except OSError:  # gone already
-        return None
-
-
-def _exited(pidfd: int) -> bool:
-    return bool(select.select([pidfd], [], [], 0)[0])
-
-
 class NodeService:
     """Binds ``config.socket`` (its directory private, a stale socket replaced), removes the regions its
     user's killed services left, and serves until :meth:`serve`'s ``stop`` says so; :meth:`close`
@@ -174,10 +139,8 @@ class NodeService:
         self.region: Region | None = None
         self.index: HostIndex | None = None
         self._conns: dict[int, _Conn] = {}
-        self._sessions: dict[str, _Conn] = {}  # attached connections by session
-        self._orphans: dict[str, _Orphan] = {}
-        #: per session, the connections of processes that joined it as writers (``join``)
-        self._writers: dict[str, set[_Conn]] = {}
+        self.sessions = Sessions(watch=lambda fd, orphan: self._sel.register(fd, selectors.EVENT_READ, orphan),
+                                 unwatch=lambda fd: self._sel.unregister(fd))
         self._next_id = 1
         self.lock = threading.Lock()
         #: peers refused at the door; connections refused for a message that broke the protocol; clients dropped
@@ -239,9 +202,8 @@ class NodeService:
             if key.data is self.storage:  # an L3 worker finished something
                 self.storage.poll()
                 continue
-            if type(key.data) is _Orphan:  # its process exited
-                if key.data.session in self._orphans:
-                    self._orphan_exited(key.data)
+            if type(key.data) is Orphan:  # its process exited
+                self.sessions.orphan_exited(key.data)
                 continue
             conn = key.data
             try:
@@ -271,17 +233,17 @@ class NodeService:
         cid, self._next_id = self._next_id, self._next_id + 1
         conn = _Conn(cid, sock)
         peer = peer_credentials(sock)
-        pidfd = _open_pidfd(peer.pid)  # (before its groups are read: alive after, they were that process's)
+        pidfd = open_pidfd(peer.pid)  # (before its groups are read: alive after, they were that process's)
         try:
             check_peer(peer, self.uid, self.gid)
-            if peer.uid != self.uid and (pidfd is None or _exited(pidfd)):
-                raise ServiceAccessError(f"process {peer.pid} exited while it was checked")
+            if peer.uid != self.uid and (type(pidfd) is not int or exited(pidfd)):
+                raise ServiceAccessError(f"process {peer.pid} exited, or could not be pinned, while its groups were checked")
         except KVTierError as e:
             self.refused += 1
             log.warning("refused a peer: %s", e)
             self._send_error(conn, 0, e)
             sock.close()
-            if pidfd is not None:
+            if type(pidfd) is int:
                 os.close(pidfd)
             return
         conn.pid, conn.pidfd = peer.pid, pidfd
@@ -369,41 +331,18 @@ class NodeService:
             except Exception:
                 self._fault(conn)
 
-    # ---- ops -------------------------------------------------------------------------------------
-    def _apply(self, conn: _Conn, op) -> object:
-        kind = type(op)
-        if kind is Status:
-            return self.status()
-        if kind is Hello:
-            return self._hello(conn, op)
-        if kind is Join:
-            return self._join(conn, op)
-        if kind is Bye and conn.joined is not None:
-            self._leave(conn)
-            return None
-        if not conn.attached:
-            raise ServiceProtocolError(f"{kind.__name__.lower()} before hello (or after bye): a connection's first op is hello")
-        if kind is Bye:
-            self._detach(conn)
-            return None
-        index = self.index
-        if kind is Lookup:
-            return index.lookup(conn.id, op.keys)
-        if kind is Reserve:
-            return index.reserve(conn.id, op.n)
-        if kind is Publish:
-            indexed = index.publish(conn.id, op.pages, op.keys)
-            if self.storage is not None:  # write-through: what it indexed now is saved
-                key_of = dict(zip(op.pages, op.keys))
-                self.storage.published(conn.namespace, indexed, [key_of[p] for p in indexed])
-            return None
-        assert kind is Release
-        index.release(conn.id, op.pages)
-        return None
+    # ---- ops: one handler per message (messages.py's definitions; check_handlers below) --------------
+    def _apply(self, conn: _Conn, op: Message) -> object:
+        if op.ATTACHED and not conn.attached:
+            raise ServiceProtocolError(f"{op.NAME} before hello (or after bye): a connection's first op is hello")
+        return getattr(self, "_on_" + op.NAME)(conn, op)
 
-    def _hello(self, conn: _Conn, op: Hello) -> dict:
-        if conn.attached or conn.joined is not None:
-            raise ServiceProtocolError("hello on a connection that said hello or join already")
+    def _on_status(self, conn: _Conn, op: Message) -> dict:
+        return self.status()
+
+    def _on_hello(self, conn: _Conn, op: Hello) -> dict:
+        if conn.attached or conn.joined is not None or conn.session:
+            raise ServiceProtocolError("hello on a connection that said hello or join already: a connection attaches once")
         fmt = RegionFormat.from_wire(op.format)
         if self.storage is not None and fmt.spec is None:
             raise ServiceProtocolError("hello's format names no spec, and this service's L3 tier needs it to write the page objects "
@@ -411,73 +350,59 @@ class NodeService:
         if self.region is None:
             self.region = create_region(fmt, self.config.host_bytes, gid=self.gid)
             self.index = HostIndex(self.region.num_pages)
+            self.sessions.bind(self.index)
             if self.storage is not None:
                 self.storage.bind(self.region, self.index)
             log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
         elif fmt != self.region.format:
             raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
                                f"{fmt} needs a service of its own (one page format per service)")
-        if op.previous is not None:
-            self._end_previous(conn, op.previous)
-        self.index.attach(conn.id, op.namespace)
-        conn.attached = True
-        conn.namespace = op.namespace
-        conn.session = secrets.token_hex(16)
-        self._sessions[conn.session] = conn
+        stale = self.sessions.attach(conn, op.namespace, op.previous)
+        if stale is not None:
+            self._drop(stale)
         return {"region": self.region.path, "size": self.region.size, "num_pages": self.region.num_pages, "session": conn.session}
 
-    def _join(self, conn: _Conn, op: Join) -> dict:
-        if conn.attached or conn.joined is not None:
+    def _on_join(self, conn: _Conn, op: Join) -> dict:
+        if conn.attached or conn.joined is not None or conn.session:
             raise ServiceProtocolError("join on a connection that said hello or join already")
-        if op.session not in self._sessions:
-            raise ServiceError(f"join: no attached session {op.session[:8]}...; its engine detached or lost the service (it names "
-                               "its new session in its next step)")
-        conn.joined = op.session
-        self._writers.setdefault(op.session, set()).add(conn)
+        self.sessions.join(conn, op.session)
         return {"session": op.session}
 
-    def _leave(self, conn: _Conn) -> None:
-        """A writer's process no longer writes into its session's pages (it said bye, or it is gone): the
-        session's orphan ends if its own process has exited and this was its last writer."""
-        session, conn.joined = conn.joined, None
-        writers = self._writers.get(session)
-        if writers is None:
-            return
-        writers.discard(conn)
-        if writers:
-            return
-        del self._writers[session]
-        orphan = self._orphans.get(session)
-        if orphan is not None and orphan.pidfd is None:
-            self._end_orphan(orphan, "its process exited and its last writer has gone", died=True)
+    def _on_bye(self, conn: _Conn, op: Message) -> None:
+        if conn.joined is not None:
+            self.sessions.leave(conn)
+        elif not conn.attached:
+            raise ServiceProtocolError("bye before hello (or after bye): a connection's first op is hello")
+        else:
+            self.sessions.detach(conn)
 
-    def _end_previous(self, conn: _Conn, session: str) -> None:
-        """The peer's process says its earlier ``session`` is quiesced: free what it held. A session the
-        service does not know (a restarted service; ended already) is nothing to do."""
-        orphan = self._orphans.get(session)
-        old = self._sessions.get(session)
-        pid = orphan.pid if orphan is not None else old.pid if old is not None else conn.pid
-        if pid != conn.pid:
-            raise ServiceProtocolError(f"hello: session {session[:8]}... is process {pid}'s, not this one's ({conn.pid}); "
-                                       "a process reattaches its own sessions only")
-        if orphan is not None:
-            self._end_orphan(orphan, "it reattached, quiesced")
-        elif old is not None:  # its end not read yet: it is over all the same
-            self._detach(old)
-            self._drop(old)
+    def _on_lookup(self, conn: _Conn, op: Lookup) -> list[int]:
+        return self.index.lookup(conn.id, op.keys)
+
+    def _on_reserve(self, conn: _Conn, op: Reserve) -> list[int]:
+        return self.index.reserve(conn.id, op.n)
+
+    def _on_publish(self, conn: _Conn, op: Publish) -> None:
+        indexed = self.index.publish(conn.id, op.pages, op.keys)
+        if self.storage is not None:  # write-through: what it indexed now is saved
+            key_of = dict(zip(op.pages, op.keys))
+            self.storage.published(conn.namespace, indexed, [key_of[p] for p in indexed])
+
+    def _on_release(self, conn: _Conn, op: Release) -> None:
+        self.index.release(conn.id, op.pages)
 
     @property
     def attached_clients(self) -> int:
-        return len(self._sessions)
+        return len(self.sessions.attached)
 
     @property
     def orphaned_clients(self) -> int:
-        return len(self._orphans)
+        return len(self.sessions.orphans)
 
     @property
     def joined_writers(self) -> int:
         """Connections of processes that joined a session as its writers (``join``)."""
-        return sum(map(len, self._writers.values()))
+        return self.sessions.joined_writers
 
     def status(self) -> dict:
         out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None,
@@ -546,62 +471,7 @@ class NodeService:
         self._deferred.discard(conn)
         self._sel.unregister(conn.sock)
         conn.sock.close()
-        if conn.joined is not None:
-            self._leave(conn)
-        died = conn.pidfd is None or _exited(conn.pidfd)
-        if conn.attached and (not died or conn.session in self._writers) and self.index.holds_anything(conn.id):
-            self._orphan(conn, exited=died)
-            return
-        self._detach(conn, died=died)
-        if conn.pidfd is not None:
-            os.close(conn.pidfd)
-
-    def _detach(self, conn: _Conn, *, died: bool = False) -> None:
-        """The connection's writes dropped unpublished (``died``: its process is gone, its leases expired),
-        its holds released (if it is attached)."""
-        if conn.attached:
-            conn.attached = False
-            del self._sessions[conn.session]
-            self._forget_writers(conn.session)
-            self.index.detach(conn.id, died=died)
-
-    def _forget_writers(self, session: str) -> None:
-        """``session`` ended: the processes that joined it write into nothing of it any more (their
-        connections stay open, counted nowhere)."""
-        for writer in self._writers.pop(session, ()):
-            writer.joined = None
-
-    def _orphan(self, conn: _Conn, *, exited: bool) -> None:
-        orphan = _Orphan(conn.id, conn.pid, None if exited else conn.pidfd, conn.session)
-        del self._sessions[conn.session]
-        self._orphans[orphan.session] = orphan
-        if exited:
-            if conn.pidfd is not None:
-                os.close(conn.pidfd)
-        else:
-            self._sel.register(orphan.pidfd, selectors.EVENT_READ, orphan)
-        c = self.index.clients[conn.id]
-        writers = len(self._writers.get(conn.session, ()))
-        log.warning("client %d (process %d) dropped while %s: its %d held and %d leased pages stay out of circulation until %s", conn.id,
-                    conn.pid, f"{writers} writer processes of it are connected" if exited else "its process lives", len(c.held),
-                    len(c.writing), "they are gone" if exited else "it exits or reattaches")
-
-    def _orphan_exited(self, orphan: _Orphan) -> None:
-        """The orphan's process exited: it ends now, or once its last writer has gone."""
-        self._sel.unregister(orphan.pidfd)
-        os.close(orphan.pidfd)
-        orphan.pidfd = None
-        if orphan.session not in self._writers:
-            self._end_orphan(orphan, "its process exited", died=True)
-
-    def _end_orphan(self, orphan: _Orphan, why: str, *, died: bool = False) -> None:
-        del self._orphans[orphan.session]
-        if orphan.pidfd is not None:
-            self._sel.unregister(orphan.pidfd)
-            os.close(orphan.pidfd)
-        self._forget_writers(orphan.session)
-        self.index.detach(orphan.cid, died=died)
-        log.info("client %d's orphaned session ended: %s", orphan.cid, why)
+        self.sessions.closed(conn)
 
     def close(self) -> None:
         """Stop accepting (and serving metrics), close every connection, let the L3 saves under way finish (at
@@ -612,8 +482,7 @@ class NodeService:
         self.listener.close()
         for conn in list(self._conns.values()):
             self._drop(conn)
-        for orphan in list(self._orphans.values()):
-            self._end_orphan(orphan, "the service stops")
+        self.sessions.end_all()
         self._sel.close()
         if self.storage is not None:
             self._close_storage()
@@ -630,3 +499,6 @@ class NodeService:
         log.log(logging.INFO if drained else logging.WARNING, "L3 %s: %d pages saved, %d failed%s", self.storage.status()["url"],
                 c.saved_pages, c.save_failed_pages, "" if drained else f"; saves still under way after {self.config.drain_timeout_s:g} s "
                 "were dropped")
+
+
+check_handlers(NodeService)

@@ -153,17 +153,18 @@ def stop_reading(sock: str) -> None:
 
     from support.service import read_answer
 
-    from kvtier.service.messages import hello_op, lookup_op, reserve_op
+    from kvtier.service.messages import Hello, Lookup, Reserve
     from kvtier.service.wire import encode
 
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(10.0)  # (a send into a full buffer fails rather than hangs)
     s.connect(sock)
-    s.sendall(encode({"seq": 1, "ops": [hello_op(NAMESPACE, RegionFormat.of(SPEC, "page_first").as_wire()), reserve_op(2)]}))
+    hello = Hello(namespace=NAMESPACE, format=RegionFormat.of(SPEC, "page_first").as_wire())
+    s.sendall(encode({"seq": 1, "ops": [hello.wire(), Reserve(n=2).wire()]}))
     pages = read_answer(s)["results"][1]  # the last answer it reads
     print(json.dumps({"pages": pages}), flush=True)
     sys.stdin.readline()
-    lookups = [lookup_op([bytes([9, i]) * 8]) for i in range(256)]  # misses: each answered with an empty run
+    lookups = [Lookup(keys=[bytes([9, i]) * 8]).wire() for i in range(256)]  # misses: each answered with an empty run
     start, frames = time.monotonic(), 0
     while time.monotonic() - start < 120:
         try:

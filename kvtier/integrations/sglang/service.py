@@ -43,7 +43,7 @@ from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
 from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
 from kvtier.service.backoff import AttachBackoff
-from kvtier.service.messages import publish_op, release_op
+from kvtier.service.messages import Publish, Release
 from kvtier.service.region import RegionFormat, map_region
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ class ServicePages:
             for region_page, page in zip(got, pages[len(held):]):
                 for row, pool in enumerate(self.group):
                     _copy_out(pool, page, session.row(row, region_page))
-            session.client.note([publish_op(got, keys[len(held):len(held) + len(got)]), release_op(got)])
+            session.client.note([Publish(pages=got, keys=keys[len(held):len(held) + len(got)]).wire(), Release(pages=got).wire()])
             written = len(got)
             with self._lock:
                 self.skipped_pages += todo - written
