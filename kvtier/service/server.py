@@ -17,6 +17,7 @@ it is connected -- is :mod:`kvtier.service.sessions`' business; each message's h
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import selectors
@@ -42,6 +43,12 @@ log = logging.getLogger(__name__)
 
 #: answers a peer may leave unread before it is dropped (bytes)
 MAX_UNREAD = 64 << 20
+#: how long the service stops accepting after the kernel refused it a file descriptor (doubled while it
+#: goes on refusing, at most ACCEPT_PAUSE_MAX_S): its attached clients are served meanwhile
+ACCEPT_PAUSE_S = 0.05
+ACCEPT_PAUSE_MAX_S = 1.0
+#: accept's errors that say the process (or the system) is out of file descriptors or socket memory
+_OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 #: frames a peer may send while its answer is deferred (a client waits for its answer; notes are few)
 MAX_QUEUED_FRAMES = 1024
 
@@ -168,6 +175,11 @@ class NodeService:
         if self.storage is not None:
             self._sel.register(self.storage, selectors.EVENT_READ, self.storage)
         self._deferred: set[_Conn] = set()
+        #: accepting paused at the fd limit until this time (``time.monotonic()``; None: accepting)
+        self._accept_resume_at: float | None = None
+        self._accept_pause_s = ACCEPT_PAUSE_S
+        #: times accept found no file descriptor left (the service paused accepting, and served on)
+        self.fd_limit_hits = 0
 
     def _listen(self) -> socket.socket:
         """The listening socket at ``config.socket``: its directory private (or the allowed group's), a stale
@@ -193,6 +205,8 @@ class NodeService:
                 self._handle(events)
                 self._answer_deferred()
                 self._drop_stalled_readers()
+                self._resume_accepting()
+                self.sessions.watch_unwatched()
 
     def _handle(self, events: list) -> None:
         for key, mask in events:
@@ -230,6 +244,13 @@ class NodeService:
             sock, _ = self.listener.accept()
         except BlockingIOError:
             return
+        except OSError as e:
+            if e.errno in _OUT_OF_FDS:
+                self._pause_accepting(e)
+            elif e.errno not in (errno.ECONNABORTED, errno.EPROTO, errno.EINTR):  # (those: the peer gave up; accept the next)
+                raise
+            return
+        self._accept_pause_s = ACCEPT_PAUSE_S
         cid, self._next_id = self._next_id, self._next_id + 1
         conn = _Conn(cid, sock)
         peer = peer_credentials(sock)
@@ -250,6 +271,22 @@ class NodeService:
         sock.setblocking(False)
         self._conns[cid] = conn
         self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _pause_accepting(self, error: OSError) -> None:
+        """Out of file descriptors: stop accepting a while (the listener stays readable, so the selector would
+        spin on it), serve the attached clients, then try again (:meth:`_resume_accepting`)."""
+        self.fd_limit_hits += 1
+        if self._accept_pause_s == ACCEPT_PAUSE_S:  # (once per episode)
+            log.warning("accept: %s (%d connections open): new clients wait, attached ones are served; raise the open-files limit "
+                        "(ulimit -n, LimitNOFILE=) if this persists", error.strerror, len(self._conns))
+        self._sel.unregister(self.listener)
+        self._accept_resume_at = time.monotonic() + self._accept_pause_s
+        self._accept_pause_s = min(2 * self._accept_pause_s, ACCEPT_PAUSE_MAX_S)
+
+    def _resume_accepting(self) -> None:
+        if self._accept_resume_at is not None and time.monotonic() >= self._accept_resume_at:
+            self._accept_resume_at = None
+            self._sel.register(self.listener, selectors.EVENT_READ, None)
 
     def _read(self, conn: _Conn) -> None:
         try:
@@ -413,7 +450,7 @@ class NodeService:
             out["l3"] = self.storage.status()
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
         return out | {"clients": self.attached_clients, "orphaned": self.orphaned_clients, "protocol_errors": self.protocol_errors,
-                      "unread_drops": self.unread_drops}
+                      "unread_drops": self.unread_drops, "fd_limit_hits": self.fd_limit_hits}
 
     # ---- connections -------------------------------------------------------------------------------
     def _send(self, conn: _Conn, obj: dict) -> None:
@@ -478,7 +515,8 @@ class NodeService:
         most ``drain_timeout_s``), then remove the socket file and the region."""
         if self.metrics is not None:
             self.metrics.close()
-        self._sel.unregister(self.listener)
+        if self._accept_resume_at is None:
+            self._sel.unregister(self.listener)
         self.listener.close()
         for conn in list(self._conns.values()):
             self._drop(conn)
