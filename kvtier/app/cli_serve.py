@@ -40,7 +40,7 @@ def serve(
     """Serve a host tier outside the engine, shared by every engine on the node, until SIGTERM."""
     from kvtier.service.peer import default_socket_path
 
-    path = socket or default_socket_path()
+    path = default_socket_path() if socket is None else socket
     if status:
         from kvtier.service.client import query_status
 

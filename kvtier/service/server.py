@@ -32,6 +32,7 @@ from kvtier.config import check_number
 from kvtier.errors import ConfigError, KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.index import HostIndex
+from kvtier.service.metrics import namespace_label
 from kvtier.service.messages import MAX_WAIT_S, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers, parse_batch
 from kvtier.service.peer import check_peer, claim_socket_path, group_id, peer_credentials, private_socket_dir, share_with_group
 from kvtier.service.region import Region, RegionFormat, create_region, remove_region, remove_stale_regions
@@ -43,6 +44,10 @@ log = logging.getLogger(__name__)
 
 #: answers a peer may leave unread before it is dropped (bytes)
 MAX_UNREAD = 64 << 20
+#: the longest path a Unix socket address holds (sun_path's 108 bytes, less the terminating NUL)
+MAX_SOCKET_PATH = 107
+#: how often the loop checks that its region file is still there, whole (seconds)
+REGION_CHECK_S = 1.0
 #: how long the service stops accepting after the kernel refused it a file descriptor (doubled while it
 #: goes on refusing, at most ACCEPT_PAUSE_MAX_S): its attached clients are served meanwhile
 ACCEPT_PAUSE_S = 0.05
@@ -76,7 +81,10 @@ class ServeConfig:
         check_number(self, "metrics_port", at_least=0, at_most=65535, integer=True)
         check_number(self, "drain_timeout_s", at_least=0)
         if not isinstance(self.socket, str) or not self.socket:
-            raise ConfigError(f"ServeConfig.socket must be a path; got {self.socket!r}")
+            raise ConfigError(f"ServeConfig.socket (--socket) must be a path; got {self.socket!r}")
+        if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
+            raise ConfigError(f"--socket {self.socket[:60]}...: a Unix socket's path holds at most {MAX_SOCKET_PATH} bytes, this one "
+                              f"{len(os.fsencode(self.socket))}; choose a shorter path (e.g. /run/kvtier/node.sock)")
         if not isinstance(self.metrics_host, str) or not self.metrics_host:
             raise ConfigError(f"ServeConfig.metrics_host must be an address; got {self.metrics_host!r}")
         if self.allow_group is not None and (not isinstance(self.allow_group, str) or not self.allow_group):
@@ -180,6 +188,10 @@ class NodeService:
         self._accept_pause_s = ACCEPT_PAUSE_S
         #: times accept found no file descriptor left (the service paused accepting, and served on)
         self.fd_limit_hits = 0
+        #: what happened to the region file under the running service (removed, truncated, replaced), if anything
+        self.region_problem: str | None = None
+        self._region_id: tuple[int, int] | None = None
+        self._region_checked_at = 0.0
 
     def _listen(self) -> socket.socket:
         """The listening socket at ``config.socket``: its directory private (or the allowed group's), a stale
@@ -207,6 +219,8 @@ class NodeService:
                 self._drop_stalled_readers()
                 self._resume_accepting()
                 self.sessions.watch_unwatched()
+                if time.monotonic() - self._region_checked_at >= REGION_CHECK_S:
+                    self._check_region()
 
     def _handle(self, events: list) -> None:
         for key, mask in events:
@@ -390,7 +404,12 @@ class NodeService:
             self.sessions.bind(self.index)
             if self.storage is not None:
                 self.storage.bind(self.region, self.index)
+            st = os.stat(self.region.path)
+            self._region_id = (st.st_dev, st.st_ino)
             log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
+        elif self._check_region():
+            raise ServiceError(f"the node service's region {self.region.path} {self.region_problem}: it cannot give a new engine "
+                               "its pages; restart kvtier serve (its engines keep what they mapped, and attach again)")
         elif fmt != self.region.format:
             raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
                                f"{fmt} needs a service of its own (one page format per service)")
@@ -428,6 +447,25 @@ class NodeService:
     def _on_release(self, conn: _Conn, op: Release) -> None:
         self.index.release(conn.id, op.pages)
 
+    def _check_region(self) -> bool:
+        """Whether the region file is gone or changed under the service (removed, truncated, replaced by another
+        file); the first time, say so in the log, and in :meth:`status` from then on."""
+        self._region_checked_at = time.monotonic()
+        if self.region is None or self.region_problem is not None:
+            return self.region_problem is not None
+        try:
+            st = os.lstat(self.region.path)
+        except FileNotFoundError:
+            problem = "was removed under the running service"
+        else:
+            problem = (None if (st.st_dev, st.st_ino) == self._region_id and st.st_size == self.region.size else
+                       f"is {st.st_size} bytes, not the region's {self.region.size} (truncated under the running service)"
+                       if (st.st_dev, st.st_ino) == self._region_id else "was replaced by another file under the running service")
+        if problem is not None:
+            self.region_problem = problem
+            log.error("the region %s %s: new engines are refused; restart kvtier serve", self.region.path, problem)
+        return problem is not None
+
     @property
     def attached_clients(self) -> int:
         return len(self.sessions.attached)
@@ -444,8 +482,12 @@ class NodeService:
     def status(self) -> dict:
         out = {"socket": self.config.socket, "refused": self.refused, "region": self.region.path if self.region else None,
                "writers": self.joined_writers}
+        if self.region_problem is not None:
+            out["region_problem"] = self.region_problem
         if self.index is not None:
             out |= self.index.status().as_dict()
+            # (a namespace names its salt, a secret of its engines: shown as a digest, as the metrics' labels do)
+            out["pages_per_namespace"] = {namespace_label(ns): n for ns, n in out["pages_per_namespace"].items()}
         if self.storage is not None:
             out["l3"] = self.storage.status()
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)

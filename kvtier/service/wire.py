@@ -32,6 +32,8 @@ def decode(body: bytes) -> dict:
         obj = json.loads(body)
     except (UnicodeDecodeError, ValueError):
         raise ServiceProtocolError("a frame is not UTF-8 JSON") from None
+    except RecursionError:  # (arrays in arrays in ...: deeper than the parser's stack, which no message needs)
+        raise ServiceProtocolError("a frame's JSON nests too deep; no message nests more than a few levels") from None
     if type(obj) is not dict:
         raise ServiceProtocolError(f"a frame holds a JSON {type(obj).__name__}, not an object")
     return obj
