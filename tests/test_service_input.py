@@ -77,17 +77,23 @@ def test_a_connection_attaches_once_a_hello_after_hello_or_bye_is_refused(tmp_pa
         assert st["clients"] == 0 and "b" not in st["pages_per_namespace"]
 
 
-def test_status_shows_a_namespaces_salt_as_a_digest(tmp_path):
+def test_status_shows_namespaces_decoded_a_salt_as_a_digest_and_its_page_counts_add_up(tmp_path):
     with running_service(tmp_path) as svc:
-        client = ServiceClient(svc.socket, "smollm2-abcd1234-tp0-hunter2", FMT)
+        # a Namespace's string: fields percent-encoded ("-" inside the model's name is %2D), the salt last
+        client = ServiceClient(svc.socket, "smollm2%2D135m-abcd1234-tp0-hunter2", FMT)
+        other = ServiceClient(svc.socket, "smollm2%2D135m-abcd1234-tp0-hunter2", FMT)
         try:
             pages = client.reserve(1)
             client.publish(pages, [b"\x05" * 16])
-            wait_until(lambda: client.status()["ready"] == 1, 10)
-            (label,) = client.status()["pages_per_namespace"]
-            assert "hunter2" not in label and re.fullmatch(r"smollm2-abcd1234-tp0-#[0-9a-f]{8}", label), label
+            again = other.reserve(1)  # the same page written again by another engine: held by it, offered to nobody
+            other.publish(again, [b"\x05" * 16])
+            st, _ = wait_until(lambda: (s := client.status())["ready"] == 2 and s, 10)
+            (label,) = st["pages_per_namespace"]
+            assert "hunter2" not in label and re.fullmatch(r"smollm2-135m-abcd1234-tp0-#[0-9a-f]{8}", label), label
+            assert st["pages_per_namespace"][label] == 1 and st["duplicates"] == 1  # ready == published + duplicates
         finally:
             client.close()
+            other.close()
 
 
 def test_socket_paths_the_kernel_cannot_bind_are_one_line_and_exit_2(tmp_path):

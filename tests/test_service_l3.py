@@ -8,6 +8,7 @@ in tmp_path (and a real redis-server), bytes checked bit-exact, every wait bound
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,7 +21,8 @@ import pytest
 
 from support.cache_helpers import expected_page, write_page
 from support.proxies import Injecting
-from support.service import (ENV, ROOT, closed_by_peer, frame, peer_report, query_status_of, raw_connection, read_answer, start_peer,
+from support.service import (ENV, ROOT, closed_by_peer, frame, peer_report, query_status_of, raw_connection, read_answer, scrape_metrics,
+                             start_peer,
                              start_service, stop, wait_until)
 from support.service_peer import PATIENT_LOOKUP_S, PROMPT, SPEC, Serving, prompt
 
@@ -43,8 +45,8 @@ WANT = b"".join(expected_page(SPEC, PROMPT, i) for i in range(PAGES))
 STALL_BOUND_S = 2.0
 
 
-def _start(sock: str, url: str):
-    return start_service(sock, 0.01, "--storage-url", url, "--drain-timeout-s", "30")
+def _start(sock: str, url: str, *args: str):
+    return start_service(sock, 0.01, "--storage-url", url, "--drain-timeout-s", "30", *args)
 
 
 def _load(role: str, target: str, out) -> dict:
@@ -288,12 +290,18 @@ def test_a_damaged_l3_object_is_never_served_and_is_deleted_and_counted(tmp_path
         data = data[: len(data) // 2]  # a value of the wrong size
     with open(path, "wb") as f:
         f.write(data)
-    svc = _start(sock, file_url)
+    svc = _start(sock, file_url, "--metrics-port", "0")
     try:
         report = _load("load-l3", sock, tmp_path / "b.bin")
         assert (report["host_hit"], report["cached"]) == (2, 2)  # pages 0 and 1, bit-exact; never the damaged one, nor past it
         l3 = query_status_of(sock)()["l3"]
         assert (l3["fetched_pages"], l3["fetch_failed_pages"], l3["corrupt_pages"]) == (2, PAGES - 2, 1)
+        # the same in Prometheus, beside the region's metrics (an operator watches L3 without --status)
+        m = scrape_metrics(re.search(r"metrics on (http://\S+)", svc.banner).group(1))
+        l3_metric = {name: m[(f"kvtier_service_l3_{name}_total", ())] for name in ("fetched_pages", "fetch_failed_pages", "corrupt_pages")}
+        assert l3_metric == {"fetched_pages": 2, "fetch_failed_pages": PAGES - 2, "corrupt_pages": 1}
+        assert m[("kvtier_service_l3_available", ())] == 1
+        assert {op: m[("kvtier_service_l3_queue_pages", (("op", op),))] for op in ("save", "load")}.keys() == {"save", "load"}
     finally:
         assert stop(svc.proc) == 0  # (drains the saves of the pages the engine computed again)
         store.close()

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from support.service import (OtherUser, as_other_user, frame, peer_report, raw_connection, read_answer, running_service, start_peer,
-                             wait_until)
+from support.service import (OtherUser, as_other_user, frame, peer_report, raw_connection, read_answer, running_service,
+                             scrape_metrics, start_peer, wait_until)
 from support.cache_helpers import expected_page
 from support.service_peer import NAMESPACE, PROMPT, PUBLISHED, SPEC, UNPUBLISHED, fill
 
@@ -38,15 +38,6 @@ FMT = RegionFormat.of(SPEC, "page_first")
 GROUP, MEMBER, PRIMARY_MEMBER, STRANGER = 54320, 54321, 54322, 54323
 
 
-def _scrape(url: str) -> dict[tuple[str, tuple], float]:
-    """Every sample at ``url``: (name, sorted labels) -> value."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as r:
-        text = r.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
-
-
 def _pages(m: dict, ns: str) -> dict[str, float]:
     return {state: m[("kvtier_service_pages", (("namespace", ns), ("state", state)))] for state in ("published", "held", "leased")}
 
@@ -58,7 +49,7 @@ def _counter(m: dict, name: str, **labels) -> float:
 def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(tmp_path):
     with running_service(tmp_path, 0.01, "--metrics-port", "0") as svc:
         url = re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", svc.banner).group(1)
-        m = _scrape(url)
+        m = scrape_metrics(url)
         assert m[("kvtier_service_region_pages", ())] == 0 and m[("kvtier_service_clients", (("state", "attached"),))] == 0
         # engine A computes a prompt (its backups published, held while it stays attached); engine B loads it from host
         a = start_peer("compute", svc.socket)
@@ -68,7 +59,7 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
             assert peer_report(b)["shared_host_pages"] == PAGES
             assert b.wait(60) == 0, b.stderr.read()
             (engine_ns,) = query_status(svc.socket)["pages_per_namespace"]
-            m = _scrape(url)
+            m = scrape_metrics(url)
             num_pages = query_status(svc.socket)["num_pages"]
             assert m[("kvtier_service_region_pages", ())] == num_pages
             assert m[("kvtier_service_region_bytes", ())] == num_pages * FMT.page_bytes
@@ -80,7 +71,7 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
             # a writer killed mid-write: its 2 unpublished pages' leases expire
             writer = start_peer("write-and-hang", svc.socket)
             peer_report(writer)
-            assert _pages(_scrape(url), NAMESPACE) == {"published": 2, "held": 2, "leased": 2}
+            assert _pages(scrape_metrics(url), NAMESPACE) == {"published": 2, "held": 2, "leased": 2}
             os.kill(writer.pid, signal.SIGKILL)
             writer.wait(30)
             wait_until(lambda: query_status(svc.socket)["writing"] == 0, 2.0)
@@ -92,14 +83,14 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
             s.sendall(frame({"seq": 1, "ops": [{"op": "format_disk"}]}))
             assert "error" in read_answer(s)
             s.close()
-            m = _scrape(url)
+            m = scrape_metrics(url)
             assert _pages(m, NAMESPACE) == {"published": 2, "held": 2, "leased": 0}  # held by the reader now
             assert (_counter(m, "lookup_hit_pages", namespace=NAMESPACE), _counter(m, "lookup_miss_pages", namespace=NAMESPACE)) == (2, 1)
             assert (_counter(m, "dropped_writes"), _counter(m, "expired_leases"), _counter(m, "published_pages")) == (2, 2, PAGES + 2)
             assert (_counter(m, "protocol_errors"), _counter(m, "refused_peers"), _counter(m, "unread_drops")) == (1, 0, 0)
             assert m[("kvtier_service_clients", (("state", "attached"),))] == 2
             writer = SessionWriter(svc.socket, reader.session)  # (a vLLM worker of the reader's engine)
-            assert _scrape(url)[("kvtier_service_clients", (("state", "writers"),))] == 1
+            assert scrape_metrics(url)[("kvtier_service_clients", (("state", "writers"),))] == 1
             writer.close()
             # a salted namespace: its salt (a secret of its engines) never appears, a digest of it stands for it
             salted = ServiceClient(svc.socket, "model-fp-tp0-sEcReT%2Dsalt", FMT)
@@ -108,11 +99,11 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
             with urllib.request.urlopen(url, timeout=10) as r:
                 assert "sEcReT" not in r.read().decode()
             label = "model-fp-tp0-#" + hashlib.blake2b(b"sEcReT%2Dsalt", digest_size=4).hexdigest()
-            assert _counter(_scrape(url), "lookup_miss_pages", namespace=label) == 2
+            assert _counter(scrape_metrics(url), "lookup_miss_pages", namespace=label) == 2
             # the reader detaches quiesced: its holds released, nothing expired; the pages stay published, held by nobody
             reader.close()
-            wait_until(lambda: _pages(_scrape(url), NAMESPACE)["held"] == 0, 2.0)
-            m = _scrape(url)
+            wait_until(lambda: _pages(scrape_metrics(url), NAMESPACE)["held"] == 0, 2.0)
+            m = scrape_metrics(url)
             assert _pages(m, NAMESPACE) == {"published": 2, "held": 0, "leased": 0} and _counter(m, "expired_leases") == 2
         finally:
             a.communicate("done\n", timeout=60)
@@ -120,12 +111,12 @@ def test_metrics_scraped_over_http_are_what_happened_with_real_engines_attached(
         x = start_peer("violate", svc.socket)
         try:
             peer_report(x)
-            m = _scrape(url)
+            m = scrape_metrics(url)
             assert m[("kvtier_service_clients", (("state", "orphaned"),))] == 1 and _pages(m, NAMESPACE)["leased"] == 2
             assert _counter(m, "protocol_errors") == 2
         finally:
             x.communicate("exit\n", timeout=60)
-        m, _ = wait_until(lambda: (m := _scrape(url))[("kvtier_service_clients", (("state", "orphaned"),))] == 0 and m, 2.0)
+        m, _ = wait_until(lambda: (m := scrape_metrics(url))[("kvtier_service_clients", (("state", "orphaned"),))] == 0 and m, 2.0)
         assert _counter(m, "expired_leases") == 4 and _pages(m, NAMESPACE)["leased"] == 0
 
 
@@ -156,7 +147,7 @@ def test_an_engines_own_metrics_count_the_service_as_its_host_tier(tmp_path):
             assert engine["kvtier_device_hit_pages_total"] == engine["kvtier_storage_hit_pages_total"] == 0
             # and the service's view of the same lookups
             (ns,) = query_status(svc.socket)["pages_per_namespace"]
-            assert _counter(_scrape(url), "lookup_hit_pages", namespace=ns) == PAGES
+            assert _counter(scrape_metrics(url), "lookup_hit_pages", namespace=ns) == PAGES
         finally:
             a.communicate("done\n", timeout=60)
 
@@ -164,7 +155,7 @@ def test_an_engines_own_metrics_count_the_service_as_its_host_tier(tmp_path):
 def test_the_metrics_server_goes_when_the_service_stops(tmp_path):
     with running_service(tmp_path, 0.01, "--metrics-port", "0") as svc:
         url = re.search(r"metrics on (http://\S+)", svc.banner).group(1)
-        assert _scrape(url)[("kvtier_service_free_pages", ())] == 0
+        assert scrape_metrics(url)[("kvtier_service_free_pages", ())] == 0
     with pytest.raises(OSError):
         urllib.request.urlopen(url, timeout=5)
 

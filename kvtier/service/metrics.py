@@ -12,7 +12,8 @@ metrics' port is open to every local user: a label shows a salt as a digest (:fu
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import unquote
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -40,6 +41,8 @@ class ServiceSnapshot:
     clients: int
     orphaned: int
     writers: int
+    #: the service's L3 tier (``ServiceStorage.status()``), if it has one
+    l3: dict | None = field(default=None)
 
     @classmethod
     def of(cls, service: NodeService) -> ServiceSnapshot:
@@ -47,11 +50,12 @@ class ServiceSnapshot:
             index, region = service.index, service.region
             counters = {"refused_peers": service.refused, "protocol_errors": service.protocol_errors, "unread_drops": service.unread_drops}
             clients, orphaned, writers = service.attached_clients, service.orphaned_clients, service.joined_writers
+            l3 = service.storage.status() if service.storage is not None else None
             if index is None:  # no engine attached yet: no region
-                return cls(0, 0, 0, {}, {}, {}, counters | dict.fromkeys(_INDEX_COUNTERS, 0), clients, orphaned, writers)
+                return cls(0, 0, 0, {}, {}, {}, counters | dict.fromkeys(_INDEX_COUNTERS, 0), clients, orphaned, writers, l3)
             counters |= {name: getattr(index, name) for name in _INDEX_COUNTERS}
             return cls(region.format.page_bytes, index.alloc.num_pages, index.alloc.num_free, index.pages_by_namespace(),
-                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers)
+                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3)
 
 
 #: the index's counters exported as ``kvtier_service_<name>_total``
@@ -70,13 +74,15 @@ _HELP = {
 
 
 def namespace_label(namespace: str) -> str:
-    """``namespace`` as a metric label: a :class:`~kvtier.hashing.Namespace`'s string is ``model-fingerprint-tpN``
-    and, if salted, ``-salt`` (each field percent-encoded, so ``-`` only joins them); what follows the third
-    ``-`` is shown as ``#`` and 8 hex digits of its BLAKE2b digest, never as it is."""
+    """``namespace`` as a person reads it in a label or ``--status``: a :class:`~kvtier.hashing.Namespace`'s string is
+    ``model-fingerprint-tpN`` and, if salted, ``-salt``, each field percent-encoded (so ``-`` only joins them);
+    the first three are shown decoded (``smollm2-135m-instruct``, not ``smollm2%2D135m%2Dinstruct``), and what
+    follows the third ``-`` as ``#`` and 8 hex digits of its BLAKE2b digest, never as it is."""
     head = namespace.split("-", 3)
+    shown = "-".join(unquote(field) for field in head[:3])
     if len(head) < 4:
-        return namespace
-    return "-".join(head[:3]) + "-#" + hashlib.blake2b(head[3].encode(), digest_size=4).hexdigest()
+        return shown
+    return shown + "-#" + hashlib.blake2b(head[3].encode(), digest_size=4).hexdigest()
 
 
 class ServiceCollector:
@@ -114,6 +120,33 @@ class ServiceCollector:
         yield clients
         for name, value in snap.counters.items():
             yield CounterMetricFamily(f"{PREFIX}_{name}", _HELP[name], value=value)
+        if snap.l3 is not None:
+            yield from _l3_families(snap.l3)
+
+
+#: the L3 tier's counters (``StorageCounters``) as ``kvtier_service_l3_<name>_total``
+_L3_COUNTERS = {
+    "saved_pages": "pages written through to the L3 store",
+    "save_failed_pages": "pages whose save to the L3 store failed (kept in the region only)",
+    "found_pages": "pages a lookup's L3 probe found in the store",
+    "fetched_pages": "pages loaded from the L3 store into the region (verified before offered)",
+    "fetch_failed_pages": "pages whose load from the L3 store failed (a miss)",
+    "corrupt_pages": "pages the L3 store gave back that failed their checksum (a miss; deleted so the next save rewrites them)",
+}
+
+
+def _l3_families(l3: dict):
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, help_text in _L3_COUNTERS.items():
+        yield CounterMetricFamily(f"{PREFIX}_l3_{name}", help_text, value=l3[name])
+    queue = GaugeMetricFamily(f"{PREFIX}_l3_queue_pages", "pages waiting for or in an L3 save, or an L3 load", labels=["op"])
+    queue.add_metric(["save"], l3["saving_pages"])
+    queue.add_metric(["load"], l3["fetching_pages"])
+    yield queue
+    # (1 once a call to the store succeeded, 0 once one failed; absent until one ran)
+    if l3["available"] is not None:
+        yield GaugeMetricFamily(f"{PREFIX}_l3_available", "whether the L3 store answered its last call", value=int(l3["available"]))
 
 
 class MetricsServer:

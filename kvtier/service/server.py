@@ -488,6 +488,9 @@ class NodeService:
             out |= self.index.status().as_dict()
             # (a namespace names its salt, a secret of its engines: shown as a digest, as the metrics' labels do)
             out["pages_per_namespace"] = {namespace_label(ns): n for ns, n in out["pages_per_namespace"].items()}
+            # (ready counts every written page; a page written again under a key published already is held by its
+            # writer but offered to nobody: ready == sum(pages_per_namespace) + duplicates)
+            out["duplicates"] = out["ready"] - sum(out["pages_per_namespace"].values())
         if self.storage is not None:
             out["l3"] = self.storage.status()
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)

@@ -100,6 +100,17 @@ def peer_report(proc: subprocess.Popen, timeout_s: float = START_TIMEOUT_S) -> d
     return json.loads(line)
 
 
+def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
+    """Every sample a Prometheus endpoint at ``url`` serves: (name, sorted labels) -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def wait_until(check, timeout_s: float, every_s: float = 0.05):
     """Poll ``check()`` until it returns something true; (its value, seconds it took). Fails past the bound."""
     start = time.monotonic()
