@@ -40,6 +40,8 @@ def test_service_keys_set_the_tier_config_and_a_url_or_a_plain_path_names_the_so
                                                "service_lookup_timeout_s": 0.5, "host_pages": 64})
     assert (opts.tiers.service, opts.tiers.service_timeout_s, opts.tiers.service_lookup_timeout_s) == ("/run/kv/node.sock", 5, 0.5)
     assert ConnectorOptions.from_extra_config({"service": "/run/kv/node.sock"}).tiers.service == "/run/kv/node.sock"
+    home = os.path.expanduser("~")
+    assert ConnectorOptions.from_extra_config({"service": "~/kv/node.sock"}).tiers.service == f"{home}/kv/node.sock"
     assert ConnectorOptions.from_extra_config({}).tiers.service is None
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key.*service_url.*valid:.*service, service_lookup_timeout_s"):
         ConnectorOptions.from_extra_config({"service_url": "/x"})
@@ -47,9 +49,11 @@ def test_service_keys_set_the_tier_config_and_a_url_or_a_plain_path_names_the_so
 
 @pytest.mark.parametrize("extra, match", [
     ({"service": "/x.sock", "storage_url": "file:///tmp/l3"}, "service and storage_url cannot both be set.*drop storage_url"),
-    ({"service": "unix://relative.sock"}, "not a socket URL; write unix:///absolute"),
-    ({"service": "tcp://127.0.0.1:9"}, "listens on a unix socket"),
-    ({"service": ""}, "TierConfig.service must be a socket path"),
+    ({"service": "unix://relative.sock"}, "not a socket URL: after unix:// comes an absolute path.*write unix:///absolute"),
+    ({"service": "unix:/one/slash.sock"}, "not a socket URL.*three slashes"),
+    ({"service": "run/node.sock"}, "not an absolute path.*write unix:///absolute/path.sock, or the plain path"),
+    ({"service": "tcp://127.0.0.1:9"}, "listens on a unix socket, not tcp://"),
+    ({"service": ""}, "not an absolute path"),
     ({"service": "/x.sock", "service_timeout_s": 1, "service_lookup_timeout_s": 2}, "service_lookup_timeout_s=2 is longer"),
     ({"service": "/x.sock", "service_timeout_s": 0}, "service_timeout_s"),
 ])

@@ -88,20 +88,25 @@ UNIX_SCHEME = "unix://"
 
 
 def service_socket_path(value: object, option: str) -> object:
-    """An integration's service option -- ``unix:///run/kvtier/node.sock`` or ``/run/kvtier/node.sock`` -- as
-    the socket's path. A relative ``unix://`` URL or another scheme is a :class:`ConfigError` naming
-    ``option``; anything that is not a string is returned as it is, for the caller's own check."""
+    """An integration's service option as the socket's absolute path. Two forms are accepted, one way each:
+    ``unix:///abs/node.sock`` and a plain absolute path (``~`` or ``~user`` at its start expanded: ``~/node.sock``).
+    Anything else -- ``unix:/x`` or ``unix://x`` (a URL whose path is not absolute), a relative path, another
+    scheme -- is a :class:`ConfigError` naming ``option`` and the accepted forms (before, ``unix:/x`` was taken
+    as a relative path and reported later as "no node service listens"). A value that is not a string is
+    returned as it is, for the caller's own check."""
     if not isinstance(value, str):
         return value
-    if value.startswith(UNIX_SCHEME):
-        path = value[len(UNIX_SCHEME) :]
-        if not path.startswith("/"):
-            raise ConfigError(f"{option}={value!r} is not a socket URL; write unix:///absolute/path.sock or the plain path")
-        return path
+    forms = "write unix:///absolute/path.sock, or the plain path: /absolute/path.sock or ~/path.sock (kvtier serve --socket)"
+    if value.startswith(UNIX_SCHEME) and value[len(UNIX_SCHEME):].startswith("/"):
+        return value[len(UNIX_SCHEME):]
+    if value.lower().startswith("unix:"):
+        raise ConfigError(f"{option}={value!r} is not a socket URL: after unix:// comes an absolute path (three slashes in all); {forms}")
     if "://" in value:
-        raise ConfigError(f"{option}={value!r}: the node service listens on a unix socket; write unix:///path/to/node.sock or the "
-                          "plain path (kvtier serve --socket)")
-    return value
+        raise ConfigError(f"{option}={value!r}: the node service listens on a unix socket, not {value.split('://')[0]}://; {forms}")
+    path = os.path.expanduser(value)
+    if not path.startswith("/"):
+        raise ConfigError(f"{option}={value!r} is not an absolute path (an engine's working directory is not the service's); {forms}")
+    return path
 
 
 def default_socket_path() -> str:
