@@ -49,7 +49,10 @@ def serve(
         return
     if host_gb is None:
         raise ConfigError("kvtier serve needs --host-gb: the host tier's size in GB (e.g. --host-gb 64)")
+    from kvtier.logs import log_to_stderr_unless_configured
     from kvtier.service.server import NodeService, ServeConfig
+
+    log_to_stderr_unless_configured()
 
     service = NodeService(ServeConfig(host_gb=host_gb, socket=path, storage_url=storage_url, drain_timeout_s=drain_timeout_s,
                                       allow_group=allow_group, metrics_port=metrics_port, metrics_host=metrics_host))
