@@ -407,7 +407,8 @@ class ConnectorWorker:
             moved = done - c.existing if plan.dst is Tier.STORAGE else done
             tier = "storage" if Tier.STORAGE in (plan.src, plan.dst) else "host"
             direction = "load" if plan.dst is not Tier.STORAGE and plan.src is not Tier.DEVICE else "store"
-            self.interval.record(tier, direction, moved * self._page_tokens, moved * self._page_bytes)
+            # (tokens once per request: rank 0 counts them; bytes on every rank, each moves its own shard)
+            self.interval.record(tier, direction, moved * self._page_tokens if self.tp_rank == 0 else 0, moved * self._page_bytes)
             if plan.dst is Tier.DEVICE and done < plan.num_pages:
                 self.interval.data["load_failed_tokens"] += (plan.num_pages - done) * self._page_tokens
             waiting = self._async.pop(c.op, None)
