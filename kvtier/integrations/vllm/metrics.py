@@ -90,7 +90,8 @@ class KVTierConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         return not (
-            any(d["tokens"].values()) or any(d["bytes"].values()) or d["load_failed_tokens"] or d["copies_abandoned"] or d["load_seconds"] or d["store_seconds"]
+            any(d["tokens"].values()) or any(d["bytes"].values()) or d["load_failed_tokens"] or d["copies_abandoned"]
+            or d["load_seconds"] or d["store_seconds"]
         )
 
 
