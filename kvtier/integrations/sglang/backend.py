@@ -258,7 +258,8 @@ class KvtierStorage(HiCacheStorage):
                 namespace = Namespace(self.model, region_format(group).fingerprint, self._shard_rank(PoolName.KV), self.options.salt)
                 o = self.options
                 self.service = ServicePages(o.socket_path, str(namespace), group, deadline_s=o.service_timeout_s,
-                                            lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault)
+                                            lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault,
+                                            service_uid=o.service_uid)
             return self.service
 
     def _pool(self, name) -> _Pool:
