@@ -7,6 +7,7 @@ shared read-write with them, anyone else refused while the service goes on servi
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -274,3 +275,22 @@ def test_allow_group_refuses_a_socket_its_group_could_never_reach(tmp_path):
         assert stat.S_IMODE(os.stat(os.path.join(open_to_all, "kvtier")).st_mode) == 0o750
     finally:
         shutil.rmtree(open_to_all)
+
+
+def test_a_share_larger_than_the_region_is_warned_of_and_held_to_it_and_no_share_means_the_whole_region(tmp_path, caplog):
+    from kvtier.service.attach import attach_pages
+
+    with running_service(tmp_path) as svc:
+        with caplog.at_level(logging.WARNING, logger="kvtier.service.leased"):
+            big = attach_pages(svc.socket, FMT, NAMESPACE, 1_000_000)
+        try:
+            n = big.client.num_pages
+            assert big.share == n < 1_000_000 and big.share_asked == 1_000_000
+            assert f"holds {n} pages in its region, fewer than this engine's host share of 1000000" in caplog.text
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="kvtier.service.leased"):
+                whole = attach_pages(svc.socket, FMT, NAMESPACE, None)  # (no share given: the region)
+            assert whole.share == n and whole.share_asked is None and not caplog.records
+            whole.close(quiesced=True)
+        finally:
+            big.close(quiesced=True)

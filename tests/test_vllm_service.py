@@ -43,6 +43,10 @@ def test_service_keys_set_the_tier_config_and_a_url_or_a_plain_path_names_the_so
     home = os.path.expanduser("~")
     assert ConnectorOptions.from_extra_config({"service": "~/kv/node.sock"}).tiers.service == f"{home}/kv/node.sock"
     assert ConnectorOptions.from_extra_config({}).tiers.service is None
+    # a service and no size: the engine's share is the whole region; a size given is the share
+    assert ConnectorOptions.from_extra_config({"service": "/run/kv/node.sock"}).service_share_from_region
+    assert not ConnectorOptions.from_extra_config({"service": "/run/kv/node.sock", "host_gb": 2}).service_share_from_region
+    assert not ConnectorOptions.from_extra_config({"host_gb": 2}).service_share_from_region
     with pytest.raises(ConfigError, match="unknown kv_connector_extra_config key.*service_url.*valid:.*service, service_lookup_timeout_s"):
         ConnectorOptions.from_extra_config({"service_url": "/x"})
 

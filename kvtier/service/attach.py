@@ -11,11 +11,12 @@ from kvtier.service.region import RegionFormat
 from kvtier.spec import KVSpec
 
 
-def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str, share: int, *,
+def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str, share: int | None, *,
                  deadline_s: float = DEFAULT_DEADLINE_S, lookup_deadline_s: float | None = None,
                  service_uid: int | None = None) -> LeasedPages:
     """The host allocator of an engine attached to the service at ``socket_path`` in ``namespace``, for
-    pages of ``fmt``: a :class:`LeasedPages` holding at most ``share`` of the region's pages. ``close()``
+    pages of ``fmt``: a :class:`LeasedPages` holding at most ``share`` of the region's pages (None: as many as
+    the region has; a share larger than the region is warned of, once, and held to the region). ``close()``
     detaches. The deadlines and ``service_uid`` are :class:`ServiceClient`'s (``TierConfig.service_timeout_s``,
     ``service_lookup_timeout_s``, ``service_uid``)."""
     client = ServiceClient(socket_path, str(namespace), fmt, deadline_s=deadline_s, lookup_deadline_s=lookup_deadline_s,

@@ -41,12 +41,18 @@ log = logging.getLogger(__name__)
 
 
 class LeasedPages(PageAllocator):
-    def __init__(self, client: ServiceClient, share: int):
+    def __init__(self, client: ServiceClient, share: int | None):
         super().__init__(client.num_pages, "node service region")
-        if share < 1:
+        if share is not None and share < 1:
             raise ConfigError(f"an engine's share of the node service's region must be at least one page; got {share}")
         self.client = client
-        self.share = min(share, client.num_pages)
+        #: the pages this engine asked to hold at once (None: as many as the region has), and what it holds at most
+        self.share_asked = share
+        self.share = client.num_pages if share is None else min(share, client.num_pages)
+        if share is not None and share > client.num_pages:
+            log.warning("the node service at %s holds %d pages in its region, fewer than this engine's host share of %d: it keeps at most "
+                        "%d pages of prompts on host; give kvtier serve a larger --host-gb, or this engine a smaller host_gb / host_pages",
+                        client.socket_path, client.num_pages, share, client.num_pages)
         self._free = []  # (page ids are the service's: none are free here)
         self._used = 0
         #: pages the service had for us when it last gave fewer than asked (None: unknown, assume enough)

@@ -40,6 +40,9 @@ class ConnectorOptions:
                                   "a miss for loads; for copies out of vLLM's blocks, each worker gives the blocks back after as "
                                   "long (the copy's host pages are held until it answers)", 10.0)
     tiers: TierConfig = field(default_factory=lambda: TierConfig(host_gb=DEFAULT_HOST_GB))
+    #: with ``service`` and neither ``host_pages`` nor ``host_gb``: this engine's share is the whole region (the
+    #: service's --host-gb sizes the host tier; the service evicts among the pages no engine holds)
+    service_share_from_region: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     storage: StorageConfig = field(default_factory=StorageConfig)
 
@@ -67,9 +70,11 @@ class ConnectorOptions:
             if extra.get("storage_url"):
                 raise ConfigError("kvtier connector: service and storage_url cannot both be set: an engine attached to the node service "
                                   "has no L3 of its own (the service keeps the tiers below the engine); drop storage_url, or service")
+        share_from_region = "service" in tier and "host_pages" not in tier and "host_gb" not in tier
         if "host_pages" not in tier:
             tier.setdefault("host_gb", DEFAULT_HOST_GB)
         return cls(
+            service_share_from_region=share_from_region,
             model_name=extra.get("model_name"),
             salt=extra.get("salt", ""),
             **{k: extra[k] for k in ("load_retry_s", "rank_timeout_s") if k in extra},

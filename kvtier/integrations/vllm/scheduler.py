@@ -244,13 +244,14 @@ class ConnectorScheduler:
         holds whole, the one shard rank 0 writes and every rank reads
         (:meth:`~kvtier.service.region.RegionFormat.of_ranks`) -- in a namespace of the model, the shards'
         fingerprint with the tensor-parallel size, and the salt. ``host_pages`` / ``host_gb`` size this
-        engine's share of the region (pages of every rank's shards)."""
+        engine's share of the region (pages of every rank's shards); given neither, the share is the region."""
         tiers = self.options.tiers
         fmt, shards = RegionFormat.of_ranks(spec, tiers.host_layout, self.world_size)
         # (a replicated latent's page is one rank's: the namespace still names the split, whose numerics it is)
         fingerprint = fmt.fingerprint if shards == self.world_size else f"{fmt.fingerprint}-tp{self.world_size}"
         namespace = Namespace(self.model_name, fingerprint, 0, self.options.salt)
-        return attach_pages(tiers.service, fmt, namespace, tiers.host_pages_for(fmt.page_bytes), deadline_s=tiers.service_timeout_s,
+        share = None if self.options.service_share_from_region else tiers.host_pages_for(fmt.page_bytes)
+        return attach_pages(tiers.service, fmt, namespace, share, deadline_s=tiers.service_timeout_s,
                             lookup_deadline_s=tiers.service_lookup_timeout_s, service_uid=tiers.service_uid)
 
     # ---- keys --------------------------------------------------------------------------------
