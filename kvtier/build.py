@@ -68,4 +68,5 @@ def _host_pool(spec: KVSpec, tiers: TierConfig, model: ModelSpec, storage: Stora
     from kvtier.service.attach import attach_host_pool
 
     return attach_host_pool(tiers.service, spec, tiers.host_layout, namespace, tiers.host_pages_for(spec.page_bytes),
-                            deadline_s=tiers.service_timeout_s, lookup_deadline_s=tiers.service_lookup_timeout_s)
+                            deadline_s=tiers.service_timeout_s, lookup_deadline_s=tiers.service_lookup_timeout_s,
+                            service_uid=tiers.service_uid)

@@ -85,7 +85,14 @@ class TierConfig:
         None,
     )
 
+    service_uid: int | None = _help(
+        "the node service: the uid it runs as, when not this process's (a member of its --allow-group attaching to another "
+        "user's service); the engine refuses a socket directory, a listener or a region of any other uid. None: this process's",
+        None,
+    )
+
     def __post_init__(self) -> None:
+        check_number(self, "service_uid", at_least=0, at_most=(1 << 32) - 2, integer=True)
         if self.service is not None and (not isinstance(self.service, str) or not self.service):
             raise ConfigError(f"TierConfig.service must be a socket path (kvtier serve --socket) or None; got {self.service!r}")
         check_number(self, "service_timeout_s", above=0)

@@ -36,6 +36,8 @@ PAGES = len(PROMPT) // SPEC.page_size
 FMT = RegionFormat.of(SPEC, "page_first")
 #: ids nobody on this machine uses (the tests run as root and become them in forked children)
 GROUP, MEMBER, PRIMARY_MEMBER, STRANGER = 54320, 54321, 54322, 54323
+#: the service's uid (this process's), which another user's engine names to attach to it (TierConfig.service_uid)
+SERVICE_UID = os.getuid()
 
 
 def _pages(m: dict, ns: str) -> dict[str, float]:
@@ -177,8 +179,8 @@ def reachable_tmp():
 def _attach_read_and_write(sock: str, byte: int) -> dict:
     """As the child: attach, look up PUBLISHED[0] (the parent filled it with ``byte``), check its bytes in
     the mapped region, then write and publish a page of its own (key UNPUBLISHED[0], bytes 0x5C)."""
-    client = ServiceClient(sock, NAMESPACE, FMT)
-    pool = HostPool(SPEC, client.num_pages, "page_first", memory=map_region(client.region, client.region_size))
+    client = ServiceClient(sock, NAMESPACE, FMT, service_uid=SERVICE_UID)
+    pool = HostPool(SPEC, client.num_pages, "page_first", memory=client.map_region())
     (page,) = client.lookup(PUBLISHED[:1])
     read_right = all(bool((t[page] == byte).all()) for t in pool.buffers.values())
     mine = client.reserve(1)
@@ -190,7 +192,7 @@ def _attach_read_and_write(sock: str, byte: int) -> dict:
 
 
 def _attach(sock: str) -> dict:
-    client = ServiceClient(sock, NAMESPACE, FMT)
+    client = ServiceClient(sock, NAMESPACE, FMT, service_uid=SERVICE_UID)
     client.close()
     return {"attached": True}
 

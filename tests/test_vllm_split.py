@@ -157,14 +157,17 @@ def test_stats_count_tokens_and_bytes_per_tier_and_reach_prometheus(tmp_path):
     page_bytes = first.workers[0].executor.inner.engine.host.spec.page_bytes
     stats = [w.take_stats() for w in first.workers]
     agg = stats[0].aggregate(stats[1])  # what vLLM's aggregator does over ranks
-    assert agg.data["tokens"] == {"host|store": 2 * 3 * BS, "storage|store": 2 * 3 * BS}
+    # tokens once per request (rank 0's), bytes from both ranks (each copied its own shard)
+    assert stats[1].data["tokens"] == {"host|store": 0, "storage|store": 0}
+    assert agg.data["tokens"] == {"host|store": 3 * BS, "storage|store": 3 * BS}
     assert agg.data["bytes"]["storage|store"] == 2 * 3 * page_bytes and len(agg.data["store_seconds"]) == 2
     first.close()
     second = Engine(url, seed=9)
     serve(second, "b", TOKENS, [0, 1, 2, 4])
-    s = second.workers[1].take_stats()
+    s, other = second.workers[0].take_stats(), second.workers[1].take_stats()
     assert s.data["tokens"] == {"storage|load": 3 * BS, "host|load": 3 * BS} and s.data["load_failed_tokens"] == 0
-    assert second.workers[1].take_stats() is None  # a new interval: nothing moved yet
+    assert other.data["tokens"] == {"storage|load": 0, "host|load": 0} and other.data["bytes"] == s.data["bytes"]
+    assert second.workers[0].take_stats() is None  # a new interval: nothing moved yet
     reduced = s.reduce()
     assert reduced["host_load_tokens"] == 3 * BS and reduced["avg_load_seconds"] > 0
 

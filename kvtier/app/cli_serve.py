@@ -36,6 +36,10 @@ def serve(
                                      "clients, lease expiries, dropped writes, protocol errors); 0: a free port, named in the banner"
     ),
     metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="the address --metrics-port listens on"),
+    service_uid: Optional[int] = typer.Option(
+        None, "--service-uid", help="with --status: the uid the service runs as, when it is not yours (a member of its "
+                                    "--allow-group asking); a service of any other uid is refused"
+    ),
 ) -> None:
     """Serve a host tier outside the engine, shared by every engine on the node, until SIGTERM."""
     from kvtier.service.peer import default_socket_path
@@ -44,12 +48,15 @@ def serve(
     if status:
         from kvtier.service.client import query_status
 
-        json.dump(query_status(path), sys.stdout, indent=1)
+        json.dump(query_status(path, service_uid=service_uid), sys.stdout, indent=1)
         sys.stdout.write("\n")
         return
     if host_gb is None:
         raise ConfigError("kvtier serve needs --host-gb: the host tier's size in GB (e.g. --host-gb 64)")
+    from kvtier.logs import log_to_stderr_unless_configured
     from kvtier.service.server import NodeService, ServeConfig
+
+    log_to_stderr_unless_configured()
 
     service = NodeService(ServeConfig(host_gb=host_gb, socket=path, storage_url=storage_url, drain_timeout_s=drain_timeout_s,
                                       allow_group=allow_group, metrics_port=metrics_port, metrics_host=metrics_host))

@@ -7,6 +7,17 @@ closed connection, a refusal -- is a :class:`~kvtier.errors.ServiceError` (typed
 it), and the client is broken from then on: an answer that arrives late must never be read as the
 answer to a later call, nor a frame follow one half sent.
 
+**What the client trusts.** Nothing it reads is booked unchecked (the service's side of the socket is
+another process, possibly another user's). Before it sends a byte, the socket's directory and the
+listener's uid are checked (:func:`~kvtier.service.peer.check_socket_dir`,
+:func:`~kvtier.service.peer.check_listener`: the service's uid is this process's, or ``service_uid``);
+the hello's answer is a :class:`HelloAnswer` only once its fields are checked and the region file it
+names is a regular file of that uid, of its announced size, mode 0600 (0660 of the group the socket's
+directory lets in); every lookup's and reservation's pages are checked ints, in the region, unique,
+no more than asked (:func:`check_pages`). A bad answer is a :class:`~kvtier.errors.ServiceProtocolError`
+and breaks the client like any other failure; a refused service, a
+:class:`~kvtier.errors.ServiceAccessError` naming the path, the owner found and the fix.
+
 Two deadlines, each for a whole call: ``deadline_s`` for attaching and ``status``, and the short
 ``lookup_deadline_s`` for what an engine's thread waits on while it serves requests -- a lookup, a
 reservation, a note's send (a service that stopped reading fills the socket's buffer, and a send
@@ -16,12 +27,17 @@ loop hung) costs an engine at most that, once: the engine then treats it as lost
 
 from __future__ import annotations
 
+import os
 import socket
 import time
+from dataclasses import dataclass
+
+import torch
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
-from kvtier.service.messages import MAX_WAIT_S, Bye, Hello, Join, Lookup, Publish, Release, Reserve, Status
-from kvtier.service.region import RegionFormat
+from kvtier.service.messages import MAX_SESSION, MAX_WAIT_S, Bye, Hello, Join, Lookup, Publish, Release, Reserve, Status
+from kvtier.service.peer import ServiceTrust, check_listener, check_socket_dir
+from kvtier.service.region import RegionFormat, map_region, open_region
 from kvtier.service.wire import recv_frame, send_frame
 
 #: the error types the service sends, by name (anything else is a plain ServiceError)
@@ -35,6 +51,61 @@ DEFAULT_LOOKUP_DEADLINE_S = 0.25
 #: the share of a lookup's deadline the service may spend fetching pages from its L3 tier before it answers
 #: (the rest is the answer's way back, and the service's other work on a loaded node)
 LOOKUP_WAIT_SHARE = 0.5
+#: the most pages a hello may announce (far beyond any host's memory: the region file's size is what bounds it)
+MAX_REGION_PAGES = 1 << 48
+#: the longest region path a hello may name (Linux's PATH_MAX)
+MAX_PATH = 4096
+
+
+@dataclass(frozen=True)
+class HelloAnswer:
+    """The service's answer to ``hello``, checked (:meth:`check`): the region to map -- an absolute path
+    to a file of ``size`` bytes holding ``num_pages`` pages of the client's format -- and this
+    connection's ``session``."""
+
+    region: str
+    size: int
+    num_pages: int
+    session: str
+
+    @classmethod
+    def check(cls, result: object, fmt: RegionFormat, trust: ServiceTrust) -> HelloAnswer:
+        """``result`` as a :class:`HelloAnswer` once every field is of its type and in range, ``size`` is
+        what ``num_pages`` pages of ``fmt`` take, and the region is a file the service of ``trust`` made of
+        that size (:func:`~kvtier.service.region.open_region`: so ``num_pages`` is no more than exists);
+        a :class:`~kvtier.errors.ServiceProtocolError` (or, for the file, a
+        :class:`~kvtier.errors.ServiceAccessError`) naming the field otherwise."""
+        if type(result) is not dict:
+            raise ServiceProtocolError(f"the node service answered hello with {_show(result)}, not an object")
+        region, size, num_pages, session = (result.get(k) for k in ("region", "size", "num_pages", "session"))
+        if type(region) is not str or not region.startswith("/") or len(region) > MAX_PATH or "\0" in region:
+            raise ServiceProtocolError(f"the node service's hello names the region {_show(region)}, not an absolute path")
+        if type(num_pages) is not int or not 1 <= num_pages <= MAX_REGION_PAGES:
+            raise ServiceProtocolError(f"the node service's hello announces {_show(num_pages)} pages, not 1 to {MAX_REGION_PAGES}")
+        if type(size) is not int or size != fmt.size(num_pages):
+            raise ServiceProtocolError(f"the node service's hello announces a region of {_show(size)} bytes; {num_pages} pages of this "
+                                       f"format take {fmt.size(num_pages)}")
+        if type(session) is not str or not 0 < len(session) <= MAX_SESSION:
+            raise ServiceProtocolError(f"the node service's hello names the session {_show(session)}, not a session id")
+        os.close(open_region(region, size, trust))
+        return cls(region, size, num_pages, session)
+
+
+def check_pages(pages: object, at_most: int, num_pages: int, what: str) -> list[int]:
+    """The page ids of an answer (``what``: a lookup's, a reservation's) as a list of distinct ints in the
+    region (``0 <= id < num_pages``), at most ``at_most`` of them; a :class:`~kvtier.errors.ServiceProtocolError`
+    naming what is wrong otherwise (a negative id would read the region's last page; one past it,
+    another process's memory; a repeat would be booked twice)."""
+    if type(pages) is not list:
+        raise ServiceProtocolError(f"the node service answered a {what} with {_show(pages)}, not a list of page ids")
+    if len(pages) > at_most:
+        raise ServiceProtocolError(f"the node service answered a {what} of {at_most} pages with {len(pages)}")
+    for page in pages:
+        if type(page) is not int or not 0 <= page < num_pages:
+            raise ServiceProtocolError(f"the node service's {what} named page {_show(page)}, not one of its region's {num_pages}")
+    if len(set(pages)) != len(pages):
+        raise ServiceProtocolError(f"the node service's {what} named a page twice: {_show(pages)}")
+    return pages
 
 
 class ServiceClient:
@@ -44,32 +115,44 @@ class ServiceClient:
     in flight touches its pages, none is in its tree any more): the service frees what it kept of it.
     ``deadline_s`` and ``lookup_deadline_s`` (default: the smaller of :data:`DEFAULT_LOOKUP_DEADLINE_S`
     and ``deadline_s``): see the module's docstring; ``attach_deadline_s`` bounds the connect and the
-    hello together (default ``deadline_s``)."""
+    hello together (default ``deadline_s``). ``service_uid``: the uid the service runs as, where it is not
+    this process's (a member of its ``--allow-group``; ``TierConfig.service_uid``): any other is refused."""
 
     def __init__(self, socket_path: str, namespace: str, fmt: RegionFormat, *, deadline_s: float = DEFAULT_DEADLINE_S,
-                 lookup_deadline_s: float | None = None, previous: str | None = None, attach_deadline_s: float | None = None):
+                 lookup_deadline_s: float | None = None, previous: str | None = None, attach_deadline_s: float | None = None,
+                 service_uid: int | None = None):
         self.socket_path = socket_path
         self.namespace = namespace
         self.fmt = fmt
         self.deadline_s = deadline_s
         self.lookup_deadline_s = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
+        self.service_uid = service_uid
         self._seq = 0
         self._broken: str | None = None
         attach_s = deadline_s if attach_deadline_s is None else attach_deadline_s
         deadline = time.monotonic() + attach_s
-        self._sock = _connect(socket_path, attach_s)
+        self._sock, self.trust = _connect(socket_path, attach_s, service_uid)
         (hello,) = self._call([Hello(namespace=namespace, format=fmt.as_wire(), previous=previous).wire()], deadline)
-        self.region: str = hello["region"]
-        self.region_size: int = hello["size"]
-        self.num_pages: int = hello["num_pages"]
-        self.session: str = hello["session"]
+        try:
+            self.hello = HelloAnswer.check(hello, fmt, self.trust)
+        except ServiceError as e:
+            raise self._break(e) from None
+        self.region: str = self.hello.region
+        self.region_size: int = self.hello.size
+        self.num_pages: int = self.hello.num_pages
+        self.session: str = self.hello.session
 
     def again(self) -> ServiceClient:
         """A new client attached as this one was, naming this one's session as quiesced; connect and hello
         within the lookup deadline (an engine's thread attaches again between requests)."""
         quick = self.lookup_deadline_s
         return ServiceClient(self.socket_path, self.namespace, self.fmt, deadline_s=self.deadline_s, lookup_deadline_s=quick,
-                             previous=self.session, attach_deadline_s=quick)
+                             previous=self.session, attach_deadline_s=quick, service_uid=self.service_uid)
+
+    def map_region(self, **kwargs) -> torch.Tensor:
+        """The region this client's hello named, mapped once it is checked again to be the service's
+        (:func:`~kvtier.service.region.map_region` with this client's :attr:`trust`; ``kwargs``: its options)."""
+        return map_region(self.region, self.region_size, trust=self.trust, **kwargs)
 
     # ---- the wire --------------------------------------------------------------------------------
     def call(self, ops: list[dict]) -> list:
@@ -131,10 +214,19 @@ class ServiceClient:
         """The service's leading run of ``keys``; a service with an L3 tier may take up to half the lookup
         deadline to fetch the rest of the run from L3 into its region (:data:`LOOKUP_WAIT_SHARE`)."""
         wait_s = min(self.lookup_deadline_s * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
-        return self._call([Lookup(keys=keys, wait_s=wait_s).wire()], time.monotonic() + self.lookup_deadline_s)[0]
+        (pages,) = self._call([Lookup(keys=keys, wait_s=wait_s).wire()], time.monotonic() + self.lookup_deadline_s)
+        return self._checked_pages(pages, len(keys), "lookup")
 
     def reserve(self, n: int) -> list[int]:
-        return self._call([Reserve(n=n).wire()], time.monotonic() + self.lookup_deadline_s)[0]
+        """Up to ``n`` pages to write (leased to this client)."""
+        (pages,) = self._call([Reserve(n=n).wire()], time.monotonic() + self.lookup_deadline_s)
+        return self._checked_pages(pages, n, "reservation")
+
+    def _checked_pages(self, pages: object, at_most: int, what: str) -> list[int]:
+        try:
+            return check_pages(pages, at_most, self.num_pages, what)
+        except ServiceProtocolError as e:
+            raise self._break(e) from None
 
     def publish(self, pages: list[int], keys: list[bytes]) -> None:
         self.note([Publish(pages=pages, keys=keys).wire()])
@@ -143,7 +235,10 @@ class ServiceClient:
         self.note([Release(pages=pages).wire()])
 
     def status(self) -> dict:
-        return self.call([Status().wire()])[0]
+        (status,) = self.call([Status().wire()])
+        if type(status) is not dict:
+            raise self._break(ServiceProtocolError(f"the node service answered status with {_show(status)}, not an object"))
+        return status
 
     def close(self, *, quiesced: bool = True) -> None:
         """Detach. ``quiesced`` (nothing in flight touches this client's pages, and nothing will read
@@ -164,12 +259,13 @@ class SessionWriter:
     vLLM worker of the engine whose scheduler holds ``session``. While this connection is open the service
     keeps what ``session`` holds out of circulation, even once ``session``'s own process is gone; close it
     when no copy of this process touches those pages any more. Connect and join within ``deadline_s``
-    (default: :data:`DEFAULT_LOOKUP_DEADLINE_S`, a vLLM worker joins on its step's path)."""
+    (default: :data:`DEFAULT_LOOKUP_DEADLINE_S`, a vLLM worker joins on its step's path). The service is
+    checked as :class:`ServiceClient` checks it (``service_uid``: the same); :attr:`trust` is what was found."""
 
-    def __init__(self, socket_path: str, session: str, deadline_s: float | None = None):
+    def __init__(self, socket_path: str, session: str, deadline_s: float | None = None, service_uid: int | None = None):
         deadline_s = DEFAULT_LOOKUP_DEADLINE_S if deadline_s is None else deadline_s
         self.session = session
-        self._sock = _connect(socket_path, deadline_s)
+        self._sock, self.trust = _connect(socket_path, deadline_s, service_uid)
         deadline = time.monotonic() + deadline_s
         try:
             send_frame(self._sock, {"seq": 1, "ops": [Join(session=session).wire()]}, deadline)
@@ -187,15 +283,23 @@ class SessionWriter:
         self._sock.close()
 
 
-def _connect(socket_path: str, timeout_s: float) -> socket.socket:
+def _connect(socket_path: str, timeout_s: float, service_uid: int | None = None) -> tuple[socket.socket, ServiceTrust]:
+    """A connection to the service at ``socket_path``, made only through a socket directory of the service's
+    uid that nobody else can write into, to a listener of that uid (:mod:`kvtier.service.peer`); with the
+    :class:`~kvtier.service.peer.ServiceTrust` found."""
+    trust = check_socket_dir(socket_path, service_uid)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)  # (a stalled service's full backlog makes a connect wait)
     try:
         sock.connect(socket_path)
+        check_listener(sock, socket_path, trust)
+    except ServiceError:
+        sock.close()
+        raise
     except OSError as e:
         sock.close()
         raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e}); start one with kvtier serve") from None
-    return sock
+    return sock, trust
 
 
 def _refusal(answer: dict) -> ServiceError:
@@ -204,19 +308,25 @@ def _refusal(answer: dict) -> ServiceError:
     return _ERRORS.get(err.get("type"), ServiceError)(f"the node service refused: {err.get('message', answer['error'])}")
 
 
-def query_status(socket_path: str, deadline_s: float = DEFAULT_DEADLINE_S) -> dict:
-    """The service's status, asked without attaching (no namespace, no region)."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(deadline_s)
+def query_status(socket_path: str, deadline_s: float = DEFAULT_DEADLINE_S, service_uid: int | None = None) -> dict:
+    """The service's status, asked without attaching (no namespace, no region); the service checked as
+    :class:`ServiceClient` checks it (``service_uid``: the same)."""
+    deadline = time.monotonic() + deadline_s
+    sock, _trust = _connect(socket_path, deadline_s, service_uid)
     try:
-        sock.connect(socket_path)
-        deadline = time.monotonic() + deadline_s
         send_frame(sock, {"seq": 1, "ops": [Status().wire()]}, deadline)
         answer = recv_frame(sock, deadline)
-    except OSError as e:
-        raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e})") from None
     finally:
         sock.close()
     if "error" in answer:
-        raise ServiceError(f"the node service refused: {answer['error']}")
-    return answer["results"][0]
+        raise ServiceError(f"the node service refused: {_show(answer['error'])}")
+    results = answer.get("results")
+    if type(results) is not list or len(results) != 1 or type(results[0]) is not dict:
+        raise ServiceProtocolError(f"the node service answered status out of protocol: {_show(answer)}")
+    return results[0]
+
+
+def _show(value: object) -> str:
+    """A value from the service, short enough for a message."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -15,7 +15,10 @@ or missed a deadline -- a lookup's, a reservation's or a note's is the client's 
 so a stalled service holds the engine's thread that long, once) makes the tier ``lost``: it gives no
 pages, finds none, tells the service nothing, and takes the core's pages back into its own books only;
 the core forgets every region page it holds at its next match
-(:meth:`~kvtier.core.cache_core.CacheCore._forget_shared_host`). No exception reaches the engine. Once
+(:meth:`~kvtier.core.cache_core.CacheCore._forget_shared_host`). No exception reaches the engine. An
+answer out of protocol is one such error (:class:`~kvtier.errors.ServiceProtocolError`: the client
+checks every answer's types, ranges and counts, and this class that no page it is given is one it
+holds already), counted in :attr:`LeasedPages.protocol_errors` besides :attr:`LeasedPages.losses`. Once
 the core holds none of the old session's pages (so no copy touches them), a lookup or an allocation
 attaches again -- at most one attempt per backoff step (:class:`~kvtier.service.backoff.AttachBackoff`),
 each bounded by the client's lookup deadline -- naming the old session as
@@ -29,10 +32,10 @@ from __future__ import annotations
 import logging
 
 from kvtier.alloc import Allocation, PageAllocator
-from kvtier.errors import ConfigError, ServiceError
+from kvtier.errors import ConfigError, ServiceError, ServiceProtocolError
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import ServiceClient
-from kvtier.service.region import Region, map_region
+from kvtier.service.region import Region
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +56,9 @@ class LeasedPages(PageAllocator):
         #: (:attr:`region`), so they map the new one from the first step after reattaching
         self.pool = None
         self.lost = False
-        self.losses = self.reattaches = 0
+        #: times the service was lost; times attached again; answers (or refusals) out of protocol among the losses and
+        #: the failed attempts to attach again
+        self.losses = self.reattaches = self.protocol_errors = 0
         self._backoff = AttachBackoff()
 
     @property
@@ -84,7 +89,7 @@ class LeasedPages(PageAllocator):
         if n == 0:
             return Allocation([], 0, free_before)
         try:
-            pages = self.client.reserve(n)
+            pages = self._not_held(self.client.reserve(n), "reservation")
         except ServiceError as e:
             self._lose(e)
             return Allocation([], n, 0)
@@ -112,10 +117,18 @@ class LeasedPages(PageAllocator):
             if not self.lost:
                 self._tell(self.client.release, back)
 
+    def _not_held(self, pages: list[int], what: str) -> list[int]:
+        """``pages`` (checked by the client: distinct, in the region) are none of this engine's already; a page it
+        holds given again would be booked twice (a :class:`~kvtier.errors.ServiceProtocolError`: the service is lost)."""
+        owned = self._owned
+        again = [p for p in pages if owned[p]]
+        if again:
+            raise ServiceProtocolError(f"the node service's {what} gave pages this engine holds already: {again[:8]}")
+        return pages
+
     def _book(self, pages: list[int]) -> None:
         owned = self._owned
         for p in pages:
-            assert not owned[p], f"the node service gave page {p} twice"
             owned[p] = 1
         self._used += len(pages)
 
@@ -124,7 +137,7 @@ class LeasedPages(PageAllocator):
         if self.lost and not self._try_reattach() or not keys:
             return []
         try:
-            return self.client.lookup(keys)
+            return self._not_held(self.client.lookup(keys), "lookup")
         except ServiceError as e:
             self._lose(e)
             return []
@@ -162,6 +175,7 @@ class LeasedPages(PageAllocator):
         self.client.close(quiesced=False)  # (what this engine holds stays out of circulation while it lives)
         self.lost = True
         self.losses += 1
+        self.protocol_errors += isinstance(error, ServiceProtocolError)
         self._backoff.lost()
         log.warning("the node service at %s is lost (%s): this engine goes on without it (host misses) and attaches again when it "
                     "is back", self.client.socket_path, error)
@@ -178,14 +192,16 @@ class LeasedPages(PageAllocator):
             client = old.again()
         except ServiceError as e:
             self._backoff.failed()
-            log.debug("the node service at %s is not back yet: %s", old.socket_path, e)
+            self.protocol_errors += isinstance(e, ServiceProtocolError)
+            log.log(logging.WARNING if isinstance(e, ServiceProtocolError) else logging.DEBUG, "the node service at %s is not back "
+                    "yet: %s", old.socket_path, e)
             return False
         try:
             if client.num_pages != self.num_pages:
                 raise ServiceError(f"its region holds {client.num_pages} pages, this engine's host pool {self.num_pages}: "
                                    "restart the engine to use it")
             if self.pool is not None:
-                self.pool.remap(map_region(client.region, client.region_size, pin_in_background=True))  # (on a request's path)
+                self.pool.remap(client.map_region(pin_in_background=True))  # (on a request's path)
         except ServiceError as e:
             client.close()
             self._backoff.failed(longest=True)

@@ -1,11 +1,20 @@
-"""Who may attach to the node service: the socket's directory and the peer's uid (or group).
+"""Who may attach to the node service, and which service an engine may attach to: both ends check the other.
 
-Two gates, both the kernel's: the socket lives in a directory of mode 0700 owned by the service's
-user (nobody else can reach the socket at all), and each peer's uid, read with ``SO_PEERCRED`` when
-it connects, must be the service's own. With ``--allow-group`` the directory is 0750 and the socket
+The service's two gates, both the kernel's: the socket lives in a directory of mode 0700 owned by the
+service's user (nobody else can reach the socket at all), and each peer's uid, read with ``SO_PEERCRED``
+when it connects, must be the service's own. With ``--allow-group`` the directory is 0750 and the socket
 0660 of that group, and a peer of another uid is admitted when the group is its gid (``SO_PEERCRED``)
 or one of its supplementary groups (``/proc/PID/status``). Processes that pass can read and write
 every page they map: the gates keep other users out, not one admitted process from another.
+
+The engine's, before it sends a byte (:func:`check_socket_dir`, :func:`check_listener`): the socket's
+directory is a real directory of the service's uid -- the engine's own, or the one configured
+(``TierConfig.service_uid``) -- that nobody else can write into, so nobody else can have made the
+socket in it; and the listener's uid (``SO_PEERCRED`` of the engine's own end) is that uid. What they
+establish is a :class:`ServiceTrust`, which the region the service names is checked against before it
+is mapped (:func:`kvtier.service.region.check_region_fd`). Without them another user who made
+``/tmp/kvtier-<uid>`` first (the default path where ``$XDG_RUNTIME_DIR`` is unset) could listen there,
+name a region file of its own, and read every page the engine backs up into it.
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import stat
 import struct
 from dataclasses import dataclass
 
-from kvtier.errors import ConfigError, ServiceAccessError
+from kvtier.errors import ConfigError, ServiceAccessError, ServiceError
 
 _UCRED = struct.Struct("3i")
 
@@ -32,6 +41,62 @@ class PeerCredentials:
 def peer_credentials(sock: socket.socket) -> PeerCredentials:
     """The connected peer's pid, uid and gid, as the kernel recorded them when it connected."""
     return PeerCredentials(*_UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)))
+
+
+@dataclass(frozen=True)
+class ServiceTrust:
+    """The node service an engine attaches to, as the engine checked it: the service's ``uid``, and the
+    ``group`` its socket's directory lets in (``--allow-group``: 0750 of that group), if any. A region it
+    names must be a file of ``uid`` with no permission bits beyond 0600 -- 0660 when the file's group is
+    ``group`` (:func:`kvtier.service.region.check_region_fd`)."""
+
+    uid: int
+    group: int | None = None
+
+
+#: what to do about a service the engine refuses to attach to
+_FIX = ("start kvtier serve yourself with --socket in a directory you own (or set XDG_RUNTIME_DIR, whose kvtier/ only you can "
+        "reach) and point the engine at it; a service that runs as another user on purpose is named by TierConfig.service_uid "
+        "(service_uid in an integration's config)")
+
+
+def service_uid_of(configured: int | None) -> int:
+    """The uid the engine expects the service to run as: ``configured`` (``TierConfig.service_uid``), else its own."""
+    return os.getuid() if configured is None else configured
+
+
+def check_socket_dir(path: str, service_uid: int | None = None) -> ServiceTrust:
+    """Before an engine connects to the service at ``path``: the socket's directory must be a directory
+    (not a link) of the service's uid (:func:`service_uid_of`) that no other user can write into (no group
+    or world write bit), else anyone could have made the socket there -- ``/tmp/kvtier-<uid>`` made in
+    advance by another user is how the default path is squatted. A :class:`ServiceAccessError` naming
+    the path, the owner found and the fix; a :class:`ServiceError` when it does not exist (no service
+    ever listened there). The :class:`ServiceTrust` the rest of the attachment is checked against."""
+    uid = service_uid_of(service_uid)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        st = os.lstat(folder)
+    except FileNotFoundError:
+        raise ServiceError(f"no node service listens on {path} (there is no {folder}); start one with kvtier serve") from None
+    except OSError as e:
+        raise ServiceError(f"cannot look at the node service's socket directory {folder} ({e.strerror or e})") from None
+    mode = stat.S_IMODE(st.st_mode)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or mode & 0o022:
+        what = ("not a directory" if not stat.S_ISDIR(st.st_mode) else "another user's" if st.st_uid != uid else
+                "others may write into it" if mode & 0o002 else "its group may write into it")
+        raise ServiceAccessError(f"the node service's socket {path}: its directory {folder} is owned by uid {st.st_uid} with mode "
+                                 f"{mode:o} ({what}); an engine attaches only through a directory of uid {uid} that nobody else can "
+                                 f"write into (else another user could listen there and read every page it writes): {_FIX}")
+    return ServiceTrust(uid, st.st_gid if mode & 0o070 else None)
+
+
+def check_listener(sock: socket.socket, path: str, trust: ServiceTrust) -> None:
+    """The process listening on ``path`` (``sock`` is the engine's connected end) runs as ``trust.uid``
+    (``SO_PEERCRED``: the listener's credentials when it called ``listen``); a :class:`ServiceAccessError` otherwise."""
+    peer = peer_credentials(sock)
+    if peer.uid != trust.uid:
+        raise ServiceAccessError(f"the node service at {path} is process {peer.pid} of uid {peer.uid}, not of uid {trust.uid}; an "
+                                 f"engine attaches only to a service of its own uid or the one configured: {_FIX}")
 
 
 def check_peer(peer: PeerCredentials, uid: int, gid: int | None = None) -> None:
@@ -110,7 +175,10 @@ def service_socket_path(value: object, option: str) -> object:
 
 
 def default_socket_path() -> str:
-    """``$XDG_RUNTIME_DIR/kvtier/node.sock``, else ``/tmp/kvtier-<uid>/node.sock``."""
+    """``$XDG_RUNTIME_DIR/kvtier/node.sock``, else ``/tmp/kvtier-<uid>/node.sock``. Anyone may make
+    ``/tmp/kvtier-<uid>`` before its user does: the service refuses to listen in it and an engine to
+    connect through it unless it is that user's, and nobody else's to write into (:func:`private_socket_dir`,
+    :func:`check_socket_dir`), so a squatted one is a typed error naming its owner, never an attachment."""
     base = os.environ.get("XDG_RUNTIME_DIR")
     folder = os.path.join(base, "kvtier") if base else f"/tmp/kvtier-{os.getuid()}"
     return os.path.join(folder, "node.sock")

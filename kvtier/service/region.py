@@ -20,6 +20,7 @@ user's, never a live service's, never one that names no owner.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import logging
 import mmap
@@ -34,9 +35,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvtier.errors import KVTierError, ServiceError, ServiceProtocolError
+from kvtier.errors import KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.layout import LAYOUTS
 from kvtier.pools.host import ALIGN_BYTES, region_offsets
+from kvtier.service.peer import ServiceTrust
 from kvtier.spec import KVSpec
 
 log = logging.getLogger(__name__)
@@ -244,12 +246,73 @@ def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[
     return removed
 
 
-def map_region(path: str, size: int, *, offset: int = 0, length: int | None = None, pin: bool | None = None,
-               pin_in_background: bool = False) -> torch.Tensor:
+def open_region(path: str, size: int, trust: ServiceTrust | None) -> int:
+    """A read-write descriptor of the region at ``path``, once it is checked to be one the service of
+    ``trust`` made (:func:`check_region_fd`); ``trust`` None: a region of this process's own uid (this
+    process's, or the service's own). Opened without following a link, and never a FIFO or a device:
+    a :class:`~kvtier.errors.ServiceAccessError` naming the path, what it is and the fix."""
+    try:
+        st = os.lstat(path)  # (no open at all of what is not a regular file: opening a device may do something)
+        if not stat.S_ISLNK(st.st_mode) and not stat.S_ISREG(st.st_mode):
+            raise ServiceAccessError(_not_a_region(path, st, trust, "not a regular file"))
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except ServiceError:
+        raise
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # (a link, made then or since)
+            raise ServiceAccessError(f"the node service's region {path} is a symbolic link; an engine maps only the file itself: "
+                                     f"{_REGION_FIX}") from None
+        raise ServiceError(f"cannot open the node service's region {path} ({e.strerror or e})") from None
+    try:
+        check_region_fd(fd, path, size, trust)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+#: what to do about a region an engine refuses to map
+_REGION_FIX = ("the service's regions are 0600 files of its own uid (0660 of its --allow-group group): restart kvtier serve as the "
+               "user it should run as, in a socket directory only that user can write into")
+
+
+def check_region_fd(fd: int, path: str, size: int, trust: ServiceTrust | None) -> None:
+    """The file open at ``fd`` (``path``) is a region the engine may map: a regular file of the service's
+    uid (``trust.uid``; ``trust`` None: this process's uid) with no permission bits beyond 0600 -- 0660
+    when its group is the one the service's socket directory lets in (``trust.group``: ``--allow-group``;
+    any group for ``trust`` None, the process's own region) -- of ``size`` bytes. A file another user
+    made (or could read) is a :class:`~kvtier.errors.ServiceAccessError`; one of another size, a
+    :class:`~kvtier.errors.ServiceProtocolError` (the service's hello announced something else)."""
+    st = os.fstat(fd)
+    uid = os.getuid() if trust is None else trust.uid
+    group_ok = trust is None or (trust.group is not None and st.st_gid == trust.group)
+    allowed = 0o660 if group_ok else 0o600
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or stat.S_IMODE(st.st_mode) & ~allowed:
+        what = ("not a regular file" if not stat.S_ISREG(st.st_mode) else f"not uid {uid}'s" if st.st_uid != uid else
+                f"permission bits beyond {allowed:o}")
+        raise ServiceAccessError(_not_a_region(path, st, trust, what))
+    if st.st_size != size:
+        raise ServiceProtocolError(f"the node service's region {path} is {st.st_size} bytes, not the {size} it announced")
+
+
+def _not_a_region(path: str, st: os.stat_result, trust: ServiceTrust | None, what: str) -> str:
+    uid = os.getuid() if trust is None else trust.uid
+    group = "" if trust is None or trust.group is None else f" (0660 if of group {trust.group}, which the socket's directory lets in)"
+    return (f"the node service's region {path} is of uid {st.st_uid}, gid {st.st_gid}, mode {stat.S_IMODE(st.st_mode):o} ({what}); an "
+            f"engine maps only a regular file of uid {uid} with mode 0600{group}, so that nobody else reads or writes its pages: "
+            f"{_REGION_FIX}")
+
+
+def map_region(path: str, size: int, *, trust: ServiceTrust | None = None, offset: int = 0, length: int | None = None,
+               pin: bool | None = None, pin_in_background: bool = False) -> torch.Tensor:
     """The region (or its bytes ``offset`` to ``offset + length``: a tensor-parallel rank's slice, on a
     4 KiB boundary) as a flat uint8 tensor over a shared mapping: writes are the service's and every other
     client's to see. The mapping lives as long as the tensor (and its views). A normal tensor even when
     mapped under ``torch.inference_mode`` (vLLM's step): kvtier's transfer thread writes into it.
+
+    ``trust``: the service that named the region, as the engine checked it (:attr:`ServiceClient.trust
+    <kvtier.service.client.ServiceClient.trust>`); the file is mapped only if it is one that service made
+    (:func:`open_region`). None: a region of this process's own uid (the service's own mapping, a bench's).
 
     ``pin`` (default: when CUDA is available) registers the mapping with CUDA (:func:`register_with_cuda`),
     so copies between it and a GPU are asynchronous DMA as from a pinned host pool of the engine's own;
@@ -260,13 +323,8 @@ def map_region(path: str, size: int, *, offset: int = 0, length: int | None = No
     length = size - offset if length is None else length
     if offset % ALIGN_BYTES or not 0 <= offset < offset + length <= size:
         raise ServiceError(f"bytes {offset} to {offset + length} are not a mappable slice of the {size}-byte region {path}")
+    fd = open_region(path, size, trust)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except OSError as e:
-        raise ServiceError(f"cannot open the node service's region {path} ({e})") from None
-    try:
-        if os.fstat(fd).st_size != size:
-            raise ServiceError(f"the node service's region {path} is {os.fstat(fd).st_size} bytes, not the {size} it announced")
         # (mapped from the kernel's allocation granularity below ``offset``: 64 KiB on some arm64 kernels)
         start = offset - offset % mmap.ALLOCATIONGRANULARITY
         try:

@@ -208,7 +208,8 @@ class Sessions:
             self._watch(orphan.pidfd, orphan)
         c = self.index.clients[conn.id]
         writers = len(self.writers.get(conn.session, ()))
-        log.warning("client %d (process %d) dropped while %s: its %d held and %d leased pages stay out of circulation until %s", conn.id,
+        # (info, not a warning: an engine that stops with copies in flight ends its connection so, and then exits)
+        log.info("client %d (process %d) closed while %s: its %d held and %d leased pages stay out of circulation until %s", conn.id,
                     conn.pid, f"{writers} writer processes of it are connected" if died else "its process lives", len(c.held),
                     len(c.writing), "they are gone" if died else "it exits or reattaches")
 

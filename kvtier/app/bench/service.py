@@ -48,7 +48,7 @@ from kvtier.cache import HierarchicalCache
 from kvtier.config import TierConfig
 from kvtier.pools import DevicePool, HostPool
 from kvtier.service.client import ServiceClient, query_status
-from kvtier.service.region import RegionFormat, map_region
+from kvtier.service.region import RegionFormat
 from kvtier.spec import KVSpec
 from kvtier.transfer.backends import get_io_backend
 
@@ -190,7 +190,7 @@ def _bandwidth_row(socket: str, pages: int, rounds: int) -> BandwidthRow:
     spec = COPY_SPEC
     client = ServiceClient(socket, "bench-bandwidth", RegionFormat.of(spec, "page_first"))
     try:
-        region = HostPool(spec, client.num_pages, "page_first", memory=map_region(client.region, client.region_size))
+        region = HostPool(spec, client.num_pages, "page_first", memory=client.map_region())
         own = HostPool(spec, client.num_pages, "page_first")
         device = DevicePool(spec, pages * 2, "cpu")
         for pool in (region, own):  # touched: neither side pays first-touch page faults in the clock

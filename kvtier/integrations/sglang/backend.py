@@ -70,6 +70,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from kvtier.logs import log_to_stderr_unless_configured
 from kvtier.errors import ConfigError, PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
@@ -155,6 +156,7 @@ class KvtierStorage(HiCacheStorage):
     (:class:`~kvtier.integrations.sglang.options.SGLangStorageOptions`)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
+        log_to_stderr_unless_configured()  # (SGLang configures its own loggers: kvtier's lines get a time and a level)
         self.config = storage_config
         self.options = SGLangStorageOptions.from_extra_config(storage_config.extra_config)
         self.model = self.options.model_name or storage_config.model_name or ""
@@ -256,7 +258,8 @@ class KvtierStorage(HiCacheStorage):
                 namespace = Namespace(self.model, region_format(group).fingerprint, self._shard_rank(PoolName.KV), self.options.salt)
                 o = self.options
                 self.service = ServicePages(o.socket_path, str(namespace), group, deadline_s=o.service_timeout_s,
-                                            lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault)
+                                            lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault,
+                                            service_uid=o.service_uid)
             return self.service
 
     def _pool(self, name) -> _Pool:

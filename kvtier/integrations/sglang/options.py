@@ -65,6 +65,9 @@ class SGLangStorageOptions:
         "the node service: seconds a call from SGLang's I/O threads may take (a lookup, a reservation, attaching again); past "
         f"it the service is lost until it answers again (misses). Default: the smaller of {DEFAULT_LOOKUP_DEADLINE_S:g} and "
         "service_timeout_s", None)
+    service_uid: int | None = _help(
+        "the node service: the uid it runs as, when not this process's (a member of its --allow-group); a socket directory, a "
+        "listener or a region of any other uid is refused. Default: this process's uid", None)
 
     def __post_init__(self) -> None:
         check_number(self, "batch_pages", at_least=1, at_most=MAX_BATCH_PAGES, integer=True)
@@ -82,6 +85,7 @@ class SGLangStorageOptions:
     def _check_service(self) -> None:
         check_number(self, "service_timeout_s", above=0)
         check_number(self, "service_lookup_timeout_s", above=0)
+        check_number(self, "service_uid", at_least=0, at_most=(1 << 32) - 2, integer=True)
         if self.service is None:
             return
         if not isinstance(self.service, str) or not self.socket_path:

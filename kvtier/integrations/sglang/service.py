@@ -18,7 +18,9 @@ released once copied (at once for an existence query), a reserved page is publis
 once its bytes are copied, so when a call returns no page of its connection is held or leased.
 
 **Faults are misses.** Any :class:`~kvtier.errors.ServiceError` (the service is down, stalled past
-the lookup deadline, or dropped the connection) ends the thread's connection, and the call reports
+the lookup deadline, dropped the connection, or answered out of protocol: the client checks every
+answer's types, ranges and counts before a page is copied, counted in ``protocol_errors``) ends the
+thread's connection, and the call reports
 what it finished (misses after it); no exception leaves. The thread attaches again at a later call --
 one attempt per backoff step (:class:`~kvtier.service.backoff.AttachBackoff`, an engine's host tier's
 schedule), each within the lookup deadline -- naming its lost
@@ -44,7 +46,7 @@ from kvtier.pools.host import region_offsets
 from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.messages import Publish, Release
-from kvtier.service.region import RegionFormat, map_region
+from kvtier.service.region import RegionFormat
 
 log = logging.getLogger(__name__)
 
@@ -81,13 +83,6 @@ class _Session:
         start = self.row_offsets[row] + page * self.row_bytes[row]
         return self.bytes[start : start + self.row_bytes[row]]
 
-    def check(self, pages: list[int], what: str) -> None:
-        """Page ids the service gave are inside its region (a service that names others is out of protocol)."""
-        for page in pages:
-            if type(page) is not int or not 0 <= page < self.client.num_pages:
-                raise ServiceProtocolError(f"the node service's {what} named page {page!r}, outside its region of "
-                                           f"{self.client.num_pages} pages")
-
 
 class _ThreadState(threading.local):
     session: _Session | None = None
@@ -100,11 +95,13 @@ class _ThreadState(threading.local):
 
 class ServicePages:
     """The group's pages in the service at ``socket_path``, in ``namespace`` (a
-    :class:`~kvtier.hashing.Namespace`'s string). ``on_fault()`` is called once per lost connection."""
+    :class:`~kvtier.hashing.Namespace`'s string). ``on_fault()`` is called once per lost connection.
+    ``service_uid``: the uid the service runs as where it is not this process's (:class:`ServiceClient`'s)."""
 
     def __init__(self, socket_path: str, namespace: str, group: Sequence[PoolPages], *, deadline_s: float,
-                 lookup_deadline_s: float | None, on_fault: Callable[[], None] = lambda: None):
+                 lookup_deadline_s: float | None, on_fault: Callable[[], None] = lambda: None, service_uid: int | None = None):
         self.socket_path = socket_path
+        self.service_uid = service_uid
         self.namespace = namespace
         self.group = list(group)
         self.format = region_format(self.group)
@@ -116,7 +113,8 @@ class ServicePages:
         self._lock = threading.Lock()
         self._sessions: list[_Session] = []  # every thread's, for close()
         self._mapped: tuple[str, torch.Tensor] | None = None  # the region mapped last, shared by the sessions on it
-        self.losses = self.reattaches = self.skipped_pages = 0
+        #: connections lost; attached again; losses (and failed attempts to attach again) to an answer out of protocol
+        self.losses = self.reattaches = self.skipped_pages = self.protocol_errors = 0
 
     def row_of(self, pool: PoolPages) -> int:
         return next(i for i, p in enumerate(self.group) if p is pool)
@@ -137,6 +135,9 @@ class ServicePages:
             state.session = self._attach(state.lost, attach_s if attach_s is not None else self.lookup_deadline_s)
         except ServiceError as e:
             state.backoff.failed()
+            if isinstance(e, ServiceProtocolError):
+                with self._lock:
+                    self.protocol_errors += 1
             log.log(logging.WARNING if force else logging.DEBUG, "kvtier HiCache storage: the node service at %s is not attached "
                     "(%s); pages miss until it is", self.socket_path, e)
             return None
@@ -150,7 +151,8 @@ class ServicePages:
 
     def _attach(self, previous: str | None, attach_s: float) -> _Session:
         client = ServiceClient(self.socket_path, self.namespace, self.format, deadline_s=self.deadline_s,
-                               lookup_deadline_s=self.lookup_deadline_s, previous=previous, attach_deadline_s=attach_s)
+                               lookup_deadline_s=self.lookup_deadline_s, previous=previous, attach_deadline_s=attach_s,
+                               service_uid=self.service_uid)
         try:
             session = _Session(client, self._map(client), self.format)
         except BaseException:
@@ -163,7 +165,7 @@ class ServicePages:
     def _map(self, client: ServiceClient) -> torch.Tensor:
         with self._lock:
             if self._mapped is None or self._mapped[0] != client.region:
-                self._mapped = (client.region, map_region(client.region, client.region_size, pin=False))  # (host<->host copies)
+                self._mapped = (client.region, client.map_region(pin=False))  # (host<->host copies)
             return self._mapped[1]
 
     def _lose(self, session: _Session, error: ServiceError) -> None:
@@ -173,6 +175,7 @@ class ServicePages:
             if session in self._sessions:  # (not when close() detached it already)
                 self._sessions.remove(session)
             self.losses += 1
+            self.protocol_errors += isinstance(error, ServiceProtocolError)
         state.session, state.lost = None, session.client.session
         state.backoff.lost()
         self.on_fault()
@@ -200,9 +203,8 @@ class ServicePages:
         if session is None:
             return 0
         try:
-            held = session.client.lookup(keys)
+            held = session.client.lookup(keys)  # (checked: distinct ids of the region, no more than asked)
             try:
-                session.check(held, "lookup")
                 use(session, held)
             finally:
                 if held:
@@ -228,8 +230,7 @@ class ServicePages:
             if held:
                 session.client.release(held)
             todo = len(keys) - len(held)
-            got = session.client.reserve(todo) if todo else []
-            session.check(got, "reservation")
+            got = session.client.reserve(todo) if todo else []  # (checked as a lookup's)
             for region_page, page in zip(got, pages[len(held):]):
                 for row, pool in enumerate(self.group):
                     _copy_out(pool, page, session.row(row, region_page))

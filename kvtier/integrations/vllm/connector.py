@@ -50,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvtier.logs import log_to_stderr_unless_configured
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.groups import groups_of
 from kvtier.integrations.vllm.layout import ModelShape
@@ -103,6 +104,7 @@ def check_parallel(parallel, options: ConnectorOptions) -> None:
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
+        log_to_stderr_unless_configured()  # (vLLM configures its own logger only: kvtier's lines get a time and a level)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         groups = groups_of(kv_cache_config) if kv_cache_config is not None else None
         self.options = ConnectorOptions.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))

@@ -24,8 +24,10 @@ logger process (``get_kv_connector_stats`` -> ``build_kv_connector_stats`` ->
   observation per step that loaded, and per copy out of vLLM's blocks: from the
   end of its step until the worker saw it complete -- what the forward did not hide),
 
-with vLLM's own engine labels, on the server's ``/metrics``. Bytes and tokens
-are summed over tensor-parallel ranks (each rank moves its own shard).
+with vLLM's own engine labels, on the server's ``/metrics``. Tokens count once per
+request (rank 0 counts them: a 992-token hit is 992 tokens at any TP size); bytes
+are summed over tensor-parallel ranks (each rank moves its own shard). Failed
+tokens are counted by each rank that failed them.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ class KVTierConnectorStats(KVConnectorStats):
     def is_empty(self) -> bool:
         d = self.data
         return not (
-            any(d["tokens"].values()) or d["load_failed_tokens"] or d["copies_abandoned"] or d["load_seconds"] or d["store_seconds"]
+            any(d["tokens"].values()) or any(d["bytes"].values()) or d["load_failed_tokens"] or d["copies_abandoned"]
+            or d["load_seconds"] or d["store_seconds"]
         )
 
 

@@ -251,7 +251,7 @@ class ConnectorScheduler:
         fingerprint = fmt.fingerprint if shards == self.world_size else f"{fmt.fingerprint}-tp{self.world_size}"
         namespace = Namespace(self.model_name, fingerprint, 0, self.options.salt)
         return attach_pages(tiers.service, fmt, namespace, tiers.host_pages_for(fmt.page_bytes), deadline_s=tiers.service_timeout_s,
-                            lookup_deadline_s=tiers.service_lookup_timeout_s)
+                            lookup_deadline_s=tiers.service_lookup_timeout_s, service_uid=tiers.service_uid)
 
     # ---- keys --------------------------------------------------------------------------------
     def _request_root(self, request: Request) -> PageHash | None:

@@ -61,6 +61,7 @@ from kvtier.l3.base import redact_url
 from kvtier.pools import HostPool
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import SessionWriter
+from kvtier.service.peer import check_socket_dir
 from kvtier.service.region import Region, RegionFormat, map_region
 from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
@@ -208,7 +209,7 @@ class ConnectorWorker:
         copy that touched them has completed on every rank."""
         if region == self.region:
             return
-        if self._host is None and self._unmapped is None:
+        if self._host is None and self._unmapped is None or not self.options.tiers.service:
             raise ConfigError("kvtier worker: the scheduler names a node service region, but this worker was not configured with "
                               "service=...; give every rank the same kv_connector_extra_config")
         spec = self._unmapped[0] if self._unmapped is not None else self._host.spec
@@ -220,8 +221,11 @@ class ConnectorWorker:
         self._leaves_copies_out = shards == 1 and self.tp_rank > 0
         start, size = region.format.shard(region.num_pages, self.tp_rank if shards > 1 else 0, shards)
         # this rank's slice alone, registered with CUDA where there is one (in the background when it replaces a
-        # mapping: this is a step of vLLM's, and page-locking a large slice takes seconds)
-        memory = map_region(region.path, region.size, offset=start, length=size, pin_in_background=self._host is not None)
+        # mapping: this is a step of vLLM's, and page-locking a large slice takes seconds); only a file the service made
+        # (of its uid, in its socket directory's group at most: the scheduler checked the service it names, this rank checks again)
+        tiers = self.options.tiers
+        trust = check_socket_dir(tiers.service, tiers.service_uid)
+        memory = map_region(region.path, region.size, trust=trust, offset=start, length=size, pin_in_background=self._host is not None)
         if self._host is None:
             spec, device = self._unmapped
             self._unmapped = None
@@ -274,7 +278,8 @@ class ConnectorWorker:
         if not self._join_backoff.due():  # (a session that cannot be joined is not asked again every step)
             raise ServiceError(f"the scheduler's session on the node service {self.options.tiers.service} is not joined yet")
         try:
-            self._writer = SessionWriter(self.options.tiers.service, session, self.options.tiers.service_lookup_timeout_s)
+            tiers = self.options.tiers
+            self._writer = SessionWriter(tiers.service, session, tiers.service_lookup_timeout_s, tiers.service_uid)
         except ServiceError:
             self._join_backoff.failed()
             raise
@@ -407,7 +412,8 @@ class ConnectorWorker:
             moved = done - c.existing if plan.dst is Tier.STORAGE else done
             tier = "storage" if Tier.STORAGE in (plan.src, plan.dst) else "host"
             direction = "load" if plan.dst is not Tier.STORAGE and plan.src is not Tier.DEVICE else "store"
-            self.interval.record(tier, direction, moved * self._page_tokens, moved * self._page_bytes)
+            # (tokens once per request: rank 0 counts them; bytes on every rank, each moves its own shard)
+            self.interval.record(tier, direction, moved * self._page_tokens if self.tp_rank == 0 else 0, moved * self._page_bytes)
             if plan.dst is Tier.DEVICE and done < plan.num_pages:
                 self.interval.data["load_failed_tokens"] += (plan.num_pages - done) * self._page_tokens
             waiting = self._async.pop(c.op, None)
