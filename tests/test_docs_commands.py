@@ -7,6 +7,7 @@ for the README. How commands are found: tests/support/doc_commands.py."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -94,6 +95,9 @@ RUN_BY: dict[str, tuple[str, ...]] = {
                                          "attached", *SERVE[1:]),
     "kvtier serve --status": STATUS,
     "kvtier serve --status --socket /run/kvtier/node.sock": STATUS,
+    "kvtier serve --status --service-uid UID": STATUS,
+    "kvtier serve --status --socket /run/kvtier/node.sock --service-uid UID": STATUS,
+    "kvtier serve --socket": SERVE,
     "kvtier spec": ("tests/test_readme.py::test_kvtier_spec_lists_every_preset_the_models_table_names",),
     "kvtier spec NAME": ("tests/test_groups.py::test_kvtier_spec_shows_a_hybrid_preset_per_group",),
 }
@@ -396,6 +400,11 @@ def test_the_deploy_pages_service_command_serves_the_status_and_metrics_the_page
         url = re.search(r"metrics on (http://\S+/metrics)", svc.banner).group(1)
         r = kvtier("serve", "--status", "--socket", sock)  # the unit's ExecStartPost: it answers before any engine attached
         assert r.returncode == 0 and json.loads(r.stdout)["clients"] == 0, r.stderr
+        # a member of --allow-group's group names the service's uid; a service of another uid than the one named is refused
+        r = kvtier("serve", "--status", "--socket", sock, "--service-uid", str(os.getuid()))
+        assert r.returncode == 0 and json.loads(r.stdout)["clients"] == 0, r.stderr
+        r = kvtier("serve", "--status", "--socket", sock, "--service-uid", str(os.getuid() + 1))
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and f"of uid {os.getuid() + 1} " in r.stderr, r.stderr
         peer = start_peer("compute", sock)
         try:
             pages = peer_report(peer)["backed_up"]
