@@ -93,6 +93,17 @@ def test_a_hybrid_model_is_refused_with_the_service_before_anything_attaches():
         ConnectorScheduler(opts, BS, 1, "tiny", groups)
 
 
+def test_an_engine_started_with_no_service_listening_fails_at_its_attach_naming_the_socket(tmp_path):
+    """What docs/deploy.md's unit ordering rests on, today: the scheduler attaches when the workers' handshakes
+    arrive (in vLLM's engine start-up), once, so an engine started before ``kvtier serve`` listens does not
+    start. (An engine that lost an attached service attaches again by itself: the service restart test below.)"""
+    import re
+
+    sock = tmp_path / "run" / "node.sock"
+    with pytest.raises(ServiceError, match=f"no node service listens on {re.escape(str(sock))} .*; start one with kvtier serve"):
+        Engine(None, service=f"unix://{sock}")
+
+
 def test_a_region_page_holds_every_ranks_shard_and_each_rank_maps_its_own_slice():
     from kvtier.spec import KVSpec
 
