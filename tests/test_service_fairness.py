@@ -2,7 +2,8 @@
 client flooding the largest lookups the wire takes leaves another engine's lookups well inside their
 0.25 s deadline; a burst of small pipelined notes is applied, not refused; what one peer can make the
 service hold is bounded -- unfinished frames (bytes, and a deadline), connections per process, orphaned
-sessions per process; a call longer than a frame goes as several. Real service subprocesses on a temp socket, every wait bounded."""
+sessions per process, and the L3 tier's threads whatever the namespaces; a call longer than a frame goes
+as several. Real service subprocesses on a temp socket, every wait bounded."""
 
 from __future__ import annotations
 
@@ -32,6 +33,9 @@ SEND_DEADLINE_S = 5.0
 #: connections each sending an unfinished frame of MAX_FRAME bytes, and what they may cost the service together
 UNFINISHED = 20
 UNFINISHED_RSS_BOUND = 64 << 20
+#: namespaces attached one after another to a service with L3, and the threads it may have after them all
+NAMESPACES = 150
+THREAD_BOUND = 16
 PAGES = 5
 
 
@@ -176,6 +180,20 @@ def test_a_process_past_its_orphans_bound_is_refused_and_the_service_serves_on(t
         st = status()
         assert (st["orphaned"], st["clients"], st["writing"]) == (MAX_ORPHANS_PER_PROCESS - 1, 1, MAX_ORPHANS_PER_PROCESS - 1), st
         again.close()
+
+
+def test_the_l3_tiers_threads_stay_a_fixed_few_however_many_namespaces_attach(tmp_path):
+    with running_service(tmp_path, 0.01, "--storage-url", f"file://{tmp_path / 'l3'}") as svc:
+        status = query_status_of(svc.socket)
+        for i in range(NAMESPACES):
+            c = ServiceClient(svc.socket, f"fairness-{i}", _fmt())
+            pages = c.reserve(1)
+            c.publish(pages, [bytes([1]) * 16])  # saved through, in this namespace
+            assert c.lookup([bytes([2]) * 16]) == []  # a miss the store is asked about, in this namespace
+            c.close()
+        threads = proc_status(svc.proc.pid, "Threads")
+        wait_until(lambda: status()["l3"]["saved_pages"] == NAMESPACES, 60)  # every namespace's page saved
+        assert threads <= THREAD_BOUND, threads
 
 
 def test_a_call_longer_than_a_frame_goes_as_several_and_a_lookup_asks_no_chunk_past_a_short_one(tmp_path, monkeypatch):
