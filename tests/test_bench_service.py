@@ -1,7 +1,7 @@
 """``kvtier bench service`` (issue 46's benchmark), a small run: a real ``kvtier serve`` per part, both sides
 of every row measured in the run, and the facts its figures stand on -- the attached engine's lookups took
 the published pages from the service, one copy of the pages is held for two engines, the second engine
-is served every page the first computed, from host."""
+is served every page the first computed, from host; an engine's lookups are timed beside a flooding client too."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import json
 import pytest
 
 from support.cli import kvtier
+
+from kvtier.service.wire import MAX_FRAME
 
 PAGE = 64  # the bench's page formats' page size
 
@@ -35,6 +37,13 @@ def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
     assert share["service_second_hit_ratio"] == 1.0
     assert share["service_second_host_hit_pages"] == share["input_tokens"] // PAGE
     assert share["in_process_second_hit_ratio"] < 1.0
+    # an engine's lookups alone and beside a client flooding the largest lookup frames, both in this run
+    flood = out["flood"]
+    assert flood["pages"] == 256 // PAGE and flood["lookups"] == 6 and flood["flood_frames"] >= 1
+    assert flood["flood_frame_bytes"] > MAX_FRAME // 2
+    assert 0 < flood["alone_p50_us"] <= flood["alone_p99_us"] and 0 < flood["flooded_p50_us"] <= flood["flooded_p99_us"]
+    assert flood["p50_ratio"] == round(flood["flooded_p50_us"] / flood["alone_p50_us"], 3)
+    assert flood["p99_ratio"] == round(flood["flooded_p99_us"] / flood["alone_p99_us"], 3)
 
 
 @pytest.mark.integration

@@ -143,7 +143,7 @@ def bench_plan(
 @bench_app.command("service")
 def bench_service(
     prompt_tokens: int = typer.Option(2048, min=64, help="tokens per prompt in the lookup rows (a multiple of the page size, 64)"),
-    requests: int = typer.Option(200, min=4, help="requests per lookup row and side"),
+    requests: int = typer.Option(200, min=4, help="requests per lookup row and side (and the flood row's lookups per side)"),
     copy_pages: int = typer.Option(256, min=1, help="pages per host->device copy in the bandwidth row"),
     rounds: int = typer.Option(9, min=1, help="rounds of copies, each side once per round (best round reported)"),
     trace_limit: int = typer.Option(60, min=1, help="trace requests each engine runs in the sharing row"),
@@ -154,7 +154,8 @@ def bench_service(
     vllm_model: str = typer.Option("smollm2", help="the vLLM row's model (kvtier.integrations.vllm.session's MODELS)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
-    """The node service (kvtier serve) against an in-process host tier: lookup cost, copy bandwidth, two engines sharing."""
+    """The node service (kvtier serve) against an in-process host tier: lookup cost, copy bandwidth, two engines sharing, an
+    engine's lookups beside a flooding client."""
     from kvtier.app.bench.service import as_json as to_json, run_service_bench
 
     bench = run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit, vllm, vllm_prompt_tokens, vllm_prompts, vllm_model)

@@ -77,6 +77,8 @@ class StorageJob:
     #: read by the worker between chunks (a bool: set once, by the owner)
     cancelled: bool = False
     finished: threading.Event = field(default_factory=threading.Event)
+    #: the namespace its keys are stored under (None: the tier's own; the node service's one tier serves every namespace)
+    prefix: str | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -163,8 +165,8 @@ class StorageTier:
         settings; closing it leaves the store open (this tier closes it)."""
         return StorageTier(self.backend, host_pool, self.namespace, owns_backend=False, **self._settings)
 
-    def key(self, page: PageHash) -> str:
-        return f"{self.prefix}/{page.hex()}"
+    def key(self, page: PageHash, prefix: str | None = None) -> str:
+        return f"{self.prefix if prefix is None else prefix}/{page.hex()}"
 
     # ---- health ------------------------------------------------------------------------
     @property
@@ -172,8 +174,9 @@ class StorageTier:
         return self.breaker.available
 
     # ---- synchronous queries (owner thread) ----------------------------------------
-    def stored_prefix(self, keys: list[PageHash]) -> int:
-        """Leading ``keys`` present in the store (a fault, or a key on a node marked down, ends the run)."""
+    def stored_prefix(self, keys: list[PageHash], prefix: str | None = None) -> int:
+        """Leading ``keys`` present in the store (a fault, or a key on a node marked down, ends the run);
+        ``prefix``: the namespace they are stored under, if not the tier's."""
         if not keys or not self.available:
             return 0
         found = [0]
@@ -182,14 +185,16 @@ class StorageTier:
             found[0] = 0
 
         with map_storage_errors(self.backend.stats, "exists", failed):
-            found[0] = self.breaker.call(self.backend.exists, [self.key(k) for k in keys]) or 0
+            found[0] = self.breaker.call(self.backend.exists, [self.key(k, prefix) for k in keys]) or 0
         return found[0]
 
     # ---- submission ------------------------------------------------------------------
     def submit(
-        self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None
+        self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None,
+        prefix: str | None = None,
     ) -> StorageJob | None:
-        job = StorageJob(kind, list(keys), list(host_pages), tag)
+        """Queue a job (``prefix``: the namespace its keys are stored under, if not the tier's); None when the queue is full."""
+        job = StorageJob(kind, list(keys), list(host_pages), tag, prefix=prefix)
         if self._closed:
             return None
         try:
@@ -259,13 +264,13 @@ class StorageTier:
     def _batch(self, job: StorageJob, start: int) -> tuple[list[str], list[bytes], list[list[memoryview]]]:
         """The mover's arguments for the batch of ``job`` at ``start``: store names, page keys, host page bytes."""
         keys = job.keys[start : start + self._step]
-        return ([self.key(k) for k in keys], [bytes(k) for k in keys],
+        return ([self.key(k, job.prefix) for k in keys], [bytes(k) for k in keys],
                 [self._host_page_bytes(p) for p in job.host_pages[start : start + self._step]])
 
     def _save(self, job: StorageJob) -> None:
         """Keys the store already has (its leading run) are skipped; each I/O thread hashes a batch's
         headers over the host pages' own bytes and stores them."""
-        have = self.stored_prefix(job.keys)
+        have = self.stored_prefix(job.keys, job.prefix)
         job.skipped_existing = have
         job.statuses = [KeyStatus.OK] * have
 

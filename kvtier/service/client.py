@@ -23,6 +23,11 @@ Two deadlines, each for a whole call: ``deadline_s`` for attaching and ``status`
 reservation, a note's send (a service that stopped reading fills the socket's buffer, and a send
 then waits), and attaching again (:meth:`ServiceClient.again`). A stalled service (stopped, or its
 loop hung) costs an engine at most that, once: the engine then treats it as lost.
+
+A call longer than the service takes in one frame (:data:`~kvtier.service.wire.MAX_FRAME` bytes,
+:data:`~kvtier.service.messages.MAX_PAGES` pages) goes as several, within the one call's deadline: a lookup
+chunk by chunk (page keys are chained, so the next chunk is asked only when this one's run was whole), a
+reservation until the service gives fewer than asked, publish and release as several notes.
 """
 
 from __future__ import annotations
@@ -30,15 +35,17 @@ from __future__ import annotations
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
-from kvtier.service.messages import MAX_SESSION, MAX_WAIT_S, Bye, Hello, Join, Lookup, Publish, Release, Reserve, Status
+from kvtier.service.messages import (MAX_PAGES, MAX_SESSION, MAX_WAIT_S, Bye, Hello, Join, Lookup, Message, Publish, Release, Reserve,
+                                     Status)
 from kvtier.service.peer import ServiceTrust, check_listener, check_socket_dir
 from kvtier.service.region import RegionFormat, map_region, open_region
-from kvtier.service.wire import recv_frame, send_frame
+from kvtier.service.wire import MAX_FRAME, recv_frame, send_frame
 
 #: the error types the service sends, by name (anything else is a plain ServiceError)
 _ERRORS = {cls.__name__: cls for cls in (ServiceError, ServiceProtocolError, ServiceAccessError)}
@@ -106,6 +113,10 @@ def check_pages(pages: object, at_most: int, num_pages: int, what: str) -> list[
     if len(set(pages)) != len(pages):
         raise ServiceProtocolError(f"the node service's {what} named a page twice: {_show(pages)}")
     return pages
+
+
+#: the bytes of page keys and ids one frame of a split call carries (the rest of MAX_FRAME: seq, op names, separators)
+SPLIT_BYTES = MAX_FRAME - (16 << 10)
 
 
 class ServiceClient:
@@ -180,11 +191,11 @@ class ServiceClient:
             raise self._break(ServiceProtocolError(f"the node service answered call {self._seq} out of protocol: {str(answer)[:80]}"))
         return results
 
-    def note(self, ops: list[dict]) -> None:
-        """``ops`` in one frame the service does not answer, sent within the lookup deadline."""
+    def note(self, ops: list[dict], deadline: float | None = None) -> None:
+        """``ops`` in one frame the service does not answer, sent within the lookup deadline (or ``deadline``)."""
         self._check()
         self._seq += 1
-        deadline = time.monotonic() + self.lookup_deadline_s
+        deadline = time.monotonic() + self.lookup_deadline_s if deadline is None else deadline
         try:
             send_frame(self._sock, {"seq": self._seq, "ops": ops, "note": True}, deadline)
         except ServiceError as e:
@@ -213,14 +224,11 @@ class ServiceClient:
     def lookup(self, keys: list[bytes]) -> list[int]:
         """The service's leading run of ``keys``; a service with an L3 tier may take up to half the lookup
         deadline to fetch the rest of the run from L3 into its region (:data:`LOOKUP_WAIT_SHARE`)."""
-        wait_s = min(self.lookup_deadline_s * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
-        (pages,) = self._call([Lookup(keys=keys, wait_s=wait_s).wire()], time.monotonic() + self.lookup_deadline_s)
-        return self._checked_pages(pages, len(keys), "lookup")
+        return self._checked_pages(self._lookup_split(keys, time.monotonic() + self.lookup_deadline_s), len(keys), "lookup")
 
     def reserve(self, n: int) -> list[int]:
         """Up to ``n`` pages to write (leased to this client)."""
-        (pages,) = self._call([Reserve(n=n).wire()], time.monotonic() + self.lookup_deadline_s)
-        return self._checked_pages(pages, n, "reservation")
+        return self._checked_pages(self._reserve_split(n, time.monotonic() + self.lookup_deadline_s), n, "reservation")
 
     def _checked_pages(self, pages: object, at_most: int, what: str) -> list[int]:
         try:
@@ -229,10 +237,48 @@ class ServiceClient:
             raise self._break(e) from None
 
     def publish(self, pages: list[int], keys: list[bytes]) -> None:
-        self.note([Publish(pages=pages, keys=keys).wire()])
+        self._notes_split(pages, keys, lambda p, k: [Publish(pages=p, keys=k)], 1)
 
     def release(self, pages: list[int]) -> None:
-        self.note([Release(pages=pages).wire()])
+        self._notes_split(pages, None, lambda p, _k: [Release(pages=p)], 1)
+
+    def publish_and_release(self, pages: list[int], keys: list[bytes]) -> None:
+        """``pages`` written under ``keys``, and no longer held by this client (the service may evict them)."""
+        self._notes_split(pages, keys, lambda p, k: [Publish(pages=p, keys=k), Release(pages=p)], 2)
+
+    # ---- calls longer than one frame (the service's bounds: wire.MAX_FRAME, messages.MAX_PAGES) --------------
+    def _lookup_split(self, keys: list[bytes], deadline: float) -> list[int]:
+        """A lookup chunk by chunk within ``deadline``: the next chunk is asked only when this one's run was
+        whole (the keys are chained: a run never resumes after a miss); each chunk's pages are held as any
+        lookup's. Each chunk may wait for L3 a share of what is left of the deadline."""
+        run: list[int] = []
+        for part in _spans([2 * len(k) + 3 for k in keys]):
+            wait_s = min(max(deadline - time.monotonic(), 0.0) * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
+            chunk = keys[part]
+            got = self._checked_pages(self._call([Lookup(keys=chunk, wait_s=wait_s).wire()], deadline)[0], len(chunk), "lookup")
+            run += got
+            if len(got) < len(chunk):
+                break
+        return run
+
+    def _reserve_split(self, n: int, deadline: float) -> list[int]:
+        """Up to ``n`` pages in reservations of at most :data:`MAX_PAGES` each, until one gets fewer than it asked."""
+        pages: list[int] = []
+        while True:
+            ask = min(n - len(pages), MAX_PAGES)
+            got = self._checked_pages(self._call([Reserve(n=ask).wire()], deadline)[0], ask, "reservation")
+            pages += got
+            if len(got) < ask or len(pages) >= n:
+                return pages
+
+    def _notes_split(self, pages: list[int], keys: list[bytes] | None, ops: Callable[[list[int], list[bytes] | None], list[Message]],
+                     times: int) -> None:
+        """Notes of ``ops(pages[span], keys[span])`` (which name each page ``times`` times) over spans of ``pages``
+        that each fit a frame, all sent within one lookup deadline."""
+        deadline = time.monotonic() + self.lookup_deadline_s
+        sizes = [times * (len(str(p)) + 1) + (0 if keys is None else 2 * len(keys[i]) + 3) for i, p in enumerate(pages)]
+        for part in _spans(sizes, MAX_PAGES // times):
+            self.note([op.wire() for op in ops(pages[part], None if keys is None else keys[part])], deadline)
 
     def status(self) -> dict:
         (status,) = self.call([Status().wire()])
@@ -281,6 +327,19 @@ class SessionWriter:
     def close(self) -> None:
         """No copy of this process writes into the session's pages any more (its end says so too)."""
         self._sock.close()
+
+
+def _spans(sizes: list[int], items: int = MAX_PAGES) -> list[slice]:
+    """``sizes`` (each item's bytes on the wire) cut into consecutive spans of at most :data:`SPLIT_BYTES` bytes
+    and ``items`` items (one span, maybe empty, when all fit)."""
+    spans, start, used = [], 0, 0
+    for i, size in enumerate(sizes):
+        if i > start and (used + size > SPLIT_BYTES or i - start >= items):
+            spans.append(slice(start, i))
+            start, used = i, 0
+        used += size
+    spans.append(slice(start, len(sizes)))
+    return spans
 
 
 def _connect(socket_path: str, timeout_s: float, service_uid: int | None = None) -> tuple[socket.socket, ServiceTrust]:

@@ -30,7 +30,9 @@ from kvtier.errors import ServiceProtocolError
 VERSION = 1
 #: bounds on what one op may name (checked before anything is built from it)
 MAX_OPS = 4096
-MAX_PAGES = 1 << 20
+#: the most pages one batch may name or ask for, over all its ops (keys, page ids, a reservation's n): what
+#: applying a frame costs the service's loop is bounded with its bytes (a client splits a longer call)
+MAX_PAGES = 1 << 15
 MAX_KEY_BYTES = 64
 MAX_NAMESPACE = 1024
 MAX_SESSION = 64
@@ -50,6 +52,8 @@ class Codec:
     expected: str
     parse: Callable[[object], object]
     encode: Callable[[object], object] = staticmethod(lambda v: v)
+    #: how many pages the typed value names or asks for (counted against a batch's :data:`MAX_PAGES`)
+    pages: Callable[[object], int] = staticmethod(lambda v: 0)
 
 
 def wire(codec: Codec, default: object = dataclasses.MISSING) -> dataclasses.Field:
@@ -81,6 +85,10 @@ class Message:
 
     def check(self) -> None:
         """What no single field can say (several fields together); raises :class:`ServiceProtocolError`."""
+
+    def page_count(self) -> int:
+        """The pages the op names or asks for: its largest field's count (a publish's pages and keys are one set)."""
+        return max((f.metadata["codec"].pages(getattr(self, f.name)) for f in dataclasses.fields(self)), default=0)
 
 
 def message(name: str, *, attached: bool = True) -> Callable[[type], type]:
@@ -118,13 +126,13 @@ def _optional(codec: Codec) -> Codec:
     return Codec(f"{codec.expected}, or absent", lambda v: None if v is None else codec.parse(v), codec.encode)
 
 
-def _count(limit: int) -> Codec:
+def _count(limit: int, pages: bool = False) -> Codec:
     def parse(v: object) -> int:
         if type(v) is not int or not 0 <= v <= limit:
             raise Invalid
         return v
 
-    return Codec(f"an integer from 0 to {limit}", parse)
+    return Codec(f"an integer from 0 to {limit}", parse, pages=(lambda v: v) if pages else (lambda v: 0))
 
 
 def _seconds(limit: float) -> Codec:
@@ -171,8 +179,8 @@ def _page_keys(v: object) -> list[bytes]:
 
 NAMESPACE = _text(MAX_NAMESPACE)
 SESSION = Codec(f"a session id (a string of 1 to {MAX_SESSION} characters)", _text(MAX_SESSION).parse)
-PAGE_IDS = Codec(f"a list of at most {MAX_PAGES} integer page ids", _page_ids, list)
-PAGE_KEYS = Codec(f"a list of at most {MAX_PAGES} hex page keys", _page_keys, lambda keys: [k.hex() for k in keys])
+PAGE_IDS = Codec(f"a list of at most {MAX_PAGES} integer page ids", _page_ids, list, len)
+PAGE_KEYS = Codec(f"a list of at most {MAX_PAGES} hex page keys", _page_keys, lambda keys: [k.hex() for k in keys], len)
 
 
 # ---- the messages --------------------------------------------------------------------------------
@@ -214,7 +222,7 @@ class Lookup(Message):
 class Reserve(Message):
     """Up to ``n`` pages for the caller to write (leased: nobody else is offered them)."""
 
-    n: int = wire(_count(MAX_PAGES))
+    n: int = wire(_count(MAX_PAGES, pages=True))
 
 
 @message("publish")
@@ -251,6 +259,8 @@ class Batch:
     seq: int
     ops: list[Message]
     note: bool
+    #: the pages its ops name or ask for, together (at most :data:`MAX_PAGES`)
+    pages: int
 
 
 def parse_batch(frame: dict) -> Batch:
@@ -263,7 +273,11 @@ def parse_batch(frame: dict) -> Batch:
         raise ServiceProtocolError(f"a frame's ops must be a list of 1 to {MAX_OPS} ops, got {_show(ops)}")
     if type(note) is not bool:
         raise ServiceProtocolError(f"a frame's note must be true or false, got {_show(note)}")
-    return Batch(seq, [parse_op(op) for op in ops], note)
+    parsed = [parse_op(op) for op in ops]
+    pages = sum(op.page_count() for op in parsed)
+    if pages > MAX_PAGES:
+        raise ServiceProtocolError(f"a batch names {pages} pages; at most {MAX_PAGES} a batch (split the call: a kvtier client does)")
+    return Batch(seq, parsed, note, pages)
 
 
 def parse_op(op: object) -> Message:

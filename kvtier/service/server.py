@@ -3,12 +3,23 @@
 A single thread runs a selector over the listening socket and every connection; each frame is one
 batch of ops, applied to the index in order and answered in one frame. A peer that breaks the
 protocol gets a typed error frame and its connection closed; so does a peer whose answers it does not
-read within ``send_deadline_s``. The service makes the region, names its pages, and removes it on
-close; it touches the region's bytes only with an L3 tier (:mod:`kvtier.service.storage`: published
-pages saved, pages fetched from the store), on that tier's worker threads, never on the selector
-thread. A lookup's answer may then wait, at most the ``wait_s`` it names, for the pages after its run
-to come in from the store; the connection's next frames wait behind it (answers go out in order), the
-other connections do not.
+read within ``send_deadline_s``, or whose frame does not arrive whole within it.
+
+Each turn of the loop reads what the ready connections sent, then gives every connection a bounded share
+of the turn (:data:`TURN_BYTES`, :data:`TURN_PAGES`: at least one frame, more while they stay under them),
+round robin; frames are decoded only when applied. What one peer can hold is bounded: the bytes read
+ahead of what was applied (:data:`READ_AHEAD`: past it the connection is not read, and its sends wait in
+the kernel), its unread answers (past :data:`OUT_HIGH` its frames wait), its connections
+(:data:`MAX_CONNECTIONS_PER_PROCESS`, :data:`MAX_CONNECTIONS` in all), its orphans
+(:mod:`kvtier.service.sessions`), and the L3 tier's threads (a fixed few, whatever the namespaces:
+:mod:`kvtier.service.storage`). So a client that floods the service with the largest legal frames delays
+another's lookup by about one of them (~20 ms), not by its whole backlog.
+
+The service makes the region, names its pages, and removes it on close; it touches the region's bytes
+only with an L3 tier (:mod:`kvtier.service.storage`: published pages saved, pages fetched from the
+store), on that tier's worker threads, never on the selector thread. A lookup's answer may then wait,
+at most the ``wait_s`` it names, for the pages after its run to come in from the store; the
+connection's next frames wait behind it (answers go out in order), the other connections do not.
 
 What a closed connection held -- released, or kept as an orphan while its process lives or a writer of
 it is connected -- is :mod:`kvtier.service.sessions`' business; each message's handler is the
@@ -24,7 +35,6 @@ import selectors
 import socket
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,12 +48,23 @@ from kvtier.service.peer import check_peer, claim_socket_path, group_id, peer_cr
 from kvtier.service.region import Region, RegionFormat, create_region, remove_region, remove_stale_regions
 from kvtier.service.sessions import Orphan, Sessions, UnwatchedType, exited, open_pidfd
 from kvtier.service.storage import Load, ServiceStorage
-from kvtier.service.wire import FrameReader, encode
+from kvtier.service.wire import HEADER, MAX_ANSWER, MAX_FRAME, FrameReader, decode, encode
 
 log = logging.getLogger(__name__)
 
-#: answers a peer may leave unread before it is dropped (bytes)
-MAX_UNREAD = 64 << 20
+#: bytes read from a connection ahead of what was applied (past it the connection is not read: its sends wait in the kernel)
+READ_AHEAD = HEADER.size + MAX_FRAME
+#: bytes one recv takes
+RECV_BYTES = 256 << 10
+#: a connection's share of a loop turn: frames are applied while their bytes, and the pages they name, stay under these
+#: (at least one frame a turn: one of MAX_FRAME bytes costs the loop ~20 ms)
+TURN_BYTES = 64 << 10
+TURN_PAGES = 4096
+#: unread answer bytes past which a connection's frames wait (it reads its answers, or is dropped at send_deadline_s)
+OUT_HIGH = 1 << 20
+#: connections one peer process may have open, and all peers together (each may hold READ_AHEAD + OUT_HIGH bytes)
+MAX_CONNECTIONS_PER_PROCESS = 32
+MAX_CONNECTIONS = 512
 #: the longest path a Unix socket address holds (sun_path's 108 bytes, less the terminating NUL)
 MAX_SOCKET_PATH = 107
 #: how often the loop checks that its region file is still there, whole (seconds)
@@ -54,8 +75,6 @@ ACCEPT_PAUSE_S = 0.05
 ACCEPT_PAUSE_MAX_S = 1.0
 #: accept's errors that say the process (or the system) is out of file descriptors or socket memory
 _OUT_OF_FDS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
-#: frames a peer may send while its answer is deferred (a client waits for its answer; notes are few)
-MAX_QUEUED_FRAMES = 1024
 
 
 @dataclass(frozen=True)
@@ -98,8 +117,8 @@ class ServeConfig:
 
 
 class _Conn:
-    __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session", "namespace", "frames",
-                 "deferred", "deferred_bytes", "joined")
+    __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session", "namespace", "deferred",
+                 "joined", "events", "eof", "partial_since")
 
     def __init__(self, cid: int, sock: socket.socket, pid: int = 0):
         self.id = cid
@@ -114,13 +133,21 @@ class _Conn:
         self.pidfd: int | None | UnwatchedType = None
         self.session = ""
         self.namespace = ""
-        #: frames read and not yet applied: they wait while an answer is deferred (answers go out in order)
-        self.frames: deque[dict] = deque()
+        #: an answer held back for L3 loads: the frames after it wait in ``reader`` (answers go out in order)
         self.deferred: _Deferred | None = None
-        #: bytes received while an answer was deferred (bounded: :data:`MAX_UNREAD`)
-        self.deferred_bytes = 0
         #: the session this connection's process writes into (``join``), if it joined one
         self.joined: str | None = None
+        #: what the selector watches the socket for (0: not registered; ``_accept`` registers it for reading)
+        self.events = selectors.EVENT_READ
+        #: the peer closed its end: what it sent whole is applied, then the connection is dropped
+        self.eof = False
+        #: when the frame at the head of ``reader`` started to arrive and is not whole yet (None: none is)
+        self.partial_since: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        """A frame of it can be applied now."""
+        return self.deferred is None and len(self.out) < OUT_HIGH and self.reader.whole
 
 
 @dataclass(eq=False)
@@ -192,6 +219,11 @@ class NodeService:
         self.region_problem: str | None = None
         self._region_id: tuple[int, int] | None = None
         self._region_checked_at = 0.0
+        #: connections with whole frames to apply, or whose peer closed, in the order they came to have them (a
+        #: connection served its share goes to the back): across connections, frames are applied as they arrived
+        self._ready: dict[_Conn, None] = {}
+        #: a connection in ``_ready`` can be served now (the selector then waits for nothing)
+        self._busy = False
 
     def _listen(self) -> socket.socket:
         """The listening socket at ``config.socket``: its directory private (or the allowed group's), a stale
@@ -215,12 +247,14 @@ class NodeService:
             events = self._sel.select(self._wait_s(tick_s))
             with self.lock:
                 self._handle(events)
+                self._apply_turn()
                 self._answer_deferred()
                 self._drop_stalled_readers()
                 self._resume_accepting()
                 self.sessions.watch_unwatched()
                 if time.monotonic() - self._region_checked_at >= REGION_CHECK_S:
                     self._check_region()
+                self._drop_unfinished_frames()
 
     def _handle(self, events: list) -> None:
         for key, mask in events:
@@ -248,7 +282,10 @@ class NodeService:
         self._drop(conn)
 
     def _wait_s(self, tick_s: float) -> float:
-        """The selector's wait: a tick, or less when a deferred answer's deadline comes sooner."""
+        """The selector's wait: none while frames wait to be applied; else a tick, or less when a deferred
+        answer's deadline comes sooner."""
+        if self._busy:
+            return 0.0
         if not self._deferred:
             return tick_s
         return max(0.0, min(tick_s, min(c.deferred.deadline for c in self._deferred) - time.monotonic()))
@@ -271,6 +308,7 @@ class NodeService:
         pidfd = open_pidfd(peer.pid)  # (before its groups are read: alive after, they were that process's)
         try:
             check_peer(peer, self.uid, self.gid)
+            self._check_room(peer.pid)
             if peer.uid != self.uid and (type(pidfd) is not int or exited(pidfd)):
                 raise ServiceAccessError(f"process {peer.pid} exited, or could not be pinned, while its groups were checked")
         except KVTierError as e:
@@ -302,58 +340,126 @@ class NodeService:
             self._accept_resume_at = None
             self._sel.register(self.listener, selectors.EVENT_READ, None)
 
-    def _read(self, conn: _Conn) -> None:
-        try:
-            data = conn.sock.recv(1 << 16)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:  # the peer closed (or died): what it wrote unpublished is dropped, what it held released
-            self._drop(conn)
-            return
-        try:
-            if conn.deferred is not None:
-                conn.deferred_bytes += len(data)
-                if conn.deferred_bytes > MAX_UNREAD:
-                    raise ServiceProtocolError(f"more than {MAX_UNREAD} bytes sent while an answer was pending; wait for a call's answer "
-                                               "before the next call")
-            conn.frames += conn.reader.feed(data)
-            if len(conn.frames) > MAX_QUEUED_FRAMES:
-                raise ServiceProtocolError(f"{len(conn.frames)} frames sent while an answer was pending (at most {MAX_QUEUED_FRAMES}); "
-                                           "wait for a call's answer before the next call")
-        except ServiceProtocolError as e:
-            self._refuse(conn, 0, e)
-            return
-        self._apply_frames(conn)
+    def _check_room(self, pid: int) -> None:
+        """A new connection of process ``pid`` fits under :data:`MAX_CONNECTIONS_PER_PROCESS` and
+        :data:`MAX_CONNECTIONS` (each connection may hold up to READ_AHEAD + OUT_HIGH bytes of the service's)."""
+        if len(self._conns) >= MAX_CONNECTIONS:
+            raise ServiceAccessError(f"the service has {len(self._conns)} connections open (at most {MAX_CONNECTIONS}); try again later")
+        mine = sum(c.pid == pid for c in self._conns.values())
+        if mine >= MAX_CONNECTIONS_PER_PROCESS:
+            raise ServiceAccessError(f"process {pid} has {mine} connections open (at most {MAX_CONNECTIONS_PER_PROCESS}); close one "
+                                     "before opening another")
 
-    def _apply_frames(self, conn: _Conn) -> None:
-        """Apply ``conn``'s frames in order, until one's answer is deferred (the rest wait for it)."""
-        while conn.frames and conn.deferred is None and conn.id in self._conns:
-            frame = conn.frames.popleft()
-            seq = frame.get("seq") if type(frame.get("seq")) is int else 0
-            waits: list[tuple[int, list[bytes], Load]] = []
-            wait_s = MAX_WAIT_S
+    def _read(self, conn: _Conn) -> None:
+        """Take what ``conn`` sent, up to :data:`READ_AHEAD` bytes not yet applied (nothing is decoded here)."""
+        while not conn.eof and (room := READ_AHEAD - conn.reader.buffered) > 0:
             try:
-                batch = parse_batch(frame)
-                results = []
-                for op in batch.ops:
-                    results.append(self._apply(conn, op))
-                    load = self._load_after(conn, op, results[-1]) if type(op) is Lookup else None
-                    if load is not None and op.wait_s > 0:
-                        waits.append((len(results) - 1, op.keys, load))
-                        wait_s = min(wait_s, op.wait_s)
-            except ServiceError as e:  # (a protocol error is one)
-                self._refuse(conn, seq, e)
+                data = conn.sock.recv(min(room, RECV_BYTES))
+            except BlockingIOError:
+                break
+            except OSError:
+                data = b""
+            if not data:  # the peer closed (or died): what it sent whole is applied first (_apply_turn)
+                conn.eof = True
+                break
+            try:
+                conn.reader.feed(data)
+            except ServiceProtocolError as e:
+                self._refuse(conn, 0, e)
                 return
-            if batch.note:
+        if conn.eof or conn.reader.whole:
+            self._ready.setdefault(conn)
+        self._settle(conn)
+
+    def _settle(self, conn: _Conn) -> None:
+        """After ``conn``'s buffer changed: time the frame at its head if it is unfinished, and read the
+        socket only while there is room ahead (else its sends wait in the kernel: backpressure)."""
+        if not conn.reader.pending:
+            conn.partial_since = None
+        elif conn.partial_since is None:
+            conn.partial_since = time.monotonic()
+        self._watch(conn)
+
+    def _watch(self, conn: _Conn) -> None:
+        """Register what the selector watches ``conn``'s socket for: reading while there is room ahead, writing
+        while answers wait to go out."""
+        want = (selectors.EVENT_READ if not conn.eof and conn.reader.buffered < READ_AHEAD else 0) | \
+               (selectors.EVENT_WRITE if conn.out else 0)
+        if want == conn.events:
+            return
+        if not conn.events:
+            self._sel.register(conn.sock, want, conn)
+        elif not want:
+            self._sel.unregister(conn.sock)
+        else:
+            self._sel.modify(conn.sock, want, conn)
+        conn.events = want
+
+    def _apply_turn(self) -> None:
+        """Every ready connection's share of this turn, in the order they came to be ready; one with frames
+        left goes to the back. A connection whose peer closed is dropped once what it sent whole is applied
+        (or waits behind a deferred answer: nobody reads that one)."""
+        turn = list(self._ready)
+        self._ready.clear()
+        for conn in turn:
+            if conn.id not in self._conns:
                 continue
-            answer = {"seq": batch.seq, "results": results}
-            if waits:
-                conn.deferred = _Deferred(answer, waits, time.monotonic() + wait_s)
-                self._deferred.add(conn)
-            else:
-                self._send(conn, answer)
+            try:
+                self._apply_share(conn)
+            except Exception:  # a bug one connection's messages reach ends that connection, never the service
+                self._fault(conn)
+                continue
+            if conn.id not in self._conns:
+                continue
+            if conn.eof and (conn.deferred is not None or not conn.reader.whole):
+                self._drop(conn)
+            elif conn.reader.whole:
+                self._ready[conn] = None
+        self._busy = any(c.ready for c in self._ready)
+
+    def _apply_share(self, conn: _Conn) -> None:
+        """Apply ``conn``'s frames in order while its share lasts (:data:`TURN_BYTES`, :data:`TURN_PAGES`; one
+        frame at least), until one's answer is deferred (the rest wait for it) or its answers go unread."""
+        spent_bytes = spent_pages = 0
+        while spent_bytes < TURN_BYTES and spent_pages < TURN_PAGES and conn.id in self._conns and conn.ready:
+            try:
+                body = conn.reader.next()
+            except ServiceProtocolError as e:  # (the length of the frame after it)
+                self._refuse(conn, 0, e)
+                return
+            spent_bytes += len(body)
+            spent_pages += self._apply_frame(conn, body)
+        if conn.id in self._conns:
+            self._settle(conn)
+
+    def _apply_frame(self, conn: _Conn, body: bytes) -> int:
+        """Decode, check and apply one frame, and answer it (or defer its answer); the pages it named."""
+        seq = 0
+        waits: list[tuple[int, list[bytes], Load]] = []
+        wait_s = MAX_WAIT_S
+        try:
+            frame = decode(body)
+            seq = frame.get("seq") if type(frame.get("seq")) is int else 0
+            batch = parse_batch(frame)
+            results = []
+            for op in batch.ops:
+                results.append(self._apply(conn, op))
+                load = self._load_after(conn, op, results[-1]) if type(op) is Lookup else None
+                if load is not None and op.wait_s > 0:
+                    waits.append((len(results) - 1, op.keys, load))
+                    wait_s = min(wait_s, op.wait_s)
+        except ServiceError as e:  # (a protocol error is one)
+            self._refuse(conn, seq, e)
+            return 0
+        if batch.note:
+            return batch.pages
+        answer = {"seq": batch.seq, "results": results}
+        if waits:
+            conn.deferred = _Deferred(answer, waits, time.monotonic() + wait_s)
+            self._deferred.add(conn)
+        else:
+            self._send(conn, answer)
+        return batch.pages
 
     def _load_after(self, conn: _Conn, op: Lookup, pages: list[int]) -> Load | None:
         """The L3 load of the keys after a lookup's run in the region (None: no L3, the run is whole, or
@@ -369,7 +475,6 @@ class NodeService:
         for conn in [c for c in self._deferred if c.deferred.ready(now)]:
             self._deferred.discard(conn)
             deferred, conn.deferred = conn.deferred, None
-            conn.deferred_bytes = 0
             if conn.id not in self._conns:
                 continue
             try:
@@ -378,9 +483,10 @@ class NodeService:
                     for i, keys, _load in deferred.waits:
                         results[i] = results[i] + self.index.extend(conn.id, keys[len(results[i]):])
                 self._send(conn, deferred.answer)
-                self._apply_frames(conn)
             except Exception:
                 self._fault(conn)
+                continue
+            self._busy = self._busy or (conn in self._ready and (conn.ready or conn.eof))  # (its next frames: the next turn)
 
     # ---- ops: one handler per message (messages.py's definitions; check_handlers below) --------------
     def _apply(self, conn: _Conn, op: Message) -> object:
@@ -499,7 +605,7 @@ class NodeService:
 
     # ---- connections -------------------------------------------------------------------------------
     def _send(self, conn: _Conn, obj: dict) -> None:
-        conn.out += encode(obj)
+        conn.out += encode(obj, MAX_ANSWER)
         if conn.unread_since is None:
             conn.unread_since = time.monotonic()
         self._flush(conn)
@@ -513,14 +619,10 @@ class NodeService:
             self._drop(conn)
             return
         del conn.out[:sent]
-        if conn.out:
-            if len(conn.out) > MAX_UNREAD:
-                self._drop(conn)
-                return
-            self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
-        else:
+        if not conn.out:
             conn.unread_since = None
-            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        self._busy = self._busy or (conn in self._ready and conn.ready)  # (its answers read: its frames go on)
+        self._watch(conn)
 
     def _drop_stalled_readers(self) -> None:
         now = time.monotonic()
@@ -529,6 +631,14 @@ class NodeService:
                 log.warning("client %d left its answers unread for %.1f s: dropped", conn.id, now - conn.unread_since)
                 self.unread_drops += 1
                 self._drop(conn)
+
+    def _drop_unfinished_frames(self) -> None:
+        """A frame must arrive whole within ``send_deadline_s`` of its first byte (the service reads a
+        connection whenever a frame at its head is unfinished): else its bytes would be held forever."""
+        now, limit = time.monotonic(), self.config.send_deadline_s
+        for conn in [c for c in self._conns.values() if c.partial_since is not None and now - c.partial_since > limit]:
+            self._refuse(conn, 0, ServiceProtocolError(f"a frame was not sent whole within {limit:g} s of its first byte "
+                                                       f"({conn.reader.buffered} bytes of it came)"))
 
     def _refuse(self, conn: _Conn, seq: int, error: KVTierError) -> None:
         log.warning("client %d: %s: %s (connection closed)", conn.id, type(error).__name__, error)
@@ -551,7 +661,9 @@ class NodeService:
         if self._conns.pop(conn.id, None) is None:
             return
         self._deferred.discard(conn)
-        self._sel.unregister(conn.sock)
+        self._ready.pop(conn, None)
+        if conn.events:
+            self._sel.unregister(conn.sock)
         conn.sock.close()
         self.sessions.closed(conn)
 

@@ -2,9 +2,9 @@
 through and read back into it.
 
 The objects are the ones an engine's own L3 writes (:class:`~kvtier.l3.tier.StorageTier` over a
-:class:`~kvtier.pools.host.HostPool` that is the service's own mapping of the region, two tiers per
-namespace, all on one store): same keys (``namespace/page-hash``), same header and checksum, so a
-service and an engine of the same namespace read each other's objects.
+:class:`~kvtier.pools.host.HostPool` that is the service's own mapping of the region, two tiers on one
+store, every job naming its namespace): same keys (``namespace/page-hash``), same header and checksum, so
+a service and an engine of the same namespace read each other's objects.
 
 * **Write-through**: a page an engine publishes (the first page of its key) is saved. The service
   holds it in the index under a client of its own (one per namespace, negative ids) while the save
@@ -17,9 +17,10 @@ service and an engine of the same namespace read each other's objects.
   counted (``corrupt_pages``); the run stops there.
 
 Nothing here blocks the selector thread: the ``exists`` runs on a thread of its own, reads and saves
-on the tiers' workers -- a namespace's loads on a tier of their own, so an engine waiting for a lookup
-never queues behind the write-through of what every engine publishes -- each backend call under its
-deadline and the store's circuit breaker; a worker that finishes writes the eventfd
+on the tiers' workers -- the loads on a tier of their own, so an engine waiting for a lookup never
+queues behind the write-through of what every engine publishes -- each backend call under its deadline
+and the store's circuit breaker. The threads are a fixed few whatever the namespaces (two tiers' workers
+and I/O threads, the ``exists`` thread): a namespace costs the service no thread of its own; a worker that finishes writes the eventfd
 (:meth:`ServiceStorage.fileno`) the selector watches, and the selector thread applies the results
 (:meth:`ServiceStorage.poll`) -- it alone touches the index.
 """
@@ -43,6 +44,9 @@ from kvtier.service.region import Region, map_region
 
 log = logging.getLogger(__name__)
 
+#: save jobs queued at most (one per publish that indexed pages, every engine's together: past it a save is skipped, counted)
+SAVE_QUEUE_DEPTH = 1024
+
 
 @dataclass(eq=False)
 class Load:
@@ -56,9 +60,9 @@ class Load:
 
 
 @dataclass(frozen=True)
-class NamespaceTiers:
-    """One namespace's tiers on the store: the write-through's saves, and the loads on a worker (and I/O
-    threads) of their own."""
+class Tiers:
+    """The service's tiers on the store, shared by every namespace (each job names its own): the
+    write-through's saves, and the loads on a worker (and I/O threads) of their own."""
 
     saves: StorageTier
     loads: StorageTier
@@ -96,7 +100,7 @@ class ServiceStorage:
         self._wake_lock = threading.Lock()
         self._finder = ThreadPoolExecutor(1, thread_name_prefix="kvtier-serve-l3-exists")
         self._found: queue.SimpleQueue[tuple[Load, int]] = queue.SimpleQueue()
-        self._tiers: dict[str, NamespaceTiers] = {}
+        self._tiers: Tiers | None = None
         self._clients: dict[str, int] = {}  # namespace -> the service's own index client
         self._fetching: dict[tuple[str, bytes], Load] = {}  # keys whose pages are being read in
         self._loads: dict[tuple[str, bytes], Load] = {}  # loads by their first key, until done
@@ -115,6 +119,8 @@ class ServiceStorage:
                               memory=map_region(region.path, region.size, pin=False), name="node service region (L3)")
         self.index = index
         self.max_load_pages = max(1, region.num_pages // 2)
+        self._tiers = Tiers(*(StorageTier(self.backend, self._pool, f"kvtier-serve-{what}", owns_backend=False, on_finished=self._notify,
+                                          queue_depth=depth) for what, depth in (("saves", SAVE_QUEUE_DEPTH), ("loads", 64))))
 
     # ---- what the selector thread asks ---------------------------------------------------------
     def published(self, namespace: str, pages: list[int], keys: list[bytes]) -> None:
@@ -122,7 +128,7 @@ class ServiceStorage:
         if not pages:
             return
         self.index.hold(self._client(namespace), pages)
-        job = self._tier(namespace).saves.submit("save", keys, pages)
+        job = self._tiers.saves.submit("save", keys, pages, prefix=namespace)
         if job is None:  # the tier's queue is full: not saved (counted by the tier too)
             self._saved(namespace, pages, ok=0)
             return
@@ -137,7 +143,7 @@ class ServiceStorage:
         going = self._loads.get(first) or self._fetching.get(first)
         if going is not None:
             return going
-        tier = self._tier(namespace).loads
+        tier = self._tiers.loads
         if not tier.available:
             return None
         load = Load(namespace, keys[: self.max_load_pages])
@@ -162,15 +168,15 @@ class ServiceStorage:
         for tier in self._every_tier():
             for job in tier.take_finished():
                 if job.kind == "save":
-                    self._saved(tier.prefix, self._saving.pop(job), ok=job.statuses.count(KeyStatus.OK))
+                    self._saved(job.prefix, self._saving.pop(job), ok=job.statuses.count(KeyStatus.OK))
                 else:
                     done.append(self._fetched(job))
         self.counters.corrupt_pages = sum(t.discarded_corrupt for t in self._every_tier())
         return done
 
     def status(self) -> dict:
-        # (None until a namespace's tier has called the store: nothing is known yet)
-        available = all(t.available for t in self._every_tier()) if self._tiers else None
+        # (None until the first hello made the tiers: nothing is known yet)
+        available = all(t.available for t in self._every_tier()) if self._tiers is not None else None
         return {"url": redact_url(self.url), "available": available,
                 "saving_pages": sum(len(p) for p in self._saving.values()), "fetching_pages": len(self._fetching),
                 **self.counters.as_dict()}
@@ -182,9 +188,9 @@ class ServiceStorage:
             if load.job is not None:
                 load.job.cancel()  # (after the batch in flight: nobody waits for it any more)
         deadline = time.monotonic() + drain_timeout_s
-        drained = all([tiers.saves.drain(max(0.0, deadline - time.monotonic())) for tiers in self._tiers.values()])
-        for tiers in self._tiers.values():  # (cancelled: at most the batch in flight, in what time is left)
-            tiers.loads.drain(max(0.0, deadline - time.monotonic()))
+        drained = self._tiers is None or self._tiers.saves.drain(drain_timeout_s)
+        if self._tiers is not None:  # (cancelled: at most the batch in flight, in what time is left)
+            self._tiers.loads.drain(max(0.0, deadline - time.monotonic()))
         self.poll()
         for tier in self._every_tier():
             tier.close(timeout_s=0.0)
@@ -205,7 +211,7 @@ class ServiceStorage:
         """(the exists thread) How many of the load's leading keys the store has (0 if that failed)."""
         found = 0
         try:
-            found = tier.stored_prefix(load.keys)
+            found = tier.stored_prefix(load.keys, load.namespace)
         except Exception as e:  # (the store's faults are mapped to 0 already; this keeps the load from hanging on anything else)
             log.warning("L3 lookup of %d keys failed: %s", len(load.keys), e)
         finally:
@@ -220,15 +226,8 @@ class ServiceStorage:
             self.index.attach(cid, namespace)
         return cid
 
-    def _tier(self, namespace: str) -> NamespaceTiers:
-        tiers = self._tiers.get(namespace)
-        if tiers is None:
-            tiers = self._tiers[namespace] = NamespaceTiers(*(StorageTier(self.backend, self._pool, namespace, owns_backend=False,
-                                                                          on_finished=self._notify) for _ in range(2)))
-        return tiers
-
     def _every_tier(self) -> list[StorageTier]:
-        return [tier for tiers in self._tiers.values() for tier in tiers]
+        return [] if self._tiers is None else list(self._tiers)
 
     def _fetch(self, load: Load, found: int) -> bool:
         """Reserve pages for the found run (up to the first key in the region or on its way) and read
@@ -245,7 +244,7 @@ class ServiceStorage:
         pages = self.index.reserve(cid, len(keys))
         if not pages:
             return False
-        job = self._tier(load.namespace).loads.submit("prefetch", keys[: len(pages)], pages, tag=load)
+        job = self._tiers.loads.submit("prefetch", keys[: len(pages)], pages, tag=load, prefix=load.namespace)
         if job is None:
             self.index.release(cid, pages)
             return False

@@ -111,6 +111,29 @@ def scrape_metrics(url: str) -> dict[tuple[str, tuple], float]:
     return {(s.name, tuple(sorted(s.labels.items()))): s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
+def start_flood(sock: str, namespace: str, fmt: dict, seconds: float) -> subprocess.Popen:
+    """A process flooding the service at ``sock`` with the largest lookups it takes (:mod:`kvtier.app.bench.flood`),
+    once it printed that it floods (then it stops at its next line on stdin, or after ``seconds``)."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.bench.flood", sock, namespace, json.dumps(fmt), str(seconds)], cwd=ROOT,
+                            env=ENV, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert peer_report(proc) == {"flooding": True}
+    except BaseException:
+        proc.kill()
+        proc.wait(30)
+        raise
+    return proc
+
+
+def proc_status(pid: int, field: str) -> int:
+    """A number ``/proc/PID/status`` gives for ``field`` (``Threads``; ``VmRSS`` in kB)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
 def wait_until(check, timeout_s: float, every_s: float = 0.05):
     """Poll ``check()`` until it returns something true; (its value, seconds it took). Fails past the bound."""
     start = time.monotonic()

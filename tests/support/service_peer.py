@@ -17,6 +17,7 @@
 * ``stop-reading SOCKET``: a raw socket client attaches and reserves 2 pages (it holds their leases), prints,
   and on a ``flood`` line sends lookups at a steady pace and never reads an answer, until a send fails (the
   service dropped it); it prints when, and lives on until a line arrives on stdin.
+* ``attach SOCKET``: a client attaches, prints its session (or the error that refused it), and detaches.
 * ``serve SOCKET``: a HierarchicalCache serving requests, each stdin line a JSON command -- ``{"loop": n}``
   (requests over ``n`` prompts, round and round, each followed by the one 4 back, until the next line arrives; a ``{"warm": requests}``
   line once a prompt's worth of pages were host hits), ``{"compute": seed}``,
@@ -112,6 +113,18 @@ def fill(pool: HostPool, pages: list[int], byte: int) -> None:
     for p in pages:
         for t in pool.buffers.values():
             t[p].fill_(byte)
+
+
+def attach(sock: str) -> None:
+    from kvtier.errors import ServiceError
+
+    try:
+        client = ServiceClient(sock, NAMESPACE, RegionFormat.of(SPEC, "page_first"))
+    except ServiceError as e:
+        print(json.dumps({"error": type(e).__name__, "message": str(e)}), flush=True)
+        return
+    print(json.dumps({"session": client.session}), flush=True)
+    client.close()
 
 
 def write_and_hang(sock: str) -> None:
@@ -239,5 +252,6 @@ def serve(sock: str) -> None:
 if __name__ == "__main__":
     role, sock, *rest = sys.argv[1:]
     roles = {"compute": compute, "load": load, "load-l3": load_l3, "load-store": load_store, "write-and-hang": write_and_hang,
-             "violate": violate, "serve": serve, "stop-reading": stop_reading, "join": join}
+             "violate": violate, "serve": serve, "stop-reading": stop_reading, "join": join,
+             "attach": attach}
     roles[role](sock, *rest)

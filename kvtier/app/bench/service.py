@@ -11,6 +11,11 @@
   pages into a run of device pages, a model's page format) from the service's region, mapped by
   this process, against from a host pool of this process's own; GB/s, best round of several taken in
   turns, and their ratio.
+* ``flood`` -- one engine's lookups (a ServiceClient's, the default 0.25 s deadline, a prompt's pages
+  that hit, released after each, :data:`FLOOD_STEP_S` apart as an engine's scheduler steps are) alone,
+  then beside one client flooding the service with the largest lookups it takes, back to back
+  (:mod:`kvtier.app.bench.flood`, another process): p50 and p99 in microseconds, their ratios (beside
+  / alone), and the engine's lookups that missed their deadline.
 * ``vllm`` (``--vllm``) -- vLLM's CPU build in its default multi-process engine, one engine process
   after another (``kvtier.integrations.vllm.session``): the median TTFT of ``vllm_prompts`` prompts of
   ``vllm_prompt_tokens`` whose prefixes a previous engine process left in a running service (the engine restarted), against
@@ -31,6 +36,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -47,6 +54,7 @@ from kvtier.build import build_cache
 from kvtier.cache import HierarchicalCache
 from kvtier.config import TierConfig
 from kvtier.pools import DevicePool, HostPool
+from kvtier.errors import ServiceError
 from kvtier.service.client import ServiceClient, query_status
 from kvtier.service.region import RegionFormat
 from kvtier.spec import KVSpec
@@ -58,6 +66,8 @@ LOOKUP_SPEC = KVSpec.mha("bench-lookup", 1, kv_heads=1, head_dim=64)
 COPY_SPEC = KVSpec.preset("llama-3.1-8b", num_layers=2)
 #: the trace's requests run through the sharing engines: tiny pages, many of them
 SHARING_SPEC = LOOKUP_SPEC
+#: the flood row's engine looks up once per step of this long (the flood meets its lookups at any point of its frames)
+FLOOD_STEP_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,21 @@ class SharingRow:
 
 
 @dataclass(frozen=True)
+class FloodRow:
+    pages: int  # pages per lookup (all hits)
+    lookups: int  # per side
+    flood_frame_bytes: int  # each of the flooding client's frames
+    flood_frames: int  # the flooding client's frames answered while it ran
+    alone_p50_us: float
+    alone_p99_us: float
+    flooded_p50_us: float
+    flooded_p99_us: float
+    p50_ratio: float  # beside the flood / alone
+    p99_ratio: float
+    missed_deadlines: int  # of the engine's lookups beside the flood (each would make an engine drop the service)
+
+
+@dataclass(frozen=True)
 class VllmRestartRow:
     model: str
     prompt_tokens: int
@@ -113,6 +138,7 @@ class ServiceBench:
     lookup: list[LookupRow]
     bandwidth: BandwidthRow
     sharing: SharingRow
+    flood: FloodRow
     vllm: VllmRestartRow | None = None
 
 
@@ -259,6 +285,60 @@ def _sharing_row(socket: str, limit: int) -> SharingRow:
                       round(own_hit, 4), round(svc_hit, 4), svc_host)
 
 
+def _timed_lookups(client: ServiceClient, keys: list[bytes], n: int) -> tuple[list[float], int, ServiceClient]:
+    """``n`` lookups of ``keys`` (each released after, untimed); their times, the misses of the deadline (the
+    client attached again after each, naming its old session), and the client at the end."""
+    times, missed = [], 0
+    for _ in range(n):
+        t = time.perf_counter()
+        try:
+            held = client.lookup(keys)
+        except ServiceError:
+            times.append(time.perf_counter() - t)
+            missed += 1
+            client = ServiceClient(client.socket_path, client.namespace, client.fmt, previous=client.session)
+            continue
+        times.append(time.perf_counter() - t)
+        if len(held) != len(keys):
+            raise RuntimeError(f"bench service: a flood row lookup found {len(held)} of {len(keys)} pages: the row would measure "
+                               "something else")
+        client.release(held)
+        time.sleep(FLOOD_STEP_S)
+    return times, missed, client
+
+
+def _flood_row(socket: str, pages: int, lookups: int) -> FloodRow:
+    fmt = RegionFormat.of(LOOKUP_SPEC, "page_first")
+    owner = ServiceClient(socket, "bench-flood", fmt)
+    engine = ServiceClient(socket, "bench-flood", fmt)
+    flood = None
+    try:
+        keys = [(1 << 64 | i).to_bytes(16, "big") for i in range(pages)]
+        got = owner.reserve(pages)
+        owner.publish(got, keys)
+        owner.release(got)
+        alone, _missed, engine = _timed_lookups(engine, keys, lookups)
+        argv = [sys.executable, "-m", "kvtier.app.bench.flood", socket, "bench-flooder", json.dumps(fmt.as_wire()), "600"]
+        flood = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if json.loads(flood.stdout.readline() or "{}") != {"flooding": True}:
+            raise RuntimeError("bench service: the flooding client did not start")
+        flooded, missed, engine = _timed_lookups(engine, keys, lookups)
+        flood.stdin.write("stop\n")
+        flood.stdin.flush()
+        report = json.loads(flood.stdout.readline())
+        if report["error"] is not None:
+            raise RuntimeError(f"bench service: the flooding client was stopped: {report['error']}")
+    finally:
+        if flood is not None and flood.poll() is None:
+            flood.kill()
+            flood.wait(30)
+        engine.close()
+        owner.close()
+    a50, a99, f50, f99 = (_percentile_us(t, q) for t in (alone, flooded) for q in (50, 99))
+    return FloodRow(pages, lookups, report["frame_bytes"], report["answered"], a50, a99, f50, f99, round(f50 / a50, 3),
+                    round(f99 / a99, 3), missed)
+
+
 def _vllm_session(*args: str) -> dict:
     from kvtier.integrations.vllm.session import run_in_subprocess
 
@@ -322,8 +402,14 @@ def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages
             sharing = _sharing_row(share_svc.socket, trace_limit)
         finally:
             share_svc.stop()
+        pages = prompt_tokens // LOOKUP_SPEC.page_size
+        flood_svc = NodeServiceProcess(Path(tmp) / "flood", host_gb=max(pages * 4 * LOOKUP_SPEC.page_bytes / 1e9, 0.01)).start()
+        try:
+            flood = _flood_row(flood_svc.socket, pages, requests)
+        finally:
+            flood_svc.stop()
         restart = _vllm_row(Path(tmp), vllm_prompt_tokens, vllm_prompts, vllm_model) if vllm else None
-    return ServiceBench(lookup, bandwidth, sharing, restart)
+    return ServiceBench(lookup, bandwidth, sharing, flood, restart)
 
 
 def as_json(bench: ServiceBench) -> dict:

@@ -45,7 +45,6 @@ from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
 from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
 from kvtier.service.backoff import AttachBackoff
-from kvtier.service.messages import Publish, Release
 from kvtier.service.region import RegionFormat
 
 log = logging.getLogger(__name__)
@@ -234,7 +233,7 @@ class ServicePages:
             for region_page, page in zip(got, pages[len(held):]):
                 for row, pool in enumerate(self.group):
                     _copy_out(pool, page, session.row(row, region_page))
-            session.client.note([Publish(pages=got, keys=keys[len(held):len(held) + len(got)]).wire(), Release(pages=got).wire()])
+            session.client.publish_and_release(got, keys[len(held):len(held) + len(got)])
             written = len(got)
             with self._lock:
                 self.skipped_pages += todo - written
