@@ -31,19 +31,21 @@ class RunningService:
 
 
 @contextmanager
-def running_service(tmp_path: Path, host_gb: float = 0.01, *args: str):
+def running_service(tmp_path: Path, host_gb: float = 0.01, *args: str, hold_fds: int = 0):
     """``kvtier serve`` on ``tmp_path/run/node.sock`` (``args``: more of its options) until the block ends
-    (then SIGTERM, then SIGKILL)."""
-    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb, *args)
+    (then SIGTERM, then SIGKILL); ``hold_fds``: :func:`start_service`'s."""
+    svc = start_service(str(tmp_path / "run" / "node.sock"), host_gb, *args, hold_fds=hold_fds)
     try:
         yield svc
     finally:
         stop(svc.proc)
 
 
-def start_service(sock: str, host_gb: float = 0.01, *args: str) -> RunningService:
-    """``kvtier serve`` on ``sock`` (``args``: more of its options), once it listens (the caller stops it)."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(host_gb), "--socket", sock, *args],
+def start_service(sock: str, host_gb: float = 0.01, *args: str, hold_fds: int = 0) -> RunningService:
+    """``kvtier serve`` on ``sock`` (``args``: more of its options), once it listens (the caller stops it).
+    ``hold_fds``: descriptors it opens before it starts (:mod:`support.service_fds`: its own are numbered past them)."""
+    program = ["-m", "support.service_fds", str(hold_fds)] if hold_fds else ["-m", "kvtier.app.cli"]
+    proc = subprocess.Popen([sys.executable, *program, "serve", "--host-gb", str(host_gb), "--socket", sock, *args],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         banner = read_line(proc, START_TIMEOUT_S)
