@@ -277,10 +277,11 @@ def test_allow_group_refuses_a_socket_its_group_could_never_reach(tmp_path):
         shutil.rmtree(open_to_all)
 
 
-def test_a_share_larger_than_the_region_is_warned_of_and_held_to_it_and_no_share_means_the_whole_region(tmp_path, caplog):
+def test_a_share_larger_than_the_region_is_warned_of_and_held_to_it_and_the_per_engine_view_shows_each_engine(tmp_path, caplog):
     from kvtier.service.attach import attach_pages
 
-    with running_service(tmp_path) as svc:
+    with running_service(tmp_path, 0.01, "--metrics-port", "0") as svc:
+        url = re.search(r"metrics on (http://\S+)", svc.banner).group(1)
         with caplog.at_level(logging.WARNING, logger="kvtier.service.leased"):
             big = attach_pages(svc.socket, FMT, NAMESPACE, 1_000_000)
         try:
@@ -291,6 +292,21 @@ def test_a_share_larger_than_the_region_is_warned_of_and_held_to_it_and_no_share
             with caplog.at_level(logging.WARNING, logger="kvtier.service.leased"):
                 whole = attach_pages(svc.socket, FMT, NAMESPACE, None)  # (no share given: the region)
             assert whole.share == n and whole.share_asked is None and not caplog.records
+            # the first engine writes 3 pages and publishes 2; the second is offered those 2
+            got = big.alloc(3).pages
+            big.publish(PUBLISHED[:2], got[:2])
+            assert whole.lookup(PUBLISHED[:2]) == got[:2]
+            # the per-engine view: each engine's process, namespace, share (and what of it the region lacks), pages, hits
+            engines = {e["client"]: e for e in query_status(svc.socket)["engines"]}
+            assert sorted((e["share_pages"], e["share_short_pages"], e["held"], e["leased"], e["hit_pages"]) for e in engines.values()) == [
+                (n, 0, 2, 0, 2), (1_000_000, 1_000_000 - n, 2, 1, 0)]
+            assert {(e["pid"], e["namespace"]) for e in engines.values()} == {(os.getpid(), NAMESPACE)}
+            m = scrape_metrics(url)
+            for e in engines.values():
+                who = (("client", str(e["client"])), ("namespace", NAMESPACE), ("pid", str(os.getpid())))
+                assert m[("kvtier_service_engine_share_short_pages", who)] == e["share_short_pages"]
+                assert m[("kvtier_service_engine_hit_pages_total", who)] == e["hit_pages"]
+                assert m[("kvtier_service_engine_pages", (*who, ("state", "leased")))] == e["leased"]
             whole.close(quiesced=True)
         finally:
             big.close(quiesced=True)

@@ -20,7 +20,7 @@ def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str
     detaches. The deadlines and ``service_uid`` are :class:`ServiceClient`'s (``TierConfig.service_timeout_s``,
     ``service_lookup_timeout_s``, ``service_uid``)."""
     client = ServiceClient(socket_path, str(namespace), fmt, deadline_s=deadline_s, lookup_deadline_s=lookup_deadline_s,
-                           service_uid=service_uid)
+                           service_uid=service_uid, share=share)
     try:
         return LeasedPages(client, share)
     except BaseException:

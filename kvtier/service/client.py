@@ -127,12 +127,14 @@ class ServiceClient:
     ``deadline_s`` and ``lookup_deadline_s`` (default: the smaller of :data:`DEFAULT_LOOKUP_DEADLINE_S`
     and ``deadline_s``): see the module's docstring; ``attach_deadline_s`` bounds the connect and the
     hello together (default ``deadline_s``). ``service_uid``: the uid the service runs as, where it is not
-    this process's (a member of its ``--allow-group``; ``TierConfig.service_uid``): any other is refused."""
+    this process's (a member of its ``--allow-group``; ``TierConfig.service_uid``): any other is refused.
+    ``share``: the pages this engine means to hold at once, told to the service for its per-engine view."""
 
     def __init__(self, socket_path: str, namespace: str, fmt: RegionFormat, *, deadline_s: float = DEFAULT_DEADLINE_S,
                  lookup_deadline_s: float | None = None, previous: str | None = None, attach_deadline_s: float | None = None,
-                 service_uid: int | None = None):
+                 service_uid: int | None = None, share: int | None = None):
         self.socket_path = socket_path
+        self.share = share
         self.namespace = namespace
         self.fmt = fmt
         self.deadline_s = deadline_s
@@ -143,7 +145,7 @@ class ServiceClient:
         attach_s = deadline_s if attach_deadline_s is None else attach_deadline_s
         deadline = time.monotonic() + attach_s
         self._sock, self.trust = _connect(socket_path, attach_s, service_uid)
-        (hello,) = self._call([Hello(namespace=namespace, format=fmt.as_wire(), previous=previous).wire()], deadline)
+        (hello,) = self._call([Hello(namespace=namespace, format=fmt.as_wire(), previous=previous, share=share).wire()], deadline)
         try:
             self.hello = HelloAnswer.check(hello, fmt, self.trust)
         except ServiceError as e:
@@ -158,7 +160,7 @@ class ServiceClient:
         within the lookup deadline (an engine's thread attaches again between requests)."""
         quick = self.lookup_deadline_s
         return ServiceClient(self.socket_path, self.namespace, self.fmt, deadline_s=self.deadline_s, lookup_deadline_s=quick,
-                             previous=self.session, attach_deadline_s=quick, service_uid=self.service_uid)
+                             previous=self.session, attach_deadline_s=quick, service_uid=self.service_uid, share=self.share)
 
     def map_region(self, **kwargs) -> torch.Tensor:
         """The region this client's hello named, mapped once it is checked again to be the service's

@@ -37,6 +37,8 @@ class Client:
     namespace: str
     writing: set[int] = field(default_factory=set)
     held: dict[int, None] = field(default_factory=dict)
+    #: pages its lookups were offered (and an L3 load's extension of them): the per-engine view's hits
+    hit_pages: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class HostIndex:
                 break
             pages.append(page)
         self._hold(client, c, pages)
+        c.hit_pages += len(pages)
         self.hit_pages += len(pages)
         self.hit_pages_of[c.namespace] += len(pages)
         return pages

@@ -36,6 +36,8 @@ MAX_PAGES = 1 << 15
 MAX_KEY_BYTES = 64
 MAX_NAMESPACE = 1024
 MAX_SESSION = 64
+#: the largest share of the region a hello may name (pages; far beyond any host's memory)
+MAX_SHARE = 1 << 40
 #: the longest a lookup may ask the service to wait for pages it fetches from its L3 tier (seconds)
 MAX_WAIT_S = 10.0
 
@@ -189,12 +191,14 @@ class Hello(Message):
     """Attach in ``namespace`` for pages of ``format`` (a :class:`~kvtier.service.region.RegionFormat`'s
     wire form). ``previous``: a session of this process the service dropped, now quiesced -- its pages
     are out of this process's tree and no copy touches them -- so the service may free them
-    (:mod:`kvtier.service.sessions`' orphans)."""
+    (:mod:`kvtier.service.sessions`' orphans). ``share``: how many of the region's pages the engine means to
+    hold at once (its host tier's size; absent: as many as the region has), for the operator's per-engine view."""
 
     version: int = wire(Codec(f"protocol version {VERSION}", _version), VERSION)
     namespace: str = wire(NAMESPACE)
     format: dict = wire(Codec("an object", _object))
     previous: str | None = wire(_optional(SESSION), None)
+    share: int | None = wire(_optional(_count(MAX_SHARE)), None)
 
 
 @message("join", attached=False)

@@ -43,6 +43,8 @@ class ServiceSnapshot:
     writers: int
     #: the service's L3 tier (``ServiceStorage.status()``), if it has one
     l3: dict | None = field(default=None)
+    #: the per-engine view (``NodeService.engines()``)
+    engines: list[dict] = field(default_factory=list)
 
     @classmethod
     def of(cls, service: NodeService) -> ServiceSnapshot:
@@ -55,7 +57,7 @@ class ServiceSnapshot:
                 return cls(0, 0, 0, {}, {}, {}, counters | dict.fromkeys(_INDEX_COUNTERS, 0), clients, orphaned, writers, l3)
             counters |= {name: getattr(index, name) for name in _INDEX_COUNTERS}
             return cls(region.format.page_bytes, index.alloc.num_pages, index.alloc.num_free, index.pages_by_namespace(),
-                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3)
+                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3, service.engines())
 
 
 #: the index's counters exported as ``kvtier_service_<name>_total``
@@ -122,6 +124,7 @@ class ServiceCollector:
             yield CounterMetricFamily(f"{PREFIX}_{name}", _HELP[name], value=value)
         if snap.l3 is not None:
             yield from _l3_families(snap.l3)
+        yield from _engine_families(snap.engines)
 
 
 #: the L3 tier's counters (``StorageCounters``) as ``kvtier_service_l3_<name>_total``
@@ -133,6 +136,29 @@ _L3_COUNTERS = {
     "fetch_failed_pages": "pages whose load from the L3 store failed (a miss)",
     "corrupt_pages": "pages the L3 store gave back that failed their checksum (a miss; deleted so the next save rewrites them)",
 }
+
+
+def _engine_families(engines: list[dict]):
+    """The per-engine view, labelled by the engine's connection, process and namespace (a session's series goes when it
+    detaches; two engines of one process are two connections)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["client", "pid", "namespace"]
+    pages = GaugeMetricFamily(f"{PREFIX}_engine_pages", "pages an attached engine holds (read) or leases (writes)",
+                              labels=[*labels, "state"])
+    share = GaugeMetricFamily(f"{PREFIX}_engine_share_pages", "pages an attached engine means to hold at once (its host tier's size)",
+                              labels=labels)
+    short = GaugeMetricFamily(f"{PREFIX}_engine_share_short_pages", "of an engine's share, the pages the region does not have (a "
+                              "share larger than the region: it keeps fewer pages of each prompt than it was sized for)", labels=labels)
+    hits = CounterMetricFamily(f"{PREFIX}_engine_hit_pages", "pages an attached engine's lookups were offered", labels=labels)
+    for e in engines:
+        who = [str(e["client"]), str(e["pid"]), e["namespace"]]
+        pages.add_metric([*who, "held"], e["held"])
+        pages.add_metric([*who, "leased"], e["leased"])
+        share.add_metric(who, e["share_pages"])
+        short.add_metric(who, e["share_short_pages"])
+        hits.add_metric(who, e["hit_pages"])
+    yield from (pages, share, short, hits)
 
 
 def _l3_families(l3: dict):

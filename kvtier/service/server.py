@@ -118,11 +118,13 @@ class ServeConfig:
 
 class _Conn:
     __slots__ = ("id", "sock", "reader", "out", "unread_since", "attached", "pid", "pidfd", "session", "namespace", "deferred",
-                 "joined", "events", "eof", "partial_since")
+                 "joined", "events", "eof", "partial_since", "share")
 
     def __init__(self, cid: int, sock: socket.socket, pid: int = 0):
         self.id = cid
         self.sock = sock
+        #: the pages its engine means to hold at once (its hello's share; None: the region)
+        self.share: int | None = None
         self.reader = FrameReader()
         self.out = bytearray()
         self.unread_since: float | None = None
@@ -520,6 +522,7 @@ class NodeService:
             raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
                                f"{fmt} needs a service of its own (one page format per service)")
         stale = self.sessions.attach(conn, op.namespace, op.previous)
+        conn.share = op.share
         if stale is not None:
             self._drop(stale)
         return {"region": self.region.path, "size": self.region.size, "num_pages": self.region.num_pages, "session": conn.session}
@@ -597,11 +600,24 @@ class NodeService:
             # (ready counts every written page; a page written again under a key published already is held by its
             # writer but offered to nobody: ready == sum(pages_per_namespace) + duplicates)
             out["duplicates"] = out["ready"] - sum(out["pages_per_namespace"].values())
+            out["engines"] = self.engines()
         if self.storage is not None:
             out["l3"] = self.storage.status()
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
         return out | {"clients": self.attached_clients, "orphaned": self.orphaned_clients, "protocol_errors": self.protocol_errors,
                       "unread_drops": self.unread_drops, "fd_limit_hits": self.fd_limit_hits}
+
+    def engines(self) -> list[dict]:
+        """The per-engine view: each attached session's process, namespace (as :func:`namespace_label` shows it),
+        the share it asked for (None: the region) against the region, and the pages it holds, writes and was offered."""
+        out = []
+        for conn in self.sessions.attached.values():
+            c = self.index.clients[conn.id]
+            share = self.region.num_pages if conn.share is None else conn.share
+            out.append({"client": conn.id, "pid": conn.pid, "namespace": namespace_label(conn.namespace), "share_pages": share,
+                        "share_short_pages": max(0, share - self.region.num_pages), "held": len(c.held), "leased": len(c.writing),
+                        "hit_pages": c.hit_pages})
+        return out
 
     # ---- connections -------------------------------------------------------------------------------
     def _send(self, conn: _Conn, obj: dict) -> None:
