@@ -29,6 +29,7 @@ RUN_BY = {
     "kvtier bench cache --json": ("tests/test_bench_cache.py", "test_bench_cache_replays_through_sglangs_trees_in_the_same_run"),
     "kvtier bench sglang --json": ("tests/test_sglang_storage.py", "test_bench_sglang_prints_both_sides_as_json"),
     "kvtier plan --json": ("tests/test_fresh_clone.py", "test_plan_from_a_fresh_clone"),
+    "kvtier bench service --json": ("tests/test_bench_service.py", "test_bench_service_prints_every_row_with_both_sides_measured_in_the_run"),
     "kvtier bench service --json --vllm": ("tests/test_bench_service.py",
                                            "test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service"),
     "kvtier plan --validate run --profile P.json --workload chat --json": ("tests/test_plan_validate.py",
