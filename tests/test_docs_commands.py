@@ -86,7 +86,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     "kvtier bench plan --json": ("tests/test_plan.py::test_bench_plan_cli_json",),
     "kvtier bench plan --json --reps 3": ("tests/test_plan.py::test_bench_plan_cli_json",),
     "kvtier bench service": ("tests/test_bench_service.py::test_bench_service_prints_every_row_with_both_sides_measured_in_the_run",),
-    "kvtier bench service --json": ("tests/test_bench_service.py::test_bench_service_prints_every_row_with_both_sides_measured_in_the_run",),
+    "kvtier bench service --json": (
+        "tests/test_bench_service.py::test_bench_service_prints_every_row_with_both_sides_measured_in_the_run",),
     "kvtier bench service --json --vllm": (
         "tests/test_bench_service.py::test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service",),
     "kvtier bench service --json [--vllm]": (
