@@ -374,3 +374,58 @@ def test_making_device_room_for_a_load_never_evicts_the_host_objects_it_reads():
         ("begin", dict(pages=6, policy='timeout', prefix=2, tail=3)),
     ]
     replay(machine, steps)
+
+
+def test_one_groups_copy_to_host_never_decides_anothers_in_flight_on_the_same_page():
+    """Issue 53, item 8 (found by the engine-device core's state machine; the policy core shares the rule):
+    objects handed over for pages the cache has on host already are copied there in plans of their own,
+    one per commit -- a snapshot's, then a window page's of the same page. The second one's completion
+    decided the first's too: done, it made the snapshot readable while its copy was still in flight;
+    failed, it freed the snapshot's host id under its copy. Here the window's copy lands and the
+    snapshot's fails: a request loading that page back must not be handed the failed copy's garbage."""
+    machine = HybridMachine()
+    core, port, mem = machine.core, machine.port, machine.port.mem
+    toks = PREFIXES[0][: 2 * PAGE]
+
+    def commit(objects: dict[str, list[bool]]) -> None:
+        """A request computes both pages (the cache offers none: no objects to continue from) and hands
+        over the objects ``objects`` says it has."""
+        req = core.begin(toks)
+        assert req.num_cached == 0
+        new = req.alloc(2)
+        for i, page in enumerate(new.pages):
+            mem[(Tier.DEVICE, "", page)] = req.keys[i]
+        groups = {}
+        for name, has in objects.items():
+            got = iter(req.alloc_group(name, sum(has)))
+            groups[name] = [next(got) if here else None for here in has]
+            for i, gid in enumerate(groups[name]):
+                if gid is not None:
+                    mem[(Tier.DEVICE, name, gid)] = (req.keys[i], name)
+        req.commit(new.pages, groups)
+
+    def copying(group: str) -> int:
+        return next(op for op, plan in port.inflight.items() if [g.group for g in plan.groups] == [group] and not plan.src_pages)
+
+    commit({})  # the pages alone, backed up to host
+    for op in sorted(port.inflight):
+        port.finish(op, "done")
+    core.poll()
+    commit({"ssm": [False, True]})
+    commit({"swa": [True, True]})
+    snapshot, window = copying("ssm"), copying("swa")
+    port.finish(window, "done")
+    core.poll()
+    port.finish(snapshot, "fail")
+    core.poll()
+    core.evict_device(machine.dev_pages)  # every page and object has a host copy (or none): off the device
+    req = core.begin(toks)
+    for op in sorted(port.inflight):
+        port.finish(op, "done")
+    req.wait()
+    machine._check_offered(req)  # (before: the snapshot at boundary 2 held the failed copy's garbage)
+    assert req.num_cached == 0, "boundary 2 has no snapshot, boundary 1 none either"
+    req.abort()
+    core.wait_idle()
+    core.check_integrity(idle=True)
+    core.close()

@@ -191,3 +191,53 @@ def test_engine_device_hybrid_state_machine():
     assert STEPS["total"] >= 5_000, STEPS
     # the runs did what they are for: completed loads checked byte for byte, objects among them, prefixes a group cut short
     assert STEPS["checked_loads"] > 100 and STEPS["group_objects_checked"] > 100 and STEPS["limited"] > 0, STEPS
+
+
+def test_one_groups_copy_to_host_never_decides_anothers_in_flight_on_the_same_page():
+    """Found by this file's state machine (issue 53, item 8: an engine handed a snapshot that was a failed
+    copy's garbage). Copies out of the engine of objects alone -- beside pages the cache holds without
+    them -- are plans of their own, one per offload: a state snapshot's, then a window page's of the same
+    page. The second one's completion decided the first's too: done, it made the snapshot readable while
+    its copy was still in flight (a load copied what was there); failed, it freed the snapshot's host id
+    under its copy. Here the window's copy lands, the snapshot's fails: its garbage must not be loaded."""
+    machine = type("Regression", (EngineHybridMachine,), {"window": 6, "state": True, "state_every": 1, "host_pages": 8,
+                                                          "group_host": {"swa": 4, "ssm": 4}})()
+    core, port, mem = machine.core, machine.port, machine.port.mem
+    keys = machine._keys(0, 2)
+    ids = itertools.count(100)
+
+    def engine_has(pages: list[int | None], group: str) -> list[int | None]:
+        out = []
+        for i, here in enumerate(pages):
+            out.append(None if here is None else next(ids))
+            if here is not None:
+                mem[(Tier.DEVICE, group, out[-1])] = (keys[i], group)
+        return out
+
+    blocks = [next(ids) for _ in keys]
+    for k, b in zip(keys, blocks):
+        mem[(Tier.DEVICE, "", b)] = k
+    r = core.offload(keys, blocks, wait=False)  # the pages alone
+    port.finish(r.copy_op, "done")
+    core.poll()
+    assert r.saved == 2 and core.lookup(keys).host_pages == 0  # (no window, no snapshot: nothing to continue from)
+    snapshot = core.offload(keys, blocks, wait=False, groups={"swa": [None, None], "ssm": engine_has([None, 1], "ssm")})
+    window = core.offload(keys, blocks, wait=False, groups={"swa": engine_has([1, 1], "swa"), "ssm": [None, None]})
+    assert snapshot.objects_op and window.objects_op
+    port.finish(window.objects_op, "done")
+    core.poll()
+    assert core.lookup(keys).host_pages == 0, "the snapshot's copy is still in flight: boundary 2 is not readable yet"
+    port.finish(snapshot.objects_op, "fail")
+    core.poll()
+    assert core.lookup(keys).host_pages == 0, "the snapshot's copy failed: boundary 2 has none"
+    dst = [next(ids) for _ in keys]
+    want = {"swa": [next(ids), next(ids)], "ssm": [next(ids), next(ids)]}
+    load = core.plan_load(keys, dst, groups=want)
+    if load.op is not None:
+        port.finish(load.op, "done")
+        core.poll()
+    got = mem.get((Tier.DEVICE, "ssm", want["ssm"][1]))
+    assert got is None, f"the engine was handed a snapshot whose bytes are {got!r}"
+    core.wait_idle()
+    core.check_integrity(idle=True)
+    core.close()
