@@ -1,8 +1,10 @@
 """The policy core with a hybrid model's KV groups, driven by hypothesis: >= 10,000 steps.
 
 Sliding windows smaller than a page, of a page and a half, and longer than any
-prefix; state cadences 1 and 3; windows and state together; tiny pools for
-every group and tier, so every step evicts. :class:`~support.stateful.BytesExecutor` keeps a label
+prefix; state cadences 1, 2 and 3; windows and state together; tiny pools for
+every group and tier, so every step evicts; two requests open at once, and
+restarts (the cache closed with requests open and plans in flight, a new one
+over the same L3). :class:`~support.stateful.BytesExecutor` keeps a label
 per page and per group object in each tier and moves labels as plans say --
 a plan that fails writes garbage into its destinations, a fetch cut short too, and
 L3 saves, fetches, settles and lost keys are drawn -- so a request that is
@@ -13,6 +15,10 @@ After every step: the tree's invariants, no page or object owned twice, every
 allocated id held by the tree, an open request or the quarantine, free + used =
 capacity per group and tier. When nothing is open or in flight, every page and
 every object is evictable.
+
+The same scenario with real bytes, through the in-process cache and its
+transfer threads (slow copies that fail at random, a slow file L3):
+:mod:`support.hybrid_soak` (issue 53, item 8).
 """
 
 from __future__ import annotations
@@ -28,8 +34,9 @@ from kvtier.core import CacheCore, RequestState, Tier
 from support.hybrid_models import PAGE, hybrid_model
 from support.stateful import PREFIXES, BytesExecutor, ExecutorSide
 from support.hybrid_rules import read_places, snapshot_places
+from support.hybrid_soak import CoreSoak, Counts, Settings, soak_plan
 
-STEPS = {"total": 0, "group_hits": 0, "l3_hits": 0, "limited": 0, "failed": 0, "shared_evicted": 0, "filled": 0}
+STEPS = {"total": 0, "group_hits": 0, "l3_hits": 0, "limited": 0, "failed": 0, "shared_evicted": 0, "filled": 0, "restarts": 0}
 
 
 class HybridMachine(ExecutorSide):
@@ -42,10 +49,17 @@ class HybridMachine(ExecutorSide):
     share_window = False
     write_policy = "write_through"
     l3_policy = "write_through"
+    #: the cache restarts now and then (a rule of its own: the other configurations' runs stay as they were)
+    restarts = False
 
     def __init__(self):
         super().__init__()
         self.rnd = random.Random(0)
+        self.open: list = []
+        self._build({})
+
+    def _build(self, store: dict) -> None:
+        """A core (a fresh one on restart: empty pools) over an executor whose L3 is ``store``."""
         self.model, full = hybrid_model(self.window, self.state)
         device, host = PageAllocator(self.dev_pages, "device pool"), PageAllocator(self.host_pages, "host pool")
         pools = {g.name: (PageAllocator(self.group_pages[g.name][0], f"{g.name} device"), PageAllocator(self.group_pages[g.name][1],
@@ -55,11 +69,11 @@ class HybridMachine(ExecutorSide):
             pools["swa"] = (device, host)
         self.pool_of = {name: "" if pool[0] is device else name for name, pool in pools.items()}
         self.port = BytesExecutor(self.rnd, self.pool_of)
+        self.port.store = store
         self.core = CacheCore(full, device, host, self.port,
                               CacheConfig(write_policy=self.write_policy, preallocate_nodes=False),
                               StorageConfig(url="memory://", write_policy=self.l3_policy, min_prefetch_pages=1), model=self.model,
                               group_pools=pools, state_every=self.state_every)
-        self.open: list = []
 
     # ---- the bytes a request is offered are its own ---------------------------------------------------
     def _check_offered(self, req) -> None:
@@ -154,6 +168,21 @@ class HybridMachine(ExecutorSide):
                 assert c.alloc[tier].num_used == 0, f"idle, yet {c.alloc[tier].num_used} {c.name} {tier.name} objects stayed"
         core.check_integrity(idle=True)
 
+    @precondition(lambda self: self.restarts)
+    @rule(now=st.integers(0, 15), end_them=st.booleans())
+    def restart(self, now, end_them):
+        """The engine and its cache restart with requests open (ended first, or not) and plans in flight
+        (close lets them finish, in any way); the new cache starts with empty pools over the same L3."""
+        if now != 5:  # (rarely: a cache that restarts often has little in it to serve)
+            return
+        if end_them:
+            for req in self.open:
+                req.abort()
+        self.open = []
+        self.teardown()
+        STEPS["restarts"] += 1
+        self._build(self.port.store)
+
     @invariant()
     def accounting(self):
         STEPS["total"] += 1
@@ -198,6 +227,7 @@ CONFIGS = [  # window (tokens), state, cadence, device, host, write policy, grou
     (None, True, 1, 6, 8, "write_through", 3),
     (None, True, 3, 5, 7, "write_back", 3),
     (6, True, 3, 6, 9, "write_through", 3),
+    (6, True, 2, 6, 9, "write_through", 3),      # issue 53's: a window of 6 tokens with its own pools, a snapshot every 2, restarts
     (2, True, 1, 4, 6, "write_through_selective", 3),
     (6, True, 1, 10, 12, "write_through", 6),     # roomier pools: more prefixes survive to be hit
     (40, True, 3, 9, 12, "write_back", 6),
@@ -208,16 +238,20 @@ CONFIGS = [  # window (tokens), state, cadence, device, host, write policy, grou
 ]
 
 
+#: examples per configuration and steps per example (a long run: KVTIER_SOAK_SEEDS examples of KVTIER_SOAK_STEPS)
+EXAMPLES, STEP_COUNT = len(soak_plan(40, 70)[0]), soak_plan(40, 70)[1]
+
+
 def test_hybrid_core_state_machine_ten_thousand_steps():
-    STEPS.update(total=0, group_hits=0, l3_hits=0, limited=0, failed=0, shared_evicted=0, filled=0)
+    STEPS.update(total=0, group_hits=0, l3_hits=0, limited=0, failed=0, shared_evicted=0, filled=0, restarts=0)
     for window, state, every, dev, host, wp, g in CONFIGS:
         shared = g == "shared"
         g = 4 if shared else g
         machine = type(f"Hybrid_{window}_{state}_{every}_{wp}_{dev}_{g}", (HybridMachine,),
                        {"window": window, "state": state, "state_every": every, "dev_pages": dev, "host_pages": host, "write_policy": wp,
-                        "group_pages": {"swa": (g, g + 2), "ssm": (g, g + 1)}, "share_window": shared})
-        run_state_machine_as_test(machine, settings=settings(max_examples=40, stateful_step_count=70, derandomize=True, deadline=None,
-                                                             database=None, suppress_health_check=list(HealthCheck)))
+                        "group_pages": {"swa": (g, g + 2), "ssm": (g, g + 1)}, "share_window": shared, "restarts": every == 2})
+        run_state_machine_as_test(machine, settings=settings(max_examples=EXAMPLES, stateful_step_count=STEP_COUNT, derandomize=True,
+                                                             deadline=None, database=None, suppress_health_check=list(HealthCheck)))
     assert STEPS["total"] >= 10_000, STEPS
     # the runs did what they are for: hits that read group objects (some through L3), prefixes a group cut
     # short, failed loads
@@ -225,6 +259,31 @@ def test_hybrid_core_state_machine_ten_thousand_steps():
     # window pages went first under the pressure of a shared pool, and loads brought them back beside pages
     # that had stayed on device
     assert STEPS["shared_evicted"] > 100 and STEPS["filled"] > 0, STEPS
+    assert STEPS["restarts"] > 0, STEPS
+
+
+def test_the_in_process_hybrid_cache_hands_an_engine_only_its_own_bytes(tmp_path):
+    """Issue 53, item 8, with real bytes (support.hybrid_soak): the in-process cache (HierarchicalCache) of a
+    window of 6 tokens with its own pools and a snapshot every page or two, a slow file L3 whose prefetches
+    time out, host->device copies that are slow and fail at random leaving garbage, restarts with copies in
+    flight, two requests open at once on one prefix; every byte a request is handed after ``wait()`` -- its
+    pages, its window pages, the snapshot at its boundary -- is its own. A long run: KVTIER_SOAK_SEEDS=100
+    KVTIER_SOAK_STEPS=1200."""
+    seeds, steps = soak_plan(2, 300)
+    total, failures = Counts(), []
+    for seed in seeds:
+        for every in (1, 2):
+            root = tmp_path / f"{seed}-{every}"
+            root.mkdir()
+            try:
+                total.add(CoreSoak(seed, root, Settings(every=every)).run(steps))
+            except Exception as e:  # (every seed runs: a long run reports them all)
+                failures.append(f"seed {seed}, every {every}: {type(e).__name__}: {e}")
+    assert not failures, failures
+    # the runs did what they are for: snapshots checked, prefixes a failed copy shrank, L3 hits, prefetches given up
+    # on, two requests on one prefix, restarts with copies in flight
+    assert total.snapshots_checked > 100 and total.shrunk_by_failure > 10 and total.storage_hits > 5, total
+    assert total.given_up_prefetches > 5 and total.both_open_on_one_prefix > 50 and total.restarts_mid_copy > 0, total
 
 
 def replay(machine: HybridMachine, steps: list[tuple[str, dict]]) -> None:
@@ -374,3 +433,58 @@ def test_making_device_room_for_a_load_never_evicts_the_host_objects_it_reads():
         ("begin", dict(pages=6, policy='timeout', prefix=2, tail=3)),
     ]
     replay(machine, steps)
+
+
+def test_one_groups_copy_to_host_never_decides_anothers_in_flight_on_the_same_page():
+    """Issue 53, item 8 (found by the engine-device core's state machine; the policy core shares the rule):
+    objects handed over for pages the cache has on host already are copied there in plans of their own,
+    one per commit -- a snapshot's, then a window page's of the same page. The second one's completion
+    decided the first's too: done, it made the snapshot readable while its copy was still in flight;
+    failed, it freed the snapshot's host id under its copy. Here the window's copy lands and the
+    snapshot's fails: a request loading that page back must not be handed the failed copy's garbage."""
+    machine = HybridMachine()
+    core, port, mem = machine.core, machine.port, machine.port.mem
+    toks = PREFIXES[0][: 2 * PAGE]
+
+    def commit(objects: dict[str, list[bool]]) -> None:
+        """A request computes both pages (the cache offers none: no objects to continue from) and hands
+        over the objects ``objects`` says it has."""
+        req = core.begin(toks)
+        assert req.num_cached == 0
+        new = req.alloc(2)
+        for i, page in enumerate(new.pages):
+            mem[(Tier.DEVICE, "", page)] = req.keys[i]
+        groups = {}
+        for name, has in objects.items():
+            got = iter(req.alloc_group(name, sum(has)))
+            groups[name] = [next(got) if here else None for here in has]
+            for i, gid in enumerate(groups[name]):
+                if gid is not None:
+                    mem[(Tier.DEVICE, name, gid)] = (req.keys[i], name)
+        req.commit(new.pages, groups)
+
+    def copying(group: str) -> int:
+        return next(op for op, plan in port.inflight.items() if [g.group for g in plan.groups] == [group] and not plan.src_pages)
+
+    commit({})  # the pages alone, backed up to host
+    for op in sorted(port.inflight):
+        port.finish(op, "done")
+    core.poll()
+    commit({"ssm": [False, True]})
+    commit({"swa": [True, True]})
+    snapshot, window = copying("ssm"), copying("swa")
+    port.finish(window, "done")
+    core.poll()
+    port.finish(snapshot, "fail")
+    core.poll()
+    core.evict_device(machine.dev_pages)  # every page and object has a host copy (or none): off the device
+    req = core.begin(toks)
+    for op in sorted(port.inflight):
+        port.finish(op, "done")
+    req.wait()
+    machine._check_offered(req)  # (before: the snapshot at boundary 2 held the failed copy's garbage)
+    assert req.num_cached == 0, "boundary 2 has no snapshot, boundary 1 none either"
+    req.abort()
+    core.wait_idle()
+    core.check_integrity(idle=True)
+    core.close()

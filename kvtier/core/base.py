@@ -107,16 +107,16 @@ class CoreBase(HostTier):
         from the tree's device objects, or ``sources``, an engine's ids per group and node), as a plan of
         no pages. The nodes stay pinned and the host objects unreadable until it completes. Returns its
         op (None: nothing to copy)."""
-        runs, pinned = self.groups.objects_to_copy(nodes, sources)
+        runs, pinned, moved = self.groups.objects_to_copy(nodes, sources)
         if not runs:
             return None
         self.tree.pin(pinned)
-        return self._submit(copy_plan, GroupBackup(pinned), Tier.DEVICE, [], Tier.HOST, [], 0, runs)
+        return self._submit(copy_plan, GroupBackup(pinned, moved), Tier.DEVICE, [], Tier.HOST, [], 0, runs)
 
     def _finish_group_backup(self, c: Completion, tag: GroupBackup) -> None:
         self.tree.unpin(tag.nodes)
         ok = type(c) is Done
-        self.groups.copied(tag.nodes, ok)
+        self.groups.copied(tag.moved, ok)
         if not ok:
             self.stats.transfer_failures += 1
 

@@ -402,13 +402,14 @@ class Groups:
         return max(0, self.prefix(path, self.tree.device_prefix(path), len(path)).pages - above)
 
     def objects_to_copy(self, nodes: Sequence[PageNode], sources: dict[str, dict[PageNode, int]] | None = None
-                        ) -> tuple[tuple[GroupRun, ...], list[PageNode]]:
+                        ) -> tuple[tuple[GroupRun, ...], list[PageNode], dict[str, list[PageNode]]]:
         """``nodes`` (their host copies ready) have device objects those copies lack -- objects attached
         after the page went to host, a shorter prompt's last snapshot on a shared prefix, an engine's
         window pages beside pages cached without them: host ids for those alone, from the tree's device
         objects or (``sources``, an engine's) the ids given per group and node, attached and not readable
-        until :meth:`copied`. Returns the runs of a plan of no pages, and the nodes they hang on."""
-        runs, moving = [], {}
+        until :meth:`copied`. Returns the runs of a plan of no pages, the nodes they hang on, and per
+        group the nodes whose objects it writes (what :meth:`copied` decides)."""
+        runs, moving, moved = [], {}, {}
         for c in self.components:
             dev, host = c.at[Tier.DEVICE] if sources is None else sources.get(c.name, {}), c.at[Tier.HOST]
             todo = [n for n in nodes if n in dev and n not in host]
@@ -424,15 +425,20 @@ class Groups:
             c.backed_up += len(todo)
             runs.append(GroupRun(c.name, (), tuple([dev[n] for n in todo]), tuple(ids)))
             moving.update(dict.fromkeys(todo))
-        return tuple(runs), list(moving)
+            moved[c.name] = todo
+        return tuple(runs), list(moving), moved
 
-    def copied(self, nodes: Sequence[PageNode], ok: bool) -> None:
-        """:meth:`objects_to_copy`'s plan completed: its host objects are readable, or (failed) freed."""
-        for c in self.components:
-            moved = [n for n in nodes if n in c.unready]
-            c.unready.difference_update(moved)
+    def copied(self, moved: Mapping[str, Sequence[PageNode]], ok: bool) -> None:
+        """:meth:`objects_to_copy`'s plan completed: the host objects it wrote (``moved``: per group, the
+        nodes they hang on) are readable, or (failed) freed. Its own only: another group's object of the
+        same page may be on its way to host in a plan of its own (an engine's snapshot copied out beside
+        a page, its window page by a later offload), and that plan's completion decides it."""
+        for name, nodes in moved.items():
+            c = self.by_name[name]
+            mine = [n for n in nodes if n in c.unready]
+            c.unready.difference_update(mine)
             if not ok:  # the host objects hold nothing good: back to the pool
-                c.alloc[Tier.HOST].free(c.take(Tier.HOST, moved))
+                c.alloc[Tier.HOST].free(c.take(Tier.HOST, mine))
 
     def stored_usable(self, path: Sequence[PageNode], n_dev: int, keys: Sequence[PageHash], stored: int,
                       stored_prefix: Callable[[list[bytes]], int]) -> int:

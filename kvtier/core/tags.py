@@ -76,9 +76,14 @@ class EvictionBackup(JobTag):
 
 class GroupBackup(JobTag):
     """device -> host copies of a hybrid model's group objects alone, for nodes whose pages are on host
-    already (pinned until it completes); applied by :meth:`CacheCore.poll`."""
+    already (pinned until it completes); applied by :meth:`CacheCore.poll`. ``moved``: per group, the
+    nodes whose objects it copies (its completion decides those, and no other group's of the same nodes)."""
 
-    __slots__ = ()
+    __slots__ = ("moved",)
+
+    def __init__(self, nodes: list[PageNode], moved: dict[str, list[PageNode]]):
+        self.nodes = nodes
+        self.moved = moved
 
 
 class Save(JobTag):
