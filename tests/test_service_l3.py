@@ -387,7 +387,11 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
         fmt = RegionFormat.of(SPEC, "page_first").as_wire()
         other = RegionFormat.of(SPEC.with_(page_size=2 * SPEC.page_size), "page_first").as_wire()["spec"]
         cases = {
-            "no spec": ([hello("raw", {k: v for k, v in fmt.items() if k != "spec"})], "names no spec"),
+            # (a well-formed hello this service cannot serve: a ServiceError that names the engines it means and the fix)
+            "no spec": ([hello("raw", {k: v for k, v in fmt.items() if k != "spec"})],
+                        "names no spec: this engine's page is not one kvtier spec (vLLM at tensor-parallel size > 1 with MHA/GQA, or "
+                        "SGLang), and this service's L3 tier (--storage-url) stores single-spec pages only so far; attach it to a "
+                        "service without --storage-url"),
             "another spec": ([hello("raw", fmt | {"spec": other})], "names a spec that is not the format's"),
             "not a spec": ([hello("raw", fmt | {"spec": {"name": "x", "num_layers": "many"}})], "not the format's"),
             "negative wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": -1}], "lookup's wait_s"),
@@ -396,7 +400,7 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
         }
         for name, (ops, text) in cases.items():
             err = _refusal(sock, ops)
-            assert err["type"] == "ServiceProtocolError" and text in err["message"], (name, err)
+            assert err["type"] == ("ServiceError" if name == "no spec" else "ServiceProtocolError") and text in err["message"], (name, err)
         engine = start_peer("compute", sock)  # the service serves on
         assert peer_report(engine)["backed_up"] == PAGES
         engine.communicate("done\n", timeout=60)

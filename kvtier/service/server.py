@@ -504,8 +504,10 @@ class NodeService:
             raise ServiceProtocolError("hello on a connection that said hello or join already: a connection attaches once")
         fmt = RegionFormat.from_wire(op.format)
         if self.storage is not None and fmt.spec is None:
-            raise ServiceProtocolError("hello's format names no spec, and this service's L3 tier needs it to write the page objects "
-                                       "an engine's own L3 writes; attach with a kvtier client that sends it")
+            # (an engine whose region page is several kvtier specs -- vLLM's MHA/GQA shards at TP>1, SGLang's page -- names none)
+            raise ServiceError("hello's format names no spec: this engine's page is not one kvtier spec (vLLM at tensor-parallel "
+                               "size > 1 with MHA/GQA, or SGLang), and this service's L3 tier (--storage-url) stores single-spec pages "
+                               "only so far; attach it to a service without --storage-url, or run it at tensor-parallel size 1")
         if self.region is None:
             self.region = create_region(fmt, self.config.host_bytes, gid=self.gid)
             self.index = HostIndex(self.region.num_pages)
