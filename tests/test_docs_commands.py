@@ -114,6 +114,9 @@ ILLUSTRATION: dict[str, str] = {
                              "install through ./run.sh test -q (.ci/run)",
     '.venv/bin/python -m pytest -m "not integration" -q': "runs the suite itself (its quick subset), not a test in it",
     ".venv/bin/python -m pytest tests/test_radix_lru.py -q": "runs one file of the suite itself",
+    "KVTIER_SOAK_SEEDS=100 KVTIER_SOAK_STEPS=1200 .venv/bin/python -m pytest -q tests/test_core_hybrid_stateful.py "
+    "tests/test_engine_device_hybrid_stateful.py": "runs two files of the suite itself, long (100 seeds of 1,200 steps: hours on "
+                                                   "this VM); the suite runs the same state machines on their short settings",
     ".venv/bin/mkdocs serve": "serves the pages on a local port until Ctrl-C; the suite builds the same site with mkdocs build "
                               "--strict (tests/test_readme.py)",
     ".venv/bin/python examples/vllm_restart.py --storage-url redis://127.0.0.1:6379/0":
