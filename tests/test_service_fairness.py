@@ -17,7 +17,7 @@ from support.service_peer import NAMESPACE, SPEC
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.service import client as client_module
-from kvtier.service import server
+from kvtier.service import connections
 from kvtier.service.client import ServiceClient
 from kvtier.service.messages import MAX_PAGES
 from kvtier.service.region import RegionFormat
@@ -130,7 +130,7 @@ def test_unfinished_frames_cost_the_service_bounded_memory_and_are_dropped_past_
 
 
 def test_a_process_past_its_connections_bound_is_refused_and_the_service_serves_on(tmp_path):
-    cap = server.MAX_CONNECTIONS_PER_PROCESS
+    cap = connections.MAX_CONNECTIONS_PER_PROCESS
     with running_service(tmp_path) as svc:
         held = []
         try:

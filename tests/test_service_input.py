@@ -62,7 +62,7 @@ def test_json_nested_past_the_parsers_stack_gets_a_typed_error_frame(tmp_path):
         assert query_status(svc.socket)["protocol_errors"] == 1  # and it serves on
     # the service's log says when, and how bad: a timestamped line, not the bare message of Python's last resort
     log = svc.proc.stderr.read()
-    stamp = r"^WARNING \d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \[kvtier\.service\.server\] "
+    stamp = r"^WARNING \d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \[kvtier\.service\.connections\] "
     assert re.search(stamp + r"client \d+: ServiceProtocolError: a frame's JSON nests too deep", log, re.M), log
 
 
