@@ -33,6 +33,7 @@ reservation until the service gives fewer than asked, publish and release as sev
 from __future__ import annotations
 
 import os
+import select
 import socket
 import time
 from collections.abc import Callable
@@ -212,6 +213,15 @@ class ServiceClient:
             return recv_frame(self._sock, deadline)
         except ServiceError:
             return None
+
+    def hung_up(self) -> bool:
+        """Whether the service closed this connection (it exited, or dropped this engine), seen without reading
+        or waiting: a heartbeat's check between calls. A broken or closed client is hung up."""
+        if self._broken is not None:
+            return True
+        poller = select.poll()
+        poller.register(self._sock, select.POLLRDHUP)
+        return any(events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL) for _fd, events in poller.poll(0))
 
     def _check(self) -> None:
         if self._broken is not None:
