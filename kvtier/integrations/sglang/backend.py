@@ -71,7 +71,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from kvtier.logs import log_to_stderr_unless_configured
-from kvtier.errors import ConfigError, PageAlignmentError, PageOwnershipError
+from kvtier.errors import ConfigError, KVTierError, PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
@@ -92,6 +92,20 @@ def _encodes(key: str) -> bool:
     except UnicodeEncodeError:  # a lone surrogate
         return False
     return True
+
+@contextmanager
+def _refusing_start():
+    """A start kvtier refuses (a bad option, a pool the service cannot hold, a required service that is not
+    there) is one ERROR line first -- the message names the fix -- so it stands above SGLang's traceback."""
+    try:
+        yield
+    except KVTierError as e:
+        message = str(e)
+        for own in ("kvtier HiCache storage: ", "kvtier SGLang storage: "):  # (said once, by this line)
+            message = message.removeprefix(own)
+        log.error("kvtier HiCache storage refused to start: %s", message)
+        raise
+
 
 #: pools whose pages are the KV pool's pages (replicated like KV under MLA)
 _KV_SHAPED = {PoolName.KV, PoolName.INDEXER, PoolName.DRAFT, PoolName.DRAFT_INDEXER}
@@ -157,6 +171,10 @@ class KvtierStorage(HiCacheStorage):
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         log_to_stderr_unless_configured()  # (SGLang configures its own loggers: kvtier's lines get a time and a level)
+        with _refusing_start():
+            self._start(storage_config)
+
+    def _start(self, storage_config: HiCacheStorageConfig) -> None:
         self.config = storage_config
         self.options = SGLangStorageOptions.from_extra_config(storage_config.extra_config)
         self.model = self.options.model_name or storage_config.model_name or ""
@@ -205,7 +223,10 @@ class KvtierStorage(HiCacheStorage):
         return c.tp_rank
 
     def _register(self, name, pool) -> None:
-        name = str(name)
+        with _refusing_start():
+            self._register_pool(str(name), pool)
+
+    def _register_pool(self, name: str, pool) -> None:
         if name in self._pools and self._pools[name].pages.pool is pool:
             return
         if not hasattr(pool, "get_data_page"):
@@ -246,10 +267,12 @@ class KvtierStorage(HiCacheStorage):
 
     def on_host_pools_registered(self) -> None:
         """The pool set is known: the region page is fixed and this thread attaches (the first hello makes
-        the service's region; a service that is not there yet is a warning, then misses until it is)."""
+        the service's region; a service that is not there yet is a warning, then misses until the heartbeat
+        attaches it -- or, with ``service_required``, a :class:`~kvtier.errors.ServiceError` that fails SGLang's start)."""
         super().on_host_pools_registered()
         if self.options.service is not None:
-            self._service().attach_now()
+            with _refusing_start():
+                self._service().attach_now(required=self.options.service_required)
 
     def _service(self) -> ServicePages:
         with self._service_lock:

@@ -11,7 +11,8 @@ valid ones, so a typo never silently falls back to a default store.
 ``service`` attaches the backend to the node service (``kvtier serve``) instead of an
 L3 store: the pages go to the service's shared host region (see
 :mod:`kvtier.integrations.sglang.service`). ``storage_url`` beside it is refused;
-``file_storage_path`` is then not used.
+``file_storage_path`` is then not used. SGLang starts whether the service is there or not (it attaches
+when the service appears) unless ``service_required`` asks for the service at start.
 """
 
 from __future__ import annotations
@@ -60,6 +61,9 @@ class SGLangStorageOptions:
     service: str | None = _help(
         "the node service's socket (kvtier serve --socket), unix:///path or the path: SGLang's host pool pages go to the "
         "service's shared host region, shared with every SGLang server attached to it, instead of an L3 store", None)
+    service_required: bool = _help(
+        "the node service: a service that cannot be attached at start fails SGLang's start (a ServiceError naming the socket and "
+        "the reason). Default: SGLang starts without it (one warning line, misses) and attaches when it appears", False)
     service_timeout_s: float = _help("the node service: seconds attaching at start may take", DEFAULT_DEADLINE_S)
     service_lookup_timeout_s: float | None = _help(
         "the node service: seconds a call from SGLang's I/O threads may take (a lookup, a reservation, attaching again); past "
@@ -86,7 +90,12 @@ class SGLangStorageOptions:
         check_number(self, "service_timeout_s", above=0)
         check_number(self, "service_lookup_timeout_s", above=0)
         check_number(self, "service_uid", at_least=0, at_most=(1 << 32) - 2, integer=True)
+        if not isinstance(self.service_required, bool):
+            raise ConfigError(f"extra_config service_required must be true or false, got {self.service_required!r}")
         if self.service is None:
+            if self.service_required:
+                raise ConfigError("extra_config service_required is set without service: name the node service's socket "
+                                  f"(service: {UNIX_SCHEME}/path, kvtier serve --socket) or drop service_required")
             return
         if not isinstance(self.service, str) or not self.socket_path:
             raise ConfigError(f"extra_config service must be the node service's socket, {UNIX_SCHEME}/path or the path "

@@ -23,9 +23,17 @@ answer's types, ranges and counts before a page is copied, counted in ``protocol
 thread's connection, and the call reports
 what it finished (misses after it); no exception leaves. The thread attaches again at a later call --
 one attempt per backoff step (:class:`~kvtier.service.backoff.AttachBackoff`, an engine's host tier's
-schedule), each within the lookup deadline -- naming its lost
-session as quiesced (nothing touches its pages once its call returned), so a service that kept it as
-an orphan frees it; the region it names then (a restarted service's is a new file) is mapped anew.
+schedule), each within the lookup deadline; at once when its call finds that the service hung up --
+naming its lost session as quiesced (nothing touches its pages once its call returned), so a service
+that kept it as an orphan frees it; the region it names then (a restarted service's is a new file) is
+mapped anew.
+
+**Any start order, and a heartbeat.** A service that is not there when SGLang starts is one warning line,
+then misses (``service_required`` makes it SGLang's failed start instead). SGLang's threads call only
+for requests, so an idle server would attach to a service that appeared (or came back after a crash)
+only with its next prompt. A :class:`~kvtier.service.heartbeat.Heartbeat` thread keeps a session of its
+own: every beat it loses it when the service hung up and attaches when the backoff says, so the service
+lists this server within seconds of (re)appearing and its region is mapped for SGLang's threads.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,6 +54,7 @@ from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
 from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
 from kvtier.service.backoff import AttachBackoff
+from kvtier.service.heartbeat import HEARTBEAT_S, Heartbeat
 from kvtier.service.region import RegionFormat
 
 log = logging.getLogger(__name__)
@@ -114,36 +124,76 @@ class ServicePages:
         self._mapped: tuple[str, torch.Tensor] | None = None  # the region mapped last, shared by the sessions on it
         #: connections lost; attached again; losses (and failed attempts to attach again) to an answer out of protocol
         self.losses = self.reattaches = self.skipped_pages = self.protocol_errors = 0
+        self._absent_at_start = False  # (attach_now found no service: the first attach after says so)
+        self._closed = False
+        self.heartbeat = _heartbeat_of(self)
 
     def row_of(self, pool: PoolPages) -> int:
         return next(i for i, p in enumerate(self.group) if p is pool)
 
     # ---- attaching ---------------------------------------------------------------------------------
-    def attach_now(self) -> bool:
-        """Attach this thread within the whole call deadline (at start: the first hello makes the region);
-        a service that is not there is a warning, then misses until it is."""
-        return self._session(self.deadline_s, force=True) is not None
+    def attach_now(self, *, required: bool = False) -> bool:
+        """Attach this thread within the whole call deadline (at start: the first hello makes the region).
+        A service that is not there is one warning line, then misses until the heartbeat attaches it;
+        ``required``: the :class:`~kvtier.errors.ServiceError` (its own type) naming the socket and the fix,
+        and these pages are closed (SGLang's start fails)."""
+        try:
+            self._attach_thread(self.deadline_s)
+        except ServiceError as e:
+            if required:
+                self.close()
+                raise type(e)(f"kvtier HiCache storage: service_required, and the node service at {self.socket_path} cannot be "
+                              f"attached: {e}; start it first, or drop service_required to start without it") from e
+            log.warning("kvtier HiCache storage: the node service at %s is not attached at start (%s); pages miss until it "
+                        "appears (a background heartbeat attaches it within seconds); set service_required to fail the start instead",
+                        self.socket_path, e)
+            with self._lock:
+                self._absent_at_start = not self._sessions  # (unless another thread attached meanwhile)
+            return False
+        return True
 
-    def _session(self, attach_s: float | None = None, force: bool = False) -> _Session | None:
+    def _beat(self) -> None:
+        """The heartbeat thread's own session: lost when the service hung up, attached (again) when the backoff
+        says -- so a (re)started service lists this engine, and its region is mapped, while SGLang is idle. Nothing
+        waits on it: it attaches within the whole call deadline (a restarted service's first hello makes its region)."""
+        self._session(self.deadline_s)
+
+    def _session(self, attach_s: float | None = None) -> _Session | None:
+        """This thread's session, attached when the backoff says; None while not attached. One the service hung up
+        on is lost first and attached again at once (a restarted service serves this very call, not a failed one)."""
         state = self._state
+        hung_up = state.session is not None and state.session.client.hung_up()
+        if hung_up:
+            self._lose(state.session, ServiceError("the node service hung up"))
         if state.session is not None:
             return state.session
-        if not force and not state.backoff.due():
+        if not hung_up and not state.backoff.due():
             return None
         try:
-            state.session = self._attach(state.lost, attach_s if attach_s is not None else self.lookup_deadline_s)
+            return self._attach_thread(self.lookup_deadline_s if attach_s is None else attach_s)
+        except ServiceError as e:
+            log.debug("kvtier HiCache storage: the node service at %s is not attached (%s); pages miss until it is",
+                      self.socket_path, e)
+            return None
+
+    def _attach_thread(self, attach_s: float) -> _Session:
+        """Attach this thread (naming the session it lost), or raise the :class:`ServiceError` after booking the failure."""
+        state = self._state
+        try:
+            state.session = self._attach(state.lost, attach_s)
         except ServiceError as e:
             state.backoff.failed()
             if isinstance(e, ServiceProtocolError):
                 with self._lock:
                     self.protocol_errors += 1
-            log.log(logging.WARNING if force else logging.DEBUG, "kvtier HiCache storage: the node service at %s is not attached "
-                    "(%s); pages miss until it is", self.socket_path, e)
-            return None
+            raise
+        with self._lock:
+            appeared, self._absent_at_start = self._absent_at_start, False
+            self.reattaches += state.lost is not None
         if state.lost is not None:
-            with self._lock:
-                self.reattaches += 1
             log.warning("kvtier HiCache storage: attached to the node service at %s again", self.socket_path)
+        elif appeared:
+            log.warning("kvtier HiCache storage: the node service at %s appeared; attached", self.socket_path)
         state.lost = None
         state.backoff.attached()
         return state.session
@@ -158,8 +208,11 @@ class ServicePages:
             client.close()
             raise
         with self._lock:
-            self._sessions.append(session)
-        return session
+            if not self._closed:
+                self._sessions.append(session)
+                return session
+        client.close(quiesced=True)  # (the heartbeat attached while close() ran)
+        raise ServiceError("these pages are closed")
 
     def _map(self, client: ServiceClient) -> torch.Tensor:
         with self._lock:
@@ -243,11 +296,29 @@ class ServicePages:
         return WriteResult(len(held), written)
 
     def close(self) -> None:
-        """Detach every thread's session (SGLang stopped its threads: nothing touches their pages)."""
+        """Stop the heartbeat, then detach every thread's session, the heartbeat's included (SGLang stopped its
+        threads: nothing touches their pages)."""
+        self.heartbeat.stop()
         with self._lock:
-            sessions, self._sessions = self._sessions, []
+            sessions, self._sessions, self._closed = self._sessions, [], True
         for session in sessions:
             session.client.close(quiesced=True)
+
+
+def _heartbeat_of(pages: ServicePages) -> Heartbeat:
+    """``pages``' heartbeat, which holds it weakly: pages dropped without :meth:`~ServicePages.close` (a backend
+    SGLang let go) stop their beat rather than keep a session and a thread alive."""
+    ref = weakref.ref(pages)
+
+    def beat() -> None:
+        alive = ref()
+        if alive is None:
+            heartbeat.stop()
+        else:
+            alive._beat()
+
+    heartbeat = Heartbeat(beat, "kvtier-hicache-heartbeat", period_s=HEARTBEAT_S)
+    return heartbeat
 
 
 def _copy_in(pool: PoolPages, page: int, row: memoryview) -> None:

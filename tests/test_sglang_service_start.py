@@ -1,0 +1,139 @@
+"""Any start order: kvtier's SGLang storage backend and the node service (``kvtier serve``) start in either
+order, and a service that crashes and comes back is attached again while SGLang is idle (the heartbeat
+of :mod:`kvtier.integrations.sglang.service`); a start kvtier refuses is one ERROR line naming the fix.
+
+Driven by SGLang 0.5.23's own backend factory and host pools on CPU against a real ``kvtier serve``
+subprocess, as in tests/test_sglang_service.py. "Without a call" means no SGLang call: only the
+heartbeat runs between the service's start and its status listing this process's engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import pytest
+
+from support.service import start_service, stop, wait_until
+from support.sglang_helpers import (PoolName, StorageBackendFactory, _mamba_pool, attach, fill, mha_pool, page_bytes, page_keys,
+                                    storage_config)
+from kvtier.errors import ConfigError, ServiceError
+from kvtier.service.client import query_status
+
+pytestmark = pytest.mark.timeout(300)
+
+P = 4  # tokens per page
+#: a bound on the wait for the heartbeat (a beat a second, attempts at most 2 s apart): never a timing asserted
+LISTED_WITHIN_S = 15.0
+
+
+def service_config(sock: str, **kw):
+    # a lookup deadline that a loaded machine meets: the calls below are asserted to succeed at once
+    return storage_config(None, service=f"unix://{sock}", service_lookup_timeout_s=5.0, **kw)
+
+
+def engine_listed(sock: str) -> bool:
+    """The service at ``sock`` lists an engine of this process as attached."""
+    return any(e["pid"] == os.getpid() for e in query_status(sock).get("engines", []))
+
+
+def round_trip_is_bit_exact(backend, src, keys) -> bool:
+    """``keys``' pages of ``src`` backed up through ``backend`` and read back into other slots, bit-exact."""
+    idx, again = src.alloc(len(keys) * P), src.alloc(len(keys) * P)
+    assert backend.batch_set_v1(keys, idx) == [True] * len(keys)
+    assert backend.batch_get_v1(keys, again) == [True] * len(keys)
+    return all(page_bytes(src, i) == page_bytes(src, j) for i, j in zip(idx[::P].tolist(), again[::P].tolist()))
+
+
+def kvtier_records(caplog, level: int) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("kvtier") and r.levelno == level]
+
+
+def test_an_engine_started_before_its_service_attaches_when_it_appears(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="kvtier")
+    sock = str(tmp_path / "run" / "node.sock")
+    src = mha_pool()
+    fill(src, seed=11)
+    keys = page_keys(list(range(16)), P)
+    # SGLang starts with no service there: one warning line naming the socket, the reason and what happens
+    backend = attach(service_config(sock), src)
+    svc = None
+    try:
+        assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, src.alloc(16)) == [False] * 4  # misses
+        (warning,) = kvtier_records(caplog, logging.WARNING)
+        line = warning.getMessage()
+        assert "\n" not in line and sock in line and "no node service listens" in line and "service_required" in line
+        # the service starts: the heartbeat attaches this idle engine, no SGLang call in between
+        svc = start_service(sock)
+        wait_until(lambda: engine_listed(sock), LISTED_WITHIN_S)
+        assert backend.service.heartbeat.beats >= 1
+        assert round_trip_is_bit_exact(backend, src, keys)
+        assert any("appeared; attached" in r.getMessage() for r in kvtier_records(caplog, logging.WARNING))
+    finally:
+        backend.close()
+        if svc is not None:
+            stop(svc.proc)
+
+
+def test_a_killed_and_restarted_service_lists_the_idle_engine_again(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    src = mha_pool()
+    fill(src, seed=12)
+    keys = page_keys(list(range(16)), P)
+    svc = start_service(sock)
+    backend = attach(service_config(sock), src)
+    try:
+        assert round_trip_is_bit_exact(backend, src, keys[:8])
+        wait_until(lambda: backend.service.heartbeat.beats >= 1, LISTED_WITHIN_S)  # the heartbeat has its session
+        # the service crashes and a new one starts at the same socket (a new region: the old pages are gone)
+        os.kill(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait(30)
+        svc = start_service(sock)
+        wait_until(lambda: engine_listed(sock), LISTED_WITHIN_S)  # the heartbeat noticed the hang-up and attached again
+        assert backend.service.losses >= 1 and backend.service.reattaches >= 1
+        # SGLang's thread finds its session hung up and attaches again within this very call
+        assert round_trip_is_bit_exact(backend, src, keys[8:])
+        assert backend.batch_exists(keys) == 0  # (the first pages died with the old region)
+        # close() detaches every session of this engine, the heartbeat's included
+        backend.close()
+        wait_until(lambda: not engine_listed(sock), LISTED_WITHIN_S)
+        assert query_status(sock)["orphaned"] == 0
+    finally:
+        backend.close()
+        stop(svc.proc)
+
+
+def test_a_required_service_that_is_not_there_fails_the_start_in_one_error_line(tmp_path, caplog):
+    sock = str(tmp_path / "run" / "node.sock")
+    with pytest.raises(ServiceError, match="service_required") as e:
+        attach(service_config(sock, service_required=True), mha_pool())
+    assert sock in str(e.value) and "kvtier serve" in str(e.value)
+    (error,) = kvtier_records(caplog, logging.ERROR)
+    assert error.getMessage().startswith("kvtier HiCache storage refused to start: ") and sock in error.getMessage()
+
+
+@pytest.mark.parametrize("bad, match", [(dict(servcie_timeout_s=1), "servcie_timeout_s"), (dict(service_required="yes"), "true or false")])
+def test_a_bad_option_is_one_error_line_before_the_raise(tmp_path, caplog, bad, match):
+    cfg = service_config(str(tmp_path / "node.sock"))
+    cfg.extra_config = cfg.extra_config | bad
+    with pytest.raises(ConfigError, match=match):
+        StorageBackendFactory.create_backend("dynamic", cfg, mha_pool())
+    (error,) = kvtier_records(caplog, logging.ERROR)
+    assert error.getMessage().startswith("kvtier HiCache storage refused to start: ") and match in error.getMessage()
+
+
+def test_service_required_without_a_service_names_the_fix(caplog):
+    cfg = storage_config(None, service_required=True)
+    with pytest.raises(ConfigError, match="service_required is set without service"):
+        StorageBackendFactory.create_backend("dynamic", cfg, mha_pool())
+    assert len(kvtier_records(caplog, logging.ERROR)) == 1
+
+
+def test_a_pool_the_service_cannot_hold_is_one_error_line_before_the_raise(tmp_path, caplog):
+    backend = StorageBackendFactory.create_backend("dynamic", service_config(str(tmp_path / "node.sock")), mha_pool())
+    backend.register_mem_pool_host(mha_pool())
+    with pytest.raises(ConfigError, match="L3 store"):
+        backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+    (error,) = kvtier_records(caplog, logging.ERROR)
+    assert "mamba" in error.getMessage() and "kvtier HiCache storage: " not in error.getMessage()
