@@ -69,4 +69,4 @@ def _host_pool(spec: KVSpec, tiers: TierConfig, model: ModelSpec, storage: Stora
 
     return attach_host_pool(tiers.service, spec, tiers.host_layout, namespace, tiers.host_pages_for(spec.page_bytes),
                             deadline_s=tiers.service_timeout_s, lookup_deadline_s=tiers.service_lookup_timeout_s,
-                            service_uid=tiers.service_uid)
+                            service_uid=tiers.service_uid, required=tiers.service_required)

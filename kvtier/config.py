@@ -85,6 +85,10 @@ class TierConfig:
         None,
     )
 
+    service_required: bool = _help(
+        "the node service: fail to start when it does not answer. False: start without it (one warning line, host misses) "
+        "and attach when it answers", False,
+    )
     service_uid: int | None = _help(
         "the node service: the uid it runs as, when not this process's (a member of its --allow-group attaching to another "
         "user's service); the engine refuses a socket directory, a listener or a region of any other uid. None: this process's",
@@ -93,6 +97,8 @@ class TierConfig:
 
     def __post_init__(self) -> None:
         check_number(self, "service_uid", at_least=0, at_most=(1 << 32) - 2, integer=True)
+        if not isinstance(self.service_required, bool):
+            raise ConfigError(f"TierConfig.service_required must be true or false; got {self.service_required!r}")
         if self.service is not None and (not isinstance(self.service, str) or not self.service):
             raise ConfigError(f"TierConfig.service must be a socket path (kvtier serve --socket) or None; got {self.service!r}")
         check_number(self, "service_timeout_s", above=0)

@@ -118,6 +118,13 @@ class ServiceError(KVTierError, RuntimeError):
     the connection is not used again after it (attach a new client)."""
 
 
+class ServiceUnavailableError(ServiceError):
+    """No node service answers at the socket: nothing listens there (or its directory does not exist), it
+    did not answer within the call's deadline, or it closed the connection without a reason. Unlike a
+    refusal, this may pass: an engine starts without the service and attaches when it answers (unless
+    ``service_required``)."""
+
+
 class ServiceProtocolError(ServiceError):
     """A message to or from the node service broke its protocol: a frame of a bad length, not a JSON
     object, an unknown message type, a malformed field, or a page id that is not the sender's (outside

@@ -224,7 +224,7 @@ def test_another_users_processes_attach_only_as_members_of_the_allowed_group(rea
             assert as_other_user(OtherUser(PRIMARY_MEMBER, GROUP), lambda: _attach(svc.socket)) == {"attached": True}
             # not a member: the directory keeps it from the socket
             got = as_other_user(OtherUser(STRANGER, STRANGER), lambda: _attach(svc.socket))
-            assert got["error"] == "ServiceError" and "Permission denied" in got["message"], got
+            assert got["error"] == "ServiceAccessError" and "Permission denied" in got["message"], got
             # not a member, yet it reaches the socket (its filesystem gid is the group's): the service's own check refuses it
             got = as_other_user(OtherUser(STRANGER, STRANGER, fsgid=GROUP), lambda: _attach(svc.socket))
             assert got["error"] == "ServiceAccessError", got
@@ -243,7 +243,7 @@ def test_without_allow_group_another_users_process_is_refused_and_the_service_go
             assert _mode(os.path.dirname(svc.socket))[0] == 0o700 and _mode(svc.socket)[0] == 0o600
             assert _mode(owner.region)[0] == 0o600 and _mode(os.path.dirname(owner.region))[0] == 0o700
             got = as_other_user(OtherUser(MEMBER, MEMBER, (GROUP,)), lambda: _attach(svc.socket))
-            assert got["error"] == "ServiceError" and "Permission denied" in got["message"], got  # the directory's gate
+            assert got["error"] == "ServiceAccessError" and "Permission denied" in got["message"], got  # the directory's gate
             # one that reaches the socket all the same (its filesystem uid is the service's): refused by its effective uid
             got = as_other_user(OtherUser(MEMBER, MEMBER, saved_uid=0, fsuid=0), lambda: _attach(svc.socket))
             assert got["error"] == "ServiceAccessError", got

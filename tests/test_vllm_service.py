@@ -93,15 +93,47 @@ def test_a_hybrid_model_is_refused_with_the_service_before_anything_attaches():
         ConnectorScheduler(opts, BS, 1, "tiny", groups)
 
 
-def test_an_engine_started_with_no_service_listening_fails_at_its_attach_naming_the_socket(tmp_path):
-    """What docs/deploy.md's unit ordering rests on, today: the scheduler attaches when the workers' handshakes
-    arrive (in vLLM's engine start-up), once, so an engine started before ``kvtier serve`` listens does not
-    start. (An engine that lost an attached service attaches again by itself: the service restart test below.)"""
+def test_an_engine_started_before_the_service_serves_with_misses_then_attaches_on_its_own_and_its_workers_map_the_region(tmp_path,
+                                                                                                                       caplog):
+    """Any start order: with no service at the socket, the engine starts anyway (one warning line naming the socket),
+    serves with host misses, and its heartbeat attaches once ``kvtier serve`` answers -- with no request on the way;
+    the next step names the region and every rank maps it, and what it copies out is another engine's host hit."""
+    sock = tmp_path / "run" / "node.sock"
+    with caplog.at_level("WARNING", logger="kvtier"):
+        a = Engine(None, seed=1, service=f"unix://{sock}")
+    svc = None
+    try:
+        said = [r.getMessage() for r in caplog.records if "starts without the node service" in r.getMessage()]
+        assert len(said) == 1 and f"no node service listens on {sock}" in said[0], said
+        assert a.scheduler.leased.lost and a.scheduler.leased.region is None
+        _req, external, hit = serve(a, "a", TOKENS, [3, 7, 5, 9])
+        assert external == 0 and hit["offloaded_pages"] == 0 and all(w.region is None for w in a.workers)
+        svc = start_service(str(sock))
+        assert wait_until(lambda: not a.scheduler.leased.lost, 15.0)  # its heartbeat attached: no request asked
+        assert query_status(str(sock))["clients"] == 1
+        _req, external, hit = serve(a, "b", OTHER, [6, 8, 10, 11])
+        region = a.scheduler.leased.region
+        assert hit["offloaded_pages"] == PAGES and all(w.region == region for w in a.workers)
+        b = Engine(None, seed=2, service=str(sock))
+        try:
+            _req, external, hit = serve(b, "c", OTHER, [0, 1, 2, 4])
+            assert (external, hit["shared_host_pages"]) == (PAGES * BS, PAGES)
+            assert [[b.page(r, blk) for blk in (0, 1, 2)] for r in range(2)] == [[a.page(r, blk) for blk in (6, 8, 10)] for r in range(2)]
+        finally:
+            b.close()
+        a.scheduler.core.check_integrity()
+    finally:
+        a.close()
+        if svc is not None:
+            stop(svc.proc)
+
+
+def test_with_service_required_an_engine_with_no_service_listening_fails_at_its_attach_naming_the_socket(tmp_path):
     import re
 
     sock = tmp_path / "run" / "node.sock"
     with pytest.raises(ServiceError, match=f"no node service listens on {re.escape(str(sock))} .*; start one with kvtier serve"):
-        Engine(None, service=f"unix://{sock}")
+        Engine(None, service=f"unix://{sock}", service_required=True)
 
 
 def test_a_region_page_holds_every_ranks_shard_and_each_rank_maps_its_own_slice():
@@ -237,13 +269,12 @@ def test_after_the_service_restarts_the_scheduler_attaches_again_and_the_workers
         assert all(w.region == old for w in a.workers)
         stop(svc.proc)
         svc = start_service(sock)  # a new region file
-        _req, external, _hit = serve(a, "b", OTHER, [0, 1, 2, 4])  # its lookup finds the service gone: misses
-        assert external == 0 and a.scheduler.leased.lost
+        wait_until(lambda: a.scheduler.leased.losses == 1, 15.0)  # its heartbeat saw the service go: no request asked
         time.sleep(3 * RETRY_FIRST_S)  # the first attempt to attach again is due
-        _req, external, hit = serve(a, "c", OTHER, [6, 8, 10, 11])  # old pages forgotten, attached again, copied out anew
+        _req, external, hit = serve(a, "b", OTHER, [6, 8, 10, 11])  # old pages forgotten, attached again, copied out anew
         new = a.scheduler.leased.region
         assert not a.scheduler.leased.lost and new.path != old.path and all(w.region == new for w in a.workers)
-        assert hit["offloaded_pages"] == PAGES
+        assert (external, hit["offloaded_pages"], a.scheduler.leased.reattaches) == (0, PAGES, 1)
         written = [[a.page(r, blk) for blk in (6, 8, 10)] for r in range(2)]
         b = Engine(None, seed=2, service=sock)  # the copies went into the new region: another engine reads them there
         try:
@@ -400,6 +431,85 @@ def test_an_engine_attached_beside_another_and_one_restarted_after_both_get_the_
         w = third["worker_stats"][0]
         assert w["loaded_pages"] >= sum(want) and w["load_failed_pages"] == 0 and w["fetched_pages"] == 0
         assert query_status(svc.socket)["hit_pages"] >= sum(want) + p
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1800)
+def test_an_engine_started_before_the_service_comes_up_and_attaches_and_so_does_one_after_both_restart(tmp_path, baseline):
+    """Any start order in vLLM's multi-process engine: an engine started with no service at its socket comes up
+    and serves its first prompt with misses; the service started then lists it within seconds (its heartbeat: no
+    request asked) and the next prompt is copied out into the region. Both restarted at once (the service
+    SIGKILLed, the engine gone, a new engine started before the new service): the same again. Every output
+    equals vLLM's without kvtier."""
+    import shutil
+    import signal
+
+    sock = str(tmp_path / "run" / "node.sock")
+    services = []
+
+    def service_now(prompt: int) -> None:  # the engine served its first prompt with no service, and waits
+        if prompt == 0:
+            assert not os.path.exists(sock)
+            services.append(start_service(sock, SERVICE_GB))
+            wait_until(lambda: query_status(sock)["clients"] == 1, 60.0)
+
+    try:
+        for run in range(2):
+            report = session(*attached(sock, *LENGTHS), between_prompts=service_now)
+            assert outputs(report) == outputs(baseline)
+            assert [r["external_hit_tokens"] for r in report["results"]] == [0, 0]  # no service, then an empty one
+            stored = LENGTHS[1] // report["block_size"]  # the second prompt's full blocks: the first ran with no service
+            assert report["worker_stats"][0]["offloaded_pages"] == stored
+            status = query_status(sock)
+            assert status["ready"] == stored and len(services) == run + 1, status
+            svc = services[-1].proc
+            os.kill(svc.pid, signal.SIGKILL)  # (its engine exited already: both are down before either restarts)
+            svc.wait(30)
+            shutil.rmtree(os.path.dirname(status["region"]), ignore_errors=True)
+            if os.path.exists(sock):  # (a SIGKILLed service leaves its socket file: nothing listens on it)
+                os.unlink(sock)
+    finally:
+        for svc in services:
+            stop(svc.proc)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(900)
+def test_a_start_kvtier_refuses_is_one_error_line_above_vllms_traceback_naming_the_fix(tmp_path):
+    """Two refusals, each in vLLM's multi-process engine: a socket URL of one slash (the connector's options,
+    in every process that builds one) and a required service that does not answer (the scheduler's attach).
+    Each engine fails to start, and the first kvtier line of its log, above any traceback, is one ERROR line
+    that says what was wrong and how to fix it."""
+    import subprocess
+    import sys
+    import threading
+
+    sock = tmp_path / "run" / "node.sock"
+    cases = {
+        "url": ({"service": f"unix:{sock}"}, "(three slashes in all); write unix:///absolute/path.sock"),
+        "required": ({"service": str(sock), "service_required": True}, f"no node service listens on {sock}"),
+    }
+    runs: dict[str, subprocess.CompletedProcess] = {}
+
+    def run(name: str, options: dict) -> None:
+        runs[name] = subprocess.run([sys.executable, "-m", "kvtier.integrations.vllm.session", "--max-tokens", "1", "--storage-options",
+                                     json.dumps(options)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+    threads = [threading.Thread(target=run, args=(name, opts)) for name, (opts, _said) in cases.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name, (_opts, said) in cases.items():
+        proc = runs[name]
+        lines = proc.stdout.splitlines()  # (both streams, in the order written: a terminal's or a journal's view)
+        assert proc.returncode != 0, name
+        refused = [i for i, line in enumerate(lines) if "kvtier connector refused to start:" in line]
+        assert refused, (name, lines[-40:])
+        first = lines[refused[0]]
+        assert "ERROR" in first and said in first, (name, first)
+        tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback") or "Traceback (most recent" in line]
+        assert not tracebacks or refused[0] < tracebacks[0], (name, lines[tracebacks[0] - 5 : tracebacks[0] + 12])
 
 
 @pytest.mark.integration

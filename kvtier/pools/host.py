@@ -118,10 +118,14 @@ class HostPool:
             self.buffers[b.name] = t
             self._rows[b.name] = [as_wide_rows(self.layout.layer_rows(t, layer)) for layer in range(spec.num_layers)]
 
-    def remap(self, memory: torch.Tensor) -> None:
-        """Lay the buffers out in ``memory`` from now on (a node service's region mapped anew when its
-        engine attaches again; the old views go, and with the last of them the old mapping). Only while no
-        copy is in flight: a copy reads the views when it starts."""
+    def remap(self, memory: torch.Tensor, num_pages: int | None = None) -> None:
+        """Lay the buffers out in ``memory`` from now on, ``num_pages`` of them (None: as many as now) -- a
+        node service's region mapped anew when its engine attaches again, maybe a restarted service's of
+        another size; the old views go, and with the last of them the old mapping. Only while no copy is in
+        flight and no page of the old mapping is in use: a copy reads the views when it starts."""
+        if num_pages is not None and num_pages != self.num_pages:
+            self.num_pages = num_pages
+            self.layout = HostLayout(self.layout.kind, self.spec.num_layers, num_pages)
         self.pinned = memory.is_pinned()
         self._lay_out(memory)
 

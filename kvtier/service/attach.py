@@ -1,47 +1,77 @@
 """An engine attaches to the node service: its host allocator leases the service's pages, and its host
-pool (where this process holds the bytes) is a view of the service's region."""
+pool (where this process holds the bytes) is a view of the service's region.
+
+**Any start order.** A service that does not answer yet (:class:`~kvtier.errors.ServiceUnavailableError`:
+nothing listens at the socket, or it did not answer in time) is not a reason an engine does not start:
+unless ``required``, the engine starts without it -- one warning line, host misses -- and its heartbeat
+attaches when the service appears (:mod:`kvtier.service.leased`). A service that answers and refuses
+(another user's listener, a format or protocol it does not serve) is an error at start either way.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+
+from kvtier.errors import ServiceUnavailableError
 from kvtier.hashing import Namespace
 from kvtier.pools.host import HostPool
-from kvtier.service.client import DEFAULT_DEADLINE_S, ServiceClient
+from kvtier.service.client import DEFAULT_DEADLINE_S, DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
+from kvtier.service.heartbeat import HEARTBEAT_S
 from kvtier.service.leased import LeasedPages
 from kvtier.service.region import RegionFormat
 from kvtier.spec import KVSpec
 
+log = logging.getLogger(__name__)
+
 
 def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str, share: int | None, *,
                  deadline_s: float = DEFAULT_DEADLINE_S, lookup_deadline_s: float | None = None,
-                 service_uid: int | None = None) -> LeasedPages:
+                 service_uid: int | None = None, required: bool = False, heartbeat_s: float | None = HEARTBEAT_S) -> LeasedPages:
     """The host allocator of an engine attached to the service at ``socket_path`` in ``namespace``, for
     pages of ``fmt``: a :class:`LeasedPages` holding at most ``share`` of the region's pages (None: as many as
     the region has; a share larger than the region is warned of, once, and held to the region). ``close()``
     detaches. The deadlines and ``service_uid`` are :class:`ServiceClient`'s (``TierConfig.service_timeout_s``,
-    ``service_lookup_timeout_s``, ``service_uid``)."""
-    client = ServiceClient(socket_path, str(namespace), fmt, deadline_s=deadline_s, lookup_deadline_s=lookup_deadline_s,
-                           service_uid=service_uid, share=share)
+    ``service_lookup_timeout_s``, ``service_uid``); ``required`` (``TierConfig.service_required``): a service that
+    does not answer is an error, not a start without it; ``heartbeat_s``: the attachment's beat (None: none)."""
+    connect = functools.partial(_connect, socket_path, str(namespace), fmt, deadline_s, lookup_deadline_s, service_uid, share)
     try:
-        return LeasedPages(client, share)
+        client = ServiceClient(socket_path, str(namespace), fmt, deadline_s=deadline_s, lookup_deadline_s=lookup_deadline_s,
+                               service_uid=service_uid, share=share)
+    except ServiceUnavailableError as e:
+        if required:
+            raise
+        log.warning("kvtier: %s; this engine starts without the node service (host misses) and attaches when it answers "
+                    "(service_required=true makes this an error)", e)
+        client = None
+    try:
+        return LeasedPages(client, share, socket_path=socket_path, connect=connect, heartbeat_s=heartbeat_s)
     except BaseException:
-        client.close()
+        if client is not None:
+            client.close()
         raise
+
+
+def _connect(socket_path: str, namespace: str, fmt: RegionFormat, deadline_s: float, lookup_deadline_s: float | None,
+             service_uid: int | None, share: int | None, previous: str | None) -> ServiceClient:
+    """Attach again (a lost engine, on its own thread or its heartbeat's): connect and hello within the lookup deadline."""
+    quick = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
+    return ServiceClient(socket_path, namespace, fmt, deadline_s=deadline_s, lookup_deadline_s=quick, attach_deadline_s=quick,
+                         service_uid=service_uid, share=share, previous=previous)
 
 
 def attach_host_pool(socket_path: str, spec: KVSpec, layout: str, namespace: Namespace, share: int, *,
                      deadline_s: float = DEFAULT_DEADLINE_S, lookup_deadline_s: float | None = None,
-                     service_uid: int | None = None) -> HostPool:
+                     service_uid: int | None = None, required: bool = False, heartbeat_s: float | None = HEARTBEAT_S) -> HostPool:
     """A :class:`HostPool` over the region of the service at ``socket_path`` (mapped, not copied, once it is
     checked to be the service's: :meth:`ServiceClient.map_region`), whose allocator is :func:`attach_pages`'.
-    ``pool.allocator.close()`` detaches (the cache that uses the pool does so when it closes)."""
+    Started without the service (it did not answer), the pool holds no page until the allocator attaches and
+    maps the region into it. ``pool.allocator.close()`` detaches (the cache that uses the pool does so when it closes)."""
     leased = attach_pages(socket_path, RegionFormat.of(spec, layout), namespace, share, deadline_s=deadline_s,
-                          lookup_deadline_s=lookup_deadline_s, service_uid=service_uid)
-    client = leased.client
+                          lookup_deadline_s=lookup_deadline_s, service_uid=service_uid, required=required, heartbeat_s=heartbeat_s)
     try:
-        memory = client.map_region()
-        leased.pool = HostPool(spec, client.num_pages, layout, memory=memory, allocator=leased, name="node service region",
-                               pin_memory=memory.is_pinned())
-        return leased.pool
+        return leased.set_pool(lambda memory, num_pages: HostPool(spec, num_pages, layout, memory=memory, allocator=leased,
+                                                                  name="node service region", pin_memory=memory.is_pinned()))
     except BaseException:
-        client.close()
+        leased.close(quiesced=True)
         raise

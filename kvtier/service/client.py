@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError
+from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError, ServiceUnavailableError
 from kvtier.service.messages import (MAX_PAGES, MAX_SESSION, MAX_WAIT_S, Bye, Hello, Join, Lookup, Message, Publish, Release, Reserve,
                                      Status)
 from kvtier.service.peer import ServiceTrust, check_listener, check_socket_dir
@@ -367,9 +367,14 @@ def _connect(socket_path: str, timeout_s: float, service_uid: int | None = None)
     except ServiceError:
         sock.close()
         raise
+    except PermissionError as e:
+        sock.close()
+        raise ServiceAccessError(f"the node service's socket {socket_path} is not open to this process ({e.strerror or e}): run the "
+                                 "engine as the service's user, or as a member of the group kvtier serve --allow-group names") from None
     except OSError as e:
         sock.close()
-        raise ServiceError(f"no node service listens on {socket_path} ({e.strerror or e}); start one with kvtier serve") from None
+        raise ServiceUnavailableError(f"no node service listens on {socket_path} ({e.strerror or e}); start one with kvtier serve"
+                                      ) from None
     return sock, trust
 
 

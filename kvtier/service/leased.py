@@ -24,48 +24,99 @@ attaches again -- at most one attempt per backoff step (:class:`~kvtier.service.
 each bounded by the client's lookup deadline -- naming the old session as
 quiesced, so a service that kept it (this process lives) frees it; the host pool then maps the
 service's region anew (a restarted service's region is another file, and the old one's page ids are in
-no tree any more).
+no tree any more), resized if the new region holds another number of pages.
+
+**Any start order; attached between requests.** Built with no client (the service was not there when
+the engine started: :func:`~kvtier.service.attach.attach_pages`), the tier starts lost, with no pages,
+and attaches like a lost one. A :class:`~kvtier.service.heartbeat.Heartbeat` does what the engine's
+calls would, between them: it notices a hang-up (the service died, or dropped this engine) and attaches
+when it is time. While the core still holds pages of the old region, the beat attaches a *standby*
+client beside them (the new service sees this engine within seconds; it holds nothing), which becomes
+the client once the core's next match has forgotten those pages -- unless it is of the same region
+(the service lives and may keep the old session as an orphan), when the old session is named quiesced
+by a fresh attach instead. Every entry point takes one lock, so the beat and the engine's thread never
+interleave.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
 
 from kvtier.alloc import Allocation, PageAllocator
 from kvtier.errors import ConfigError, ServiceError, ServiceProtocolError
+from kvtier.pools.host import HostPool
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import ServiceClient
+from kvtier.service.heartbeat import Heartbeat
 from kvtier.service.region import Region
 
 log = logging.getLogger(__name__)
 
+#: attach a client naming a quiesced session of this process (or None), within the lookup deadline
+Connect = Callable[[str | None], ServiceClient]
+
 
 class LeasedPages(PageAllocator):
-    def __init__(self, client: ServiceClient, share: int | None):
-        super().__init__(client.num_pages, "node service region")
+    """The engine's pages of the service at ``socket_path``: ``client`` is attached already, or None (the
+    service was not there at start: the tier starts lost). ``connect`` attaches anew (default: the client's
+    :meth:`~kvtier.service.client.ServiceClient.again`); ``heartbeat_s``: the beat's period (None: no beat)."""
+
+    def __init__(self, client: ServiceClient | None, share: int | None, *, socket_path: str | None = None,
+                 connect: Connect | None = None, heartbeat_s: float | None = None):
         if share is not None and share < 1:
             raise ConfigError(f"an engine's share of the node service's region must be at least one page; got {share}")
-        self.client = client
+        if client is None and connect is None:
+            raise ValueError("LeasedPages: give a client, or how to connect one")
+        self.name = "node service region"
+        self.reserve_padding_page = False
+        self._held, self.parked = set(), set()
+        self._free = []  # (page ids are the service's: none are free here)
+        self.socket_path = client.socket_path if client is not None else socket_path
+        self._connect = connect
         #: the pages this engine asked to hold at once (None: as many as the region has), and what it holds at most
         self.share_asked = share
-        self.share = client.num_pages if share is None else min(share, client.num_pages)
-        if share is not None and share > client.num_pages:
-            log.warning("the node service at %s holds %d pages in its region, fewer than this engine's host share of %d: it keeps at most "
-                        "%d pages of prompts on host; give kvtier serve a larger --host-gb, or this engine a smaller host_gb / host_pages",
-                        client.socket_path, client.num_pages, share, client.num_pages)
-        self._free = []  # (page ids are the service's: none are free here)
+        self.client: ServiceClient | None = None
         self._used = 0
         #: pages the service had for us when it last gave fewer than asked (None: unknown, assume enough)
         self._room: int | None = None
-        #: the host pool over the region (set by :func:`~kvtier.service.attach.attach_host_pool`): mapped anew on reattaching.
+        #: the host pool over the region (:meth:`set_pool`): mapped anew on reattaching.
         #: None where the bytes are elsewhere: vLLM's workers map the region its scheduler names in each step's metadata
         #: (:attr:`region`), so they map the new one from the first step after reattaching
         self.pool = None
-        self.lost = False
-        #: times the service was lost; times attached again; answers (or refusals) out of protocol among the losses and
-        #: the failed attempts to attach again
+        #: times the service was lost; times attached again (a first attach after a detached start included); answers (or
+        #: refusals) out of protocol among the losses and the failed attempts to attach again
         self.losses = self.reattaches = self.protocol_errors = 0
         self._backoff = AttachBackoff()
+        #: attached beside the old session's pages, while the core still holds some (see the module docstring)
+        self._standby: ServiceClient | None = None
+        #: whether the standby's hello named the old session as quiesced (or there was none)
+        self._standby_quiesces = False
+        self._lock = threading.RLock()
+        self._closed = False
+        if client is not None:
+            self._size_to(client.num_pages)
+            self.client, self.lost = client, False
+        else:
+            self._size_to(0)
+            self.lost = True
+        self._heartbeat = Heartbeat(self.beat, "kvtier-service-heartbeat", heartbeat_s) if heartbeat_s else None
+
+    def _size_to(self, num_pages: int) -> None:
+        """The books of a region of ``num_pages`` pages (only while this engine holds none of the old one's)."""
+        self.num_pages = num_pages
+        self._owned = bytearray(num_pages)
+        self._owned_np = np.frombuffer(self._owned, dtype=np.uint8)
+        share = self.share_asked
+        self.share = num_pages if share is None else min(share, num_pages)
+        if share is not None and 0 < num_pages < share:
+            log.warning("the node service at %s holds %d pages in its region, fewer than this engine's host share of %d: it keeps at most "
+                        "%d pages of prompts on host; give kvtier serve a larger --host-gb, or this engine a smaller host_gb / host_pages",
+                        self.socket_path, num_pages, share, num_pages)
 
     @property
     def capacity(self) -> int:
@@ -87,33 +138,40 @@ class LeasedPages(PageAllocator):
         fewer to give (its pages are all held), or it is lost; then :attr:`num_free` says how many it had."""
         if n < 0:
             raise ValueError(f"{self.name}: cannot allocate {n} pages")
-        if self.lost:
-            self._try_reattach()
-        free_before = self.num_free
-        if n > free_before:
-            return Allocation([], n, free_before)
-        if n == 0:
-            return Allocation([], 0, free_before)
-        try:
-            pages = self._not_held(self.client.reserve(n), "reservation")
-        except ServiceError as e:
-            self._lose(e)
-            return Allocation([], n, 0)
-        if len(pages) < n:
-            if pages:
-                self._tell(self.client.release, pages)
-            self._room = len(pages)
-            return Allocation([], n, free_before)
-        self._book(pages)
-        return Allocation(pages, n, free_before)
+        with self._lock:
+            if self.lost:
+                self._try_reattach()
+            free_before = self.num_free
+            if n > free_before:
+                return Allocation([], n, free_before)
+            if n == 0:
+                return Allocation([], 0, free_before)
+            try:
+                pages = self._not_held(self.client.reserve(n), "reservation")
+            except ServiceError as e:
+                self._lose(e)
+                return Allocation([], n, 0)
+            if len(pages) < n:
+                if pages:
+                    self._tell(self.client.release, pages)
+                self._room = len(pages)
+                return Allocation([], n, free_before)
+            self._book(pages)
+            return Allocation(pages, n, free_before)
 
     def free(self, pages: list[int]) -> None:
-        super().free(pages)  # checks them (a DoubleFreeError frees nothing); parks those a timed-out plan holds
-        self._give_back()
+        with self._lock:
+            super().free(pages)  # checks them (a DoubleFreeError frees nothing); parks those a timed-out plan holds
+            self._give_back()
+
+    def hold(self, pages) -> None:
+        with self._lock:
+            super().hold(pages)
 
     def release_hold(self, pages) -> None:
-        super().release_hold(pages)
-        self._give_back()
+        with self._lock:
+            super().release_hold(pages)
+            self._give_back()
 
     def _give_back(self) -> None:
         back, self._free = self._free, []
@@ -140,36 +198,93 @@ class LeasedPages(PageAllocator):
 
     # ---- the shared host index (kvtier.core.shared_host.SharedHost) ---------------------------------
     def lookup(self, keys: list[bytes]) -> list[int]:
-        if self.lost and not self._try_reattach() or not keys:
-            return []
-        try:
-            return self._not_held(self.client.lookup(keys), "lookup")
-        except ServiceError as e:
-            self._lose(e)
-            return []
+        with self._lock:
+            if self.lost and not self._try_reattach() or not keys:
+                return []
+            try:
+                return self._not_held(self.client.lookup(keys), "lookup")
+            except ServiceError as e:
+                self._lose(e)
+                return []
 
     def adopt(self, pages: list[int]) -> int:
-        n = min(len(pages), self.share - self._used)
-        self._book(pages[:n])
-        if n < len(pages) and not self.lost:
-            self._tell(self.client.release, pages[n:])
-        return n
+        with self._lock:
+            n = min(len(pages), self.share - self._used)
+            self._book(pages[:n])
+            if n < len(pages) and not self.lost:
+                self._tell(self.client.release, pages[n:])
+            return n
 
     def publish(self, keys: list[bytes], pages: list[int]) -> None:
-        if not self.lost:
-            self._tell(self.client.publish, pages, keys)
+        with self._lock:
+            if not self.lost:
+                self._tell(self.client.publish, pages, keys)
+
+    def set_pool(self, build: Callable[[torch.Tensor, int], HostPool]) -> HostPool:
+        """The host pool over the region this engine holds pages of: ``build(memory, num_pages)`` over the region
+        mapped now (no memory, no pages, before the first attach); remapped (and resized) at every attach from now on."""
+        with self._lock:
+            memory = self.client.map_region() if self.client is not None else torch.empty(0, dtype=torch.uint8)
+            self.pool = build(memory, self.num_pages)
+            return self.pool
 
     @property
-    def region(self) -> Region:
-        """The region this engine's page ids are of (a restarted service's is another file)."""
+    def region(self) -> Region | None:
+        """The region this engine's page ids are of (a restarted service's is another file); None before the first attach."""
         c = self.client
-        return Region(c.region, c.fmt, c.num_pages, c.region_size)
+        return None if c is None else Region(c.region, c.fmt, c.num_pages, c.region_size)
+
+    def attachment(self) -> tuple[Region | None, str | None]:
+        """The region this engine's page ids are of and its session there (None while lost), read together."""
+        with self._lock:
+            return self.region, None if self.lost else self.client.session
 
     def close(self, *, quiesced: bool) -> None:
-        """Detach (``quiesced``: no copy in flight touches this engine's pages, and none will)."""
-        self.client.close(quiesced=quiesced)
+        """Detach (``quiesced``: no copy in flight touches this engine's pages, and none will); the heartbeat stops first."""
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+        with self._lock:
+            self._closed = True
+            if self._standby is not None:
+                self._standby.close()
+                self._standby = None
+            if self.client is not None:
+                self.client.close(quiesced=quiesced)
 
     # ---- the service lost, and back -----------------------------------------------------------------
+    def beat(self) -> None:
+        """What the engine's calls would do, between them (the :class:`~kvtier.service.heartbeat.Heartbeat`'s
+        beat): notice a hang-up, and attach when it is time -- the connect and hello outside the lock, so the
+        engine's thread never waits on them here."""
+        with self._lock:
+            if self._closed:
+                return
+            if not self.lost:
+                if self.client.hung_up():
+                    self._lose(ServiceError("the node service closed the connection"))
+                return
+            if self._standby is not None and self._standby.hung_up():
+                self._standby.close()
+                self._standby = None
+            if self._standby is not None:
+                if self._used == 0:
+                    self._attach_again()
+                return
+            if not self._backoff.due():
+                return
+            # (while lost, the core's pages only leave: a session quiesced now stays so)
+            previous = self.client.session if self.client is not None and self._used == 0 else None
+        client, error = self._connect_anew(previous)
+        with self._lock:
+            if client is None:
+                self._attempt_failed(error)
+            elif self._closed or not self.lost or self._standby is not None:
+                client.close()  # (the engine's thread attached meanwhile)
+            else:
+                self._standby, self._standby_quiesces = client, previous is not None or self.client is None
+                if self._used == 0:
+                    self._attach_again()
+
     def _tell(self, note, *args) -> None:
         """A note to the service (no answer); a failure loses it."""
         try:
@@ -184,37 +299,54 @@ class LeasedPages(PageAllocator):
         self.protocol_errors += isinstance(error, ServiceProtocolError)
         self._backoff.lost()
         log.warning("the node service at %s is lost (%s): this engine goes on without it (host misses) and attaches again when it "
-                    "is back", self.client.socket_path, error)
+                    "is back", self.socket_path, error)
 
     def _try_reattach(self) -> bool:
         """Attach again if it is time to try and nothing of the old session is in use; True if attached."""
-        if self._used or not self._backoff.due():
+        if self._used or self._closed or not self._backoff.due() and self._standby is None:
             return False
         return self._attach_again()
 
-    def _attach_again(self) -> bool:
-        old = self.client
+    def _connect_anew(self, previous: str | None) -> tuple[ServiceClient | None, ServiceError | None]:
+        """A client attached anew (naming ``previous`` as quiesced), or the error of the attempt."""
         try:
-            client = old.again()
+            return (self._connect(previous) if self._connect is not None else self.client.again()), None
         except ServiceError as e:
-            self._backoff.failed()
-            self.protocol_errors += isinstance(e, ServiceProtocolError)
-            log.log(logging.WARNING if isinstance(e, ServiceProtocolError) else logging.DEBUG, "the node service at %s is not back "
-                    "yet: %s", old.socket_path, e)
-            return False
+            return None, e
+
+    def _attempt_failed(self, error: ServiceError) -> None:
+        self._backoff.failed()
+        self.protocol_errors += isinstance(error, ServiceProtocolError)
+        log.log(logging.WARNING if isinstance(error, ServiceProtocolError) else logging.DEBUG, "the node service at %s is not back "
+                "yet: %s", self.socket_path, error)
+
+    def _attach_again(self) -> bool:
+        """Attach anew (only once the core holds none of the old session's pages): the standby, if it is usable
+        as it is, or a fresh client naming the old session as quiesced."""
+        old, standby, self._standby = self.client, self._standby, None
+        if standby is not None and (self._standby_quiesces or standby.region != old.region) and not standby.hung_up():
+            client = standby  # it named the old session, or its service never knew it: nothing of it left to free
+        else:
+            if standby is not None:
+                standby.close()  # (it holds nothing)
+            client, error = self._connect_anew(None if old is None else old.session)
+            if client is None:
+                self._attempt_failed(error)
+                return False
         try:
-            if client.num_pages != self.num_pages:
-                raise ServiceError(f"its region holds {client.num_pages} pages, this engine's host pool {self.num_pages}: "
-                                   "restart the engine to use it")
             if self.pool is not None:
-                self.pool.remap(client.map_region(pin_in_background=True))  # (on a request's path)
+                memory = client.map_region(pin_in_background=True)  # (on a request's path)
+                self.pool.remap(memory, client.num_pages)
         except ServiceError as e:
             client.close()
             self._backoff.failed(longest=True)
-            log.warning("the node service at %s is back but cannot be attached to: %s", old.socket_path, e)
+            log.warning("the node service at %s is back but cannot be attached to: %s", self.socket_path, e)
             return False
+        if client.num_pages != self.num_pages:
+            self._size_to(client.num_pages)
         self.client, self.lost, self._room = client, False, None
         self._backoff.attached()
         self.reattaches += 1
-        log.warning("attached to the node service at %s again (region %s)", client.socket_path, client.region)
+        log.warning("attached to the node service at %s%s (region %s, %d pages)", self.socket_path, "" if old is None else " again",
+                    client.region, client.num_pages)
         return True

@@ -26,7 +26,7 @@ import stat
 import struct
 from dataclasses import dataclass
 
-from kvtier.errors import ConfigError, ServiceAccessError, ServiceError
+from kvtier.errors import ConfigError, ServiceAccessError, ServiceError, ServiceUnavailableError
 
 _UCRED = struct.Struct("3i")
 
@@ -77,7 +77,7 @@ def check_socket_dir(path: str, service_uid: int | None = None) -> ServiceTrust:
     try:
         st = os.lstat(folder)
     except FileNotFoundError:
-        raise ServiceError(f"no node service listens on {path} (there is no {folder}); start one with kvtier serve") from None
+        raise ServiceUnavailableError(f"no node service listens on {path} (there is no {folder}); start one with kvtier serve") from None
     except OSError as e:
         raise ServiceError(f"cannot look at the node service's socket directory {folder} ({e.strerror or e})") from None
     mode = stat.S_IMODE(st.st_mode)

@@ -18,7 +18,7 @@ import socket
 import struct
 import time
 
-from kvtier.errors import ServiceError, ServiceProtocolError
+from kvtier.errors import ServiceProtocolError, ServiceUnavailableError
 
 #: the largest request frame the service reads (~30k page keys in hex: decoded and applied in ~20 ms)
 MAX_FRAME = 1 << 20
@@ -108,9 +108,9 @@ def send_frame(sock: socket.socket, obj: dict, deadline: float) -> None:
     try:
         sock.sendall(data)
     except TimeoutError:
-        raise ServiceError("the node service did not take a message before its deadline (it is not reading)") from None
+        raise ServiceUnavailableError("the node service did not take a message before its deadline (it is not reading)") from None
     except OSError as e:
-        raise ServiceError(f"the node service's connection is gone ({e})") from None
+        raise ServiceUnavailableError(f"the node service's connection is gone ({e})") from None
 
 
 def recv_frame(sock: socket.socket, deadline: float, limit: int = MAX_ANSWER) -> dict:
@@ -127,10 +127,10 @@ def _recv_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
         try:
             chunk = sock.recv(n - len(buf))
         except TimeoutError:
-            raise ServiceError("the node service did not answer within the call's deadline") from None
+            raise ServiceUnavailableError("the node service did not answer within the call's deadline") from None
         except OSError as e:
-            raise ServiceError(f"the node service's connection is gone ({e})") from None
+            raise ServiceUnavailableError(f"the node service's connection is gone ({e})") from None
         if not chunk:
-            raise ServiceError("the node service closed the connection")
+            raise ServiceUnavailableError("the node service closed the connection")
         buf += chunk
     return bytes(buf)

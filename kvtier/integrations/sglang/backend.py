@@ -70,8 +70,8 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from kvtier.logs import log_to_stderr_unless_configured
-from kvtier.errors import ConfigError, KVTierError, PageAlignmentError, PageOwnershipError
+from kvtier.logs import log_to_stderr_unless_configured, refusing_start
+from kvtier.errors import ConfigError, PageAlignmentError, PageOwnershipError
 from kvtier.hashing import Namespace
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
@@ -93,18 +93,10 @@ def _encodes(key: str) -> bool:
         return False
     return True
 
-@contextmanager
 def _refusing_start():
     """A start kvtier refuses (a bad option, a pool the service cannot hold, a required service that is not
     there) is one ERROR line first -- the message names the fix -- so it stands above SGLang's traceback."""
-    try:
-        yield
-    except KVTierError as e:
-        message = str(e)
-        for own in ("kvtier HiCache storage: ", "kvtier SGLang storage: "):  # (said once, by this line)
-            message = message.removeprefix(own)
-        log.error("kvtier HiCache storage refused to start: %s", message)
-        raise
+    return refusing_start(log, "kvtier HiCache storage", ("kvtier HiCache storage: ", "kvtier SGLang storage: "))
 
 
 #: pools whose pages are the KV pool's pages (replicated like KV under MLA)

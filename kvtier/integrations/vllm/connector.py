@@ -50,7 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvtier.logs import log_to_stderr_unless_configured
+from kvtier.logs import log_to_stderr_unless_configured, refusing_start
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.groups import groups_of
 from kvtier.integrations.vllm.layout import ModelShape
@@ -90,6 +90,12 @@ def _model_shape(vllm_config: VllmConfig, name: str) -> ModelShape:
     )
 
 
+def _refusing_start():
+    """A start kvtier refuses (a bad option, a split or model the node service cannot serve, a required service
+    that does not answer) is one ERROR line first, naming the fix, above vLLM's traceback of it."""
+    return refusing_start(log, "kvtier connector", ("kvtier connector: ",))
+
+
 def check_parallel(parallel, options: ConnectorOptions) -> None:
     """vLLM's parallel config is one kvtier serves: tensor parallel only (pipeline parallel size 1), and no
     context parallelism with the node service -- it stores MLA's latent once, as every rank holds it whole,
@@ -106,6 +112,10 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None):
         log_to_stderr_unless_configured()  # (vLLM configures its own logger only: kvtier's lines get a time and a level)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        with _refusing_start():
+            self._start(vllm_config, role, kv_cache_config)
+
+    def _start(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None) -> None:
         groups = groups_of(kv_cache_config) if kv_cache_config is not None else None
         self.options = ConnectorOptions.from_extra_config(dict(self._kv_transfer_config.kv_connector_extra_config or {}))
         parallel = vllm_config.parallel_config
@@ -131,7 +141,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ==== worker side ===================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._handshake = self.worker.register(kv_caches)
+        with _refusing_start():
+            self._handshake = self.worker.register(kv_caches)
 
     def get_handshake_metadata(self) -> KVTierHandshake | None:
         return self._handshake
@@ -207,7 +218,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ==== scheduler side ================================================================
     def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
-        self.scheduler.handshake(metadata)
+        with _refusing_start():  # (the scheduler attaches to the node service here)
+            self.scheduler.handshake(metadata)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)

@@ -5,8 +5,9 @@ set the :class:`~kvtier.config.TierConfig` (host side: vLLM owns the device
 blocks; default 1 GB of host), and so do ``service`` (a ``kvtier serve`` socket,
 ``unix:///path`` or a plain path: the host tier is the node service's region,
 ``host_pages`` / ``host_gb`` then the engine's share of it, all ranks' shards
-together), ``service_timeout_s``, ``service_lookup_timeout_s`` and ``service_uid`` (the uid the service runs
-as, when not the engine's own); ``hash_algo`` / ``io_backend`` the
+together), ``service_timeout_s``, ``service_lookup_timeout_s``, ``service_uid`` (the uid the service runs
+as, when not the engine's own) and ``service_required`` (fail to start when the service does not answer;
+default: start without it and attach when it answers); ``hash_algo`` / ``io_backend`` the
 :class:`~kvtier.config.CacheConfig`, every :class:`~kvtier.config.StorageConfig`
 field prefixed with ``storage_`` (``storage_url``, ``storage_prefetch_policy``,
 ...) the L3 tier; ``model_name`` and ``salt`` name the L3 namespace; ``load_retry_s``
@@ -25,7 +26,8 @@ from kvtier.errors import ConfigError
 from kvtier.service.peer import service_socket_path
 
 #: flat keys -> (section, field); the device side of TierConfig is vLLM's, not ours
-_TIER_KEYS = ("host_pages", "host_gb", "host_layout", "service", "service_timeout_s", "service_lookup_timeout_s", "service_uid")
+_TIER_KEYS = ("host_pages", "host_gb", "host_layout", "service", "service_timeout_s", "service_lookup_timeout_s", "service_uid",
+              "service_required")
 _CACHE_KEYS = ("hash_algo", "io_backend")
 #: the host size when neither host_pages nor host_gb is given
 DEFAULT_HOST_GB = 1.0

@@ -236,7 +236,11 @@ class ConnectorScheduler:
         # page keys are the same on every rank (rank 0's namespace); L3 keys add each rank's prefix
         self._root = Namespace(self.model_name, fingerprint, 0, self.options.salt).root(self.options.cache.hash_algo)
         log.info("kvtier scheduler: %d ranks, %d host pages each, L3 %s%s", self.world_size, host_pages, "on" if probe else "off",
-                 f", node service {self.options.tiers.service} (region {self.leased.region.path})" if self.leased else "")
+                 f", node service {self.options.tiers.service} ({self._region_said()})" if self.leased else "")
+
+    def _region_said(self) -> str:
+        region = self.leased.region
+        return f"region {region.path}" if region is not None else "not attached yet: host misses until it answers"
 
     def _attach_service(self, spec: KVSpec) -> LeasedPages:
         """Attach to the node service: its region's pages hold every rank's shard of a page
@@ -252,7 +256,8 @@ class ConnectorScheduler:
         namespace = Namespace(self.model_name, fingerprint, 0, self.options.salt)
         share = None if self.options.service_share_from_region else tiers.host_pages_for(fmt.page_bytes)
         return attach_pages(tiers.service, fmt, namespace, share, deadline_s=tiers.service_timeout_s,
-                            lookup_deadline_s=tiers.service_lookup_timeout_s, service_uid=tiers.service_uid)
+                            lookup_deadline_s=tiers.service_lookup_timeout_s, service_uid=tiers.service_uid,
+                            required=tiers.service_required)
 
     # ---- keys --------------------------------------------------------------------------------
     def _request_root(self, request: Request) -> PageHash | None:
@@ -398,9 +403,9 @@ class ConnectorScheduler:
         ]
         async_loads, self._async_loads = self._async_loads, {}
         async_failed, self._async_failed = self._async_failed, []
+        region, session = self.leased.attachment() if self.leased else (None, None)
         return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed,
-                                       preempted + fence, async_loads, async_failed, self.leased.region if self.leased else None,
-                                       self.leased.client.session if self.leased and not self.leased.lost else None)
+                                       preempted + fence, async_loads, async_failed, region, session)
 
     def _fenced(self, scheduler_output: SchedulerOutput) -> list[int]:
         """Copies out of window blocks that vLLM freed (they left the window) and allocated again this
