@@ -18,7 +18,7 @@ import time
 import pytest
 
 from support.cache_helpers import expected_page
-from support.service import peer_report, query_status_of, running_service, start_peer, start_service, stop, tell, wait_until
+from support.service import peer_report, query_status_of, remove_regions, running_service, start_peer, start_service, stop, tell, wait_until
 from support.service_peer import NAMESPACE, PUBLISHED, SPEC, Serving, fill, prompt
 
 from kvtier.errors import ServiceError
@@ -138,8 +138,7 @@ def test_the_service_sigkilled_under_load_engines_serve_right_bytes_and_reattach
                 e.kill()
                 e.wait(30)
         stop(svc.proc)
-        for region in regions:  # (a SIGKILLed service leaves its region behind)
-            shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+        remove_regions(regions)  # (a SIGKILLed service leaves its region behind)
 
 
 def test_after_the_service_restarts_with_a_new_region_no_page_id_of_the_old_one_is_read(tmp_path):
@@ -179,8 +178,7 @@ def test_after_the_service_restarts_with_a_new_region_no_page_id_of_the_old_one_
         if engine is not None:
             engine.cache.close()
         stop(svc.proc)
-        for region in regions:
-            shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+        remove_regions(regions)
 
 
 #: the longest a request may take while the service is stalled: its lookups and reservations miss their short

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -21,9 +20,8 @@ import pytest
 
 from support.cache_helpers import expected_page, write_page
 from support.proxies import Injecting
-from support.service import (ENV, ROOT, closed_by_peer, frame, peer_report, query_status_of, raw_connection, read_answer, scrape_metrics,
-                             start_peer,
-                             start_service, stop, wait_until)
+from support.service import (ENV, ROOT, closed_by_peer, frame, peer_report, query_status_of, raw_connection, read_answer, remove_regions,
+                             scrape_metrics, start_peer, start_service, stop, wait_until)
 from support.service_peer import PATIENT_LOOKUP_S, PROMPT, SPEC, Serving, prompt
 
 from kvtier.app.devservers import RedisServer
@@ -136,8 +134,7 @@ def test_an_engine_reattaches_to_a_restarted_service_on_its_own_and_its_l3_hits_
         if engine is not None:
             engine.cache.close()
         stop(svc.proc)
-        for region in regions:  # (a SIGKILLed service leaves its region behind)
-            shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+        remove_regions(regions)  # (a SIGKILLed service leaves its region behind)
 
 
 #: the drain's bound in the tests below that run the service in this process (s)

@@ -8,13 +8,12 @@ either way. Real service subprocesses on a temp socket, every wait bounded, byte
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import threading
 
 import pytest
 
-from support.service import query_status_of, running_service, start_service, stop, wait_until
+from support.service import query_status_of, remove_regions, running_service, start_service, stop, wait_until
 from support.service_peer import SPEC, Serving, prompt
 
 from kvtier.build import build_cache
@@ -106,8 +105,7 @@ def test_a_service_restarted_under_an_idle_engine_sees_it_within_seconds_and_its
         if engine is not None:
             engine.cache.close()
         stop(svc.proc)
-        for region in regions:
-            shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+        remove_regions(regions)
 
 
 def test_with_service_required_an_absent_service_is_an_error_at_build_naming_the_socket(tmp_path):

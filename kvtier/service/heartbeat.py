@@ -11,8 +11,10 @@ each step within the lookup deadline. The thread never touches the engine's stat
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -23,10 +25,12 @@ HEARTBEAT_S = 1.0
 
 class Heartbeat:
     """``beat()`` every ``period_s`` seconds on a daemon thread named ``name`` until :meth:`stop`. A beat that
-    raises is logged (once per kind of error) and the beats go on: the heartbeat never ends an engine."""
+    raises is logged (once per kind of error) and the beats go on: the heartbeat never ends an engine. A bound
+    method is held weakly: an attachment dropped without being closed ends its beat, instead of the beat keeping
+    it (its session, its thread) alive."""
 
     def __init__(self, beat: Callable[[], None], name: str, period_s: float = HEARTBEAT_S):
-        self._beat = beat
+        self._beat = weakref.WeakMethod(beat) if inspect.ismethod(beat) else lambda: beat
         self.period_s = period_s
         self._stop = threading.Event()
         self._errors: set[str] = set()
@@ -37,13 +41,17 @@ class Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
+            beat = self._beat()
+            if beat is None:  # (its attachment is gone)
+                return
             try:
-                self._beat()
+                beat()
             except Exception as e:  # (a bug in a beat must not end the engine; said once per kind)
                 kind = type(e).__name__
                 if kind not in self._errors:
                     self._errors.add(kind)
                     log.exception("kvtier: the node service heartbeat failed (%s); it goes on", kind)
+            del beat  # (not held between beats)
             self.beats += 1
 
     def stop(self, timeout_s: float = 5.0) -> None:

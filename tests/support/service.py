@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -54,6 +55,13 @@ def start_service(sock: str, host_gb: float = 0.01, *args: str, hold_fds: int = 
         stop(proc)
         raise
     return RunningService(proc, sock, banner)
+
+
+def remove_regions(regions: list[str]) -> None:
+    """The regions of services a test SIGKILLed (a killed service cannot remove its own; the next one its user
+    starts would)."""
+    for region in regions:
+        shutil.rmtree(os.path.dirname(region), ignore_errors=True)
 
 
 def tell(proc: subprocess.Popen, line: str) -> None:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -126,7 +125,7 @@ class ServicePages:
         self.losses = self.reattaches = self.skipped_pages = self.protocol_errors = 0
         self._absent_at_start = False  # (attach_now found no service: the first attach after says so)
         self._closed = False
-        self.heartbeat = _heartbeat_of(self)
+        self.heartbeat = Heartbeat(self._beat, "kvtier-hicache-heartbeat", period_s=HEARTBEAT_S)  # (held weakly: see Heartbeat)
 
     def row_of(self, pool: PoolPages) -> int:
         return next(i for i, p in enumerate(self.group) if p is pool)
@@ -303,22 +302,6 @@ class ServicePages:
             sessions, self._sessions, self._closed = self._sessions, [], True
         for session in sessions:
             session.client.close(quiesced=True)
-
-
-def _heartbeat_of(pages: ServicePages) -> Heartbeat:
-    """``pages``' heartbeat, which holds it weakly: pages dropped without :meth:`~ServicePages.close` (a backend
-    SGLang let go) stop their beat rather than keep a session and a thread alive."""
-    ref = weakref.ref(pages)
-
-    def beat() -> None:
-        alive = ref()
-        if alive is None:
-            heartbeat.stop()
-        else:
-            alive._beat()
-
-    heartbeat = Heartbeat(beat, "kvtier-hicache-heartbeat", period_s=HEARTBEAT_S)
-    return heartbeat
 
 
 def _copy_in(pool: PoolPages, page: int, row: memoryview) -> None:
