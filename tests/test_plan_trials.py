@@ -134,14 +134,19 @@ def trials_report(chat_slice):
         return calls[-1][1]
 
     report = validate(eng, requests, Setup("base", 10, 20, CacheConfig()), profile, "made-up.json", workload="chat", what="half-host",
-                      target_load=0.3, measure=measure, trials=2)
-    return report, calls
+                      target_load=0.3, measure=measure, trials=2, warmup=1)
+    assert calls[0][0] == "base"  # the warm-up: served first, then discarded
+    return report, calls[1:]
 
 
 def test_trials_alternate_base_and_what_if_and_every_trial_serves_the_predicted_pages(trials_report):
     report, calls = trials_report
-    assert [name for name, _ in calls] == ["base", "half host", "base", "half host"]
-    assert [(r["trial"], r["configuration"]) for r in report.runs] == [(1, "base"), (1, "half host"), (2, "base"), (2, "half host")]
+    assert [name for name, _ in calls] == ["base", "half host", "base", "half host"]  # after the warm-up
+    assert [(r["trial"], r["configuration"], r["discarded"]) for r in report.runs] == [
+        (0, "base", True), (1, "base", False), (1, "half host", False), (2, "base", False), (2, "half host", False)]
+    # what the report keeps of each trial is that trial's run, the warm-up's nowhere
+    for c in report.configurations:
+        assert [t["wall_s"] for t in c.trials] == [round(r.wall_s, 3) for n, r in calls if n == c.setup["name"]]
     assert report.trials == 2
     for c, runs in zip(report.configurations, ([r for n, r in calls if n == "base"], [r for n, r in calls if n == "half host"])):
         assert len(c.trials) == 2 and c.error["requests_served_alike"] == 24 and c.error["hit_pages_equal"]

@@ -77,7 +77,7 @@ def calibrate(out: str, engine_name: str, max_tokens: int, reps: int, io_backend
 
 def validate(engine_name: str, profile_path: str | None, workload: str, trace: str | None, start: int, limit: int | None,
              device_pages: int | None, host_pages: int | None, cache_cfg, target_load: float, time_scale: float | None,
-             what: str | None, as_json: bool, trials: int = 3) -> None:
+             what: str | None, as_json: bool, trials: int = 3, warmup: int = 1) -> None:
     from kvtier.app.plan.engines import engine
     from kvtier.app.plan.profile import load_profile
     from kvtier.app.plan.validate import Setup, check_setup, validate as run_validation, what_if
@@ -94,6 +94,8 @@ def validate(engine_name: str, profile_path: str | None, workload: str, trace: s
         raise ConfigError(f"--validate-time-scale is machine seconds per trace second, > 0; got {time_scale}")
     if trials < 1:
         raise ConfigError(f"--trials is how many times each configuration is served, 1 or more; got {trials}")
+    if warmup < 0:
+        raise ConfigError(f"--validate-warmup is how many discarded runs of the base configuration come first, 0 or more; got {warmup}")
     requests = load_workload(workload, trace, start, limit)
     from kvtier.app.plan.engine_slice import engine_requests
 
@@ -105,7 +107,7 @@ def validate(engine_name: str, profile_path: str | None, workload: str, trace: s
     if what:
         what_if(setup, what)  # (a what-if that changes nothing fails here, before anything runs)
     report = run_validation(eng, requests, setup, profile, profile_path, workload=workload, start=start, time_scale=time_scale,
-                            target_load=target_load, what=what, trials=trials)
+                            target_load=target_load, what=what, trials=trials, warmup=warmup)
     from kvtier.app.plan.calibrate import machine
 
     report.machine = machine()

@@ -11,12 +11,13 @@ serves it on real tiers (:mod:`~kvtier.app.plan.engine_run`, or vLLM's CPU engin
 connector, :mod:`kvtier.app.plan.engine_vllm`).
 
 Each configuration is served ``trials`` times, in alternation within the process (base, what-if,
-base, what-if, ...). Reported per configuration: hit ratio per tier, bytes each link moved, TTFT
-p50/p90/p99 of every trial's requests pooled, and the median absolute percentage error of each
-request's TTFT; each TTFT statistic with its trial range, a bootstrap interval and the prediction
-judged against them (:mod:`~kvtier.app.plan.trials`); the error split by cause, service model,
-queue model and end to end (:mod:`~kvtier.app.plan.split`); with a what-if (half the host, or
-another write policy), the change the planner predicts against the change measured, trial by trial.
+base, what-if, ...), after ``warmup`` runs of the base configuration whose measurements are
+discarded. Reported per configuration: hit ratio per tier, bytes each link moved, TTFT p50/p90/p99
+of every trial's requests pooled, and the median absolute percentage error of each request's TTFT;
+each TTFT statistic with its trial range, a bootstrap interval and the prediction judged against
+them (:mod:`~kvtier.app.plan.trials`); the error split by cause, service model, queue model and end
+to end (:mod:`~kvtier.app.plan.split`); with a what-if (half the host, or another write policy), the
+change the planner predicts against the change measured, trial by trial.
 """
 
 from __future__ import annotations
@@ -220,7 +221,7 @@ class ValidationReport:
     what_if: dict | None = None
     machine: dict = field(default_factory=dict)
     trials: int = 1
-    #: the runs in the order they ran: trial, configuration, wall seconds
+    #: the runs in the order they ran: trial (0: a discarded warm-up), configuration, wall seconds, discarded
     runs: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -295,11 +296,13 @@ def change(base: ConfigResult, other: ConfigResult) -> dict:
 
 def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: Profile, profile_path: str, *, workload: str, start: int = 0,
              time_scale: float | None = None, target_load: float = 0.5, what: str | None = None,
-             measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None, trials: int = 3) -> ValidationReport:
+             measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None, trials: int = 3, warmup: int = 1) -> ValidationReport:
     """The slice ``requests`` on ``eng`` under ``setup`` (and ``what``, a :data:`WHAT_IFS` name), planner against engine,
-    each configuration served ``trials`` times, in alternation."""
+    each configuration served ``trials`` times, in alternation, after ``warmup`` discarded runs of ``setup``."""
     if trials < 1:
         raise ConfigError(f"--trials is how many times each configuration is served, 1 or more; got {trials}")
+    if warmup < 0:
+        raise ConfigError(f"--validate-warmup is how many discarded runs of the base configuration come first, 0 or more; got {warmup}")
     check_setup(eng, setup.cache, what)
     model = engine_model(eng.model)
     profile.check_model(eng.model, model.fingerprint(), profile_path, engine=eng.name)
@@ -316,10 +319,12 @@ def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: P
     setups = [(setup, pred)] + ([(other, predict(eng, work, other))] if other is not None else [])
     reals: list[list[MeasuredRun]] = [[] for _ in setups]
     runs = []
+    for _ in range(warmup):  # the process's first run measures slow (caches, allocator, first calls): served, then discarded
+        runs.append({"trial": 0, "configuration": setup.name, "wall_s": round(measure(work, setup).wall_s, 3), "discarded": True})
     for trial in range(1, trials + 1):  # base, what-if, base, what-if, ...: a drift of the machine falls on both alike
         for (s, _), got in zip(setups, reals):
             got.append(measure(work, s))
-            runs.append({"trial": trial, "configuration": s.name, "wall_s": round(got[-1].wall_s, 3)})
+            runs.append({"trial": trial, "configuration": s.name, "wall_s": round(got[-1].wall_s, 3), "discarded": False})
     results = [run_config(eng, work, s, p, costs, got) for (s, p), got in zip(setups, reals)]
     return ValidationReport(eng.name, workload, len(requests), start, eng.page_tokens, round(time_scale, 6), target_load,
                             costs.describe(), results, change(*results) if other is not None else None, trials=trials, runs=runs)
