@@ -69,14 +69,21 @@ def check_same_as_the_engine(config: dict, requests: int) -> None:
 
 def test_validate_run_engine_serves_exactly_what_the_planner_predicts(run_profile):
     report = kvtier("plan", "--validate", "run", "--profile", run_profile, "--workload", "chat", "--limit", "30",
-                    "--validate-device-pages", "20", "--validate-host-pages", "40", "--what-if", "half-host", "--json")
+                    "--validate-device-pages", "20", "--validate-host-pages", "40", "--what-if", "half-host", "--trials", "2", "--json")
     assert report["engine"] == "run" and report["requests"] == 30 and report["workload"] == "chat"
+    # a discarded warm-up, then two trials, base and what-if in alternation (tests/test_plan_trials.py checks the spread and
+    # the split they give)
+    assert report["trials"] == 2 and [(r["trial"], r["configuration"], r["discarded"]) for r in report["runs"]] == [
+        (0, "base", True), (1, "base", False), (1, "half host", False), (2, "base", False), (2, "half host", False)]
     assert report["profile"]["source"] == "profile" and report["profile"]["profile"] == run_profile
     assert 0 < report["time_scale"] and report["target_load"] == 0.5
     base, half = report["configurations"]
     assert (base["setup"]["host_pages"], half["setup"]["host_pages"]) == (40, 20)
     for config in (base, half):
         check_same_as_the_engine(config, 30)
+        assert [t["requests_served_alike"] for t in config["trials"]] == [30, 30]
+        assert set(config["spread"]) == {"p50", "p90", "p99", "mean"}
+        assert set(config["split"]) >= {"service", "drain", "queue", "end_to_end"}
     # the slice and the sizes make every tier serve: the equality covers device, host and L3 hits
     assert all(base["measured"]["hit_pages"][t] > 0 for t in TIERS)
     assert half["measured"]["hit_pages"]["host"] < base["measured"]["hit_pages"]["host"]
@@ -93,7 +100,8 @@ def test_validate_hybrid_run_engine_serves_exactly_what_the_planner_predicts(tmp
     profile_of("run-hybrid").save(path)
     report = kvtier("plan", "--validate", "run-hybrid", "--profile", str(path), "--workload", "chat", "--limit", "24",
                     "--validate-device-pages", "16", "--validate-host-pages", "32", "--cache-write-policy", "write_back",
-                    "--what-if", "write-through", "--json")
+                    "--what-if", "write-through", "--trials", "1", "--validate-warmup", "0", "--json")
+    assert [(r["trial"], r["configuration"]) for r in report["runs"]] == [(1, "base"), (1, "write_through")]
     back, through = report["configurations"]
     assert (back["setup"]["write_policy"], through["setup"]["write_policy"]) == ("write_back", "write_through")
     for config in (back, through):

@@ -26,7 +26,8 @@ def test_validate_vllm_reports_every_field_and_hits_agree_within_tolerance(tmp_p
     path = tmp_path / "vllm.json"
     profile_of("vllm").save(path)  # made-up costs: this test checks what was served, not how fast
     r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "plan", "--validate", "vllm", "--profile", str(path), "--workload", "chat",
-                        "--limit", "30", "--validate-device-pages", "20", "--validate-host-pages", "40", "--json"],
+                        "--limit", "30", "--validate-device-pages", "20", "--validate-host-pages", "40",
+                        "--trials", "1", "--validate-warmup", "0", "--json"],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     report = json.loads(r.stdout)

@@ -61,6 +61,11 @@ def plan(
                                         "share of the time (as the profile predicts)", rich_help_panel="measured"),
     validate_time_scale: Optional[float] = typer.Option(None, "--validate-time-scale", help="--validate: machine seconds per trace "
                                                         "second instead (overrides --validate-load)", rich_help_panel="measured"),
+    trials: int = typer.Option(3, "--trials", help="--validate: serve each configuration this many times, in alternation (base, "
+                               "what-if, base, ...); each TTFT statistic with its trial range and a bootstrap interval",
+                               rich_help_panel="measured"),
+    validate_warmup: int = typer.Option(1, "--validate-warmup", help="--validate: discarded runs of the base configuration before the "
+                                        "trials (a process's first run measures slow)", rich_help_panel="measured"),
     validate_device_pages: Optional[int] = typer.Option(None, "--validate-device-pages", help="--validate: device pages (default: a tenth "
                                                         "of the slice's distinct pages)", rich_help_panel="measured"),
     validate_host_pages: Optional[int] = typer.Option(None, "--validate-host-pages", help="--validate: host pages (default: a third of "
@@ -92,7 +97,8 @@ def plan(
         from kvtier.app.cli_validate import validate as run_validation
 
         return run_validation(validate, profile, workload, trace, start, limit, validate_device_pages, validate_host_pages, cache_cfg,
-                              validate_load, validate_time_scale, what_if, as_json)
+                              validate_load, validate_time_scale, what_if, as_json, trials,
+                              validate_warmup)
     sweeps = {
         field: _numbers(flag, text)
         for field, flag, text in (

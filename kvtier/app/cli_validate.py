@@ -77,7 +77,7 @@ def calibrate(out: str, engine_name: str, max_tokens: int, reps: int, io_backend
 
 def validate(engine_name: str, profile_path: str | None, workload: str, trace: str | None, start: int, limit: int | None,
              device_pages: int | None, host_pages: int | None, cache_cfg, target_load: float, time_scale: float | None,
-             what: str | None, as_json: bool) -> None:
+             what: str | None, as_json: bool, trials: int = 3, warmup: int = 1) -> None:
     from kvtier.app.plan.engines import engine
     from kvtier.app.plan.profile import load_profile
     from kvtier.app.plan.validate import Setup, check_setup, validate as run_validation, what_if
@@ -92,6 +92,10 @@ def validate(engine_name: str, profile_path: str | None, workload: str, trace: s
         raise ConfigError(f"--validate-load is the share of time the engine should be busy, between 0 and 1; got {target_load}")
     if time_scale is not None and not time_scale > 0:
         raise ConfigError(f"--validate-time-scale is machine seconds per trace second, > 0; got {time_scale}")
+    if trials < 1:
+        raise ConfigError(f"--trials is how many times each configuration is served, 1 or more; got {trials}")
+    if warmup < 0:
+        raise ConfigError(f"--validate-warmup is how many discarded runs of the base configuration come first, 0 or more; got {warmup}")
     requests = load_workload(workload, trace, start, limit)
     from kvtier.app.plan.engine_slice import engine_requests
 
@@ -103,7 +107,7 @@ def validate(engine_name: str, profile_path: str | None, workload: str, trace: s
     if what:
         what_if(setup, what)  # (a what-if that changes nothing fails here, before anything runs)
     report = run_validation(eng, requests, setup, profile, profile_path, workload=workload, start=start, time_scale=time_scale,
-                            target_load=target_load, what=what)
+                            target_load=target_load, what=what, trials=trials, warmup=warmup)
     from kvtier.app.plan.calibrate import machine
 
     report.machine = machine()
@@ -134,8 +138,11 @@ def print_report(report) -> None:
         for k in ("p50", "p90", "p99"):
             t.add_row(f"TTFT {k}", f"{p['ttft_s'][k] * 1e3:.1f} ms", f"{m['ttft_s'][k] * 1e3:.1f} ms", f"{e['ttft_pct'][k]:+.1f}%")
         t.add_row("TTFT per request", "", "", f"median |error| {e['ttft_per_request_mape_pct']:.1f}%")
-        t.add_row("requests served alike", "", "", f"{e['requests_served_alike']} of {report.requests}")
+        t.add_row("requests served alike", "", "", f"{e['requests_served_alike']} of {report.requests}"
+                  + (" (the fewest of any trial)" if report.trials > 1 else ""))
         console.print(t)
+        console.print(spread_table(c, report.trials))
+        console.print(split_table(c))
     if report.what_if:
         w = report.what_if
         t = Table(title=f"what-if: {w['from']} -> {w['to']}")
@@ -143,7 +150,10 @@ def print_report(report) -> None:
             t.add_column(col, justify="left" if col == "metric" else "right")
         for k in ("p50", "p90"):
             r = w[f"ttft_{k}"]
-            t.add_row(f"TTFT {k}", f"{r['predicted_change_pct']:+.1f}%", f"{r['measured_change_pct']:+.1f}%", f"{r['error_pp']:+.1f} pp")
+            rng = r["measured_change_range_pct"]
+            judged = f"; {r['verdict']} the trials' {rng[0]:+.1f}..{rng[1]:+.1f}%" if rng and report.trials > 1 else ""
+            t.add_row(f"TTFT {k}", f"{r['predicted_change_pct']:+.1f}%", f"{r['measured_change_pct']:+.1f}%",
+                      f"{r['error_pp']:+.1f} pp{judged}")
         for tier in ("device", "host", "storage", "total"):
             r = w[f"hit_{tier}"]
             t.add_row(f"hit ratio {tier}", f"{r['predicted_change_pp']:+.2f} pp", f"{r['measured_change_pp']:+.2f} pp",
@@ -154,3 +164,53 @@ def print_report(report) -> None:
         scale += f" (for {report.target_load:.0%} of the engine's time busy, as the profile predicts)"
     console.print(f"{scale}; costs from {report.profile.get('profile')} (engine {report.profile.get('engine')}, "
                   f"measured {report.profile.get('measured_at')})")
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f}"
+
+
+def spread_table(c, trials: int):
+    """A configuration's TTFT statistics over the trials: the pooled measurement, the trial range, the bootstrap
+    interval, where the prediction falls and the median signed error across trials."""
+    from rich.table import Table
+
+    t = Table(title=f"{c.setup['name']}: TTFT over {trials} trial{'s' if trials > 1 else ''} (ms)")
+    for col in ("statistic", "predicted", "measured, pooled", "trial range", "interval", "prediction", "bias"):
+        t.add_column(col, justify="left" if col == "statistic" else "right")
+    for k, s in c.spread.items():
+        lo, hi = s["trial_range"]
+        ilo, ihi = s["interval"]
+        bias = "-" if s["bias_pct"] is None else f"{s['bias_pct']:+.1f}%"
+        t.add_row(f"TTFT {k}", _ms(s["predicted"]), _ms(s["measured"]), f"{_ms(lo)}..{_ms(hi)}",
+                  f"{_ms(ilo)}..{_ms(ihi)} ({s['confidence']:.0%})", s["verdict"], bias)
+    return t
+
+
+def split_table(c):
+    """A configuration's TTFT error by cause: the service model (per request, no queueing), the queue model (on the
+    measured service times) and the two together."""
+    from rich.table import Table
+
+    sp = c.split
+    t = Table(title=f"{c.setup['name']}: TTFT error by cause")
+    for col in ("model", "compared", "predicted", "measured", "error"):
+        t.add_column(col, justify="left" if col in ("model", "compared") else "right")
+
+    def per_request(name: str, what: str, e: dict | None) -> None:
+        if e is None:
+            return
+        pct = "" if e["median_signed_pct"] is None else f" ({e['median_abs_pct']:.1f}% / {e['median_signed_pct']:+.1f}%)"
+        t.add_row(name, what, "", "", f"|{e['median_abs_ms']:.2f}| / {e['median_signed_ms']:+.2f} ms{pct}")
+
+    per_request("service", "per request, median |error| / signed", sp["service"])
+    per_request("drain after it", "per request, median |error| / signed", sp["drain"])
+    for name, row in (("queue, on measured service", sp["queue"]), ("end to end", sp["end_to_end"])):
+        if row is None:
+            continue
+        for k, e in row["error_pct"].items():
+            t.add_row(name, f"TTFT {k}", _ms(row["predicted"][k]), _ms(row["measured"][k]), "-" if e is None else f"{e:+.1f}%")
+        per_request(name, "per request, median |error| / signed", row["per_request"])
+    if sp["note"]:
+        t.caption = sp["note"]
+    return t

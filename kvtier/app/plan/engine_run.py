@@ -3,10 +3,11 @@
 The engine (:class:`~kvtier.app.engine.ReferenceEngine` or :class:`~kvtier.app.engine.HybridEngine`)
 serves one request at a time, in arrival order, on a cache of real pools (device and host on the
 CPU, a file L3). A request that arrives while another runs waits; TTFT is from its arrival to its
-first token. Before each request the engine drains the tiers (``wait_idle``: the previous
-request's backups and L3 saves), so every request sees the cache the planner's replay sees -- the
+first token. After each request the engine drains the tiers (``wait_idle``: its backups and L3
+saves) before it takes the next, so every request sees the cache the planner's replay sees -- the
 reason their per-tier hit counts agree exactly (``tests/test_plan_validate.py``) -- and the time
-that takes is the engine's, as the planner's :class:`~kvtier.app.plan.timing.ProfiledCosts` books it.
+that takes is the engine's, as the planner's :class:`~kvtier.app.plan.timing.ProfiledCosts` books it
+(timed per request: :attr:`MeasuredRun.drain_s`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class MeasuredRun:
     extra: dict = field(default_factory=dict)
     #: per request, the engine's own seconds from its start to the first token, where the engine tells (kvtier run's)
     service_s: list[float] = field(default_factory=list)
+    #: per request, what held the engine after its first token before it could take the next (its commit, then its
+    #: backups and L3 saves drained), where the engine tells (kvtier run's)
+    drain_s: list[float] = field(default_factory=list)
 
 
 @contextmanager
@@ -95,7 +99,7 @@ def replay_on_run_engine(eng: Engine, work: EngineSlice, tiers: TierConfig, cach
     storage, tmp = run_storage(storage_url)
     engine, cache, warm = build_run_engine(eng, tiers, replace(cache_cfg, preallocate_nodes=False), storage)
     ps = eng.page_tokens
-    served, ttft, queue, service = [], [], [], []
+    served, ttft, queue, service, drain = [], [], [], [], []
     try:
         with torch_threads(threads):
             warm.prefill(work.prompts[0][: 2 * ps])  # first-call costs, on the recompute twin: the cache sees nothing
@@ -104,9 +108,11 @@ def replay_on_run_engine(eng: Engine, work: EngineSlice, tiers: TierConfig, cach
                 now = time.perf_counter() - t0
                 if now < arrival:
                     time.sleep(arrival - now)
-                cache.wait_idle()  # the previous request's backups and saves: the cache the planner sees
+                cache.wait_idle()  # (drained after the previous request already: the cache the planner sees)
                 start = time.perf_counter() - t0
                 r = engine.prefill(prompt)
+                cache.wait_idle()  # its commit, backups and L3 saves, timed as the calibration times them
+                drain.append(max(0.0, time.perf_counter() - t0 - start - r.ttft_s))
                 served.append((r.device_hit_tokens // ps, r.host_hit_tokens // ps, r.storage_hit_tokens // ps))
                 queue.append(max(0.0, start - arrival))
                 ttft.append(queue[-1] + r.ttft_s)
@@ -121,7 +127,7 @@ def replay_on_run_engine(eng: Engine, work: EngineSlice, tiers: TierConfig, cach
         cache.close()
         if tmp is not None:
             tmp.cleanup()
-    return MeasuredRun(eng.name, served, ttft, queue, moved, wall, service_s=service)
+    return MeasuredRun(eng.name, served, ttft, queue, moved, wall, service_s=service, drain_s=drain)
 
 
 def _moved(cache) -> dict[str, int]:

@@ -108,6 +108,10 @@ class Timing:
     #: each request's TTFT and queueing delay, in trace order
     per_request_ttft_s: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)
     per_request_queue_s: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)
+    #: each request's service (its TTFT less its queueing delay: its own cost, and the wake-up of an idle node), and the
+    #: time the node stays busy after its first token
+    per_request_service_s: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)
+    per_request_after_s: np.ndarray = field(default_factory=lambda: np.empty(0), repr=False)
 
 
 def spread(values: np.ndarray) -> dict[str, float]:
@@ -130,6 +134,8 @@ def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Seq
     tokens = [0] * cfg.nodes
     delay = np.empty(len(requests))
     ttft = np.empty(len(requests))
+    own = np.empty(len(requests))
+    held = np.empty(len(requests))
     no_moves = [None] * len(requests) if moves is None else moves
     for i, (r, node, hit, moved, now) in enumerate(zip(requests, nodes, served, no_moves, arrivals)):
         service, after = request_cost(r.input_length, hit, moved)
@@ -142,6 +148,7 @@ def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Seq
         tokens[node] += r.input_length
         delay[i] = start - now
         ttft[i] = start - now + service
+        own[i], held[i] = service, after
     span = max(arrivals[-1] if arrivals else 0.0, max(free_at, default=0.0), 1e-9)
     per_node = [{"node": j, "requests": count[j], "prompt_tokens": tokens[j], "busy_fraction": round(busy[j] / span, 4)}
                 for j in range(cfg.nodes)]
@@ -155,4 +162,4 @@ def simulate(requests: Sequence[TraceRequest], nodes: Sequence[int], served: Seq
         warnings.append(f"node {j} takes {imbalance['max_over_mean_prompt_tokens']:.1f}x its fair share of prompt tokens under "
                         f"routing {cfg.routing!r}; the other nodes idle while it queues"
                         + ("" if cfg.routing == "kv_aware" else " (try --plan-routing kv_aware)"))
-    return Timing(spread(delay), spread(ttft), per_node, imbalance, warnings, ttft, delay)
+    return Timing(spread(delay), spread(ttft), per_node, imbalance, warnings, ttft, delay, own, held)

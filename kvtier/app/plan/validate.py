@@ -10,9 +10,14 @@ with the engine's measured profile (:class:`~kvtier.app.plan.timing.ProfiledCost
 serves it on real tiers (:mod:`~kvtier.app.plan.engine_run`, or vLLM's CPU engine with kvtier's
 connector, :mod:`kvtier.app.plan.engine_vllm`).
 
-Reported per configuration: hit ratio per tier, bytes each link moved, TTFT p50/p90/p99, and the
-median absolute percentage error of each request's TTFT; with a what-if (half the host, or
-another write policy), the change the planner predicts against the change measured.
+Each configuration is served ``trials`` times, in alternation within the process (base, what-if,
+base, what-if, ...), after ``warmup`` runs of the base configuration whose measurements are
+discarded. Reported per configuration: hit ratio per tier, bytes each link moved, TTFT p50/p90/p99
+of every trial's requests pooled, and the median absolute percentage error of each request's TTFT;
+each TTFT statistic with its trial range, a bootstrap interval and the prediction judged against
+them (:mod:`~kvtier.app.plan.trials`); the error split by cause, service model, queue model and end
+to end (:mod:`~kvtier.app.plan.split`); with a what-if (half the host, or another write policy), the
+change the planner predicts against the change measured, trial by trial.
 """
 
 from __future__ import annotations
@@ -28,7 +33,9 @@ from kvtier.app.plan.engine_slice import EngineSlice, make_slice
 from kvtier.app.plan.engines import Engine, engine_model
 from kvtier.app.plan.profile import Profile, median_abs_pct_error
 from kvtier.app.plan.replay_cache import NodeShape, replay_cache
-from kvtier.app.plan.timing import ProfiledCosts, simulate, spread
+from kvtier.app.plan.split import split_error
+from kvtier.app.plan.timing import ProfiledCosts, Timing, simulate, spread
+from kvtier.app.plan.trials import STATISTICS, judge, spreads, statistic
 from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
@@ -136,12 +143,11 @@ def predict(eng: Engine, work: EngineSlice, setup: Setup) -> Prediction:
     return Prediction(list(counts.per_request), list(counts.moves), [], moved)
 
 
-def predicted_times(work: EngineSlice, pred: Prediction, costs: ProfiledCosts) -> tuple[np.ndarray, np.ndarray]:
-    """(each request's TTFT, its queueing delay) as the planner's queue model gives them at ``work``'s arrivals."""
+def predicted_timing(work: EngineSlice, pred: Prediction, costs: ProfiledCosts) -> Timing:
+    """The planner's queue model at ``work``'s arrivals: each request's TTFT, queueing, service and drain."""
     requests = work.requests
     cfg = PlanConfig(arrival_speedup=1.0 / work.time_scale)
-    timing = simulate(requests, [0] * len(requests), pred.served, cfg, costs, pred.moves)
-    return timing.per_request_ttft_s, timing.per_request_queue_s
+    return simulate(requests, [0] * len(requests), pred.served, cfg, costs, pred.moves)
 
 
 def time_scale_for(requests: Sequence[TraceRequest], pred: Prediction, costs: ProfiledCosts, target_load: float) -> float:
@@ -186,10 +192,19 @@ def compare(predicted: dict, measured: dict, pred_ttft: Sequence[float], meas_tt
 class ConfigResult:
     setup: dict
     predicted: dict
+    #: every trial's requests pooled (TTFT statistics); hits, bytes and the engine's facts from the first trial
     measured: dict
     error: dict
-    #: per request: (pages device/host/storage predicted, measured, TTFT predicted, measured)
+    #: per request: pages predicted and measured (first trial), TTFT, queueing, service and drain predicted and measured
+    #: (the median of the trials; ``ttft_measured_trials_s``: each trial's)
     per_request: list[dict] = field(default_factory=list)
+    #: each trial: its hits, requests served alike, TTFT statistics and wall time
+    trials: list[dict] = field(default_factory=list)
+    #: per TTFT statistic: prediction, pooled measurement, trial range, bootstrap interval, verdict, bias
+    #: (:class:`~kvtier.app.plan.trials.Spread`)
+    spread: dict = field(default_factory=dict)
+    #: the TTFT error by cause (:class:`~kvtier.app.plan.split.ErrorSplit`)
+    split: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -205,38 +220,73 @@ class ValidationReport:
     configurations: list[ConfigResult]
     what_if: dict | None = None
     machine: dict = field(default_factory=dict)
+    trials: int = 1
+    #: the runs in the order they ran: trial (0: a discarded warm-up), configuration, wall seconds, discarded
+    runs: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
+def _median(values: Sequence[Sequence[float]]) -> list[float]:
+    return [float(v) for v in np.median(np.asarray(values, dtype=float), axis=0)] if values and values[0] else []
+
+
 def run_config(eng: Engine, work: EngineSlice, setup: Setup, pred: Prediction, costs: ProfiledCosts,
-               measure: Callable[[EngineSlice, Setup], MeasuredRun]) -> ConfigResult:
-    """One configuration: the planner's prediction against the engine's run."""
-    pred_ttft, pred_queue = predicted_times(work, pred, costs)
-    real = measure(work, setup)
+               reals: Sequence[MeasuredRun]) -> ConfigResult:
+    """One configuration: the planner's prediction against the engine's runs of it (one per trial)."""
+    timing = predicted_timing(work, pred, costs)
+    pred_ttft, pred_queue = timing.per_request_ttft_s, timing.per_request_queue_s
+    first = reals[0]
+    pooled_ttft = np.concatenate([np.asarray(r.ttft_s, dtype=float) for r in reals])
+    pooled_queue = np.concatenate([np.asarray(r.queue_s, dtype=float) for r in reals])
     predicted = _side(pred.served, pred_ttft, pred_queue, pred.bytes_moved, work.requests, eng.page_tokens)
-    measured = _side(real.served, real.ttft_s, real.queue_s, real.bytes_moved, work.requests, eng.page_tokens)
-    rows = [{"pages_predicted": list(p), "pages_measured": list(m), "ttft_predicted_s": round(float(a), 5), "ttft_measured_s": round(b, 5),
-             "queue_predicted_s": round(float(q), 5)}
-            for p, m, a, b, q in zip(pred.served, real.served, pred_ttft, real.ttft_s, pred_queue)]
-    for row, q, svc in zip(rows, real.queue_s, real.service_s):
-        row["queue_measured_s"], row["service_measured_s"] = round(q, 5), round(svc, 5)
-    measured["wall_s"] = round(real.wall_s, 3)
-    measured.update(real.extra)
-    error = compare(predicted, measured, pred_ttft, real.ttft_s, pred.served, real.served)
-    return ConfigResult(setup.describe(), predicted, measured, error, rows)
+    measured = _side(first.served, pooled_ttft, pooled_queue, first.bytes_moved, work.requests, eng.page_tokens)
+    ttft_t, queue_t, service_t, drain_t = ([list(getattr(r, a)) for r in reals] for a in ("ttft_s", "queue_s", "service_s", "drain_s"))
+    medians = {k: _median(v) for k, v in (("ttft", ttft_t), ("queue", queue_t), ("service", service_t), ("drain", drain_t))}
+    rows = []
+    for i, (p, m) in enumerate(zip(pred.served, first.served)):
+        row = {"pages_predicted": list(p), "pages_measured": list(m), "ttft_predicted_s": round(float(pred_ttft[i]), 5),
+               "ttft_measured_s": round(medians["ttft"][i], 5), "queue_predicted_s": round(float(pred_queue[i]), 5),
+               "service_predicted_s": round(float(timing.per_request_service_s[i]), 5),
+               "drain_predicted_s": round(float(timing.per_request_after_s[i]), 5),
+               "ttft_measured_trials_s": [round(t[i], 5) for t in ttft_t]}
+        for k in ("queue", "service", "drain"):
+            if medians[k]:
+                row[f"{k}_measured_s"] = round(medians[k][i], 5)
+        rows.append(row)
+    measured["wall_s"] = round(sum(r.wall_s for r in reals), 3)
+    measured.update(first.extra)
+    error = compare(predicted, measured, np.tile(pred_ttft, len(reals)), pooled_ttft, pred.served, first.served)
+    trials = []
+    for k, r in enumerate(reals):
+        side = _side(r.served, r.ttft_s, r.queue_s, r.bytes_moved, work.requests, eng.page_tokens)
+        alike = sum(tuple(a) == tuple(b) for a, b in zip(pred.served, r.served))
+        trials.append({"trial": k + 1, "hit_pages": side["hit_pages"], "requests_served_alike": alike, "ttft_s": side["ttft_s"],
+                       "wall_s": round(r.wall_s, 3)})
+    error["requests_served_alike"] = min(t["requests_served_alike"] for t in trials)
+    error["hit_pages_equal"] = all(t["hit_pages"] == predicted["hit_pages"] for t in trials)
+    exact = {k: float(statistic(pred_ttft, k)) for k in STATISTICS}
+    spread_of = {k: asdict(v) for k, v in spreads(exact, np.asarray(ttft_t, dtype=float)).items()}
+    split = split_error(work.requests, work.time_scale, timing, ttft_t, service_t, drain_t)
+    return ConfigResult(setup.describe(), predicted, measured, error, rows, trials, spread_of, asdict(split))
 
 
 def change(base: ConfigResult, other: ConfigResult) -> dict:
     """The what-if: each side's change from ``base`` to ``other`` (TTFT in percent, hit ratio in points) and
-    the prediction's error against the measured change, in percentage points."""
+    the prediction's error against the measured change, in percentage points; with trials, the measured change
+    of each trial (its what-if against its own base run), their range, and the prediction judged against it."""
     out: dict = {"from": base.setup["name"], "to": other.setup["name"]}
     for k in ("p50", "p90", "mean"):
         pred = _pct(other.predicted["ttft_s"][k], base.predicted["ttft_s"][k])
         meas = _pct(other.measured["ttft_s"][k], base.measured["ttft_s"][k])
+        per_trial = [_pct(o["ttft_s"][k], b["ttft_s"][k]) for b, o in zip(base.trials, other.trials)]
+        known = [v for v in per_trial if v is not None]
+        rng = [min(known), max(known)] if known else None
         out[f"ttft_{k}"] = {"predicted_change_pct": pred, "measured_change_pct": meas,
-                            "error_pp": round(pred - meas, 2) if pred is not None and meas is not None else None}
+                            "error_pp": round(pred - meas, 2) if pred is not None and meas is not None else None,
+                            "measured_change_trials_pct": per_trial, "measured_change_range_pct": rng,
+                            "verdict": judge(pred, *rng) if pred is not None and rng else None}
     for t in (*TIERS, "total"):
         pred = round((other.predicted["hit_ratio"][t] - base.predicted["hit_ratio"][t]) * 100, 2)
         meas = round((other.measured["hit_ratio"][t] - base.measured["hit_ratio"][t]) * 100, 2)
@@ -246,8 +296,13 @@ def change(base: ConfigResult, other: ConfigResult) -> dict:
 
 def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: Profile, profile_path: str, *, workload: str, start: int = 0,
              time_scale: float | None = None, target_load: float = 0.5, what: str | None = None,
-             measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None) -> ValidationReport:
-    """The slice ``requests`` on ``eng`` under ``setup`` (and ``what``, a :data:`WHAT_IFS` name), planner against engine."""
+             measure: Callable[[EngineSlice, Setup], MeasuredRun] | None = None, trials: int = 3, warmup: int = 1) -> ValidationReport:
+    """The slice ``requests`` on ``eng`` under ``setup`` (and ``what``, a :data:`WHAT_IFS` name), planner against engine,
+    each configuration served ``trials`` times, in alternation, after ``warmup`` discarded runs of ``setup``."""
+    if trials < 1:
+        raise ConfigError(f"--trials is how many times each configuration is served, 1 or more; got {trials}")
+    if warmup < 0:
+        raise ConfigError(f"--validate-warmup is how many discarded runs of the base configuration come first, 0 or more; got {warmup}")
     check_setup(eng, setup.cache, what)
     model = engine_model(eng.model)
     profile.check_model(eng.model, model.fingerprint(), profile_path, engine=eng.name)
@@ -261,11 +316,18 @@ def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: P
         target_load = None
     work = make_slice(requests, eng.page_tokens, eng.vocab, time_scale)
     measure = measure or default_measure(eng, profile)
-    results = [run_config(eng, work, setup, pred, costs, measure)]
-    if other is not None:
-        results.append(run_config(eng, work, other, predict(eng, work, other), costs, measure))
+    setups = [(setup, pred)] + ([(other, predict(eng, work, other))] if other is not None else [])
+    reals: list[list[MeasuredRun]] = [[] for _ in setups]
+    runs = []
+    for _ in range(warmup):  # the process's first run measures slow (caches, allocator, first calls): served, then discarded
+        runs.append({"trial": 0, "configuration": setup.name, "wall_s": round(measure(work, setup).wall_s, 3), "discarded": True})
+    for trial in range(1, trials + 1):  # base, what-if, base, what-if, ...: a drift of the machine falls on both alike
+        for (s, _), got in zip(setups, reals):
+            got.append(measure(work, s))
+            runs.append({"trial": trial, "configuration": s.name, "wall_s": round(got[-1].wall_s, 3), "discarded": False})
+    results = [run_config(eng, work, s, p, costs, got) for (s, p), got in zip(setups, reals)]
     return ValidationReport(eng.name, workload, len(requests), start, eng.page_tokens, round(time_scale, 6), target_load,
-                            costs.describe(), results, change(*results) if other is not None else None)
+                            costs.describe(), results, change(*results) if other is not None else None, trials=trials, runs=runs)
 
 
 def default_measure(eng: Engine, profile: Profile) -> Callable[[EngineSlice, Setup], MeasuredRun]:
