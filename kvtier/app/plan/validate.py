@@ -23,7 +23,7 @@ change the planner predicts against the change measured, trial by trial.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -31,16 +31,16 @@ from kvtier.app.plan.config import MAX_BLOCKS, Capacity, PlanConfig
 from kvtier.app.plan.engine_run import MeasuredRun
 from kvtier.app.plan.engine_slice import EngineSlice, make_slice
 from kvtier.app.plan.engines import Engine, engine_model
-from kvtier.app.plan.profile import Profile, median_abs_pct_error
+from kvtier.app.plan.profile import Profile
 from kvtier.app.plan.replay_cache import NodeShape, replay_cache
 from kvtier.app.plan.split import split_error
-from kvtier.app.plan.timing import ProfiledCosts, Timing, simulate, spread
-from kvtier.app.plan.trials import STATISTICS, judge, spreads, statistic
+from kvtier.app.plan.timing import ProfiledCosts, Timing, simulate
+from kvtier.app.plan.trials import STATISTICS, spreads, statistic
+from kvtier.app.plan.validation_report import ConfigResult, ValidationReport, change, compare, side_of
 from kvtier.app.workloads.mooncake import TraceRequest
 from kvtier.config import CacheConfig
 from kvtier.errors import ConfigError
 
-TIERS = ("device", "host", "storage")
 #: what-ifs a validation can check: a name -> what it changes
 WHAT_IFS = {"half-host": "half the host pages", "write-back": "write_back instead of the write policy given",
             "write-through": "write_through instead of the write policy given"}
@@ -159,75 +159,6 @@ def time_scale_for(requests: Sequence[TraceRequest], pred: Prediction, costs: Pr
     return busy / (target_load * span)
 
 
-def _side(served: Sequence[tuple[int, int, int]], ttft: Sequence[float], queue: Sequence[float], moved: dict[str, int],
-          requests: Sequence[TraceRequest], page_tokens: int) -> dict:
-    tokens = sum(r.input_length for r in requests)
-    pages = {t: sum(s[i] for s in served) for i, t in enumerate(TIERS)}
-    ratio = {t: round(pages[t] * page_tokens / tokens, 4) for t in TIERS}
-    ratio["total"] = round(sum(pages.values()) * page_tokens / tokens, 4)
-    return {"hit_ratio": ratio, "hit_pages": pages, "bytes_moved": dict(moved), "ttft_s": spread(np.asarray(ttft)),
-            "queue_s": spread(np.asarray(queue)) if len(queue) else None}
-
-
-def _pct(p: float, m: float) -> float | None:
-    return round((p - m) / m * 100, 2) if m else None
-
-
-def compare(predicted: dict, measured: dict, pred_ttft: Sequence[float], meas_ttft: Sequence[float],
-            pred_served: Sequence[tuple[int, int, int]], meas_served: Sequence[tuple[int, int, int]]) -> dict:
-    """Errors: hit ratios in percentage points, TTFT percentiles and bytes in percent, per-request TTFT as a median
-    absolute percentage error; and how many requests were served the same pages per tier."""
-    same = sum(tuple(a) == tuple(b) for a, b in zip(pred_served, meas_served))
-    return {
-        "hit_ratio_pp": {t: round((predicted["hit_ratio"][t] - measured["hit_ratio"][t]) * 100, 2) for t in (*TIERS, "total")},
-        "ttft_pct": {k: _pct(predicted["ttft_s"][k], measured["ttft_s"][k]) for k in ("p50", "p90", "p99", "mean")},
-        "ttft_per_request_mape_pct": round(median_abs_pct_error(pred_ttft, meas_ttft), 2),
-        "bytes_pct": {k: _pct(predicted["bytes_moved"][k], v) for k, v in measured["bytes_moved"].items()},
-        "requests_served_alike": same,
-        "hit_pages_equal": predicted["hit_pages"] == measured["hit_pages"],
-    }
-
-
-@dataclass
-class ConfigResult:
-    setup: dict
-    predicted: dict
-    #: every trial's requests pooled (TTFT statistics); hits, bytes and the engine's facts from the first trial
-    measured: dict
-    error: dict
-    #: per request: pages predicted and measured (first trial), TTFT, queueing, service and drain predicted and measured
-    #: (the median of the trials; ``ttft_measured_trials_s``: each trial's)
-    per_request: list[dict] = field(default_factory=list)
-    #: each trial: its hits, requests served alike, TTFT statistics and wall time
-    trials: list[dict] = field(default_factory=list)
-    #: per TTFT statistic: prediction, pooled measurement, trial range, bootstrap interval, verdict, bias
-    #: (:class:`~kvtier.app.plan.trials.Spread`)
-    spread: dict = field(default_factory=dict)
-    #: the TTFT error by cause (:class:`~kvtier.app.plan.split.ErrorSplit`)
-    split: dict = field(default_factory=dict)
-
-
-@dataclass
-class ValidationReport:
-    engine: str
-    workload: str
-    requests: int
-    start: int
-    page_tokens: int
-    time_scale: float
-    target_load: float | None
-    profile: dict
-    configurations: list[ConfigResult]
-    what_if: dict | None = None
-    machine: dict = field(default_factory=dict)
-    trials: int = 1
-    #: the runs in the order they ran: trial (0: a discarded warm-up), configuration, wall seconds, discarded
-    runs: list[dict] = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
 def _median(values: Sequence[Sequence[float]]) -> list[float]:
     return [float(v) for v in np.median(np.asarray(values, dtype=float), axis=0)] if values and values[0] else []
 
@@ -240,8 +171,8 @@ def run_config(eng: Engine, work: EngineSlice, setup: Setup, pred: Prediction, c
     first = reals[0]
     pooled_ttft = np.concatenate([np.asarray(r.ttft_s, dtype=float) for r in reals])
     pooled_queue = np.concatenate([np.asarray(r.queue_s, dtype=float) for r in reals])
-    predicted = _side(pred.served, pred_ttft, pred_queue, pred.bytes_moved, work.requests, eng.page_tokens)
-    measured = _side(first.served, pooled_ttft, pooled_queue, first.bytes_moved, work.requests, eng.page_tokens)
+    predicted = side_of(pred.served, pred_ttft, pred_queue, pred.bytes_moved, work.requests, eng.page_tokens)
+    measured = side_of(first.served, pooled_ttft, pooled_queue, first.bytes_moved, work.requests, eng.page_tokens)
     ttft_t, queue_t, service_t, drain_t = ([list(getattr(r, a)) for r in reals] for a in ("ttft_s", "queue_s", "service_s", "drain_s"))
     medians = {k: _median(v) for k, v in (("ttft", ttft_t), ("queue", queue_t), ("service", service_t), ("drain", drain_t))}
     rows = []
@@ -260,7 +191,7 @@ def run_config(eng: Engine, work: EngineSlice, setup: Setup, pred: Prediction, c
     error = compare(predicted, measured, np.tile(pred_ttft, len(reals)), pooled_ttft, pred.served, first.served)
     trials = []
     for k, r in enumerate(reals):
-        side = _side(r.served, r.ttft_s, r.queue_s, r.bytes_moved, work.requests, eng.page_tokens)
+        side = side_of(r.served, r.ttft_s, r.queue_s, r.bytes_moved, work.requests, eng.page_tokens)
         alike = sum(tuple(a) == tuple(b) for a, b in zip(pred.served, r.served))
         trials.append({"trial": k + 1, "hit_pages": side["hit_pages"], "requests_served_alike": alike, "ttft_s": side["ttft_s"],
                        "wall_s": round(r.wall_s, 3)})
@@ -270,28 +201,6 @@ def run_config(eng: Engine, work: EngineSlice, setup: Setup, pred: Prediction, c
     spread_of = {k: asdict(v) for k, v in spreads(exact, np.asarray(ttft_t, dtype=float)).items()}
     split = split_error(work.requests, work.time_scale, timing, ttft_t, service_t, drain_t)
     return ConfigResult(setup.describe(), predicted, measured, error, rows, trials, spread_of, asdict(split))
-
-
-def change(base: ConfigResult, other: ConfigResult) -> dict:
-    """The what-if: each side's change from ``base`` to ``other`` (TTFT in percent, hit ratio in points) and
-    the prediction's error against the measured change, in percentage points; with trials, the measured change
-    of each trial (its what-if against its own base run), their range, and the prediction judged against it."""
-    out: dict = {"from": base.setup["name"], "to": other.setup["name"]}
-    for k in ("p50", "p90", "mean"):
-        pred = _pct(other.predicted["ttft_s"][k], base.predicted["ttft_s"][k])
-        meas = _pct(other.measured["ttft_s"][k], base.measured["ttft_s"][k])
-        per_trial = [_pct(o["ttft_s"][k], b["ttft_s"][k]) for b, o in zip(base.trials, other.trials)]
-        known = [v for v in per_trial if v is not None]
-        rng = [min(known), max(known)] if known else None
-        out[f"ttft_{k}"] = {"predicted_change_pct": pred, "measured_change_pct": meas,
-                            "error_pp": round(pred - meas, 2) if pred is not None and meas is not None else None,
-                            "measured_change_trials_pct": per_trial, "measured_change_range_pct": rng,
-                            "verdict": judge(pred, *rng) if pred is not None and rng else None}
-    for t in (*TIERS, "total"):
-        pred = round((other.predicted["hit_ratio"][t] - base.predicted["hit_ratio"][t]) * 100, 2)
-        meas = round((other.measured["hit_ratio"][t] - base.measured["hit_ratio"][t]) * 100, 2)
-        out[f"hit_{t}"] = {"predicted_change_pp": pred, "measured_change_pp": meas, "error_pp": round(pred - meas, 2)}
-    return out
 
 
 def validate(eng: Engine, requests: list[TraceRequest], setup: Setup, profile: Profile, profile_path: str, *, workload: str, start: int = 0,
