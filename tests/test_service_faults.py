@@ -166,6 +166,7 @@ def test_after_the_service_restarts_with_a_new_region_no_page_id_of_the_old_one_
         time.sleep(0.2)  # (past the first retry's wait)
         cache.match(prompt(2))  # the pages held stay in the tree, unreadable: no match offers them, and it does not attach yet
         assert cache.match(prompt(1)).nodes == [] and len(cache.tree.hosted) == PAGES and leased.reattaches == 0
+        wait_until(lambda: status()["clients"] == 1, 20.0)  # its heartbeat attached beside the old pages (they hold it back)
         cache.unlock(held[-1])
         cache.match(prompt(2))  # it forgets them, then attaches again
         assert (leased.losses, leased.reattaches, cache.stats.shared_host_lost_pages, len(cache.tree.hosted)) == (1, 1, PAGES, 0)
