@@ -16,7 +16,7 @@ import logging
 from kvtier.errors import ServiceUnavailableError
 from kvtier.hashing import Namespace
 from kvtier.pools.host import HostPool
-from kvtier.service.client import DEFAULT_DEADLINE_S, DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
+from kvtier.service.client import DEFAULT_DEADLINE_S, ServiceClient
 from kvtier.service.heartbeat import HEARTBEAT_S
 from kvtier.service.leased import LeasedPages
 from kvtier.service.region import RegionFormat
@@ -34,7 +34,8 @@ def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str
     detaches. The deadlines and ``service_uid`` are :class:`ServiceClient`'s (``TierConfig.service_timeout_s``,
     ``service_lookup_timeout_s``, ``service_uid``); ``required`` (``TierConfig.service_required``): a service that
     does not answer is an error, not a start without it; ``heartbeat_s``: the attachment's beat (None: none)."""
-    connect = functools.partial(_connect, socket_path, str(namespace), fmt, deadline_s, lookup_deadline_s, service_uid, share)
+    connect = functools.partial(ServiceClient.reattach, socket_path, str(namespace), fmt, deadline_s=deadline_s,
+                                lookup_deadline_s=lookup_deadline_s, service_uid=service_uid, share=share)
     try:
         client = ServiceClient(socket_path, str(namespace), fmt, deadline_s=deadline_s, lookup_deadline_s=lookup_deadline_s,
                                service_uid=service_uid, share=share)
@@ -50,14 +51,6 @@ def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str
         if client is not None:
             client.close()
         raise
-
-
-def _connect(socket_path: str, namespace: str, fmt: RegionFormat, deadline_s: float, lookup_deadline_s: float | None,
-             service_uid: int | None, share: int | None, previous: str | None) -> ServiceClient:
-    """Attach again (a lost engine, on its own thread or its heartbeat's): connect and hello within the lookup deadline."""
-    quick = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
-    return ServiceClient(socket_path, namespace, fmt, deadline_s=deadline_s, lookup_deadline_s=quick, attach_deadline_s=quick,
-                         service_uid=service_uid, share=share, previous=previous)
 
 
 def attach_host_pool(socket_path: str, spec: KVSpec, layout: str, namespace: Namespace, share: int, *,

@@ -65,6 +65,12 @@ MAX_REGION_PAGES = 1 << 48
 MAX_PATH = 4096
 
 
+def lookup_deadline(deadline_s: float, lookup_deadline_s: float | None) -> float:
+    """The deadline of a call an engine's thread waits on: ``lookup_deadline_s``, or (None) the smaller of
+    :data:`DEFAULT_LOOKUP_DEADLINE_S` and the call deadline ``deadline_s``."""
+    return min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
+
+
 @dataclass(frozen=True)
 class HelloAnswer:
     """The service's answer to ``hello``, checked (:meth:`check`): the region to map -- an absolute path
@@ -139,7 +145,7 @@ class ServiceClient:
         self.namespace = namespace
         self.fmt = fmt
         self.deadline_s = deadline_s
-        self.lookup_deadline_s = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
+        self.lookup_deadline_s = lookup_deadline(deadline_s, lookup_deadline_s)
         self.service_uid = service_uid
         self._seq = 0
         self._broken: str | None = None
@@ -156,12 +162,21 @@ class ServiceClient:
         self.num_pages: int = self.hello.num_pages
         self.session: str = self.hello.session
 
-    def again(self) -> ServiceClient:
-        """A new client attached as this one was, naming this one's session as quiesced; connect and hello
-        within the lookup deadline (an engine's thread attaches again between requests)."""
-        quick = self.lookup_deadline_s
-        return ServiceClient(self.socket_path, self.namespace, self.fmt, deadline_s=self.deadline_s, lookup_deadline_s=quick,
-                             previous=self.session, attach_deadline_s=quick, service_uid=self.service_uid, share=self.share)
+    @classmethod
+    def reattach(cls, socket_path: str, namespace: str, fmt: RegionFormat, previous: str | None, *, deadline_s: float = DEFAULT_DEADLINE_S,
+                 lookup_deadline_s: float | None = None, service_uid: int | None = None, share: int | None = None) -> ServiceClient:
+        """Attached as an engine attaches again between requests (on its own thread, or its heartbeat's): connect and
+        hello within the lookup deadline, naming ``previous`` (a quiesced session of this process, or None)."""
+        quick = lookup_deadline(deadline_s, lookup_deadline_s)
+        return cls(socket_path, namespace, fmt, deadline_s=deadline_s, lookup_deadline_s=quick, previous=previous,
+                   attach_deadline_s=quick, service_uid=service_uid, share=share)
+
+    def again(self, *, quiesced: bool = True) -> ServiceClient:
+        """A new client attached as this one was (:meth:`reattach`), naming this one's session as quiesced unless
+        ``quiesced`` is False (something may still touch its pages)."""
+        return ServiceClient.reattach(self.socket_path, self.namespace, self.fmt, self.session if quiesced else None,
+                                      deadline_s=self.deadline_s, lookup_deadline_s=self.lookup_deadline_s,
+                                      service_uid=self.service_uid, share=self.share)
 
     def map_region(self, **kwargs) -> torch.Tensor:
         """The region this client's hello named, mapped once it is checked again to be the service's

@@ -63,7 +63,8 @@ Connect = Callable[[str | None], ServiceClient]
 
 class LeasedPages(PageAllocator):
     """The engine's pages of the service at ``socket_path``: ``client`` is attached already, or None (the
-    service was not there at start: the tier starts lost). ``connect`` attaches anew (default: the client's
+    service was not there at start: the tier starts lost). ``connect(previous)`` attaches anew, naming
+    ``previous`` as quiesced (None: no session to name; default: the client's
     :meth:`~kvtier.service.client.ServiceClient.again`); ``heartbeat_s``: the beat's period (None: no beat)."""
 
     def __init__(self, client: ServiceClient | None, share: int | None, *, socket_path: str | None = None,
@@ -310,7 +311,9 @@ class LeasedPages(PageAllocator):
     def _connect_anew(self, previous: str | None) -> tuple[ServiceClient | None, ServiceError | None]:
         """A client attached anew (naming ``previous`` as quiesced), or the error of the attempt."""
         try:
-            return (self._connect(previous) if self._connect is not None else self.client.again()), None
+            if self._connect is not None:
+                return self._connect(previous), None
+            return self.client.again(quiesced=previous is not None), None  # (``previous`` is None or the client's session)
         except ServiceError as e:
             return None, e
 

@@ -93,6 +93,7 @@ def _encodes(key: str) -> bool:
         return False
     return True
 
+
 def _refusing_start():
     """A start kvtier refuses (a bad option, a pool the service cannot hold, a required service that is not
     there) is one ERROR line first -- the message names the fix -- so it stands above SGLang's traceback."""

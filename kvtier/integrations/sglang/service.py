@@ -51,7 +51,7 @@ from kvtier.errors import ServiceError, ServiceProtocolError
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
-from kvtier.service.client import DEFAULT_LOOKUP_DEADLINE_S, ServiceClient
+from kvtier.service.client import ServiceClient, lookup_deadline
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.heartbeat import HEARTBEAT_S, Heartbeat
 from kvtier.service.region import RegionFormat
@@ -115,7 +115,7 @@ class ServicePages:
         self.format = region_format(self.group)
         self.deadline_s = deadline_s
         #: the deadline of every call from SGLang's threads, attaching again included
-        self.lookup_deadline_s = min(DEFAULT_LOOKUP_DEADLINE_S, deadline_s) if lookup_deadline_s is None else lookup_deadline_s
+        self.lookup_deadline_s = lookup_deadline(deadline_s, lookup_deadline_s)
         self.on_fault = on_fault
         self._state = _ThreadState()
         self._lock = threading.Lock()
