@@ -26,7 +26,7 @@ import numpy as np
 
 from kvtier.app.plan.config import PlanConfig
 from kvtier.app.plan.timing import Timing, simulate
-from kvtier.app.plan.trials import signed_pct
+from kvtier.app.plan.trials import rounded_pct
 from kvtier.app.workloads.mooncake import TraceRequest
 
 PERCENTILES = ("p50", "p90")
@@ -70,7 +70,7 @@ def percentile_error(predicted: np.ndarray, measured: np.ndarray, trials: int = 
     q = [float(k[1:]) for k in PERCENTILES]
     p = dict(zip(PERCENTILES, (float(v) for v in np.percentile(predicted, q))))
     m = dict(zip(PERCENTILES, (float(v) for v in np.percentile(measured, q))))
-    return PercentileError(p, m, {k: None if (e := signed_pct(p[k], m[k])) is None else round(e, 2) for k in PERCENTILES},
+    return PercentileError(p, m, {k: rounded_pct(p[k], m[k]) for k in PERCENTILES},
                            per_request_error(np.tile(predicted, trials), measured))
 
 

@@ -46,6 +46,17 @@ def signed_pct(predicted: float, measured: float) -> float | None:
     return (predicted - measured) / measured * 100 if measured else None
 
 
+def rounded_pct(predicted: float, measured: float) -> float | None:
+    """:func:`signed_pct` to two decimals, as reports print it."""
+    e = signed_pct(predicted, measured)
+    return None if e is None else round(e, 2)
+
+
+def span_of(trial_range: tuple[float, float], interval: tuple[float, float]) -> tuple[float, float]:
+    """The measured spread a prediction is judged against: from the lower to the higher end of both."""
+    return min(trial_range[0], interval[0]), max(trial_range[1], interval[1])
+
+
 @dataclass(frozen=True)
 class Spread:
     """One measured statistic over the trials, against its prediction (seconds; errors in percent)."""
@@ -69,7 +80,7 @@ class Spread:
 
     @property
     def span(self) -> tuple[float, float]:
-        return min(self.trial_range[0], self.interval[0]), max(self.trial_range[1], self.interval[1])
+        return span_of(self.trial_range, self.interval)
 
 
 def judge(predicted: float, low: float, high: float) -> Verdict:
@@ -109,7 +120,6 @@ def spreads(predicted: Mapping[str, float], measured: np.ndarray, *, resamples: 
         known = [e for e in errors if e is not None]
         rng = (min(per_trial), max(per_trial))
         interval = intervals[name]
-        low, high = min(rng[0], interval[0]), max(rng[1], interval[1])
         out[name] = Spread(name, p, float(statistic(measured.reshape(-1), name)), per_trial, rng, interval, confidence,
-                           judge(p, low, high), errors, float(np.median(known)) if known else None)
+                           judge(p, *span_of(rng, interval)), errors, float(np.median(known)) if known else None)
     return out

@@ -10,7 +10,7 @@ import numpy as np
 
 from kvtier.app.plan.profile import median_abs_pct_error
 from kvtier.app.plan.timing import spread
-from kvtier.app.plan.trials import judge
+from kvtier.app.plan.trials import judge, rounded_pct
 from kvtier.app.workloads.mooncake import TraceRequest
 
 TIERS = ("device", "host", "storage")
@@ -26,10 +26,6 @@ def side_of(served: Sequence[tuple[int, int, int]], ttft: Sequence[float], queue
             "queue_s": spread(np.asarray(queue)) if len(queue) else None}
 
 
-def _pct(p: float, m: float) -> float | None:
-    return round((p - m) / m * 100, 2) if m else None
-
-
 def compare(predicted: dict, measured: dict, pred_ttft: Sequence[float], meas_ttft: Sequence[float],
             pred_served: Sequence[tuple[int, int, int]], meas_served: Sequence[tuple[int, int, int]]) -> dict:
     """Errors: hit ratios in percentage points, TTFT percentiles and bytes in percent, per-request TTFT as a median
@@ -37,9 +33,9 @@ def compare(predicted: dict, measured: dict, pred_ttft: Sequence[float], meas_tt
     same = sum(tuple(a) == tuple(b) for a, b in zip(pred_served, meas_served))
     return {
         "hit_ratio_pp": {t: round((predicted["hit_ratio"][t] - measured["hit_ratio"][t]) * 100, 2) for t in (*TIERS, "total")},
-        "ttft_pct": {k: _pct(predicted["ttft_s"][k], measured["ttft_s"][k]) for k in ("p50", "p90", "p99", "mean")},
+        "ttft_pct": {k: rounded_pct(predicted["ttft_s"][k], measured["ttft_s"][k]) for k in ("p50", "p90", "p99", "mean")},
         "ttft_per_request_mape_pct": round(median_abs_pct_error(pred_ttft, meas_ttft), 2),
-        "bytes_pct": {k: _pct(predicted["bytes_moved"][k], v) for k, v in measured["bytes_moved"].items()},
+        "bytes_pct": {k: rounded_pct(predicted["bytes_moved"][k], v) for k, v in measured["bytes_moved"].items()},
         "requests_served_alike": same,
         "hit_pages_equal": predicted["hit_pages"] == measured["hit_pages"],
     }
@@ -91,9 +87,9 @@ def change(base: ConfigResult, other: ConfigResult) -> dict:
     of each trial (its what-if against its own base run), their range, and the prediction judged against it."""
     out: dict = {"from": base.setup["name"], "to": other.setup["name"]}
     for k in ("p50", "p90", "mean"):
-        pred = _pct(other.predicted["ttft_s"][k], base.predicted["ttft_s"][k])
-        meas = _pct(other.measured["ttft_s"][k], base.measured["ttft_s"][k])
-        per_trial = [_pct(o["ttft_s"][k], b["ttft_s"][k]) for b, o in zip(base.trials, other.trials)]
+        pred = rounded_pct(other.predicted["ttft_s"][k], base.predicted["ttft_s"][k])
+        meas = rounded_pct(other.measured["ttft_s"][k], base.measured["ttft_s"][k])
+        per_trial = [rounded_pct(o["ttft_s"][k], b["ttft_s"][k]) for b, o in zip(base.trials, other.trials)]
         known = [v for v in per_trial if v is not None]
         rng = [min(known), max(known)] if known else None
         out[f"ttft_{k}"] = {"predicted_change_pct": pred, "measured_change_pct": meas,
