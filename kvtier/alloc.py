@@ -116,6 +116,16 @@ class PageAllocator:
                 pages = [p for p in pages if p not in self._held]
         self._free.extend(reversed(pages))
 
+    def take(self, pages: list[int]) -> None:
+        """Allocate these particular pages, each free now (a region adopted as a killed service left it);
+        raises DoubleFreeError (taking nothing) if one is not free or appears twice."""
+        want, first = set(pages), int(self.reserve_padding_page)
+        if len(want) != len(pages) or any(not (first <= p < self.num_pages) or self._owned[p] for p in want):
+            raise DoubleFreeError(f"{self.name}: cannot take pages that are not free (or are listed twice); nothing was taken")
+        self._free = [p for p in self._free if p not in want]
+        for p in want:
+            self._owned[p] = 1
+
     def hold(self, pages) -> None:
         """Keep ``pages`` (allocated now) from being handed out again after they are freed, until
         :meth:`release_hold`: a plan that timed out may still touch them."""

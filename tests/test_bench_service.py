@@ -18,7 +18,7 @@ PAGE = 64  # the bench's page formats' page size
 
 def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
     r = kvtier("bench", "service", "--json", "--prompt-tokens", "256", "--requests", "6", "--copy-pages", "16", "--rounds", "2",
-               "--trace-limit", "6")
+               "--trace-limit", "6", "--checksum-pages", "2")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [row["case"] for row in out["lookup"]] == ["host_hit", "miss"]
@@ -44,6 +44,11 @@ def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
     assert 0 < flood["alone_p50_us"] <= flood["alone_p99_us"] and 0 < flood["flooded_p50_us"] <= flood["flooded_p99_us"]
     assert flood["p50_ratio"] == round(flood["flooded_p50_us"] / flood["alone_p50_us"], 3)
     assert flood["p99_ratio"] == round(flood["flooded_p99_us"] / flood["alone_p99_us"], 3)
+    # the page records' checksum against a copy of the same bytes, per host layout; the region they fill adopted whole
+    assert [row["layout"] for row in out["checksum"]] == ["page_first", "layer_first"]
+    for row in out["checksum"]:
+        assert row["pages"] == 2 and row["checksum_gbps"] > 0 and row["copy_gbps"] > 0 and row["adopt_gbps"] > 0
+        assert row["speed_over_copy"] == pytest.approx(row["checksum_gbps"] / row["copy_gbps"], rel=0.02)
 
 
 @pytest.mark.integration

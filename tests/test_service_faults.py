@@ -2,9 +2,9 @@
 process lives keeps its pages out of circulation -- it may still read them, or have a copy writing into
 them -- until it reattaches quiesced or exits; the service SIGKILLed under load leaves every engine
 serving right bytes (misses, recompute, no exception), and engines attach again on their own to the
-restarted service, whose host hits resume; a SIGSTOPped service holds no request past a short bound
-and is attached to again once it resumes. Real service subprocesses on a temp socket, every wait
-bounded, bytes checked bit-exact."""
+restarted service (which adopts the region the killed one left), whose host hits resume; a
+SIGSTOPped service holds no request past a short bound and is attached to again once it resumes. Real
+service subprocesses on a temp socket, every wait bounded, bytes checked bit-exact."""
 
 from __future__ import annotations
 
@@ -106,19 +106,21 @@ def test_the_service_sigkilled_under_load_engines_serve_right_bytes_and_reattach
         for rep in [peer_report(e) for e in engines]:
             assert rep["bad"] == 0 and rep["requests"] > 0, rep  # every cached page right
             assert rep["lost"] == 1 and not rep["attached"] and rep["lost_pages"] > 0, rep  # its region pages forgotten
-        # the service back (a new process, a new region): they attach again on their own, while serving
-        svc = start_service(sock)
+        # the service back (a new process, adopting the region: what verifies is offered again): they attach again on
+        # their own, while serving
+        svc = start_service(sock, 0.01, "--verify-sample", "1")
         for e in engines:
             tell(e, json.dumps({"loop": 12}))
         for e in engines:
             assert "warm" in peer_report(e)  # host hits again: it attached to the new service
         regions.append(status()["region"])
-        assert regions[1] != regions[0] and status()["clients"] == 2
+        assert regions[1] == regions[0] and status()["clients"] == 2 and status()["adopted"]["pages"] > 0, status()
+        assert status()["verify"]["failed_pages"] == 0
         for e in engines:
             tell(e, "stop")
         for rep in [peer_report(e) for e in engines]:
             assert rep["bad"] == 0 and rep["reattaches"] == 1 and rep["attached"], rep
-        # a prefix A computes now is a host hit for B, and for an engine started now (the new region, bit-exact)
+        # a prefix A computes now is a host hit for B, and for an engine started now (bit-exact)
         tell(a, json.dumps({"compute": 99}))
         assert peer_report(a)["bad"] == 0
         tell(b, json.dumps({"load": 99}))
@@ -159,7 +161,7 @@ def test_after_the_service_restarts_with_a_new_region_no_page_id_of_the_old_one_
         cache.lock(held[-1])  # as a request open across the fault holds them
         os.kill(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(30)
-        svc = start_service(sock)  # a new region, empty
+        svc = start_service(sock, 0.01, "--fresh-region")  # a new region, empty
         # (matches alone: a request's commit would find no host room and evict those pages itself)
         leased = cache.host.allocator
         assert cache.match(prompt(2)).nodes == [] and leased.losses == 1  # its lookup finds the service gone

@@ -107,3 +107,66 @@ def test_publish_names_the_pages_it_indexed_and_a_hold_keeps_a_page_from_evictio
     ix.check_integrity()
     assert ix.reserve(C, 1) == first and ix.status().evicted_pages == 1  # let go: evicted like any unheld page
     ix.check_integrity()
+
+
+class Watcher:
+    """A page watcher (the service's page records' part) that refuses the pages in ``bad`` and notes what it
+    was told: pages handed to writers (``got``) and pages indexed (``recorded``)."""
+
+    def __init__(self):
+        self.bad: set[int] = set()
+        self.got: list[int] = []
+        self.recorded: list[tuple[int, str, bytes]] = []
+
+    def reserved(self, pages):
+        self.got += pages
+
+    def indexed(self, page, namespace, key):
+        self.recorded.append((page, namespace, key))
+
+    def offered(self, page):
+        return page not in self.bad
+
+    def cleared(self, page):
+        pass
+
+
+def watched(pages: int = 4) -> tuple[HostIndex, Watcher]:
+    w = Watcher()
+    ix = HostIndex(pages, w)
+    ix.attach(A, "model-x")
+    ix.attach(B, "model-x")
+    return ix, w
+
+
+def test_a_page_the_watcher_refuses_ends_the_run_is_never_offered_again_and_is_freed_once_released():
+    ix, w = watched()
+    pages = ix.reserve(A, 3)
+    ix.publish(A, pages, K[:3])
+    assert w.got == pages and w.recorded == [(p, "model-x", k) for p, k in zip(pages, K[:3])]
+    w.bad.add(pages[1])  # its bytes changed after they were recorded
+    assert ix.lookup(B, K[:3]) == pages[:1]  # the run ends before it
+    assert ix.lookup(B, K[1:3]) == [] and ix.status().corrupt_pages == 1
+    ix.check_integrity()
+    free = ix.status().free
+    ix.release(A, [pages[1]])  # its writer held it: freed now (unindexed), never put back for lookups
+    assert ix.status().free == free + 1 and ix.status().evicted_pages == 0
+    ix.check_integrity()
+    ix.release(A, [pages[2]])  # unheld now; refused at the next lookup: freed at once
+    w.bad.add(pages[2])
+    assert ix.lookup(B, K[2:3]) == [] and ix.status().corrupt_pages == 2 and ix.status().free == free + 2
+    ix.check_integrity()
+
+
+def test_an_adopted_index_offers_what_verified_and_keeps_parked_pages_out_until_unparked():
+    ix = HostIndex(6)
+    ix.adopt([(4, "model-x", K[0]), (1, "model-x", K[1])], parked=[2, 5])
+    ix.attach(A, "model-x")
+    ix.check_integrity()
+    assert ix.status().parked_pages == 2 and ix.status().free == 2
+    assert ix.lookup(A, K[:3]) == [4, 1]
+    assert sorted(ix.reserve(A, 6)) == [0, 3]  # held and parked pages are never handed out
+    ix.check_integrity()
+    assert ix.unpark() == 2 and ix.status().parked_pages == 0
+    assert sorted(ix.reserve(A, 6)) == [2, 5]
+    ix.check_integrity()

@@ -114,7 +114,7 @@ def test_an_engine_reattaches_to_a_restarted_service_on_its_own_and_its_l3_hits_
         regions.append(status()["region"])
         os.kill(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(30)
-        svc = _start(sock, file_url)  # a new, empty region over the same store
+        svc = _start(sock, file_url, "--fresh-region")  # a new, empty region over the same store (not the killed one's, adopted)
         leased = engine.cache.host.allocator
         seed = 100
         while leased.reattaches == 0:  # new prompts: the engine finds the service gone, forgets its pages, attaches again

@@ -198,7 +198,7 @@ def test_a_killed_service_gives_misses_and_a_restarted_one_is_attached_again(tmp
         assert backend.batch_set_v1(keys[4:], idx[16:]) == [False] * 4
         assert time.monotonic() - start < 5.0  # misses at once: nothing waits on a dead service
         assert backend.get_stats().faults >= 1
-        svc = start_service(sock)  # a new region: the old pages are gone
+        svc = start_service(sock)  # (it adopts the killed one's region)
         stored, _took = wait_until(lambda: (lambda r: r if r[0] else None)(backend.batch_set_v1(keys[4:], idx[16:])), 30)
         assert stored == [True] * 4 and backend.service.reattaches >= 1
         dst = mha_pool()

@@ -87,7 +87,8 @@ def test_a_killed_and_restarted_service_lists_the_idle_engine_again(tmp_path):
     try:
         assert round_trip_is_bit_exact(backend, src, keys[:8])
         wait_until(lambda: backend.service.heartbeat.beats >= 1, LISTED_WITHIN_S)  # the heartbeat has its session
-        # the service crashes and a new one starts at the same socket (a new region: the old pages are gone)
+        # the service crashes and a new one starts at the same socket (it adopts the region: the old pages verified)
+        ready = query_status(sock)["ready"]
         os.kill(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait(30)
         svc = start_service(sock)
@@ -96,7 +97,8 @@ def test_a_killed_and_restarted_service_lists_the_idle_engine_again(tmp_path):
         assert backend.service.losses >= 1
         # SGLang's thread finds its session hung up and attaches again within this very call
         assert round_trip_is_bit_exact(backend, src, keys[8:])
-        assert backend.batch_exists(keys) == 0  # (the first pages died with the old region)
+        assert backend.batch_exists(keys) == len(keys)  # (the pages kept across the restart)
+        assert ready > 0 and query_status(sock)["adopted"]["pages"] == ready
         # close() detaches every session of this engine, the heartbeat's included
         backend.close()
         wait_until(lambda: not engine_listed(sock), LISTED_WITHIN_S)

@@ -152,13 +152,15 @@ def bench_service(
     vllm_prompt_tokens: int = typer.Option(2048, min=2, help="the vLLM row's prompt length in tokens"),
     vllm_prompts: int = typer.Option(3, min=1, help="distinct prompts per vLLM session (each TTFT the median over them)"),
     vllm_model: str = typer.Option("smollm2", help="the vLLM row's model (kvtier.integrations.vllm.session's MODELS)"),
+    checksum_pages: int = typer.Option(64, min=1, help="pages (of llama-3.1-8b's, 8 MiB each) the checksum row's region holds"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """The node service (kvtier serve) against an in-process host tier: lookup cost, copy bandwidth, two engines sharing, an
-    engine's lookups beside a flooding client."""
+    engine's lookups beside a flooding client, and what its page checksums cost against a copy of the same bytes."""
     from kvtier.app.bench.service import as_json as to_json, run_service_bench
 
-    bench = run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit, vllm, vllm_prompt_tokens, vllm_prompts, vllm_model)
+    bench = run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit, vllm, vllm_prompt_tokens, vllm_prompts, vllm_model,
+                              checksum_pages)
     _emit(to_json(bench), as_json)
 
 

@@ -25,6 +25,14 @@ def serve(
     ),
     drain_timeout_s: float = typer.Option(30.0, "--drain-timeout-s", help="on SIGTERM, how long L3 saves under way may take before "
                                                                         "the service stops without them"),
+    verify_sample: float = typer.Option(0.01, "--verify-sample", help="the fraction of host hits whose bytes are checked against "
+                                                                      "their page's checksum before they are offered (a page that "
+                                                                      "fails is dropped: a miss); 1.0: every hit"),
+    fresh_region: bool = typer.Option(False, "--fresh-region", help="start with an empty host tier even where a killed service left "
+                                                                    "its region on this socket (default: adopt it, offering again "
+                                                                    "the pages whose bytes verify)"),
+    keep_region: bool = typer.Option(False, "--keep-region", help="on SIGTERM, leave the region for the next service on this socket "
+                                                                  "to adopt (an upgrade keeps the host tier) instead of removing it"),
     status: bool = typer.Option(False, "--status", help="print the running service's status as JSON (pages per namespace, clients, "
                                                         "counters) and exit"),
     allow_group: Optional[str] = typer.Option(
@@ -59,15 +67,18 @@ def serve(
     log_to_stderr_unless_configured()
 
     service = NodeService(ServeConfig(host_gb=host_gb, socket=path, storage_url=storage_url, drain_timeout_s=drain_timeout_s,
-                                      allow_group=allow_group, metrics_port=metrics_port, metrics_host=metrics_host))
+                                      allow_group=allow_group, metrics_port=metrics_port, metrics_host=metrics_host,
+                                      verify_sample=verify_sample, fresh_region=fresh_region, keep_region=keep_region))
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))
     try:
         l3 = f", L3 {service.storage.status()['url']}" if service.storage is not None else ""
         metrics = f"; metrics on {service.metrics.url}" if service.metrics is not None else ""
+        region = (f"its region adopted: {service.adopted['pages']} pages verified" if service.adopted is not None else
+                  "its region made at the first attach")
         print(f"kvtier serve: listening on unix://{path} (pid {os.getpid()}, host tier {host_gb:g} GB, "
-              f"its region made at the first attach{l3}){metrics}", flush=True)
+              f"{region}{l3}){metrics}", flush=True)
         service.serve(lambda: bool(stop))
     finally:
         service.close()

@@ -16,17 +16,37 @@ namespace it was published in, and never evicted while anyone holds it. A key pu
 its first page; the second page is its publisher's alone (unindexed) and is freed when released.
 Eviction order: when a client releases a prefix's pages deepest first (as a core evicts its host
 leaves), the deepest goes first here too, so a prefix shortens from its end and never loses its start.
+
+A :class:`PageWatcher` (the service's page records, :mod:`kvtier.service.records`) is told of each page
+handed to a writer and each page indexed, and asked before a READY page is offered to a lookup: a page
+it refuses (its bytes changed after their checksum) is dropped -- unindexed, freed once nobody holds it
+-- and the lookup's run ends before it. A restarted service's index starts from :meth:`HostIndex.adopt`:
+the pages that verified, READY and held by nobody; the ones being written at the crash parked (out of
+circulation) until :meth:`HostIndex.unpark`.
 """
 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvtier.alloc import PageAllocator
 from kvtier.errors import ServiceProtocolError
 
 Key = tuple[str, bytes]  # (namespace, page key)
+
+
+class PageWatcher(Protocol):
+    """What the index tells of its pages' bytes, and asks (see the module docstring)."""
+
+    def reserved(self, pages: list[int]) -> None: ...
+
+    def indexed(self, page: int, namespace: str, key: bytes) -> None: ...
+
+    def offered(self, page: int) -> bool: ...
+
+    def cleared(self, page: int) -> None: ...
 
 
 @dataclass
@@ -56,6 +76,8 @@ class IndexStatus:
     evicted_pages: int
     dropped_writes: int
     expired_leases: int
+    corrupt_pages: int
+    parked_pages: int
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -74,8 +96,9 @@ class NamespacePages:
 class HostIndex:
     """See the module docstring. Clients are named by the caller's ids (the server's connection ids)."""
 
-    def __init__(self, num_pages: int):
+    def __init__(self, num_pages: int, watcher: PageWatcher | None = None):
         self.alloc = PageAllocator(num_pages, "node service region")
+        self.watcher = watcher
         self.clients: dict[int, Client] = {}
         self._writer: dict[int, int] = {}  # WRITING page -> client
         self._key_of: dict[int, Key | None] = {}  # READY page -> its key (None: a duplicate, its publisher's alone)
@@ -85,6 +108,8 @@ class HostIndex:
         self.lookups = self.hit_pages = self.published_pages = self.evicted_pages = self.dropped_writes = 0
         #: of ``dropped_writes``: pages whose writer's process had died (its lease expired rather than being given up)
         self.expired_leases = 0
+        #: READY pages the watcher refused to offer (their bytes changed after their write completed): dropped
+        self.corrupt_pages = 0
         #: per namespace: pages its lookups were offered, and keys they asked for that were not (the run stopped before them)
         self.hit_pages_of: Counter[str] = Counter()
         self.miss_pages_of: Counter[str] = Counter()
@@ -139,6 +164,9 @@ class HostIndex:
             page = self._page_of.get((c.namespace, key))
             if page is None or page in c.held:
                 break
+            if self.watcher is not None and not self.watcher.offered(page):
+                self._drop(page)
+                break
             pages.append(page)
         self._hold(client, c, pages)
         c.hit_pages += len(pages)
@@ -154,6 +182,8 @@ class HostIndex:
             self._evict(next(iter(self._unheld)))
             short -= 1
         got = self.alloc.alloc(min(n, self.alloc.num_free)).pages
+        if self.watcher is not None:
+            self.watcher.reserved(got)
         for page in got:
             self._writer[page] = client
         c.writing.update(got)
@@ -175,12 +205,33 @@ class HostIndex:
                 self._page_of[k] = page
                 self._published_of[c.namespace] += 1
                 indexed_pages.append(page)
+                if self.watcher is not None:
+                    self.watcher.indexed(page, c.namespace, key)
             self._key_of[page] = k if indexed else None
             self._holders[page] = {client}
             self._held_of[c.namespace] += 1
             c.held[page] = None
         self.published_pages += len(pages)
         return indexed_pages
+
+    def adopt(self, pages: list[tuple[int, str, bytes]], parked: list[int]) -> None:
+        """Start from a region a killed service left: ``pages`` (page, namespace, key; one page per key) READY
+        and held by nobody, ``parked`` out of circulation until :meth:`unpark`. Only on a fresh index."""
+        assert not self.clients and self.alloc.num_free == self.alloc.num_pages, "adopt() is for a fresh index"
+        self.alloc.take([page for page, _ns, _key in pages] + parked)
+        for page, ns, key in pages:
+            self._key_of[page] = (ns, key)
+            self._page_of[(ns, key)] = page
+            self._published_of[ns] += 1
+            self._unheld[page] = None
+        self.alloc.hold(parked)
+        self.alloc.free(parked)  # (held: parked, allocated until unpark)
+
+    def unpark(self) -> int:
+        """Return the parked pages to the free list; how many."""
+        parked = list(self.alloc.parked)
+        self.alloc.release_hold(parked)
+        return len(parked)
 
     def hold(self, client: int, pages: list[int]) -> None:
         """The client holds READY ``pages`` it does not hold yet (the service's own L3 saves read them)."""
@@ -207,7 +258,7 @@ class HostIndex:
         per_ns = dict(+self._published_of)
         return IndexStatus(self.alloc.num_pages, self.alloc.num_free, len(self._writer), len(self._key_of), len(self._holders),
                            len(self.clients), per_ns, self.lookups, self.hit_pages, self.published_pages, self.evicted_pages,
-                           self.dropped_writes, self.expired_leases)
+                           self.dropped_writes, self.expired_leases, self.corrupt_pages, len(self.alloc.parked))
 
     def pages_by_namespace(self) -> dict[str, NamespacePages]:
         """Every namespace's pages now, from the counts kept as they change (and one pass over the pages being
@@ -272,6 +323,21 @@ class HostIndex:
         else:
             self._unheld[page] = None
 
+    def _drop(self, page: int) -> None:
+        """A READY page the watcher refused: unindexed now; freed now if nobody holds it, else once its holders
+        release it (as a duplicate is)."""
+        key = self._key_of[page]
+        if key is None:
+            return
+        self.corrupt_pages += 1
+        if page in self._unheld:
+            self._evict(page)
+            self.evicted_pages -= 1  # (counted as corrupt, not as evicted)
+            return
+        del self._page_of[key]
+        self._published_of[key[0]] -= 1
+        self._key_of[page] = None
+
     def _evict(self, page: int) -> None:
         del self._unheld[page]
         key = self._key_of.pop(page)
@@ -282,10 +348,11 @@ class HostIndex:
 
     def check_integrity(self) -> None:
         """Every page is in exactly one state, and the maps agree with the clients' own books."""
+        parked = set(self.alloc.parked)
         free = set(range(self.alloc.num_pages)) - self.alloc.allocated_pages()
         writing, ready = set(self._writer), set(self._key_of)
-        assert not (free & writing or free & ready or writing & ready), "a page is in two states"
-        assert free | writing | ready == set(range(self.alloc.num_pages)), "a page is in no state"
+        assert not (free & writing or free & ready or writing & ready or parked & (free | writing | ready)), "a page is in two states"
+        assert free | writing | ready | parked == set(range(self.alloc.num_pages)), "a page is in no state"
         assert set(self._holders) | set(self._unheld) == ready and not set(self._holders) & set(self._unheld)
         assert {p: k for k, p in self._page_of.items()} == {p: k for p, k in self._key_of.items() if k is not None}
         assert all(self._key_of[p] is not None for p in self._unheld), "an unindexed page outlived its holders"

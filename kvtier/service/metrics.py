@@ -61,7 +61,7 @@ class ServiceSnapshot:
 
 
 #: the index's counters exported as ``kvtier_service_<name>_total``
-_INDEX_COUNTERS = ("lookups", "published_pages", "evicted_pages", "dropped_writes", "expired_leases")
+_INDEX_COUNTERS = ("lookups", "published_pages", "evicted_pages", "dropped_writes", "expired_leases", "corrupt_pages")
 
 _HELP = {
     "refused_peers": "peers refused when they connected (another uid, not of --allow-group)",
@@ -72,6 +72,7 @@ _HELP = {
     "evicted_pages": "pages nobody held evicted to make room",
     "dropped_writes": "pages reserved and never published, freed when their writer detached",
     "expired_leases": "of dropped_writes: pages whose writer's process died (its lease expired)",
+    "corrupt_pages": "published pages whose bytes failed their checksum when a lookup verified them (dropped: misses)",
 }
 
 

@@ -14,7 +14,11 @@ backups write pages into it).
 A SIGKILLed service cannot remove its region. Each region's directory names its owner (``owner``: the
 service's pid and that process's start time, which a reused pid does not share), and a starting service
 removes the regions of its own user whose owner is gone (:func:`remove_stale_regions`) -- never another
-user's, never a live service's, never one that names no owner.
+user's, never a live service's, never one that names no owner. Before that, a service started on the
+socket a killed one listened on adopts that one's region (:func:`find_adoptable`, :func:`claim_region`):
+the region's directory also holds ``format.json`` (:data:`REGION_VERSION`, the page format, the page
+count and the socket) and the service's page records (:mod:`kvtier.service.records`), by which the new
+service offers again only the pages whose bytes verify.
 """
 
 from __future__ import annotations
@@ -48,6 +52,10 @@ SHM_DIR = "/dev/shm"
 REGION_PREFIX = "kvtier-region-"
 #: in a region's directory: the owning service's pid and start time (JSON)
 OWNER_FILE = "owner"
+#: in a region's directory: what a restarted service needs to adopt it (JSON: :func:`write_format`)
+FORMAT_FILE = "format.json"
+#: the version of a region's directory (its files and their layouts); a service adopts only its own version's
+REGION_VERSION = 1
 
 
 #: attention whose KV every tensor-parallel rank holds whole (MLA's latent, DSA's latent and indexer)
@@ -144,10 +152,11 @@ class Region:
     size: int
 
 
-def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR, gid: int | None = None) -> Region:
+def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR, gid: int | None = None, socket: str | None = None) -> Region:
     """A fresh zeroed region of as many whole pages of ``fmt`` as ``host_bytes`` holds, in a new 0700
     directory under ``parent`` that names this process as its owner, itself 0600 (``gid``: 0750 and
-    0660 of that group); its memory is allocated now (a full tmpfs fails here, not at a client's first write)."""
+    0660 of that group); its memory is allocated now (a full tmpfs fails here, not at a client's first write).
+    ``socket``: the service's, written to its ``format.json`` (a service restarted on it adopts the region)."""
     num_pages = host_bytes // fmt.page_bytes
     if num_pages < 1:
         raise ServiceError(f"the service's {host_bytes} host bytes hold no {fmt.page_bytes}-byte page of this format; raise --host-gb")
@@ -166,10 +175,88 @@ def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR, gid
             os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
+        region = Region(path, fmt, num_pages, size)
+        write_format(region, socket)
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
         raise ServiceError(f"cannot make a {size}-byte region in {parent} ({e}); lower --host-gb or grow {parent}") from None
+    return region
+
+
+def write_format(region: Region, socket: str | None) -> None:
+    """The region's ``format.json``: its version, page format (with its spec, where it has one), page count,
+    size and the socket of the service that made it, written whole (a new file renamed into place)."""
+    folder = os.path.dirname(region.path)
+    doc = {"version": REGION_VERSION, "format": region.format.as_wire(), "num_pages": region.num_pages, "size": region.size,
+           "socket": socket}
+    _replace_file(folder, FORMAT_FILE, json.dumps(doc))
+
+
+def _replace_file(folder: str, name: str, text: str) -> None:
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(folder, name))
+
+
+#: the largest format.json read (a spec's fields and a socket path: a few KB)
+_MAX_FORMAT_BYTES = 1 << 16
+
+
+def read_format(folder: str) -> dict | None:
+    """The region directory's ``format.json`` as written (None: absent, unreadable, not a JSON object)."""
+    try:
+        fd = os.open(os.path.join(folder, FORMAT_FILE), os.O_RDONLY | os.O_NOFOLLOW)
+        with os.fdopen(fd) as f:
+            doc = json.loads(f.read(_MAX_FORMAT_BYTES))
+    except (OSError, ValueError):
+        return None
+    return doc if type(doc) is dict else None
+
+
+def adoptable_region(folder: str, doc: dict, host_bytes: int) -> Region:
+    """The region ``folder``'s ``format.json`` (``doc``) describes, checked for a service of ``host_bytes``: its
+    own version, a page format, the page count those bytes hold, a regular file of this uid of its size. A
+    :class:`~kvtier.errors.ServiceError` says why not (the caller removes it: it is never misread)."""
+    if doc.get("version") != REGION_VERSION:
+        raise ServiceError(f"it is of region version {str(doc.get('version'))[:20]}, not this kvtier's {REGION_VERSION}")
+    fmt = RegionFormat.from_wire(doc.get("format")) if type(doc.get("format")) is dict else None
+    if fmt is None:
+        raise ServiceError("its format.json names no page format")
+    num_pages, size = doc.get("num_pages"), doc.get("size")
+    if num_pages != host_bytes // fmt.page_bytes or size != fmt.size(num_pages):
+        raise ServiceError(f"it holds {str(num_pages)[:20]} pages, and this service's --host-gb {host_bytes // fmt.page_bytes} of its "
+                           "format (start it with the --host-gb the region was made with to keep it)")
+    path = os.path.join(folder, "region")
+    os.close(open_region(path, size, None))  # (a regular file of this uid, no link, of its size)
     return Region(path, fmt, num_pages, size)
+
+
+def find_adoptable(socket: str, parent: str = SHM_DIR) -> tuple[str, dict] | None:
+    """The directory (and its ``format.json``) of the region a killed service left that listened on ``socket``:
+    this uid's, its owner gone (in this pid namespace), the newest of them; None if there is none."""
+    found = []
+    for name in os.listdir(parent):
+        folder = os.path.join(parent, name)
+        try:
+            st = os.lstat(folder)
+        except FileNotFoundError:
+            continue
+        if not name.startswith(REGION_PREFIX) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            continue
+        owner = _read_owner(folder)
+        doc = read_format(folder) if owner is not None and not owner.alive() else None
+        if doc is not None and doc.get("socket") == socket:
+            found.append((st.st_mtime, folder, doc))
+    return max(found, key=lambda f: f[0])[1:] if found else None
+
+
+def claim_region(folder: str) -> None:
+    """Name this process as the owner of the region directory ``folder`` (a killed service's it adopts): from
+    now on no other service takes it for stale."""
+    me = Owner.of(os.getpid())
+    _replace_file(folder, OWNER_FILE, json.dumps({"pid": me.pid, "start": me.start, "pidns": _pid_namespace()}))
 
 
 def remove_region(region: Region) -> None:

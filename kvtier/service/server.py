@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 import selectors
+import shutil
 import socket
 import threading
 import time
@@ -41,7 +42,9 @@ from kvtier.service.index import HostIndex
 from kvtier.service.metrics import namespace_label
 from kvtier.service.messages import MAX_WAIT_S, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers, parse_batch
 from kvtier.service.peer import claim_socket_path, group_id, private_socket_dir, share_with_group
-from kvtier.service.region import Region, RegionFormat, create_region, remove_region, remove_stale_regions
+from kvtier.service.records import QUARANTINE_S, PageRecords
+from kvtier.service.region import (Region, RegionFormat, adoptable_region, claim_region, create_region, find_adoptable, map_region,
+                                   remove_region, remove_stale_regions)
 from kvtier.service.sessions import Orphan, Sessions
 from kvtier.service.storage import Load, ServiceStorage
 from kvtier.service.wire import decode
@@ -70,12 +73,22 @@ class ServeConfig:
     storage_url: str | None = field(default=None, metadata={"help": "the L3 tier below the region (any kvtier storage URL); None: none"})
     drain_timeout_s: float = field(default=30.0, metadata={"help": "on SIGTERM, how long pending L3 saves may take before the "
                                                                    "service stops without them"})
+    verify_sample: float = field(default=0.01, metadata={
+        "help": "the fraction of host hits whose bytes are verified against their page's checksum before they are offered (a "
+                "page that fails is dropped: a miss); 1.0 verifies every hit"})
+    fresh_region: bool = field(default=False, metadata={
+        "help": "start with an empty region even where a killed service left one on this socket (default: adopt it, offering "
+                "again the pages whose bytes verify)"})
+    keep_region: bool = field(default=False, metadata={
+        "help": "on SIGTERM, leave the region (and its page records) for the next service on this socket to adopt -- an "
+                "upgrade keeps the host tier -- instead of removing it"})
 
     def __post_init__(self) -> None:
         check_number(self, "host_gb", above=0)
         check_number(self, "send_deadline_s", above=0)
         check_number(self, "metrics_port", at_least=0, at_most=65535, integer=True)
         check_number(self, "drain_timeout_s", at_least=0)
+        check_number(self, "verify_sample", at_least=0, at_most=1)
         if not isinstance(self.socket, str) or not self.socket:
             raise ConfigError(f"ServeConfig.socket (--socket) must be a path; got {self.socket!r}")
         if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
@@ -123,6 +136,7 @@ class NodeService:
                               "GB of host memory available (minus a 1 GB reserve); lower --host-gb")
         self.region: Region | None = None
         self.index: HostIndex | None = None
+        self.records: PageRecords | None = None
         self.sessions = Sessions(watch=lambda fd, orphan: self._sel.register(fd, selectors.EVENT_READ, orphan),
                                  unwatch=lambda fd: self._sel.unregister(fd))
         self.lock = threading.Lock()
@@ -136,6 +150,13 @@ class NodeService:
 
                 self.metrics = serve_metrics(self, config.metrics_host, config.metrics_port)
             self.listener = self._listen()
+            #: an adopted region's pages parked until then (time.monotonic()), and whether an engine attached to it yet
+            self._unpark_at: float | None = None
+            self._adopted_unclaimed = False
+            #: what adopting a killed service's region found (status's ``adopted``)
+            self.adopted: dict | None = None
+            if not config.fresh_region:
+                self._adopt()
             remove_stale_regions()  # (what its user's killed services left)
         except BaseException:
             if self.metrics is not None:
@@ -154,8 +175,69 @@ class NodeService:
         self.region_problem: str | None = None
         self._region_id: tuple[int, int] | None = None
         self._region_checked_at = 0.0
+        if self.region is not None:
+            self._bound(self.region)
 
     # (the transport's counters, read by status and the metrics)
+    # ---- the region: made at the first hello, or adopted from a killed service ----------------------
+    def _adopt(self) -> None:
+        """Take over the region a killed service left on this socket, if any: the pages whose bytes verify are
+        offered again (READY, held by nobody), those being written at the crash are parked for
+        :data:`~kvtier.service.records.QUARANTINE_S`. A region this service cannot adopt (another version, another
+        --host-gb, not a region file of ours) is removed, and said so; it is never misread."""
+        found = find_adoptable(self.config.socket)
+        if found is None:
+            return
+        folder, doc = found
+        claim_region(folder)  # (now no other starting service takes it for stale)
+        try:
+            region = adoptable_region(folder, doc, self.config.host_bytes)
+        except ServiceError as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            log.warning("removed %s, the region a killed service left on this socket, without adopting it: %s", folder, e)
+            return
+        started = time.monotonic()
+        records = self._records(region, fresh=False)
+        adopted = records.adopt()
+        self.region, self.records = region, records
+        self.index = HostIndex(region.num_pages, records)
+        self.index.adopt(adopted.pages, adopted.quarantined)
+        self._unpark_at = time.monotonic() + QUARANTINE_S if adopted.quarantined else None
+        self._adopted_unclaimed = True
+        self.adopted = {"region": region.path, "pages": len(adopted.pages), "parked_pages": len(adopted.quarantined),
+                        "dropped_pages": adopted.dropped, "seconds": round(time.monotonic() - started, 3)}
+        log.info("adopted %s: %d pages verified and offered again, %d dropped (bytes changed after their write), %d parked for "
+                 "%g s (being written when the service died), in %.2f s", region.path, len(adopted.pages), adopted.dropped,
+                 len(adopted.quarantined), QUARANTINE_S, self.adopted["seconds"])
+
+    def _records(self, region: Region, *, fresh: bool) -> PageRecords:
+        memory = map_region(region.path, region.size, pin=False)
+        return PageRecords(region, memory.numpy(), verify_sample=self.config.verify_sample, fresh=fresh, keep=memory)
+
+    def _make_region(self, fmt: RegionFormat) -> None:
+        self.region = create_region(fmt, self.config.host_bytes, gid=self.gid, socket=self.config.socket)
+        self.records = self._records(self.region, fresh=True)
+        self.index = HostIndex(self.region.num_pages, self.records)
+        self._bound(self.region)
+        log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
+
+    def _bound(self, region: Region) -> None:
+        """The parts that follow the region: the sessions' index, the L3 tier's mapping, the file's identity."""
+        self.sessions.bind(self.index)
+        if self.storage is not None:
+            self.storage.bind(region, self.index)
+        st = os.stat(region.path)
+        self._region_id = (st.st_dev, st.st_ino)
+
+    def _drop_adopted(self, why: str) -> None:
+        """The adopted region, which no engine attached to yet, given up (the first engine is of another format)."""
+        log.warning("removed the adopted region %s: %s", self.region.path, why)
+        self.records.close()
+        remove_region(self.region)
+        self.region = self.index = self.records = None
+        self._unpark_at = None
+        self._adopted_unclaimed = False
+
     @property
     def refused(self) -> int:
         """Peers refused at the door."""
@@ -205,6 +287,9 @@ class NodeService:
                 self.sessions.watch_unwatched()
                 if time.monotonic() - self._region_checked_at >= REGION_CHECK_S:
                     self._check_region()
+                if self._unpark_at is not None and time.monotonic() >= self._unpark_at:
+                    self._unpark_at = None
+                    log.info("the %d adopted region pages parked since the restart are free again", self.index.unpark())
                 self.connections.drop_unfinished_frames()
 
     def _handle(self, events: list) -> None:
@@ -301,21 +386,18 @@ class NodeService:
             raise ServiceError("hello's format names no spec: this engine's page is not one kvtier spec (vLLM at tensor-parallel "
                                "size > 1 with MHA/GQA, or SGLang), and this service's L3 tier (--storage-url) stores single-spec pages "
                                "only so far; attach it to a service without --storage-url, or run it at tensor-parallel size 1")
+        if self._adopted_unclaimed and fmt != self.region.format:
+            self._drop_adopted(f"it holds pages of {self.region.format.fingerprint}, and the first engine attached is of "
+                               f"{fmt.fingerprint}")
         if self.region is None:
-            self.region = create_region(fmt, self.config.host_bytes, gid=self.gid)
-            self.index = HostIndex(self.region.num_pages)
-            self.sessions.bind(self.index)
-            if self.storage is not None:
-                self.storage.bind(self.region, self.index)
-            st = os.stat(self.region.path)
-            self._region_id = (st.st_dev, st.st_ino)
-            log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
+            self._make_region(fmt)
         elif self._check_region():
             raise ServiceError(f"the node service's region {self.region.path} {self.region_problem}: it cannot give a new engine "
                                "its pages; restart kvtier serve (its engines keep what they mapped, and attach again)")
         elif fmt != self.region.format:
             raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
                                f"{fmt} needs a service of its own (one page format per service)")
+        self._adopted_unclaimed = False
         stale = self.sessions.attach(conn, op.namespace, op.previous)
         conn.share = op.share
         if stale is not None:
@@ -396,6 +478,11 @@ class NodeService:
             # writer but offered to nobody: ready == sum(pages_per_namespace) + duplicates)
             out["duplicates"] = out["ready"] - sum(out["pages_per_namespace"].values())
             out["engines"] = self.engines()
+        if self.records is not None:
+            out["verify"] = {"sample": self.records.verify_sample, "verified_pages": self.records.verified_pages,
+                             "failed_pages": self.records.verify_failed_pages}
+        if self.adopted is not None:
+            out["adopted"] = self.adopted
         if self.storage is not None:
             out["l3"] = self.storage.status()
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
@@ -433,8 +520,12 @@ class NodeService:
             os.unlink(self.config.socket)
         except FileNotFoundError:
             pass
-        if self.region is not None:
+        if self.records is not None:
+            self.records.close()
+        if self.region is not None and not self.config.keep_region:
             remove_region(self.region)
+        elif self.region is not None:
+            log.info("left the region %s for the next service on %s to adopt (--keep-region)", self.region.path, self.config.socket)
 
     def _close_storage(self) -> None:
         drained = self.storage.close(self.config.drain_timeout_s)

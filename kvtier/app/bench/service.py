@@ -23,6 +23,11 @@
   between: not restarted), from a file L3 tier (restarted), and recomputed without kvtier. Each
   session runs an unrelated warm-up prompt first. The issue's target: the restarted engine's TTFT from
   the service within 1.2x of the in-process host hit.
+* ``checksum`` -- what the service's page records cost (:mod:`kvtier.service.records`): the checksum the
+  service takes of a page when its write completes, per host layout, over ``checksum_pages`` pages of a
+  model's page format in a region, against a plain copy of the same pages' bytes (what the engine's own
+  backup of them moved), GB/s, best round of several taken in turns, and their ratio; and a restarted
+  service's adoption of that region (every record read, every page verified), GB/s.
 * ``sharing`` -- two engines run the same workload (requests of the Mooncake trace) one after the
   other: once each with a host tier of its own, once both attached to one service. Host bytes held
   at the end (two private tiers against the service's region pages) and the second engine's hit
@@ -56,7 +61,8 @@ from kvtier.config import TierConfig
 from kvtier.pools import DevicePool, HostPool
 from kvtier.errors import ServiceError
 from kvtier.service.client import ServiceClient, query_status
-from kvtier.service.region import RegionFormat
+from kvtier.service.records import PageRecords
+from kvtier.service.region import RegionFormat, create_region, map_region, remove_region
 from kvtier.spec import KVSpec
 from kvtier.transfer.backends import get_io_backend
 
@@ -64,6 +70,8 @@ from kvtier.transfer.backends import get_io_backend
 LOOKUP_SPEC = KVSpec.mha("bench-lookup", 1, kv_heads=1, head_dim=64)
 #: a model's page format for the copies (llama-3.1-8b's, two layers: the per-layer cost is depth-independent)
 COPY_SPEC = KVSpec.preset("llama-3.1-8b", num_layers=2)
+#: the page records' checksum row: a model's whole page (llama-3.1-8b's, every layer: 2 MiB)
+CHECKSUM_SPEC = KVSpec.preset("llama-3.1-8b")
 #: the trace's requests run through the sharing engines: tiny pages, many of them
 SHARING_SPEC = LOOKUP_SPEC
 #: the flood row's engine looks up once per step of this long (the flood meets its lookups at any point of its frames)
@@ -134,11 +142,24 @@ class VllmRestartRow:
 
 
 @dataclass(frozen=True)
+class ChecksumRow:
+    spec: str
+    layout: str
+    pages: int
+    page_bytes: int
+    checksum_gbps: float  # the service's checksum of each page, as at publish
+    copy_gbps: float  # a plain copy of the same pages' bytes
+    speed_over_copy: float  # checksum GB/s / copy GB/s (> 1: the checksum costs less than the backup's copy of the page)
+    adopt_gbps: float  # a restarted service's adoption: every record read, every page verified
+
+
+@dataclass(frozen=True)
 class ServiceBench:
     lookup: list[LookupRow]
     bandwidth: BandwidthRow
     sharing: SharingRow
     flood: FloodRow
+    checksum: list[ChecksumRow]
     vllm: VllmRestartRow | None = None
 
 
@@ -241,6 +262,43 @@ def _bandwidth_row(socket: str, pages: int, rounds: int) -> BandwidthRow:
         return BandwidthRow(spec.name, pages, spec.page_bytes, round(own_gbps, 3), round(region_gbps, 3), round(region_gbps / own_gbps, 3))
     finally:
         client.close()
+
+
+def _checksum_rows(pages: int, rounds: int) -> list[ChecksumRow]:
+    return [_checksum_row(layout, pages, rounds) for layout in ("page_first", "layer_first")]
+
+
+def _checksum_row(layout: str, pages: int, rounds: int) -> ChecksumRow:
+    spec = CHECKSUM_SPEC
+    region = create_region(RegionFormat.of(spec, layout), pages * spec.page_bytes)
+    try:
+        memory = map_region(region.path, region.size, pin=False)
+        memory.copy_(torch.randint(0, 256, (region.size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+        pool = HostPool(spec, region.num_pages, layout, memory=memory)
+        staging = HostPool(spec, region.num_pages, layout)
+        records = PageRecords(region, memory.numpy(), verify_sample=0.0, fresh=True, keep=memory)
+
+        def checksum(_i: int) -> None:  # (as at each page's publish)
+            for page in range(region.num_pages):
+                records.indexed(page, "bench-checksum", page.to_bytes(8, "little"))
+
+        def copy(_i: int) -> None:
+            for page in range(region.num_pages):
+                for name, t in pool.buffers.items():
+                    pool.layout.page_layers(staging.buffers[name], page).copy_(pool.layout.page_layers(t, page))
+
+        t = interleaved_times({"checksum": checksum, "copy": copy}, rounds)
+        started = time.perf_counter()
+        adopted = records.adopt()
+        adopt_s = time.perf_counter() - started
+        assert len(adopted.pages) == region.num_pages, "a page recorded as written did not verify"
+        records.close()
+        nbytes = region.num_pages * spec.page_bytes
+        sum_gbps, copy_gbps = nbytes / min(t["checksum"]) / 1e9, nbytes / min(t["copy"]) / 1e9
+        return ChecksumRow(spec.name, layout, region.num_pages, spec.page_bytes, round(sum_gbps, 3), round(copy_gbps, 3),
+                           round(sum_gbps / copy_gbps, 3), round(nbytes / adopt_s / 1e9, 3))
+    finally:
+        remove_region(region)
 
 
 def _held_host_bytes(cache: HierarchicalCache) -> int:
@@ -384,7 +442,7 @@ def _vllm_row(workdir: Path, prompt_tokens: int, prompts: int, model: str) -> Vl
 
 def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages: int = 256, rounds: int = 9,
                       trace_limit: int = 60, vllm: bool = False, vllm_prompt_tokens: int = 2048, vllm_prompts: int = 3,
-                      vllm_model: str = "smollm2") -> ServiceBench:
+                      vllm_model: str = "smollm2", checksum_pages: int = 64) -> ServiceBench:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-service-") as tmp:
         region_gb = (prompt_tokens // LOOKUP_SPEC.page_size * (2 * requests + 4) * LOOKUP_SPEC.page_bytes) / 1e9
         lookup_svc = NodeServiceProcess(Path(tmp) / "lookup", host_gb=max(region_gb * 2, 0.01)).start()
@@ -408,8 +466,9 @@ def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages
             flood = _flood_row(flood_svc.socket, pages, requests)
         finally:
             flood_svc.stop()
+        checksum = _checksum_rows(checksum_pages, rounds)
         restart = _vllm_row(Path(tmp), vllm_prompt_tokens, vllm_prompts, vllm_model) if vllm else None
-    return ServiceBench(lookup, bandwidth, sharing, flood, restart)
+    return ServiceBench(lookup, bandwidth, sharing, flood, checksum, restart)
 
 
 def as_json(bench: ServiceBench) -> dict:

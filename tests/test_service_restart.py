@@ -1,0 +1,226 @@
+"""Bytes verified across every restart (issue 54, items 5 and 6): each region page carries a checksum the
+service takes when its write completes; a hit is verified before it is offered (``--verify-sample``: all
+of them here), and a page whose bytes changed since is never handed out. A service SIGKILLed and started
+again on its socket adopts the region it left: every page it offers again verified, pages being written
+at the crash parked, never offered; a region of another version or size is removed, never misread.
+Real service subprocesses on a temp socket, real engine processes, bytes checked bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+
+from support.cache_helpers import expected_page
+from support.service import peer_report, query_status_of, remove_regions, start_peer, start_service, stop
+from support.service_peer import NAMESPACE, PROMPT, PUBLISHED, SPEC, UNPUBLISHED, fill
+
+from kvtier.pools.host import HostPool
+from kvtier.service.client import ServiceClient
+from kvtier.service.region import FORMAT_FILE, RegionFormat, map_region
+
+pytestmark = pytest.mark.timeout(300)
+
+PAGES = len(PROMPT) // SPEC.page_size
+FMT = RegionFormat.of(SPEC, "page_first")
+
+
+def _kill(svc) -> None:
+    os.kill(svc.proc.pid, signal.SIGKILL)
+    svc.proc.wait(30)
+
+
+def _pool(client: ServiceClient) -> HostPool:
+    return _pool_at(client.region, client.region_size, client.num_pages)
+
+
+def _pool_at(region: str, size: int, num_pages: int) -> HostPool:
+    return HostPool(SPEC, num_pages, "page_first", memory=map_region(region, size, pin=False))
+
+
+def _flip(pool: HostPool, page: int) -> None:
+    """One bit of ``page``'s indexer bytes changed in the region, as a stray write or a bit flip would."""
+    pool.buffers["indexer"][page].view(-1)[7] ^= 0x10
+
+
+def _computed_then_loaded(sock: str, tmp_path, name: str) -> dict:
+    """An engine process loads :data:`PROMPT` through the service at ``sock``; its report, its cached bytes checked."""
+    out = tmp_path / f"{name}.bin"
+    peer = start_peer("load", sock, str(out))
+    rep = peer_report(peer)
+    assert peer.wait(60) == 0, peer.stderr.read()[-3000:]
+    assert out.read_bytes() == b"".join(expected_page(SPEC, PROMPT, i) for i in range(rep["cached"])), "a cached page's bytes are wrong"
+    return rep
+
+
+def test_a_service_sigkilled_and_started_again_adopts_its_region_and_engines_get_the_pages_bit_exact(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    status = query_status_of(sock)
+    svc = start_service(sock, 0.01, "--verify-sample", "1")
+    regions = []
+    computer = None
+    try:
+        computer = start_peer("compute", sock)
+        assert peer_report(computer)["backed_up"] == PAGES
+        regions.append(status()["region"])
+        _kill(svc)  # (the engine that wrote the pages lives on: they are published, its lease is gone with the service)
+        svc = start_service(sock, 0.01, "--verify-sample", "1", "--keep-region")
+        assert f"its region adopted: {PAGES} pages verified" in svc.banner
+        st = status()
+        assert st["region"] == regions[0] and st["adopted"]["pages"] == PAGES and st["adopted"]["dropped_pages"] == 0, st
+        rep = _computed_then_loaded(sock, tmp_path, "after-kill")
+        assert (rep["host_hit"], rep["cached"]) == (PAGES, PAGES), rep  # host hits kept across the restart
+        assert status()["verify"]["verified_pages"] >= PAGES and status()["verify"]["failed_pages"] == 0
+        computer.stdin.close()
+        computer.wait(60)
+        # an upgrade: SIGTERM with --keep-region leaves the region; the next service adopts it again
+        assert stop(svc.proc) == 0 and os.path.exists(regions[0])
+        svc = start_service(sock, 0.01, "--verify-sample", "1")
+        assert status()["adopted"]["pages"] == PAGES
+        assert _computed_then_loaded(sock, tmp_path, "after-upgrade")["host_hit"] == PAGES
+        assert stop(svc.proc) == 0 and not os.path.exists(regions[0])  # (without --keep-region, SIGTERM removes it)
+    finally:
+        if computer is not None and computer.poll() is None:
+            computer.kill()
+            computer.wait(30)
+        stop(svc.proc)
+        remove_regions(regions)
+
+
+def test_a_page_whose_bytes_change_after_its_write_completed_is_never_handed_out(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    status = query_status_of(sock)
+    svc = start_service(sock, 0.01, "--verify-sample", "1")
+    try:
+        writer = ServiceClient(sock, NAMESPACE, FMT)
+        pool = _pool(writer)
+        pages = writer.reserve(3)
+        keys = [bytes([i]) * 16 for i in (7, 8, 9)]
+        fill(pool, pages, 0xAB)
+        writer.publish(pages, keys)
+        _flip(pool, pages[1])  # after its write completed: its checksum is of the bytes before
+        reader = ServiceClient(sock, NAMESPACE, FMT)
+        assert reader.lookup(keys) == pages[:1]  # the run ends before the changed page: a miss from there
+        assert reader.lookup(keys[1:]) == []  # dropped: never offered again
+        st = status()
+        assert (st["corrupt_pages"], st["verify"]["failed_pages"]) == (1, 1), st
+        free = st["free"]
+        writer.release(pages)  # its writer held it: freed now, not evicted later
+        assert status()["free"] == free + 1
+        # an engine: every page of a prompt changed after its backup -> no host hit, the prompt computed, right bytes
+        computer = start_peer("compute", sock)
+        assert peer_report(computer)["backed_up"] == PAGES
+        for p in range(writer.num_pages):  # (the engine's pages among them)
+            _flip(pool, p)
+        rep = _computed_then_loaded(sock, tmp_path, "flipped")
+        assert (rep["host_hit"], rep["cached"]) == (0, 0), rep
+        assert status()["corrupt_pages"] >= 2, status()  # (the first page of the engine's run refused, the run ended there)
+        computer.stdin.close()
+        assert computer.wait(60) == 0, computer.stderr.read()[-3000:]
+        writer.close()
+        reader.close()
+    finally:
+        stop(svc.proc)
+
+
+def test_a_restarted_service_never_offers_a_half_written_page_nor_one_changed_while_it_was_down(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    status = query_status_of(sock)
+    svc = start_service(sock)
+    regions = []
+    hanger = None
+    try:
+        hanger = start_peer("write-and-hang", sock)  # 4 pages written, 2 published, 2 mid-write
+        pages = peer_report(hanger)["pages"]
+        regions.append(status()["region"])
+        _kill(svc)
+        reader = None
+        svc = start_service(sock, 0.01, "--verify-sample", "0")  # (what is adopted is verified whatever the sample)
+        st = status()
+        assert (st["adopted"]["pages"], st["adopted"]["parked_pages"], st["parked_pages"]) == (2, 2, 2), st
+        reader = ServiceClient(sock, NAMESPACE, FMT)
+        assert reader.lookup(PUBLISHED + UNPUBLISHED) == pages[:2]  # the published ones; the half-written ones never
+        assert all(bool((t[pages[:2]] == 0xEE).all()) for t in _pool(reader).buffers.values())
+        # the parked pages stay out of circulation: a reservation of every free page never gets one
+        got = reader.reserve(reader.num_pages)
+        assert not set(got) & set(pages) and len(got) == reader.num_pages - 4
+        reader.release(got)
+        reader.close()
+        # a page changed while no service ran is dropped when the next one adopts the region
+        _kill(svc)
+        hanger.kill()
+        hanger.wait(30)
+        _flip(_pool_at(regions[0], os.stat(regions[0]).st_size, st["num_pages"]), pages[0])
+        svc = start_service(sock)
+        st = status()
+        assert (st["adopted"]["pages"], st["adopted"]["dropped_pages"]) == (1, 1), st
+        reader = ServiceClient(sock, NAMESPACE, FMT)
+        assert reader.lookup(PUBLISHED) == []  # the first key's page was the changed one
+        assert reader.lookup(PUBLISHED[1:]) == pages[1:2]
+        reader.close()
+    finally:
+        if hanger is not None and hanger.poll() is None:
+            hanger.kill()
+            hanger.wait(30)
+        stop(svc.proc)
+        remove_regions(regions)
+
+
+@pytest.mark.parametrize("change", ["version", "host-gb", "fresh"])
+def test_a_region_a_restarted_service_cannot_adopt_is_removed_never_misread(tmp_path, change):
+    sock = str(tmp_path / "run" / "node.sock")
+    status = query_status_of(sock)
+    svc = start_service(sock)
+    regions = []
+    try:
+        client = ServiceClient(sock, NAMESPACE, FMT)
+        pages = client.reserve(2)
+        fill(_pool(client), pages, 0x5A)
+        client.publish(pages, PUBLISHED)
+        regions.append(client.region)
+        _kill(svc)
+        folder = os.path.dirname(regions[0])
+        args = []
+        if change == "version":
+            doc = json.loads(open(os.path.join(folder, FORMAT_FILE)).read())
+            with open(os.path.join(folder, FORMAT_FILE), "w") as f:
+                json.dump(doc | {"version": 999}, f)
+        elif change == "host-gb":
+            args = ["0.02"]
+        else:
+            args = ["0.01", "--fresh-region"]
+        svc = start_service(sock, *(args or ["0.01"]))
+        assert not os.path.exists(folder)  # removed before anyone attached
+        assert "adopted" not in status()
+        client = ServiceClient(sock, NAMESPACE, FMT)  # a new region, empty
+        regions.append(client.region)
+        assert client.region != regions[0] and client.lookup(PUBLISHED) == []
+        client.close()
+    finally:
+        stop(svc.proc)
+        remove_regions(regions)
+
+
+def test_an_adopted_region_the_first_engine_cannot_use_is_replaced_by_a_fresh_one(tmp_path):
+    from support.pools import tiny_specs
+
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock)
+    regions = []
+    try:
+        client = ServiceClient(sock, NAMESPACE, FMT)
+        pages = client.reserve(1)
+        client.publish(pages, PUBLISHED[:1])
+        regions.append(client.region)
+        _kill(svc)
+        svc = start_service(sock)
+        other = RegionFormat.of(tiny_specs()["mha"], "page_first")
+        client = ServiceClient(sock, "service-test-other", other)  # another model: the adopted region is no use to it
+        regions.append(client.region)
+        assert client.region != regions[0] and not os.path.exists(regions[0])
+        client.close()
+    finally:
+        stop(svc.proc)
+        remove_regions(regions)
