@@ -153,10 +153,19 @@ def bench_service(
     vllm_prompts: int = typer.Option(3, min=1, help="distinct prompts per vLLM session (each TTFT the median over them)"),
     vllm_model: str = typer.Option("smollm2", help="the vLLM row's model (kvtier.integrations.vllm.session's MODELS)"),
     checksum_pages: int = typer.Option(64, min=1, help="pages (of llama-3.1-8b's, 8 MiB each) the checksum row's region holds"),
+    soak: Optional[int] = typer.Option(None, "--soak", min=1, help="instead of the rows: N cycles, each killing (SIGKILL or SIGTERM) an "
+                                                                  "engine, the service or a writer mid-copy and starting it again, every "
+                                                                  "output compared with recompute (kvtier.app.bench.soak)"),
+    soak_seed: int = typer.Option(0, "--soak-seed", help="the soak's random seed (which victim, which signal, when)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """The node service (kvtier serve) against an in-process host tier: lookup cost, copy bandwidth, two engines sharing, an
     engine's lookups beside a flooding client, and what its page checksums cost against a copy of the same bytes."""
+    if soak is not None:
+        from kvtier.app.bench.soak import SoakConfig, as_json as soak_json, run_soak
+
+        _emit(soak_json(run_soak(SoakConfig(soak, seed=soak_seed))), as_json)
+        return
     from kvtier.app.bench.service import as_json as to_json, run_service_bench
 
     bench = run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit, vllm, vllm_prompt_tokens, vllm_prompts, vllm_model,
