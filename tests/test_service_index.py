@@ -118,7 +118,7 @@ class Watcher:
         self.got: list[int] = []
         self.recorded: list[tuple[int, str, bytes]] = []
 
-    def reserved(self, pages):
+    def reserved(self, pages, client):
         self.got += pages
 
     def indexed(self, page, namespace, key):
@@ -158,15 +158,19 @@ def test_a_page_the_watcher_refuses_ends_the_run_is_never_offered_again_and_is_f
     ix.check_integrity()
 
 
-def test_an_adopted_index_offers_what_verified_and_keeps_parked_pages_out_until_unparked():
-    ix = HostIndex(6)
-    ix.adopt([(4, "model-x", K[0]), (1, "model-x", K[1])], parked=[2, 5])
+def test_an_adopted_index_offers_what_verified_and_keeps_its_pages_and_the_parked_ones_out_of_reuse_until_released():
+    ix = HostIndex(7)
+    ix.adopt([(4, "model-x", K[0]), (1, "model-x", K[1]), (6, "model-y", K[0])], parked=[2, 5])
     ix.attach(A, "model-x")
     ix.check_integrity()
     assert ix.status().parked_pages == 2 and ix.status().free == 2
-    assert ix.lookup(A, K[:3]) == [4, 1]
-    assert sorted(ix.reserve(A, 6)) == [0, 3]  # held and parked pages are never handed out
+    assert ix.lookup(A, K[:3]) == [4, 1]  # offered at once
+    ix.release(A, [4, 1])
+    assert sorted(ix.reserve(A, 7)) == [0, 3]  # but neither evicted (the adoption holds them) nor parked pages handed out
     ix.check_integrity()
-    assert ix.unpark() == 2 and ix.status().parked_pages == 0
-    assert sorted(ix.reserve(A, 6)) == [2, 5]
+    assert ix.release_adopted() == 3
+    ix.unpark([2])
+    assert ix.status().parked_pages == 1
+    assert sorted(ix.reserve(A, 7)) == [1, 2, 4, 6]  # unheld now: evicted for room; page 5 stays parked
     ix.check_integrity()
+    assert ix.status().evicted_pages == 3

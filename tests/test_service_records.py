@@ -13,7 +13,7 @@ from support.pools import tiny_specs
 
 from kvtier.pools.host import HostPool
 from kvtier.service.records import RECORD_BYTES, PageRecords
-from kvtier.service.region import RegionFormat, create_region, map_region, remove_region
+from kvtier.service.region import Owner, RegionFormat, create_region, map_region, remove_region
 
 SPEC = tiny_specs()["dsa"]
 
@@ -42,7 +42,7 @@ def _write(pool: HostPool, page: int, seed: int) -> None:
 def test_every_byte_of_a_page_in_every_buffer_and_layer_is_covered_and_no_byte_of_another(region):
     records, pool = _records(region, fresh=True)
     _write(pool, 3, seed=1)
-    records.reserved([3])
+    records.reserved([3], 1)
     records.indexed(3, "ns", b"k" * 16)
     assert records.verify(3)
     for name, t in pool.buffers.items():
@@ -61,10 +61,11 @@ def test_adopting_keeps_whole_matching_records_and_parks_writing_and_torn_ones(r
     records, pool = _records(region, fresh=True)
     for page, ns in ((0, "a"), (1, "b"), (2, "a"), (3, "a")):
         _write(pool, page, seed=page)
-        records.reserved([page])
+        records.reserved([page], 1)
         records.indexed(page, ns, bytes([page]) * 16)
     records.indexed(5, "a", bytes([0]) * 16)  # the same key again on another page (its first page evicted, not rewritten)
-    records.reserved([4])  # mid-write at the kill
+    records.writer_of = lambda client: os.getpid()
+    records.reserved([4], 1)  # mid-write at the kill, by this process
     pool.layout.page_layers(pool.buffers["latent"], 2)[0][0] ^= 0xFF  # changed after its write
     records._map[3 * RECORD_BYTES + 20] ^= 1  # torn: the record no longer matches its own hash
     records.close()
@@ -73,8 +74,9 @@ def test_adopting_keeps_whole_matching_records_and_parks_writing_and_torn_ones(r
     again, _pool = _records(region, fresh=False)
     adopted = again.adopt()
     assert [(p, ns, key) for p, ns, key in adopted.pages] == [(0, "a", bytes([0]) * 16), (1, "b", bytes([1]) * 16)]
-    assert sorted(adopted.quarantined) == [3, 4] and adopted.dropped == 1
-    assert again.adopt().pages == adopted.pages and again.adopt().quarantined == []  # what was not adopted is cleared
+    assert adopted.quarantined == {3: None, 4: Owner.of(os.getpid())} and adopted.dropped == 1  # (the torn one's writer unknown)
+    second = again.adopt()  # a second adopter finds the same: the dropped page's record cleared, the parked ones kept
+    assert (second.pages, second.quarantined, second.dropped) == (adopted.pages, adopted.quarantined, 0)
     again.indexed(6, "c", b"x")  # a new namespace after the torn line is read back by the next adopter
     _write(pool, 6, seed=9)
     again.indexed(6, "c", b"x")

@@ -14,7 +14,7 @@ import signal
 import pytest
 
 from support.cache_helpers import expected_page
-from support.service import peer_report, query_status_of, remove_regions, start_peer, start_service, stop
+from support.service import peer_report, query_status_of, remove_regions, start_peer, start_service, stop, wait_until
 from support.service_peer import NAMESPACE, PROMPT, PUBLISHED, SPEC, UNPUBLISHED, fill
 
 from kvtier.pools.host import HostPool
@@ -64,6 +64,7 @@ def test_a_service_sigkilled_and_started_again_adopts_its_region_and_engines_get
     try:
         computer = start_peer("compute", sock)
         assert peer_report(computer)["backed_up"] == PAGES
+        wait_until(lambda: status()["published_pages"] == PAGES, 30)  # (its publish is a note: applied by now)
         regions.append(status()["region"])
         _kill(svc)  # (the engine that wrote the pages lives on: they are published, its lease is gone with the service)
         svc = start_service(sock, 0.01, "--verify-sample", "1", "--keep-region")
@@ -100,6 +101,7 @@ def test_a_page_whose_bytes_change_after_its_write_completed_is_never_handed_out
         keys = [bytes([i]) * 16 for i in (7, 8, 9)]
         fill(pool, pages, 0xAB)
         writer.publish(pages, keys)
+        writer.status()  # (a round trip on the same connection: the publish, a note, is applied and its checksums taken)
         _flip(pool, pages[1])  # after its write completed: its checksum is of the bytes before
         reader = ServiceClient(sock, NAMESPACE, FMT)
         assert reader.lookup(keys) == pages[:1]  # the run ends before the changed page: a miss from there
@@ -112,6 +114,8 @@ def test_a_page_whose_bytes_change_after_its_write_completed_is_never_handed_out
         # an engine: every page of a prompt changed after its backup -> no host hit, the prompt computed, right bytes
         computer = start_peer("compute", sock)
         assert peer_report(computer)["backed_up"] == PAGES
+        # (its publish is a note: applied, and the pages' checksums taken, once the service counts them)
+        wait_until(lambda: status()["published_pages"] == 3 + PAGES, 30)
         for p in range(writer.num_pages):  # (the engine's pages among them)
             _flip(pool, p)
         rep = _computed_then_loaded(sock, tmp_path, "flipped")
@@ -168,16 +172,17 @@ def test_a_restarted_service_never_offers_a_half_written_page_nor_one_changed_wh
         remove_regions(regions)
 
 
-@pytest.mark.parametrize("change", ["version", "host-gb", "fresh"])
+@pytest.mark.parametrize("change", ["version", "host-gb", "fresh", "l3"])
 def test_a_region_a_restarted_service_cannot_adopt_is_removed_never_misread(tmp_path, change):
     sock = str(tmp_path / "run" / "node.sock")
     status = query_status_of(sock)
     svc = start_service(sock)
     regions = []
     try:
-        client = ServiceClient(sock, NAMESPACE, FMT)
+        # ("l3": a page of two tensor-parallel shards, no one kvtier spec, which a service with an L3 tier cannot store)
+        fmt = RegionFormat.of_shards(SPEC, "page_first", 2) if change == "l3" else FMT
+        client = ServiceClient(sock, NAMESPACE, fmt)
         pages = client.reserve(2)
-        fill(_pool(client), pages, 0x5A)
         client.publish(pages, PUBLISHED)
         regions.append(client.region)
         _kill(svc)
@@ -189,8 +194,10 @@ def test_a_region_a_restarted_service_cannot_adopt_is_removed_never_misread(tmp_
                 json.dump(doc | {"version": 999}, f)
         elif change == "host-gb":
             args = ["0.02"]
-        else:
+        elif change == "fresh":
             args = ["0.01", "--fresh-region"]
+        else:
+            args = ["0.01", "--storage-url", f"file://{tmp_path / 'store'}"]
         svc = start_service(sock, *(args or ["0.01"]))
         assert not os.path.exists(folder)  # removed before anyone attached
         assert "adopted" not in status()

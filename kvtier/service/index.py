@@ -35,12 +35,15 @@ from kvtier.alloc import PageAllocator
 from kvtier.errors import ServiceProtocolError
 
 Key = tuple[str, bytes]  # (namespace, page key)
+#: the index clients that hold an adopted region's pages for a while (this id and below; the service's L3
+#: tier's clients are -1, -2, ...)
+ADOPTION_CLIENTS = -(1 << 40)
 
 
 class PageWatcher(Protocol):
     """What the index tells of its pages' bytes, and asks (see the module docstring)."""
 
-    def reserved(self, pages: list[int]) -> None: ...
+    def reserved(self, pages: list[int], client: int) -> None: ...
 
     def indexed(self, page: int, namespace: str, key: bytes) -> None: ...
 
@@ -183,7 +186,7 @@ class HostIndex:
             short -= 1
         got = self.alloc.alloc(min(n, self.alloc.num_free)).pages
         if self.watcher is not None:
-            self.watcher.reserved(got)
+            self.watcher.reserved(got, client)
         for page in got:
             self._writer[page] = client
         c.writing.update(got)
@@ -215,23 +218,36 @@ class HostIndex:
         return indexed_pages
 
     def adopt(self, pages: list[tuple[int, str, bytes]], parked: list[int]) -> None:
-        """Start from a region a killed service left: ``pages`` (page, namespace, key; one page per key) READY
-        and held by nobody, ``parked`` out of circulation until :meth:`unpark`. Only on a fresh index."""
+        """Start from a region a killed service left: ``pages`` (page, namespace, key; one page per key) READY,
+        offered to lookups, but held (by a client of the adoption's, one per namespace) so that none is evicted
+        and rewritten while an engine of the old service may still be reading it, until :meth:`release_adopted`;
+        ``parked`` out of circulation until :meth:`unpark`. Only on a fresh index."""
         assert not self.clients and self.alloc.num_free == self.alloc.num_pages, "adopt() is for a fresh index"
         self.alloc.take([page for page, _ns, _key in pages] + parked)
+        by_namespace: dict[str, list[int]] = {}
         for page, ns, key in pages:
             self._key_of[page] = (ns, key)
             self._page_of[(ns, key)] = page
             self._published_of[ns] += 1
-            self._unheld[page] = None
+            by_namespace.setdefault(ns, []).append(page)
+        for i, (ns, held) in enumerate(sorted(by_namespace.items())):
+            cid = ADOPTION_CLIENTS - i
+            self.attach(cid, ns)
+            self._hold(cid, self.clients[cid], held)
         self.alloc.hold(parked)
         self.alloc.free(parked)  # (held: parked, allocated until unpark)
 
-    def unpark(self) -> int:
-        """Return the parked pages to the free list; how many."""
-        parked = list(self.alloc.parked)
-        self.alloc.release_hold(parked)
-        return len(parked)
+    def release_adopted(self) -> int:
+        """The adoption's holds end: its pages are held by whoever looked them up since, or evictable; how many."""
+        released = 0
+        for cid in [c for c in self.clients if c <= ADOPTION_CLIENTS]:
+            released += len(self.clients[cid].held)
+            self.detach(cid)
+        return released
+
+    def unpark(self, pages: list[int]) -> None:
+        """Return parked ``pages`` to the free list."""
+        self.alloc.release_hold(pages)
 
     def hold(self, client: int, pages: list[int]) -> None:
         """The client holds READY ``pages`` it does not hold yet (the service's own L3 saves read them)."""

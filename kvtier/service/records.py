@@ -8,14 +8,15 @@ Files in the region's directory (the service's alone, 0600; engines never map th
                  4   u32  namespace id (the line of ``namespaces`` that names it)
                  8   u64  xxh3_64 of the page's bytes (each buffer in the spec's order, each layer in order)
                  16  u8   key length, then the key (at most 64 bytes), then zeros
+                 88  i32, i64  a WRITING record's writer: its pid and start time (0: not known)
                  120 u64  xxh3_64 of bytes 0..119 (a record torn by a kill mid-write fails it)
     namespaces   one JSON string per line, appended as namespaces first publish (a torn last line is ignored)
 
 Who writes what: the service, on its one selector thread. A page handed to a writer (``reserve``) is
-recorded WRITING before the writer gets its id; once the writer says its write is complete (``publish``,
-or the service's own L3 load) the service reads the page's bytes, and records WRITTEN with their checksum.
-So the checksum is of the bytes as the completed write left them, taken by the one process that outlives
-every writer, never a claim sent by one.
+recorded WRITING, with the writer's process (pid and start time), before the writer gets its id; once the
+writer says its write is complete (``publish``, or the service's own L3 load) the service reads the page's
+bytes, and records WRITTEN with their checksum. So the checksum is of the bytes as the completed write
+left them, taken by the one process that outlives every writer, never a claim sent by one.
 
 What reads them:
 
@@ -24,8 +25,12 @@ What reads them:
   checksum (a stray write, a bit flip) is found in bounded time and dropped, a miss;
 * :meth:`PageRecords.adopt`: a restarted service verifies every WRITTEN page of the region it adopts
   before it indexes it. A page WRITING at the crash, or whose record is torn, may still be written by an
-  engine whose copy was in flight: it is held out of circulation for a grace period
-  (:data:`QUARANTINE_S`) and then freed.
+  engine whose copy was in flight: it is held out of circulation (its record left as it is, so a second
+  crash parks it again) for a grace period (:data:`QUARANTINE_S`), and after it for as long as its writer's
+  process lives.
+
+A record that cannot be written (the namespaces file's disk full) leaves the page WRITING -- never
+adopted -- and is logged; it never fails the index's step.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ import xxhash
 
 from kvtier.layout import HostLayout
 from kvtier.pools.host import region_offsets
-from kvtier.service.region import Region
+from kvtier.service.region import Owner, Region
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +57,8 @@ NAMESPACES_FILE = "namespaces"
 RECORD_BYTES = 128
 EMPTY, WRITING, WRITTEN = 0, 0x6B767477, 0x6B767472  # ('kvtw', 'kvtr')
 _HEAD = struct.Struct("<IIQB")  # state, namespace id, checksum, key length
+_WRITER = struct.Struct("<iq")  # a WRITING record's writer: pid, start time (at byte 88)
+_WRITER_AT = 88
 _BODY_BYTES = 120
 _MAX_KEY = 64
 #: how long a page that was being written when the service died stays out of circulation after a restart: an
@@ -66,7 +73,7 @@ class Adopted:
     whose bytes no longer match their checksum (or whose namespace is unknown)."""
 
     pages: list[tuple[int, str, bytes]]
-    quarantined: list[int]
+    quarantined: dict[int, Owner | None]  # page -> the process that was writing it (None: not known)
     dropped: int
 
 
@@ -76,8 +83,10 @@ class PageRecords:
     empty (a new region); else they are the ones a killed service left (:meth:`adopt` reads them)."""
 
     def __init__(self, region: Region, memory: np.ndarray, *, verify_sample: float, fresh: bool, seed: int | None = None,
-                 keep: object = None):
+                 keep: object = None, writer_of=lambda client: None):
         self.region = region
+        #: the process of an index client (its pid), or None (the service's own)
+        self.writer_of = writer_of
         self.memory = memory
         self._keep = keep  # (what keeps ``memory`` mapped, where that is not ``memory`` itself)
         self.verify_sample = verify_sample
@@ -87,10 +96,9 @@ class PageRecords:
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CREAT | (os.O_TRUNC if fresh else 0)
         fd = os.open(os.path.join(folder, RECORDS_FILE), flags, 0o600)
         try:
-            if fresh:
-                os.posix_fallocate(fd, 0, size)
-            elif os.fstat(fd).st_size != size:
+            if not fresh and os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)  # (a record file missing or cut short: what is missing reads as empty records)
+            os.posix_fallocate(fd, 0, size)  # (allocated now: a write into the mapping never meets a full tmpfs)
             self._map = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -104,16 +112,23 @@ class PageRecords:
         self.verified_pages = self.verify_failed_pages = 0
 
     # ---- what the index tells (kvtier.service.index.PageWatcher) --------------------------------
-    def reserved(self, pages: list[int]) -> None:
-        """``pages`` go to a writer: WRITING, before the writer gets their ids."""
-        rec = _record(WRITING, 0, 0, b"")
+    def reserved(self, pages: list[int], client: int) -> None:
+        """``pages`` go to index client ``client``'s writer: WRITING, with its process, before it gets their ids."""
+        pid = self.writer_of(client)
+        owner = Owner.of(pid) if pid is not None else None
+        rec = _record(WRITING, 0, 0, b"", owner)
         for page in pages:
             self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = rec
 
     def indexed(self, page: int, namespace: str, key: bytes) -> None:
-        """``page``'s write is complete and it holds ``key`` of ``namespace``: WRITTEN, with its bytes' checksum."""
-        self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = _record(WRITTEN, self._namespace_id(namespace),
-                                                                             self.checksum(page), key)
+        """``page``'s write is complete and it holds ``key`` of ``namespace``: WRITTEN, with its bytes' checksum.
+        (A namespace that cannot be written down leaves the record WRITING: logged, the page never adopted.)"""
+        try:
+            ns_id = self._namespace_id(namespace)
+        except OSError as e:
+            log.warning("page %d's record not written (the namespaces file: %s): a restarted service will not adopt it", page, e)
+            return
+        self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = _record(WRITTEN, ns_id, self.checksum(page), key)
 
     def offered(self, page: int) -> bool:
         """Whether ``page`` may be offered to a lookup: always, unless it is sampled for verification
@@ -149,15 +164,14 @@ class PageRecords:
     def adopt(self) -> Adopted:
         """Read every record of a region a killed service left (see :class:`Adopted`), verifying each WRITTEN
         page's bytes; the records of what is not adopted are cleared."""
-        pages, quarantined, dropped, seen = [], [], 0, set()
+        pages, quarantined, dropped, seen = [], {}, 0, set()
         for page in range(self.region.num_pages):
             raw = self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES]
             if raw == bytes(RECORD_BYTES):
                 continue
             rec = _parse(raw)
-            if rec is None or rec[0] == WRITING:
-                quarantined.append(page)
-                self.cleared(page)
+            if rec is None or rec[0] == WRITING:  # (its record left as it is: parked again if this service dies too)
+                quarantined[page] = _writer(raw) if rec is not None else None
                 continue
             _state, ns_id, checksum, key = rec
             if ns_id < len(self._namespaces) and checksum == self.checksum(page):
@@ -207,10 +221,17 @@ class PageRecords:
         return out
 
 
-def _record(state: int, ns_id: int, checksum: int, key: bytes) -> bytes:
+def _record(state: int, ns_id: int, checksum: int, key: bytes, writer: Owner | None = None) -> bytes:
     assert len(key) <= _MAX_KEY, len(key)
-    body = (_HEAD.pack(state, ns_id, checksum, len(key)) + key).ljust(_BODY_BYTES, b"\0")
-    return body + xxhash.xxh3_64_intdigest(body).to_bytes(8, "little")
+    body = bytearray((_HEAD.pack(state, ns_id, checksum, len(key)) + key).ljust(_BODY_BYTES, b"\0"))
+    if writer is not None:
+        _WRITER.pack_into(body, _WRITER_AT, writer.pid, writer.start)
+    return bytes(body) + xxhash.xxh3_64_intdigest(bytes(body)).to_bytes(8, "little")
+
+
+def _writer(raw: bytes) -> Owner | None:
+    pid, start = _WRITER.unpack_from(bytes(raw), _WRITER_AT)
+    return Owner(pid, start) if pid > 0 else None
 
 
 def _parse(raw: bytes) -> tuple[int, int, int, bytes] | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import fcntl
 import json
 import logging
 import mmap
@@ -144,12 +145,30 @@ def _spec_of(wire: object, fmt: RegionFormat) -> KVSpec:
 
 @dataclass(frozen=True)
 class Region:
-    """A region file: ``path`` holds ``num_pages`` pages of ``format`` in ``size`` bytes."""
+    """A region file: ``path`` holds ``num_pages`` pages of ``format`` in ``size`` bytes. ``lock``: the service's
+    ``flock`` on the region's directory, held while it serves the region (None: an engine's view of it)."""
 
     path: str
     format: RegionFormat
     num_pages: int
     size: int
+    lock: int | None = field(default=None, compare=False)
+
+
+def lock_region_dir(folder: str) -> int | None:
+    """An exclusive ``flock`` on the region directory ``folder``, held by the returned descriptor until it is
+    closed (or this process ends); None if another process holds it (a service serving it, or adopting it, or
+    removing it right now) or the directory is gone."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
 
 
 def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR, gid: int | None = None, socket: str | None = None) -> Region:
@@ -163,6 +182,7 @@ def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR, gid
     size = fmt.size(num_pages)
     folder = tempfile.mkdtemp(prefix=REGION_PREFIX, dir=parent)  # mode 0700
     path = os.path.join(folder, "region")
+    lock = lock_region_dir(folder)  # (a fresh directory: nobody else has it)
     try:
         _write_owner(folder)  # (before the region: a directory that names no owner is never removed by another service)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -175,20 +195,23 @@ def create_region(fmt: RegionFormat, host_bytes: int, parent: str = SHM_DIR, gid
             os.posix_fallocate(fd, 0, size)
         finally:
             os.close(fd)
-        region = Region(path, fmt, num_pages, size)
-        write_format(region, socket)
+        region = Region(path, fmt, num_pages, size, lock)
+        write_format(region, socket, gid)
     except OSError as e:
         shutil.rmtree(folder, ignore_errors=True)
+        if lock is not None:
+            os.close(lock)
         raise ServiceError(f"cannot make a {size}-byte region in {parent} ({e}); lower --host-gb or grow {parent}") from None
     return region
 
 
-def write_format(region: Region, socket: str | None) -> None:
+def write_format(region: Region, socket: str | None, gid: int | None, kept: bool = False) -> None:
     """The region's ``format.json``: its version, page format (with its spec, where it has one), page count,
-    size and the socket of the service that made it, written whole (a new file renamed into place)."""
+    size, the socket of the service that made it and its ``--allow-group`` gid, and ``kept`` (left on purpose
+    by ``--keep-region``: another socket's service leaves it alone), written whole (a new file renamed into place)."""
     folder = os.path.dirname(region.path)
     doc = {"version": REGION_VERSION, "format": region.format.as_wire(), "num_pages": region.num_pages, "size": region.size,
-           "socket": socket}
+           "socket": socket, "gid": gid, "kept": kept}
     _replace_file(folder, FORMAT_FILE, json.dumps(doc))
 
 
@@ -210,14 +233,15 @@ def read_format(folder: str) -> dict | None:
         fd = os.open(os.path.join(folder, FORMAT_FILE), os.O_RDONLY | os.O_NOFOLLOW)
         with os.fdopen(fd) as f:
             doc = json.loads(f.read(_MAX_FORMAT_BYTES))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return doc if type(doc) is dict else None
 
 
-def adoptable_region(folder: str, doc: dict, host_bytes: int) -> Region:
-    """The region ``folder``'s ``format.json`` (``doc``) describes, checked for a service of ``host_bytes``: its
-    own version, a page format, the page count those bytes hold, a regular file of this uid of its size. A
+def adoptable_region(folder: str, doc: dict, host_bytes: int, gid: int | None, lock: int) -> Region:
+    """The region ``folder``'s ``format.json`` (``doc``) describes, checked for a service of ``host_bytes`` and
+    ``--allow-group`` ``gid``: its own version, a page format, the page count those bytes hold, the same group,
+    a regular file of this uid of its size. ``lock``: the directory's, which the region holds from now on. A
     :class:`~kvtier.errors.ServiceError` says why not (the caller removes it: it is never misread)."""
     if doc.get("version") != REGION_VERSION:
         raise ServiceError(f"it is of region version {str(doc.get('version'))[:20]}, not this kvtier's {REGION_VERSION}")
@@ -228,28 +252,40 @@ def adoptable_region(folder: str, doc: dict, host_bytes: int) -> Region:
     if num_pages != host_bytes // fmt.page_bytes or size != fmt.size(num_pages):
         raise ServiceError(f"it holds {str(num_pages)[:20]} pages, and this service's --host-gb {host_bytes // fmt.page_bytes} of its "
                            "format (start it with the --host-gb the region was made with to keep it)")
+    if doc.get("gid") != gid:
+        raise ServiceError(f"it was shared with group {doc.get('gid')}, and this service's --allow-group is {gid}")
     path = os.path.join(folder, "region")
-    os.close(open_region(path, size, None))  # (a regular file of this uid, no link, of its size)
-    return Region(path, fmt, num_pages, size)
+    os.close(open_region(path, size, None if gid is None else ServiceTrust(os.getuid(), gid)))  # (a file of this uid, no link, its size)
+    return Region(path, fmt, num_pages, size, lock)
 
 
-def find_adoptable(socket: str, parent: str = SHM_DIR) -> tuple[str, dict] | None:
-    """The directory (and its ``format.json``) of the region a killed service left that listened on ``socket``:
-    this uid's, its owner gone (in this pid namespace), the newest of them; None if there is none."""
-    found = []
-    for name in os.listdir(parent):
+def _dead_regions(parent: str, uid: int):
+    """(folder, its format.json or None) of each region directory of ``uid`` under ``parent`` whose owning
+    service is gone (in this pid namespace)."""
+    for name in sorted(os.listdir(parent)):
         folder = os.path.join(parent, name)
         try:
             st = os.lstat(folder)
         except FileNotFoundError:
             continue
-        if not name.startswith(REGION_PREFIX) or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        if not name.startswith(REGION_PREFIX) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
             continue
         owner = _read_owner(folder)
-        doc = read_format(folder) if owner is not None and not owner.alive() else None
-        if doc is not None and doc.get("socket") == socket:
-            found.append((st.st_mtime, folder, doc))
-    return max(found, key=lambda f: f[0])[1:] if found else None
+        if owner is not None and not owner.alive():
+            yield folder, owner, read_format(folder)
+
+
+def find_adoptable(socket: str, parent: str = SHM_DIR) -> tuple[str, dict, int] | None:
+    """The region a killed (or ``--keep-region``) service left that listened on ``socket``: its directory, its
+    ``format.json`` and the directory's lock, now held (the newest such region this uid has, its owner gone;
+    one another process holds locked is passed over). None if there is none."""
+    found = [(os.lstat(folder).st_mtime, folder, doc) for folder, _owner, doc in _dead_regions(parent, os.getuid())
+             if doc is not None and doc.get("socket") == socket]
+    for _mtime, folder, doc in sorted(found, key=lambda f: f[0], reverse=True):
+        lock = lock_region_dir(folder)
+        if lock is not None:
+            return folder, doc, lock
+    return None
 
 
 def claim_region(folder: str) -> None:
@@ -261,6 +297,13 @@ def claim_region(folder: str) -> None:
 
 def remove_region(region: Region) -> None:
     shutil.rmtree(os.path.dirname(region.path), ignore_errors=True)
+    release_region(region)
+
+
+def release_region(region: Region) -> None:
+    """Let the region's directory lock go (the region itself is left as it is)."""
+    if region.lock is not None:
+        os.close(region.lock)
 
 
 @dataclass(frozen=True)
@@ -311,23 +354,22 @@ def _read_owner(folder: str) -> Owner | None:
 def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[str]:
     """Remove the region directories under ``parent`` of user ``uid`` (default: this process's) whose owning
     service is gone -- a SIGKILLed service's; the paths removed. Another user's directory, one whose owner
-    lives, one that names no owner (being made, or made by an older kvtier) and one whose owner ran in
-    another pid namespace (a container sharing ``/dev/shm``: whether it lives cannot be told from here)
-    are left alone."""
+    lives, one that names no owner (being made, or made by an older kvtier), one whose owner ran in
+    another pid namespace (a container sharing ``/dev/shm``: whether it lives cannot be told from here),
+    one left on purpose (``--keep-region``: its socket's next service adopts it) and one another process
+    holds locked (being adopted) are left alone."""
     uid = os.getuid() if uid is None else uid
     removed = []
-    for name in sorted(os.listdir(parent)):
-        folder = os.path.join(parent, name)
+    for folder, owner, doc in _dead_regions(parent, uid):
+        if doc is not None and doc.get("kept") is True:  # (left by --keep-region for its own socket's next service)
+            continue
+        lock = lock_region_dir(folder)
+        if lock is None:  # (another service is adopting it, or removing it)
+            continue
         try:
-            st = os.lstat(folder)
-        except FileNotFoundError:
-            continue
-        if not name.startswith(REGION_PREFIX) or not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
-            continue
-        owner = _read_owner(folder)
-        if owner is None or owner.alive():
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            os.close(lock)
         log.warning("removed %s: the region of service process %d, which is gone (killed before it could remove it)", folder, owner.pid)
         removed.append(folder)
     return removed

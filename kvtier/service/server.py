@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtier.config import check_number
-from kvtier.errors import ConfigError, ServiceError, ServiceProtocolError
+from kvtier.errors import ConfigError, KVTierError, ServiceError, ServiceProtocolError
 from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.connections import Connection, Connections
 from kvtier.service.index import HostIndex
@@ -44,7 +44,7 @@ from kvtier.service.messages import MAX_WAIT_S, Hello, Join, Lookup, Message, Pu
 from kvtier.service.peer import claim_socket_path, group_id, private_socket_dir, share_with_group
 from kvtier.service.records import QUARANTINE_S, PageRecords
 from kvtier.service.region import (Region, RegionFormat, adoptable_region, claim_region, create_region, find_adoptable, map_region,
-                                   remove_region, remove_stale_regions)
+                                   release_region, remove_region, remove_stale_regions, write_format)
 from kvtier.service.sessions import Orphan, Sessions
 from kvtier.service.storage import Load, ServiceStorage
 from kvtier.service.wire import decode
@@ -150,8 +150,9 @@ class NodeService:
 
                 self.metrics = serve_metrics(self, config.metrics_host, config.metrics_port)
             self.listener = self._listen()
-            #: an adopted region's pages parked until then (time.monotonic()), and whether an engine attached to it yet
+            #: when an adopted region's grace period ends (time.monotonic()), its parked pages (and who was writing each)
             self._unpark_at: float | None = None
+            self._parked: dict = {}
             self._adopted_unclaimed = False
             #: what adopting a killed service's region found (status's ``adopted``)
             self.adopted: dict | None = None
@@ -188,21 +189,26 @@ class NodeService:
         found = find_adoptable(self.config.socket)
         if found is None:
             return
-        folder, doc = found
-        claim_region(folder)  # (now no other starting service takes it for stale)
-        try:
-            region = adoptable_region(folder, doc, self.config.host_bytes)
-        except ServiceError as e:
-            shutil.rmtree(folder, ignore_errors=True)
-            log.warning("removed %s, the region a killed service left on this socket, without adopting it: %s", folder, e)
-            return
+        folder, doc, lock = found  # (locked: no other service removes or adopts it meanwhile)
         started = time.monotonic()
-        records = self._records(region, fresh=False)
-        adopted = records.adopt()
+        try:
+            claim_region(folder)  # (its owner from now on: no other starting service takes it for stale)
+            region = adoptable_region(folder, doc, self.config.host_bytes, self.gid, lock)
+            if self.storage is not None and region.format.spec is None:
+                raise ServiceError("its page is not one kvtier spec (vLLM at tensor-parallel size > 1 with MHA/GQA, or SGLang), which "
+                                   "this service's L3 tier (--storage-url) cannot store")
+            records = self._records(region, fresh=False)
+            adopted = records.adopt()
+        except (OSError, KVTierError) as e:
+            shutil.rmtree(folder, ignore_errors=True)
+            os.close(lock)
+            log.warning("removed %s, the region a service left on this socket, without adopting it: %s", folder, e)
+            return
         self.region, self.records = region, records
         self.index = HostIndex(region.num_pages, records)
-        self.index.adopt(adopted.pages, adopted.quarantined)
-        self._unpark_at = time.monotonic() + QUARANTINE_S if adopted.quarantined else None
+        self.index.adopt(adopted.pages, list(adopted.quarantined))
+        self._parked = adopted.quarantined
+        self._unpark_at = time.monotonic() + QUARANTINE_S
         self._adopted_unclaimed = True
         self.adopted = {"region": region.path, "pages": len(adopted.pages), "parked_pages": len(adopted.quarantined),
                         "dropped_pages": adopted.dropped, "seconds": round(time.monotonic() - started, 3)}
@@ -212,20 +218,29 @@ class NodeService:
 
     def _records(self, region: Region, *, fresh: bool) -> PageRecords:
         memory = map_region(region.path, region.size, pin=False)
-        return PageRecords(region, memory.numpy(), verify_sample=self.config.verify_sample, fresh=fresh, keep=memory)
+        return PageRecords(region, memory.numpy(), verify_sample=self.config.verify_sample, fresh=fresh, keep=memory,
+                           writer_of=self._pid_of)
+
+    def _pid_of(self, client: int) -> int | None:
+        """The process of index client ``client`` (an attached or orphaned session's); None for the service's own."""
+        return self.sessions.pid_of(client)
 
     def _make_region(self, fmt: RegionFormat) -> None:
-        self.region = create_region(fmt, self.config.host_bytes, gid=self.gid, socket=self.config.socket)
-        self.records = self._records(self.region, fresh=True)
-        self.index = HostIndex(self.region.num_pages, self.records)
-        self._bound(self.region)
-        log.info("region %s: %d pages of %d bytes", self.region.path, self.region.num_pages, fmt.page_bytes)
+        """A fresh region for the first engine's format, with its records and index; nothing is kept of a failure."""
+        region = create_region(fmt, self.config.host_bytes, gid=self.gid, socket=self.config.socket)
+        try:
+            records = self._records(region, fresh=True)
+        except (OSError, KVTierError) as e:
+            remove_region(region)
+            raise ServiceError(f"cannot map the region {region.path} the service made ({e}); restart kvtier serve") from None
+        self.region, self.records, self.index = region, records, HostIndex(region.num_pages, records)
+        self._bound(region)
+        log.info("region %s: %d pages of %d bytes", region.path, region.num_pages, fmt.page_bytes)
 
     def _bound(self, region: Region) -> None:
-        """The parts that follow the region: the sessions' index, the L3 tier's mapping, the file's identity."""
+        """The parts that follow the region: the sessions' index, the file's identity (and the L3 tier's mapping,
+        bound once an engine attached: an adopted region the first engine cannot use is dropped unbound)."""
         self.sessions.bind(self.index)
-        if self.storage is not None:
-            self.storage.bind(region, self.index)
         st = os.stat(region.path)
         self._region_id = (st.st_dev, st.st_ino)
 
@@ -236,7 +251,20 @@ class NodeService:
         remove_region(self.region)
         self.region = self.index = self.records = None
         self._unpark_at = None
+        self._parked = {}
         self._adopted_unclaimed = False
+
+    def _unpark_due(self) -> None:
+        """The adoption's grace period is over: its holds end, and the parked pages whose writer is gone are free
+        again (the others are checked again a grace period later)."""
+        released = self.index.release_adopted()
+        gone = [page for page, writer in self._parked.items() if writer is None or not writer.alive()]
+        self.index.unpark(gone)
+        for page in gone:
+            del self._parked[page]
+        self._unpark_at = time.monotonic() + QUARANTINE_S if self._parked else None
+        log.info("the adopted region's %d pages are evictable again, %d parked pages free (%d wait on their writer's exit)", released,
+                 len(gone), len(self._parked))
 
     @property
     def refused(self) -> int:
@@ -288,8 +316,7 @@ class NodeService:
                 if time.monotonic() - self._region_checked_at >= REGION_CHECK_S:
                     self._check_region()
                 if self._unpark_at is not None and time.monotonic() >= self._unpark_at:
-                    self._unpark_at = None
-                    log.info("the %d adopted region pages parked since the restart are free again", self.index.unpark())
+                    self._unpark_due()
                 self.connections.drop_unfinished_frames()
 
     def _handle(self, events: list) -> None:
@@ -389,14 +416,18 @@ class NodeService:
         if self._adopted_unclaimed and fmt != self.region.format:
             self._drop_adopted(f"it holds pages of {self.region.format.fingerprint}, and the first engine attached is of "
                                f"{fmt.fingerprint}")
+        claiming = self._adopted_unclaimed
         if self.region is None:
             self._make_region(fmt)
+            claiming = True
         elif self._check_region():
             raise ServiceError(f"the node service's region {self.region.path} {self.region_problem}: it cannot give a new engine "
                                "its pages; restart kvtier serve (its engines keep what they mapped, and attach again)")
         elif fmt != self.region.format:
             raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
                                f"{fmt} needs a service of its own (one page format per service)")
+        if claiming and self.storage is not None:
+            self.storage.bind(self.region, self.index)
         self._adopted_unclaimed = False
         stale = self.sessions.attach(conn, op.namespace, op.previous)
         conn.share = op.share
@@ -525,7 +556,12 @@ class NodeService:
         if self.region is not None and not self.config.keep_region:
             remove_region(self.region)
         elif self.region is not None:
-            log.info("left the region %s for the next service on %s to adopt (--keep-region)", self.region.path, self.config.socket)
+            try:
+                write_format(self.region, self.config.socket, self.gid, kept=True)
+                log.info("left the region %s for the next service on %s to adopt (--keep-region)", self.region.path, self.config.socket)
+            except OSError as e:  # (its directory removed under the service: nothing to keep)
+                log.warning("could not keep the region %s for the next service (%s)", self.region.path, e)
+            release_region(self.region)
 
     def _close_storage(self) -> None:
         drained = self.storage.close(self.config.drain_timeout_s)
