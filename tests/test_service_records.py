@@ -12,7 +12,7 @@ import torch
 from support.pools import tiny_specs
 
 from kvtier.pools.host import HostPool
-from kvtier.service.records import RECORD_BYTES, PageRecords
+from kvtier.service.records import RECORD_BYTES, PageRecords, Writer, session_digest
 from kvtier.service.region import Owner, RegionFormat, create_region, map_region, remove_region
 
 SPEC = tiny_specs()["dsa"]
@@ -64,7 +64,7 @@ def test_adopting_keeps_whole_matching_records_and_parks_writing_and_torn_ones(r
         records.reserved([page], 1)
         records.indexed(page, ns, bytes([page]) * 16)
     records.indexed(5, "a", bytes([0]) * 16)  # the same key again on another page (its first page evicted, not rewritten)
-    records.writer_of = lambda client: os.getpid()
+    records.writer_of = lambda client: (os.getpid(), "session-4")
     records.reserved([4], 1)  # mid-write at the kill, by this process
     pool.layout.page_layers(pool.buffers["latent"], 2)[0][0] ^= 0xFF  # changed after its write
     records._map[3 * RECORD_BYTES + 20] ^= 1  # torn: the record no longer matches its own hash
@@ -74,7 +74,8 @@ def test_adopting_keeps_whole_matching_records_and_parks_writing_and_torn_ones(r
     again, _pool = _records(region, fresh=False)
     adopted = again.adopt()
     assert [(p, ns, key) for p, ns, key in adopted.pages] == [(0, "a", bytes([0]) * 16), (1, "b", bytes([1]) * 16)]
-    assert adopted.quarantined == {3: None, 4: Owner.of(os.getpid())} and adopted.dropped == 1  # (the torn one's writer unknown)
+    writer = Writer(Owner.of(os.getpid()), session_digest("session-4"))
+    assert adopted.quarantined == {3: None, 4: writer} and adopted.dropped == 1  # (the torn one's writer unknown)
     second = again.adopt()  # a second adopter finds the same: the dropped page's record cleared, the parked ones kept
     assert (second.pages, second.quarantined, second.dropped) == (adopted.pages, adopted.quarantined, 0)
     again.indexed(6, "c", b"x")  # a new namespace after the torn line is read back by the next adopter

@@ -231,3 +231,31 @@ def test_an_adopted_region_the_first_engine_cannot_use_is_replaced_by_a_fresh_on
     finally:
         stop(svc.proc)
         remove_regions(regions)
+
+
+def test_pages_parked_at_a_restart_are_freed_when_their_writer_attaches_again_naming_its_session_and_only_then(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    status = query_status_of(sock)
+    svc = start_service(sock)
+    regions = []
+    hanger = None
+    try:
+        hanger = start_peer("write-and-hang", sock)  # another process: 2 pages mid-write
+        theirs = peer_report(hanger)["session"]
+        mine = ServiceClient(sock, NAMESPACE, FMT)  # this process: 3 pages mid-write
+        mine.reserve(3)
+        regions.append(mine.region)
+        _kill(svc)
+        svc = start_service(sock)
+        assert status()["parked_pages"] == 5
+        ServiceClient(sock, NAMESPACE, FMT, previous=theirs).close()  # a session id alone frees nothing: not this process's
+        assert status()["parked_pages"] == 5
+        ServiceClient(sock, NAMESPACE, FMT, previous=mine.session).close()  # its own, quiesced: its 3 pages are free
+        st = status()
+        assert (st["parked_pages"], st["free"]) == (2, st["num_pages"] - 2 - 2), st  # (the hanger's 2 published pages adopted)
+    finally:
+        if hanger is not None and hanger.poll() is None:
+            hanger.kill()
+            hanger.wait(30)
+        stop(svc.proc)
+        remove_regions(regions)

@@ -8,7 +8,7 @@ Files in the region's directory (the service's alone, 0600; engines never map th
                  4   u32  namespace id (the line of ``namespaces`` that names it)
                  8   u64  xxh3_64 of the page's bytes (each buffer in the spec's order, each layer in order)
                  16  u8   key length, then the key (at most 64 bytes), then zeros
-                 88  i32, i64  a WRITING record's writer: its pid and start time (0: not known)
+                 88  i32, i64, u64  a WRITING record's writer: its pid, start time and session's digest (0: not known)
                  120 u64  xxh3_64 of bytes 0..119 (a record torn by a kill mid-write fails it)
     namespaces   one JSON string per line, appended as namespaces first publish (a torn last line is ignored)
 
@@ -27,7 +27,7 @@ What reads them:
   before it indexes it. A page WRITING at the crash, or whose record is torn, may still be written by an
   engine whose copy was in flight: it is held out of circulation (its record left as it is, so a second
   crash parks it again) for a grace period (:data:`QUARANTINE_S`), and after it for as long as its writer's
-  process lives.
+  process lives -- unless that process attaches again naming the session as quiesced (its copies done).
 
 A record that cannot be written (the namespaces file's disk full) leaves the page WRITING -- never
 adopted -- and is logged; it never fails the index's step.
@@ -57,8 +57,20 @@ NAMESPACES_FILE = "namespaces"
 RECORD_BYTES = 128
 EMPTY, WRITING, WRITTEN = 0, 0x6B767477, 0x6B767472  # ('kvtw', 'kvtr')
 _HEAD = struct.Struct("<IIQB")  # state, namespace id, checksum, key length
-_WRITER = struct.Struct("<iq")  # a WRITING record's writer: pid, start time (at byte 88)
+_WRITER = struct.Struct("<iqQ")  # a WRITING record's writer: pid, start time, its session's digest (at byte 88)
 _WRITER_AT = 88
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Who was writing a page: its process, and a digest of its session (:func:`session_digest`)."""
+
+    process: Owner
+    session: int
+
+
+def session_digest(session: str) -> int:
+    return xxhash.xxh3_64_intdigest(session.encode())
 _BODY_BYTES = 120
 _MAX_KEY = 64
 #: how long a page that was being written when the service died stays out of circulation after a restart: an
@@ -73,7 +85,7 @@ class Adopted:
     whose bytes no longer match their checksum (or whose namespace is unknown)."""
 
     pages: list[tuple[int, str, bytes]]
-    quarantined: dict[int, Owner | None]  # page -> the process that was writing it (None: not known)
+    quarantined: dict[int, Writer | None]  # page -> who was writing it (None: not known)
     dropped: int
 
 
@@ -85,7 +97,7 @@ class PageRecords:
     def __init__(self, region: Region, memory: np.ndarray, *, verify_sample: float, fresh: bool, seed: int | None = None,
                  keep: object = None, writer_of=lambda client: None):
         self.region = region
-        #: the process of an index client (its pid), or None (the service's own)
+        #: the writer behind an index client: (its process's pid, its session), or None (the service's own)
         self.writer_of = writer_of
         self.memory = memory
         self._keep = keep  # (what keeps ``memory`` mapped, where that is not ``memory`` itself)
@@ -114,9 +126,9 @@ class PageRecords:
     # ---- what the index tells (kvtier.service.index.PageWatcher) --------------------------------
     def reserved(self, pages: list[int], client: int) -> None:
         """``pages`` go to index client ``client``'s writer: WRITING, with its process, before it gets their ids."""
-        pid = self.writer_of(client)
-        owner = Owner.of(pid) if pid is not None else None
-        rec = _record(WRITING, 0, 0, b"", owner)
+        who = self.writer_of(client)
+        owner = Owner.of(who[0]) if who is not None else None
+        rec = _record(WRITING, 0, 0, b"", None if owner is None else Writer(owner, session_digest(who[1])))
         for page in pages:
             self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = rec
 
@@ -221,17 +233,17 @@ class PageRecords:
         return out
 
 
-def _record(state: int, ns_id: int, checksum: int, key: bytes, writer: Owner | None = None) -> bytes:
+def _record(state: int, ns_id: int, checksum: int, key: bytes, writer: Writer | None = None) -> bytes:
     assert len(key) <= _MAX_KEY, len(key)
     body = bytearray((_HEAD.pack(state, ns_id, checksum, len(key)) + key).ljust(_BODY_BYTES, b"\0"))
     if writer is not None:
-        _WRITER.pack_into(body, _WRITER_AT, writer.pid, writer.start)
+        _WRITER.pack_into(body, _WRITER_AT, writer.process.pid, writer.process.start, writer.session)
     return bytes(body) + xxhash.xxh3_64_intdigest(bytes(body)).to_bytes(8, "little")
 
 
-def _writer(raw: bytes) -> Owner | None:
-    pid, start = _WRITER.unpack_from(bytes(raw), _WRITER_AT)
-    return Owner(pid, start) if pid > 0 else None
+def _writer(raw: bytes) -> Writer | None:
+    pid, start, session = _WRITER.unpack_from(bytes(raw), _WRITER_AT)
+    return Writer(Owner(pid, start), session) if pid > 0 else None
 
 
 def _parse(raw: bytes) -> tuple[int, int, int, bytes] | None:

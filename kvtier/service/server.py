@@ -42,8 +42,8 @@ from kvtier.service.index import HostIndex
 from kvtier.service.metrics import namespace_label
 from kvtier.service.messages import MAX_WAIT_S, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers, parse_batch
 from kvtier.service.peer import claim_socket_path, group_id, private_socket_dir, share_with_group
-from kvtier.service.records import QUARANTINE_S, PageRecords
-from kvtier.service.region import (Region, RegionFormat, adoptable_region, claim_region, create_region, find_adoptable, map_region,
+from kvtier.service.records import QUARANTINE_S, PageRecords, session_digest
+from kvtier.service.region import (Owner, Region, RegionFormat, adoptable_region, claim_region, create_region, find_adoptable, map_region,
                                    release_region, remove_region, remove_stale_regions, write_format)
 from kvtier.service.sessions import Orphan, Sessions
 from kvtier.service.storage import Load, ServiceStorage
@@ -219,11 +219,7 @@ class NodeService:
     def _records(self, region: Region, *, fresh: bool) -> PageRecords:
         memory = map_region(region.path, region.size, pin=False)
         return PageRecords(region, memory.numpy(), verify_sample=self.config.verify_sample, fresh=fresh, keep=memory,
-                           writer_of=self._pid_of)
-
-    def _pid_of(self, client: int) -> int | None:
-        """The process of index client ``client`` (an attached or orphaned session's); None for the service's own."""
-        return self.sessions.pid_of(client)
+                           writer_of=self.sessions.writer_of)
 
     def _make_region(self, fmt: RegionFormat) -> None:
         """A fresh region for the first engine's format, with its records and index; nothing is kept of a failure."""
@@ -254,11 +250,24 @@ class NodeService:
         self._parked = {}
         self._adopted_unclaimed = False
 
+    def _unpark_quiesced(self, conn: Connection, previous: str) -> None:
+        """``conn``'s process attaches naming ``previous`` as quiesced (its copies done): the pages it was writing
+        in that session when the old service died are free now -- only that process's (a session id alone is not
+        proof: the pid and start time recorded with the page must be the caller's)."""
+        digest = session_digest(previous)
+        me = Owner.of(conn.pid)
+        mine = [page for page, w in self._parked.items() if w is not None and w.session == digest and w.process == me]
+        if mine:
+            self.index.unpark(mine)
+            for page in mine:
+                del self._parked[page]
+            log.info("%d parked pages free: the process that was writing them (%d) attached again, its copies done", len(mine), conn.pid)
+
     def _unpark_due(self) -> None:
         """The adoption's grace period is over: its holds end, and the parked pages whose writer is gone are free
         again (the others are checked again a grace period later)."""
         released = self.index.release_adopted()
-        gone = [page for page, writer in self._parked.items() if writer is None or not writer.alive()]
+        gone = [page for page, writer in self._parked.items() if writer is None or not writer.process.alive()]
         self.index.unpark(gone)
         for page in gone:
             del self._parked[page]
@@ -428,6 +437,8 @@ class NodeService:
                                f"{fmt} needs a service of its own (one page format per service)")
         if claiming and self.storage is not None:
             self.storage.bind(self.region, self.index)
+        if op.previous is not None and self._parked:
+            self._unpark_quiesced(conn, op.previous)
         self._adopted_unclaimed = False
         stale = self.sessions.attach(conn, op.namespace, op.previous)
         conn.share = op.share

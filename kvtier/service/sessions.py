@@ -107,9 +107,9 @@ class Sessions:
         #: per session, the connections of processes that joined it as writers (``join``)
         self.writers: dict[str, set[Peer]] = {}
 
-    def pid_of(self, client: int) -> int | None:
-        """The process of the attached session whose index client is ``client`` (None: none, e.g. the service's own)."""
-        return next((conn.pid for conn in self.attached.values() if conn.id == client), None)
+    def writer_of(self, client: int) -> tuple[int, str] | None:
+        """(pid, session) of the attached session whose index client is ``client`` (None: none, e.g. the service's own)."""
+        return next(((conn.pid, conn.session) for conn in self.attached.values() if conn.id == client), None)
 
     def bind(self, index: HostIndex) -> None:
         self.index = index
