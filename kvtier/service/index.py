@@ -81,6 +81,7 @@ class IndexStatus:
     expired_leases: int
     corrupt_pages: int
     parked_pages: int
+    adoption_held: int  # of ``held``: pages held only by a restarted service's adoption (its grace period)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -274,7 +275,8 @@ class HostIndex:
         per_ns = dict(+self._published_of)
         return IndexStatus(self.alloc.num_pages, self.alloc.num_free, len(self._writer), len(self._key_of), len(self._holders),
                            len(self.clients), per_ns, self.lookups, self.hit_pages, self.published_pages, self.evicted_pages,
-                           self.dropped_writes, self.expired_leases, self.corrupt_pages, len(self.alloc.parked))
+                           self.dropped_writes, self.expired_leases, self.corrupt_pages, len(self.alloc.parked),
+                           sum(len(h) == 1 and next(iter(h)) <= ADOPTION_CLIENTS for h in self._holders.values()))
 
     def pages_by_namespace(self) -> dict[str, NamespacePages]:
         """Every namespace's pages now, from the counts kept as they change (and one pass over the pages being

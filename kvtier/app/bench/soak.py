@@ -16,9 +16,10 @@ started again. Reported: cycles, kills, requests, wrong outputs (logits that dif
 writer pages (must be 0), stuck leases (pages still leased or held once every client has exited: 0),
 restarts that failed (a process that did not come back within the bound, or died unasked: 0), the host
 pages kept across service restarts (pages the restarted service adopted against pages it held just before
-the kill), and the restart TTFT: a restarted engine on a restarted service, its prompt a host hit from the
-adopted region, against an engine with its own host tier hitting the same prompt on host (each engine
-serves an unrelated prompt first; medians of ``ttft_trials`` trials, alternating; the issue's target <= 1.2x).
+the kill), and the restart TTFT: a restarted engine on a restarted service (one of its own, of ``kvtier run``'s
+reference model, a 1,024-token prompt), its prompt a host hit from the adopted region, against an engine with
+its own host tier hitting the same prompt on host (each engine serves an unrelated prompt first; medians of
+``ttft_trials`` trials, alternating; the issue's target <= 1.2x).
 
 Every process is forked from a fork server that imported kvtier once (``multiprocessing``'s forkserver),
 so a restart costs milliseconds, not an interpreter's start; each client logs one JSON line per request
@@ -32,6 +33,7 @@ import logging
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import statistics
 import tempfile
@@ -64,6 +66,9 @@ DEVICE_PAGES = 24
 HOST_SHARE_PAGES, REGION_PAGES = 96, 320
 #: the writer's pages per batch, and batches it cycles through (so its lookups find what it published before)
 WRITER_PAGES, WRITER_BATCHES = 4, 16
+#: the restart TTFT's model and prompt: kvtier run's reference model (its default), a 32-page (1,024-token) prompt --
+#: a request's work, so that what is timed is a restart's cost against a request's, not against a toy's few ms
+TTFT_MODEL, TTFT_PAGES, TTFT_DEVICE_PAGES, TTFT_REGION_PAGES = ModelConfig(), 32, 48, 256
 #: how long a restarted process may take to come back (s): generous, for a loaded machine
 RESTART_BOUND_S = 60.0
 #: how long the clients may take to exit cleanly at the end, and the service to end their sessions (s)
@@ -91,7 +96,7 @@ class SoakReport:
     wrong_outputs: int  # requests whose logits differ from recompute (must be 0)
     writer_pages_checked: int
     writer_wrong_pages: int  # pages the writer read back that were not what it wrote under that key (must be 0)
-    stuck_leases: int  # pages leased or held once every client exited (must be 0)
+    stuck_leases: int  # pages leased or held once every client exited, but for a restart's adoption hold (must be 0)
     failed_restarts: int  # processes that did not come back within the bound (must be 0)
     crashed: int  # processes that died without being killed, or exited uncleanly at the end (must be 0)
     service_restarts: int
@@ -116,13 +121,12 @@ def _quiet(workdir: str, name: str) -> None:
     logging.basicConfig(filename=os.path.join(workdir, f"{name}.log"), level=logging.WARNING, force=True)
 
 
-def _service_main(sock: str, workdir: str) -> None:
+def _service_main(sock: str, workdir: str, host_gb: float) -> None:
     from kvtier.service.server import NodeService, ServeConfig
 
     _quiet(workdir, "service")
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    host_gb = REGION_PAGES * SOAK_MODEL.kv_spec().page_bytes / (1 << 30)
     service = NodeService(ServeConfig(host_gb=host_gb, socket=sock, verify_sample=1.0, keep_region=True))
     try:
         service.serve(lambda: bool(stop), tick_s=0.05)
@@ -207,9 +211,11 @@ def _writer_main(sock: str, workdir: str) -> None:
 
 # ---- the bench ------------------------------------------------------------------------------------
 class _Soak:
-    def __init__(self, workdir: str, rng: random.Random):
+    def __init__(self, workdir: str, rng: random.Random, sock: str | None = None, model: ModelConfig = SOAK_MODEL,
+                 region_pages: int = REGION_PAGES):
         self.workdir, self.rng = workdir, rng
-        self.sock = os.path.join(workdir, "run", "node.sock")
+        self.sock = sock or os.path.join(workdir, "run", "node.sock")
+        self.host_gb = region_pages * model.kv_spec().page_bytes / (1 << 30)
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload([__name__])
         self.procs: dict[str, multiprocessing.Process] = {}
@@ -218,7 +224,7 @@ class _Soak:
     def start(self, name: str) -> bool:
         """Start ``name`` and wait until it is up; False if it did not come up within the bound."""
         if name == "service":
-            target, args = _service_main, (self.sock, self.workdir)
+            target, args = _service_main, (self.sock, self.workdir, self.host_gb)
         elif name == "writer":
             target, args = _writer_main, (self.sock, self.workdir)
         else:
@@ -261,6 +267,13 @@ class _Soak:
             self.failed_restarts += 1
             os.kill(proc.pid, signal.SIGKILL)
             proc.join(RESTART_BOUND_S)
+
+    def stop_service(self) -> None:
+        """SIGTERM the service and remove the region it keeps (``--keep-region``)."""
+        region = (self._status() or {}).get("region")
+        self.kill("service", signal.SIGTERM)
+        if region is not None:
+            shutil.rmtree(os.path.dirname(region), ignore_errors=True)
 
     def revive_crashed(self) -> None:
         """Start again any process that died without being killed (counted)."""
@@ -306,14 +319,13 @@ def run_soak(config: SoakConfig) -> SoakReport:
             Path(workdir, "stop").touch()
             for name, proc in soak.procs.items():
                 if name == "service" and proc.is_alive():
+                    region = (soak._status() or {}).get("region", region)
                     os.kill(proc.pid, signal.SIGTERM)
                 proc.join(EXIT_BOUND_S)
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.join(10)
             if region is not None:  # (the service keeps its region on SIGTERM here: removed with its directory)
-                import shutil
-
                 shutil.rmtree(os.path.dirname(region), ignore_errors=True)
     report.seconds = round(time.monotonic() - started, 1)
     return report
@@ -338,11 +350,18 @@ def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopte
     status = status or {}
     engine = [r for name in VICTIMS[:2] for r in soak.records(name) if "wrong" in r]
     writer = [r for r in soak.records("writer") if "checked" in r]
-    ttft = _restart_ttft(soak, config.ttft_trials)
+    # (on a service of its own: the soaked one's region is full of pages its last restart holds for a while)
+    timing = _Soak(soak.workdir, soak.rng, os.path.join(soak.workdir, "ttft", "node.sock"), TTFT_MODEL, TTFT_REGION_PAGES)
+    try:
+        ttft = _restart_ttft(timing, config.ttft_trials) if timing.start("service") else {"trials": 0}
+    finally:
+        timing.stop_service()
+        soak.failed_restarts += timing.failed_restarts
     return SoakReport(
         cycles=config.cycles, kills=kills, signals=signals, requests=len(engine), host_hit_requests=sum(r["host"] > 0 for r in engine),
         wrong_outputs=sum(r["wrong"] for r in engine), writer_pages_checked=sum(r["checked"] for r in writer),
-        writer_wrong_pages=sum(r["wrong"] for r in writer), stuck_leases=status.get("writing", -1) + status.get("held", 0),
+        writer_wrong_pages=sum(r["wrong"] for r in writer),
+        stuck_leases=status.get("writing", -1) + status.get("held", 0) - status.get("adoption_held", 0),
         failed_restarts=soak.failed_restarts, crashed=soak.crashed, service_restarts=kills["service"],
         host_pages_before_kills=before, host_pages_adopted=adopted, host_pages_kept=round(adopted / before, 3) if before else 0.0,
         corrupt_pages=status.get("corrupt_pages", 0), restart_ttft=ttft)
@@ -350,21 +369,22 @@ def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopte
 
 def _restart_ttft(soak: _Soak, trials: int) -> dict:
     """A restarted engine on a restarted service against an engine's own host tier, the same prompt a host hit on
-    each side: TTFT medians (ms) and their ratio. Each trial's prompt is new (nobody has it yet)."""
+    each side: TTFT medians (ms), their ratio and difference. Each trial's prompt is new (nobody has it yet)."""
     torch.set_num_threads(1)
-    model, spec = ReferenceModel(SOAK_MODEL), SOAK_MODEL.kv_spec()
+    model, spec = ReferenceModel(TTFT_MODEL), TTFT_MODEL.kv_spec()
+    tiers = {"device_pages": TTFT_DEVICE_PAGES, "host_pages": TTFT_REGION_PAGES // 2}
     service_ms, own_ms, hits = [], [], []
 
     def warmed(cache) -> ReferenceEngine:  # (an unrelated prompt first, on both sides, as the vLLM row's sessions do)
         engine = ReferenceEngine(model, cache)
-        engine.prefill(random.Random().choices(range(SOAK_MODEL.vocab_size), k=spec.page_size * 4))
+        engine.prefill(random.Random().choices(range(TTFT_MODEL.vocab_size), k=spec.page_size * 4))
         return engine
 
     for trial in range(trials):
-        toks = random.Random(10_000 + trial).choices(range(SOAK_MODEL.vocab_size), k=spec.page_size * 12)
+        toks = random.Random(10_000 + trial).choices(range(TTFT_MODEL.vocab_size), k=spec.page_size * TTFT_PAGES)
         for side in ("service", "own") if trial % 2 == 0 else ("own", "service"):
             if side == "service":
-                first = build_cache(spec, TierConfig(device_pages=DEVICE_PAGES, host_pages=HOST_SHARE_PAGES, service=soak.sock))
+                first = build_cache(spec, TierConfig(**tiers, service=soak.sock))
                 ReferenceEngine(model, first).prefill(toks)
                 first.wait_idle()  # (its backups published)
                 first.close()
@@ -372,15 +392,15 @@ def _restart_ttft(soak: _Soak, trials: int) -> dict:
                 if not soak.start("service"):
                     soak.failed_restarts += 1
                     continue
-                cache = build_cache(spec, TierConfig(device_pages=DEVICE_PAGES, host_pages=HOST_SHARE_PAGES, service=soak.sock))
+                cache = build_cache(spec, TierConfig(**tiers, service=soak.sock))
                 result = warmed(cache).prefill(toks)
                 service_ms.append(result.ttft_s * 1e3)
             else:
-                cache = build_cache(spec, TierConfig(device_pages=DEVICE_PAGES, host_pages=HOST_SHARE_PAGES))
+                cache = build_cache(spec, TierConfig(**tiers))
                 engine = warmed(cache)
                 engine.prefill(toks)
                 cache.wait_idle()
-                cache.evict_device(DEVICE_PAGES)  # (on host only now)
+                cache.evict_device(TTFT_DEVICE_PAGES)  # (on host only now)
                 result = engine.prefill(toks)
                 own_ms.append(result.ttft_s * 1e3)
             hits.append(result.host_hit_tokens == (len(toks) - 1) // spec.page_size * spec.page_size)
@@ -389,8 +409,8 @@ def _restart_ttft(soak: _Soak, trials: int) -> dict:
     if not service_ms or not own_ms:
         return {"trials": trials, "all_host_hits": False}
     s, o = statistics.median(service_ms), statistics.median(own_ms)
-    return {"trials": trials, "service_restarted_ms": round(s, 3), "in_process_host_ms": round(o, 3), "ratio": round(s / o, 3),
-            "all_host_hits": all(hits)}
+    return {"trials": trials, "prompt_tokens": spec.page_size * TTFT_PAGES, "service_restarted_ms": round(s, 3),
+            "in_process_host_ms": round(o, 3), "ratio": round(s / o, 3), "difference_ms": round(s - o, 3), "all_host_hits": all(hits)}
 
 
 def as_json(report: SoakReport) -> dict:
