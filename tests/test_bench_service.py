@@ -49,6 +49,10 @@ def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
     for row in out["checksum"]:
         assert row["pages"] == 2 and row["checksum_gbps"] > 0 and row["copy_gbps"] > 0 and row["adopt_gbps"] > 0
         assert row["speed_over_copy"] == pytest.approx(row["checksum_gbps"] / row["copy_gbps"], rel=0.02)
+    # MLA's latent once per node: a page of TP ranks is one rank's bytes, 1/TP of every rank's copy kept
+    for row in out["mla_once"]:
+        assert row["per_rank_page_bytes"] == row["tp_size"] * row["region_page_bytes"]
+        assert row["saved_fraction"] == round(1 - 1 / row["tp_size"], 3)
 
 
 @pytest.mark.integration

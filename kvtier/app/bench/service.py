@@ -28,6 +28,8 @@
   model's page format in a region, against a plain copy of the same pages' bytes (what the engine's own
   backup of them moved), GB/s, best round of several taken in turns, and their ratio; and a restarted
   service's adoption of that region (every record read, every page verified), GB/s.
+* ``mla_once`` -- what storing an MLA (and DSA) model's latent once per node saves: a region page's bytes at
+  tensor-parallel sizes 2, 4 and 8 as the service stores it, against every rank's identical copy kept.
 * ``sharing`` -- two engines run the same workload (requests of the Mooncake trace) one after the
   other: once each with a host tier of its own, once both attached to one service. Host bytes held
   at the end (two private tiers against the service's region pages) and the second engine's hit
@@ -154,12 +156,23 @@ class ChecksumRow:
 
 
 @dataclass(frozen=True)
+class MlaOnceRow:
+    spec: str
+    tp_size: int
+    region_page_bytes: int  # one region page as the service stores it (the latent once: RegionFormat.of_ranks)
+    per_rank_page_bytes: int  # the same page were every rank's identical shard kept (RegionFormat.of_shards)
+    saved_fraction: float  # 1 - region / per-rank
+    pages_per_gib: int  # region pages one GiB of the region holds, stored once
+
+
+@dataclass(frozen=True)
 class ServiceBench:
     lookup: list[LookupRow]
     bandwidth: BandwidthRow
     sharing: SharingRow
     flood: FloodRow
     checksum: list[ChecksumRow]
+    mla_once: list[MlaOnceRow]
     vllm: VllmRestartRow | None = None
 
 
@@ -299,6 +312,19 @@ def _checksum_row(layout: str, pages: int, rounds: int) -> ChecksumRow:
                            round(sum_gbps / copy_gbps, 3), round(nbytes / adopt_s / 1e9, 3))
     finally:
         remove_region(region)
+
+
+def _mla_once_rows() -> list[MlaOnceRow]:
+    """The bytes a region page of an MLA (and DSA) model takes at each tensor-parallel size, stored once per node
+    as the service stores it, against every rank's identical latent kept (what the formats say, not a timing)."""
+    rows = []
+    for name in ("deepseek-v3", "deepseek-v3.2"):
+        spec = KVSpec.preset(name)
+        for tp in (2, 4, 8):
+            once = RegionFormat.of_ranks(spec, "page_first", tp)[0].page_bytes
+            per_rank = RegionFormat.of_shards(spec, "page_first", tp).page_bytes
+            rows.append(MlaOnceRow(name, tp, once, per_rank, round(1 - once / per_rank, 3), (1 << 30) // once))
+    return rows
 
 
 def _held_host_bytes(cache: HierarchicalCache) -> int:
@@ -468,7 +494,7 @@ def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages
             flood_svc.stop()
         checksum = _checksum_rows(checksum_pages, rounds)
         restart = _vllm_row(Path(tmp), vllm_prompt_tokens, vllm_prompts, vllm_model) if vllm else None
-    return ServiceBench(lookup, bandwidth, sharing, flood, checksum, restart)
+    return ServiceBench(lookup, bandwidth, sharing, flood, checksum, _mla_once_rows(), restart)
 
 
 def as_json(bench: ServiceBench) -> dict:
