@@ -3,8 +3,11 @@
 import prometheus_client
 import pytest
 
+from kvtier.alloc import PageAllocator
+from kvtier.cache import HierarchicalCache
 from kvtier.errors import ConfigError
 from kvtier.config import CacheConfig
+from kvtier.pools import DevicePool, HostPool
 from kvtier.metrics import PrometheusCollector
 from support.pools import tiny_specs
 from support.cache_helpers import make_cache, serve
@@ -66,6 +69,42 @@ def test_backup_skipped_when_host_full_and_pinned():
     serve(cache, REQ)  # 4 pages to back up, host holds 2 and nothing is evictable (all on device)
     cache.wait_idle()
     assert cache.stats.backed_up_pages == 2 and cache.stats.backup_skipped_pages == 2
+    cache.check_integrity()
+    cache.close()
+
+
+class SharedWithARival(PageAllocator):
+    """A host allocator another engine shares, as the node service's region is: its free count is a moment's, and
+    when an engine that found too few pages comes back for what was free, the rival has taken it."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.rivals: set[int] = set()
+        self.failed = 0  # the last allocation that found too few pages
+
+    def rival(self, n: int) -> None:
+        self.rivals.update(super().alloc(n).pages)
+
+    def alloc(self, n):
+        if 0 < n < self.failed:  # (back for fewer: the rival was quicker)
+            self.rival(self.num_free)
+        got = super().alloc(n)
+        self.failed = 0 if got.ok else n
+        return got
+
+    def allocated_pages(self) -> set[int]:  # (this engine's: the rival's pages are not in its books)
+        return super().allocated_pages() - self.rivals
+
+
+def test_a_backup_whose_shared_host_tier_gives_fewer_pages_than_it_said_is_skipped_not_a_partial_plan():
+    """The soak found it: a backup that got no pages at once and then fewer than the free count promised planned
+    its whole path onto no host pages (a PageAlignmentError in the engine's commit). It is skipped, and counted."""
+    host = HostPool(spec(), 6, "layer_first", allocator=SharedWithARival(6, "shared host"))
+    cache = HierarchicalCache(DevicePool(spec(), 8), host, CacheConfig(write_policy="write_through"))
+    host.allocator.rival(3)  # half of it another engine's already: 4 pages to back up, 3 free
+    serve(cache, REQ)
+    cache.wait_idle()
+    assert (cache.stats.backed_up_pages, cache.stats.backup_skipped_pages) == (0, 4)
     cache.check_integrity()
     cache.close()
 

@@ -441,8 +441,9 @@ def test_an_engine_started_before_the_service_comes_up_and_attaches_and_so_does_
     """Any start order in vLLM's multi-process engine: an engine started with no service at its socket comes up
     and serves its first prompt with misses; the service started then lists it within seconds (its heartbeat: no
     request asked) and the next prompt is copied out into the region. Both restarted at once (the service
-    SIGKILLed, the engine gone, a new engine started before the new service): the same again. Every output
-    equals vLLM's without kvtier."""
+    SIGKILLed, the engine gone, a new engine started before the new service): the same again, and the new service
+    adopts the killed one's region, so the new engine's second prompt is a host hit from it -- the host tier kept
+    across a restart of both. Every output equals vLLM's without kvtier."""
     import shutil
     import signal
 
@@ -455,24 +456,31 @@ def test_an_engine_started_before_the_service_comes_up_and_attaches_and_so_does_
             services.append(start_service(sock, SERVICE_GB))
             wait_until(lambda: query_status(sock)["clients"] == 1, 60.0)
 
+    regions = set()
     try:
         for run in range(2):
             report = session(*attached(sock, *LENGTHS), between_prompts=service_now)
             assert outputs(report) == outputs(baseline)
-            assert [r["external_hit_tokens"] for r in report["results"]] == [0, 0]  # no service, then an empty one
             stored = LENGTHS[1] // report["block_size"]  # the second prompt's full blocks: the first ran with no service
-            assert report["worker_stats"][0]["offloaded_pages"] == stored
+            kept = prefix_pages(report, LENGTHS[1]) * report["block_size"]
+            # no service, then an empty one; after the restart, the adopted region's pages of the run before
+            assert [r["external_hit_tokens"] for r in report["results"]] == [0, 0 if run == 0 else kept]
+            assert report["worker_stats"][0]["offloaded_pages"] == (stored if run == 0 else stored - kept // report["block_size"])
             status = query_status(sock)
             assert status["ready"] == stored and len(services) == run + 1, status
+            assert run == 0 or status["adopted"]["pages"] == stored, status
+            regions.add(os.path.dirname(status["region"]))
             svc = services[-1].proc
             os.kill(svc.pid, signal.SIGKILL)  # (its engine exited already: both are down before either restarts)
             svc.wait(30)
-            shutil.rmtree(os.path.dirname(status["region"]), ignore_errors=True)
             if os.path.exists(sock):  # (a SIGKILLed service leaves its socket file: nothing listens on it)
                 os.unlink(sock)
+        assert len(regions) == 1  # (one region across both services: adopted)
     finally:
         for svc in services:
             stop(svc.proc)
+        for region in regions:
+            shutil.rmtree(region, ignore_errors=True)
 
 
 @pytest.mark.integration

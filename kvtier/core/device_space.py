@@ -117,10 +117,11 @@ class DeviceSpace(CoreBase):
         """Start async device->host backups of ``nodes`` (one root-to-leaf path). Returns pages started."""
         got = self._alloc_host(len(nodes))
         if not got.ok:
-            take = min(len(nodes), self.host_alloc.num_free)
-            self.stats.backup_skipped_pages += len(nodes) - take
-            nodes = nodes[:take]
-            got = self.host_alloc.alloc(take)
+            # (a shared host tier -- the node service's -- may give fewer than its num_free said: another engine took
+            # them meanwhile; then the allocation is empty, and so is the backup)
+            got = self.host_alloc.alloc(min(len(nodes), self.host_alloc.num_free))
+            self.stats.backup_skipped_pages += len(nodes) - len(got.pages)
+            nodes = nodes[: len(got.pages)]
         if not nodes:
             return 0
         self.tree.set_hosts(nodes, got.pages, ready=False)
