@@ -310,13 +310,16 @@ def test_a_starting_service_removes_the_regions_its_users_killed_services_left_a
     live = start_service(str(tmp_path / "live" / "node.sock"))
     try:
         killed = start_service(str(tmp_path / "killed" / "node.sock"))
-        for svc in (live, killed):
+        waiting = start_service(str(tmp_path / "waiting" / "node.sock"))
+        for svc in (live, killed, waiting):
             client = ServiceClient(svc.socket, NAMESPACE, fmt)  # its region is made
             made.append(os.path.dirname(client.region))
             client.close()
-        os.kill(killed.proc.pid, signal.SIGKILL)
-        killed.proc.wait(30)
-        live_region, killed_region = made  # (left behind: the next service its user starts -- here, or one beside -- removes it)
+        for svc in (killed, waiting):
+            os.kill(svc.proc.pid, signal.SIGKILL)
+            svc.proc.wait(30)
+        os.unlink(killed.socket)  # (its service is gone for good; the waiting one's socket file says it comes back)
+        live_region, killed_region, waiting_region = made  # (left behind: the next service its user starts removes it)
         # a region whose owner's pid now runs another process (this one: its start time differs)
         me = Owner.of(os.getpid())
         reused = _fake_region(made, Owner(me.pid, me.start - 1))
@@ -326,7 +329,8 @@ def test_a_starting_service_removes_the_regions_its_users_killed_services_left_a
         with running_service(tmp_path) as svc:
             assert ServiceClient(svc.socket, NAMESPACE, fmt).region  # (it works)
             assert not os.path.exists(killed_region) and not os.path.exists(reused)
-            assert all(os.path.isdir(d) for d in (live_region, theirs, unnamed, elsewhere))
+            # (the waiting one is left for its socket's next service, which adopts it)
+            assert all(os.path.isdir(d) for d in (live_region, waiting_region, theirs, unnamed, elsewhere))
             assert query_status(live.socket)["region"] == os.path.join(live_region, "region")  # the live service untouched
     finally:
         stop(live.proc)

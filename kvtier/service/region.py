@@ -351,17 +351,19 @@ def _read_owner(folder: str) -> Owner | None:
         return None
 
 
-def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[str]:
+def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None, socket: str | None = None) -> list[str]:
     """Remove the region directories under ``parent`` of user ``uid`` (default: this process's) whose owning
     service is gone -- a SIGKILLed service's; the paths removed. Another user's directory, one whose owner
     lives, one that names no owner (being made, or made by an older kvtier), one whose owner ran in
-    another pid namespace (a container sharing ``/dev/shm``: whether it lives cannot be told from here),
-    one left on purpose (``--keep-region``: its socket's next service adopts it) and one another process
-    holds locked (being adopted) are left alone."""
+    another pid namespace (a container sharing ``/dev/shm``: whether it lives cannot be told from here) and
+    one another process holds locked (being adopted) are left alone; so is one that waits for its own
+    service to come back and adopt it -- left on purpose (``--keep-region``), or a killed service's whose
+    socket file is still there (a crashed unit about to be restarted) -- unless it names ``socket``, the
+    caller's own (whose service, the caller, did not adopt it)."""
     uid = os.getuid() if uid is None else uid
     removed = []
     for folder, owner, doc in _dead_regions(parent, uid):
-        if doc is not None and doc.get("kept") is True:  # (left by --keep-region for its own socket's next service)
+        if doc is not None and doc.get("socket") != socket and (doc.get("kept") is True or _is_socket(doc.get("socket"))):
             continue
         lock = lock_region_dir(folder)
         if lock is None:  # (another service is adopting it, or removing it)
@@ -373,6 +375,13 @@ def remove_stale_regions(parent: str = SHM_DIR, uid: int | None = None) -> list[
         log.warning("removed %s: the region of service process %d, which is gone (killed before it could remove it)", folder, owner.pid)
         removed.append(folder)
     return removed
+
+
+def _is_socket(path: object) -> bool:
+    try:
+        return type(path) is str and stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def open_region(path: str, size: int, trust: ServiceTrust | None) -> int:

@@ -158,7 +158,7 @@ class NodeService:
             self.adopted: dict | None = None
             if not config.fresh_region:
                 self._adopt()
-            remove_stale_regions()  # (what its user's killed services left)
+            remove_stale_regions(socket=config.socket)  # (what its user's killed services left, and will not adopt)
         except BaseException:
             if self.metrics is not None:
                 self.metrics.close()

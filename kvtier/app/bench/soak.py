@@ -121,6 +121,11 @@ def _quiet(workdir: str, name: str) -> None:
     logging.basicConfig(filename=os.path.join(workdir, f"{name}.log"), level=logging.WARNING, force=True)
 
 
+def _orphaned(parent: int) -> bool:
+    """Whether the fork server this process came from is gone (the bench was killed): then it ends too."""
+    return os.getppid() != parent
+
+
 def _service_main(sock: str, workdir: str, host_gb: float) -> None:
     from kvtier.service.server import NodeService, ServeConfig
 
@@ -128,8 +133,9 @@ def _service_main(sock: str, workdir: str, host_gb: float) -> None:
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     service = NodeService(ServeConfig(host_gb=host_gb, socket=sock, verify_sample=1.0, keep_region=True))
+    parent = os.getppid()
     try:
-        service.serve(lambda: bool(stop), tick_s=0.05)
+        service.serve(lambda: bool(stop) or _orphaned(parent), tick_s=0.05)
     finally:
         service.close()
 
@@ -153,7 +159,8 @@ def _engine_main(sock: str, workdir: str, name: str, seed: int) -> None:
     baseline = ReferenceEngine(model, NullCache(DevicePool(spec, pages)))
     _log_line(out, {"ready": os.getpid()})
     rng = random.Random(seed * 7919 + os.getpid())
-    while not os.path.exists(stop):
+    parent = os.getppid()
+    while not os.path.exists(stop) and not _orphaned(parent):
         toks = conversation_tokens(rng.randrange(CONVERSATIONS), rng.randrange(TURNS))
         got, want = engine.prefill(toks), baseline.prefill(toks)
         _log_line(out, {"wrong": not torch.equal(got.logits, want.logits), "host": got.host_hit_tokens})
@@ -179,7 +186,8 @@ def _writer_main(sock: str, workdir: str) -> None:
     spec = SOAK_MODEL.kv_spec()
     fmt = RegionFormat.of(spec, DEFAULT_HOST_LAYOUT)
     client, pool, batch = None, None, 0
-    while not os.path.exists(stop):
+    parent = os.getppid()
+    while not os.path.exists(stop) and not _orphaned(parent):
         try:
             if client is None:
                 client = ServiceClient(sock, "soak-writer", fmt, deadline_s=2.0)
