@@ -68,7 +68,7 @@ HOST_SHARE_PAGES, REGION_PAGES = 96, 320
 WRITER_PAGES, WRITER_BATCHES = 4, 16
 #: the restart TTFT's model and prompt: kvtier run's reference model (its default), a 32-page (1,024-token) prompt --
 #: a request's work, so that what is timed is a restart's cost against a request's, not against a toy's few ms
-TTFT_MODEL, TTFT_PAGES, TTFT_DEVICE_PAGES, TTFT_REGION_PAGES = ModelConfig(), 32, 48, 256
+TTFT_MODEL, TTFT_PAGES, TTFT_DEVICE_PAGES, TTFT_REGION_PAGES = ModelConfig(), 32, 48, 512
 #: how long a restarted process may take to come back (s): generous, for a loaded machine
 RESTART_BOUND_S = 60.0
 #: how long the clients may take to exit cleanly at the end, and the service to end their sessions (s)
@@ -83,7 +83,7 @@ class SoakConfig:
     seed: int = 0
     min_gap_s: float = 0.1
     max_gap_s: float = 0.5
-    ttft_trials: int = 5
+    ttft_trials: int = 9
 
 
 @dataclass
