@@ -31,4 +31,5 @@ def test_fifty_crash_cycles_give_no_wrong_output_no_stuck_lease_and_no_failed_re
     # what was checked is not nothing: requests served with host hits from the service, pages read back, pages adopted
     assert soak["requests"] > CYCLES and soak["host_hit_requests"] > 0 and soak["writer_pages_checked"] > 0, soak
     assert soak["service_restarts"] == soak["kills"]["service"] and 0 < soak["host_pages_adopted"] <= soak["host_pages_before_kills"]
-    assert soak["restart_ttft"]["all_host_hits"] and soak["restart_ttft"]["ratio"] > 0, soak
+    ttft = soak["restart_ttft"]
+    assert ttft["all_host_hits"] and ttft["ratio"] > 0 and ttft["cache_path_service_ms"] > 0 and ttft["cache_path_in_process_ms"] > 0, soak
