@@ -34,6 +34,7 @@ STATUS = ("tests/test_docs_commands.py::test_the_deploy_pages_service_command_se
 VLLM_SERVE = ("tests/test_vllm_connector.py::test_vllm_serve_over_http_restart_hits_and_metrics",
               "tests/test_vllm_connector.py::_serve_twice_over_http", "tests/support/vllm_server.py::VllmServer.start")
 RUN_HYBRID = ("tests/test_hybrid_run.py::test_kvtier_run_model_hybrid_is_bit_exact_with_hits_from_every_tier",)
+SOAK = ("tests/test_service_soak.py::test_fifty_crash_cycles_give_no_wrong_output_no_stuck_lease_and_no_failed_restart",)
 PLAN_HYBRID = ("tests/test_docs_commands.py::test_kvtier_plan_of_a_hybrid_preset_with_its_window_pages_in_a_pool_of_their_own",)
 
 #: every command docs/ shows that a test runs -> that code (a file alone: it holds the command as it is written)
@@ -92,6 +93,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
         "tests/test_bench_service.py::test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service",),
     "kvtier bench service --json [--vllm]": (
         "tests/test_bench_service.py::test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service",),
+    "kvtier bench service --soak N": SOAK,
+    "kvtier bench service --soak 1000 --json": SOAK,
     "kvtier serve": SERVE,
     "kvtier serve --metrics-port PORT": ("tests/test_service_ops.py::test_metrics_scraped_over_http_are_what_happened_with_real_engines_"
                                          "attached", *SERVE[1:]),
