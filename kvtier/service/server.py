@@ -179,13 +179,13 @@ class NodeService:
         if self.region is not None:
             self._bound(self.region)
 
-    # (the transport's counters, read by status and the metrics)
     # ---- the region: made at the first hello, or adopted from a killed service ----------------------
     def _adopt(self) -> None:
-        """Take over the region a killed service left on this socket, if any: the pages whose bytes verify are
-        offered again (READY, held by nobody), those being written at the crash are parked for
-        :data:`~kvtier.service.records.QUARANTINE_S`. A region this service cannot adopt (another version, another
-        --host-gb, not a region file of ours) is removed, and said so; it is never misread."""
+        """Take over the region a killed (or ``--keep-region``) service left on this socket, if any: the pages whose
+        bytes verify are offered again (READY; not evicted for :data:`~kvtier.service.records.QUARANTINE_S`), those
+        being written at the crash are parked (for as long, and then while their writer lives). A region this service
+        cannot adopt (another version, --host-gb or group, not a region file of ours) is removed, and said so; it is
+        never misread."""
         found = find_adoptable(self.config.socket)
         if found is None:
             return
@@ -275,6 +275,7 @@ class NodeService:
         log.info("the adopted region's %d pages are evictable again, %d parked pages free (%d wait on their writer's exit)", released,
                  len(gone), len(self._parked))
 
+    # (the transport's counters, read by status and the metrics)
     @property
     def refused(self) -> int:
         """Peers refused at the door."""
