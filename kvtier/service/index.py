@@ -21,8 +21,9 @@ A :class:`PageWatcher` (the service's page records, :mod:`kvtier.service.records
 handed to a writer and each page indexed, and asked before a READY page is offered to a lookup: a page
 it refuses (its bytes changed after their checksum) is dropped -- unindexed, freed once nobody holds it
 -- and the lookup's run ends before it. A restarted service's index starts from :meth:`HostIndex.adopt`:
-the pages that verified, READY and held by nobody; the ones being written at the crash parked (out of
-circulation) until :meth:`HostIndex.unpark`.
+the pages that verified READY, offered, and held by the adoption (never evicted) until
+:meth:`HostIndex.release_adopted`; the ones being written at the crash parked (out of circulation)
+until :meth:`HostIndex.unpark`.
 """
 
 from __future__ import annotations
