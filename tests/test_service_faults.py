@@ -307,11 +307,11 @@ def test_a_client_that_stops_reading_is_dropped_within_the_bound_while_an_engine
 def test_a_starting_service_removes_the_regions_its_users_killed_services_left_and_nothing_else(tmp_path):
     fmt = RegionFormat.of(SPEC, "page_first")
     made: list[str] = []
-    live = start_service(str(tmp_path / "live" / "node.sock"))
+    services = [start_service(str(tmp_path / "live" / "node.sock"))]
     try:
-        killed = start_service(str(tmp_path / "killed" / "node.sock"))
-        waiting = start_service(str(tmp_path / "waiting" / "node.sock"))
-        for svc in (live, killed, waiting):
+        services += [start_service(str(tmp_path / name / "node.sock")) for name in ("killed", "waiting")]
+        live, killed, waiting = services
+        for svc in services:
             client = ServiceClient(svc.socket, NAMESPACE, fmt)  # its region is made
             made.append(os.path.dirname(client.region))
             client.close()
@@ -333,7 +333,8 @@ def test_a_starting_service_removes_the_regions_its_users_killed_services_left_a
             assert all(os.path.isdir(d) for d in (live_region, waiting_region, theirs, unnamed, elsewhere))
             assert query_status(live.socket)["region"] == os.path.join(live_region, "region")  # the live service untouched
     finally:
-        stop(live.proc)
+        for svc in services:
+            stop(svc.proc)
         for d in made:
             shutil.rmtree(d, ignore_errors=True)
 

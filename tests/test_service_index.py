@@ -117,6 +117,7 @@ class Watcher:
         self.bad: set[int] = set()
         self.got: list[int] = []
         self.recorded: list[tuple[int, str, bytes]] = []
+        self.freed: list[int] = []
 
     def reserved(self, pages, client):
         self.got += pages
@@ -128,7 +129,7 @@ class Watcher:
         return page not in self.bad
 
     def cleared(self, page):
-        pass
+        self.freed.append(page)
 
 
 def watched(pages: int = 4) -> tuple[HostIndex, Watcher]:
@@ -174,3 +175,19 @@ def test_an_adopted_index_offers_what_verified_and_keeps_its_pages_and_the_parke
     assert sorted(ix.reserve(A, 7)) == [1, 2, 4, 6]  # unheld now: evicted for room; page 5 stays parked
     ix.check_integrity()
     assert ix.status().evicted_pages == 3
+
+
+def test_a_page_freed_unwritten_is_cleared_for_the_watcher_so_no_restart_parks_it_but_an_evicted_one_keeps_its_record():
+    ix, w = watched(6)
+    a = ix.reserve(A, 3)
+    ix.release(A, [a[0]])  # given up unwritten
+    ix.publish(A, a[1:], K[:2])
+    b = ix.reserve(B, 2)
+    ix.publish(B, b[:1], K[:1])  # a duplicate of A's key: B's alone, freed when released
+    ix.release(B, b[:1])
+    ix.detach(B)  # b[1] was still being written
+    assert sorted(w.freed) == sorted([a[0], b[0], b[1]])
+    ix.release(A, a[1:])
+    ix.reserve(A, 6)  # evicts A's two pages for room: their bytes are still their keys', their records kept
+    assert sorted(w.freed) == sorted([a[0], b[0], b[1]])
+    ix.check_integrity()

@@ -144,6 +144,7 @@ def test_a_page_whose_bytes_change_after_its_write_completed_is_never_handed_out
         st = n.status()
         assert (st["corrupt_pages"], st["verify"]["failed_pages"]) == (1, 1), st
         writer.release(pages)  # its writer held it: freed now, not evicted later
+        writer.status()  # (the release is a note: applied once this call on its connection is answered)
         assert n.status()["free"] == st["free"] + 1
         # an engine: every page of a prompt changed after its backup -> no host hit, the prompt computed, right bytes
         computer = start_peer("compute", n.sock)
@@ -207,6 +208,7 @@ def test_a_region_a_restarted_service_cannot_adopt_is_removed_never_misread(tmp_
         client.status()
         folder = os.path.dirname(n.region())
         n.kill()
+        client.close()
         if change == "version":
             doc = json.loads(open(os.path.join(folder, FORMAT_FILE)).read())
             with open(os.path.join(folder, FORMAT_FILE), "w") as f:
@@ -229,6 +231,7 @@ def test_an_adopted_region_the_first_engine_cannot_use_is_replaced_by_a_fresh_on
         client.status()
         region = n.region()
         n.restart()
+        client.close()
         other = RegionFormat.of(tiny_specs()["mha"], "page_first")
         client = ServiceClient(n.sock, "service-test-other", other)  # another model: the adopted region is no use to it
         assert n.region() != region and not os.path.exists(region)
@@ -251,5 +254,6 @@ def test_pages_parked_at_a_restart_are_freed_when_their_writer_attaches_again_na
             ServiceClient(n.sock, NAMESPACE, FMT, previous=mine.session).close()  # its own, quiesced: its 3 pages are free
             st = n.status()
             assert (st["parked_pages"], st["free"]) == (2, st["num_pages"] - 2 - 2), st  # (the hanger's 2 published pages adopted)
+            mine.close()
         finally:
             _ended(hanger)

@@ -141,7 +141,7 @@ class HostIndex:
         self.expired_leases += len(c.writing) if died else 0
         for page in c.writing:
             del self._writer[page]
-        self.alloc.free(sorted(c.writing))
+        self._free(sorted(c.writing))
         for page in reversed(list(c.held)):
             self._unhold(client, page)
         del self.clients[client]
@@ -250,6 +250,18 @@ class HostIndex:
     def unpark(self, pages: list[int]) -> None:
         """Return parked ``pages`` to the free list."""
         self.alloc.release_hold(pages)
+        self._cleared(pages)
+
+    def _free(self, pages: list[int]) -> None:
+        """Free pages nobody will write or read now (not an evicted one: its bytes are still its key's)."""
+        self.alloc.free(pages)
+        self._cleared(pages)
+
+    def _cleared(self, pages: list[int]) -> None:
+        """Tell the watcher: a restarted service must not take these for pages mid-write (their writers are done)."""
+        if self.watcher is not None:
+            for page in pages:
+                self.watcher.cleared(page)
 
     def hold(self, client: int, pages: list[int]) -> None:
         """The client holds READY ``pages`` it does not hold yet (the service's own L3 saves read them)."""
@@ -268,7 +280,7 @@ class HostIndex:
             if page in c.writing:
                 c.writing.discard(page)
                 del self._writer[page]
-                self.alloc.free([page])
+                self._free([page])
             else:
                 self._unhold(client, page)
 
@@ -338,7 +350,7 @@ class HostIndex:
         self._held_of[self._namespace_of(page, c)] -= 1
         if self._key_of[page] is None:  # a duplicate nobody can look up: its bytes are of no use now
             del self._key_of[page]
-            self.alloc.free([page])
+            self._free([page])
         else:
             self._unheld[page] = None
 

@@ -79,6 +79,9 @@ class ServeConfig:
     fresh_region: bool = field(default=False, metadata={
         "help": "start with an empty region even where a killed service left one on this socket (default: adopt it, offering "
                 "again the pages whose bytes verify)"})
+    restart_grace_s: float = field(default=QUARANTINE_S, metadata={
+        "help": "after adopting a region, how long its pages are not evicted and pages mid-write at the crash stay parked "
+                "(an old engine's copy may still be in flight; a parked page then waits for its writer's exit)"})
     keep_region: bool = field(default=False, metadata={
         "help": "on SIGTERM, leave the region (and its page records) for the next service on this socket to adopt -- an "
                 "upgrade keeps the host tier -- instead of removing it"})
@@ -89,6 +92,7 @@ class ServeConfig:
         check_number(self, "metrics_port", at_least=0, at_most=65535, integer=True)
         check_number(self, "drain_timeout_s", at_least=0)
         check_number(self, "verify_sample", at_least=0, at_most=1)
+        check_number(self, "restart_grace_s", at_least=0)
         if not isinstance(self.socket, str) or not self.socket:
             raise ConfigError(f"ServeConfig.socket (--socket) must be a path; got {self.socket!r}")
         if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
@@ -149,15 +153,22 @@ class NodeService:
                 from kvtier.service.metrics import serve_metrics
 
                 self.metrics = serve_metrics(self, config.metrics_host, config.metrics_port)
-            self.listener = self._listen()
             #: when an adopted region's grace period ends (time.monotonic()), its parked pages (and who was writing each)
             self._unpark_at: float | None = None
             self._parked: dict = {}
             self._adopted_unclaimed = False
             #: what adopting a killed service's region found (status's ``adopted``)
             self.adopted: dict | None = None
-            if not config.fresh_region:
-                self._adopt()
+            # (locked before the socket is claimed: from the stale socket's removal on, no other service takes the region)
+            found = None if config.fresh_region else find_adoptable(config.socket)
+            try:
+                self.listener = self._listen()
+            except BaseException:
+                if found is not None:
+                    os.close(found[2])  # (not ours to adopt: a live service listens there)
+                raise
+            if found is not None:
+                self._adopt(*found)
             remove_stale_regions(socket=config.socket)  # (what its user's killed services left, and will not adopt)
         except BaseException:
             if self.metrics is not None:
@@ -180,16 +191,13 @@ class NodeService:
             self._bound(self.region)
 
     # ---- the region: made at the first hello, or adopted from a killed service ----------------------
-    def _adopt(self) -> None:
+    def _adopt(self, folder: str, doc: dict, lock: int) -> None:
         """Take over the region a killed (or ``--keep-region``) service left on this socket, if any: the pages whose
         bytes verify are offered again (READY; not evicted for :data:`~kvtier.service.records.QUARANTINE_S`), those
         being written at the crash are parked (for as long, and then while their writer lives). A region this service
         cannot adopt (another version, --host-gb or group, not a region file of ours) is removed, and said so; it is
-        never misread."""
-        found = find_adoptable(self.config.socket)
-        if found is None:
-            return
-        folder, doc, lock = found  # (locked: no other service removes or adopts it meanwhile)
+        never misread. ``folder``, ``doc``, ``lock``: :func:`~kvtier.service.region.find_adoptable`'s (locked: no other
+        service removes or adopts it meanwhile)."""
         started = time.monotonic()
         try:
             claim_region(folder)  # (its owner from now on: no other starting service takes it for stale)
@@ -208,13 +216,13 @@ class NodeService:
         self.index = HostIndex(region.num_pages, records)
         self.index.adopt(adopted.pages, list(adopted.quarantined))
         self._parked = adopted.quarantined
-        self._unpark_at = time.monotonic() + QUARANTINE_S
+        self._unpark_at = time.monotonic() + self.config.restart_grace_s
         self._adopted_unclaimed = True
         self.adopted = {"region": region.path, "pages": len(adopted.pages), "parked_pages": len(adopted.quarantined),
                         "dropped_pages": adopted.dropped, "seconds": round(time.monotonic() - started, 3)}
         log.info("adopted %s: %d pages verified and offered again, %d dropped (bytes changed after their write), %d parked for "
                  "%g s (being written when the service died), in %.2f s", region.path, len(adopted.pages), adopted.dropped,
-                 len(adopted.quarantined), QUARANTINE_S, self.adopted["seconds"])
+                 len(adopted.quarantined), self.config.restart_grace_s, self.adopted["seconds"])
 
     def _records(self, region: Region, *, fresh: bool) -> PageRecords:
         memory = map_region(region.path, region.size, pin=False)
@@ -271,7 +279,7 @@ class NodeService:
         self.index.unpark(gone)
         for page in gone:
             del self._parked[page]
-        self._unpark_at = time.monotonic() + QUARANTINE_S if self._parked else None
+        self._unpark_at = time.monotonic() + self.config.restart_grace_s if self._parked else None
         log.info("the adopted region's %d pages are evictable again, %d parked pages free (%d wait on their writer's exit)", released,
                  len(gone), len(self._parked))
 

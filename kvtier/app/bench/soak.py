@@ -13,8 +13,10 @@ leaves its region too) and three clients of it, each a process of its own:
 Each cycle, after a random time (``min_gap_s`` to ``max_gap_s``), one of them -- an engine, the service or
 the writer (killed mid-copy, where it spends most of its time) -- gets SIGKILL or SIGTERM at random, and is
 started again. Reported: cycles, kills, requests, wrong outputs (logits that differ from recompute) and wrong
-writer pages (must be 0), stuck leases (pages still leased or held once every client has exited: 0),
-restarts that failed (a process that did not come back within the bound, or died unasked: 0), the host
+writer pages (must be 0), stuck leases (pages still leased, held or parked once every client has exited and
+a restart's grace -- :data:`RESTART_GRACE_S` here -- has passed: 0), restarts that failed (a process that did
+not come back within the bound, or died unasked, or a restarted service whose clients did not all attach
+again within it: 0), the host
 pages kept across service restarts (pages the restarted service adopted against pages it held just before
 the kill), and the restart TTFT: a restarted engine on a restarted service (one of its own, of ``kvtier run``'s
 reference model, a 1,024-token prompt), its prompt a host hit from the adopted region, against an engine with
@@ -42,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import xxhash
 
 from kvtier.app.engine import ReferenceEngine
 from kvtier.app.model import ModelConfig, ReferenceModel
@@ -69,6 +72,9 @@ WRITER_PAGES, WRITER_BATCHES = 4, 16
 #: the restart TTFT's model and prompt: kvtier run's reference model (its default), a 32-page (1,024-token) prompt --
 #: a request's work, so that what is timed is a restart's cost against a request's, not against a toy's few ms
 TTFT_MODEL, TTFT_PAGES, TTFT_DEVICE_PAGES, TTFT_REGION_PAGES = ModelConfig(), 32, 96, 1024
+#: the soak's services' restart grace (``--restart-grace-s``): short, so that what a restart parks or holds is
+#: seen to come back within the soak (the end waits for it: parked or held pages left then are stuck)
+RESTART_GRACE_S = 1.0
 #: how long a restarted process may take to come back (s): generous, for a loaded machine
 RESTART_BOUND_S = 60.0
 #: how long the clients may take to exit cleanly at the end, and the service to end their sessions (s)
@@ -96,7 +102,7 @@ class SoakReport:
     wrong_outputs: int  # requests whose logits differ from recompute (must be 0)
     writer_pages_checked: int
     writer_wrong_pages: int  # pages the writer read back that were not what it wrote under that key (must be 0)
-    stuck_leases: int  # pages leased or held once every client exited, but for a restart's adoption hold (must be 0)
+    stuck_leases: int  # pages leased, held or parked once every client exited and a restart's grace passed (must be 0)
     failed_restarts: int  # processes that did not come back within the bound (must be 0)
     crashed: int  # processes that died without being killed, or exited uncleanly at the end (must be 0)
     service_restarts: int
@@ -132,12 +138,14 @@ def _service_main(sock: str, workdir: str, host_gb: float) -> None:
     _quiet(workdir, "service")
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    service = NodeService(ServeConfig(host_gb=host_gb, socket=sock, verify_sample=1.0, keep_region=True))
+    service = NodeService(ServeConfig(host_gb=host_gb, socket=sock, verify_sample=1.0, keep_region=True, restart_grace_s=RESTART_GRACE_S))
     parent = os.getppid()
     try:
         service.serve(lambda: bool(stop) or _orphaned(parent), tick_s=0.05)
     finally:
         service.close()
+        if _orphaned(parent) and service.region is not None:  # (the bench is gone: nobody will adopt or remove it)
+            shutil.rmtree(os.path.dirname(service.region.path), ignore_errors=True)
 
 
 def conversation_tokens(conv: int, turn: int) -> list[int]:
@@ -175,7 +183,7 @@ def _engine_main(sock: str, workdir: str, name: str, seed: int) -> None:
 
 def writer_bytes(spec, key: bytes) -> dict[str, torch.Tensor]:
     """What the writer writes under ``key``: per buffer, ``[layers, page_bytes]`` of bytes seeded by the key."""
-    g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+    g = torch.Generator().manual_seed(xxhash.xxh3_64_intdigest(key) >> 1)  # (every key its own bytes)
     return {b.name: torch.randint(0, 256, (spec.num_layers, b.page_bytes), dtype=torch.uint8, generator=g) for b in spec.buffers}
 
 
@@ -321,13 +329,16 @@ def run_soak(config: SoakConfig) -> SoakReport:
                     st = soak._status() or {}
                     before += (held or {}).get("ready", 0)
                     adopted += st.get("adopted", {}).get("pages", 0)
-                    region = st.get("region", region)
+                    region = st.get("region") or region
+                    # (back means its clients are back: both engines and the writer attached again on their own)
+                    if not soak._wait(lambda: (soak._status() or {}).get("clients", 0) >= len(VICTIMS) - 1):
+                        soak.failed_restarts += 1
             report = _finish(soak, config, kills, signals, before, adopted)
         finally:
             Path(workdir, "stop").touch()
             for name, proc in soak.procs.items():
                 if name == "service" and proc.is_alive():
-                    region = (soak._status() or {}).get("region", region)
+                    region = (soak._status() or {}).get("region") or region
                     os.kill(proc.pid, signal.SIGTERM)
                 proc.join(EXIT_BOUND_S)
                 if proc.is_alive():
@@ -348,11 +359,13 @@ def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopte
         last = (soak.records(name) or [{}])[-1]
         if proc.is_alive() or last.get("exit") != "ok":
             soak.crashed += 1
+    # (every client gone, and whatever a restart parked or held back: a page still leased, held or parked then is stuck)
     status = None
     deadline = time.monotonic() + EXIT_BOUND_S
     while time.monotonic() < deadline:
         status = soak._status()
-        if status is not None and status["clients"] == 0 and status["orphaned"] == 0:
+        if status is not None and status["clients"] == status["orphaned"] == status.get("parked_pages", 0) == 0 and not (
+                status.get("adoption_held")):
             break
         time.sleep(0.05)
     status = status or {}
@@ -361,7 +374,7 @@ def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopte
     # (on a service of its own: the soaked one's region is full of pages its last restart holds for a while)
     timing = _Soak(soak.workdir, soak.rng, os.path.join(soak.workdir, "ttft", "node.sock"), TTFT_MODEL, TTFT_REGION_PAGES)
     try:
-        ttft = _restart_ttft(timing, config.ttft_trials) if timing.start("service") else {"trials": 0}
+        ttft = _restart_ttft(timing, config.ttft_trials) if timing.start("service") else {"trials": 0, "all_host_hits": False}
     finally:
         timing.stop_service()
         soak.failed_restarts += timing.failed_restarts
@@ -369,7 +382,7 @@ def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopte
         cycles=config.cycles, kills=kills, signals=signals, requests=len(engine), host_hit_requests=sum(r["host"] > 0 for r in engine),
         wrong_outputs=sum(r["wrong"] for r in engine), writer_pages_checked=sum(r["checked"] for r in writer),
         writer_wrong_pages=sum(r["wrong"] for r in writer),
-        stuck_leases=status.get("writing", -1) + status.get("held", 0) - status.get("adoption_held", 0),
+        stuck_leases=status.get("writing", -1) + status.get("held", 0) + status.get("parked_pages", 0),
         failed_restarts=soak.failed_restarts, crashed=soak.crashed, service_restarts=kills["service"],
         host_pages_before_kills=before, host_pages_adopted=adopted, host_pages_kept=round(adopted / before, 3) if before else 0.0,
         corrupt_pages=status.get("corrupt_pages", 0), restart_ttft=ttft)
