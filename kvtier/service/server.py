@@ -79,9 +79,6 @@ class ServeConfig:
     fresh_region: bool = field(default=False, metadata={
         "help": "start with an empty region even where a killed service left one on this socket (default: adopt it, offering "
                 "again the pages whose bytes verify)"})
-    restart_grace_s: float = field(default=QUARANTINE_S, metadata={
-        "help": "after adopting a region, how long its pages are not evicted and pages mid-write at the crash stay parked "
-                "(an old engine's copy may still be in flight; a parked page then waits for its writer's exit)"})
     keep_region: bool = field(default=False, metadata={
         "help": "on SIGTERM, leave the region (and its page records) for the next service on this socket to adopt -- an "
                 "upgrade keeps the host tier -- instead of removing it"})
@@ -92,7 +89,6 @@ class ServeConfig:
         check_number(self, "metrics_port", at_least=0, at_most=65535, integer=True)
         check_number(self, "drain_timeout_s", at_least=0)
         check_number(self, "verify_sample", at_least=0, at_most=1)
-        check_number(self, "restart_grace_s", at_least=0)
         if not isinstance(self.socket, str) or not self.socket:
             raise ConfigError(f"ServeConfig.socket (--socket) must be a path; got {self.socket!r}")
         if len(os.fsencode(self.socket)) > MAX_SOCKET_PATH:
@@ -216,13 +212,13 @@ class NodeService:
         self.index = HostIndex(region.num_pages, records)
         self.index.adopt(adopted.pages, list(adopted.quarantined))
         self._parked = adopted.quarantined
-        self._unpark_at = time.monotonic() + self.config.restart_grace_s
+        self._unpark_at = time.monotonic() + QUARANTINE_S
         self._adopted_unclaimed = True
         self.adopted = {"region": region.path, "pages": len(adopted.pages), "parked_pages": len(adopted.quarantined),
                         "dropped_pages": adopted.dropped, "seconds": round(time.monotonic() - started, 3)}
         log.info("adopted %s: %d pages verified and offered again, %d dropped (bytes changed after their write), %d parked for "
                  "%g s (being written when the service died), in %.2f s", region.path, len(adopted.pages), adopted.dropped,
-                 len(adopted.quarantined), self.config.restart_grace_s, self.adopted["seconds"])
+                 len(adopted.quarantined), QUARANTINE_S, self.adopted["seconds"])
 
     def _records(self, region: Region, *, fresh: bool) -> PageRecords:
         memory = map_region(region.path, region.size, pin=False)
@@ -279,7 +275,7 @@ class NodeService:
         self.index.unpark(gone)
         for page in gone:
             del self._parked[page]
-        self._unpark_at = time.monotonic() + self.config.restart_grace_s if self._parked else None
+        self._unpark_at = time.monotonic() + QUARANTINE_S if self._parked else None
         log.info("the adopted region's %d pages are evictable again, %d parked pages free (%d wait on their writer's exit)", released,
                  len(gone), len(self._parked))
 

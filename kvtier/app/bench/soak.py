@@ -14,7 +14,7 @@ Each cycle, after a random time (``min_gap_s`` to ``max_gap_s``), one of them --
 the writer (killed mid-copy, where it spends most of its time) -- gets SIGKILL or SIGTERM at random, and is
 started again. Reported: cycles, kills, requests, wrong outputs (logits that differ from recompute) and wrong
 writer pages (must be 0), stuck leases (pages still leased, held or parked once every client has exited and
-a restart's grace -- :data:`RESTART_GRACE_S` here -- has passed: 0), restarts that failed (a process that did
+a restart's grace -- :data:`~kvtier.service.records.QUARANTINE_S` -- has passed: 0), restarts that failed (a process that did
 not come back within the bound, or died unasked, or a restarted service whose clients did not all attach
 again within it: 0), the host
 pages kept across service restarts (pages the restarted service adopted against pages it held just before
@@ -72,13 +72,11 @@ WRITER_PAGES, WRITER_BATCHES = 4, 16
 #: the restart TTFT's model and prompt: kvtier run's reference model (its default), a 32-page (1,024-token) prompt --
 #: a request's work, so that what is timed is a restart's cost against a request's, not against a toy's few ms
 TTFT_MODEL, TTFT_PAGES, TTFT_DEVICE_PAGES, TTFT_REGION_PAGES = ModelConfig(), 32, 96, 1024
-#: the soak's services' restart grace (``--restart-grace-s``): short, so that what a restart parks or holds is
-#: seen to come back within the soak (the end waits for it: parked or held pages left then are stuck)
-RESTART_GRACE_S = 1.0
 #: how long a restarted process may take to come back (s): generous, for a loaded machine
 RESTART_BOUND_S = 60.0
-#: how long the clients may take to exit cleanly at the end, and the service to end their sessions (s)
-EXIT_BOUND_S = 60.0
+#: how long the clients may take to exit cleanly at the end, the service to end their sessions, and a restart's
+#: grace to pass (s: past :data:`~kvtier.service.records.QUARANTINE_S`)
+EXIT_BOUND_S = 90.0
 VICTIMS = ("engine-a", "engine-b", "service", "writer")
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
 
@@ -138,7 +136,7 @@ def _service_main(sock: str, workdir: str, host_gb: float) -> None:
     _quiet(workdir, "service")
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    service = NodeService(ServeConfig(host_gb=host_gb, socket=sock, verify_sample=1.0, keep_region=True, restart_grace_s=RESTART_GRACE_S))
+    service = NodeService(ServeConfig(host_gb=host_gb, socket=sock, verify_sample=1.0, keep_region=True))
     parent = os.getppid()
     try:
         service.serve(lambda: bool(stop) or _orphaned(parent), tick_s=0.05)
