@@ -257,3 +257,19 @@ def test_pages_parked_at_a_restart_are_freed_when_their_writer_attaches_again_na
             mine.close()
         finally:
             _ended(hanger)
+
+
+def test_pages_being_written_when_the_service_is_stopped_stay_parked_by_the_next_one_while_their_writer_lives(tmp_path):
+    """The soak's find: a SIGTERMed service (--keep-region) ends its engines' sessions; a page one was writing must
+    not look free to the next service (its copy may still land, and the engine may read it back as its own)."""
+    with node(tmp_path, "--keep-region") as n:
+        writer = ServiceClient(n.sock, NAMESPACE, FMT)  # this process, alive throughout
+        pages = writer.reserve(3)
+        n.region()
+        assert n.stop() == 0
+        n.start()
+        st = n.status()
+        assert (st["parked_pages"], st["free"]) == (3, st["num_pages"] - 3), st
+        got = ServiceClient(n.sock, NAMESPACE, FMT).reserve(st["num_pages"])
+        assert not set(got) & set(pages)
+        writer.close()

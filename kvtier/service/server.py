@@ -558,6 +558,11 @@ class NodeService:
         most ``drain_timeout_s``), then remove the socket file and the region."""
         if self.metrics is not None:
             self.metrics.close()
+        if self.index is not None:
+            # (the sessions ended now are of live engines whose copies may still be landing: their pages' records stay
+            # WRITING, so the next service on a kept region parks them -- cleared, it handed them out while those copies
+            # wrote, and an engine that had not yet seen this service go read another's bytes as its own: the soak's find)
+            self.index.watcher = None
         self.connections.close()
         self.sessions.end_all()
         self._sel.close()
