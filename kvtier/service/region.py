@@ -291,8 +291,7 @@ def find_adoptable(socket: str, parent: str = SHM_DIR) -> tuple[str, dict, int] 
 def claim_region(folder: str) -> None:
     """Name this process as the owner of the region directory ``folder`` (a killed service's it adopts): from
     now on no other service takes it for stale."""
-    me = Owner.of(os.getpid())
-    _replace_file(folder, OWNER_FILE, json.dumps({"pid": me.pid, "start": me.start, "pidns": _pid_namespace()}))
+    _replace_file(folder, OWNER_FILE, _this_owner())
 
 
 def remove_region(region: Region) -> None:
@@ -333,10 +332,15 @@ def _pid_namespace() -> int:
     return os.stat("/proc/self/ns/pid").st_ino
 
 
-def _write_owner(folder: str) -> None:
+def _this_owner() -> str:
+    """The ``owner`` file's text naming this process (read back by :func:`_read_owner`)."""
     me = Owner.of(os.getpid())
+    return json.dumps({"pid": me.pid, "start": me.start, "pidns": _pid_namespace()})
+
+
+def _write_owner(folder: str) -> None:
     with open(os.path.join(folder, OWNER_FILE), "x") as f:
-        json.dump({"pid": me.pid, "start": me.start, "pidns": _pid_namespace()}, f)
+        f.write(_this_owner())
 
 
 def _read_owner(folder: str) -> Owner | None:
