@@ -18,7 +18,7 @@ PAGE = 64  # the bench's page formats' page size
 
 def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
     r = kvtier("bench", "service", "--json", "--prompt-tokens", "256", "--requests", "6", "--copy-pages", "16", "--rounds", "2",
-               "--trace-limit", "6", "--checksum-pages", "2")
+               "--trace-limit", "6", "--checksum-pages", "2", "--scheduler-waiting", "1,8")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert [row["case"] for row in out["lookup"]] == ["host_hit", "miss"]
@@ -53,6 +53,14 @@ def test_bench_service_prints_every_row_with_both_sides_measured_in_the_run():
     for row in out["mla_once"]:
         assert row["per_rank_page_bytes"] == row["tp_size"] * row["region_page_bytes"]
         assert row["saved_fraction"] == round(1 - 1 / row["tp_size"], 3)
+    # vLLM's scheduler asking about waiting requests: a round trip each, or one a step (the bench checks every answer
+    # was a whole host hit, and refuses to print otherwise)
+    assert [row["waiting"] for row in out["scheduler_steps"]] == [1, 8]
+    for row in out["scheduler_steps"]:
+        assert (row["per_request_round_trips"], row["per_step_round_trips"]) == (row["waiting"], 1)
+        assert row["per_step_ms"] == pytest.approx(row["first_step_ms"] + row["second_step_ms"], abs=0.002)
+        assert min(row["in_process_ms"], row["per_request_ms"], row["second_step_ms"]) > 0
+        assert row["per_request_over_per_step"] == pytest.approx(row["per_request_ms"] / row["per_step_ms"], rel=0.02, abs=0.01)
 
 
 @pytest.mark.integration

@@ -80,6 +80,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("bench-transfer-pages-negative", ["bench", "transfer", "--pages", "-1"], "--pages"),
         ("bench-transfer-pages-1e9", ["bench", "transfer", "--pages", "1e9"], "1e9"),
         ("bench-transfer-reps-0", ["bench", "transfer", "--reps", "0"], "--reps"),
+        ("bench-service-scheduler-waiting", ["bench", "service", "--scheduler-waiting", "1,many"], "--scheduler-waiting '1,many'"),
+        ("bench-service-scheduler-waiting-0", ["bench", "service", "--scheduler-waiting", "0"], "counts from 1 to 100000"),
         ("bench-storage-backend-unknown", ["bench", "storage", "--backends", "nosuch"], "nosuch"),
         ("bench-storage-backends-empty", ["bench", "storage", "--backends", ","], "names no backend"),
         ("bench-storage-pages-0", ["bench", "storage", "--pages", "0"], "--pages"),
@@ -162,7 +164,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 55 + 14 + 5
+    assert len(table) == 55 + 14 + 5 + 2
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

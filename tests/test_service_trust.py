@@ -340,6 +340,21 @@ def test_page_ids_out_of_protocol_break_the_client_typed(tmp_path, case):
     assert check_pages([3, 0, 1], 3, NUM_PAGES, "lookup") == [3, 0, 1]
 
 
+def test_a_steps_lookups_answered_with_one_page_in_two_runs_break_the_client_typed(tmp_path):
+    """vLLM's scheduler asks about a step's requests in one frame (:meth:`ServiceClient.lookup_many`): each
+    run's pages are checked as a lookup's, and a page named in two runs -- each answer valid on its own --
+    would be booked twice: a :class:`ServiceProtocolError`, and the client is not used again."""
+    region = _make_region(str(tmp_path / "region"))
+    answers = {"hello": _hello(region), "lookup": [1]}
+    with _fake(str(tmp_path / "run"), lambda o: answers.get(o["op"], [])) as (sock, fake):
+        client = ServiceClient(sock, "ns", FMT)
+        with pytest.raises(ServiceProtocolError, match="named a page in two runs"):
+            client.lookup_many([[bytes([1]) * 16], [bytes([2]) * 16]])
+        assert [op["op"] for op in fake.received] == ["hello", "lookup", "lookup"]  # one frame of two
+        with pytest.raises(ServiceError, match="unusable"):
+            client.status()
+
+
 class _HandsBack:
     """A client whose every lookup and reservation hands out ``pages`` (each one valid on its own)."""
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from support.service import running_service, start_service, stop, wait_until
-from support.vllm_split import BS, TOKENS, Engine, gate_copies, request, serve, start
+from support.vllm_split import BS, TOKENS, Engine, ask, gate_copies, request, serve, start
 
 from kvtier.errors import ConfigError, ServiceError, ServiceUnavailableError
 from kvtier.integrations.vllm.groups import VllmGroup
@@ -302,7 +302,7 @@ def test_a_region_a_worker_cannot_map_fails_that_steps_copies_without_raising_an
             os.rename(region.path, region.path + ".hidden")
             _req, external, _hit = serve(b, "b", TOKENS, [0, 1, 2, 4])
             assert external == PAGES * BS  # offered: the scheduler's lookup found them
-            assert b.load_errors[0] == {0, 1, 2} and all(w.region is None for w in b.workers)
+            assert b.load_errors[1] == {0, 1, 2} and all(w.region is None for w in b.workers)  # (step 0 asked the service)
             assert not b.scheduler.core.plans_in_flight
             b.scheduler.core.check_integrity()
             os.rename(region.path + ".hidden", region.path)
@@ -331,10 +331,10 @@ def test_a_copy_out_running_when_the_service_is_lost_is_never_offered_and_its_pa
         old = leased.region
         stop(svc.proc)
         svc = start_service(sock)
-        assert a.scheduler.get_num_new_matched_tokens(request("b", OTHER), 0) == (0, False)  # the service lost at this lookup
+        assert ask(a, request("b", OTHER)) == (0, False)  # the service lost at this lookup
         assert leased.lost
         time.sleep(3 * RETRY_FIRST_S)  # an attempt to attach again would be due
-        assert a.scheduler.get_num_new_matched_tokens(request("c", TOKENS), 0) == (0, False)  # in flight: not offered
+        assert ask(a, request("c", TOKENS)) == (0, False)  # in flight: not offered
         assert leased.lost and leased.num_used == PAGES  # the copy's pages are still in its books: not attached again
         gate.set()
         for _ in range(50):  # the copy completes on both ranks
@@ -342,7 +342,7 @@ def test_a_copy_out_running_when_the_service_is_lost_is_never_offered_and_its_pa
             if not core.plans_in_flight:
                 break
         assert not core.plans_in_flight
-        assert a.scheduler.get_num_new_matched_tokens(request("d", TOKENS), 0) == (0, False)  # forgotten: it may attach again
+        assert ask(a, request("d", TOKENS)) == (0, False)  # forgotten: it may attach again
         # (at this lookup, or at a beat of its heartbeat: an attempt that missed its deadline on a loaded machine waits its backoff)
         wait_until(lambda: not leased.lost, 15.0)
         assert leased.region.path != old.path and leased.num_used == 0

@@ -153,6 +153,7 @@ def bench_service(
     vllm_prompts: int = typer.Option(3, min=1, help="distinct prompts per vLLM session (each TTFT the median over them)"),
     vllm_model: str = typer.Option("smollm2", help="the vLLM row's model (kvtier.integrations.vllm.session's MODELS)"),
     checksum_pages: int = typer.Option(64, min=1, help="pages (of llama-3.1-8b's, 8 MiB each) the checksum row's region holds"),
+    scheduler_waiting: str = typer.Option("1,64,512", help="waiting requests in each scheduler_steps row (comma-separated counts)"),
     soak: Optional[int] = typer.Option(None, "--soak", min=1, help="instead of the rows: N cycles, each killing (SIGKILL or SIGTERM) an "
                                                                   "engine, the service or a writer mid-copy and starting it again, every "
                                                                   "output compared with recompute (kvtier.app.bench.soak)"),
@@ -166,11 +167,22 @@ def bench_service(
 
         _emit(soak_json(run_soak(SoakConfig(soak, seed=soak_seed))), as_json)
         return
+    waiting = _counts(scheduler_waiting, "--scheduler-waiting")  # (before the bench's imports: one line, nothing else)
     from kvtier.app.bench.service import as_json as to_json, run_service_bench
 
     bench = run_service_bench(prompt_tokens, requests, copy_pages, rounds, trace_limit, vllm, vllm_prompt_tokens, vllm_prompts, vllm_model,
-                              checksum_pages)
+                              checksum_pages, waiting)
     _emit(to_json(bench), as_json)
+
+
+def _counts(text: str, option: str) -> tuple[int, ...]:
+    """``option``'s comma-separated positive counts, or a :class:`ConfigError` naming what is wrong."""
+    from kvtier.errors import ConfigError
+
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and 0 < int(p) <= 100_000 for p in parts):
+        raise ConfigError(f"{option} {text!r}: give counts from 1 to 100000, comma-separated (e.g. 1,64,512)")
+    return tuple(dict.fromkeys(int(p) for p in parts))
 
 
 def _backend_list(backends: str, valid: tuple[str, ...]) -> tuple[str, ...]:

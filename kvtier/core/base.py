@@ -179,7 +179,60 @@ class CoreBase(HostTier):
         pages = self.shared_host.lookup(rest)
         if not pages:
             return []
-        parent = path[-1] if path else None
+        return self._hang_shared(rest, pages, path[-1] if path else None)
+
+    def shared_ask_from(self, keys: list[PageHash]) -> int | None:
+        """Where a lookup of ``keys`` would start asking the shared host tier -- the tree's run of them, when
+        one is attached and not lost and the tree ends before ``keys`` do at a place pages may hang below --
+        or None when it would not ask."""
+        if not self.shared_host or self.shared_host.lost:
+            return None
+        path = self.tree.walk(keys)
+        return len(path) if len(path) < len(keys) and self._may_adopt_below(path) else None
+
+    def prefetch_shared(self, key_lists: Sequence[list[PageHash]]) -> list[tuple[int, int]]:
+        """Ask the shared host tier, in one round trip, for what it holds after this core's own pages of each
+        of ``key_lists`` (a step's requests), and hang what it gives in the tree: a lookup of those keys
+        then finds them here without asking (``lookup(keys, shared=False)``). A key two lists share is
+        asked once, in the first; pages whose place in the tree is gone by the time they are hung (the
+        list's earlier pages were not found, or made room for the others) are let go. Returns, for each
+        list, the pages adopted for it and the tree's run of it right after."""
+        if self.shared_host.lost and self.tree.hosted:
+            self._forget_shared_host()
+        asked: set[PageHash] = set()
+        runs: list[tuple[int, int, list[PageHash]]] = []  # (list, where its run starts, the run)
+        for i, keys in enumerate(key_lists):
+            path = self.tree.walk(keys)
+            if len(path) == len(keys) or not self._may_adopt_below(path):
+                continue
+            start = len(path)
+            while start < len(keys) and keys[start] in asked:  # an earlier list asks these
+                start += 1
+            if start < len(keys):
+                runs.append((i, start, keys[start:]))
+                asked.update(keys[start:])
+        answers = dict(zip((i for i, _s, _r in runs), self.shared_host.lookup_many([r for _i, _s, r in runs]))) if runs else {}
+        starts = {i: start for i, start, _r in runs}
+        out = []
+        for i, keys in enumerate(key_lists):
+            path = self.tree.walk(keys)
+            pages = answers.get(i)
+            if not pages:
+                out.append((0, len(path)))
+                continue
+            start = starts[i]
+            if len(path) != start:  # the pages before the run are not (or no longer) here, or its first one is now
+                self.shared_host.let_go(pages)
+                out.append((0, len(path)))
+                continue
+            nodes = self._hang_shared(keys[start:], pages, path[-1] if path else None)
+            self.tree.touch(path + nodes)  # (the next list's room is made from older pages first)
+            out.append((len(nodes), len(path) + len(nodes)))
+        return out
+
+    def _hang_shared(self, rest: list[PageHash], pages: list[int], parent: PageNode | None) -> list[PageNode]:
+        """``pages`` (the shared tier's, of the keys ``rest``) adopted below ``parent``, as many as the host
+        allocator makes room for (its LRU evicts for them); the rest let go."""
         short = len(pages) - self.host_alloc.num_free
         if short > 0:
             self.tree.lock(parent)  # the path the adopted pages hang from stays

@@ -220,11 +220,12 @@ class EngineDeviceCore(CoreBase):
             self.groups.check({}, {}, idle)
 
     # ---- queries ---------------------------------------------------------------------------
-    def lookup(self, keys: Sequence[PageHash]) -> HostLookup:
+    def lookup(self, keys: Sequence[PageHash], *, shared: bool = True) -> HostLookup:
         """Leading pages of ``keys`` a load can bring: readable host pages, then what L3 holds after them
-        (a hybrid model: the longest prefix every group can continue from)."""
+        (a hybrid model: the longest prefix every group can continue from). ``shared=False``: the shared
+        host tier is not asked (:meth:`prefetch_shared` asked it for these keys already)."""
         self.poll()
-        path, host, stored, limited_by, probed = self._usable(list(keys))
+        path, host, stored, limited_by, probed = self._usable(list(keys), shared)
         self.tree.touch(path[:host])
         st = self.stats
         st.requests += 1
@@ -235,12 +236,12 @@ class EngineDeviceCore(CoreBase):
             self.groups.component(limited_by).limited += 1
         return HostLookup(host, stored, probed, limited_by)
 
-    def _usable(self, keys: list[PageHash]) -> tuple[list[PageNode], int, int, str | None, bool]:
+    def _usable(self, keys: list[PageHash], shared: bool = True) -> tuple[list[PageNode], int, int, str | None, bool]:
         """(the tree's path of ``keys``, leading pages usable from host, pages after them usable from L3,
         the group that cut the host prefix short, whether L3 was asked). L3 is asked only where every
         page of the path is readable on host; a hybrid model's prefix from L3 needs every group's
         objects, in the tree before the path's end, in L3 after it."""
-        path = self._shared_walk(keys, None) if self.shared_host else self.tree.walk(keys)
+        path = self._shared_walk(keys, None) if self.shared_host and shared else self.tree.walk(keys)
         host = self.tree.readable_host_run(path)
         limited_by = None
         usable = host

@@ -6,6 +6,9 @@ holds the region pages it holds, its host LRU gives them back. Three calls join 
 
 * ``lookup(keys)`` -- the region pages of the leading run of ``keys`` that other engines published
   (held for this engine from now on; one round trip), when the core's own tree ends before them;
+* ``lookup_many(runs)`` -- ``lookup`` of many requests' keys in one round trip (vLLM's scheduler asks
+  a step's requests together: :meth:`~kvtier.core.base.CoreBase.prefetch_shared`), and ``let_go(pages)``
+  for those of its pages the core finds no place for;
 * ``adopt(pages)`` -- book as many of them as the host allocator has room for (the rest are let go);
   the core adds them to its tree as readable host pages, so a match counts them as host hits;
 * ``publish(keys, pages)`` -- a backup into ``pages`` completed: other engines may have them now
@@ -37,6 +40,10 @@ class SharedHost(Protocol):
 
     def lookup(self, keys: list[PageHash]) -> list[int]: ...
 
+    def lookup_many(self, runs: list[list[PageHash]]) -> list[list[int]]: ...
+
+    def let_go(self, pages: list[int]) -> None: ...
+
     def adopt(self, pages: list[int]) -> int: ...
 
     def publish(self, keys: list[PageHash], pages: list[int]) -> None: ...
@@ -52,6 +59,12 @@ class NoSharedHost(tuple):
 
     def lookup(self, keys: list[PageHash]) -> list[int]:
         return []
+
+    def lookup_many(self, runs: list[list[PageHash]]) -> list[list[int]]:
+        return [[] for _ in runs]
+
+    def let_go(self, pages: list[int]) -> None:
+        pass
 
     def adopt(self, pages: list[int]) -> int:
         return 0

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError, ServiceUnavailableError
-from kvtier.service.messages import (MAX_PAGES, MAX_SESSION, MAX_WAIT_S, Bye, Hello, Join, Lookup, Message, Publish, Release, Reserve,
-                                     Status)
+from kvtier.service.messages import (MAX_OPS, MAX_PAGES, MAX_SESSION, MAX_WAIT_S, Bye, Hello, Join, Lookup, Message, Publish, Release,
+                                     Reserve, Status)
 from kvtier.service.peer import ServiceTrust, check_listener, check_socket_dir
 from kvtier.service.region import RegionFormat, map_region, open_region
 from kvtier.service.wire import MAX_FRAME, recv_frame, send_frame
@@ -253,6 +253,42 @@ class ServiceClient:
         deadline to fetch the rest of the run from L3 into its region (:data:`LOOKUP_WAIT_SHARE`)."""
         return self._checked_pages(self._lookup_split(keys, time.monotonic() + self.lookup_deadline_s), len(keys), "lookup")
 
+    def lookup_many(self, runs: list[list[bytes]]) -> list[list[int]]:
+        """The service's leading run of each of ``runs``, as :meth:`lookup` each, all within one lookup
+        deadline and in as few round trips as a frame's bounds allow: one for a scheduler step's requests
+        of ordinary length. The runs are asked in order, so a key two runs share is found by the first
+        only (the service stops a run at a page this client holds): give each key once. Pages are checked
+        as a lookup's, and distinct across the runs."""
+        deadline = time.monotonic() + self.lookup_deadline_s
+        found: list[list[int]] = [[] for _ in runs]
+        todo = [(i, 0) for i, run in enumerate(runs) if run]  # (run, where its next chunk starts)
+        while todo:
+            ops, chunks, later = [], [], []
+            used, pages = 0, 0
+            wait_s = min(max(deadline - time.monotonic(), 0.0) * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
+            for i, start in todo:
+                n = _fitting(runs[i], start, SPLIT_BYTES - used - _OP_BYTES, MAX_PAGES - pages)
+                if n == 0 or len(ops) == MAX_OPS:
+                    later.append((i, start))  # no room left in this frame
+                    continue
+                chunk = runs[i][start : start + n]
+                ops.append(Lookup(keys=chunk, wait_s=wait_s).wire())
+                chunks.append((i, start, n))
+                used += _OP_BYTES + sum(2 * len(k) + 3 for k in chunk)
+                pages += n
+            if not ops:  # (a key longer than a frame: none is)
+                break
+            for (i, start, n), got in zip(chunks, self._call(ops, deadline)):
+                got = self._checked_pages(got, n, "lookup")
+                found[i] += got
+                if len(got) == n and start + n < len(runs[i]):  # whole: the run goes on in the next frame
+                    later.append((i, start + n))
+            todo = sorted(later)  # (in the runs' order again)
+        every = [p for pages in found for p in pages]
+        if len(set(every)) != len(every):
+            raise self._break(ServiceProtocolError("the node service named a page in two runs of one step's lookups"))
+        return found
+
     def reserve(self, n: int) -> list[int]:
         """Up to ``n`` pages to write (leased to this client)."""
         return self._checked_pages(self._reserve_split(n, time.monotonic() + self.lookup_deadline_s), n, "reservation")
@@ -354,6 +390,21 @@ class SessionWriter:
     def close(self) -> None:
         """No copy of this process writes into the session's pages any more (its end says so too)."""
         self._sock.close()
+
+
+#: a lookup op's bytes on the wire besides its keys (its name, wait_s, separators)
+_OP_BYTES = 64
+
+
+def _fitting(keys: list[bytes], start: int, room: int, pages: int) -> int:
+    """How many of ``keys[start:]`` fit ``room`` bytes and ``pages`` pages of a frame."""
+    n, used = 0, 0
+    for k in keys[start : start + max(pages, 0)]:
+        used += 2 * len(k) + 3
+        if used > room:
+            break
+        n += 1
+    return n
 
 
 def _spans(sizes: list[int], items: int = MAX_PAGES) -> list[slice]:

@@ -3,7 +3,8 @@
 :class:`LeasedPages` is a :class:`~kvtier.alloc.PageAllocator` of the region's page ids whose pages come
 from the service: ``alloc`` reserves pages to write (one round trip), ``free`` releases them (a note),
 and, as the core's shared host index (:class:`~kvtier.core.shared_host.SharedHost`), ``lookup`` asks
-for the pages other engines published after this engine's own prefix, ``adopt`` books them, and
+for the pages other engines published after this engine's own prefix (``lookup_many``: for many
+requests in one round trip), ``adopt`` books them, ``let_go`` gives back those it takes no place for, and
 ``publish`` makes a finished backup visible to everyone. The bookkeeping (ownership bytes, holds for
 plans that timed out) is the base class's, so the core's accounting checks hold unchanged.
 
@@ -207,6 +208,26 @@ class LeasedPages(PageAllocator):
             except ServiceError as e:
                 self._lose(e)
                 return []
+
+    def lookup_many(self, runs: list[list[bytes]]) -> list[list[int]]:
+        """:meth:`lookup` of each of ``runs`` in one round trip (a scheduler step's requests,
+        :meth:`ServiceClient.lookup_many`); no pages for any when the tier is lost."""
+        with self._lock:
+            if self.lost and not self._try_reattach() or not any(runs):
+                return [[] for _ in runs]
+            try:
+                found = self.client.lookup_many(runs)
+                self._not_held([p for pages in found for p in pages], "lookup")
+                return found
+            except ServiceError as e:
+                self._lose(e)
+                return [[] for _ in runs]
+
+    def let_go(self, pages: list[int]) -> None:
+        """Pages a lookup gave that the core does not take (what it found no place for)."""
+        with self._lock:
+            if pages and not self.lost:
+                self._tell(self.client.release, pages)
 
     def adopt(self, pages: list[int]) -> int:
         with self._lock:

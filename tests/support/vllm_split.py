@@ -121,12 +121,23 @@ def request(rid: str, tokens: list[int]):
 def start(engine: Engine, rid: str, tokens: list[int], blocks: list[int]):
     """Schedule a request the way vLLM does: ask the connector, allocate, run its prefill in one step."""
     req = request(rid, tokens)
-    external, async_load = engine.scheduler.get_num_new_matched_tokens(req, 0)
+    external, async_load = ask(engine, req)
     assert async_load is False
     engine.scheduler.update_state_after_alloc(req, external)
     req.num_computed_tokens = external
     engine.step(new=[(req, blocks, len(tokens) - external)])
     return req, external
+
+
+def ask(engine: Engine, req) -> tuple[int, bool]:
+    """vLLM's lookup of a waiting request: asked again after a step while the connector answers "not yet"
+    (None: on the node service, a step's requests are asked about together when it ends) -- once at most."""
+    external, async_load = engine.scheduler.get_num_new_matched_tokens(req, 0)
+    if external is None:
+        engine.step()  # nothing scheduled: the step's end asks the service
+        external, async_load = engine.scheduler.get_num_new_matched_tokens(req, 0)
+        assert external is not None, "the connector answered 'not yet' twice"
+    return external, async_load
 
 
 def serve(engine: Engine, rid: str, tokens: list[int], blocks: list[int]):

@@ -30,6 +30,9 @@
   service's adoption of that region (every record read, every page verified), GB/s.
 * ``mla_once`` -- what storing an MLA (and DSA) model's latent once per node saves: a region page's bytes at
   tensor-parallel sizes 2, 4 and 8 as the service stores it, against every rank's identical copy kept.
+* ``scheduler_steps`` -- vLLM's scheduler side asking about 1, 64 and 512 waiting requests
+  (``--scheduler-waiting``) whose prefixes are on host: its own host tier, the service asked per request,
+  and the service asked once per step (:mod:`kvtier.app.bench.vllm_lookups`).
 * ``sharing`` -- two engines run the same workload (requests of the Mooncake trace) one after the
   other: once each with a host tier of its own, once both attached to one service. Host bytes held
   at the end (two private tiers against the service's region pages) and the second engine's hit
@@ -55,6 +58,7 @@ import torch
 from kvtier.app.percentiles import percentiles
 from kvtier.app.bench.timing import interleaved_times
 from kvtier.app.devservers import NodeServiceProcess
+from kvtier.app.bench.vllm_lookups import BLOCK as STEP_BLOCK, PAGE_BYTES as STEP_PAGE_BYTES, SchedulerStepRow, scheduler_step_rows
 from kvtier.app.workloads import load_mooncake_trace, trace_tokens
 from kvtier.app.workloads.mooncake import default_trace_path
 from kvtier.build import build_cache
@@ -173,7 +177,12 @@ class ServiceBench:
     flood: FloodRow
     checksum: list[ChecksumRow]
     mla_once: list[MlaOnceRow]
+    scheduler_steps: list[SchedulerStepRow]
     vllm: VllmRestartRow | None = None
+
+
+#: the scheduler_steps rows' prompt length (16 pages of the bench's vLLM block)
+STEP_PROMPT_TOKENS = 256
 
 
 def _prompt(seed: int, tokens: int) -> list[int]:
@@ -468,7 +477,8 @@ def _vllm_row(workdir: Path, prompt_tokens: int, prompts: int, model: str) -> Vl
 
 def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages: int = 256, rounds: int = 9,
                       trace_limit: int = 60, vllm: bool = False, vllm_prompt_tokens: int = 2048, vllm_prompts: int = 3,
-                      vllm_model: str = "smollm2", checksum_pages: int = 64) -> ServiceBench:
+                      vllm_model: str = "smollm2", checksum_pages: int = 64,
+                      scheduler_waiting: tuple[int, ...] = (1, 64, 512)) -> ServiceBench:
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-service-") as tmp:
         region_gb = (prompt_tokens // LOOKUP_SPEC.page_size * (2 * requests + 4) * LOOKUP_SPEC.page_bytes) / 1e9
         lookup_svc = NodeServiceProcess(Path(tmp) / "lookup", host_gb=max(region_gb * 2, 0.01)).start()
@@ -493,8 +503,14 @@ def run_service_bench(prompt_tokens: int = 2048, requests: int = 200, copy_pages
         finally:
             flood_svc.stop()
         checksum = _checksum_rows(checksum_pages, rounds)
+        steps_pages = max(scheduler_waiting) * (STEP_PROMPT_TOKENS // STEP_BLOCK) * 3 + 64
+        steps_svc = NodeServiceProcess(Path(tmp) / "steps", host_gb=max(steps_pages * STEP_PAGE_BYTES / 1e9, 0.01)).start()
+        try:
+            steps = scheduler_step_rows(steps_svc.socket, scheduler_waiting, STEP_PROMPT_TOKENS, min(rounds, 5))
+        finally:
+            steps_svc.stop()
         restart = _vllm_row(Path(tmp), vllm_prompt_tokens, vllm_prompts, vllm_model) if vllm else None
-    return ServiceBench(lookup, bandwidth, sharing, flood, checksum, _mla_once_rows(), restart)
+    return ServiceBench(lookup, bandwidth, sharing, flood, checksum, _mla_once_rows(), steps, restart)
 
 
 def as_json(bench: ServiceBench) -> dict:

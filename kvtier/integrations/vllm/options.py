@@ -7,7 +7,8 @@ blocks; default 1 GB of host), and so do ``service`` (a ``kvtier serve`` socket,
 ``host_pages`` / ``host_gb`` then the engine's share of it, all ranks' shards
 together), ``service_timeout_s``, ``service_lookup_timeout_s``, ``service_uid`` (the uid the service runs
 as, when not the engine's own) and ``service_required`` (fail to start when the service does not answer;
-default: start without it and attach when it answers); ``hash_algo`` / ``io_backend`` the
+default: start without it and attach when it answers), ``service_lookups`` (``step``: the service is
+asked once per scheduler step about all that step's requests; ``request``: once per request); ``hash_algo`` / ``io_backend`` the
 :class:`~kvtier.config.CacheConfig`, every :class:`~kvtier.config.StorageConfig`
 field prefixed with ``storage_`` (``storage_url``, ``storage_prefetch_policy``,
 ...) the L3 tier; ``model_name`` and ``salt`` name the L3 namespace; ``load_retry_s``
@@ -31,6 +32,8 @@ _TIER_KEYS = ("host_pages", "host_gb", "host_layout", "service", "service_timeou
 _CACHE_KEYS = ("hash_algo", "io_backend")
 #: the host size when neither host_pages nor host_gb is given
 DEFAULT_HOST_GB = 1.0
+#: how the scheduler asks the node service: once per step for all the step's requests, or once per request
+SERVICE_LOOKUPS = ("step", "request")
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class ConnectorOptions:
     rank_timeout_s: float = _help("a plan some rank has not reported this long after it went out counts as failed on that rank: "
                                   "a miss for loads; for copies out of vLLM's blocks, each worker gives the blocks back after as "
                                   "long (the copy's host pages are held until it answers)", 10.0)
+    service_lookups: str = _help("with service: 'step' asks the service once per scheduler step about every request the step "
+                                 "asked about (a request the engine does not hold whole waits one step for its answer); "
+                                 "'request' asks as vLLM asks, a round trip for each request", "step")
     tiers: TierConfig = field(default_factory=lambda: TierConfig(host_gb=DEFAULT_HOST_GB))
     #: with ``service`` and neither ``host_pages`` nor ``host_gb``: this engine's share is the whole region (the
     #: service's --host-gb sizes the host tier; the service evicts among the pages no engine holds)
@@ -51,11 +57,14 @@ class ConnectorOptions:
     def __post_init__(self) -> None:
         check_number(self, "load_retry_s", at_least=0)
         check_number(self, "rank_timeout_s", above=0)
+        if self.service_lookups not in SERVICE_LOOKUPS:
+            raise ConfigError(f"kvtier connector: service_lookups must be one of {', '.join(SERVICE_LOOKUPS)}, "
+                              f"got {self.service_lookups!r}")
 
     @classmethod
     def valid_keys(cls) -> list[str]:
         return sorted(
-            {"model_name", "salt", "load_retry_s", "rank_timeout_s", *_TIER_KEYS, *_CACHE_KEYS}
+            {"model_name", "salt", "load_retry_s", "rank_timeout_s", "service_lookups", *_TIER_KEYS, *_CACHE_KEYS}
             | {f"storage_{f.name}" for f in fields(StorageConfig)}
         )
 
@@ -79,7 +88,7 @@ class ConnectorOptions:
             service_share_from_region=share_from_region,
             model_name=extra.get("model_name"),
             salt=extra.get("salt", ""),
-            **{k: extra[k] for k in ("load_retry_s", "rank_timeout_s") if k in extra},
+            **{k: extra[k] for k in ("load_retry_s", "rank_timeout_s", "service_lookups") if k in extra},
             tiers=TierConfig(**tier),
             cache=CacheConfig(**{k: extra[k] for k in _CACHE_KEYS if k in extra}),
             storage=StorageConfig(**{f.name: extra[f"storage_{f.name}"] for f in fields(StorageConfig) if f"storage_{f.name}" in extra}),

@@ -11,6 +11,11 @@ from the workers, joined over ranks, before the scheduler looks again.
   (chained over the token ids; the last prompt token is always computed, so at
   most ``(len - 1) // block_size`` blocks are offered); the core answers how
   many leading pages host memory holds, then the store (every rank's object).
+  Attached to the node service, a request whose pages the engine does not hold
+  whole is answered "not yet" (None: vLLM skips it this step and asks again
+  next step); when the step ends, the service is asked about all of them in one
+  round trip, and what it holds is in the tree for their next lookup
+  (``service_lookups="request"``: a round trip per request, answered at once).
 * ``build_connector_meta``: for a request scheduled with a hit, the core plans
   the L3 fetch and the copy into the blocks vLLM allocated (``plan_load``); for
   every request whose blocks became full this step -- prompt and decoded
@@ -74,6 +79,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: the most steps' batches a request is asked about in (each costs it a step: see _ask_service)
+MAX_BATCHES = 3
 #: steps a finished request's blocks may wait for the copies of other requests' blocks before them
 #: (a shared prefix still arriving) before kvtier gives up on copying them out
 FINISH_STEPS = 8
@@ -151,6 +158,12 @@ class _RequestState:
     group_blocks: dict[str, list[int]] = field(default_factory=dict)
     #: a hybrid model's asynchronous load still running into this request's blocks
     async_op: int | None = None
+    #: the steps' batches the node service was asked about this request in (:meth:`ConnectorScheduler._ask_service`)
+    batches: int = 0
+    #: the pages the latest batch adopted for it, the tree's run of its keys right after, and how many keys it asked about
+    prefetched: int = 0
+    covered: int = 0
+    asked_pages: int = 0
 
 
 class ConnectorScheduler:
@@ -197,6 +210,12 @@ class ConnectorScheduler:
         self._allocated: set[int] = set()
         #: hybrid: window and state blocks copies out are reading -> those copies' ops
         self._sources: dict[int, set[int]] = {}
+        #: with the node service (``service_lookups="step"``): the requests this step asked about whose pages the
+        #: service may hold, asked in one round trip when the step ends (:meth:`_ask_service`)
+        self._batch: list[_RequestState] = []
+        #: steps whose requests were asked of the service together, and the requests they asked about
+        self.lookup_batches = 0
+        self.batched_requests = 0
 
     # ---- start-up: what the workers built ------------------------------------------------------
     def handshake(self, metas: dict[int, KVTierHandshake]) -> None:
@@ -282,7 +301,7 @@ class ConnectorScheduler:
         state.keys += page_keys(tokens[start : pages * bs], bs, prev, self.options.cache.hash_algo)
 
     # ---- vLLM's scheduler calls ------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.core is None:
             return 0, False
         root = self._request_root(request)
@@ -296,15 +315,24 @@ class ConnectorScheduler:
         self._extend_keys(state, usable)
         start = num_computed_tokens // bs
         asked = state.keys[: self.recent_failures.usable(state.keys[:usable])]
+        if self._per_step:
+            run = self.core.shared_ask_from(asked)
+            # the service may hold what the engine does not: asked with the rest of this step's requests when the step
+            # ends (one round trip); vLLM asks again next step, and the answer is in the tree then. Asked again only
+            # if the tree lost some of what the last batch left there (its LRU made room) before vLLM came back.
+            if run is not None and (state.batches == 0 or run < state.covered and state.batches < MAX_BATCHES):
+                state.batches, state.asked_pages = state.batches + 1, len(asked)
+                self._batch.append(state)
+                return None, False
         shared_before = self.core.stats.shared_host_pages
-        found = self.core.lookup(asked)
+        found = self.core.lookup(asked, shared=not state.batches)
         if found.probed and found.pages < len(asked):
             self.events.missing_from_storage(asked[found.pages])
         state.load_start, state.load_end, state.load_pending = start, max(start, found.pages), False
         external = (state.load_end - start) * bs
         state.hit = HitRecord(
             request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages,
-            shared_host_pages=self.core.stats.shared_host_pages - shared_before,
+            shared_host_pages=min(found.host_pages, self.core.stats.shared_host_pages - shared_before + state.prefetched),
         )
         self.hits.append(state.hit)
         return external, bool(self.groups) and external > 0
@@ -401,11 +429,29 @@ class ConnectorScheduler:
             if req_id in self._requests
             for op in self._copies_running(self._requests[req_id])
         ]
+        if self._batch:
+            self._ask_service()
         async_loads, self._async_loads = self._async_loads, {}
         async_failed, self._async_failed = self._async_failed, []
         region, session = self.leased.attachment() if self.leased else (None, None)
         return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed,
                                        preempted + fence, async_loads, async_failed, region, session)
+
+    @property
+    def _per_step(self) -> bool:
+        return self.leased is not None and self.options.service_lookups == "step"
+
+    def _ask_service(self) -> None:
+        """The node service asked, in one round trip, about every request of this step that vLLM was told
+        to ask again: what it holds after the engine's own pages is in the tree for their next lookup."""
+        batch, self._batch = self._batch, []
+        live = [s for s in batch if self._requests.get(s.request.request_id) is s]  # (not finished since)
+        if not live:
+            return
+        for state, (adopted, covered) in zip(live, self.core.prefetch_shared([s.keys[: s.asked_pages] for s in live])):
+            state.prefetched, state.covered = adopted, covered
+        self.lookup_batches += 1
+        self.batched_requests += len(live)
 
     def _fenced(self, scheduler_output: SchedulerOutput) -> list[int]:
         """Copies out of window blocks that vLLM freed (they left the window) and allocated again this
