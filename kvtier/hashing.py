@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, NewType
 
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 import numpy as np
 import xxhash
@@ -107,6 +107,21 @@ class Namespace:
 
     def root(self, algo: str = "xxh3_128") -> PageHash:
         return PageHash(hasher(algo)(b"kvtier/v1|" + str(self).encode()))
+
+    @classmethod
+    def parse(cls, text: str) -> Namespace:
+        """The namespace whose ``str()`` is ``text`` (which names it in one way only), or a :class:`ConfigError`."""
+        parts = text.split("-") if isinstance(text, str) else []
+        rank = parts[2][2:] if len(parts) in (3, 4) and parts[2].startswith("tp") else ""
+        try:
+            ns = cls(unquote(parts[0]), unquote(parts[1]), int(rank), unquote(parts[3]) if len(parts) == 4 else "") \
+                if rank.isascii() and rank.isdigit() else None
+        except ConfigError:
+            ns = None
+        if ns is None or str(ns) != text:
+            raise ConfigError(f"{str(text)[:120]!r} is not a kvtier namespace (model-fingerprint-tpRANK[-salt], each field "
+                              "percent-encoded)")
+        return ns
 
 
 _I32 = np.iinfo(np.int32)

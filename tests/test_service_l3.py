@@ -386,9 +386,14 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
         cases = {
             # (a well-formed hello this service cannot serve: a ServiceError that names the engines it means and the fix)
             "no spec": ([hello("raw", {k: v for k, v in fmt.items() if k != "spec"})],
-                        "names no spec: this engine's page is not one kvtier spec (vLLM at tensor-parallel size > 1 with MHA/GQA, or "
-                        "SGLang), and this service's L3 tier (--storage-url) stores single-spec pages only so far; attach it to a "
-                        "service without --storage-url"),
+                        "names no spec: this engine's page is not a kvtier spec nor its tensor-parallel ranks' shards (SGLang's "
+                        "page), and this service's L3 tier (--storage-url) stores those only so far; attach it to a service without "
+                        "--storage-url"),
+            "shards past the buffers": ([hello("raw", fmt | {"shards": 9})], "names 9 shards, not 1 to its"),
+            "shards not the format's": ([hello("raw", fmt | {"shards": 2})], "names a spec that is not the format's"),
+            # (a page of two ranks' shards: each rank's objects are named from the namespace, which must be of the format)
+            "shards, a namespace of no format": ([hello("raw", RegionFormat.of_shards(SPEC, "page_first", 2).as_wire())],
+                                                 "hello's namespace: 'raw' is not a kvtier namespace"),
             "another spec": ([hello("raw", fmt | {"spec": other})], "names a spec that is not the format's"),
             "not a spec": ([hello("raw", fmt | {"spec": {"name": "x", "num_layers": "many"}})], "not the format's"),
             "negative wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": -1}], "lookup's wait_s"),
@@ -397,7 +402,8 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
         }
         for name, (ops, text) in cases.items():
             err = _refusal(sock, ops)
-            assert err["type"] == ("ServiceError" if name == "no spec" else "ServiceProtocolError") and text in err["message"], (name, err)
+            typed = "ServiceError" if name in ("no spec", "shards, a namespace of no format") else "ServiceProtocolError"
+            assert err["type"] == typed and text in err["message"], (name, err)
         engine = start_peer("compute", sock)  # the service serves on
         assert peer_report(engine)["backed_up"] == PAGES
         engine.communicate("done\n", timeout=60)

@@ -7,6 +7,7 @@ Real service subprocesses on a temp socket, real engine processes, bytes checked
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -201,8 +202,8 @@ def test_a_restarted_service_never_offers_a_half_written_page_nor_one_changed_wh
 @pytest.mark.parametrize("change", ["version", "host-gb", "fresh", "l3"])
 def test_a_region_a_restarted_service_cannot_adopt_is_removed_never_misread(tmp_path, change):
     with node(tmp_path) as n:
-        # ("l3": a page of two tensor-parallel shards, no one kvtier spec, which a service with an L3 tier cannot store)
-        fmt = RegionFormat.of_shards(SPEC, "page_first", 2) if change == "l3" else FMT
+        # ("l3": a page whose format names no spec -- SGLang's rows -- which a service with an L3 tier cannot store)
+        fmt = dataclasses.replace(FMT, fingerprint="rows", spec=None) if change == "l3" else FMT
         client = ServiceClient(n.sock, NAMESPACE, fmt)
         client.publish(client.reserve(2), PUBLISHED)
         client.status()

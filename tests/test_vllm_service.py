@@ -248,6 +248,59 @@ def test_an_mla_engines_latent_is_saved_by_a_service_with_l3_and_a_new_service_b
         stop(svc.proc)
 
 
+def _objects(root) -> dict[str, bytes]:
+    """A file store's objects: path under the store -> bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_tensor_parallel_shards_go_through_a_services_l3_as_the_same_objects_an_engines_own_l3_writes(tmp_path):
+    """vLLM at TP=2 with MHA (a region page of two ranks' shards) on a service with an L3 tier: the service saves
+    each rank's shard under the namespace that rank's own L3 uses, byte for byte the objects an engine with
+    its own L3 writes of the same KV; an engine with its own L3 loads what the service saved, and a service
+    loads (every shard, through the region) what an engine's own L3 saved -- each rank's shard bit-exact."""
+    sock = str(tmp_path / "run" / "node.sock")
+    via_service, own = tmp_path / "l3-service", tmp_path / "l3-own"
+    patient = {"service": sock, "service_lookup_timeout_s": 4.0}  # (a lookup waits up to 2 s for L3)
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{via_service}", "--drain-timeout-s", "30")
+    try:
+        a = Engine(None, seed=1, **patient)
+        serve(a, "a", TOKENS, [3, 7, 5, 9])
+        shards = [[a.page(r, blk) for blk in (3, 7, 5)] for r in range(2)]
+        assert shards[0] != shards[1]
+        a.close()
+    finally:
+        assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
+    c = Engine(f"file://{own}", seed=1)  # the same KV, its own L3
+    try:
+        serve(c, "c", TOKENS, [3, 7, 5, 9])
+        c.settle()
+    finally:
+        c.close()
+    written = _objects(own)
+    assert len(written) == 2 * PAGES and _objects(via_service) == written  # one object per rank and page, the same bytes
+    # the service's objects, read by an engine with its own L3
+    d = Engine(f"file://{via_service}", seed=2)
+    try:
+        _req, external, hit = serve(d, "d", TOKENS, [0, 1, 2, 4])
+        assert (external, hit["storage_pages"]) == (PAGES * BS, PAGES) and d.load_errors[-1] == set()
+        assert [[d.page(r, blk) for blk in (0, 1, 2)] for r in range(2)] == shards
+    finally:
+        d.close()
+    # an engine's own L3 objects, brought into the region by a service and served from it
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{own}")
+    try:
+        e = Engine(None, seed=3, **patient)
+        try:
+            _req, external, hit = serve(e, "e", TOKENS, [0, 1, 2, 4])
+            assert (external, hit["shared_host_pages"]) == (PAGES * BS, PAGES) and e.load_errors[-1] == set()
+            assert [[e.page(r, blk) for blk in (0, 1, 2)] for r in range(2)] == shards
+            assert query_status(sock)["l3"]["fetched_pages"] == PAGES
+        finally:
+            e.close()
+    finally:
+        stop(svc.proc)
+
+
 def test_another_tensor_parallel_split_of_the_model_is_never_offered_its_pages(tmp_path):
     with running_service(tmp_path) as svc:
         a = Engine(None, seed=1, service=svc.socket)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from support.service import running_service
+from support.service import running_service, stop
 from support.vllm_split import BS, Engine, finish, request, serve
 
 from kvtier.service import client as client_mod
@@ -24,6 +24,7 @@ PROMPTS = [list(range(1000 * i, 1000 * i + 13)) for i in range(1, 6)]
 #: shares the first two blocks of PROMPTS[0], then diverges
 FORK = PROMPTS[0][:8] + list(range(9000, 9005))
 MISSES = [list(range(7000, 7013)), list(range(8000, 8013))]
+P0, P1 = list(range(1000, 1013)), list(range(2000, 2013))
 #: vLLM's blocks engine ``a`` computed each prompt in (distinct, so a page served under another key is seen); 15 is the tails'
 BLOCKS = [[3 * i, 3 * i + 1, 3 * i + 2, 15] for i in range(len(PROMPTS))]
 
@@ -185,3 +186,155 @@ def test_lookup_many_splits_runs_over_frames_and_equals_a_lookup_of_each(tmp_pat
         finally:
             for c in (writer, reader, other):
                 c.close()
+
+
+# ---- what a review found (each failed on the first version) ----------------------------------------
+
+
+def _ask(b, req):
+    ext, _ = b.scheduler.get_num_new_matched_tokens(req, req.num_computed_tokens)
+    if ext is None:
+        b.step()
+        ext, _ = b.scheduler.get_num_new_matched_tokens(req, req.num_computed_tokens)
+    return ext
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_a_preempted_request_comes_back_to_pages_the_service_holds(tmp_path, mode):
+    """b computes r0 itself (the service had nothing when r0 was first asked about), publishes it; another
+    request's pages evict r0's from b's small tree; r0 is preempted and vLLM asks about it again: the service
+    still holds its three pages."""
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=svc.socket)
+        b = Engine(None, seed=2, service=svc.socket, host_pages=3, service_lookups=mode)
+        try:
+            serve(a, "a1", P1, [0, 1, 2, 15])  # another engine's prompt P1 on the service
+            r0 = request("r0", P0)
+            assert _ask(b, r0) == 0  # nothing anywhere yet
+            b.scheduler.update_state_after_alloc(r0, 0)
+            b.step(new=[(r0, [0, 1, 2, 4], len(P0))])  # prefill; its pages go out to the service
+            for _ in range(5):
+                b.settle()
+            # another waiting request adopts P1 from the service: b's LRU makes room out of r0's pages
+            r1 = request("r1", P1)
+            assert _ask(b, r1) == 3 * BS
+            b.scheduler.request_finished(r1)
+            # r0 preempted: vLLM frees its blocks, resets num_computed_tokens, and asks again
+            b.step(preempted=["r0"])
+            r0.num_computed_tokens = 0
+            assert _ask(b, r0) == 3 * BS, f"{mode}: the service holds r0's pages, the answer is a miss"
+            b.scheduler.core.check_integrity()
+        finally:
+            b.close()
+            a.close()
+
+
+@pytest.mark.parametrize("mode", ["request", "step"])
+def test_pages_of_a_lost_service_are_not_offered_to_a_request_asked_again(tmp_path, mode):
+    """b adopted P0 for r0 (answered a host hit, not scheduled: vLLM could not allocate, or preempted it);
+    the service is lost before vLLM asks about r0 again: the lost region's pages must not be offered."""
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=svc.socket)
+        b = Engine(None, seed=2, service=svc.socket, service_lookups=mode)
+        try:
+            serve(a, "a0", P0, [0, 1, 2, 15])
+            r0 = request("r0", P0)
+            assert _ask(b, r0) == 3 * BS
+            a.close()
+            stop(svc.proc)
+            r1 = request("r1", P1)  # another waiting request: its lookup (or its step's batch) finds the service gone
+            assert _ask(b, r1) == 0
+            assert b.scheduler.leased.lost
+            ext = _ask(b, r0)
+            assert ext == 0, f"{mode}: offered {ext} tokens of a lost service's region"
+        finally:
+            b.close()
+
+
+def test_a_request_vllm_holds_on_device_whole_is_not_made_to_wait_a_step(tmp_path):
+    """vLLM's own prefix cache holds all three pages kvtier could offer (num_computed_tokens=12): whatever the
+    service holds, the answer is 0 -- answering 'not yet' only costs the request a step (and the batch adopts
+    pages no one asked for)."""
+    with running_service(tmp_path) as svc:
+        b = Engine(None, seed=2, service=svc.socket)
+        try:
+            r0 = request("r0", P0)
+            assert b.scheduler.get_num_new_matched_tokens(r0, 3 * BS) == (0, False)
+        finally:
+            b.close()
+
+
+def test_hit_records_count_pages_taken_from_the_service_once(tmp_path):
+    """r0's adopted pages are counted in its first answer's record; asked again (vLLM could not allocate its
+    blocks this step), nothing more was taken from the service: the records together say 3, as
+    core.stats.shared_host_pages does (service_lookups='request' says 3 + 0)."""
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=svc.socket)
+        b = Engine(None, seed=2, service=svc.socket)
+        try:
+            serve(a, "a0", P0, [0, 1, 2, 15])
+            r0 = request("r0", P0)
+            assert _ask(b, r0) == 3 * BS
+            assert _ask(b, r0) == 3 * BS  # the next step: asked again
+            records = [h.shared_host_pages for h in b.scheduler.hits if h.req_id == "r0"]
+            assert b.scheduler.core.stats.shared_host_pages == 3
+            assert sum(records) == 3, records
+        finally:
+            b.close()
+            a.close()
+
+
+def _held(b):
+    """What the service counts held and leased for ``b``, the one engine attached."""
+    (me,) = b.scheduler.leased.client.status()["engines"]
+    return me["held"] + me["leased"]
+
+
+@pytest.mark.parametrize("share", [2, 32])
+def test_a_steps_batch_leaves_the_service_holding_only_what_the_engine_books(tmp_path, share):
+    """Batches of forks, duplicates and prompts over a small share: every page a lookup held for b is adopted
+    (in b's books) or released."""
+    FORK = P0[:8] + list(range(9000, 9005))
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=svc.socket)
+        b = Engine(None, seed=2, service=svc.socket, host_pages=share)
+        try:
+            for i, t in enumerate([P0, P1, FORK]):
+                serve(a, f"a{i}", t, [0, 1, 2, 15])
+            a.close()
+            reqs = [request(f"r{i}", t) for i, t in enumerate([FORK, P0, P1, P0, FORK])]
+            for _ in range(4):
+                for r in reqs:
+                    b.scheduler.get_num_new_matched_tokens(r, 0)
+                b.step()
+                b.scheduler.core.check_integrity()
+                assert _held(b) == b.scheduler.leased.num_used, (_held(b), b.scheduler.leased.num_used)
+        finally:
+            b.close()
+
+
+def test_a_page_the_service_holds_is_never_a_miss_because_the_tree_evicted_it(tmp_path):
+    """Four waiting prompts over a share of one prompt: each batch keeps only its last request's pages. A
+    request whose batches ran out is asked about alone (one round trip), never answered a miss the service
+    could serve."""
+    prompts = [list(range(1000 * i, 1000 * i + 13)) for i in range(1, 5)]
+    with running_service(tmp_path) as svc:
+        a = Engine(None, seed=1, service=svc.socket)
+        b = Engine(None, seed=2, service=svc.socket, host_pages=3)
+        try:
+            for i, t in enumerate(prompts):
+                serve(a, f"a{i}", t, [0, 1, 2, 15])
+            waiting = [request(f"r{i}", t) for i, t in enumerate(prompts)]
+            answers = {}
+            for _ in range(6):
+                for r in list(waiting):
+                    ext, _ = b.scheduler.get_num_new_matched_tokens(r, 0)
+                    if ext is not None:
+                        answers[r.request_id] = ext
+                        waiting.remove(r)
+                        b.scheduler.request_finished(r)  # (scheduled: out of the waiting queue)
+                b.step()
+            assert answers == {f"r{i}": 3 * BS for i in range(4)}, answers
+        finally:
+            b.close()
+            a.close()

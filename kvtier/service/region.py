@@ -67,14 +67,16 @@ REPLICATED_ATTENTION = frozenset({"mla", "dsa"})
 class RegionFormat:
     """What fixes the region's bytes: the spec (by fingerprint), its buffers' page sizes and the host layout.
     Every engine attached to one service shares it (this slice serves one page format per service).
-    ``spec``: the spec itself, which a service with an L3 tier needs to write the page objects an engine's
-    own L3 writes (not part of the format's identity: the fingerprint is)."""
+    ``spec``: the spec itself -- of each of the page's ``shards`` (a tensor-parallel rank's, :meth:`of_shards`)
+    -- which a service with an L3 tier needs to write the page objects an engine's own L3 writes (not part of
+    the format's identity: the fingerprint is, and it names the shards)."""
 
     fingerprint: str
     layout: str
     num_layers: int
     buffer_page_bytes: tuple[int, ...]
     spec: KVSpec | None = field(default=None, compare=False)
+    shards: int = field(default=1, compare=False)
 
     @classmethod
     def of(cls, spec: KVSpec, layout: str) -> RegionFormat:
@@ -88,7 +90,8 @@ class RegionFormat:
         ``spec`` alone). The fingerprint names the tensor-parallel size: another split never shares pages."""
         if tp_size == 1:
             return cls.of(spec, layout)
-        return cls(f"{spec.fingerprint()}-tp{tp_size}", layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers) * tp_size)
+        return cls(f"{spec.fingerprint()}-tp{tp_size}", layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers) * tp_size,
+                   spec, tp_size)
 
     @classmethod
     def of_ranks(cls, spec: KVSpec, layout: str, tp_size: int) -> tuple[RegionFormat, int]:
@@ -118,6 +121,8 @@ class RegionFormat:
                 "buffer_page_bytes": list(self.buffer_page_bytes)}
         if self.spec is not None:
             wire["spec"] = dataclasses.asdict(self.spec)
+            if self.shards > 1:
+                wire["shards"] = self.shards
         return wire
 
     @classmethod
@@ -128,14 +133,20 @@ class RegionFormat:
         if not ok:
             raise ServiceProtocolError(f"hello's format is not a page format: {str(d)[:120]}")
         fmt = cls(fp, layout, layers, tuple(sizes))
-        return fmt if d.get("spec") is None else dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt))
+        if d.get("spec") is None:
+            return fmt
+        shards = d.get("shards", 1)
+        if type(shards) is not int or not 1 <= shards <= len(sizes):
+            raise ServiceProtocolError(f"hello's format names {str(shards)[:20]} shards, not 1 to its {len(sizes)} buffers")
+        return dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt, shards), shards=shards)
 
 
-def _spec_of(wire: object, fmt: RegionFormat) -> KVSpec:
-    """The spec a hello's format names, checked: it must be a spec, and the one the format's fields say."""
+def _spec_of(wire: object, fmt: RegionFormat, shards: int) -> KVSpec:
+    """The spec a hello's format names, checked: it must be a spec, and the one the format's fields say (each of
+    ``shards``)."""
     try:
         spec = KVSpec(**wire) if type(wire) is dict else None
-        same = spec is not None and RegionFormat.of(spec, fmt.layout) == fmt
+        same = spec is not None and RegionFormat.of_shards(spec, fmt.layout, shards) == fmt
     except (TypeError, ValueError, OverflowError, KVTierError):
         same = False
     if not same:

@@ -46,7 +46,7 @@ from kvtier.service.records import QUARANTINE_S, PageRecords, session_digest
 from kvtier.service.region import (Owner, Region, RegionFormat, adoptable_region, claim_region, create_region, find_adoptable, map_region,
                                    release_region, remove_region, remove_stale_regions, write_format)
 from kvtier.service.sessions import Orphan, Sessions
-from kvtier.service.storage import Load, ServiceStorage
+from kvtier.service.storage import Load, ServiceStorage, shard_prefixes
 from kvtier.service.wire import decode
 
 log = logging.getLogger(__name__)
@@ -199,8 +199,8 @@ class NodeService:
             claim_region(folder)  # (its owner from now on: no other starting service takes it for stale)
             region = adoptable_region(folder, doc, self.config.host_bytes, self.gid, lock)
             if self.storage is not None and region.format.spec is None:
-                raise ServiceError("its page is not one kvtier spec (vLLM at tensor-parallel size > 1 with MHA/GQA, or SGLang), which "
-                                   "this service's L3 tier (--storage-url) cannot store")
+                raise ServiceError("its page is not a kvtier spec nor its ranks' shards (SGLang's page), which this service's L3 tier "
+                                   "(--storage-url) cannot store")
             records = self._records(region, fresh=False)
             adopted = records.adopt()
         except (OSError, KVTierError) as e:
@@ -423,10 +423,12 @@ class NodeService:
             raise ServiceProtocolError("hello on a connection that said hello or join already: a connection attaches once")
         fmt = RegionFormat.from_wire(op.format)
         if self.storage is not None and fmt.spec is None:
-            # (an engine whose region page is several kvtier specs -- vLLM's MHA/GQA shards at TP>1, SGLang's page -- names none)
-            raise ServiceError("hello's format names no spec: this engine's page is not one kvtier spec (vLLM at tensor-parallel "
-                               "size > 1 with MHA/GQA, or SGLang), and this service's L3 tier (--storage-url) stores single-spec pages "
-                               "only so far; attach it to a service without --storage-url, or run it at tensor-parallel size 1")
+            # (an engine whose region page is not a kvtier spec or its ranks' shards -- SGLang's page -- names none)
+            raise ServiceError("hello's format names no spec: this engine's page is not a kvtier spec nor its tensor-parallel ranks' "
+                               "shards (SGLang's page), and this service's L3 tier (--storage-url) stores those only so far; attach it "
+                               "to a service without --storage-url")
+        if self.storage is not None:
+            shard_prefixes(op.namespace, fmt)  # (each shard's L3 namespace follows from it: else refused now)
         if self._adopted_unclaimed and fmt != self.region.format:
             self._drop_adopted(f"it holds pages of {self.region.format.fingerprint}, and the first engine attached is of "
                                f"{fmt.fingerprint}")

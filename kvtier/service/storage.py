@@ -4,7 +4,11 @@ through and read back into it.
 The objects are the ones an engine's own L3 writes (:class:`~kvtier.l3.tier.StorageTier` over a
 :class:`~kvtier.pools.host.HostPool` that is the service's own mapping of the region, two tiers on one
 store, every job naming its namespace): same keys (``namespace/page-hash``), same header and checksum, so
-a service and an engine of the same namespace read each other's objects.
+a service and an engine of the same namespace read each other's objects. A page of several shards (vLLM's
+tensor-parallel ranks of an MHA/GQA model: :meth:`~kvtier.service.region.RegionFormat.of_shards`) is one
+object per shard, each under the namespace that rank's own L3 uses (``model-<shard fingerprint>-tp<rank>``),
+written and read through a pool over that rank's slice of the region: a page is saved when every shard is,
+and comes back only with every shard.
 
 * **Write-through**: a page an engine publishes (the first page of its key) is saved. The service
   holds it in the index under a client of its own (one per namespace, negative ids) while the save
@@ -33,14 +37,16 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvtier.errors import KVTierError, ServiceError
+from kvtier.hashing import Namespace
 from kvtier.l3.base import KeyStatus, redact_url
 from kvtier.l3.registry import open_backend
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.pools.host import HostPool
 from kvtier.service.index import HostIndex
-from kvtier.service.region import Region, map_region
+from kvtier.service.region import Region, RegionFormat, map_region
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +57,39 @@ SAVE_QUEUE_DEPTH = 1024
 @dataclass(eq=False)
 class Load:
     """Pages of ``namespace``'s ``keys`` (the keys after a lookup's run) coming from the store. ``done``
-    once whatever of them arrived is published (or nothing was found)."""
+    once whatever of them arrived is published (or nothing was found). ``jobs``: one per shard."""
 
     namespace: str
     keys: list[bytes]
-    job: StorageJob | None = None
+    jobs: list[StorageJob] = field(default_factory=list)
+    #: a shard's job could not be queued: nothing of it is published (the other shards' jobs are cancelled)
+    short: bool = False
+    #: its jobs not back yet
+    left: int = 0
     done: bool = False
+
+
+@dataclass(eq=False)
+class Save:
+    """The save of ``pages`` (published under ``namespace``): one job per shard; saved where every shard is."""
+
+    namespace: str
+    pages: list[int]
+    left: int
+    ok: list[bool]
 
 
 @dataclass(frozen=True)
 class Tiers:
     """The service's tiers on the store, shared by every namespace (each job names its own): the
-    write-through's saves, and the loads on a worker (and I/O threads) of their own."""
+    write-through's saves, and the loads on a worker (and I/O threads) of their own -- for each shard of a
+    page, a pair over its slice of the region."""
 
-    saves: StorageTier
-    loads: StorageTier
+    saves: list[StorageTier]
+    loads: list[StorageTier]
 
     def __iter__(self):
-        return iter((self.saves, self.loads))
+        return iter(self.saves + self.loads)
 
 
 @dataclass
@@ -84,6 +105,23 @@ class StorageCounters:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
+
+
+def shard_prefixes(namespace: str, fmt: RegionFormat) -> list[str]:
+    """Each shard's L3 object prefix for an engine of ``namespace`` and page format ``fmt``: the namespace itself
+    for a page of one shard; else the namespace each tensor-parallel rank's own L3 uses (the model and salt of
+    ``namespace``, the shard's fingerprint, the rank), or a :class:`ServiceError` when ``namespace`` is not one
+    of ``fmt`` at rank 0."""
+    if fmt.shards == 1:
+        return [namespace]
+    try:
+        ns = Namespace.parse(namespace)
+    except KVTierError as e:
+        raise ServiceError(f"hello's namespace: {e}") from None
+    if ns.spec_fingerprint != fmt.fingerprint or ns.tp_rank != 0:
+        raise ServiceError(f"hello's namespace {namespace[:120]!r} is not of its format {fmt.fingerprint} at rank 0: the service's "
+                           "L3 names each rank's objects from it")
+    return [str(Namespace(ns.model, fmt.spec.fingerprint(), r, ns.salt)) for r in range(fmt.shards)]
 
 
 class ServiceStorage:
@@ -104,9 +142,10 @@ class ServiceStorage:
         self._clients: dict[str, int] = {}  # namespace -> the service's own index client
         self._fetching: dict[tuple[str, bytes], Load] = {}  # keys whose pages are being read in
         self._loads: dict[tuple[str, bytes], Load] = {}  # loads by their first key, until done
-        self._saving: dict[StorageJob, list[int]] = {}
+        self._saving: dict[StorageJob, Save] = {}
+        self._prefixes: dict[str, list[str]] = {}  # namespace -> each shard's
         self.index: HostIndex | None = None
-        self._pool: HostPool | None = None
+        self._region: Region | None = None
         self.max_load_pages = 0
 
     def fileno(self) -> int:
@@ -114,13 +153,31 @@ class ServiceStorage:
         return self._wake
 
     def bind(self, region: Region, index: HostIndex) -> None:
-        """Map ``region`` (its format names the spec) as a host pool; ``index`` is the service's."""
-        self._pool = HostPool(region.format.spec, region.num_pages, region.format.layout,
-                              memory=map_region(region.path, region.size, pin=False), name="node service region (L3)")
+        """Map ``region`` (its format names the spec of each shard) as a host pool per shard; ``index`` is the service's."""
+        fmt = region.format
+        memory = map_region(region.path, region.size, pin=False)
+        pools = []
+        for r in range(fmt.shards):
+            start, size = fmt.shard(region.num_pages, r, fmt.shards)
+            pools.append(HostPool(fmt.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
+                                  name=f"node service region (L3{f', shard {r}' if fmt.shards > 1 else ''})"))
+        self._region = region
         self.index = index
         self.max_load_pages = max(1, region.num_pages // 2)
-        self._tiers = Tiers(*(StorageTier(self.backend, self._pool, f"kvtier-serve-{what}", owns_backend=False, on_finished=self._notify,
-                                          queue_depth=depth) for what, depth in (("saves", SAVE_QUEUE_DEPTH), ("loads", 64))))
+
+        def tier(pool: HostPool, what: str, depth: int, r: int) -> StorageTier:
+            name = f"kvtier-serve-{what}" + (f"{r}" if fmt.shards > 1 else "")
+            return StorageTier(self.backend, pool, name, owns_backend=False, on_finished=self._notify, queue_depth=depth)
+
+        self._tiers = Tiers([tier(p, "saves", SAVE_QUEUE_DEPTH, r) for r, p in enumerate(pools)],
+                            [tier(p, "loads", 64, r) for r, p in enumerate(pools)])
+
+    def prefixes(self, namespace: str) -> list[str]:
+        """Each shard's object prefix for ``namespace`` (:func:`shard_prefixes`, of the bound region's format)."""
+        got = self._prefixes.get(namespace)
+        if got is None:
+            got = self._prefixes[namespace] = shard_prefixes(namespace, self._region.format)
+        return got
 
     # ---- what the selector thread asks ---------------------------------------------------------
     def published(self, namespace: str, pages: list[int], keys: list[bytes]) -> None:
@@ -128,11 +185,16 @@ class ServiceStorage:
         if not pages:
             return
         self.index.hold(self._client(namespace), pages)
-        job = self._tiers.saves.submit("save", keys, pages, prefix=namespace)
-        if job is None:  # the tier's queue is full: not saved (counted by the tier too)
-            self._saved(namespace, pages, ok=0)
-            return
-        self._saving[job] = pages
+        save = Save(namespace, pages, 0, [True] * len(pages))
+        for tier, prefix in zip(self._tiers.saves, self.prefixes(namespace)):
+            job = tier.submit("save", keys, pages, prefix=prefix)
+            if job is None:  # the tier's queue is full: not saved (counted by the tier too)
+                save.ok = [False] * len(pages)
+                continue
+            save.left += 1
+            self._saving[job] = save
+        if not save.left:
+            self._saved(save)
 
     def load(self, namespace: str, keys: list[bytes]) -> Load | None:
         """The load of ``keys`` (those after a lookup's run in the region), started now or already under
@@ -143,12 +205,11 @@ class ServiceStorage:
         going = self._loads.get(first) or self._fetching.get(first)
         if going is not None:
             return going
-        tier = self._tiers.loads
-        if not tier.available:
+        if not all(t.available for t in self._tiers.loads):
             return None
         load = Load(namespace, keys[: self.max_load_pages])
         self._loads[first] = load
-        self._finder.submit(self._find, tier, load)
+        self._finder.submit(self._find, list(zip(self._tiers.loads, self.prefixes(namespace))), load)
         return load
 
     def poll(self) -> list[Load]:
@@ -168,9 +229,16 @@ class ServiceStorage:
         for tier in self._every_tier():
             for job in tier.take_finished():
                 if job.kind == "save":
-                    self._saved(job.prefix, self._saving.pop(job), ok=job.statuses.count(KeyStatus.OK))
+                    save = self._saving.pop(job)
+                    save.ok = [ok and status is KeyStatus.OK for ok, status in zip(save.ok, job.statuses)]
+                    save.left -= 1
+                    if not save.left:
+                        self._saved(save)
                 else:
-                    done.append(self._fetched(job))
+                    load = job.tag
+                    load.left -= 1
+                    if not load.left:  # (every shard's job is back)
+                        done.append(self._fetched(load))
         self.counters.corrupt_pages = sum(t.discarded_corrupt for t in self._every_tier())
         return done
 
@@ -178,19 +246,22 @@ class ServiceStorage:
         # (None until the first hello made the tiers: nothing is known yet)
         available = all(t.available for t in self._every_tier()) if self._tiers is not None else None
         return {"url": redact_url(self.url), "available": available,
-                "saving_pages": sum(len(p) for p in self._saving.values()), "fetching_pages": len(self._fetching),
+                "saving_pages": sum(len(s.pages) for s in set(self._saving.values())), "fetching_pages": len(self._fetching),
                 **self.counters.as_dict()}
 
     def close(self, drain_timeout_s: float) -> bool:
         """Wait up to ``drain_timeout_s`` for the saves queued and under way, stop the loads, and close
         the store. True when every save finished."""
         for load in self._loads.values():
-            if load.job is not None:
-                load.job.cancel()  # (after the batch in flight: nobody waits for it any more)
+            for job in load.jobs:
+                job.cancel()  # (after the batch in flight: nobody waits for it any more)
         deadline = time.monotonic() + drain_timeout_s
-        drained = self._tiers is None or self._tiers.saves.drain(drain_timeout_s)
-        if self._tiers is not None:  # (cancelled: at most the batch in flight, in what time is left)
-            self._tiers.loads.drain(max(0.0, deadline - time.monotonic()))
+        drained = True
+        if self._tiers is not None:
+            for tier in self._tiers.saves:
+                drained = tier.drain(max(0.0, deadline - time.monotonic())) and drained
+            for tier in self._tiers.loads:  # (cancelled: at most the batch in flight, in what time is left)
+                tier.drain(max(0.0, deadline - time.monotonic()))
         self.poll()
         for tier in self._every_tier():
             tier.close(timeout_s=0.0)
@@ -207,11 +278,13 @@ class ServiceStorage:
             if not self._closed:
                 os.eventfd_write(self._wake, 1)
 
-    def _find(self, tier: StorageTier, load: Load) -> None:
-        """(the exists thread) How many of the load's leading keys the store has (0 if that failed)."""
+    def _find(self, shards: list[tuple[StorageTier, str]], load: Load) -> None:
+        """(the exists thread) How many of the load's leading keys the store has, every shard's object (0 if that failed)."""
         found = 0
         try:
-            found = tier.stored_prefix(load.keys, load.namespace)
+            found = len(load.keys)
+            for tier, prefix in shards:
+                found = tier.stored_prefix(load.keys[:found], prefix) if found else 0
         except Exception as e:  # (the store's faults are mapped to 0 already; this keeps the load from hanging on anything else)
             log.warning("L3 lookup of %d keys failed: %s", len(load.keys), e)
         finally:
@@ -244,20 +317,28 @@ class ServiceStorage:
         pages = self.index.reserve(cid, len(keys))
         if not pages:
             return False
-        job = self._tiers.loads.submit("prefetch", keys[: len(pages)], pages, tag=load, prefix=load.namespace)
-        if job is None:
-            self.index.release(cid, pages)
-            return False
-        load.job = job
-        for key in job.keys:
+        keys = keys[: len(pages)]
+        for tier, prefix in zip(self._tiers.loads, self.prefixes(load.namespace)):
+            job = tier.submit("prefetch", keys, pages, tag=load, prefix=prefix)
+            if job is None:
+                for j in load.jobs:  # (the shards' jobs already queued read into pages nobody is offered, then stop)
+                    j.cancel()
+                if not load.jobs:
+                    self.index.release(cid, pages)
+                    return False
+                load.short = True
+                break
+            load.jobs.append(job)
+            load.left += 1
+        for key in keys:
             self._fetching[(load.namespace, key)] = load
         return True
 
-    def _fetched(self, job: StorageJob) -> Load:
-        """Publish the pages that arrived verified (then let them go: READY, offered to lookups); free the rest."""
-        load: Load = job.tag
+    def _fetched(self, load: Load) -> Load:
+        """Publish the pages that arrived verified in every shard (then let them go: READY, offered to lookups); free the rest."""
         cid = self._client(load.namespace)
-        n = job.arrived
+        job = load.jobs[0]
+        n = 0 if load.short else min(j.arrived for j in load.jobs)
         self.index.publish(cid, job.host_pages[:n], job.keys[:n])
         self.index.release(cid, job.host_pages)
         for key in job.keys:
@@ -271,7 +352,8 @@ class ServiceStorage:
         load.done = True
         return load
 
-    def _saved(self, namespace: str, pages: list[int], ok: int) -> None:
-        self.index.release(self._client(namespace), pages)
+    def _saved(self, save: Save) -> None:
+        self.index.release(self._client(save.namespace), save.pages)
+        ok = save.ok.count(True)
         self.counters.saved_pages += ok
-        self.counters.save_failed_pages += len(pages) - ok
+        self.counters.save_failed_pages += len(save.pages) - ok

@@ -79,8 +79,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: the most steps' batches a request is asked about in (each costs it a step: see _ask_service)
+#: the most steps' batches a request is asked about in while the last one is fresh (each costs it a step: _step_ask)
 MAX_BATCHES = 3
+#: scheduler steps a batch's answer stays fresh for a request vLLM has not scheduled (then it is asked about again)
+FRESH_STEPS = 16
 #: steps a finished request's blocks may wait for the copies of other requests' blocks before them
 #: (a shared prefix still arriving) before kvtier gives up on copying them out
 FINISH_STEPS = 8
@@ -160,10 +162,12 @@ class _RequestState:
     async_op: int | None = None
     #: the steps' batches the node service was asked about this request in (:meth:`ConnectorScheduler._ask_service`)
     batches: int = 0
-    #: the pages the latest batch adopted for it, the tree's run of its keys right after, and how many keys it asked about
+    #: the pages the latest batch adopted for it (until an answer counts them), the tree's run of its keys right after,
+    #: how many keys it asked about, and the step it ran in (None: none since the request was last preempted)
     prefetched: int = 0
     covered: int = 0
     asked_pages: int = 0
+    batch_step: int | None = None
 
 
 class ConnectorScheduler:
@@ -213,6 +217,8 @@ class ConnectorScheduler:
         #: with the node service (``service_lookups="step"``): the requests this step asked about whose pages the
         #: service may hold, asked in one round trip when the step ends (:meth:`_ask_service`)
         self._batch: list[_RequestState] = []
+        #: scheduler steps so far (build_meta calls)
+        self._steps = 0
         #: steps whose requests were asked of the service together, and the requests they asked about
         self.lookup_batches = 0
         self.batched_requests = 0
@@ -315,17 +321,15 @@ class ConnectorScheduler:
         self._extend_keys(state, usable)
         start = num_computed_tokens // bs
         asked = state.keys[: self.recent_failures.usable(state.keys[:usable])]
+        shared = True
         if self._per_step:
-            run = self.core.shared_ask_from(asked)
-            # the service may hold what the engine does not: asked with the rest of this step's requests when the step
-            # ends (one round trip); vLLM asks again next step, and the answer is in the tree then. Asked again only
-            # if the tree lost some of what the last batch left there (its LRU made room) before vLLM came back.
-            if run is not None and (state.batches == 0 or run < state.covered and state.batches < MAX_BATCHES):
+            batch, shared = self._step_ask(state, asked, start, request)
+            if batch:  # "not yet": vLLM skips it this step and asks again in the next
                 state.batches, state.asked_pages = state.batches + 1, len(asked)
                 self._batch.append(state)
                 return None, False
         shared_before = self.core.stats.shared_host_pages
-        found = self.core.lookup(asked, shared=not state.batches)
+        found = self.core.lookup(asked, shared=shared)
         if found.probed and found.pages < len(asked):
             self.events.missing_from_storage(asked[found.pages])
         state.load_start, state.load_end, state.load_pending = start, max(start, found.pages), False
@@ -334,6 +338,7 @@ class ConnectorScheduler:
             request.request_id, request.num_prompt_tokens, num_computed_tokens, external, found.host_pages, found.storage_pages,
             shared_host_pages=min(found.host_pages, self.core.stats.shared_host_pages - shared_before + state.prefetched),
         )
+        state.prefetched = 0  # (counted once: a later answer took nothing more from the service)
         self.hits.append(state.hit)
         return external, bool(self.groups) and external > 0
 
@@ -392,6 +397,7 @@ class ConnectorScheduler:
         self._loads.append((load, state.keys[first:e]))
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVTierConnectorMetadata:
+        self._steps += 1
         scheduled = scheduler_output.num_scheduled_tokens
         fence = self._fenced(scheduler_output) if self.groups else []
         for new in scheduler_output.scheduled_new_reqs:
@@ -429,6 +435,9 @@ class ConnectorScheduler:
             if req_id in self._requests
             for op in self._copies_running(self._requests[req_id])
         ]
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            if req_id in self._requests:  # back in the waiting queue: the next ask starts afresh
+                self._requests[req_id].batch_step = None
         if self._batch:
             self._ask_service()
         async_loads, self._async_loads = self._async_loads, {}
@@ -436,6 +445,26 @@ class ConnectorScheduler:
         region, session = self.leased.attachment() if self.leased else (None, None)
         return KVTierConnectorMetadata(self.port.take_plans() if self.port is not None else [], unavailable, delayed,
                                        preempted + fence, async_loads, async_failed, region, session)
+
+    def _step_ask(self, state: _RequestState, asked: list[PageHash], start: int, request: Request) -> tuple[bool, bool]:
+        """With ``service_lookups="step"``: (whether to answer "not yet" and ask the service in this step's batch,
+        whether the answer now may ask the service itself). The service may hold what the engine's tree does not:
+        it is asked with the rest of the step's requests when the step ends, and vLLM's next ask finds the answer
+        in the tree. Not when the tree holds every page asked, vLLM's own cache covers them (``start``) or the
+        request skips prefix caches. Asked again when the last batch is stale (the request was preempted, or
+        waited :data:`FRESH_STEPS` steps) or the tree lost some of what it left there (its LRU made room) --
+        after :data:`MAX_BATCHES` of those, the service is asked for this request alone."""
+        run = self.core.shared_ask_from(asked)
+        if run is None:  # the tree holds them all, or the service is lost (the lookup forgets its pages)
+            return False, True
+        if len(asked) <= start or getattr(request, "skip_reading_prefix_cache", False):
+            return False, False
+        if state.batch_step is None or self._steps - state.batch_step > FRESH_STEPS:
+            state.batches = 0
+            return True, False
+        if run >= state.covered:
+            return False, False
+        return state.batches < MAX_BATCHES, state.batches >= MAX_BATCHES
 
     @property
     def _per_step(self) -> bool:
@@ -449,7 +478,7 @@ class ConnectorScheduler:
         if not live:
             return
         for state, (adopted, covered) in zip(live, self.core.prefetch_shared([s.keys[: s.asked_pages] for s in live])):
-            state.prefetched, state.covered = adopted, covered
+            state.prefetched, state.covered, state.batch_step = adopted, covered, self._steps
         self.lookup_batches += 1
         self.batched_requests += len(live)
 
