@@ -15,13 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from kvtier.core.plans import CutShort, Done, Failed, Reason
 from kvtier.errors import ConfigError, ExecutorError
 from kvtier.hashing import page_keys
 from kvtier.integrations.vllm.messages import KVTierWorkerMeta, RankResult, join
 from kvtier.integrations.vllm.options import ConnectorOptions
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler, request_scope
 from support.vllm_split import BS, LAYERS, TOKENS, Engine, finish, gate_copies, request, serve, start
 
 
@@ -462,3 +463,44 @@ def test_block_ids_not_one_list_per_kv_cache_group_are_a_typed_error_naming_both
     with pytest.raises(ConfigError, match="request 'bad'.*serves 1 KV cache group"):
         eng.scheduler.build_meta(out)
     eng.close()
+
+
+# ---- a request's scope: its cache_salt and LoRA adapter --------------------------------------------------------
+_SALTS = st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["\ud800", "a\udfff|b", "a|b", "|", "\x00"]), st.integers())
+
+
+@given(a=st.tuples(_SALTS, _SALTS), b=st.tuples(_SALTS, _SALTS))
+def test_two_requests_share_a_scope_only_with_the_same_salt_and_adapter_and_no_salt_ever_raises(a, b):
+    """The scope is injective: a salt and an adapter name never combine into another pair's (the old '|'-join
+    made salt 'a|b' and salt 'a' with adapter 'b' one scope); any salt, lone surrogates and non-strings included,
+    scopes its request instead of raising on vLLM's scheduler thread. An empty salt is no salt."""
+    norm = lambda pair: tuple(None if v == "" else v for v in pair)  # noqa: E731
+    same = norm(a) == norm(b) and all(type(x) is type(y) for x, y in zip(norm(a), norm(b)))
+    assert (request_scope(*a) == request_scope(*b)) == same
+    assert (request_scope(*a) == b"") == (norm(a) == (None, None))
+
+
+def test_a_salt_scopes_its_pages_on_every_tier_even_one_no_utf8_encoder_takes(tmp_path):
+    """Salts as vLLM's API hands them over (any JSON string, a lone surrogate included): a request hits only
+    pages of its own salt and adapter -- salt 'a|b' is not salt 'a' with adapter 'b' -- and the scheduler never
+    raises."""
+    eng = Engine(f"file://{tmp_path / 'l3'}", seed=1)
+    try:
+        def scoped(rid: str, salt, lora=None):
+            req = request(rid, TOKENS)
+            req.cache_salt = salt
+            req.lora_request = SimpleNamespace(lora_name=lora) if lora else None
+            return req
+
+        for i, (salt, lora) in enumerate([("a|b", None), ("\ud800", None)]):
+            req = scoped(f"w{i}", salt, lora)
+            assert eng.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+            eng.scheduler.update_state_after_alloc(req, 0)
+            eng.step(new=[(req, [0, 1, 2, 3], len(TOKENS))])
+            finish(eng, req)
+        full = (len(TOKENS) - 1) // BS * BS
+        cases = [("a|b", None, full), ("a", "b", 0), ("\ud800", None, full), ("\udfff", None, 0), (None, None, 0)]
+        hits = [eng.scheduler.get_num_new_matched_tokens(scoped(f"r{i}", salt, lora), 0)[0] for i, (salt, lora, _) in enumerate(cases)]
+        assert hits == [want for _s, _l, want in cases]
+    finally:
+        eng.close()

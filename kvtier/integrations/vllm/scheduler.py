@@ -105,6 +105,21 @@ class HitRecord:
     shared_host_pages: int = 0
 
 
+def request_scope(salt: object, lora: object) -> bytes:
+    """What a request's ``cache_salt`` and LoRA adapter add to its keys' root: each field tagged and length-prefixed
+    (a salt ``"a|b"`` and a salt ``"a"`` with adapter ``"b"`` never share a root); empty with neither. A salt is the
+    client's text: any string (lone surrogates included: ``surrogatepass``, distinct from every valid string's
+    bytes) or any other value (its type and repr) scopes the request, and never raises on the scheduler's thread."""
+    out = b""
+    for tag, value in ((b"salt", salt), (b"lora", lora)):
+        if value is None or value == "":
+            continue
+        raw = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else f"{type(value).__name__}:{value!r}".encode(
+            "utf-8", "backslashreplace")
+        out += tag + (b"s" if isinstance(value, str) else b"o") + len(raw).to_bytes(8, "little") + raw
+    return out
+
+
 class RecentFailures:
     """Page keys whose load failed recently: not offered again until ``ttl_s`` passed (bounded LRU)."""
 
@@ -286,14 +301,13 @@ class ConnectorScheduler:
 
     # ---- keys --------------------------------------------------------------------------------
     def _request_root(self, request: Request) -> PageHash | None:
+        """The root of the request's page keys: the engine's, scoped by its ``cache_salt`` and LoRA adapter
+        (:func:`request_scope`); None where tokens alone do not determine the KV."""
         if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
-            return None  # tokens alone do not determine the KV
-        root = self._root
-        lora = request.lora_request.lora_name if request.lora_request else ""
-        extra = "|".join(x for x in (getattr(request, "cache_salt", None) or "", lora) if x)
-        if extra:
-            root = PageHash(self._hash(root + extra.encode()))
-        return root
+            return None
+        lora = request.lora_request.lora_name if request.lora_request else None
+        scope = request_scope(getattr(request, "cache_salt", None), lora)
+        return PageHash(self._hash(self._root + scope)) if scope else self._root
 
     def _extend_keys(self, state: _RequestState, pages: int) -> None:
         """Keys of the request's first ``pages`` full blocks (prompt, then decoded tokens), chained."""
