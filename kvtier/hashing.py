@@ -80,6 +80,13 @@ def _escape(field: str) -> str:
     return quote(field, safe="").replace("-", "%2D")
 
 
+def split_fingerprint(fingerprint: str, tp_size: int) -> str:
+    """A rank's spec fingerprint with the tensor-parallel split it is a shard of: where TP exceeds the KV heads,
+    ranks hold copies of a head, so one rank spec is a different head at another split (TP=4 rank 1 holds
+    head 0 of 2, TP=2 rank 1 head 1): a rank's objects must name the split. Unchanged at TP=1."""
+    return fingerprint if tp_size == 1 else f"{fingerprint}-tp{tp_size}"
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """What must match for two pages to share bytes. Part of every page key and L3 key.

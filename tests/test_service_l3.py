@@ -383,17 +383,21 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
     try:
         fmt = RegionFormat.of(SPEC, "page_first").as_wire()
         other = RegionFormat.of(SPEC.with_(page_size=2 * SPEC.page_size), "page_first").as_wire()["spec"]
+
+        def sharded(n: int) -> dict:  # the single format's fields, its spec named as a shard's of n
+            return {k: v for k, v in fmt.items() if k != "spec"} | {"shard_spec": fmt["spec"], "shards": n}
         cases = {
             # (a well-formed hello this service cannot serve: a ServiceError that names the engines it means and the fix)
             "no spec": ([hello("raw", {k: v for k, v in fmt.items() if k != "spec"})],
                         "names no spec: this engine's page is not a kvtier spec nor its tensor-parallel ranks' shards (SGLang's "
                         "page), and this service's L3 tier (--storage-url) stores those only so far; attach it to a service without "
                         "--storage-url"),
-            "shards past the buffers": ([hello("raw", fmt | {"shards": 9})], "names 9 shards, not 1 to its"),
-            "shards not the format's": ([hello("raw", fmt | {"shards": 2})], "names a spec that is not the format's"),
+            "shards past the buffers": ([hello("raw", sharded(9))], "names 9 shards, not 2 to its"),
+            "shards not the format's": ([hello("raw", sharded(2))], "names a spec that is not the format's"),
+            "a spec and a shard spec": ([hello("raw", fmt | {"shard_spec": fmt["spec"], "shards": 2})], "both a spec and a shard spec"),
             # (a page of two ranks' shards: each rank's objects are named from the namespace, which must be of the format)
             "shards, a namespace of no format": ([hello("raw", RegionFormat.of_shards(SPEC, "page_first", 2).as_wire())],
-                                                 "hello's namespace: 'raw' is not a kvtier namespace"),
+                                                 "hello's namespace 'raw' is not a kvtier namespace of its format"),
             "another spec": ([hello("raw", fmt | {"spec": other})], "names a spec that is not the format's"),
             "not a spec": ([hello("raw", fmt | {"spec": {"name": "x", "num_layers": "many"}})], "not the format's"),
             "negative wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": -1}], "lookup's wait_s"),
@@ -436,3 +440,33 @@ def test_a_deferred_lookup_and_a_bye_in_one_batch_are_answered_and_the_service_s
         assert engine.returncode == 0, engine.stderr
     finally:
         assert stop(svc.proc) == 0
+
+
+def test_a_refused_sharded_hello_never_writes_the_salt_to_the_service_log(tmp_path, file_url, caplog):
+    """A page of two ranks' shards needs a namespace of its format (each rank's objects are named from it): one of
+    another format is refused, typed, and the refusal the service logs shows the namespace as a label -- the
+    salt as a digest, never as it is."""
+    import logging
+
+    from kvtier.errors import ServiceError
+    from kvtier.hashing import Namespace
+
+    caplog.set_level(logging.INFO)
+    sock = str(tmp_path / "run" / "node.sock")
+    service = NodeService(ServeConfig(host_gb=0.01, socket=sock, storage_url=file_url))
+    stopping = threading.Event()
+    loop = threading.Thread(target=service.serve, args=(stopping.is_set,), daemon=True)
+    loop.start()
+    try:
+        fmt = RegionFormat.of_shards(SPEC, "page_first", 2)
+        bad = str(Namespace("m", SPEC.fingerprint(), 0, "TOPSECRETSALT"))  # (the shard's fingerprint, not the format's)
+        with pytest.raises(ServiceError, match="is not a kvtier namespace of its format") as refused:
+            ServiceClient(sock, bad, fmt)
+        good = ServiceClient(sock, str(Namespace("m", fmt.fingerprint, 0, "TOPSECRETSALT")), fmt)
+        good.close()
+    finally:
+        stopping.set()
+        loop.join(30)
+        service.close()
+    assert "TOPSECRETSALT" not in str(refused.value)
+    assert [r.getMessage() for r in caplog.records if "TOPSECRETSALT" in r.getMessage()] == []

@@ -301,6 +301,43 @@ def test_tensor_parallel_shards_go_through_a_services_l3_as_the_same_objects_an_
         stop(svc.proc)
 
 
+@pytest.mark.parametrize("first, then", [(4, 2), (2, 1)])
+def test_another_tensor_parallel_split_never_reads_a_splits_objects_through_a_service_or_its_own_l3(tmp_path, first, then):
+    """Where TP exceeds the KV heads, ranks hold copies of a head: at TP=4 of 2 heads rank 1 holds head 0, at TP=2
+    rank 1 holds head 1 -- one rank spec, another head. A rank's L3 objects name the split, so an engine of
+    another split misses (never loads another head's bytes), through a service's L3 and through its own."""
+    sock = str(tmp_path / "run" / "node.sock")
+    patient = {"service": sock, "service_lookup_timeout_s": 4.0}
+    store = tmp_path / "l3"
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{store}", "--drain-timeout-s", "30")
+    try:
+        a = Engine(None, ranks=first, seed=1, **patient)
+        serve(a, "a", TOKENS, [3, 7, 5, 9])
+        a.close()
+    finally:
+        assert stop(svc.proc) == 0
+    own = Engine(f"file://{tmp_path / 'own'}", ranks=first, seed=1)
+    try:
+        serve(own, "o", TOKENS, [3, 7, 5, 9])
+    finally:
+        own.close()
+    assert len(_objects(store)) == first * PAGES
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{store}")
+    try:
+        b = Engine(None, ranks=then, seed=2, **patient)
+        try:
+            assert serve(b, "b", TOKENS, [0, 1, 2, 4])[1] == 0
+        finally:
+            b.close()
+    finally:
+        stop(svc.proc)
+    c = Engine(f"file://{tmp_path / 'own'}", ranks=then, seed=2)
+    try:
+        assert serve(c, "c", TOKENS, [0, 1, 2, 4])[1] == 0
+    finally:
+        c.close()
+
+
 def test_another_tensor_parallel_split_of_the_model_is_never_offered_its_pages(tmp_path):
     with running_service(tmp_path) as svc:
         a = Engine(None, seed=1, service=svc.socket)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from kvtier.errors import KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
+from kvtier.hashing import split_fingerprint
 from kvtier.layout import LAYOUTS
 from kvtier.pools.host import ALIGN_BYTES, region_offsets
 from kvtier.service.peer import ServiceTrust
@@ -90,8 +91,8 @@ class RegionFormat:
         ``spec`` alone). The fingerprint names the tensor-parallel size: another split never shares pages."""
         if tp_size == 1:
             return cls.of(spec, layout)
-        return cls(f"{spec.fingerprint()}-tp{tp_size}", layout, spec.num_layers, tuple(b.page_bytes for b in spec.buffers) * tp_size,
-                   spec, tp_size)
+        sizes = tuple(b.page_bytes for b in spec.buffers) * tp_size
+        return cls(split_fingerprint(spec.fingerprint(), tp_size), layout, spec.num_layers, sizes, spec, tp_size)
 
     @classmethod
     def of_ranks(cls, spec: KVSpec, layout: str, tp_size: int) -> tuple[RegionFormat, int]:
@@ -119,10 +120,10 @@ class RegionFormat:
     def as_wire(self) -> dict:
         wire = {"fingerprint": self.fingerprint, "layout": self.layout, "num_layers": self.num_layers,
                 "buffer_page_bytes": list(self.buffer_page_bytes)}
-        if self.spec is not None:
+        if self.spec is not None and self.shards > 1:  # (under keys a service before them ignores: it took such pages spec-less)
+            wire["shard_spec"], wire["shards"] = dataclasses.asdict(self.spec), self.shards
+        elif self.spec is not None:
             wire["spec"] = dataclasses.asdict(self.spec)
-            if self.shards > 1:
-                wire["shards"] = self.shards
         return wire
 
     @classmethod
@@ -133,12 +134,14 @@ class RegionFormat:
         if not ok:
             raise ServiceProtocolError(f"hello's format is not a page format: {str(d)[:120]}")
         fmt = cls(fp, layout, layers, tuple(sizes))
-        if d.get("spec") is None:
-            return fmt
-        shards = d.get("shards", 1)
-        if type(shards) is not int or not 1 <= shards <= len(sizes):
-            raise ServiceProtocolError(f"hello's format names {str(shards)[:20]} shards, not 1 to its {len(sizes)} buffers")
-        return dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt, shards), shards=shards)
+        if d.get("spec") is not None and d.get("shard_spec") is not None:
+            raise ServiceProtocolError("hello's format names both a spec and a shard spec; a page is one or the other")
+        if d.get("shard_spec") is not None:
+            shards = d.get("shards")
+            if type(shards) is not int or not 2 <= shards <= len(sizes):
+                raise ServiceProtocolError(f"hello's format names {str(shards)[:20]} shards, not 2 to its {len(sizes)} buffers")
+            return dataclasses.replace(fmt, spec=_spec_of(d["shard_spec"], fmt, shards), shards=shards)
+        return fmt if d.get("spec") is None else dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt, 1))
 
 
 def _spec_of(wire: object, fmt: RegionFormat, shards: int) -> KVSpec:

@@ -46,6 +46,7 @@ from kvtier.l3.registry import open_backend
 from kvtier.l3.tier import StorageJob, StorageTier
 from kvtier.pools.host import HostPool
 from kvtier.service.index import HostIndex
+from kvtier.service.metrics import namespace_label
 from kvtier.service.region import Region, RegionFormat, map_region
 
 log = logging.getLogger(__name__)
@@ -116,12 +117,13 @@ def shard_prefixes(namespace: str, fmt: RegionFormat) -> list[str]:
         return [namespace]
     try:
         ns = Namespace.parse(namespace)
-    except KVTierError as e:
-        raise ServiceError(f"hello's namespace: {e}") from None
-    if ns.spec_fingerprint != fmt.fingerprint or ns.tp_rank != 0:
-        raise ServiceError(f"hello's namespace {namespace[:120]!r} is not of its format {fmt.fingerprint} at rank 0: the service's "
-                           "L3 names each rank's objects from it")
-    return [str(Namespace(ns.model, fmt.spec.fingerprint(), r, ns.salt)) for r in range(fmt.shards)]
+    except KVTierError:
+        ns = None
+    if ns is None or ns.spec_fingerprint != fmt.fingerprint or ns.tp_rank != 0:  # (shown as a label: a salt is never logged)
+        raise ServiceError(f"hello's namespace {namespace_label(namespace)!r} is not a kvtier namespace of its format {fmt.fingerprint} "
+                           "at rank 0: the service's L3 names each rank's objects from it")
+    # (the split is in the fingerprint: each rank's objects are that split's, as the rank's own L3 names them)
+    return [str(Namespace(ns.model, ns.spec_fingerprint, r, ns.salt)) for r in range(fmt.shards)]
 
 
 class ServiceStorage:

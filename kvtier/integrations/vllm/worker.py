@@ -51,7 +51,7 @@ from kvtier.core.plans import Completion, Done, Failed, Reason, Tier, Transfer, 
 from kvtier.errors import ConfigError, ServiceError
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
-from kvtier.hashing import Namespace
+from kvtier.hashing import Namespace, split_fingerprint
 from kvtier.integrations.vllm.groups import VllmGroup, model_spec
 from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches, map_state_caches
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta, RankResult
@@ -178,7 +178,9 @@ class ConnectorWorker:
             host = HostPool(spec, pages, tiers.host_layout)
             pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
             fingerprint = model_spec(self.model_name, self.groups, {"full": spec, **{n: sp for n, (sp, _) in built.items()}}).fingerprint()
-        namespace = self.namespace = Namespace(self.model_name, fingerprint, self.tp_rank, self.options.salt)
+        # (the split is in it: a rank's shard is another head at another split, see split_fingerprint)
+        namespace = self.namespace = Namespace(self.model_name, split_fingerprint(fingerprint, self.tp_size), self.tp_rank,
+                                               self.options.salt)
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
         self._group_page_bytes = {name: hp.spec.page_bytes for name, (_, hp) in pools.items()}
         self._num_layers = len(self._layer_index)
