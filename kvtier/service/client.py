@@ -148,6 +148,8 @@ class ServiceClient:
         self.lookup_deadline_s = lookup_deadline(deadline_s, lookup_deadline_s)
         self.service_uid = service_uid
         self._seq = 0
+        #: round trips that carried lookups (a scheduler's per-step batch is one, as a lookup that fits a frame is)
+        self.lookup_round_trips = 0
         self._broken: str | None = None
         attach_s = deadline_s if attach_deadline_s is None else attach_deadline_s
         deadline = time.monotonic() + attach_s
@@ -278,6 +280,7 @@ class ServiceClient:
                 pages += n
             if not ops:  # (a key longer than a frame: none is)
                 break
+            self.lookup_round_trips += 1
             for (i, start, n), got in zip(chunks, self._call(ops, deadline)):
                 got = self._checked_pages(got, n, "lookup")
                 found[i] += got
@@ -318,6 +321,7 @@ class ServiceClient:
         for part in _spans([2 * len(k) + 3 for k in keys]):
             wait_s = min(max(deadline - time.monotonic(), 0.0) * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
             chunk = keys[part]
+            self.lookup_round_trips += 1
             got = self._checked_pages(self._call([Lookup(keys=chunk, wait_s=wait_s).wire()], deadline)[0], len(chunk), "lookup")
             run += got
             if len(got) < len(chunk):

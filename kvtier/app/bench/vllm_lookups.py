@@ -154,13 +154,14 @@ def scheduler_step_rows(socket: str, waiting: tuple[int, ...], prompt_tokens: in
                 for mode in ("request", "step"):
                     engine = _Engine({"service": socket, "service_lookups": mode, **share}, blocks)
                     try:
-                        calls = _CountedLookups(engine)
+                        client = engine.scheduler.leased.client
+                        before = client.lookup_round_trips
                         times, answers = _asked(engine, prompts[:n], f"{mode}{n}-{r}")
                         if any(a != pages * BLOCK for a in answers):  # (the figures would be of something else)
                             raise RuntimeError(f"bench: {mode} lookups of {n} published prompts were not all whole host hits: "
                                                f"{answers[:4]}")
                         samples[mode].append(times)
-                        trips[mode] = calls.count
+                        trips[mode] = client.lookup_round_trips - before
                     finally:
                         engine.close()
             med = {k: [statistics.median(t[i] for t in v) * 1e3 for i in range(len(v[0]))] for k, v in samples.items()}
@@ -173,18 +174,3 @@ def scheduler_step_rows(socket: str, waiting: tuple[int, ...], prompt_tokens: in
         writer.close()
         own.close()
 
-
-class _CountedLookups:
-    """The round trips carrying lookups of one engine's client (each one frame)."""
-
-    def __init__(self, engine: _Engine):
-        self.count = 0
-        client = engine.scheduler.leased.client
-        real = client._call
-
-        def counted(ops, deadline):
-            if any(op.get("op") == "lookup" for op in ops):
-                self.count += 1
-            return real(ops, deadline)
-
-        client._call = counted
