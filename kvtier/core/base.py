@@ -145,12 +145,16 @@ class CoreBase(HostTier):
     def _shared_walk(self, keys: list[PageHash], limit: int | None) -> list[PageNode]:
         """The tree's walk of ``keys``, continued by what other engines published to the shared host tier;
         where the tier was lost, its pages are forgotten first."""
-        if self.shared_host.lost and self.tree.hosted:
-            self._forget_shared_host()
+        self._forget_if_lost()
         path = self.tree.walk(keys)
         if len(path) < len(keys) and self._may_adopt_below(path):
             path += self._adopt_shared(keys, path, limit)
         return path
+
+    def _forget_if_lost(self) -> None:
+        """Before any answer that reads the tree: where the shared host tier was lost, its pages go first."""
+        if self.shared_host.lost and self.tree.hosted:
+            self._forget_shared_host()
 
     def _forget_shared_host(self) -> None:
         """The shared host tier is lost (:mod:`~kvtier.core.shared_host`), and every host page is one of its
@@ -197,8 +201,7 @@ class CoreBase(HostTier):
         asked once, in the first; pages whose place in the tree is gone by the time they are hung (the
         list's earlier pages were not found, or made room for the others) are let go. Returns, for each
         list, the pages adopted for it and the tree's run of it right after."""
-        if self.shared_host.lost and self.tree.hosted:
-            self._forget_shared_host()
+        self._forget_if_lost()
         asked: set[PageHash] = set()
         runs: list[tuple[int, int, list[PageHash]]] = []  # (list, where its run starts, the run)
         for i, keys in enumerate(key_lists):

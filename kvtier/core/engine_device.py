@@ -241,9 +241,13 @@ class EngineDeviceCore(CoreBase):
         the group that cut the host prefix short, whether L3 was asked). L3 is asked only where every
         page of the path is readable on host; a hybrid model's prefix from L3 needs every group's
         objects, in the tree before the path's end, in L3 after it."""
-        if self.shared_host and not shared and self.shared_host.lost and self.tree.hosted:
-            self._forget_shared_host()  # (as a walk that asks it would: a lost region's pages are never offered)
-        path = self._shared_walk(keys, None) if self.shared_host and shared else self.tree.walk(keys)
+        if not self.shared_host:
+            path = self.tree.walk(keys)
+        elif shared:
+            path = self._shared_walk(keys, None)
+        else:  # (a lost region's pages are forgotten as a walk that asks would forget them: never offered)
+            self._forget_if_lost()
+            path = self.tree.walk(keys)
         host = self.tree.readable_host_run(path)
         limited_by = None
         usable = host

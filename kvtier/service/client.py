@@ -269,14 +269,14 @@ class ServiceClient:
             used, pages = 0, 0
             wait_s = min(max(deadline - time.monotonic(), 0.0) * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
             for i, start in todo:
-                n = _fitting(runs[i], start, SPLIT_BYTES - used - _OP_BYTES, MAX_PAGES - pages)
+                n, size = _fitting(runs[i], start, SPLIT_BYTES - used - _OP_BYTES, MAX_PAGES - pages)
                 if n == 0 or len(ops) == MAX_OPS:
                     later.append((i, start))  # no room left in this frame
                     continue
                 chunk = runs[i][start : start + n]
                 ops.append(Lookup(keys=chunk, wait_s=wait_s).wire())
                 chunks.append((i, start, n))
-                used += _OP_BYTES + sum(2 * len(k) + 3 for k in chunk)
+                used += _OP_BYTES + size
                 pages += n
             if not ops:  # (a key longer than a frame: none is)
                 break
@@ -400,15 +400,15 @@ class SessionWriter:
 _OP_BYTES = 64
 
 
-def _fitting(keys: list[bytes], start: int, room: int, pages: int) -> int:
-    """How many of ``keys[start:]`` fit ``room`` bytes and ``pages`` pages of a frame."""
+def _fitting(keys: list[bytes], start: int, room: int, pages: int) -> tuple[int, int]:
+    """How many of ``keys[start:]`` fit ``room`` bytes and ``pages`` pages of a frame, and their bytes on the wire."""
     n, used = 0, 0
     for k in keys[start : start + max(pages, 0)]:
-        used += 2 * len(k) + 3
-        if used > room:
+        size = 2 * len(k) + 3
+        if used + size > room:
             break
-        n += 1
-    return n
+        n, used = n + 1, used + size
+    return n, used
 
 
 def _spans(sizes: list[int], items: int = MAX_PAGES) -> list[slice]:

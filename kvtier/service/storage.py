@@ -6,7 +6,7 @@ The objects are the ones an engine's own L3 writes (:class:`~kvtier.l3.tier.Stor
 store, every job naming its namespace): same keys (``namespace/page-hash``), same header and checksum, so
 a service and an engine of the same namespace read each other's objects. A page of several shards (vLLM's
 tensor-parallel ranks of an MHA/GQA model: :meth:`~kvtier.service.region.RegionFormat.of_shards`) is one
-object per shard, each under the namespace that rank's own L3 uses (``model-<shard fingerprint>-tp<rank>``),
+object per shard, each under the namespace that rank's own L3 uses (the shard's fingerprint with the split, the rank),
 written and read through a pool over that rank's slice of the region: a page is saved when every shard is,
 and comes back only with every shard.
 
@@ -110,9 +110,9 @@ class StorageCounters:
 
 def shard_prefixes(namespace: str, fmt: RegionFormat) -> list[str]:
     """Each shard's L3 object prefix for an engine of ``namespace`` and page format ``fmt``: the namespace itself
-    for a page of one shard; else the namespace each tensor-parallel rank's own L3 uses (the model and salt of
-    ``namespace``, the shard's fingerprint, the rank), or a :class:`ServiceError` when ``namespace`` is not one
-    of ``fmt`` at rank 0."""
+    for a page of one shard; else the namespace each tensor-parallel rank's own L3 uses (the model, the salt and
+    the fingerprint with the split of ``namespace``, the rank), or a :class:`ServiceError` when ``namespace`` is
+    not one of ``fmt`` at rank 0."""
     if fmt.shards == 1:
         return [namespace]
     try:

@@ -443,15 +443,12 @@ class ConnectorScheduler:
                 self._delayed[req_id] = list(self._copies_running(state))
         unavailable, self._unavailable = self._unavailable, []
         delayed, self._delayed = self._delayed, {}
-        preempted = [
-            op
-            for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ()
-            if req_id in self._requests
-            for op in self._copies_running(self._requests[req_id])
-        ]
+        preempted = []
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
-            if req_id in self._requests:  # back in the waiting queue: the next ask starts afresh
-                self._requests[req_id].batch_step = None
+            state = self._requests.get(req_id)
+            if state is not None:
+                preempted += self._copies_running(state)
+                state.batch_step = None  # back in the waiting queue: the next ask starts afresh
         if self._batch:
             self._ask_service()
         async_loads, self._async_loads = self._async_loads, {}
