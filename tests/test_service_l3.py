@@ -17,6 +17,7 @@ import time
 from contextlib import closing, contextmanager
 
 import pytest
+from xxhash import xxh3_128_hexdigest
 
 from support.cache_helpers import expected_page, write_page
 from support.proxies import Injecting
@@ -30,7 +31,7 @@ from kvtier.config import StorageConfig, TierConfig
 from kvtier.pools.host import HostPool
 from kvtier.service.client import ServiceClient
 from kvtier.service.messages import MAX_WAIT_S, Hello
-from kvtier.service.region import RegionFormat, map_region
+from kvtier.service.region import RegionFormat, RowObject, map_region
 from kvtier.l3.page import HEADER_BYTES
 from kvtier.l3.registry import open_backend
 from kvtier.service.server import NodeService, ServeConfig
@@ -377,6 +378,10 @@ def hello(namespace: str, fmt: dict) -> dict:
     return Hello(namespace=namespace, format=fmt).wire()
 
 
+#: a page of two rows of an engine's own pools (SGLang's KV pool and its indexer: 64- and 16-byte pages of 4 tokens)
+ROWS = RegionFormat.of_rows([RowObject("0123456789abcdef", 4), RowObject("fedcba9876543210", 4)], [64, 16]).as_wire()
+
+
 def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_service_serves_on(tmp_path, file_url):
     sock = str(tmp_path / "run" / "node.sock")
     svc = _start(sock, file_url)
@@ -389,12 +394,19 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
         cases = {
             # (a well-formed hello this service cannot serve: a ServiceError that names the engines it means and the fix)
             "no spec": ([hello("raw", {k: v for k, v in fmt.items() if k != "spec"})],
-                        "names no spec: this engine's page is not a kvtier spec nor its tensor-parallel ranks' shards (SGLang's "
-                        "page), and this service's L3 tier (--storage-url) stores those only so far; attach it to a service without "
-                        "--storage-url"),
+                        "names no spec nor its rows' objects, which this service's L3 tier (--storage-url) needs to store its pages "
+                        "(an older kvtier, or an SGLang pool whose shard is not the engine's rank); attach this engine to a service "
+                        "without --storage-url"),
             "shards past the buffers": ([hello("raw", sharded(9))], "names 9 shards, not 2 to its"),
             "shards not the format's": ([hello("raw", sharded(2))], "names a spec that is not the format's"),
-            "a spec and a shard spec": ([hello("raw", fmt | {"shard_spec": fmt["spec"], "shards": 2})], "both a spec and a shard spec"),
+            "a spec and a shard spec": ([hello("raw", fmt | {"shard_spec": fmt["spec"], "shards": 2})], "names spec and shard_spec"),
+            # (rows of an engine's own pools: each row's object named from the namespace, which must be of the format)
+            "rows and a spec": ([hello("raw", ROWS | {"spec": fmt["spec"]})], "names spec and row_objects"),
+            "rows not the format's": ([hello("raw", ROWS | {"row_objects": [["0" * 16, 4], ["1" * 16, 4]]})],
+                                      "names row objects that are not the format's"),
+            "rows not one per buffer": ([hello("raw", ROWS | {"row_objects": ROWS["row_objects"][:1]})], "not one [16 hex digits"),
+            "a row of no fingerprint": ([hello("raw", ROWS | {"row_objects": [["x", 4], ["1" * 16, 4]]})], "not one [16 hex digits"),
+            "rows, a namespace of no format": ([hello("raw", ROWS)], "hello's namespace 'raw' is not a kvtier namespace of its format"),
             # (a page of two ranks' shards: each rank's objects are named from the namespace, which must be of the format)
             "shards, a namespace of no format": ([hello("raw", RegionFormat.of_shards(SPEC, "page_first", 2).as_wire())],
                                                  "hello's namespace 'raw' is not a kvtier namespace of its format"),
@@ -403,10 +415,18 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
             "negative wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": -1}], "lookup's wait_s"),
             "long wait": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": MAX_WAIT_S + 1}], "lookup's wait_s"),
             "wait not a number": ([{"op": "lookup", "keys": ["ab" * 16], "wait_s": "soon"}], "lookup's wait_s"),
+            # (object names: one per key, each the text whose digest the key is)
+            "a name not its key's": ([{"op": "lookup", "keys": ["ab" * 16], "names": ["x"]}],
+                                     f"lookup's object name 'x' is not the one its key {'ab' * 16} is the digest of"),
+            "a name short": ([{"op": "publish", "pages": [0], "keys": [xxh3_128_hexdigest(b"x")], "names": []}],
+                             "publish names 1 keys and 0 objects"),
+            "a name not text": ([{"op": "lookup", "keys": ["ab" * 16], "names": [7]}], "7 is not an object name"),
+            "a name too long": ([{"op": "lookup", "keys": ["ab" * 16], "names": ["x" * 513]}], "is not an object name"),
         }
         for name, (ops, text) in cases.items():
             err = _refusal(sock, ops)
-            typed = "ServiceError" if name in ("no spec", "shards, a namespace of no format") else "ServiceProtocolError"
+            typed = "ServiceError" if name in ("no spec", "shards, a namespace of no format", "rows, a namespace of no format") \
+                else "ServiceProtocolError"
             assert err["type"] == typed and text in err["message"], (name, err)
         engine = start_peer("compute", sock)  # the service serves on
         assert peer_report(engine)["backed_up"] == PAGES

@@ -253,6 +253,52 @@ def _objects(root) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def test_mlas_latent_is_one_l3_object_a_page_through_a_service_or_an_engines_own_l3_and_each_reads_the_other(tmp_path):
+    """MLA at TP=2: the latent is the same on every rank, so an engine's own L3 holds one object a page (rank 0
+    saves it, rank 1 leaves its saves to rank 0 and loads rank 0's object) -- byte for byte what a service with
+    L3 saves of the region's one shard; an engine with its own L3 loads what the service saved, and a service
+    brings into its region what an engine's own L3 saved: both ranks bit-exact."""
+    sock = str(tmp_path / "run" / "node.sock")
+    via_service, own = tmp_path / "l3-service", tmp_path / "l3-own"
+    patient = {"mla": True, "service": sock, "service_lookup_timeout_s": 4.0}  # (a lookup waits up to 2 s for L3)
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{via_service}", "--drain-timeout-s", "30")
+    try:
+        a = Engine(None, seed=1, **patient)
+        serve(a, "a", TOKENS, [3, 7, 5, 9])
+        latent = [a.page(0, blk) for blk in (3, 7, 5)]
+        a.close()
+    finally:
+        assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
+    c = Engine(f"file://{own}", seed=1, mla=True)  # the same latent, its own L3
+    try:
+        serve(c, "c", TOKENS, [3, 7, 5, 9])
+        c.settle()
+        assert [w.stats.saves_left_to_rank0 for w in c.workers][1] > 0 and c.workers[1].stats.saved_pages == 0
+    finally:
+        c.close()
+    written = _objects(own)
+    assert len(written) == PAGES and _objects(via_service) == written  # one object a page, the same bytes
+    d = Engine(f"file://{via_service}", seed=2, mla=True)  # the service's objects, read by an engine's own L3
+    try:
+        _req, external, hit = serve(d, "d", TOKENS, [0, 1, 2, 4])
+        assert (external, hit["storage_pages"]) == (PAGES * BS, PAGES) and d.load_errors[-1] == set()
+        assert all([d.page(r, blk) for blk in (0, 1, 2)] == latent for r in range(2))
+    finally:
+        d.close()
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{own}")  # an engine's own objects, through a service
+    try:
+        e = Engine(None, seed=3, **patient)
+        try:
+            _req, external, hit = serve(e, "e", TOKENS, [0, 1, 2, 4])
+            assert (external, hit["shared_host_pages"]) == (PAGES * BS, PAGES) and e.load_errors[-1] == set()
+            assert all([e.page(r, blk) for blk in (0, 1, 2)] == latent for r in range(2))
+            assert query_status(sock)["l3"]["fetched_pages"] == PAGES
+        finally:
+            e.close()
+    finally:
+        assert stop(svc.proc) == 0
+
+
 def test_tensor_parallel_shards_go_through_a_services_l3_as_the_same_objects_an_engines_own_l3_writes(tmp_path):
     """vLLM at TP=2 with MHA (a region page of two ranks' shards) on a service with an L3 tier: the service saves
     each rank's shard under the namespace that rank's own L3 uses, byte for byte the objects an engine with

@@ -79,6 +79,8 @@ class StorageJob:
     finished: threading.Event = field(default_factory=threading.Event)
     #: the namespace its keys are stored under (None: the tier's own; the node service's one tier serves every namespace)
     prefix: str | None = None
+    #: its objects' names after the prefix, one per key (None: the keys in hex; SGLang names its objects by its page hashes)
+    names: list[str] | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -97,6 +99,66 @@ class StorageJob:
             return True
         self.cancel()  # stop after the chunk in flight
         return False
+
+
+class PageBytes:
+    """A tier's pages as bytes: their objects' ``codec``, writable views of one page in the object's payload order
+    (:meth:`views`), and the ``buffers`` that hold them (a backend that reads into registered memory registers them)."""
+
+    codec: PageCodec
+    buffers: list[memoryview]
+
+    def views(self, page: int) -> list[memoryview]:
+        raise NotImplementedError
+
+
+class PoolBytes(PageBytes):
+    """A :class:`~kvtier.pools.host.HostPool`'s pages: each buffer's layers (page_first: one run per buffer;
+    layer_first: one per buffer and layer), as the spec's page object holds them. Slices of one view per pool
+    buffer: building views through torch costs ~20 us a page."""
+
+    def __init__(self, host_pool):
+        self.spec = host_pool.spec
+        self.codec = PageCodec.for_spec(self.spec)
+        #: per pool buffer: (its bytes, bytes between pages, bytes between layers, bytes per page per layer)
+        self._geometry = [self._buffer_geometry(host_pool, b.name, b.page_bytes) for b in self.spec.buffers]
+        self.buffers = [g[0] for g in self._geometry]
+
+    @staticmethod
+    def _buffer_geometry(host, name: str, page_bytes: int) -> tuple[memoryview, int, int, int]:
+        buf = host.buffers[name]
+        base = buf.data_ptr()
+        first = host.layout.page_layers(buf, 0)
+        page_step = host.layout.page_layers(buf, 1).data_ptr() - base if host.num_pages > 1 else 0
+        layer_step = first.stride(0) * first.element_size()
+        return memoryview(buf.numpy()).cast("B"), page_step, layer_step, page_bytes
+
+    def views(self, page: int) -> list[memoryview]:
+        views = []
+        layers = self.spec.num_layers
+        for mv, page_step, layer_step, n in self._geometry:
+            at = page * page_step
+            if layer_step == n:
+                views.append(mv[at : at + layers * n])
+            else:
+                views += [mv[at + layer * layer_step : at + layer * layer_step + n] for layer in range(layers)]
+        return views
+
+
+class RowBytes(PageBytes):
+    """Pages that are one run each, ``page_bytes`` apart in ``buffer`` (a row of the node service's region holding an
+    engine's own pool's pages: SGLang's), framed by ``codec`` (that pool's)."""
+
+    def __init__(self, buffer: memoryview, page_bytes: int, codec: PageCodec):
+        if codec.payload_bytes != page_bytes:
+            raise ValueError(f"a row of {page_bytes}-byte pages holds no {codec.payload_bytes}-byte payload")
+        self.codec = codec
+        self.buffers = [buffer]
+        self._buffer = buffer
+        self._n = page_bytes
+
+    def views(self, page: int) -> list[memoryview]:
+        return [self._buffer[page * self._n : (page + 1) * self._n]]
 
 
 class StorageTier:
@@ -123,13 +185,12 @@ class StorageTier:
         self._settings = dict(batch_pages=batch_pages, io_threads=io_threads, queue_depth=queue_depth, backpressure_s=backpressure_s,
                               cooldown_s=cooldown_s, max_cooldown_s=max_cooldown_s)
         self.host = host_pool
-        self.spec = host_pool.spec
+        #: the pages as bytes, and their objects' codec
+        self.pages = host_pool if isinstance(host_pool, PageBytes) else PoolBytes(host_pool)
         self.namespace = namespace
         self.prefix = str(namespace)
-        self.codec = PageCodec.for_spec(self.spec)
+        self.codec = self.pages.codec
         self.backpressure_s = backpressure_s
-        #: per pool buffer: (its bytes, bytes between pages, bytes between layers, bytes per page per layer)
-        self._geometry = [self._buffer_geometry(b.name, b.page_bytes) for b in self.spec.buffers]
         self._finished: queue.SimpleQueue[StorageJob] = queue.SimpleQueue()
         self.skipped_saves = 0
         #: prefetches not started because the queue was full (each a miss for its request)
@@ -151,8 +212,8 @@ class StorageTier:
         self._step = self.mover.batch_pages(self.codec, batch_pages)
         self.mover.reserve_slabs(self._in_flight, self._step)
         if backend.capabilities.registers_buffers:  # zero-copy I/O where the backend needs memory registered
-            for pool_bytes, *_ in self._geometry:
-                backend.register_buffer(pool_bytes)
+            for buffer in self.pages.buffers:
+                backend.register_buffer(buffer)
         self._worker = JobWorker(self._process, name="kvtier-storage", maxsize=queue_depth)
 
     @property
@@ -165,8 +226,15 @@ class StorageTier:
         settings; closing it leaves the store open (this tier closes it)."""
         return StorageTier(self.backend, host_pool, self.namespace, owns_backend=False, **self._settings)
 
-    def key(self, page: PageHash, prefix: str | None = None) -> str:
-        return f"{self.prefix if prefix is None else prefix}/{page.hex()}"
+    def key(self, page: PageHash, prefix: str | None = None, name: str | None = None) -> str:
+        """The store's name of ``page``'s object: ``prefix/`` (the tier's namespace unless given) and the key in hex, or
+        ``name`` where the engine names its objects itself (SGLang's page hashes)."""
+        return f"{self.prefix if prefix is None else prefix}/{page.hex() if name is None else name}"
+
+    def keys(self, pages: list[PageHash], prefix: str | None = None, names: list[str] | None = None) -> list[str]:
+        if names is None:
+            return [self.key(k, prefix) for k in pages]
+        return [self.key(k, prefix, n) for k, n in zip(pages, names)]
 
     # ---- health ------------------------------------------------------------------------
     @property
@@ -174,9 +242,9 @@ class StorageTier:
         return self.breaker.available
 
     # ---- synchronous queries (owner thread) ----------------------------------------
-    def stored_prefix(self, keys: list[PageHash], prefix: str | None = None) -> int:
+    def stored_prefix(self, keys: list[PageHash], prefix: str | None = None, names: list[str] | None = None) -> int:
         """Leading ``keys`` present in the store (a fault, or a key on a node marked down, ends the run);
-        ``prefix``: the namespace they are stored under, if not the tier's."""
+        ``prefix``: the namespace they are stored under, if not the tier's; ``names``: their objects' (:meth:`key`)."""
         if not keys or not self.available:
             return 0
         found = [0]
@@ -185,16 +253,17 @@ class StorageTier:
             found[0] = 0
 
         with map_storage_errors(self.backend.stats, "exists", failed):
-            found[0] = self.breaker.call(self.backend.exists, [self.key(k, prefix) for k in keys]) or 0
+            found[0] = self.breaker.call(self.backend.exists, self.keys(keys, prefix, names)) or 0
         return found[0]
 
     # ---- submission ------------------------------------------------------------------
     def submit(
         self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None,
-        prefix: str | None = None,
+        prefix: str | None = None, names: list[str] | None = None,
     ) -> StorageJob | None:
-        """Queue a job (``prefix``: the namespace its keys are stored under, if not the tier's); None when the queue is full."""
-        job = StorageJob(kind, list(keys), list(host_pages), tag, prefix=prefix)
+        """Queue a job (``prefix``: the namespace its keys are stored under, if not the tier's; ``names``: its objects'
+        names, where not the keys in hex); None when the queue is full."""
+        job = StorageJob(kind, list(keys), list(host_pages), tag, prefix=prefix, names=None if names is None else list(names))
         if self._closed:
             return None
         try:
@@ -233,29 +302,6 @@ class StorageTier:
         if self._on_finished is not None:
             self._on_finished()
 
-    # ---- host pages as bytes ---------------------------------------------------------------
-    def _buffer_geometry(self, name: str, page_bytes: int) -> tuple[memoryview, int, int, int]:
-        buf = self.host.buffers[name]
-        base = buf.data_ptr()
-        first = self.host.layout.page_layers(buf, 0)
-        page_step = self.host.layout.page_layers(buf, 1).data_ptr() - base if self.host.num_pages > 1 else 0
-        layer_step = first.stride(0) * first.element_size()
-        return memoryview(buf.numpy()).cast("B"), page_step, layer_step, page_bytes
-
-    def _host_page_bytes(self, page: int) -> list[memoryview]:
-        """Writable byte views of one host page in page-object payload order: each buffer's layers
-        (page_first: one run per buffer; layer_first: one per buffer and layer). Slices of one view per
-        pool buffer: building views through torch costs ~20 us a page."""
-        views = []
-        layers = self.spec.num_layers
-        for mv, page_step, layer_step, n in self._geometry:
-            at = page * page_step
-            if layer_step == n:
-                views.append(mv[at : at + layers * n])
-            else:
-                views += [mv[at + layer * layer_step : at + layer * layer_step + n] for layer in range(layers)]
-        return views
-
     # ---- jobs ------------------------------------------------------------------------------
     def _batches(self, job: StorageJob, start: int, work, apply) -> None:
         in_order(self._io, range(start, len(job.keys), self._step), work, apply, in_flight=self._in_flight,
@@ -263,14 +309,15 @@ class StorageTier:
 
     def _batch(self, job: StorageJob, start: int) -> tuple[list[str], list[bytes], list[list[memoryview]]]:
         """The mover's arguments for the batch of ``job`` at ``start``: store names, page keys, host page bytes."""
-        keys = job.keys[start : start + self._step]
-        return ([self.key(k, job.prefix) for k in keys], [bytes(k) for k in keys],
-                [self._host_page_bytes(p) for p in job.host_pages[start : start + self._step]])
+        stop = start + self._step
+        keys = job.keys[start:stop]
+        return (self.keys(keys, job.prefix, None if job.names is None else job.names[start:stop]), [bytes(k) for k in keys],
+                [self.pages.views(p) for p in job.host_pages[start:stop]])
 
     def _save(self, job: StorageJob) -> None:
         """Keys the store already has (its leading run) are skipped; each I/O thread hashes a batch's
         headers over the host pages' own bytes and stores them."""
-        have = self.stored_prefix(job.keys, job.prefix)
+        have = self.stored_prefix(job.keys, job.prefix, job.names)
         job.skipped_existing = have
         job.statuses = [KeyStatus.OK] * have
 

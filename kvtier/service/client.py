@@ -32,6 +32,7 @@ reservation until the service gives fewer than asked, publish and release as sev
 
 from __future__ import annotations
 
+import json
 import os
 import select
 import socket
@@ -250,10 +251,11 @@ class ServiceClient:
         return error
 
     # ---- the ops ---------------------------------------------------------------------------------
-    def lookup(self, keys: list[bytes]) -> list[int]:
+    def lookup(self, keys: list[bytes], names: list[str] | None = None) -> list[int]:
         """The service's leading run of ``keys``; a service with an L3 tier may take up to half the lookup
-        deadline to fetch the rest of the run from L3 into its region (:data:`LOOKUP_WAIT_SHARE`)."""
-        return self._checked_pages(self._lookup_split(keys, time.monotonic() + self.lookup_deadline_s), len(keys), "lookup")
+        deadline to fetch the rest of the run from L3 into its region (:data:`LOOKUP_WAIT_SHARE`). ``names``: the
+        keys' L3 object names, from an engine that names its objects (:class:`~kvtier.service.messages.Lookup`)."""
+        return self._checked_pages(self._lookup_split(keys, names, time.monotonic() + self.lookup_deadline_s), len(keys), "lookup")
 
     def lookup_many(self, runs: list[list[bytes]]) -> list[list[int]]:
         """The service's leading run of each of ``runs``, as :meth:`lookup` each, all within one lookup
@@ -302,27 +304,29 @@ class ServiceClient:
         except ServiceProtocolError as e:
             raise self._break(e) from None
 
-    def publish(self, pages: list[int], keys: list[bytes]) -> None:
-        self._notes_split(pages, keys, lambda p, k: [Publish(pages=p, keys=k)], 1)
+    def publish(self, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
+        self._notes_split(pages, keys, names, lambda p, k, n: [Publish(pages=p, keys=k, names=n)], 1)
 
     def release(self, pages: list[int]) -> None:
-        self._notes_split(pages, None, lambda p, _k: [Release(pages=p)], 1)
+        self._notes_split(pages, None, None, lambda p, _k, _n: [Release(pages=p)], 1)
 
-    def publish_and_release(self, pages: list[int], keys: list[bytes]) -> None:
-        """``pages`` written under ``keys``, and no longer held by this client (the service may evict them)."""
-        self._notes_split(pages, keys, lambda p, k: [Publish(pages=p, keys=k), Release(pages=p)], 2)
+    def publish_and_release(self, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
+        """``pages`` written under ``keys`` (their L3 objects ``names``, where the engine names them), and no longer
+        held by this client (the service may evict them)."""
+        self._notes_split(pages, keys, names, lambda p, k, n: [Publish(pages=p, keys=k, names=n), Release(pages=p)], 2)
 
     # ---- calls longer than one frame (the service's bounds: wire.MAX_FRAME, messages.MAX_PAGES) --------------
-    def _lookup_split(self, keys: list[bytes], deadline: float) -> list[int]:
+    def _lookup_split(self, keys: list[bytes], names: list[str] | None, deadline: float) -> list[int]:
         """A lookup chunk by chunk within ``deadline``: the next chunk is asked only when this one's run was
         whole (the keys are chained: a run never resumes after a miss); each chunk's pages are held as any
         lookup's. Each chunk may wait for L3 a share of what is left of the deadline."""
         run: list[int] = []
-        for part in _spans([2 * len(k) + 3 for k in keys]):
+        for part in _spans(_wire_sizes(keys, names)):
             wait_s = min(max(deadline - time.monotonic(), 0.0) * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
             chunk = keys[part]
             self.lookup_round_trips += 1
-            got = self._checked_pages(self._call([Lookup(keys=chunk, wait_s=wait_s).wire()], deadline)[0], len(chunk), "lookup")
+            op = Lookup(keys=chunk, wait_s=wait_s, names=None if names is None else names[part])
+            got = self._checked_pages(self._call([op.wire()], deadline)[0], len(chunk), "lookup")
             run += got
             if len(got) < len(chunk):
                 break
@@ -338,14 +342,16 @@ class ServiceClient:
             if len(got) < ask or len(pages) >= n:
                 return pages
 
-    def _notes_split(self, pages: list[int], keys: list[bytes] | None, ops: Callable[[list[int], list[bytes] | None], list[Message]],
-                     times: int) -> None:
-        """Notes of ``ops(pages[span], keys[span])`` (which name each page ``times`` times) over spans of ``pages``
-        that each fit a frame, all sent within one lookup deadline."""
+    def _notes_split(self, pages: list[int], keys: list[bytes] | None, names: list[str] | None,
+                     ops: Callable[[list[int], list[bytes] | None, list[str] | None], list[Message]], times: int) -> None:
+        """Notes of ``ops(pages[span], keys[span], names[span])`` (which name each page ``times`` times) over spans of
+        ``pages`` that each fit a frame, all sent within one lookup deadline."""
         deadline = time.monotonic() + self.lookup_deadline_s
-        sizes = [times * (len(str(p)) + 1) + (0 if keys is None else 2 * len(keys[i]) + 3) for i, p in enumerate(pages)]
+        named = [0] * len(pages) if keys is None else _wire_sizes(keys, names)
+        sizes = [times * (len(str(p)) + 1) + named[i] for i, p in enumerate(pages)]
         for part in _spans(sizes, MAX_PAGES // times):
-            self.note([op.wire() for op in ops(pages[part], None if keys is None else keys[part])], deadline)
+            self.note([op.wire() for op in ops(pages[part], None if keys is None else keys[part], None if names is None else names[part])],
+                      deadline)
 
     def status(self) -> dict:
         (status,) = self.call([Status().wire()])
@@ -409,6 +415,14 @@ def _fitting(keys: list[bytes], start: int, room: int, pages: int) -> tuple[int,
             break
         n, used = n + 1, used + size
     return n, used
+
+
+def _wire_sizes(keys: list[bytes], names: list[str] | None) -> list[int]:
+    """Each key's bytes on the wire, with its object name where given (as JSON writes it: escapes included)."""
+    sizes = [2 * len(k) + 3 for k in keys]
+    if names is not None:
+        sizes = [size + len(json.dumps(name)) + 1 for size, name in zip(sizes, names)]
+    return sizes
 
 
 def _spans(sizes: list[int], items: int = MAX_PAGES) -> list[slice]:

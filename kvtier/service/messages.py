@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import xxhash
+
 from kvtier.errors import ServiceProtocolError
 
 #: the protocol's version (a hello of another is refused)
@@ -34,6 +36,8 @@ MAX_OPS = 4096
 #: applying a frame costs the service's loop is bounded with its bytes (a client splits a longer call)
 MAX_PAGES = 1 << 15
 MAX_KEY_BYTES = 64
+#: the longest name of a page's L3 object an engine may give (characters; SGLang's page hashes are 64)
+MAX_OBJECT_NAME = 512
 MAX_NAMESPACE = 1024
 MAX_SESSION = 64
 #: the largest share of the region a hello may name (pages; far beyond any host's memory)
@@ -179,10 +183,35 @@ def _page_keys(v: object) -> list[bytes]:
     return out
 
 
+def _object_names(v: object) -> list[str]:
+    if type(v) is not list or len(v) > MAX_PAGES:
+        raise Invalid
+    parse = _text(MAX_OBJECT_NAME).parse
+    for name in v:
+        try:
+            parse(name)
+        except Invalid:
+            raise Invalid(f"{_show(name)} is not an object name (a string of 1 to {MAX_OBJECT_NAME} characters of UTF-8 text)") from None
+    return v
+
+
+def check_object_names(names: list[str] | None, keys: list[bytes], op: str) -> None:
+    """An op's object names, where it gives them: one per key, each the name its key is the digest of (an engine
+    names its L3 objects itself -- SGLang by its page hashes -- and its page keys are their xxh3-128 digests)."""
+    if names is None:
+        return
+    if len(names) != len(keys):
+        raise ServiceProtocolError(f"{op} names {len(keys)} keys and {len(names)} objects; give one object name per key, or none")
+    for name, key in zip(names, keys):
+        if xxhash.xxh3_128_digest(name.encode()) != key:
+            raise ServiceProtocolError(f"{op}'s object name {_show(name)} is not the one its key {key.hex()} is the digest of")
+
+
 NAMESPACE = _text(MAX_NAMESPACE)
 SESSION = Codec(f"a session id (a string of 1 to {MAX_SESSION} characters)", _text(MAX_SESSION).parse)
 PAGE_IDS = Codec(f"a list of at most {MAX_PAGES} integer page ids", _page_ids, list, len)
 PAGE_KEYS = Codec(f"a list of at most {MAX_PAGES} hex page keys", _page_keys, lambda keys: [k.hex() for k in keys], len)
+OBJECT_NAMES = Codec(f"a list of at most {MAX_PAGES} object names, or absent", lambda v: None if v is None else _object_names(v))
 
 
 # ---- the messages --------------------------------------------------------------------------------
@@ -216,10 +245,16 @@ class Join(Message):
 class Lookup(Message):
     """The leading run of ``keys`` the service holds in the caller's namespace: their pages, now held for it.
     ``wait_s``: how long a service with an L3 tier may hold the answer back while it fetches the keys after
-    the run from L3 (0: answer at once; what it fetches is found by the next lookup)."""
+    the run from L3 (0: answer at once; what it fetches is found by the next lookup). ``names``: the keys' L3
+    object names, from an engine that names its objects itself (SGLang's page hashes; each key their digest): a
+    service with L3 fetches pages of such an engine only where they are given."""
 
     keys: list[bytes] = wire(PAGE_KEYS)
     wait_s: float = wire(_seconds(MAX_WAIT_S), 0.0)
+    names: list[str] | None = wire(OBJECT_NAMES, None)
+
+    def check(self) -> None:
+        check_object_names(self.names, self.keys, "lookup")
 
 
 @message("reserve")
@@ -231,14 +266,17 @@ class Reserve(Message):
 
 @message("publish")
 class Publish(Message):
-    """The caller's writes into ``pages`` are complete: each holds page ``keys[i]`` now."""
+    """The caller's writes into ``pages`` are complete: each holds page ``keys[i]`` now. ``names``: their L3 object
+    names (:class:`Lookup`'s): a service with L3 saves pages of an engine that names its objects only where given."""
 
     pages: list[int] = wire(PAGE_IDS)
     keys: list[bytes] = wire(PAGE_KEYS)
+    names: list[str] | None = wire(OBJECT_NAMES, None)
 
     def check(self) -> None:
         if len(self.pages) != len(self.keys):
             raise ServiceProtocolError(f"publish names {len(self.pages)} pages and {len(self.keys)} keys; give one key per page")
+        check_object_names(self.names, self.keys, "publish")
 
 
 @message("release")

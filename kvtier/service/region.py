@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import xxhash
 
 from kvtier.errors import KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.hashing import split_fingerprint
@@ -62,6 +63,24 @@ REGION_VERSION = 1
 
 #: attention whose KV every tensor-parallel rank holds whole (MLA's latent, DSA's latent and indexer)
 REPLICATED_ATTENTION = frozenset({"mla", "dsa"})
+#: the most rows a page of an engine's own pools may have (each one of its pools: SGLang's KV, indexer, drafts)
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class RowObject:
+    """How an engine whose page is not a kvtier spec (SGLang's pools) frames one row of it as an L3 page object:
+    the pool's ``fingerprint`` (16 hex characters: the object header's, and the pool's namespace's, beside the
+    model, rank and salt of the engine's) and its page size in tokens (the header's valid token count)."""
+
+    fingerprint: str
+    page_size: int
+
+
+def rows_fingerprint(fingerprints: list[str]) -> str:
+    """The fingerprint of a region page whose rows are pools of these fingerprints (SGLang's KV pool first, then
+    the pools on its page ids): the format's identity, which binds every row's (:meth:`RegionFormat.of_rows`)."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(["sglang", *fingerprints]).encode())
 
 
 @dataclass(frozen=True)
@@ -70,7 +89,8 @@ class RegionFormat:
     Every engine attached to one service shares it (this slice serves one page format per service).
     ``spec``: the spec itself -- of each of the page's ``shards`` (a tensor-parallel rank's, :meth:`of_shards`)
     -- which a service with an L3 tier needs to write the page objects an engine's own L3 writes (not part of
-    the format's identity: the fingerprint is, and it names the shards)."""
+    the format's identity: the fingerprint is, and it names the shards). ``rows``: where the page is not a
+    kvtier spec but an engine's own pools, one per buffer row (:meth:`of_rows`), how each row is an L3 object."""
 
     fingerprint: str
     layout: str
@@ -78,6 +98,7 @@ class RegionFormat:
     buffer_page_bytes: tuple[int, ...]
     spec: KVSpec | None = field(default=None, compare=False)
     shards: int = field(default=1, compare=False)
+    rows: tuple[RowObject, ...] | None = field(default=None, compare=False)
 
     @classmethod
     def of(cls, spec: KVSpec, layout: str) -> RegionFormat:
@@ -102,6 +123,18 @@ class RegionFormat:
         shards = 1 if spec.attention in REPLICATED_ATTENTION else tp_size
         return cls.of_shards(spec, layout, shards), shards
 
+    @classmethod
+    def of_rows(cls, rows: list[RowObject], payload_bytes: list[int]) -> RegionFormat:
+        """A page of an engine's own pools (SGLang's KV pool and the pools on its page ids), row ``i`` pool
+        ``rows[i]``'s page of ``payload_bytes[i]`` bytes: one row after another per buffer, one "layer" per row
+        (page_first), each row the payload of that pool's L3 page object. The fingerprint binds the rows'."""
+        return cls(rows_fingerprint([r.fingerprint for r in rows]), "page_first", 1, tuple(payload_bytes), rows=tuple(rows))
+
+    @property
+    def stores_objects(self) -> bool:
+        """Whether a service with an L3 tier can write this page's objects (it knows their spec, or its rows')."""
+        return self.spec is not None or self.rows is not None
+
     def shard(self, num_pages: int, rank: int, tp_size: int) -> tuple[int, int]:
         """(offset, size) of rank ``rank``'s slice of a region of ``num_pages`` pages (:meth:`of_shards`)."""
         offsets, end = region_offsets(self.buffer_page_bytes, self.num_layers, num_pages)
@@ -124,6 +157,8 @@ class RegionFormat:
             wire["shard_spec"], wire["shards"] = dataclasses.asdict(self.spec), self.shards
         elif self.spec is not None:
             wire["spec"] = dataclasses.asdict(self.spec)
+        if self.rows is not None:
+            wire["row_objects"] = [[r.fingerprint, r.page_size] for r in self.rows]
         return wire
 
     @classmethod
@@ -134,14 +169,40 @@ class RegionFormat:
         if not ok:
             raise ServiceProtocolError(f"hello's format is not a page format: {str(d)[:120]}")
         fmt = cls(fp, layout, layers, tuple(sizes))
-        if d.get("spec") is not None and d.get("shard_spec") is not None:
-            raise ServiceProtocolError("hello's format names both a spec and a shard spec; a page is one or the other")
+        named = [k for k in ("spec", "shard_spec", "row_objects") if d.get(k) is not None]
+        if len(named) > 1:
+            raise ServiceProtocolError(f"hello's format names {' and '.join(named)}; a page is a spec, its shards', or rows of an "
+                                       "engine's own pools")
+        if d.get("row_objects") is not None:
+            return dataclasses.replace(fmt, rows=_rows_of(d["row_objects"], fmt))
         if d.get("shard_spec") is not None:
             shards = d.get("shards")
             if type(shards) is not int or not 2 <= shards <= len(sizes):
                 raise ServiceProtocolError(f"hello's format names {str(shards)[:20]} shards, not 2 to its {len(sizes)} buffers")
             return dataclasses.replace(fmt, spec=_spec_of(d["shard_spec"], fmt, shards), shards=shards)
         return fmt if d.get("spec") is None else dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt, 1))
+
+
+def _rows_of(wire: object, fmt: RegionFormat) -> tuple[RowObject, ...]:
+    """The row objects a hello's format names, checked: one per buffer of a one-layer page_first format, each a
+    16-hex-digit fingerprint and a page size, together the format's fingerprint (:func:`rows_fingerprint`)."""
+
+    def row(item: object) -> RowObject | None:
+        if type(item) is not list or len(item) != 2:
+            return None
+        fp, page_size = item
+        ok = (type(fp) is str and len(fp) == 16 and all(c in "0123456789abcdef" for c in fp) and type(page_size) is int
+              and 0 < page_size <= 1 << 24)
+        return RowObject(fp, page_size) if ok else None
+
+    rows = [row(item) for item in wire] if type(wire) is list and len(wire) == len(fmt.buffer_page_bytes) else [None]
+    if None in rows or fmt.layout != "page_first" or fmt.num_layers != 1:
+        raise ServiceProtocolError(f"hello's format names row objects that are not one [16 hex digits, page size] per "
+                                   f"buffer of a one-layer page_first page: {str(wire)[:120]}")
+    if rows_fingerprint([r.fingerprint for r in rows]) != fmt.fingerprint:
+        raise ServiceProtocolError(f"hello's format names row objects that are not the format's ({fmt.fingerprint}): "
+                                   f"{str(wire)[:120]}")
+    return tuple(rows)
 
 
 def _spec_of(wire: object, fmt: RegionFormat, shards: int) -> KVSpec:

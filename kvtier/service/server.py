@@ -198,9 +198,9 @@ class NodeService:
         try:
             claim_region(folder)  # (its owner from now on: no other starting service takes it for stale)
             region = adoptable_region(folder, doc, self.config.host_bytes, self.gid, lock)
-            if self.storage is not None and region.format.spec is None:
-                raise ServiceError("its page is not a kvtier spec nor its ranks' shards (SGLang's page), which this service's L3 tier "
-                                   "(--storage-url) cannot store")
+            if self.storage is not None and not region.format.stores_objects:
+                raise ServiceError("its format names no spec nor its rows' objects, which this service's L3 tier (--storage-url) needs "
+                                   "to store its pages")
             records = self._records(region, fresh=False)
             adopted = records.adopt()
         except (OSError, KVTierError) as e:
@@ -387,7 +387,7 @@ class NodeService:
         the store has nothing to add)."""
         if self.storage is None or len(pages) == len(op.keys):
             return None
-        return self.storage.load(conn.namespace, op.keys[len(pages):])
+        return self.storage.load(conn.namespace, op.keys[len(pages):], self._names(op.names, len(pages)))
 
     def _answer_deferred(self) -> None:
         """Send the deferred answers that are ready: each lookup's run extended by what its load brought
@@ -422,11 +422,11 @@ class NodeService:
         if conn.attached or conn.joined is not None or conn.session:
             raise ServiceProtocolError("hello on a connection that said hello or join already: a connection attaches once")
         fmt = RegionFormat.from_wire(op.format)
-        if self.storage is not None and fmt.spec is None:
-            # (an engine whose region page is not a kvtier spec or its ranks' shards -- SGLang's page -- names none)
-            raise ServiceError("hello's format names no spec: this engine's page is not a kvtier spec nor its tensor-parallel ranks' "
-                               "shards (SGLang's page), and this service's L3 tier (--storage-url) stores those only so far; attach it "
-                               "to a service without --storage-url")
+        if self.storage is not None and not fmt.stores_objects:
+            # (a kvtier spec, its ranks' shards, or rows of an engine's own pools whose objects it describes: SGLang's)
+            raise ServiceError("hello's format names no spec nor its rows' objects, which this service's L3 tier (--storage-url) needs "
+                               "to store its pages (an older kvtier, or an SGLang pool whose shard is not the engine's rank); attach "
+                               "this engine to a service without --storage-url")
         if self.storage is not None:
             shard_prefixes(op.namespace, fmt)  # (each shard's L3 namespace follows from it: else refused now)
         if self._adopted_unclaimed and fmt != self.region.format:
@@ -476,8 +476,15 @@ class NodeService:
     def _on_publish(self, conn: Connection, op: Publish) -> None:
         indexed = self.index.publish(conn.id, op.pages, op.keys)
         if self.storage is not None:  # write-through: what it indexed now is saved
-            key_of = dict(zip(op.pages, op.keys))
-            self.storage.published(conn.namespace, indexed, [key_of[p] for p in indexed])
+            at = {p: i for i, p in enumerate(op.pages)}
+            names = self._names(op.names, 0)
+            self.storage.published(conn.namespace, indexed, [op.keys[at[p]] for p in indexed],
+                                   None if names is None else [names[at[p]] for p in indexed])
+
+    def _names(self, names: list[str] | None, start: int) -> list[str] | None:
+        """An op's object names from ``start`` on, where the region's format names its objects by them (else the
+        names an engine gives say nothing the service's L3 uses)."""
+        return None if names is None or self.region.format.rows is None else names[start:]
 
     def _on_release(self, conn: Connection, op: Release) -> None:
         self.index.release(conn.id, op.pages)

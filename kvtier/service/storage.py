@@ -8,7 +8,11 @@ a service and an engine of the same namespace read each other's objects. A page 
 tensor-parallel ranks of an MHA/GQA model: :meth:`~kvtier.service.region.RegionFormat.of_shards`) is one
 object per shard, each under the namespace that rank's own L3 uses (the shard's fingerprint with the split, the rank),
 written and read through a pool over that rank's slice of the region: a page is saved when every shard is,
-and comes back only with every shard.
+and comes back only with every shard. A page of an engine's own pools (SGLang's KV pool and its DSA indexer:
+:meth:`~kvtier.service.region.RegionFormat.of_rows`) is one object per row, as that engine's own L3 writes
+it: under the pool's namespace, named by the engine (its page hash, which the ops that name the page give
+beside its key), framed by the pool's fingerprint and page size -- saved and loaded only where the op gave
+the names.
 
 * **Write-through**: a page an engine publishes (the first page of its key) is saved. The service
   holds it in the index under a client of its own (one per namespace, negative ids) while the save
@@ -43,8 +47,9 @@ from kvtier.errors import KVTierError, ServiceError
 from kvtier.hashing import Namespace
 from kvtier.l3.base import KeyStatus, redact_url
 from kvtier.l3.registry import open_backend
-from kvtier.l3.tier import StorageJob, StorageTier
-from kvtier.pools.host import HostPool
+from kvtier.l3.page import PageCodec
+from kvtier.l3.tier import RowBytes, StorageJob, StorageTier
+from kvtier.pools.host import HostPool, region_offsets
 from kvtier.service.index import HostIndex
 from kvtier.service.metrics import namespace_label
 from kvtier.service.region import Region, RegionFormat, map_region
@@ -58,10 +63,12 @@ SAVE_QUEUE_DEPTH = 1024
 @dataclass(eq=False)
 class Load:
     """Pages of ``namespace``'s ``keys`` (the keys after a lookup's run) coming from the store. ``done``
-    once whatever of them arrived is published (or nothing was found). ``jobs``: one per shard."""
+    once whatever of them arrived is published (or nothing was found). ``jobs``: one per shard (or row).
+    ``names``: the keys' object names, where the engine names them."""
 
     namespace: str
     keys: list[bytes]
+    names: list[str] | None = None
     jobs: list[StorageJob] = field(default_factory=list)
     #: a shard's job could not be queued: nothing of it is published (the other shards' jobs are cancelled)
     short: bool = False
@@ -83,8 +90,8 @@ class Save:
 @dataclass(frozen=True)
 class Tiers:
     """The service's tiers on the store, shared by every namespace (each job names its own): the
-    write-through's saves, and the loads on a worker (and I/O threads) of their own -- for each shard of a
-    page, a pair over its slice of the region."""
+    write-through's saves, and the loads on a worker (and I/O threads) of their own -- for each shard (or
+    row) of a page, a pair over its slice of the region."""
 
     saves: list[StorageTier]
     loads: list[StorageTier]
@@ -109,21 +116,41 @@ class StorageCounters:
 
 
 def shard_prefixes(namespace: str, fmt: RegionFormat) -> list[str]:
-    """Each shard's L3 object prefix for an engine of ``namespace`` and page format ``fmt``: the namespace itself
-    for a page of one shard; else the namespace each tensor-parallel rank's own L3 uses (the model, the salt and
-    the fingerprint with the split of ``namespace``, the rank), or a :class:`ServiceError` when ``namespace`` is
-    not one of ``fmt`` at rank 0."""
-    if fmt.shards == 1:
+    """Each shard's (or row's) L3 object prefix for an engine of ``namespace`` and page format ``fmt``: the namespace
+    itself for a page of one shard; else the namespace each tensor-parallel rank's own L3 uses (the model, the salt
+    and the fingerprint with the split of ``namespace``, the rank), or each row's pool's (the model, the rank and
+    the salt of ``namespace``, the pool's fingerprint); a :class:`ServiceError` when ``namespace`` is not one of ``fmt``
+    (at rank 0, for shards)."""
+    if fmt.shards == 1 and fmt.rows is None:
         return [namespace]
     try:
         ns = Namespace.parse(namespace)
     except KVTierError:
         ns = None
-    if ns is None or ns.spec_fingerprint != fmt.fingerprint or ns.tp_rank != 0:  # (shown as a label: a salt is never logged)
-        raise ServiceError(f"hello's namespace {namespace_label(namespace)!r} is not a kvtier namespace of its format {fmt.fingerprint} "
-                           "at rank 0: the service's L3 names each rank's objects from it")
+    if ns is None or ns.spec_fingerprint != fmt.fingerprint or (fmt.rows is None and ns.tp_rank != 0):  # (a label: never the salt)
+        part = "row" if fmt.rows else "rank"
+        raise ServiceError(f"hello's namespace {namespace_label(namespace)!r} is not a kvtier namespace of its format {fmt.fingerprint}"
+                           f"{'' if fmt.rows else ' at rank 0'}: the service's L3 names each {part}'s objects from it")
+    if fmt.rows is not None:  # (the rows' fingerprints are bound by the format's, which the namespace names)
+        return [str(Namespace(ns.model, row.fingerprint, ns.tp_rank, ns.salt)) for row in fmt.rows]
     # (the split is in the fingerprint: each rank's objects are that split's, as the rank's own L3 names them)
     return [str(Namespace(ns.model, ns.spec_fingerprint, r, ns.salt)) for r in range(fmt.shards)]
+
+
+def _part_pages(region: Region, memory) -> list:
+    """What each part of a page is stored from: a host pool over each shard's slice of the region, or each row's bytes."""
+    fmt = region.format
+    if fmt.rows is not None:
+        offsets, _ = region_offsets(fmt.buffer_page_bytes, 1, region.num_pages)
+        buffer = memoryview(memory.numpy()).cast("B")
+        return [RowBytes(buffer[at : at + n * region.num_pages], n, PageCodec(row.fingerprint, n, row.page_size))
+                for at, n, row in zip(offsets, fmt.buffer_page_bytes, fmt.rows)]
+    pools = []
+    for r in range(fmt.shards):
+        start, size = fmt.shard(region.num_pages, r, fmt.shards)
+        pools.append(HostPool(fmt.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
+                              name=f"node service region (L3{f', shard {r}' if fmt.shards > 1 else ''})"))
+    return pools
 
 
 class ServiceStorage:
@@ -155,20 +182,16 @@ class ServiceStorage:
         return self._wake
 
     def bind(self, region: Region, index: HostIndex) -> None:
-        """Map ``region`` (its format names the spec of each shard) as a host pool per shard; ``index`` is the service's."""
-        fmt = region.format
-        memory = map_region(region.path, region.size, pin=False)
-        pools = []
-        for r in range(fmt.shards):
-            start, size = fmt.shard(region.num_pages, r, fmt.shards)
-            pools.append(HostPool(fmt.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
-                                  name=f"node service region (L3{f', shard {r}' if fmt.shards > 1 else ''})"))
+        """Map ``region`` (its format names the spec of each shard, or its rows' objects) as a host pool per shard, or
+        a row's bytes per row; ``index`` is the service's."""
+        pools = _part_pages(region, map_region(region.path, region.size, pin=False))
+        parts = len(pools) > 1
         self._region = region
         self.index = index
         self.max_load_pages = max(1, region.num_pages // 2)
 
         def tier(pool: HostPool, what: str, depth: int, r: int) -> StorageTier:
-            name = f"kvtier-serve-{what}" + (f"{r}" if fmt.shards > 1 else "")
+            name = f"kvtier-serve-{what}" + (f"{r}" if parts else "")
             return StorageTier(self.backend, pool, name, owns_backend=False, on_finished=self._notify, queue_depth=depth)
 
         self._tiers = Tiers([tier(p, "saves", SAVE_QUEUE_DEPTH, r) for r, p in enumerate(pools)],
@@ -182,14 +205,15 @@ class ServiceStorage:
         return got
 
     # ---- what the selector thread asks ---------------------------------------------------------
-    def published(self, namespace: str, pages: list[int], keys: list[bytes]) -> None:
-        """``pages`` (``keys[i]``'s) were just published and indexed: save them, held until saved."""
-        if not pages:
+    def published(self, namespace: str, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
+        """``pages`` (``keys[i]``'s, whose objects are ``names[i]`` where the engine names them) were just published
+        and indexed: save them, held until saved. Pages of an engine that names its objects are saved only with the names."""
+        if not pages or (names is None and self._region.format.rows is not None):
             return
         self.index.hold(self._client(namespace), pages)
         save = Save(namespace, pages, 0, [True] * len(pages))
         for tier, prefix in zip(self._tiers.saves, self.prefixes(namespace)):
-            job = tier.submit("save", keys, pages, prefix=prefix)
+            job = tier.submit("save", keys, pages, prefix=prefix, names=names)
             if job is None:  # the tier's queue is full: not saved (counted by the tier too)
                 save.ok = [False] * len(pages)
                 continue
@@ -198,10 +222,11 @@ class ServiceStorage:
         if not save.left:
             self._saved(save)
 
-    def load(self, namespace: str, keys: list[bytes]) -> Load | None:
-        """The load of ``keys`` (those after a lookup's run in the region), started now or already under
-        way; None when there is nothing to fetch (the first key is in the region, the store is down)."""
-        if not keys or self.index.has(namespace, keys[0]):
+    def load(self, namespace: str, keys: list[bytes], names: list[str] | None = None) -> Load | None:
+        """The load of ``keys`` (those after a lookup's run in the region; ``names``: their objects', where the
+        engine names them), started now or already under way; None when there is nothing to fetch (the first key
+        is in the region, the store is down, the engine names its objects and gave no names)."""
+        if not keys or self.index.has(namespace, keys[0]) or (names is None and self._region.format.rows is not None):
             return None
         first = (namespace, keys[0])
         going = self._loads.get(first) or self._fetching.get(first)
@@ -209,7 +234,8 @@ class ServiceStorage:
             return going
         if not all(t.available for t in self._tiers.loads):
             return None
-        load = Load(namespace, keys[: self.max_load_pages])
+        n = self.max_load_pages
+        load = Load(namespace, keys[:n], None if names is None else names[:n])
         self._loads[first] = load
         self._finder.submit(self._find, list(zip(self._tiers.loads, self.prefixes(namespace))), load)
         return load
@@ -286,7 +312,7 @@ class ServiceStorage:
         try:
             found = len(load.keys)
             for tier, prefix in shards:
-                found = tier.stored_prefix(load.keys[:found], prefix) if found else 0
+                found = tier.stored_prefix(load.keys[:found], prefix, None if load.names is None else load.names[:found]) if found else 0
         except Exception as e:  # (the store's faults are mapped to 0 already; this keeps the load from hanging on anything else)
             log.warning("L3 lookup of %d keys failed: %s", len(load.keys), e)
         finally:
@@ -320,8 +346,9 @@ class ServiceStorage:
         if not pages:
             return False
         keys = keys[: len(pages)]
+        names = None if load.names is None else load.names[: len(keys)]
         for tier, prefix in zip(self._tiers.loads, self.prefixes(load.namespace)):
-            job = tier.submit("prefetch", keys, pages, tag=load, prefix=prefix)
+            job = tier.submit("prefetch", keys, pages, tag=load, prefix=prefix, names=names)
             if job is None:
                 for j in load.jobs:  # (the shards' jobs already queued read into pages nobody is offered, then stop)
                     j.cancel()

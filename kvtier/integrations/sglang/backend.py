@@ -270,12 +270,16 @@ class KvtierStorage(HiCacheStorage):
     def _service(self) -> ServicePages:
         with self._service_lock:
             if self.service is None:
-                group = [self._kv.pages] + [p.pages for p in self._pools.values() if p.kv_derived]
+                pools = [self._kv] + [p for p in self._pools.values() if p.kv_derived]
+                group = [p.pages for p in pools]
                 namespace = Namespace(self.model, region_format(group).fingerprint, self._shard_rank(PoolName.KV), self.options.salt)
+                # (a service with L3 names each row's objects by the engine's rank: where a pool's shard is another, its
+                # objects would not be this backend's own L3's, so the format does not say how to store them)
+                objects = all(self._shard_rank(p.name) == namespace.tp_rank for p in pools)
                 o = self.options
                 self.service = ServicePages(o.socket_path, str(namespace), group, deadline_s=o.service_timeout_s,
                                             lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault,
-                                            service_uid=o.service_uid)
+                                            service_uid=o.service_uid, objects=objects)
             return self.service
 
     def _pool(self, name) -> _Pool:
@@ -342,7 +346,7 @@ class KvtierStorage(HiCacheStorage):
             return []
         t0 = time.perf_counter()
         if self.options.service is not None:
-            run = self._service().read(pool.pages, [pool.key16(k) for k in keys], list(pages))
+            run = self._service().read(pool.pages, [pool.key16(k) for k in keys], list(keys), list(pages))
         else:
             got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read")
             run = got.index(False) if False in got else len(got)
@@ -395,7 +399,7 @@ class KvtierStorage(HiCacheStorage):
         """The region pages of ``pages`` (every pool on these page ids: a page goes with its indexer); the
         leading run the service has already is not written again."""
         service = self._service()
-        done = service.write([pool.key16(k) for k in keys], list(pages))
+        done = service.write([pool.key16(k) for k in keys], list(keys), list(pages))
         self._count_write(pool, done.stored, done.written, time.perf_counter() - t0, service.format.page_bytes)
         return [i < done.stored + done.written for i in range(len(keys))]
 
@@ -417,7 +421,7 @@ class KvtierStorage(HiCacheStorage):
         """Leading ``keys`` stored for ``pool`` (a fault, or a store marked down, counts as absent)."""
         keys = keys[: self._valid_prefix(keys)]
         if self.options.service is not None:  # (one region page holds the pages of every pool the service holds)
-            return self._service().stored([pool.key16(k) for k in keys])
+            return self._service().stored([pool.key16(k) for k in keys], list(keys))
         if not keys or not self.breaker.available:
             return 0
         found = [0]

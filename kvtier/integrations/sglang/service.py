@@ -10,6 +10,14 @@ between SGLang's host pool and the region whole, page by page (:class:`PoolPages
 copies every group pool's page before it is published, a read copies the one pool's row it is asked
 for.
 
+**The service's L3.** A row is the payload of its pool's L3 page object, and the format says how
+(:meth:`~kvtier.service.region.RegionFormat.of_rows`: each pool's fingerprint and page size). The
+pages' keys are the digests of SGLang's page hashes; the hashes themselves go beside them (the ops'
+``names``) where the service may need to name an object -- a lookup that asks what exists or reads
+(the service fetches the rest of the run from L3), a publish (it saves what was published) -- so a
+service with ``--storage-url`` stores and finds the very objects this backend's own L3 would
+(``namespace/<page hash>``, same header and bytes).
+
 **Connections.** SGLang calls the backend from several threads at once (its prefetch query, its
 prefetch I/O and its backup thread). Each thread gets a connection of its own: a lookup's holds are a
 connection's (the service ends a lookup's run at a page the connection holds already), and one thread's
@@ -38,34 +46,34 @@ lists this server within seconds of (re)appearing and its region is mapped for S
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-import xxhash
 
 from kvtier.errors import ServiceError, ServiceProtocolError
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
 from kvtier.service.client import ServiceClient, lookup_deadline
+from kvtier.service.messages import MAX_OBJECT_NAME
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.heartbeat import HEARTBEAT_S, Heartbeat
-from kvtier.service.region import RegionFormat
+from kvtier.service.region import RegionFormat, RowObject
 
 log = logging.getLogger(__name__)
 
-#: a region page's rows are laid out one after another per buffer; one "layer" per row (the pool's whole page)
-_ROW_LAYERS = 1
 
-
-def region_format(group: Sequence[PoolPages]) -> RegionFormat:
-    """The region page of ``group`` (the KV pool first, then the pools on its page ids): one row per pool."""
-    fingerprint = xxhash.xxh3_64_hexdigest(json.dumps(["sglang", *(p.fingerprint for p in group)]).encode())
-    return RegionFormat(fingerprint, "page_first", _ROW_LAYERS, tuple(p.payload_bytes for p in group))
+def region_format(group: Sequence[PoolPages], *, objects: bool = True) -> RegionFormat:
+    """The region page of ``group`` (the KV pool first, then the pools on its page ids): one row per pool, each
+    the payload of that pool's L3 page object. ``objects``: the format says how each row is an object (its pool's
+    fingerprint and page size), so a service with L3 can store the objects this engine's own L3 would."""
+    rows = [RowObject(p.fingerprint, p.page_size) for p in group]
+    fmt = RegionFormat.of_rows(rows, [p.payload_bytes for p in group])
+    return fmt if objects else dataclasses.replace(fmt, rows=None)
 
 
 @dataclass(frozen=True)
@@ -84,7 +92,7 @@ class _Session:
         self.client = client
         self.memory = memory  # keeps the mapping alive while this session may copy
         self.bytes = memoryview(memory.numpy()).cast("B")
-        self.row_offsets = region_offsets(fmt.buffer_page_bytes, _ROW_LAYERS, client.num_pages)[0]
+        self.row_offsets = region_offsets(fmt.buffer_page_bytes, fmt.num_layers, client.num_pages)[0]
         self.row_bytes = fmt.buffer_page_bytes
 
     def row(self, row: int, page: int) -> memoryview:
@@ -107,12 +115,13 @@ class ServicePages:
     ``service_uid``: the uid the service runs as where it is not this process's (:class:`ServiceClient`'s)."""
 
     def __init__(self, socket_path: str, namespace: str, group: Sequence[PoolPages], *, deadline_s: float,
-                 lookup_deadline_s: float | None, on_fault: Callable[[], None] = lambda: None, service_uid: int | None = None):
+                 lookup_deadline_s: float | None, on_fault: Callable[[], None] = lambda: None, service_uid: int | None = None,
+                 objects: bool = True):
         self.socket_path = socket_path
         self.service_uid = service_uid
         self.namespace = namespace
         self.group = list(group)
-        self.format = region_format(self.group)
+        self.format = region_format(self.group, objects=objects)
         self.deadline_s = deadline_s
         #: the deadline of every call from SGLang's threads, attaching again included
         self.lookup_deadline_s = lookup_deadline(deadline_s, lookup_deadline_s)
@@ -233,28 +242,30 @@ class ServicePages:
         log.warning("kvtier HiCache storage: the node service at %s is lost (%s); misses until it is back", self.socket_path, error)
 
     # ---- pages ---------------------------------------------------------------------------------
-    def stored(self, keys: list[bytes]) -> int:
-        """How many leading ``keys`` the service holds (held for the answer, released at once)."""
-        return self._held_run(keys, lambda _session, _held: None)
+    def stored(self, keys: list[bytes], names: list[str]) -> int:
+        """How many leading ``keys`` (of the page hashes ``names``) the service holds (held for the answer, released at
+        once); a service with L3 may bring the rest of the run from it first."""
+        return self._held_run(keys, names, lambda _session, _held: None)
 
-    def read(self, pool: PoolPages, keys: list[bytes], into: list[int]) -> int:
-        """The leading run of ``keys`` the service holds, copied into ``pool``'s pages ``into``; how many."""
+    def read(self, pool: PoolPages, keys: list[bytes], names: list[str], into: list[int]) -> int:
+        """The leading run of ``keys`` (of the page hashes ``names``) the service holds, copied into ``pool``'s pages
+        ``into``; how many."""
         row = self.row_of(pool)
 
         def copy_in(session: _Session, held: list[int]) -> None:
             for page, region_page in zip(into, held):
                 _copy_in(pool, page, session.row(row, region_page))
 
-        return self._held_run(keys, copy_in)
+        return self._held_run(keys, names, copy_in)
 
-    def _held_run(self, keys: list[bytes], use: Callable[[_Session, list[int]], None]) -> int:
+    def _held_run(self, keys: list[bytes], names: list[str], use: Callable[[_Session, list[int]], None]) -> int:
         """The leading run of ``keys`` the service holds, held while ``use(session, pages)`` runs and released
         after it; its length, or 0 when the service is not attached or was lost on the way."""
         session = self._session() if keys else None
         if session is None:
             return 0
         try:
-            held = session.client.lookup(keys)  # (checked: distinct ids of the region, no more than asked)
+            held = session.client.lookup(keys, self._names(names))  # (checked: distinct ids of the region, no more than asked)
             try:
                 use(session, held)
             finally:
@@ -265,10 +276,10 @@ class ServicePages:
             return 0
         return len(held)
 
-    def write(self, keys: list[bytes], pages: list[int]) -> WriteResult:
-        """Every group pool's ``pages`` into region pages under ``keys``: the leading run the service has
-        is skipped, the rest reserved, copied, then published (and released: the service's LRU may evict
-        them once no engine holds them)."""
+    def write(self, keys: list[bytes], names: list[str], pages: list[int]) -> WriteResult:
+        """Every group pool's ``pages`` into region pages under ``keys`` (of the page hashes ``names``): the leading
+        run the service has is skipped, the rest reserved, copied, then published (and released: the service's LRU
+        may evict them once no engine holds them)."""
         for pool in self.group[1:]:  # the pools on the KV pool's page ids: those pages exist in each
             check_pages_in_range(torch.tensor(pages, dtype=torch.int64), pool.num_pages, pool=f"SGLang host pool {pool.name!r}",
                                  side="host")
@@ -277,7 +288,7 @@ class ServicePages:
             return WriteResult(0, 0)
         written = 0
         try:
-            held = session.client.lookup(keys)
+            held = session.client.lookup(keys)  # (no names: nothing is fetched from L3 for pages about to be written)
             if held:
                 session.client.release(held)
             todo = len(keys) - len(held)
@@ -285,7 +296,8 @@ class ServicePages:
             for region_page, page in zip(got, pages[len(held):]):
                 for row, pool in enumerate(self.group):
                     _copy_out(pool, page, session.row(row, region_page))
-            session.client.publish_and_release(got, keys[len(held):len(held) + len(got)])
+            span = slice(len(held), len(held) + len(got))
+            session.client.publish_and_release(got, keys[span], self._names(names[span]))
             written = len(got)
             with self._lock:
                 self.skipped_pages += todo - written
@@ -293,6 +305,13 @@ class ServicePages:
             self._lose(session, e)
             return WriteResult(0, 0)
         return WriteResult(len(held), written)
+
+    def _names(self, names: list[str]) -> list[str] | None:
+        """The object names an op carries: none where the format does not say how its rows are objects, or a name
+        is longer than the service takes (that op's pages are then neither saved to L3 nor fetched from it)."""
+        if self.format.rows is None or any(len(n) > MAX_OBJECT_NAME for n in names):
+            return None
+        return names
 
     def close(self) -> None:
         """Stop the heartbeat, then detach every thread's session, the heartbeat's included (SGLang stopped its

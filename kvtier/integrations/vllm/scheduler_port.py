@@ -30,11 +30,12 @@ log = logging.getLogger(__name__)
 
 
 class StoreProbe:
-    """``exists`` over the L3 objects of every rank (one key prefix per rank), from the scheduler."""
+    """``exists`` over the L3 objects of every rank (one key prefix per rank; one for them all where every rank
+    loads the same object: MLA's latent), from the scheduler."""
 
     def __init__(self, storage: StorageConfig, prefixes: Sequence[str]):
         self.backend = open_backend(storage.url)
-        self.prefixes = list(prefixes)
+        self.prefixes = list(dict.fromkeys(prefixes))
         self.breaker = CircuitBreaker(self.backend, storage.cooldown_s, storage.max_cooldown_s, probe_key=f"{self.prefixes[0]}/probe")
 
     def stored_prefix(self, keys: Sequence[bytes]) -> int:

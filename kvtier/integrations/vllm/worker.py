@@ -62,7 +62,7 @@ from kvtier.pools import HostPool
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import SessionWriter
 from kvtier.service.peer import check_socket_dir
-from kvtier.service.region import Region, RegionFormat, map_region
+from kvtier.service.region import REPLICATED_ATTENTION, Region, RegionFormat, map_region
 from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
 
@@ -87,6 +87,8 @@ class WorkerStats:
     copies_abandoned: int = 0
     #: on the node service with MLA's latent (one shard every rank shares): copies out this rank left to rank 0
     copies_out_left_to_rank0: int = 0
+    #: with an L3 of its own and MLA's latent at TP>1 (one object a page, every rank's): saves this rank left to rank 0
+    saves_left_to_rank0: int = 0
     #: bytes of full-attention pages copied into vLLM's blocks
     loaded_bytes: int = 0
     #: a hybrid model, per KV group beside full attention: its objects (sliding-window pages, state
@@ -120,6 +122,8 @@ class ConnectorWorker:
         #: a region page holds one shard every rank shares (MLA's latent) and this rank is not rank 0: its copies
         #: out are rank 0's to make (it reports them done at once; the scheduler publishes when rank 0's is)
         self._leaves_copies_out = False
+        #: MLA's latent in an L3 of its own at TP>1: rank 0 saves each page's one object, every rank loads it
+        self._leaves_saves = False
         self._join_backoff = AttachBackoff()
         self.groups = groups if groups is not None and len(groups) > 1 else None
         self.stats = WorkerStats()
@@ -178,9 +182,13 @@ class ConnectorWorker:
             host = HostPool(spec, pages, tiers.host_layout)
             pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
             fingerprint = model_spec(self.model_name, self.groups, {"full": spec, **{n: sp for n, (sp, _) in built.items()}}).fingerprint()
-        # (the split is in it: a rank's shard is another head at another split, see split_fingerprint)
-        namespace = self.namespace = Namespace(self.model_name, split_fingerprint(fingerprint, self.tp_size), self.tp_rank,
-                                               self.options.salt)
+        # (the split is in it: a rank's shard is another head at another split, see split_fingerprint). MLA's latent, the same
+        # on every rank, is one L3 object a page, in rank 0's namespace: rank 0 saves it, every rank loads it (a hybrid
+        # model's other groups keep one object a rank)
+        replicated = self.groups is None and spec.attention in REPLICATED_ATTENTION and self.tp_size > 1
+        self._leaves_saves = replicated and self.tp_rank > 0
+        namespace = self.namespace = Namespace(self.model_name, split_fingerprint(fingerprint, self.tp_size),
+                                               0 if replicated else self.tp_rank, self.options.salt)
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
         self._group_page_bytes = {name: hp.spec.page_bytes for name, (_, hp) in pools.items()}
         self._num_layers = len(self._layer_index)
@@ -305,6 +313,10 @@ class ConnectorWorker:
             if p.src is Tier.DEVICE and self._leaves_copies_out:  # rank 0 writes the one shard every rank shares
                 self._done[p.op] = Done(p.op)
                 self.stats.copies_out_left_to_rank0 += 1
+                continue
+            if p.dst is Tier.STORAGE and self._leaves_saves:  # rank 0 saves the one object every rank loads
+                self._done[p.op] = Done(p.op)
+                self.stats.saves_left_to_rank0 += 1
                 continue
             self._open[p.op] = p
             if p.src is Tier.DEVICE:

@@ -1,0 +1,140 @@
+"""SGLang's storage backend on a node service with an L3 tier (``kvtier serve --storage-url``), driven by SGLang
+0.5.23's own classes on CPU (its backend factory, host pools and controller storage methods) against a real
+``kvtier serve`` subprocess: the service stores and finds the very objects the backend's own L3 writes
+(``namespace/<SGLang's page hash>``, the pool's header and bytes), both ways, per rank of a tensor-parallel
+MHA model and once for an MLA model's latent with its DSA indexer.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from support.service import query_status_of, start_service, stop
+from support.sglang_helpers import (
+    PoolName,
+    attach,
+    backup,
+    controller,
+    dsa_indexer_pool,
+    fill,
+    mha_pool,
+    mla_pool,
+    page_bytes,
+    page_keys,
+    prefetch,
+    storage_config,
+)
+from kvtier.service.messages import MAX_OBJECT_NAME
+
+pytestmark = pytest.mark.timeout(300)
+
+P = 4  # tokens per page in every pool below
+TOKENS = list(range(48))
+PAGES = len(TOKENS) // P
+KEYS = page_keys(TOKENS, P)
+
+
+def _objects(root) -> dict[str, bytes]:
+    """A file store's objects: path under the store -> bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _ranks(kind: str) -> list[dict]:
+    """Each rank's pools (filled: the ranks' bytes differ for MHA, where each holds its own heads; MLA's latent and
+    indexer are the same on every rank) and its storage options."""
+    ranks = []
+    for r in range(2):
+        if kind == "mha":
+            pool, sidecars, opts = mha_pool(), (), {}
+            fill(pool, seed=10 + r)
+        else:
+            pool = mla_pool()
+            sidecars, opts = ((PoolName.INDEXER, dsa_indexer_pool(pool)),), {"mla": True}
+            fill(pool, seed=10)
+            fill(sidecars[0][1], seed=11)
+        ranks.append({"pool": pool, "sidecars": sidecars, "opts": {"tp_rank": r, "tp_size": 2, **opts}, "idx": pool.alloc(len(TOKENS))})
+    return ranks
+
+
+def _back_up(url: str | None, rank: dict, **options) -> int:
+    """Rank ``rank``'s pages backed up, as SGLang's controller does, to a backend of ``url`` (None: the service
+    ``options`` name); the pages it backed up."""
+    backend = attach(storage_config(url, **rank["opts"], **options), rank["pool"], *rank["sidecars"])
+    try:
+        return backup(controller(backend, rank["pool"]), KEYS, rank["idx"], sidecars=[n for n, _ in rank["sidecars"]]) // P
+    finally:
+        backend.close()
+
+
+def _read_back(url: str | None, rank: dict, fresh: dict, **options) -> int:
+    """Pages brought into ``fresh``'s pools (a rank's new pools) from a backend of ``url`` (or the service), checked bit-exact
+    against ``rank``'s: how many came."""
+    pool, sidecars = fresh["pool"], fresh["sidecars"]
+    backend = attach(storage_config(url, **rank["opts"], **options), pool, *sidecars)
+    try:
+        pool.alloc(8)  # other slots than the writer's
+        idx = pool.alloc(len(TOKENS))
+        got = prefetch(controller(backend, pool), KEYS, idx, sidecars=[n for n, _ in sidecars])
+        for (_n, src), (_m, dst) in zip(((None, rank["pool"]), *rank["sidecars"]), ((None, pool), *sidecars)):
+            assert [page_bytes(dst, i) for i in idx[::P][:got].tolist()] == [page_bytes(src, i) for i in rank["idx"][::P][:got].tolist()]
+        return got
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("kind", ["mha", "dsa"])
+def test_the_service_stores_and_finds_the_objects_sglangs_own_l3_writes(tmp_path, kind):
+    """Rank 0 and 1 of a TP=2 server attached to a service with file L3 back up their pages; the service saves them
+    (SIGTERM drains the saves) as exactly the files the backend's own file L3 writes of the same pages -- one object
+    per rank and page for MHA, one per page and pool (latent, indexer) for MLA+DSA, written by SGLang's storage writer
+    only. Then each way round: the backend's own L3 reads what the service saved, and a service over what the
+    backend's own L3 saved brings it into its region for an attached server: every page, bit-exact."""
+    sock = str(tmp_path / "run" / "node.sock")
+    via_service, own = tmp_path / "l3-service", tmp_path / "l3-own"
+    service = {"service": f"unix://{sock}", "service_lookup_timeout_s": 4.0}  # (a lookup may wait up to 2 s for L3)
+    ranks = _ranks(kind)
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{via_service}", "--drain-timeout-s", "30")
+    try:
+        backed_up = [_back_up(None, rank, **service) for rank in ranks]
+        status = query_status_of(sock)()
+    finally:
+        assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
+    # (MLA: rank 1 is not SGLang's storage writer: it finds rank 0's pages stored, and writes none)
+    assert backed_up == [PAGES, PAGES] and status["published_pages"] == (2 if kind == "mha" else 1) * PAGES
+    assert status["l3"]["save_failed_pages"] == 0
+    for rank in ranks:
+        _back_up(f"file://{own}", rank)
+    written = _objects(own)
+    assert len(written) == 2 * PAGES  # MHA: a page per rank; MLA+DSA: a latent page and an indexer page
+    assert _objects(via_service) == written
+    for r, rank in enumerate(ranks):  # the service's objects, read by the backend's own L3
+        assert _read_back(f"file://{via_service}", rank, _ranks(kind)[r]) == PAGES
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{own}")  # the backend's own objects, through a service
+    try:
+        for r, rank in enumerate(ranks):
+            assert _read_back(None, rank, _ranks(kind)[r], **service) == PAGES
+        status = query_status_of(sock)()
+        assert status["l3"]["fetched_pages"] == (2 if kind == "mha" else 1) * PAGES and status["l3"]["corrupt_pages"] == 0
+    finally:
+        assert stop(svc.proc) == 0
+
+
+def test_a_page_whose_hash_is_too_long_to_name_stays_in_the_region_and_out_of_l3(tmp_path):
+    """SGLang's keys are strings of any length; one longer than the service takes as an object name is backed up into
+    the region (a hit there) and neither saved to L3 nor asked of it -- never a refused connection."""
+    sock = str(tmp_path / "run" / "node.sock")
+    store = tmp_path / "l3"
+    long_keys = ["k" * (MAX_OBJECT_NAME + 1) + key for key in KEYS]
+    pool = mha_pool()
+    fill(pool, seed=3)
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{store}", "--drain-timeout-s", "30")
+    try:
+        backend = attach(storage_config(None, service=f"unix://{sock}"), pool)
+        idx = pool.alloc(len(TOKENS))
+        op_tokens = backup(controller(backend, pool), long_keys, idx)
+        assert op_tokens == len(TOKENS) and backend.batch_exists(long_keys) == PAGES
+        assert backend.get_stats().faults == 0 and backend.service.losses == 0
+        backend.close()
+    finally:
+        assert stop(svc.proc) == 0
+    assert _objects(store) == {}
