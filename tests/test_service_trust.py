@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+import xxhash
 
 from support.fake_service import CorruptingProxy, FakeService, ForkedFake
 from support.service import OtherUser
@@ -459,7 +460,8 @@ class _BytePages:
     of ``payload_bytes`` in one buffer, each page one run."""
 
     def __init__(self, num_pages: int, payload_bytes: int = 256):
-        self.num_pages, self.payload_bytes, self.name, self.fingerprint = num_pages, payload_bytes, "kv", f"bytes-{payload_bytes}"
+        self.num_pages, self.payload_bytes, self.name, self.page_size = num_pages, payload_bytes, "kv", 1
+        self.fingerprint = xxhash.xxh3_64_hexdigest(f"bytes-{payload_bytes}".encode())
         self.buf = bytearray(num_pages * payload_bytes)
 
     def views(self, page: int) -> list[memoryview]:
@@ -480,7 +482,8 @@ def test_sglang_threads_behind_a_service_that_answers_at_random_raise_nothing_an
     (tmp_path / "run").mkdir(mode=0o700)
     sock = str(tmp_path / "run" / "node.sock")
     src, dst = _BytePages(64), _BytePages(64)
-    keys = [i.to_bytes(2, "big") * 8 for i in range(48)]
+    names = [f"page-{i}" for i in range(48)]  # (SGLang's page hashes; the keys their digests)
+    keys = [xxhash.xxh3_128_digest(name.encode()) for name in names]
     with _node_service(real):
         proxy = CorruptingProxy(sock, real, seed=46, rate=0.0, fake_paths=[], num_pages=1)
         writer = ServicePages(sock, "sglang-ns", [src], deadline_s=10.0, lookup_deadline_s=2.0)
@@ -493,17 +496,17 @@ def test_sglang_threads_behind_a_service_that_answers_at_random_raise_nothing_an
             read = 0
             for _ in range(400):
                 start, n = rng.randrange(0, 40), rng.randrange(1, 9)
-                run, pages = keys[start : start + n], list(range(start, start + n))
+                run, run_names, pages = keys[start : start + n], names[start : start + n], list(range(start, start + n))
                 for key, page in zip(run, pages):
                     src.views(page)[0][:] = src.payload(key)
                 if rng.random() < 0.5:
-                    writer.write(run, pages)
+                    writer.write(run, run_names, pages)
                 into = [rng.randrange(64) for _ in run]
                 into = list(dict.fromkeys(into))[: len(run)]
-                got = reader.read(dst, run[: len(into)], into)
+                got = reader.read(dst, run[: len(into)], run_names[: len(into)], into)
                 assert all(bytes(dst.views(p)[0]) == dst.payload(k) for p, k in zip(into[:got], run)), "a page read holds another's bytes"
                 read += got
-                reader.stored(run)
+                reader.stored(run, run_names)
             assert read > 0 and proxy.corrupted >= 20
             assert writer.protocol_errors + reader.protocol_errors >= 10, (writer.protocol_errors, reader.protocol_errors)
             assert writer.protocol_errors + reader.protocol_errors <= proxy.corrupted

@@ -42,7 +42,9 @@ region (:mod:`.service`): SGLang servers on one node attached to one service sha
 them -- what one backs up, another prefetches -- in the same namespaces. The service
 holds the KV pool and the pools on its page ids (the DSA indexer: one region page
 holds a page and its indexer); any other pool (a sliding-window layer's, Mamba state)
-is a :class:`~kvtier.errors.ConfigError` when it is registered. Faults stay misses:
+is a :class:`~kvtier.errors.ConfigError` when it is registered. A service with an L3 store of its own
+(``kvtier serve --storage-url``) saves and loads the very objects this backend's own L3 writes (the page
+hashes travel beside their digests for it: :mod:`.service`). Faults stay misses:
 a service that is down, stalled past ``service_lookup_timeout_s`` or drops the
 connection gives misses, and the backend attaches again on its own.
 """
