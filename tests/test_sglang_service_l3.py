@@ -7,6 +7,10 @@ MHA model and once for an MLA model's latent with its DSA indexer.
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+
 import pytest
 
 from support.service import query_status_of, start_service, stop
@@ -138,3 +142,39 @@ def test_a_page_whose_hash_is_too_long_to_name_stays_in_the_region_and_out_of_l3
     finally:
         assert stop(svc.proc) == 0
     assert _objects(store) == {}
+
+
+def test_a_service_killed_and_started_again_adopts_sglangs_region_and_saves_what_comes_after_as_its_own_l3_would(tmp_path):
+    """The region's format.json keeps how each row is an object: a service SIGKILLed and started again on the socket
+    with the same L3 adopts the region of SGLang's pages (a hit there for a new server), and the pages backed up after
+    the restart are saved under the names SGLang's own L3 gives them, the same bytes."""
+    sock = str(tmp_path / "run" / "node.sock")
+    store, own = tmp_path / "l3-service", tmp_path / "l3-own"
+    service = {"service": f"unix://{sock}", "service_lookup_timeout_s": 4.0}
+    rank = _ranks("mha")[0]
+    half = dict(rank, idx=rank["idx"][: len(TOKENS) // 2])
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{store}")
+    region = None
+    try:
+        backend = attach(storage_config(None, **rank["opts"], **service), rank["pool"])
+        assert backup(controller(backend, rank["pool"]), KEYS[: PAGES // 2], half["idx"]) // P == PAGES // 2
+        region = query_status_of(sock)()["region"]
+        backend.close()
+        os.kill(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait(30)
+        svc = start_service(sock, 0.01, "--storage-url", f"file://{store}")
+        adopted = query_status_of(sock)()["adopted"]
+        assert adopted["region"] == region and adopted["pages"] == PAGES // 2
+        reader = attach(storage_config(None, **rank["opts"], **service), mha_pool())
+        assert reader.batch_exists(KEYS) == PAGES // 2  # the adopted pages (the rest is in no tier yet)
+        reader.close()
+        assert _back_up(None, rank, **service) == PAGES
+    finally:
+        assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
+        if region is not None:
+            shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+    _back_up(f"file://{own}", rank)
+    saved, written = _objects(store), _objects(own)
+    after = {path for path in written if path.rsplit("/", 1)[-1] in KEYS[PAGES // 2:]}
+    assert len(after) == PAGES // 2 and after <= set(saved)  # every page backed up after the restart, saved
+    assert all(written[path] == data for path, data in saved.items())  # and each object the service saved, SGLang's own
