@@ -31,7 +31,7 @@ from kvtier.config import StorageConfig, TierConfig
 from kvtier.pools.host import HostPool
 from kvtier.service.client import ServiceClient
 from kvtier.service.messages import MAX_WAIT_S, Hello
-from kvtier.service.region import RegionFormat, RowObject, map_region
+from kvtier.service.region import RegionFormat, RowObject, map_region, rows_fingerprint
 from kvtier.l3.page import HEADER_BYTES
 from kvtier.l3.registry import open_backend
 from kvtier.service.server import NodeService, ServeConfig
@@ -422,6 +422,10 @@ def test_a_bad_wait_or_a_hello_without_the_right_spec_is_a_typed_error_and_the_s
                              "publish names 1 keys and 0 objects"),
             "a name not text": ([{"op": "lookup", "keys": ["ab" * 16], "names": [7]}], "7 is not an object name"),
             "a name too long": ([{"op": "lookup", "keys": ["ab" * 16], "names": ["x" * 513]}], "is not an object name"),
+            "a name with a slash": ([{"op": "lookup", "keys": [xxh3_128_hexdigest(b"ns/x")], "names": ["ns/x"]}],
+                                    "'ns/x' is not an object name (a string of 1 to 512 characters of UTF-8 text, no '/')"),
+            "a row twice": ([hello("raw", ROWS | {"fingerprint": rows_fingerprint(["0123456789abcdef"] * 2),
+                                                  "row_objects": [["0123456789abcdef", 4]] * 2})], "names a row object twice"),
         }
         for name, (ops, text) in cases.items():
             err = _refusal(sock, ops)

@@ -7,6 +7,7 @@ MHA model and once for an MLA model's latent with its DSA indexer.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -28,7 +29,11 @@ from support.sglang_helpers import (
     prefetch,
     storage_config,
 )
+from kvtier.errors import ServiceError
+from kvtier.hashing import Namespace
+from kvtier.service.client import ServiceClient
 from kvtier.service.messages import MAX_OBJECT_NAME
+from kvtier.service.region import RegionFormat, RowObject
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -123,12 +128,14 @@ def test_the_service_stores_and_finds_the_objects_sglangs_own_l3_writes(tmp_path
         assert stop(svc.proc) == 0
 
 
-def test_a_page_whose_hash_is_too_long_to_name_stays_in_the_region_and_out_of_l3(tmp_path):
-    """SGLang's keys are strings of any length; one longer than the service takes as an object name is backed up into
-    the region (a hit there) and neither saved to L3 nor asked of it -- never a refused connection."""
+@pytest.mark.parametrize("odd", ["too long", "a slash"])
+def test_a_page_whose_hash_the_service_cannot_name_stays_in_the_region_and_out_of_l3(tmp_path, odd):
+    """SGLang's keys are strings of any content; one the service does not take as an object name (longer than it takes,
+    or with a "/", which a store would split off as a namespace) is backed up into the region (a hit there) and
+    neither saved to L3 nor asked of it -- never a refused connection."""
     sock = str(tmp_path / "run" / "node.sock")
     store = tmp_path / "l3"
-    long_keys = ["k" * (MAX_OBJECT_NAME + 1) + key for key in KEYS]
+    long_keys = ["k" * (MAX_OBJECT_NAME + 1) + key if odd == "too long" else f"ns/{key}" for key in KEYS]
     pool = mha_pool()
     fill(pool, seed=3)
     svc = start_service(sock, 0.01, "--storage-url", f"file://{store}", "--drain-timeout-s", "30")
@@ -178,3 +185,22 @@ def test_a_service_killed_and_started_again_adopts_sglangs_region_and_saves_what
     after = {path for path in written if path.rsplit("/", 1)[-1] in KEYS[PAGES // 2:]}
     assert len(after) == PAGES // 2 and after <= set(saved)  # every page backed up after the restart, saved
     assert all(written[path] == data for path, data in saved.items())  # and each object the service saved, SGLang's own
+
+
+def test_an_engine_whose_rows_are_framed_otherwise_than_the_regions_is_refused(tmp_path):
+    """The rows' page sizes are not in the format's fingerprint: an engine whose rows name another page size than the
+    region's first engine did is refused at hello (its objects would be saved framed as the region's), a typed error."""
+    sock = str(tmp_path / "run" / "node.sock")
+    rows = [RowObject("0123456789abcdef", 4), RowObject("fedcba9876543210", 4)]
+    fmt = RegionFormat.of_rows(rows, [64, 16])
+    namespace = str(Namespace("tiny", fmt.fingerprint, 0))
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{tmp_path / 'l3'}")
+    try:
+        first = ServiceClient(sock, namespace, fmt)
+        other = dataclasses.replace(fmt, rows=(rows[0], RowObject(rows[1].fingerprint, 1)))
+        with pytest.raises(ServiceError, match="holds pages of another format.*needs a service of its own"):
+            ServiceClient(sock, namespace, other)
+        ServiceClient(sock, namespace, fmt).close()  # the same rows attach
+        first.close()
+    finally:
+        assert stop(svc.proc) == 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from support.service import running_service, start_service, stop, wait_until
 from support.vllm_split import BS, TOKENS, Engine, ask, gate_copies, request, serve, start
 
 from kvtier.errors import ConfigError, ServiceError, ServiceUnavailableError
+from kvtier.integrations.vllm.connector import context_parallel
 from kvtier.integrations.vllm.groups import VllmGroup
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler import ConnectorScheduler
@@ -297,6 +299,33 @@ def test_mlas_latent_is_one_l3_object_a_page_through_a_service_or_an_engines_own
             e.close()
     finally:
         assert stop(svc.proc) == 0
+
+
+def test_under_context_parallelism_each_rank_keeps_its_own_mla_objects_in_its_own_l3(tmp_path):
+    """Decode or prefill context parallelism splits MLA's latent by tokens across the ranks: the connector tells the
+    workers so (context_parallel), and each rank saves and loads objects of its own -- rank 1 never gets rank 0's."""
+    parallel = SimpleNamespace(pipeline_parallel_size=1, decode_context_parallel_size=2, prefill_context_parallel_size=None)
+    assert context_parallel(parallel) == {"decode_context_parallel": 2, "prefill_context_parallel": 1}
+    own = tmp_path / "l3"
+    c = Engine(f"file://{own}", seed=1, mla=True, shared_latent=False)
+    g = torch.Generator().manual_seed(99)
+    for t in c.kv[1].values():  # rank 1's latent is other tokens'
+        t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    want = [[c.page(r, blk) for blk in (3, 7, 5)] for r in range(2)]
+    assert want[0] != want[1]
+    try:
+        serve(c, "c", TOKENS, [3, 7, 5, 9])
+        c.settle()
+        assert c.workers[1].stats.saves_left_to_rank0 == 0
+    finally:
+        c.close()
+    assert len(_objects(own)) == 2 * PAGES  # one object per rank and page
+    d = Engine(f"file://{own}", seed=2, mla=True, shared_latent=False)
+    try:
+        _req, external, _hit = serve(d, "d", TOKENS, [0, 1, 2, 4])
+        assert external == PAGES * BS and [[d.page(r, blk) for blk in (0, 1, 2)] for r in range(2)] == want
+    finally:
+        d.close()
 
 
 def test_tensor_parallel_shards_go_through_a_services_l3_as_the_same_objects_an_engines_own_l3_writes(tmp_path):

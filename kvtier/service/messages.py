@@ -190,8 +190,11 @@ def _object_names(v: object) -> list[str]:
     for name in v:
         try:
             parse(name)
+            if "/" in name:  # (a store splits a name at its last "/": the part before would be a namespace of the engine's making)
+                raise Invalid
         except Invalid:
-            raise Invalid(f"{_show(name)} is not an object name (a string of 1 to {MAX_OBJECT_NAME} characters of UTF-8 text)") from None
+            raise Invalid(f"{_show(name)} is not an object name (a string of 1 to {MAX_OBJECT_NAME} characters of UTF-8 text, "
+                          "no '/')") from None
     return v
 
 

@@ -63,8 +63,6 @@ REGION_VERSION = 1
 
 #: attention whose KV every tensor-parallel rank holds whole (MLA's latent, DSA's latent and indexer)
 REPLICATED_ATTENTION = frozenset({"mla", "dsa"})
-#: the most rows a page of an engine's own pools may have (each one of its pools: SGLang's KV, indexer, drafts)
-MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,7 @@ class RowObject:
 
 def rows_fingerprint(fingerprints: list[str]) -> str:
     """The fingerprint of a region page whose rows are pools of these fingerprints (SGLang's KV pool first, then
-    the pools on its page ids): the format's identity, which binds every row's (:meth:`RegionFormat.of_rows`)."""
+    the pools on its page ids): the format's identity, which binds every row's fingerprint (:meth:`RegionFormat.of_rows`)."""
     return xxhash.xxh3_64_hexdigest(json.dumps(["sglang", *fingerprints]).encode())
 
 
@@ -127,7 +125,8 @@ class RegionFormat:
     def of_rows(cls, rows: list[RowObject], payload_bytes: list[int]) -> RegionFormat:
         """A page of an engine's own pools (SGLang's KV pool and the pools on its page ids), row ``i`` pool
         ``rows[i]``'s page of ``payload_bytes[i]`` bytes: one row after another per buffer, one "layer" per row
-        (page_first), each row the payload of that pool's L3 page object. The fingerprint binds the rows'."""
+        (page_first), each row the payload of that pool's L3 page object. The fingerprint binds the rows' fingerprints
+        (an SGLang pool's binds its page size: a service still refuses an engine whose rows differ from its region's)."""
         return cls(rows_fingerprint([r.fingerprint for r in rows]), "page_first", 1, tuple(payload_bytes), rows=tuple(rows))
 
     @property
@@ -199,6 +198,8 @@ def _rows_of(wire: object, fmt: RegionFormat) -> tuple[RowObject, ...]:
     if None in rows or fmt.layout != "page_first" or fmt.num_layers != 1:
         raise ServiceProtocolError(f"hello's format names row objects that are not one [16 hex digits, page size] per "
                                    f"buffer of a one-layer page_first page: {str(wire)[:120]}")
+    if len({r.fingerprint for r in rows}) != len(rows):
+        raise ServiceProtocolError(f"hello's format names a row object twice (each row is a pool of its own): {str(wire)[:120]}")
     if rows_fingerprint([r.fingerprint for r in rows]) != fmt.fingerprint:
         raise ServiceProtocolError(f"hello's format names row objects that are not the format's ({fmt.fingerprint}): "
                                    f"{str(wire)[:120]}")

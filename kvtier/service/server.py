@@ -429,7 +429,7 @@ class NodeService:
                                "this engine to a service without --storage-url")
         if self.storage is not None:
             shard_prefixes(op.namespace, fmt)  # (each shard's L3 namespace follows from it: else refused now)
-        if self._adopted_unclaimed and fmt != self.region.format:
+        if self._adopted_unclaimed and not _same_pages(fmt, self.region.format):
             self._drop_adopted(f"it holds pages of {self.region.format.fingerprint}, and the first engine attached is of "
                                f"{fmt.fingerprint}")
         claiming = self._adopted_unclaimed
@@ -439,9 +439,10 @@ class NodeService:
         elif self._check_region():
             raise ServiceError(f"the node service's region {self.region.path} {self.region_problem}: it cannot give a new engine "
                                "its pages; restart kvtier serve (its engines keep what they mapped, and attach again)")
-        elif fmt != self.region.format:
-            raise ServiceError(f"this service's region holds pages of another format ({self.region.format}); an engine of "
-                               f"{fmt} needs a service of its own (one page format per service)")
+        elif not _same_pages(fmt, self.region.format):
+            raise ServiceError(f"this service's region holds pages of another format ({self.region.format}, rows "
+                               f"{self.region.format.rows}); an engine of {fmt} (rows {fmt.rows}) needs a service of its own (one page "
+                               "format per service)")
         if claiming and self.storage is not None:
             self.storage.bind(self.region, self.index)
         if op.previous is not None and self._parked:
@@ -600,5 +601,12 @@ class NodeService:
                 c.saved_pages, c.save_failed_pages, "" if drained else f"; saves still under way after {self.config.drain_timeout_s:g} s "
                 "were dropped")
 
+
+
+def _same_pages(fmt: RegionFormat, region: RegionFormat) -> bool:
+    """Whether an engine of ``fmt`` may use a region of ``region``'s pages: the same format, and where both say how their
+    rows are objects, the same rows (rows framed otherwise -- another page size -- would have this engine's objects
+    saved as the region's first engine frames them)."""
+    return fmt == region and (fmt.rows is None or region.rows is None or fmt.rows == region.rows)
 
 check_handlers(NodeService)

@@ -23,7 +23,8 @@ class Engine:
     """One engine: a scheduler side and ``ranks`` workers, with vLLM's step protocol in between (``mla``: an
     MLA model, every rank's latent the same)."""
 
-    def __init__(self, url: str | None, ranks: int = 2, seed: int = 0, host_pages: int = 32, mla: bool = False, **options):
+    def __init__(self, url: str | None, ranks: int = 2, seed: int = 0, host_pages: int = 32, mla: bool = False, shared_latent: bool = True,
+                 **options):
         extra = {"host_pages": host_pages, **({"storage_url": url} if url else {}), **options}
         self.options = ConnectorOptions.from_extra_config(extra)
         g = torch.Generator().manual_seed(seed)
@@ -34,7 +35,7 @@ class Engine:
             self.kv = [{f"layer{i}": torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16) for i in range(LAYERS)}
                        for _ in range(ranks)]
         shape, name = (MLA_SHAPE, "tiny-mla") if mla else (SHAPE, "tiny")
-        self.workers = [ConnectorWorker(self.options, shape, name, r, tp_size=ranks) for r in range(ranks)]
+        self.workers = [ConnectorWorker(self.options, shape, name, r, tp_size=ranks, shared_latent=shared_latent) for r in range(ranks)]
         shakes = {r: pickle.loads(pickle.dumps(w.register(self.kv[r]))) for r, w in enumerate(self.workers)}
         self.scheduler = ConnectorScheduler(self.options, BS, ranks, name)
         self.scheduler.handshake(shakes)

@@ -308,8 +308,9 @@ class ServicePages:
 
     def _names(self, names: list[str]) -> list[str] | None:
         """The object names an op carries: none where the format does not say how its rows are objects, or a name
-        is longer than the service takes (that op's pages are then neither saved to L3 nor fetched from it)."""
-        if self.format.rows is None or any(len(n) > MAX_OBJECT_NAME for n in names):
+        is not one the service takes -- empty, longer than it takes, or with a "/" (that op's pages are then neither
+        saved to L3 nor fetched from it)."""
+        if self.format.rows is None or not all(0 < len(n) <= MAX_OBJECT_NAME and "/" not in n for n in names):
             return None
         return names
 

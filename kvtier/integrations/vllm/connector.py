@@ -96,13 +96,19 @@ def _refusing_start():
     return refusing_start(log, "kvtier connector", ("kvtier connector: ",))
 
 
+def context_parallel(parallel) -> dict[str, int]:
+    """vLLM's decode and prefill context-parallel sizes (1 where its config has none): above 1, each rank holds
+    other tokens' KV, MLA's latent included."""
+    return {name: getattr(parallel, f"{name}_size", 1) or 1 for name in ("decode_context_parallel", "prefill_context_parallel")}
+
+
 def check_parallel(parallel, options: ConnectorOptions) -> None:
     """vLLM's parallel config is one kvtier serves: tensor parallel only (pipeline parallel size 1), and no
     context parallelism with the node service -- it stores MLA's latent once, as every rank holds it whole,
     where context parallelism splits it by tokens across the ranks."""
     if parallel.pipeline_parallel_size != 1:
         raise ConfigError("kvtier connector: pipeline parallel size must be 1 (tensor parallel is supported)")
-    context = {name: getattr(parallel, f"{name}_size", 1) or 1 for name in ("decode_context_parallel", "prefill_context_parallel")}
+    context = context_parallel(parallel)
     if options.tiers.service and max(context.values()) > 1:
         raise ConfigError(f"kvtier connector: the node service (service=...) needs context parallel sizes of 1, got {context}; "
                           "drop decode/prefill context parallelism, or the service")
@@ -129,7 +135,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler = ConnectorScheduler(self.options, self.block_size, parallel.world_size, self.model_name, groups)
         else:
             self.worker = ConnectorWorker(self.options, _model_shape(vllm_config, self.model_name), self.model_name, parallel.rank, groups,
-                                          parallel.world_size)
+                                          parallel.world_size, shared_latent=max(context_parallel(parallel).values()) == 1)
         self._handshake: KVTierHandshake | None = None
         #: the metadata of the step the worker has begun (see _begin_step)
         self._step_meta: KVTierConnectorMetadata | None = None

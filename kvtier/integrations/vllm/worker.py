@@ -104,8 +104,11 @@ class WorkerStats:
 
 class ConnectorWorker:
     def __init__(self, options: ConnectorOptions, model: ModelShape, model_name: str, tp_rank: int,
-                 groups: list[VllmGroup] | None = None, tp_size: int = 1):
+                 groups: list[VllmGroup] | None = None, tp_size: int = 1, *, shared_latent: bool = True):
+        """``shared_latent``: every rank holds MLA's latent whole (False under context parallelism, which splits it
+        by tokens: each rank then keeps L3 objects of its own)."""
         self.options = options
+        self.shared_latent = shared_latent
         self.model = model
         self.model_name = model_name
         self.tp_rank = tp_rank
@@ -183,9 +186,9 @@ class ConnectorWorker:
             pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
             fingerprint = model_spec(self.model_name, self.groups, {"full": spec, **{n: sp for n, (sp, _) in built.items()}}).fingerprint()
         # (the split is in it: a rank's shard is another head at another split, see split_fingerprint). MLA's latent, the same
-        # on every rank, is one L3 object a page, in rank 0's namespace: rank 0 saves it, every rank loads it (a hybrid
-        # model's other groups keep one object a rank)
-        replicated = self.groups is None and spec.attention in REPLICATED_ATTENTION and self.tp_size > 1
+        # on every rank, is one L3 object a page, in rank 0's namespace: rank 0 saves it, every rank loads it -- not under
+        # context parallelism (each rank's latent is other tokens'), nor for a hybrid model (one object a rank, every group's)
+        replicated = (self.groups is None and spec.attention in REPLICATED_ATTENTION and self.tp_size > 1 and self.shared_latent)
         self._leaves_saves = replicated and self.tp_rank > 0
         namespace = self.namespace = Namespace(self.model_name, split_fingerprint(fingerprint, self.tp_size),
                                                0 if replicated else self.tp_rank, self.options.salt)
