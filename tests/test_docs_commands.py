@@ -103,6 +103,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     "kvtier serve --status --service-uid UID": STATUS,
     "kvtier serve --status --socket /run/kvtier/node.sock --service-uid UID": STATUS,
     "kvtier serve --socket": SERVE,
+    "kvtier serve --storage-url": ("tests/test_sglang_service_l3.py::test_the_service_stores_and_finds_the_objects_sglangs_own_l3_writes",
+                                   "tests/support/service.py::start_service"),
     "kvtier spec": ("tests/test_readme.py::test_kvtier_spec_lists_every_preset_the_models_table_names",),
     "kvtier spec NAME": ("tests/test_groups.py::test_kvtier_spec_shows_a_hybrid_preset_per_group",),
 }
