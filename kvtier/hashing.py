@@ -131,6 +131,28 @@ class Namespace:
         return ns
 
 
+
+def request_scope(salt: object, lora: object = None) -> bytes:
+    """What a request's tenant -- its salt (vLLM's ``cache_salt``, a :class:`~kvtier.cache.HierarchicalCache` request's
+    ``tenant``) -- and LoRA adapter add to its keys' root: each field tagged and length-prefixed (a salt ``"a|b"`` and a
+    salt ``"a"`` with adapter ``"b"`` never share a root); empty with neither. A salt is the client's text: any string
+    (lone surrogates included: ``surrogatepass``, distinct from every valid string's bytes) or any other value (its type
+    and repr) scopes the request, and never raises on an engine's thread."""
+    out = b""
+    for tag, value in ((b"salt", salt), (b"lora", lora)):
+        if value is None or value == "":
+            continue
+        raw = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else f"{type(value).__name__}:{value!r}".encode(
+            "utf-8", "backslashreplace")
+        out += tag + (b"s" if isinstance(value, str) else b"o") + len(raw).to_bytes(8, "little") + raw
+    return out
+
+
+def scoped_root(root: PageHash, scope: bytes, hash_fn: Callable[[bytes], bytes]) -> PageHash:
+    """The root of a request's page keys: the namespace's ``root``, or -- with a :func:`request_scope` -- its digest with
+    the scope (``hash_fn``: the namespace's chain hash), so two tenants' keys of one prompt never meet, in any tier."""
+    return PageHash(hash_fn(root + scope)) if scope else root
+
 _I32 = np.iinfo(np.int32)
 
 

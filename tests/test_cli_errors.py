@@ -43,6 +43,7 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("input-length-negative", [*RUN, *trace("n.jsonl", [{**RECORD, "input_length": -5}])], "-5"),
         ("empty-trace", [*RUN, *trace("e.jsonl", [])], "no requests"),
         ("sessions-0", [*RUN, "--workload-sessions", "0"], "sessions"),
+        ("tenants-0", [*RUN, "--workload-tenants", "0"], "tenants"),
         ("device-cuda", [*RUN, "--tiers-device", "cuda"], "'cuda'"),
         ("device-tpu", [*RUN, "--tiers-device", "tpu"], "'tpu'"),
         ("host-gb-nan", [*RUN, "--tiers-host-gb", "nan"], "nan"),
@@ -53,6 +54,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("json-unwritable", [*RUN, "--json", f"{tmp}/no/such/dir/out.json"], "out.json"),
         ("plan-pcie-0", ["plan", "--json", "--limit", "20", "--plan-pcie-gbps", "0"], "pcie_gbps"),
         ("plan-tflops-0", ["plan", "--json", "--limit", "20", "--plan-prefill-tflops", "0"], "prefill_tflops"),
+        ("plan-tenants-0", ["plan", "--json", "--limit", "20", "--tenants", "0"], "--tenants must be a whole number >= 1; got 0"),
+        ("plan-tenants-validate", ["plan", "--tenants", "2", "--validate", "run"], "--tenants plans a trace; --calibrate and --validate"),
         ("plan-missing-trace", ["plan", "--trace", f"{tmp}/absent.jsonl"], "absent.jsonl"),
         # 13: accepted though wrong before
         ("host-gb-negative", [*RUN, "--tiers-host-gb", "-1"], "-1"),
@@ -164,7 +167,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 55 + 14 + 5 + 2
+    assert len(table) == 58 + 14 + 5 + 2
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

@@ -234,3 +234,29 @@ def test_kvtier_run_model_hybrid_through_the_copy_kernel_under_its_interpreter_k
 def test_kvtier_run_refuses_an_unknown_model_in_one_line():
     r = kvtier("run", "--model", "mamba", "--no-progress")
     assert r.returncode == 2 and "dsa or hybrid" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_hybrid_tenants_pages_and_group_objects_are_a_hit_for_that_tenant_only(tmp_path):
+    """A hybrid request's tenant scopes its keys, and through them its window pages and state snapshots: tenant b's
+    same prompt computes everything with a's pages on device, tenant c's with them on host; tenant a hits again; every
+    output equals recompute."""
+    base, ours, cache = engines(tmp_path, device_pages=48, host_pages=48)
+    tokens = prompt(7, 6 * 8 + 3)
+    try:
+        same(base.prefill(tokens), ours.prefill(tokens, tenant="a"))
+        for push, other in ((False, "b"), (True, "c")):  # (each other tenant once: its own pages would be its hit)
+            cache.wait_idle()
+            if push:
+                cache.evict_device(cache.device.num_pages)
+            r = ours.prefill(tokens, tenant=other)
+            same(base.prefill(tokens), r)
+            assert r.hit_tokens == 0
+        cache.wait_idle()
+        cache.evict_device(cache.device.num_pages)
+        r = ours.prefill(tokens, tenant="a")
+        same(base.prefill(tokens), r)
+        assert r.host_hit_tokens > 0
+        cache.wait_idle()
+        cache.check_integrity()
+    finally:
+        cache.close()

@@ -22,7 +22,8 @@ from kvtier.errors import ConfigError, ExecutorError
 from kvtier.hashing import page_keys
 from kvtier.integrations.vllm.messages import KVTierWorkerMeta, RankResult, join
 from kvtier.integrations.vllm.options import ConnectorOptions
-from kvtier.integrations.vllm.scheduler import ConnectorScheduler, request_scope
+from kvtier.hashing import request_scope
+from kvtier.integrations.vllm.scheduler import ConnectorScheduler
 from support.vllm_split import BS, LAYERS, TOKENS, Engine, finish, gate_copies, request, serve, start
 
 

@@ -38,6 +38,8 @@ def plan(
         "given, else host sizes from the smallest accepted), and prompt tokens per node",
     ),
     as_json: bool = typer.Option(False, "--json", help="print the report as JSON"),
+    tenants: int = typer.Option(1, "--tenants", help="spread the trace's requests over this many tenants (request i is tenant i mod N), "
+                                "none a hit for another's blocks: what isolating tenants costs in hits"),
     profile: Optional[str] = typer.Option(None, "--profile", help="an engine's measured costs (kvtier plan --calibrate): TTFT from "
                                           "them instead of the nominal --plan-* link speeds and FLOP rate", rich_help_panel="measured"),
     calibrate: Optional[str] = typer.Option(None, "--calibrate", help="measure --engine on this machine (prefill against prompt and "
@@ -83,10 +85,14 @@ def plan(
     from kvtier.app.plan import PlanConfig, min_host_tb, round_up, run_plan, sweep
     from kvtier.app.plan import compare_routing as compare
     from kvtier.app.plan.routing import ROUTING_POLICIES
-    from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace
+    from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace, tenant_scoped
 
     sections = build_sections({"plan": PlanConfig, "cache": CacheConfig}, {}, flags)
     cfg, cache_cfg = sections["plan"], sections["cache"]
+    if isinstance(tenants, bool) or not isinstance(tenants, int) or tenants < 1:
+        raise ConfigError(f"--tenants must be a whole number >= 1; got {tenants!r}")
+    if tenants > 1 and (calibrate or validate):
+        raise ConfigError("--tenants plans a trace; --calibrate and --validate run without tenants: drop --tenants")
     if calibrate and validate:
         raise ConfigError("--calibrate and --validate are two runs: calibrate first, then --validate ENGINE --profile PATH")
     if calibrate:
@@ -111,7 +117,7 @@ def plan(
     if len(sweeps) > 1:
         raise ConfigError("sweep one tier at a time: give one of --sweep-host-tb, --sweep-device-gb, --sweep-storage-tb")
     check_output_path("--plot", plot_png)
-    requests = load_mooncake_trace(trace or default_trace_path(), limit)
+    requests = tenant_scoped(load_mooncake_trace(trace or default_trace_path(), limit), tenants)
     costs = None
     if profile:
         from kvtier.app.plan import plan_costs
@@ -119,6 +125,7 @@ def plan(
 
         costs = plan_costs(cfg, load_profile(profile), profile)
     report = run_plan(requests, cfg, cache_cfg, costs=costs)
+    report.tenants = tenants
     if sweeps:
         [(field, values)] = sweeps.items()
     elif plot_png:  # the plot's default sweep: host sizes from the smallest accepted

@@ -44,13 +44,14 @@ class ReferenceEngine:
         self.device = cache.device
         self.ps = model.cfg.page_size
 
-    def prefill(self, token_ids: list[int] | torch.Tensor) -> RequestResult:
+    def prefill(self, token_ids: list[int] | torch.Tensor, tenant: object = None) -> RequestResult:
+        """Prefill ``token_ids`` as ``tenant``'s request (None: the cache's own scope): its pages a hit for that tenant only."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64)
         n = tokens.numel()
         ps = self.ps
         cache = self.cache
         t0 = time.perf_counter()
-        req = cache.begin(tokens.tolist(), usable_pages=(n - 1) // ps)
+        req = cache.begin(tokens.tolist(), usable_pages=(n - 1) // ps, tenant=tenant)
         usable = req.usable((n - 1) // ps)
         total_pages = -(-n // ps)
         new = req.alloc(total_pages - usable)
@@ -152,11 +153,12 @@ class HybridEngine:
         for i in range(pool.spec.num_layers):
             pool.buffer("state", i)[slot].view(torch.float32).copy_(state[i].reshape(-1))
 
-    def prefill(self, token_ids: list[int] | torch.Tensor) -> RequestResult:
+    def prefill(self, token_ids: list[int] | torch.Tensor, tenant: object = None) -> RequestResult:
+        """Prefill ``token_ids`` as ``tenant``'s request (None: the cache's own scope): its pages a hit for that tenant only."""
         tokens = torch.as_tensor(token_ids, dtype=torch.int64)
         n, ps, cache, c = tokens.numel(), self.ps, self.cache, self.model.cfg
         t0 = time.perf_counter()
-        req = cache.begin(tokens.tolist(), usable_pages=(n - 1) // ps)
+        req = cache.begin(tokens.tolist(), usable_pages=(n - 1) // ps, tenant=tenant)
         req.wait()  # its window pages and its snapshot land with the load of its pages (a failed load shrank it)
         usable = req.usable((n - 1) // ps)
         total_pages, full = -(-n // ps), n // ps

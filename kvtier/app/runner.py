@@ -44,16 +44,26 @@ class WorkloadConfig:
     user_tokens: int = _help("chat: mean user turn length", 96)
     reply_tokens: int = _help("chat: mean assistant reply length", 64)
     seed: int = _help("workload seed", 0)
+    tenants: int = _help("requests of this many tenants, none of them a hit for another's pages (chat: session s is tenant "
+                         "s mod N; trace: request i is tenant i mod N); 1: one tenant, the cache's own scope", 1)
 
     def __post_init__(self) -> None:
         if self.kind not in ("chat", "trace"):
             raise ConfigError(f"WorkloadConfig.kind must be chat or trace; got {self.kind!r}")
-        for name in ("limit", "sessions", "turns", "system_prompts", "system_tokens", "user_tokens", "reply_tokens"):
+        for name in ("limit", "sessions", "turns", "system_prompts", "system_tokens", "user_tokens", "reply_tokens", "tenants"):
             check_number(self, name, at_least=1, integer=True)
         check_number(self, "seed", at_least=0, integer=True)
         check_number(self, "scale", above=0)
         if self.scale > 1:
             raise ConfigError(f"WorkloadConfig.scale shrinks trace lengths for the small model: it must be in (0, 1]; got {self.scale}")
+
+    def tenant_of(self, i: int) -> str | None:
+        """Request ``i``'s tenant (None: one tenant, the cache's own scope). The chat workload's requests go turn by turn
+        through its sessions, so a session keeps its tenant across its turns."""
+        if self.tenants == 1:
+            return None
+        owner = i % self.sessions if self.kind == "chat" else i
+        return f"tenant-{owner % self.tenants}"
 
     def requests(self, vocab: int) -> list[list[int]]:
         if self.kind == "chat":
@@ -107,6 +117,8 @@ class RunReport:
     model: str = "dsa"
     #: a hybrid model: per KV group, what it held and moved (see :func:`_group_report`)
     groups: dict | None = None
+    #: the tenants the requests came from (none a hit for another's pages)
+    tenants: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -174,7 +186,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
                     cache.wait_idle()
                     base.append(baseline.prefill(r))
                 else:
-                    ours.append(engine.prefill(r))
+                    ours.append(engine.prefill(r, tenant=cfg.workload.tenant_of(i)))
                 if bar:
                     bar.update()
         cache.wait_idle()
@@ -191,7 +203,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
         if tmp is not None:
             tmp.cleanup()
     report = _report(requests, base, ours, stats, busy, sbusy, storage.url if cfg.storage.url else None)
-    report.model, report.groups = cfg.model_kind, groups
+    report.model, report.groups, report.tenants = cfg.model_kind, groups, cfg.workload.tenants
     return report
 
 

@@ -26,7 +26,7 @@ from kvtier.core.host_tier import HostTier
 from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
 from kvtier.core.tags import GroupBackup
 from kvtier.errors import IndexTypeError
-from kvtier.hashing import Namespace, PageHash, page_keys
+from kvtier.hashing import Namespace, PageHash, hasher, page_keys, request_scope, scoped_root
 from kvtier.metrics import CacheStats
 from kvtier.pages import is_ordered_sequence
 from kvtier.radix import NO_PAGE, SAVING, PageNode
@@ -58,18 +58,25 @@ class CoreBase(HostTier):
         """The KV group ``name`` beside full attention (an :class:`~kvtier.errors.UnknownNameError` if none)."""
         return self.groups.component(name)
 
-    def page_keys(self, token_ids: Sequence[int]) -> list[PageHash]:
-        return page_keys(token_ids, self.spec.page_size, self.root_key, self.config.hash_algo)
+    def page_keys(self, token_ids: Sequence[int], tenant: object = None) -> list[PageHash]:
+        """The page keys of ``token_ids``' full pages, in ``tenant``'s scope (:func:`~kvtier.hashing.request_scope`: any
+        value; None or "": the namespace's own): two tenants' keys of one prompt never meet, in any tier."""
+        root = self.root_key if tenant is None or tenant == "" else scoped_root(self.root_key, request_scope(tenant),
+                                                                                  hasher(self.config.hash_algo))
+        return page_keys(token_ids, self.spec.page_size, root, self.config.hash_algo)
 
-    def _keys(self, tokens_or_keys) -> list[PageHash]:
+    def _keys(self, tokens_or_keys, tenant: object = None) -> list[PageHash]:
         if type(tokens_or_keys) is not list and not is_ordered_sequence(tokens_or_keys):
             raise IndexTypeError(f"token ids (or page keys) must be an ordered sequence -- a list, tuple, numpy array or tensor -- "
                                  f"got {type(tokens_or_keys).__name__}; a set has no order and a generator no length: list() it first")
         if not len(tokens_or_keys):  # no full page (a prompt shorter than a page): nothing to hash
             return []
         if isinstance(tokens_or_keys[0], bytes):
+            if tenant is not None and tenant != "":
+                raise IndexTypeError("a tenant scopes token ids; page keys are scoped already (page_keys(tokens, tenant) made them): "
+                                     "give the token ids with the tenant, or the keys alone")
             return list(tokens_or_keys)
-        return self.page_keys(tokens_or_keys)
+        return self.page_keys(tokens_or_keys, tenant)
 
     def lock(self, node: PageNode | None) -> None:
         """Protect ``node`` and its ancestors from eviction until :meth:`unlock`."""

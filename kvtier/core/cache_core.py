@@ -134,13 +134,15 @@ class CacheCore(DeviceSpace):
         """Whether ``node`` still holds device object ``gid`` of group ``name`` (a failed load takes them)."""
         return self.groups.holds_object(name, node, gid)
 
-    def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True, limit: int | None = None) -> MatchResult:
+    def match(self, tokens_or_keys: Sequence[int] | list[PageHash], *, count: bool = True, limit: int | None = None,
+              tenant: object = None) -> MatchResult:
         """Longest cached prefix (full pages only); counts hits, may trigger selective backups.
 
         ``count=False`` re-matches a request already counted (e.g. after its prefetch) without
         touching hit counts or stats. ``limit`` (a hybrid model): the request uses at most that many
-        pages, so the prefix is the longest one every group can continue from within them."""
-        return self._match(self._keys(tokens_or_keys), count, limit)
+        pages, so the prefix is the longest one every group can continue from within them. ``tenant``:
+        the scope of token ids' keys (:meth:`page_keys`)."""
+        return self._match(self._keys(tokens_or_keys, tenant), count, limit)
 
     def _match(self, keys: list[PageHash], count: bool = True, limit: int | None = None) -> MatchResult:
         """:meth:`match` of page keys (``begin`` has them already)."""
@@ -191,11 +193,13 @@ class CacheCore(DeviceSpace):
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
-              prefetch: bool = True, prefetch_policy: str | None = None) -> CacheRequest:
+              prefetch: bool = True, prefetch_policy: str | None = None, tenant: object = None) -> CacheRequest:
         """Start a request (see :mod:`kvtier.core.request`): match (counted once), lock, prefetch from L3
         when it can add pages the request will use (``usable_pages``, default all its full pages;
-        ``prefetch_policy`` default: the storage config's), and start loading host pages back."""
-        keys = self._keys(tokens_or_keys)
+        ``prefetch_policy`` default: the storage config's), and start loading host pages back. ``tenant``:
+        whose request it is (:meth:`page_keys`: its pages are a hit for that tenant's requests only; None: the
+        namespace's own scope); the request's keys carry it to its commit."""
+        keys = self._keys(tokens_or_keys, tenant)
         want = len(keys) if usable_pages is None else min(usable_pages, len(keys))
         m = self._match(keys, True, want)
         self.lock(m.nodes[-1] if m.nodes else None)
@@ -387,8 +391,9 @@ class CacheCore(DeviceSpace):
         self.quarantine.add(pages, objects, self._last_op)
         self.load_failure_gen = self.quarantine.generation
 
-    def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None) -> InsertResult:
-        """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request.
+    def insert(self, tokens_or_keys, device_pages: Sequence[int], groups: dict[str, Sequence[int | None]] | None = None, *,
+               tenant: object = None) -> InsertResult:
+        """Hand full pages to the cache: ``device_pages[i]`` holds page ``i`` of the request (``tenant``'s: :meth:`page_keys`).
 
         Ownership of every page in ``device_pages`` passes to the cache. Pages
         whose key is already on device are freed (``freed``); use
@@ -400,7 +405,7 @@ class CacheCore(DeviceSpace):
         or None where the caller keeps none. Objects the cache holds already are freed.
         """
         self.poll()
-        keys = self._keys(tokens_or_keys)
+        keys = self._keys(tokens_or_keys, tenant)
         device_pages = checked_page_list(device_pages, self.dev_alloc.num_pages, pool=self.dev_alloc.name, side="device")
         if groups:
             self.groups.check_given(groups, len(keys))

@@ -58,15 +58,16 @@ class NullCache:
     #: no load ever fails here (nothing is loaded): a request's failed-load checks stay idle
     load_failure_gen = 0
 
-    def match(self, tokens_or_keys: Sequence[int], *, count: bool = True) -> MatchResult:
+    def match(self, tokens_or_keys: Sequence[int], *, count: bool = True, tenant: object = None) -> MatchResult:
         if count:
             self.stats.requests += 1
             self.stats.lookup_pages += len(tokens_or_keys) // self.spec.page_size
         return MatchResult([], [], [])
 
     def begin(self, tokens_or_keys: Sequence[int], *, usable_pages: int | None = None, prefetch: bool = True,
-              prefetch_policy: str | None = None) -> CacheRequest:
-        """A request with nothing cached: every page is computed, committed pages are freed."""
+              prefetch_policy: str | None = None, tenant: object = None) -> CacheRequest:
+        """A request with nothing cached (whoever's: ``tenant`` scopes nothing here): every page is computed, committed
+        pages are freed."""
         self.match(tokens_or_keys)
         return CacheRequest(self, (), len(tokens_or_keys) // self.spec.page_size, 0, 0, 0, [], LoadResult(None, [], 0, 0), None)
 

@@ -260,6 +260,8 @@ class PlanReport:
     groups: dict | None = None
     #: where the time figures come from: nominal link speeds and FLOP rate, or a measured profile
     cost_model: dict = field(default_factory=dict)
+    #: the tenants the trace's requests were spread over (``--tenants``: none a hit for another's blocks)
+    tenants: int = 1
 
     def as_dict(self) -> dict:
         return asdict(self)

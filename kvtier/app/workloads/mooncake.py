@@ -17,6 +17,7 @@ from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from kvtier.errors import ConfigError
 
@@ -122,3 +123,17 @@ def trace_tokens(req: TraceRequest, scale: float = 1.0) -> np.ndarray:
     ids = np.asarray(req.hash_ids, dtype=np.int64)
     toks = (ids[:, None] * MOONCAKE_BLOCK_TOKENS + _OFFSETS[None, :block]).reshape(-1)
     return toks[:n]
+
+
+def tenant_scoped(requests: list[TraceRequest], tenants: int) -> list[TraceRequest]:
+    """``requests`` spread over ``tenants`` tenants, request ``i`` tenant ``i mod tenants``, each block id scoped by its
+    tenant (a 64-bit digest of both, within the ids a trace may hold): two tenants' requests share no block, as a
+    tenant-scoped cache keys them. One tenant: the trace as it is."""
+    if tenants == 1:
+        return requests
+    scoped = []
+    for i, r in enumerate(requests):
+        tag = (i % tenants).to_bytes(8, "little")
+        ids = tuple(xxhash.xxh3_64_intdigest(tag + h.to_bytes(16, "little")) % _MAX_HASH_ID for h in r.hash_ids)
+        scoped.append(TraceRequest(r.timestamp_ms, r.input_length, r.output_length, ids))
+    return scoped

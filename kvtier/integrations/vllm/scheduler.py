@@ -62,7 +62,7 @@ from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.core.plans import completed_pages
 from kvtier.core.shared_host import NO_SHARED_HOST
 from kvtier.errors import ConfigError
-from kvtier.hashing import Namespace, PageHash, hasher, page_keys
+from kvtier.hashing import Namespace, PageHash, hasher, page_keys, request_scope, scoped_root
 from kvtier.integrations.vllm.events import TierEvents
 from kvtier.integrations.vllm.groups import VllmGroup, model_spec
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
@@ -103,21 +103,6 @@ class HitRecord:
     #: of ``host_pages``, those this lookup took from the node service (other engines', or an earlier
     #: run's, published pages); 0 without a service
     shared_host_pages: int = 0
-
-
-def request_scope(salt: object, lora: object) -> bytes:
-    """What a request's ``cache_salt`` and LoRA adapter add to its keys' root: each field tagged and length-prefixed
-    (a salt ``"a|b"`` and a salt ``"a"`` with adapter ``"b"`` never share a root); empty with neither. A salt is the
-    client's text: any string (lone surrogates included: ``surrogatepass``, distinct from every valid string's
-    bytes) or any other value (its type and repr) scopes the request, and never raises on the scheduler's thread."""
-    out = b""
-    for tag, value in ((b"salt", salt), (b"lora", lora)):
-        if value is None or value == "":
-            continue
-        raw = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else f"{type(value).__name__}:{value!r}".encode(
-            "utf-8", "backslashreplace")
-        out += tag + (b"s" if isinstance(value, str) else b"o") + len(raw).to_bytes(8, "little") + raw
-    return out
 
 
 class RecentFailures:
@@ -306,8 +291,7 @@ class ConnectorScheduler:
         if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
             return None
         lora = request.lora_request.lora_name if request.lora_request else None
-        scope = request_scope(getattr(request, "cache_salt", None), lora)
-        return PageHash(self._hash(self._root + scope)) if scope else self._root
+        return scoped_root(self._root, request_scope(getattr(request, "cache_salt", None), lora), self._hash)
 
     def _extend_keys(self, state: _RequestState, pages: int) -> None:
         """Keys of the request's first ``pages`` full blocks (prompt, then decoded tokens), chained."""
