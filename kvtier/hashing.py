@@ -23,7 +23,7 @@ from urllib.parse import quote, unquote
 import numpy as np
 import xxhash
 
-from kvtier.errors import ConfigError, UnknownNameError
+from kvtier.errors import ConfigError, IndexTypeError, UnknownNameError
 
 try:
     from kvtier._chainkeys import chain_xxh3_128 as _native_chain
@@ -133,8 +133,8 @@ class Namespace:
 
 
 def request_scope(salt: object, lora: object = None) -> bytes:
-    """What a request's tenant -- its salt (vLLM's ``cache_salt``, a :class:`~kvtier.cache.HierarchicalCache` request's
-    ``tenant``) -- and LoRA adapter add to its keys' root: each field tagged and length-prefixed (a salt ``"a|b"`` and a
+    """What a request's tenant -- its salt (vLLM's ``cache_salt``; a library request's text ``tenant``, :func:`tenant_scope`)
+    -- and LoRA adapter add to its keys' root: each field tagged and length-prefixed (a salt ``"a|b"`` and a
     salt ``"a"`` with adapter ``"b"`` never share a root); empty with neither. A salt is the client's text: any string
     (lone surrogates included: ``surrogatepass``, distinct from every valid string's bytes) or any other value (its type
     and repr) scopes the request, and never raises on an engine's thread."""
@@ -148,10 +148,35 @@ def request_scope(salt: object, lora: object = None) -> bytes:
     return out
 
 
+#: what a scoped root's digest starts with: no page key's input does (a page's input starts with its parent key, a digest),
+#: so no prompt can spell a tenant's root as one of its own pages and walk on into that tenant's chain
+_SCOPE_DOMAIN = b"kvtier/tenant/v1|"
+
+
 def scoped_root(root: PageHash, scope: bytes, hash_fn: Callable[[bytes], bytes]) -> PageHash:
-    """The root of a request's page keys: the namespace's ``root``, or -- with a :func:`request_scope` -- its digest with
-    the scope (``hash_fn``: the namespace's chain hash), so two tenants' keys of one prompt never meet, in any tier."""
-    return PageHash(hash_fn(root + scope)) if scope else root
+    """The root of a request's page keys: the namespace's ``root``, or -- with a :func:`request_scope` -- a digest of the
+    scope under it (``hash_fn``: the namespace's chain hash), domain-separated from the page chain's inputs, so two
+    tenants' keys of one prompt never meet, in any tier, short of a collision of the hash."""
+    return PageHash(hash_fn(_SCOPE_DOMAIN + root + scope)) if scope else root
+
+
+def tenant_scope(tenant: object) -> bytes:
+    """A library request's tenant as a :func:`request_scope` (text: the same scope as vLLM's ``cache_salt`` of that text;
+    bytes and integers: canonical bytes, tagged apart from text); ``None`` or ``""``: the namespace's own scope (empty).
+    Anything else is an :class:`~kvtier.errors.IndexTypeError`: a value scoped by its ``repr`` (an object's memory
+    address, a tensor's elided middle) would let two tenants meet or one tenant miss its own pages."""
+    if tenant is None or type(tenant) is str and tenant == "":
+        return b""
+    if isinstance(tenant, str):
+        return request_scope(tenant)
+    if isinstance(tenant, (bytes, bytearray, memoryview)):
+        raw, kind = bytes(tenant), b"b"
+    elif isinstance(tenant, int) and not isinstance(tenant, bool):
+        raw, kind = int(tenant).to_bytes(tenant.bit_length() // 8 + 1, "little", signed=True), b"i"
+    else:
+        raise IndexTypeError(f"a tenant is a str, bytes or int (or None: the cache's own scope); got {type(tenant).__name__}: "
+                             "give a stable id of the tenant, not an object")
+    return b"salt" + kind + len(raw).to_bytes(8, "little") + raw
 
 _I32 = np.iinfo(np.int32)
 

@@ -5,6 +5,7 @@ every output compared with a recompute."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -18,6 +19,7 @@ from kvtier.build import TierConfig, build_cache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
 from kvtier.errors import IndexTypeError
+from kvtier.hashing import request_scope
 
 CFG = ModelConfig(hidden=64, num_layers=2, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
                   index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)
@@ -86,27 +88,84 @@ def test_a_tenants_pages_are_a_hit_for_that_tenant_only_in_every_tier(tmp_path, 
         cache.close()
 
 
-#: tenant values a client may send: any text (lone surrogates included), bytes, numbers, None, nested values
-TENANTS = st.one_of(st.none(), st.text(st.characters(), max_size=40), st.binary(max_size=24), st.integers(), st.floats(allow_nan=False),
-                    st.lists(st.integers(), max_size=3), st.sampled_from(["", "a", "a|b", "\ud800", "x" * 10_000]))
+#: tenant values: any text (lone surrogates included), bytes, integers of any size, None
+TENANTS = st.one_of(st.none(), st.text(st.characters(), max_size=40), st.binary(max_size=24), st.integers(),
+                    st.integers(min_value=10**4000, max_value=10**4000 + 5), st.sampled_from(["", "a", "a|b", "\ud800", "x" * 10_000, "1",
+                                                                                            b"1", 1, b"", 0, -1]))
 
 
 @settings(max_examples=200, deadline=None)
 @given(a=TENANTS, b=TENANTS)
 def test_any_two_tenants_share_keys_only_when_they_are_the_same_tenant(a, b):
-    """Every tenant value scopes its keys (never raises on the engine's thread), and two tenants' keys of one prompt are
-    the same only for the same tenant (type and value; None and "" both the namespace's own scope)."""
+    """Every tenant value (a str, bytes or an int of any size) scopes its keys without raising, and two tenants' keys of
+    one prompt are the same only for the same tenant: equal text, equal bytes or an equal int -- "1", b"1" and 1 are
+    three tenants; None and "" both the namespace's own scope."""
     cache = _KEYS_CACHE
     tokens = prompt(2, 3 * PS)
     ka, kb = cache.page_keys(tokens, a), cache.page_keys(tokens, b)
     own = lambda t: t is None or t == ""  # noqa: E731
-    # (text is its characters; any other value its type and repr: 0.0 and -0.0 are two tenants)
-    same_tenant = (own(a) and own(b)) or (type(a) is type(b) and not own(a) and (a == b if isinstance(a, str) else repr(a) == repr(b)))
+    same_tenant = (own(a) and own(b)) or (not own(a) and type(a) is type(b) and a == b)
     assert (ka == kb) == same_tenant
     assert (ka == cache.page_keys(tokens)) == own(a)
 
 
 _KEYS_CACHE = build_cache(SPEC, TierConfig(device_pages=4, host_pages=4), CacheConfig())
+
+
+class _Tenant:  # (an object with the default repr: its memory address)
+    def __init__(self, name):
+        self.name = name
+
+
+@pytest.mark.parametrize("value", [_Tenant("alice"), 1.5, True, [1, 2], ("a",), {"a": 1}, np.array([1, 2]), torch.arange(3)],
+                         ids=["object", "float", "bool", "list", "tuple", "dict", "ndarray", "tensor"])
+def test_a_tenant_that_is_not_a_stable_id_is_a_typed_error_before_anything_is_matched(value):
+    """A value scoped by its repr would let tenants meet (an object's address, reused once it is freed; a tensor's
+    repr, which elides its middle) or one tenant miss its own pages: a str, bytes or int only, the call refused
+    before anything changes."""
+    cache = build_cache(SPEC, TierConfig(device_pages=8, host_pages=8), CacheConfig())
+    try:
+        with pytest.raises(IndexTypeError, match="a tenant is a str, bytes or int"):
+            cache.begin(prompt(4, 2 * PS), tenant=value)
+        assert cache.stats.requests == 0
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def _fill(cache, tokens: list[int], tenant) -> None:
+    req = cache.begin(tokens, tenant=tenant)
+    new = req.alloc(len(tokens) // PS - len(req.cached_pages))
+    req.commit(list(req.cached_pages) + list(new.pages))
+    cache.wait_idle()
+
+
+@pytest.mark.parametrize("tier", ["device", "storage"])
+def test_a_prompt_that_spells_a_tenants_scope_never_walks_into_that_tenants_pages(tmp_path, tier):
+    """A tenant's root is a digest of its scope under the namespace's root: were it the digest of the same bytes as a
+    page's (the parent key, then the page's token ids), a prompt whose first page spells the scope would continue in
+    the tenant's chain -- the tenant's pages a hit for anyone, from the tree or L3. The root's input is domain-separated:
+    the spelled page is a page of the caller's own, and nothing after it hits."""
+    cache = build_cache(SPEC, TierConfig(device_pages=16, host_pages=16), CacheConfig(), StorageConfig(url=f"file://{tmp_path}"))
+    try:
+        victim = "v" * (4 * PS - 13)  # (its request_scope is 4 * PS bytes: one page of int32 token ids)
+        scope = request_scope(victim)
+        assert len(scope) == 4 * PS
+        spelled = np.frombuffer(scope, "<i4").astype(np.int64).tolist()
+        secret = prompt(5, 3 * PS)
+        _fill(cache, secret, victim)
+        _fill(cache, spelled, None)
+        if tier == "storage":
+            cache.evict_device(cache.device.num_pages)
+            cache.evict_host(cache.host.num_pages)
+            cache.wait_idle()
+        req = cache.begin(spelled + secret)
+        got = req.device_hit + req.host_hit + req.storage_hit
+        req.abort()
+        assert got == 1  # the spelled page, the caller's own: none of the victim's
+        cache.check_integrity()
+    finally:
+        cache.close()
 
 
 def test_page_keys_with_a_tenant_are_a_typed_error_and_change_nothing(tmp_path):

@@ -26,7 +26,7 @@ from kvtier.core.host_tier import HostTier
 from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
 from kvtier.core.tags import GroupBackup
 from kvtier.errors import IndexTypeError
-from kvtier.hashing import Namespace, PageHash, hasher, page_keys, request_scope, scoped_root
+from kvtier.hashing import Namespace, PageHash, hasher, page_keys, scoped_root, tenant_scope
 from kvtier.metrics import CacheStats
 from kvtier.pages import is_ordered_sequence
 from kvtier.radix import NO_PAGE, SAVING, PageNode
@@ -59,10 +59,10 @@ class CoreBase(HostTier):
         return self.groups.component(name)
 
     def page_keys(self, token_ids: Sequence[int], tenant: object = None) -> list[PageHash]:
-        """The page keys of ``token_ids``' full pages, in ``tenant``'s scope (:func:`~kvtier.hashing.request_scope`: any
-        value; None or "": the namespace's own): two tenants' keys of one prompt never meet, in any tier."""
-        root = self.root_key if tenant is None or tenant == "" else scoped_root(self.root_key, request_scope(tenant),
-                                                                                  hasher(self.config.hash_algo))
+        """The page keys of ``token_ids``' full pages, in ``tenant``'s scope (:func:`~kvtier.hashing.tenant_scope`: a str,
+        bytes or int; None or "": the namespace's own): two tenants' keys of one prompt never meet, in any tier."""
+        scope = b"" if tenant is None else tenant_scope(tenant)
+        root = scoped_root(self.root_key, scope, hasher(self.config.hash_algo)) if scope else self.root_key
         return page_keys(token_ids, self.spec.page_size, root, self.config.hash_algo)
 
     def _keys(self, tokens_or_keys, tenant: object = None) -> list[PageHash]:
@@ -72,7 +72,7 @@ class CoreBase(HostTier):
         if not len(tokens_or_keys):  # no full page (a prompt shorter than a page): nothing to hash
             return []
         if isinstance(tokens_or_keys[0], bytes):
-            if tenant is not None and tenant != "":
+            if tenant is not None and not (type(tenant) is str and tenant == ""):
                 raise IndexTypeError("a tenant scopes token ids; page keys are scoped already (page_keys(tokens, tenant) made them): "
                                      "give the token ids with the tenant, or the keys alone")
             return list(tokens_or_keys)
