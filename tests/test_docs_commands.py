@@ -61,6 +61,10 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     "kvtier run --tiers-service PATH": (
         "tests/test_service.py::test_kvtier_run_through_the_service_twice_the_second_engine_starts_with_the_first_ones_host_tier",),
     "kvtier run --workload-kind trace": ("tests/test_docs_commands.py::test_kvtier_run_replays_the_shipped_trace",),
+    "kvtier run --workload-tenants N": ("tests/test_tenants.py::test_kvtier_run_replays_a_multi_tenant_chat_whose_sessions_share_"
+                                        "their_system_prompt_only_within_a_tenant",),
+    "kvtier plan --tenants N": ("tests/test_tenants.py::test_kvtier_plan_spreads_the_trace_over_tenants_that_share_no_block",),
+    "kvtier plan --json --tenants N": ("tests/test_tenants.py::test_kvtier_plan_spreads_the_trace_over_tenants_that_share_no_block",),
     "kvtier plan": ("tests/test_plan.py::test_plan_cli_json",),
     "kvtier plan --json": ("tests/test_plan.py::test_plan_cli_json",),
     "kvtier plan --plan-nodes 16 --compare-routing --json": (

@@ -5,12 +5,15 @@ every output compared with a recompute."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.cli import SMALL, kvtier
 from support.service import running_service
 from kvtier import DevicePool
 from kvtier.app.engine import ReferenceEngine
@@ -230,13 +233,17 @@ def test_kvtier_run_replays_a_multi_tenant_chat_whose_sessions_share_their_syste
     assert one.tokens == four.tokens
     assert one.tokens_recomputed + 3 * 4 * PS <= four.tokens_recomputed <= one.tokens_recomputed + first_turns
     assert WorkloadConfig(sessions=4, tenants=2).tenant_of(5) == "tenant-1" and WorkloadConfig(tenants=1).tenant_of(3) is None
+    # the command line: kvtier run --workload-tenants N (the small workload of the CLI tests)
+    r = kvtier("run", "--no-progress", "--json", "-", *SMALL, "--workload-tenants", "4")
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert report["tenants"] == 4 and report["logits_equal"]
     assert WorkloadConfig(kind="trace", tenants=3).tenant_of(7) == "tenant-1"
 
 
 def test_kvtier_plan_spreads_the_trace_over_tenants_that_share_no_block(tmp_path):
     """``kvtier plan --tenants N``: request i is tenant i mod N, each block id scoped by its tenant. Within a tenant a
     block is the same block (its prefix sharing stays); across tenants none is, so the hit ratio falls, never rises."""
-    import json
     import subprocess
     import sys
 
