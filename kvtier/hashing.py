@@ -131,6 +131,10 @@ class Namespace:
         return ns
 
 
+def _scope_field(tag: bytes, kind: bytes, raw: bytes) -> bytes:
+    """One field of a request's scope: tagged, its kind, length-prefixed (no two fields' bytes run into each other)."""
+    return tag + kind + len(raw).to_bytes(8, "little") + raw
+
 
 def request_scope(salt: object, lora: object = None) -> bytes:
     """What a request's tenant -- its salt (vLLM's ``cache_salt``; a library request's text ``tenant``, :func:`tenant_scope`)
@@ -144,7 +148,7 @@ def request_scope(salt: object, lora: object = None) -> bytes:
             continue
         raw = value.encode("utf-8", "surrogatepass") if isinstance(value, str) else f"{type(value).__name__}:{value!r}".encode(
             "utf-8", "backslashreplace")
-        out += tag + (b"s" if isinstance(value, str) else b"o") + len(raw).to_bytes(8, "little") + raw
+        out += _scope_field(tag, b"s" if isinstance(value, str) else b"o", raw)
     return out
 
 
@@ -176,7 +180,14 @@ def tenant_scope(tenant: object) -> bytes:
     else:
         raise IndexTypeError(f"a tenant is a str, bytes or int (or None: the cache's own scope); got {type(tenant).__name__}: "
                              "give a stable id of the tenant, not an object")
-    return b"salt" + kind + len(raw).to_bytes(8, "little") + raw
+    return _scope_field(b"salt", kind, raw)
+
+
+def name_key(name: str) -> PageHash:
+    """The 16-byte key of a page an engine names by a string of its own (SGLang's page hashes): its xxh3-128 -- the key in
+    the page's L3 object header and in the node service's index."""
+    return PageHash(xxhash.xxh3_128_digest(name.encode()))
+
 
 _I32 = np.iinfo(np.int32)
 

@@ -500,13 +500,13 @@ def test_sglang_threads_behind_a_service_that_answers_at_random_raise_nothing_an
                 for key, page in zip(run, pages):
                     src.views(page)[0][:] = src.payload(key)
                 if rng.random() < 0.5:
-                    writer.write(run, run_names, pages)
+                    writer.write(run_names, pages)
                 into = [rng.randrange(64) for _ in run]
                 into = list(dict.fromkeys(into))[: len(run)]
-                got = reader.read(dst, run[: len(into)], run_names[: len(into)], into)
+                got = reader.read(dst, run_names[: len(into)], into)
                 assert all(bytes(dst.views(p)[0]) == dst.payload(k) for p, k in zip(into[:got], run)), "a page read holds another's bytes"
                 read += got
-                reader.stored(run, run_names)
+                reader.stored(run_names)
             assert read > 0 and proxy.corrupted >= 20
             assert writer.protocol_errors + reader.protocol_errors >= 10, (writer.protocol_errors, reader.protocol_errors)
             assert writer.protocol_errors + reader.protocol_errors <= proxy.corrupted

@@ -61,8 +61,7 @@ class CoreBase(HostTier):
     def page_keys(self, token_ids: Sequence[int], tenant: object = None) -> list[PageHash]:
         """The page keys of ``token_ids``' full pages, in ``tenant``'s scope (:func:`~kvtier.hashing.tenant_scope`: a str,
         bytes or int; None or "": the namespace's own): two tenants' keys of one prompt never meet, in any tier."""
-        scope = b"" if tenant is None else tenant_scope(tenant)
-        root = scoped_root(self.root_key, scope, hasher(self.config.hash_algo)) if scope else self.root_key
+        root = self.root_key if tenant is None else scoped_root(self.root_key, tenant_scope(tenant), hasher(self.config.hash_algo))
         return page_keys(token_ids, self.spec.page_size, root, self.config.hash_algo)
 
     def _keys(self, tokens_or_keys, tenant: object = None) -> list[PageHash]:
@@ -72,7 +71,7 @@ class CoreBase(HostTier):
         if not len(tokens_or_keys):  # no full page (a prompt shorter than a page): nothing to hash
             return []
         if isinstance(tokens_or_keys[0], bytes):
-            if tenant is not None and not (type(tenant) is str and tenant == ""):
+            if tenant_scope(tenant):
                 raise IndexTypeError("a tenant scopes token ids; page keys are scoped already (page_keys(tokens, tenant) made them): "
                                      "give the token ids with the tenant, or the keys alone")
             return list(tokens_or_keys)

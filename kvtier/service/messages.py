@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-import xxhash
-
 from kvtier.errors import ServiceProtocolError
+from kvtier.hashing import name_key
 
 #: the protocol's version (a hello of another is refused)
 VERSION = 1
@@ -206,7 +205,7 @@ def check_object_names(names: list[str] | None, keys: list[bytes], op: str) -> N
     if len(names) != len(keys):
         raise ServiceProtocolError(f"{op} names {len(keys)} keys and {len(names)} objects; give one object name per key, or none")
     for name, key in zip(names, keys):
-        if xxhash.xxh3_128_digest(name.encode()) != key:
+        if name_key(name) != key:
             raise ServiceProtocolError(f"{op}'s object name {_show(name)} is not the one its key {key.hex()} is the digest of")
 
 

@@ -61,7 +61,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import xxhash
 from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
@@ -74,7 +73,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.logs import log_to_stderr_unless_configured, refusing_start
 from kvtier.errors import ConfigError, PageAlignmentError, PageOwnershipError
-from kvtier.hashing import Namespace
+from kvtier.hashing import Namespace, name_key
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.integrations.sglang.service import ServicePages, region_format
@@ -156,7 +155,7 @@ class _Pool:
     @staticmethod
     def key16(key: str) -> bytes:
         """The 16-byte page key in the object header (SGLang's keys are strings of any length)."""
-        return xxhash.xxh3_128_digest(key.encode())
+        return name_key(key)
 
 
 class KvtierStorage(HiCacheStorage):
@@ -348,7 +347,7 @@ class KvtierStorage(HiCacheStorage):
             return []
         t0 = time.perf_counter()
         if self.options.service is not None:
-            run = self._service().read(pool.pages, [pool.key16(k) for k in keys], list(keys), list(pages))
+            run = self._service().read(pool.pages, list(keys), list(pages))
         else:
             got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read")
             run = got.index(False) if False in got else len(got)
@@ -401,7 +400,7 @@ class KvtierStorage(HiCacheStorage):
         """The region pages of ``pages`` (every pool on these page ids: a page goes with its indexer); the
         leading run the service has already is not written again."""
         service = self._service()
-        done = service.write([pool.key16(k) for k in keys], list(keys), list(pages))
+        done = service.write(list(keys), list(pages))
         self._count_write(pool, done.stored, done.written, time.perf_counter() - t0, service.format.page_bytes)
         return [i < done.stored + done.written for i in range(len(keys))]
 
@@ -423,7 +422,7 @@ class KvtierStorage(HiCacheStorage):
         """Leading ``keys`` stored for ``pool`` (a fault, or a store marked down, counts as absent)."""
         keys = keys[: self._valid_prefix(keys)]
         if self.options.service is not None:  # (one region page holds the pages of every pool the service holds)
-            return self._service().stored([pool.key16(k) for k in keys], list(keys))
+            return self._service().stored(list(keys))
         if not keys or not self.breaker.available:
             return 0
         found = [0]

@@ -55,6 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ServiceError, ServiceProtocolError
+from kvtier.hashing import name_key
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.pages import check_pages_in_range
 from kvtier.pools.host import region_offsets
@@ -242,30 +243,31 @@ class ServicePages:
         log.warning("kvtier HiCache storage: the node service at %s is lost (%s); misses until it is back", self.socket_path, error)
 
     # ---- pages ---------------------------------------------------------------------------------
-    def stored(self, keys: list[bytes], names: list[str]) -> int:
-        """How many leading ``keys`` (of the page hashes ``names``) the service holds (held for the answer, released at
-        once); a service with L3 may bring the rest of the run from it first."""
-        return self._held_run(keys, names, lambda _session, _held: None)
+    def stored(self, names: list[str]) -> int:
+        """How many of the leading pages SGLang names ``names`` (its page hashes; the service's keys are their
+        :func:`~kvtier.hashing.name_key`) the service holds (held for the answer, released at once); a service with L3
+        may bring the rest of the run from it first."""
+        return self._held_run(names, lambda _session, _held: None)
 
-    def read(self, pool: PoolPages, keys: list[bytes], names: list[str], into: list[int]) -> int:
-        """The leading run of ``keys`` (of the page hashes ``names``) the service holds, copied into ``pool``'s pages
-        ``into``; how many."""
+    def read(self, pool: PoolPages, names: list[str], into: list[int]) -> int:
+        """The leading run of the pages ``names`` the service holds, copied into ``pool``'s pages ``into``; how many."""
         row = self.row_of(pool)
 
         def copy_in(session: _Session, held: list[int]) -> None:
             for page, region_page in zip(into, held):
                 _copy_in(pool, page, session.row(row, region_page))
 
-        return self._held_run(keys, names, copy_in)
+        return self._held_run(names, copy_in)
 
-    def _held_run(self, keys: list[bytes], names: list[str], use: Callable[[_Session, list[int]], None]) -> int:
-        """The leading run of ``keys`` the service holds, held while ``use(session, pages)`` runs and released
+    def _held_run(self, names: list[str], use: Callable[[_Session, list[int]], None]) -> int:
+        """The leading run of the pages ``names`` the service holds, held while ``use(session, pages)`` runs and released
         after it; its length, or 0 when the service is not attached or was lost on the way."""
-        session = self._session() if keys else None
+        session = self._session() if names else None
         if session is None:
             return 0
         try:
-            held = session.client.lookup(keys, self._names(names))  # (checked: distinct ids of the region, no more than asked)
+            # (checked: distinct ids of the region, no more than asked)
+            held = session.client.lookup(list(map(name_key, names)), self._names(names))
             try:
                 use(session, held)
             finally:
@@ -276,17 +278,18 @@ class ServicePages:
             return 0
         return len(held)
 
-    def write(self, keys: list[bytes], names: list[str], pages: list[int]) -> WriteResult:
-        """Every group pool's ``pages`` into region pages under ``keys`` (of the page hashes ``names``): the leading
-        run the service has is skipped, the rest reserved, copied, then published (and released: the service's LRU
-        may evict them once no engine holds them)."""
+    def write(self, names: list[str], pages: list[int]) -> WriteResult:
+        """Every group pool's ``pages`` into region pages of the pages SGLang names ``names``: the leading run the service
+        has is skipped, the rest reserved, copied, then published (and released: the service's LRU may evict them once no
+        engine holds them)."""
         for pool in self.group[1:]:  # the pools on the KV pool's page ids: those pages exist in each
             check_pages_in_range(torch.tensor(pages, dtype=torch.int64), pool.num_pages, pool=f"SGLang host pool {pool.name!r}",
                                  side="host")
-        session = self._session() if keys else None
+        session = self._session() if names else None
         if session is None:
             return WriteResult(0, 0)
         written = 0
+        keys = list(map(name_key, names))
         try:
             held = session.client.lookup(keys)  # (no names: nothing is fetched from L3 for pages about to be written)
             if held:
