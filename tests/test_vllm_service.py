@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from support.service import running_service, start_service, stop, wait_until
+from support.service import running_service, start_service, stop, store_files, wait_until
 from support.vllm_split import BS, TOKENS, Engine, ask, gate_copies, request, serve, start
 
 from kvtier.errors import ConfigError, ServiceError, ServiceUnavailableError
@@ -250,11 +250,6 @@ def test_an_mla_engines_latent_is_saved_by_a_service_with_l3_and_a_new_service_b
         stop(svc.proc)
 
 
-def _objects(root) -> dict[str, bytes]:
-    """A file store's objects: path under the store -> bytes."""
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
-
-
 def test_mlas_latent_is_one_l3_object_a_page_through_a_service_or_an_engines_own_l3_and_each_reads_the_other(tmp_path):
     """MLA at TP=2: the latent is the same on every rank, so an engine's own L3 holds one object a page (rank 0
     saves it, rank 1 leaves its saves to rank 0 and loads rank 0's object) -- byte for byte what a service with
@@ -278,8 +273,8 @@ def test_mlas_latent_is_one_l3_object_a_page_through_a_service_or_an_engines_own
         assert [w.stats.saves_left_to_rank0 for w in c.workers][1] > 0 and c.workers[1].stats.saved_pages == 0
     finally:
         c.close()
-    written = _objects(own)
-    assert len(written) == PAGES and _objects(via_service) == written  # one object a page, the same bytes
+    written = store_files(own)
+    assert len(written) == PAGES and store_files(via_service) == written  # one object a page, the same bytes
     d = Engine(f"file://{via_service}", seed=2, mla=True)  # the service's objects, read by an engine's own L3
     try:
         _req, external, hit = serve(d, "d", TOKENS, [0, 1, 2, 4])
@@ -319,7 +314,7 @@ def test_under_context_parallelism_each_rank_keeps_its_own_mla_objects_in_its_ow
         assert c.workers[1].stats.saves_left_to_rank0 == 0
     finally:
         c.close()
-    assert len(_objects(own)) == 2 * PAGES  # one object per rank and page
+    assert len(store_files(own)) == 2 * PAGES  # one object per rank and page
     d = Engine(f"file://{own}", seed=2, mla=True, shared_latent=False)
     try:
         _req, external, _hit = serve(d, "d", TOKENS, [0, 1, 2, 4])
@@ -351,8 +346,8 @@ def test_tensor_parallel_shards_go_through_a_services_l3_as_the_same_objects_an_
         c.settle()
     finally:
         c.close()
-    written = _objects(own)
-    assert len(written) == 2 * PAGES and _objects(via_service) == written  # one object per rank and page, the same bytes
+    written = store_files(own)
+    assert len(written) == 2 * PAGES and store_files(via_service) == written  # one object per rank and page, the same bytes
     # the service's objects, read by an engine with its own L3
     d = Engine(f"file://{via_service}", seed=2)
     try:
@@ -396,7 +391,7 @@ def test_another_tensor_parallel_split_never_reads_a_splits_objects_through_a_se
         serve(own, "o", TOKENS, [3, 7, 5, 9])
     finally:
         own.close()
-    assert len(_objects(store)) == first * PAGES
+    assert len(store_files(store)) == first * PAGES
     svc = start_service(sock, 0.01, "--storage-url", f"file://{store}")
     try:
         b = Engine(None, ranks=then, seed=2, **patient)

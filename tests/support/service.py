@@ -57,6 +57,11 @@ def start_service(sock: str, host_gb: float = 0.01, *args: str, hold_fds: int = 
     return RunningService(proc, sock, banner)
 
 
+def store_files(root: Path) -> dict[str, bytes]:
+    """A file store's objects: path under the store -> bytes (a service's L3 and an engine's own compared whole)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def remove_regions(regions: list[str]) -> None:
     """The regions of services a test SIGKILLed (a killed service cannot remove its own; the next one its user
     starts would)."""
