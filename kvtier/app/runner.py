@@ -222,7 +222,8 @@ def _group_report(cache, hcfg: HybridConfig) -> dict:
         moved += nbytes
         what = "snapshots" if c.group.keeps == "state" else "pages"
         stats = c.stats()
-        out[c.name] = {f"{what}_loaded": stats.pop("loaded"), f"{what}_from_l3": stats.pop("fetched"), "bytes": nbytes, **stats}
+        out[c.name] = {f"{what}_loaded": stats.pop("loaded"), f"{what}_from_l3": stats.pop("fetched"),
+                       f"{what}_from_service": stats.pop("adopted"), "bytes": nbytes, **stats}
         if c.group.keeps != "state":
             out[c.name]["pages_skipped"] = loaded_pages - c.loaded  # pages of the hits outside every window
     twin = hcfg.full_attention_twin().page_bytes

@@ -123,7 +123,9 @@ class CoreBase(HostTier):
         self.tree.unpin(tag.nodes)
         ok = type(c) is Done
         self.groups.copied(tag.moved, ok)
-        if not ok:
+        if ok:
+            self.groups.publish((), tag.moved)
+        else:
             self.stats.transfer_failures += 1
 
     # ---- a host tier other engines share (:mod:`~kvtier.core.shared_host`) -------------------------
@@ -137,6 +139,7 @@ class CoreBase(HostTier):
         self.tree.mark_host_ready(nodes)
         if self.shared_host:
             self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
+            self.groups.publish(nodes)
         self.stats.backed_up_pages += len(nodes)
         self.stats.backed_up_bytes += len(nodes) * self._page_bytes
 
@@ -171,9 +174,11 @@ class CoreBase(HostTier):
         self._settle_shared_pages()
         tree = self.tree
         hosted = list(tree.hosted)
-        pages = [tree.clear_host(n) for n in hosted if n.device_page != NO_PAGE]
+        on_device = [n for n in hosted if n.device_page != NO_PAGE]
         host_only = [n for n in hosted if n.device_page == NO_PAGE]
         gone = _unlocked_from_leaves_up(host_only)
+        self.groups.left(Tier.HOST, on_device + gone)  # (their objects are the region's too)
+        pages = [tree.clear_host(n) for n in on_device]
         for n in set(host_only).difference(gone):
             n.host_ready = False
         if self.on_host_evicted is not None:
@@ -251,7 +256,11 @@ class CoreBase(HostTier):
                 self.tree.unlock(parent)
         n = self.shared_host.adopt(pages)
         self.stats.shared_host_pages += n
-        return self.tree.add_host_chain(rest[:n], pages[:n], parent, ready=True) if n else []
+        if not n:
+            return []
+        nodes = self.tree.add_host_chain(rest[:n], pages[:n], parent, ready=True)
+        self.groups.adopt_shared(nodes)
+        return nodes
 
     def _check_host(self, caller_host_pages: set[int], idle: bool) -> None:
         """The shared half of ``check_integrity``: the tree's own invariants, host accounting and,

@@ -84,7 +84,7 @@ class CacheCore(DeviceSpace):
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
                  model: ModelSpec | None = None, group_pools: dict[str, tuple[PageAllocator, PageAllocator]] | None = None,
                  state_every: int = 1, shared_host: SharedHost = NO_SHARED_HOST):
-        check_shared_host(shared_host, model, port)
+        check_shared_host(shared_host, model, port, hybrid=True)
         if namespace is None and model is not None and model.is_hybrid:
             namespace = Namespace("default", model.fingerprint())
         super().__init__(spec, device, host, port, config, storage_config, namespace=namespace, stats=stats)
@@ -93,6 +93,8 @@ class CacheCore(DeviceSpace):
         self._allocated = self.dev_alloc.allocated_view()
         self.groups = groups_for(model, group_pools, spec, tree=self.tree, state_every=state_every, device=device, host=host,
                                  loading=self._loading, make_room=self._make_room)
+        if shared_host and self.groups:
+            self.groups.check_shared()
         self.quarantine = Quarantine(device, self._free_objects, self._oldest_op)
         #: bumped on every failed load (the quarantine's generation): a request re-checks its prefix only when this moved
         self.load_failure_gen = 0

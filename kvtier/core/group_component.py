@@ -29,7 +29,7 @@ class Component:
     on the nodes: :mod:`~kvtier.core.node_objects`)."""
 
     __slots__ = ("group", "name", "kind", "alloc", "at", "heap", "fresh", "seq", "unready", "loaded", "backed_up", "evicted", "limited",
-                 "saved", "fetched", "filled", "load_failed", "sharing")
+                 "saved", "fetched", "adopted", "filled", "load_failed", "sharing")
 
     def __init__(self, group: KVGroup, kind: GroupKind, device: PageAllocator | None, host: PageAllocator, at: dict[Tier, NodeObjects]):
         self.group = group
@@ -49,8 +49,9 @@ class Component:
         #: pages it loaded) / planned device -> host, evicted under the pool's pressure, and matches this
         #: group stopped short of what the full groups had
         self.loaded = self.backed_up = self.evicted = self.limited = 0
-        #: objects planned into L3 and out of it
-        self.saved = self.fetched = 0
+        #: objects planned into L3 and out of it; objects other engines published to the node service, adopted
+        #: beside their pages (:meth:`~kvtier.core.group_objects.Groups.adopt_shared`)
+        self.saved = self.fetched = self.adopted = 0
         #: objects completed loads brought back beside pages that had stayed on device (their object had
         #: not), and objects of loads that failed (beside pages or fills): apart from ``loaded``
         self.filled = self.load_failed = 0
@@ -72,7 +73,7 @@ class Component:
 
     def stats(self) -> dict[str, int]:
         return {"device_objects": len(self.at[Tier.DEVICE]), "host_objects": len(self.at[Tier.HOST]), "loaded": self.loaded,
-                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "filled": self.filled,
+                "backed_up": self.backed_up, "saved": self.saved, "fetched": self.fetched, "adopted": self.adopted, "filled": self.filled,
                 "load_failed": self.load_failed, "evicted": self.evicted, "limited_matches": self.limited}
 
     def take(self, tier: Tier, nodes: Iterable[PageNode]) -> list[int]:

@@ -33,6 +33,12 @@ this small and safe:
 * **A device page whose object was evicted there** gets it back from its host
   copy beside the next load (the load's *fills*); a failed fill quarantines the
   objects it brought.
+* **On the node service** (a core whose host tier is shared, :mod:`~kvtier.core.shared_host`)
+  each group's host objects are leased from the service too (an object pool of the region, or the
+  pages' own pool where they share it), under their :func:`~kvtier.hashing.group_object_key`: a
+  finished copy to host publishes the objects it wrote (:meth:`Groups.publish`), and pages adopted
+  from other engines bring the objects the service holds for them (:meth:`Groups.adopt_shared`).
+  An object so published is never written again (others may read it).
 
 Tensorless: ids only, the executors move the bytes.
 """
@@ -84,6 +90,12 @@ class NoGroups(tuple):
 
     def left(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
         """(Pages left ``tier``: no objects beside them.)"""
+
+    def publish(self, nodes: Iterable[PageNode], moved: Mapping[str, Sequence[PageNode]] | None = None) -> None:
+        """(No objects to publish.)"""
+
+    def adopt_shared(self, nodes: Sequence[PageNode]) -> None:
+        """(No objects to adopt.)"""
 
     def hold_late(self, op: int, nodes: Iterable[PageNode]) -> None:
         """(A plan given up on: no objects of its pages to hold.)"""
@@ -143,6 +155,55 @@ class Groups:
             self._check_sharing(c, device, host)
         #: the groups whose objects take the full pages' ids
         self.sharing = [c for c in self.components if c.sharing]
+        #: whether the host tier is the node service's (set by the core): objects are published and adopted
+        self.shared_host = False
+
+    # ---- objects on a shared host tier (the node service) ------------------------------------------
+    def check_shared(self) -> None:
+        """On the node service, each group's host objects must be the service's too (an object pool's lease, or the
+        pages' own pool): a :class:`ConfigError` before anything is built on a host pool of this process's own."""
+        for c in self.components:
+            if not callable(getattr(c.alloc[Tier.HOST], "find", None)):
+                raise ConfigError(f"KV group {c.name!r}: on the node service its host objects must be the service's too (the "
+                                  "allocator of its object pool, LeasedPages.objects, or the pages' own); build the cache with "
+                                  "build_hybrid_cache and TierConfig.service")
+        self.shared_host = True
+
+    def publish(self, nodes: Iterable[PageNode], moved: Mapping[str, Sequence[PageNode]] | None = None) -> None:
+        """Copies to host completed: the host objects they wrote are offered to other engines -- every object ``nodes``
+        hold on host (a backup of their pages brought them all), or ``moved``'s alone (a copy of objects on their own)."""
+        if not self.shared_host:
+            return
+        nodes = list(nodes)
+        for c in self.components:
+            mine = (moved or {}).get(c.name, ()) if moved is not None else nodes
+            host = c.at[Tier.HOST].id_of
+            at = [(n, host(n)) for n in mine]
+            at = [(n, i) for n, i in at if i is not None]
+            if at:
+                c.alloc[Tier.HOST].publish([group_object_key(n.key, c.name) for n, _ in at], [i for _, i in at])
+
+    def adopt_shared(self, nodes: Sequence[PageNode]) -> None:
+        """``nodes`` are pages just adopted from other engines (readable host pages): their objects the service holds
+        hang on them too, as readable host objects (as many as each group's share has room for)."""
+        if not self.shared_host or not nodes:
+            return
+        for c in self.components:
+            alloc = c.alloc[Tier.HOST]
+            found = alloc.find([group_object_key(n.key, c.name) for n in nodes])
+            at = [(n, i) for n, i in zip(nodes, found) if i is not None]
+            if not at:
+                continue
+            n_booked = alloc.adopt([i for _, i in at])
+            at = at[:n_booked]
+            if not at:
+                continue
+            hung = [n for n, _ in at]
+            c.at[Tier.HOST].attach_new(hung, [i for _, i in at])
+            c.note(Tier.HOST, hung)
+            c.adopted += len(hung)
+            if c.sharing:
+                self.used(hung)
 
     def _check_sharing(self, c: Component, device: PageAllocator | None, host: PageAllocator) -> None:
         shares = (device is not None and c.alloc[Tier.DEVICE] is device, c.alloc[Tier.HOST] is host)

@@ -76,9 +76,14 @@ class NoSharedHost(tuple):
 NO_SHARED_HOST = NoSharedHost()
 
 
-def check_shared_host(shared_host: SharedHost, model, port) -> None:
-    """A shared host tier serves a core of a full-attention model with no L3 of its own (the service keeps
-    the tiers below the engine); a :class:`ConfigError` otherwise, before the core is built."""
-    if shared_host and (model is not None and model.is_hybrid or port.has_storage):
-        raise ConfigError("a shared host tier (the node service) serves models of full attention only, with no L3 of the engine's own "
-                          "(the service keeps the tiers below the engine): drop the storage URL, or the service")
+def check_shared_host(shared_host: SharedHost, model, port, *, hybrid: bool = False) -> None:
+    """A shared host tier serves a core with no L3 of its own (the service keeps the tiers below the engine), of a
+    full-attention model -- or a hybrid one where the core keeps its groups' objects (``hybrid``: kvtier's own device;
+    its groups' host objects are the service's too, :meth:`~kvtier.core.group_objects.Groups.check_shared`); a
+    :class:`ConfigError` otherwise, before the core is built."""
+    if shared_host and port.has_storage:
+        raise ConfigError("a shared host tier (the node service) serves engines with no L3 of their own (the service keeps the tiers "
+                          "below the engine): drop the storage URL, or the service")
+    if shared_host and model is not None and model.is_hybrid and not hybrid:
+        raise ConfigError("a shared host tier (the node service) serves this engine's models of full attention only (a hybrid model's "
+                          "groups on the service are HierarchicalCache's so far): drop the service, or serve a full-attention model")

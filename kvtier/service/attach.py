@@ -19,7 +19,7 @@ from kvtier.pools.host import HostPool
 from kvtier.service.client import DEFAULT_DEADLINE_S, ServiceClient
 from kvtier.service.heartbeat import HEARTBEAT_S
 from kvtier.service.leased import LeasedPages
-from kvtier.service.region import RegionFormat
+from kvtier.service.region import ObjectPool, RegionFormat
 from kvtier.spec import KVSpec
 
 log = logging.getLogger(__name__)
@@ -54,17 +54,37 @@ def attach_pages(socket_path: str, fmt: RegionFormat, namespace: Namespace | str
 
 
 def attach_host_pool(socket_path: str, spec: KVSpec, layout: str, namespace: Namespace, share: int, *,
-                     deadline_s: float = DEFAULT_DEADLINE_S, lookup_deadline_s: float | None = None,
-                     service_uid: int | None = None, required: bool = False, heartbeat_s: float | None = HEARTBEAT_S) -> HostPool:
+                     objects: dict[str, KVSpec] | None = None, deadline_s: float = DEFAULT_DEADLINE_S,
+                     lookup_deadline_s: float | None = None, service_uid: int | None = None, required: bool = False,
+                     heartbeat_s: float | None = HEARTBEAT_S) -> HostPool:
     """A :class:`HostPool` over the region of the service at ``socket_path`` (mapped, not copied, once it is
     checked to be the service's: :meth:`ServiceClient.map_region`), whose allocator is :func:`attach_pages`'.
     Started without the service (it did not answer), the pool holds no page until the allocator attaches and
-    maps the region into it. ``pool.allocator.close()`` detaches (the cache that uses the pool does so when it closes)."""
-    leased = attach_pages(socket_path, RegionFormat.of(spec, layout), namespace, share, deadline_s=deadline_s,
+    maps the region into it. ``pool.allocator.close()`` detaches (the cache that uses the pool does so when it closes).
+
+    ``objects``: a hybrid model's groups that keep objects of their own beside the pages (name -> the group's object
+    spec): the region holds a pool of each (:meth:`RegionFormat.with_objects`), and
+    :func:`object_host_pools` gives their host pools over it."""
+    objects = objects or {}
+    fmt = RegionFormat.of(spec, layout).with_objects([ObjectPool(name, ospec) for name, ospec in objects.items()])
+    leased = attach_pages(socket_path, fmt, namespace, share, deadline_s=deadline_s,
                           lookup_deadline_s=lookup_deadline_s, service_uid=service_uid, required=required, heartbeat_s=heartbeat_s)
+
+    def builder(pool_spec: KVSpec, allocator, name: str):
+        return lambda memory, num_pages: HostPool(pool_spec, num_pages, layout, memory=memory, allocator=allocator, name=name,
+                                                  pin_memory=memory.is_pinned())
+
     try:
-        return leased.set_pool(lambda memory, num_pages: HostPool(spec, num_pages, layout, memory=memory, allocator=leased,
-                                                                  name="node service region", pin_memory=memory.is_pinned()))
+        builders = {k: builder(ospec, leased.objects(k, name), f"node service region, KV group {name!r}")
+                    for k, (name, ospec) in enumerate(objects.items(), start=1)}
+        return leased.set_pool(builder(spec, leased, "node service region"), builders)
     except BaseException:
         leased.close(quiesced=True)
         raise
+
+
+def object_host_pools(host: HostPool, objects: list[str]) -> dict[str, HostPool]:
+    """The host pools of the object pools :func:`attach_host_pool` attached ``host`` with (``objects``: their names, in the
+    order given there), by name."""
+    leased: LeasedPages = host.allocator
+    return {name: leased.object_pool(k) for k, name in enumerate(objects, start=1)}

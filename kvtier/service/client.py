@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ServiceAccessError, ServiceError, ServiceProtocolError, ServiceUnavailableError
-from kvtier.service.messages import (MAX_OPS, MAX_PAGES, MAX_SESSION, MAX_WAIT_S, Bye, Hello, Join, Lookup, Message, Publish, Release,
+from kvtier.service.messages import (MAX_OPS, MAX_PAGES, MAX_SESSION, MAX_WAIT_S, Bye, Find, Hello, Join, Lookup, Message, Publish, Release,
                                      Reserve, Status)
 from kvtier.service.peer import ServiceTrust, check_listener, check_socket_dir
 from kvtier.service.region import RegionFormat, map_region, open_region
@@ -106,21 +106,31 @@ class HelloAnswer:
         return cls(region, size, num_pages, session)
 
 
-def check_pages(pages: object, at_most: int, num_pages: int, what: str) -> list[int]:
+def check_pages(pages: object, at_most: int, num_pages: int, what: str, first: int = 0, absent: bool = False) -> list[int]:
     """The page ids of an answer (``what``: a lookup's, a reservation's) as a list of distinct ints in the
-    region (``0 <= id < num_pages``), at most ``at_most`` of them; a :class:`~kvtier.errors.ServiceProtocolError`
+    region (``first <= id < first + num_pages``: pool ``first // num_pages``'s), at most ``at_most`` of them
+    (``absent``: exactly that many, each such an id or -1, a find's); a :class:`~kvtier.errors.ServiceProtocolError`
     naming what is wrong otherwise (a negative id would read the region's last page; one past it,
-    another process's memory; a repeat would be booked twice)."""
+    another process's memory, or another pool's object read as this one's; a repeat would be booked twice)."""
     if type(pages) is not list:
         raise ServiceProtocolError(f"the node service answered a {what} with {_show(pages)}, not a list of page ids")
-    if len(pages) > at_most:
+    if len(pages) > at_most or absent and len(pages) != at_most:
         raise ServiceProtocolError(f"the node service answered a {what} of {at_most} pages with {len(pages)}")
     for page in pages:
-        if type(page) is not int or not 0 <= page < num_pages:
-            raise ServiceProtocolError(f"the node service's {what} named page {_show(page)}, not one of its region's {num_pages}")
+        if type(page) is not int or not first <= page < first + num_pages and not (absent and page == -1):
+            raise ServiceProtocolError(f"the node service's {what} named page {_show(page)}, not one of its region's {num_pages}"
+                                       + (f" of pool {first // num_pages}" if first else ""))
+    if absent:
+        pages = [p for p in pages if p >= 0]
     if len(set(pages)) != len(pages):
         raise ServiceProtocolError(f"the node service's {what} named a page twice: {_show(pages)}")
     return pages
+
+
+def check_found(found: object, keys: int, num_pages: int, pool: int) -> list[int]:
+    """A find's answer for ``keys`` keys in pool ``pool``: one entry per key, a page of the pool or -1, no page twice."""
+    check_pages(found, keys, num_pages, "find", pool * num_pages, absent=True)
+    return found  # (checked: the -1s kept in place)
 
 
 #: the bytes of page keys and ids one frame of a split call carries (the rest of MAX_FRAME: seq, op names, separators)
@@ -294,13 +304,32 @@ class ServiceClient:
             raise self._break(ServiceProtocolError("the node service named a page in two runs of one step's lookups"))
         return found
 
-    def reserve(self, n: int) -> list[int]:
-        """Up to ``n`` pages to write (leased to this client)."""
-        return self._checked_pages(self._reserve_split(n, time.monotonic() + self.lookup_deadline_s), n, "reservation")
+    def reserve(self, n: int, pool: int = 0) -> list[int]:
+        """Up to ``n`` pages to write (leased to this client), of ``pool`` (0: the region's pages; k: its k-th object
+        pool, whose ids are ``k * num_pages`` on)."""
+        return self._checked_pages(self._reserve_split(n, pool, time.monotonic() + self.lookup_deadline_s), n, "reservation", pool)
 
-    def _checked_pages(self, pages: object, at_most: int, what: str) -> list[int]:
+    def find(self, keys: list[bytes], pool: int) -> list[int]:
+        """Each of ``keys`` the service holds in object pool ``pool``: its page (region-wide, now held for this client),
+        or -1; in as many frames as ``keys`` need, within one lookup deadline."""
+        deadline = time.monotonic() + self.lookup_deadline_s
+        found: list[int] = []
+        for part in _spans(_wire_sizes(keys, None)):
+            chunk = keys[part]
+            self.lookup_round_trips += 1
+            got = self._call([Find(keys=chunk, pool=pool).wire()], deadline)[0]
+            try:
+                found += check_found(got, len(chunk), self.num_pages, pool)
+            except ServiceProtocolError as e:
+                raise self._break(e) from None
+        every = [p for p in found if p >= 0]
+        if len(set(every)) != len(every):
+            raise self._break(ServiceProtocolError("the node service's find named a page twice"))
+        return found
+
+    def _checked_pages(self, pages: object, at_most: int, what: str, pool: int = 0) -> list[int]:
         try:
-            return check_pages(pages, at_most, self.num_pages, what)
+            return check_pages(pages, at_most, self.num_pages, what, pool * self.num_pages)
         except ServiceProtocolError as e:
             raise self._break(e) from None
 
@@ -332,12 +361,12 @@ class ServiceClient:
                 break
         return run
 
-    def _reserve_split(self, n: int, deadline: float) -> list[int]:
+    def _reserve_split(self, n: int, pool: int, deadline: float) -> list[int]:
         """Up to ``n`` pages in reservations of at most :data:`MAX_PAGES` each, until one gets fewer than it asked."""
         pages: list[int] = []
         while True:
             ask = min(n - len(pages), MAX_PAGES)
-            got = self._checked_pages(self._call([Reserve(n=ask).wire()], deadline)[0], ask, "reservation")
+            got = self._checked_pages(self._call([Reserve(n=ask, pool=pool).wire()], deadline)[0], ask, "reservation", pool)
             pages += got
             if len(got) < ask or len(pages) >= n:
                 return pages

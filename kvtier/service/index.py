@@ -17,6 +17,12 @@ its first page; the second page is its publisher's alone (unindexed) and is free
 Eviction order: when a client releases a prefix's pages deepest first (as a core evicts its host
 leaves), the deepest goes first here too, so a prefix shortens from its end and never loses its start.
 
+**Pools.** A region of a hybrid model's pages also holds an object pool per other KV group
+(:meth:`RegionFormat.with_objects <kvtier.service.region.RegionFormat.with_objects>`): ``pools`` pools of
+``num_pages`` ids each, ids region-wide (pool ``k``'s are ``k * num_pages`` on). A writer reserves in a pool;
+room is made there by evicting that pool's unheld pages; a lookup's run is of pages (pool 0) only, and
+:meth:`HostIndex.find` answers a pool's objects key by key. Everything else names a page alone.
+
 A :class:`PageWatcher` (the service's page records, :mod:`kvtier.service.records`) is told of each page
 handed to a writer and each page indexed, and asked before a READY page is offered to a lookup: a page
 it refuses (its bytes changed after their checksum) is dropped -- unindexed, freed once nobody holds it
@@ -98,18 +104,73 @@ class NamespacePages:
     leased: int = 0
 
 
-class HostIndex:
-    """See the module docstring. Clients are named by the caller's ids (the server's connection ids)."""
+class RegionPages:
+    """The region's page ids, ``pools`` pools of ``per_pool`` each (ids region-wide), as one allocator's books to the
+    index: what is free, allocated and parked over every pool, and allocations from one pool."""
 
-    def __init__(self, num_pages: int, watcher: PageWatcher | None = None):
-        self.alloc = PageAllocator(num_pages, "node service region")
+    def __init__(self, per_pool: int, pools: int = 1):
+        self.per_pool = per_pool
+        self.pools = [PageAllocator(per_pool, "node service region" if k == 0 else f"node service region, object pool {k}")
+                      for k in range(pools)]
+        self.num_pages = per_pool * pools
+
+    @property
+    def num_free(self) -> int:
+        return sum(a.num_free for a in self.pools)
+
+    def num_free_in(self, pool: int) -> int:
+        return self.pools[pool].num_free
+
+    def alloc(self, n: int, pool: int = 0) -> list[int]:
+        base = pool * self.per_pool
+        return [base + p for p in self.pools[pool].alloc(n).pages]
+
+    def _split(self, pages) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for page in pages:
+            k, p = divmod(page, self.per_pool)
+            out.setdefault(k, []).append(p)
+        return out
+
+    def free(self, pages: list[int]) -> None:
+        for k, mine in self._split(pages).items():
+            self.pools[k].free(mine)
+
+    def take(self, pages: list[int]) -> None:
+        for k, mine in self._split(pages).items():
+            self.pools[k].take(mine)
+
+    def hold(self, pages) -> None:
+        for k, mine in self._split(pages).items():
+            self.pools[k].hold(mine)
+
+    def release_hold(self, pages) -> None:
+        for k, mine in self._split(pages).items():
+            self.pools[k].release_hold(mine)
+
+    @property
+    def parked(self) -> set[int]:
+        return {k * self.per_pool + p for k, a in enumerate(self.pools) for p in a.parked}
+
+    def allocated_pages(self) -> set[int]:
+        return {k * self.per_pool + p for k, a in enumerate(self.pools) for p in a.allocated_pages()}
+
+
+class HostIndex:
+    """See the module docstring. Clients are named by the caller's ids (the server's connection ids).
+    ``num_pages``: the region's pages; ``pools``: its pools, each of that many ids (pool 0 the pages)."""
+
+    def __init__(self, num_pages: int, watcher: PageWatcher | None = None, pools: int = 1):
+        self.alloc = RegionPages(num_pages, pools)
+        self.num_pages = num_pages
         self.watcher = watcher
         self.clients: dict[int, Client] = {}
         self._writer: dict[int, int] = {}  # WRITING page -> client
         self._key_of: dict[int, Key | None] = {}  # READY page -> its key (None: a duplicate, its publisher's alone)
         self._page_of: dict[Key, int] = {}
         self._holders: dict[int, set[int]] = {}  # READY page -> clients holding it (absent: nobody)
-        self._unheld: OrderedDict[int, None] = OrderedDict()  # READY, held by nobody: least recently released first
+        # READY, held by nobody, per pool: least recently released first
+        self._unheld: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(pools)]
         self.lookups = self.hit_pages = self.published_pages = self.evicted_pages = self.dropped_writes = 0
         #: of ``dropped_writes``: pages whose writer's process had died (its lease expired rather than being given up)
         self.expired_leases = 0
@@ -162,12 +223,33 @@ class HostIndex:
         self.miss_pages_of[self.clients[client].namespace] -= len(pages)
         return pages
 
+    def find(self, client: int, keys: list[bytes], pool: int) -> list[int]:
+        """Each of ``keys`` published in the client's namespace in pool ``pool``: its page, now held for the client,
+        or -1 (absent, of another pool, or held by the client already)."""
+        c = self.clients[client]
+        lo, hi = pool * self.num_pages, (pool + 1) * self.num_pages
+        out, found = [], {}
+        for key in keys:
+            page = self._page_of.get((c.namespace, key), -1)
+            if not lo <= page < hi or page in c.held or page in found:
+                page = -1
+            elif self.watcher is not None and not self.watcher.offered(page):
+                self._drop(page)
+                page = -1
+            out.append(page)
+            if page >= 0:
+                found[page] = None
+        self._hold(client, c, list(found))
+        c.hit_pages += len(found)
+        return out
+
     def _run(self, client: int, keys: list[bytes]) -> list[int]:
         c = self.clients[client]
         pages = []
+        n = self.num_pages
         for key in keys:
             page = self._page_of.get((c.namespace, key))
-            if page is None or page in c.held:
+            if page is None or page >= n or page in c.held:  # (a run is of pages: pool 0)
                 break
             if self.watcher is not None and not self.watcher.offered(page):
                 self._drop(page)
@@ -179,14 +261,17 @@ class HostIndex:
         self.hit_pages_of[c.namespace] += len(pages)
         return pages
 
-    def reserve(self, client: int, n: int) -> list[int]:
-        """Up to ``n`` pages for the client to write, evicting pages nobody holds if needed."""
+    def reserve(self, client: int, n: int, pool: int = 0) -> list[int]:
+        """Up to ``n`` pages of ``pool`` for the client to write, evicting pages of it nobody holds if needed."""
+        if not 0 <= pool < len(self._unheld):
+            raise ServiceProtocolError(f"reserve: pool {pool} is not one of the region's {len(self._unheld)}")
         c = self.clients[client]
-        short = n - self.alloc.num_free
-        while short > 0 and self._unheld:
-            self._evict(next(iter(self._unheld)))
+        short = n - self.alloc.num_free_in(pool)
+        unheld = self._unheld[pool]
+        while short > 0 and unheld:
+            self._evict(next(iter(unheld)))
             short -= 1
-        got = self.alloc.alloc(min(n, self.alloc.num_free)).pages
+        got = self.alloc.alloc(min(n, self.alloc.num_free_in(pool)), pool)
         if self.watcher is not None:
             self.watcher.reserved(got, client)
         for page in got:
@@ -325,8 +410,9 @@ class HostIndex:
             seen.add(page)
 
     def _hold(self, client: int, c: Client, pages: list[int]) -> None:
+        unheld, n = self._unheld, self.num_pages
         for page in pages:
-            self._unheld.pop(page, None)
+            unheld[page // n].pop(page, None)
             holders = self._holders.get(page)
             if holders is None:
                 holders = self._holders[page] = set()
@@ -352,7 +438,7 @@ class HostIndex:
             del self._key_of[page]
             self._free([page])
         else:
-            self._unheld[page] = None
+            self._unheld[page // self.num_pages][page] = None
 
     def _drop(self, page: int) -> None:
         """A READY page the watcher refused: unindexed now; freed now if nobody holds it, else once its holders
@@ -361,7 +447,7 @@ class HostIndex:
         if key is None:
             return
         self.corrupt_pages += 1
-        if page in self._unheld:
+        if page in self._unheld[page // self.num_pages]:
             self._evict(page)
             self.evicted_pages -= 1  # (counted as corrupt, not as evicted)
             return
@@ -370,7 +456,7 @@ class HostIndex:
         self._key_of[page] = None
 
     def _evict(self, page: int) -> None:
-        del self._unheld[page]
+        del self._unheld[page // self.num_pages][page]
         key = self._key_of.pop(page)
         del self._page_of[key]
         self._published_of[key[0]] -= 1
@@ -384,9 +470,11 @@ class HostIndex:
         writing, ready = set(self._writer), set(self._key_of)
         assert not (free & writing or free & ready or writing & ready or parked & (free | writing | ready)), "a page is in two states"
         assert free | writing | ready | parked == set(range(self.alloc.num_pages)), "a page is in no state"
-        assert set(self._holders) | set(self._unheld) == ready and not set(self._holders) & set(self._unheld)
+        unheld = {p for pool in self._unheld for p in pool}
+        assert all(p // self.num_pages == k for k, pool in enumerate(self._unheld) for p in pool), "an unheld page in another pool's order"
+        assert set(self._holders) | unheld == ready and not set(self._holders) & unheld
         assert {p: k for k, p in self._page_of.items()} == {p: k for p, k in self._key_of.items() if k is not None}
-        assert all(self._key_of[p] is not None for p in self._unheld), "an unindexed page outlived its holders"
+        assert all(self._key_of[p] is not None for p in unheld), "an unindexed page outlived its holders"
         for cid, c in self.clients.items():
             assert all(self._writer[p] == cid for p in c.writing)
             assert all(cid in self._holders[p] for p in c.held)

@@ -100,6 +100,9 @@ class LeasedPages(PageAllocator):
         self._standby_quiesces = False
         self._lock = threading.RLock()
         self._closed = False
+        #: a hybrid model's object pools (:meth:`objects`), by pool; their host pools (:meth:`set_pool`'s ``objects``)
+        self._objects: dict[int, ObjectLease] = {}
+        self._object_pools: dict[int, tuple[Callable[[torch.Tensor, int], HostPool], HostPool]] = {}
         if client is not None:
             self._size_to(client.num_pages)
             self.client, self.lost = client, False
@@ -108,8 +111,22 @@ class LeasedPages(PageAllocator):
             self.lost = True
         self._heartbeat = Heartbeat(self.beat, "kvtier-service-heartbeat", heartbeat_s) if heartbeat_s else None
 
+    def _in_use(self) -> int:
+        """Pages and objects of the region this engine holds or writes now (none: the old session may be let go)."""
+        return self._used + sum(o.num_used for o in self._objects.values())
+
+    def objects(self, pool: int, name: str) -> ObjectLease:
+        """The host allocator of object pool ``pool`` (a hybrid model's group ``name``: :meth:`RegionFormat.with_objects
+        <kvtier.service.region.RegionFormat.with_objects>`), which leases that pool's ids through this attachment."""
+        with self._lock:
+            if pool not in self._objects:
+                self._objects[pool] = ObjectLease(self, pool, name)
+            return self._objects[pool]
+
     def _size_to(self, num_pages: int) -> None:
         """The books of a region of ``num_pages`` pages (only while this engine holds none of the old one's)."""
+        for lease in getattr(self, "_objects", {}).values():
+            lease.size_to(num_pages)
         self.num_pages = num_pages
         self._owned = bytearray(num_pages)
         self._owned_np = np.frombuffer(self._owned, dtype=np.uint8)
@@ -223,6 +240,21 @@ class LeasedPages(PageAllocator):
                 self._lose(e)
                 return [[] for _ in runs]
 
+    def find(self, keys: list[bytes]) -> list[int | None]:
+        """Each of ``keys``' page in the region's own pool, held for this engine until :meth:`adopt` or :meth:`let_go`
+        (None: the service has none, or the tier is lost): a hybrid model's window pages that share the pages' pool,
+        under their group's keys (:meth:`ObjectLease.find` for a pool of their own)."""
+        with self._lock:
+            if self.lost or not keys:
+                return [None] * len(keys)
+            try:
+                found = self.client.find(keys, 0)
+                self._not_held([p for p in found if p >= 0], "find")
+            except ServiceError as e:
+                self._lose(e)
+                return [None] * len(keys)
+            return [None if p < 0 else p for p in found]
+
     def let_go(self, pages: list[int]) -> None:
         """Pages a lookup gave that the core does not take (what it found no place for)."""
         with self._lock:
@@ -242,13 +274,28 @@ class LeasedPages(PageAllocator):
             if not self.lost:
                 self._tell(self.client.publish, pages, keys)
 
-    def set_pool(self, build: Callable[[torch.Tensor, int], HostPool]) -> HostPool:
+    def set_pool(self, build: Callable[[torch.Tensor, int], HostPool],
+                 objects: dict[int, Callable[[torch.Tensor, int], HostPool]] | None = None) -> HostPool:
         """The host pool over the region this engine holds pages of: ``build(memory, num_pages)`` over the region
-        mapped now (no memory, no pages, before the first attach); remapped (and resized) at every attach from now on."""
+        mapped now (no memory, no pages, before the first attach); remapped (and resized) at every attach from now on.
+        ``objects``: each object pool's builder, over that pool's part of the region (:meth:`object_pool` gives it)."""
         with self._lock:
             memory = self.client.map_region() if self.client is not None else torch.empty(0, dtype=torch.uint8)
-            self.pool = build(memory, self.num_pages)
+            self.pool = build(self._part(memory, 0), self.num_pages)
+            for pool, make in (objects or {}).items():
+                self._object_pools[pool] = (make, make(self._part(memory, pool), self.num_pages))
             return self.pool
+
+    def object_pool(self, pool: int) -> HostPool:
+        """The host pool of object pool ``pool`` over the region (made by :meth:`set_pool`)."""
+        return self._object_pools[pool][1]
+
+    def _part(self, memory: torch.Tensor, pool: int) -> torch.Tensor:
+        """Pool ``pool``'s bytes of the region mapped as ``memory`` (all of it for a region of one pool)."""
+        if self.client is None or self.client.fmt.pools == 1 or not memory.numel():
+            return memory
+        start, size = self.client.fmt.part(pool, self.num_pages)
+        return memory[start : start + size]
 
     @property
     def region(self) -> Region | None:
@@ -284,18 +331,23 @@ class LeasedPages(PageAllocator):
             if not self.lost:
                 if self.client.hung_up():
                     self._lose(ServiceError("the node service closed the connection"))
+                # (the room the service last had is a beat old: asked again, as pages other engines held may be free now --
+                # an engine that holds none would otherwise never give one back, and never ask again)
+                self._room = None
+                for lease in self._objects.values():
+                    lease._room = None
                 return
             if self._standby is not None and self._standby.hung_up():
                 self._standby.close()
                 self._standby = None
             if self._standby is not None:
-                if self._used == 0:
+                if self._in_use() == 0:
                     self._attach_again()
                 return
             if not self._backoff.due():
                 return
             # (while lost, the core's pages only leave: a session quiesced now stays so)
-            previous = self.client.session if self.client is not None and self._used == 0 else None
+            previous = self.client.session if self.client is not None and self._in_use() == 0 else None
         client, error = self._connect_anew(previous)
         with self._lock:
             if client is None:
@@ -304,7 +356,7 @@ class LeasedPages(PageAllocator):
                 client.close()  # (the engine's thread attached meanwhile)
             else:
                 self._standby, self._standby_quiesces = client, previous is not None or self.client is None
-                if self._used == 0:
+                if self._in_use() == 0:
                     self._attach_again()
 
     def _tell(self, note, *args) -> None:
@@ -325,7 +377,7 @@ class LeasedPages(PageAllocator):
 
     def _try_reattach(self) -> bool:
         """Attach again if it is time to try and nothing of the old session is in use; True if attached."""
-        if self._used or self._closed or not self._backoff.due() and self._standby is None:
+        if self._in_use() or self._closed or not self._backoff.due() and self._standby is None:
             return False
         return self._attach_again()
 
@@ -360,7 +412,11 @@ class LeasedPages(PageAllocator):
         try:
             if self.pool is not None:
                 memory = client.map_region(pin_in_background=True)  # (on a request's path)
-                self.pool.remap(memory, client.num_pages)
+                fmt = client.fmt
+                part = (lambda k: memory) if fmt.pools == 1 else (lambda k: memory[slice(*_span(fmt.part(k, client.num_pages)))])
+                self.pool.remap(part(0), client.num_pages)
+                for pool, (_make, host) in self._object_pools.items():
+                    host.remap(part(pool), client.num_pages)
         except ServiceError as e:
             client.close()
             self._backoff.failed(longest=True)
@@ -374,3 +430,163 @@ class LeasedPages(PageAllocator):
         log.warning("attached to the node service at %s%s (region %s, %d pages)", self.socket_path, "" if old is None else " again",
                     client.region, client.num_pages)
         return True
+
+
+def _span(part: tuple[int, int]) -> tuple[int, int]:
+    start, size = part
+    return start, start + size
+
+
+class ObjectLease(PageAllocator):
+    """A hybrid model's group objects on the node service: object pool ``pool`` of the region (one object per region page,
+    :meth:`RegionFormat.with_objects <kvtier.service.region.RegionFormat.with_objects>`) as that group's host allocator,
+    over the attachment of ``parent`` (its client, lock, and lost state: the pages and their objects are lost together).
+
+    Its ids are the pool's own, ``0`` to ``num_pages - 1`` (the group's host pool over that part of the region); on the wire
+    they are region-wide, ``pool * num_pages`` on. As :class:`LeasedPages`: ``alloc`` reserves objects to write, ``free``
+    releases them; ``find`` asks for the objects other engines published under keys, ``adopt`` books them, ``let_go``
+    gives back those the core takes no place for, and ``publish`` makes finished copies visible. No exception reaches the
+    engine: a failure loses the whole attachment (:meth:`LeasedPages._lose`)."""
+
+    def __init__(self, parent: LeasedPages, pool: int, name: str):
+        self.parent, self.pool = parent, pool
+        self.name = f"node service region, KV group {name!r}"
+        self.reserve_padding_page = False
+        self._held, self.parked = set(), set()
+        self._free = []
+        self.size_to(parent.num_pages)
+
+    def size_to(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._owned = bytearray(num_pages)
+        self._owned_np = np.frombuffer(self._owned, dtype=np.uint8)
+        self._used = 0
+        self._room: int | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.parent.share
+
+    @property
+    def num_used(self) -> int:
+        return self._used
+
+    @property
+    def num_free(self) -> int:
+        if self.parent.lost:
+            return 0
+        free = self.parent.share - self._used
+        return free if self._room is None else min(free, self._room)
+
+    @property
+    def lost(self) -> bool:
+        return self.parent.lost
+
+    def _base(self) -> int:
+        return self.pool * self.num_pages
+
+    def alloc(self, n: int) -> Allocation:
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} objects")
+        parent = self.parent
+        with parent._lock:
+            if parent.lost:
+                parent._try_reattach()
+            free_before = self.num_free
+            if n > free_before or n == 0:
+                return Allocation([], n, free_before)
+            try:
+                got = parent.client.reserve(n, self.pool)
+            except ServiceError as e:
+                parent._lose(e)
+                return Allocation([], n, 0)
+            pages = self._local(got, "reservation")
+            if pages is None:
+                return Allocation([], n, 0)
+            if len(pages) < n:
+                if pages:
+                    parent._tell(parent.client.release, got)
+                self._room = len(pages)
+                return Allocation([], n, free_before)
+            self._book(pages)
+            return Allocation(pages, n, free_before)
+
+    def _local(self, pages: list[int], what: str) -> list[int] | None:
+        """The pool's ids of region-wide ``pages`` (checked by the client to be of this pool), none held already; a
+        page held already loses the attachment (None)."""
+        base, owned = self._base(), self._owned
+        local = [p - base for p in pages]
+        again = [p for p in local if owned[p]]
+        if again:
+            self.parent._lose(ServiceProtocolError(f"the node service's {what} gave {self.name} objects this engine holds already: "
+                                                   f"{again[:8]}"))
+            return None
+        return local
+
+    def _book(self, pages: list[int]) -> None:
+        owned = self._owned
+        for p in pages:
+            owned[p] = 1
+        self._used += len(pages)
+
+    def free(self, pages: list[int]) -> None:
+        with self.parent._lock:
+            super().free(pages)
+            self._give_back()
+
+    def hold(self, pages) -> None:
+        with self.parent._lock:
+            super().hold(pages)
+
+    def release_hold(self, pages) -> None:
+        with self.parent._lock:
+            super().release_hold(pages)
+            self._give_back()
+
+    def _give_back(self) -> None:
+        back, self._free = self._free, []
+        if back:
+            self._used -= len(back)
+            self._room = None
+            if not self.parent.lost:
+                base = self._base()
+                self.parent._tell(self.parent.client.release, [base + p for p in back])
+
+    # ---- objects other engines published ----------------------------------------------------------
+    def find(self, keys: list[bytes]) -> list[int | None]:
+        """Each of ``keys``' object in this pool, held for this engine until :meth:`adopt` or :meth:`let_go` (None:
+        the service has none, or the tier is lost)."""
+        parent = self.parent
+        with parent._lock:
+            if parent.lost or not keys:
+                return [None] * len(keys)
+            try:
+                found = parent.client.find(keys, self.pool)
+            except ServiceError as e:
+                parent._lose(e)
+                return [None] * len(keys)
+            local = self._local([p for p in found if p >= 0], "find")
+            if local is None:
+                return [None] * len(keys)
+            base = self._base()
+            return [None if p < 0 else p - base for p in found]
+
+    def adopt(self, pages: list[int]) -> int:
+        """Book as many of ``pages`` (a :meth:`find`'s) as this engine's share has room for; the rest go back."""
+        with self.parent._lock:
+            n = max(0, min(len(pages), self.parent.share - self._used))
+            self._book(pages[:n])
+            self.let_go(pages[n:])
+            return n
+
+    def let_go(self, pages: list[int]) -> None:
+        with self.parent._lock:
+            if pages and not self.parent.lost:
+                base = self._base()
+                self.parent._tell(self.parent.client.release, [base + p for p in pages])
+
+    def publish(self, keys: list[bytes], pages: list[int]) -> None:
+        with self.parent._lock:
+            if pages and not self.parent.lost:
+                base = self._base()
+                self.parent._tell(self.parent.client.publish, [base + p for p in pages], keys)

@@ -259,11 +259,29 @@ class Lookup(Message):
         check_object_names(self.names, self.keys, "lookup")
 
 
+#: the most pools a region holds (its pages, and a hybrid model's object pools: :mod:`kvtier.service.region`)
+MAX_POOLS = 9
+
+
 @message("reserve")
 class Reserve(Message):
-    """Up to ``n`` pages for the caller to write (leased: nobody else is offered them)."""
+    """Up to ``n`` pages for the caller to write (leased: nobody else is offered them), of pool ``pool`` (0: the
+    region's pages; k: its k-th object pool, a hybrid model's group: :meth:`RegionFormat.with_objects
+    <kvtier.service.region.RegionFormat.with_objects>`). Every pool's ids are region-wide: pool ``k``'s are
+    ``k * num_pages`` to ``(k + 1) * num_pages - 1``, so the other ops name a page alone."""
 
     n: int = wire(_count(MAX_PAGES, pages=True))
+    pool: int = wire(_count(MAX_POOLS - 1), 0)
+
+
+@message("find")
+class Find(Message):
+    """Each of ``keys`` the service holds in the caller's namespace in pool ``pool`` (a hybrid model's objects: a window
+    page, a state snapshot, under their :func:`~kvtier.hashing.group_object_key`): its page, now held for the caller,
+    or -1 -- every key on its own, not a leading run (a boundary reads some objects of a prefix, not all)."""
+
+    keys: list[bytes] = wire(PAGE_KEYS)
+    pool: int = wire(_count(MAX_POOLS - 1), 0)
 
 
 @message("publish")

@@ -31,6 +31,8 @@ STATES = ("published", "held", "leased")
 class ServiceSnapshot:
     """What a scrape reports, read at one instant (no region yet: page counts are 0)."""
 
+    #: bytes per page id (a hybrid model's region: per id of any pool, on average -- a page and its objects are one
+    #: region page, each an id of its own pool)
     page_bytes: int
     num_pages: int
     free_pages: int
@@ -56,7 +58,8 @@ class ServiceSnapshot:
             if index is None:  # no engine attached yet: no region
                 return cls(0, 0, 0, {}, {}, {}, counters | dict.fromkeys(_INDEX_COUNTERS, 0), clients, orphaned, writers, l3)
             counters |= {name: getattr(index, name) for name in _INDEX_COUNTERS}
-            return cls(region.format.page_bytes, index.alloc.num_pages, index.alloc.num_free, index.pages_by_namespace(),
+            return cls(region.format.page_bytes // region.format.pools, index.alloc.num_pages, index.alloc.num_free,
+                       index.pages_by_namespace(),
                        dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3, service.engines())
 
 

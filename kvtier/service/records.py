@@ -3,7 +3,8 @@ kept beside the region so that a service restarted on it offers again only what 
 
 Files in the region's directory (the service's alone, 0600; engines never map them)::
 
-    pages        num_pages records of RECORD_BYTES, record i for region page i:
+    pages        a record of RECORD_BYTES per page id (num_pages per pool: a hybrid model's object pools after the
+                 pages), record i for id i:
                  0   u32  state: 0 empty, WRITING (handed to a writer), WRITTEN (its key's bytes are in)
                  4   u32  namespace id (the line of ``namespaces`` that names it)
                  8   u64  xxh3_64 of the page's bytes (each buffer in the spec's order, each layer in order)
@@ -48,7 +49,7 @@ import xxhash
 
 from kvtier.layout import HostLayout
 from kvtier.pools.host import region_offsets
-from kvtier.service.region import Owner, Region
+from kvtier.service.region import Owner, Region, RegionFormat
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,9 @@ class PageRecords:
         self.verify_sample = verify_sample
         self._rng = random.Random(seed)
         folder = os.path.dirname(region.path)
-        size = region.num_pages * RECORD_BYTES
+        #: one record per page of every pool (a hybrid model's object pools after the pages: ids region-wide)
+        self.num_records = region.num_pages * region.format.pools
+        size = self.num_records * RECORD_BYTES
         flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CREAT | (os.O_TRUNC if fresh else 0)
         fd = os.open(os.path.join(folder, RECORDS_FILE), flags, 0o600)
         try:
@@ -177,7 +180,7 @@ class PageRecords:
         """Read every record of a region a killed service left (see :class:`Adopted`), verifying each WRITTEN
         page's bytes; the records of what is not adopted are cleared."""
         pages, quarantined, dropped, seen = [], {}, 0, set()
-        for page in range(self.region.num_pages):
+        for page in range(self.num_records):
             raw = self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES]
             if raw == bytes(RECORD_BYTES):
                 continue
@@ -258,10 +261,19 @@ def _parse(raw: bytes) -> tuple[int, int, int, bytes] | None:
 
 
 def _page_spans(region: Region):
-    """A function of a page id: the (start, length) byte ranges of that page in the region, in checksum order."""
-    fmt = region.format
-    offsets, _end = region_offsets(fmt.buffer_page_bytes, fmt.num_layers, region.num_pages)
-    layers, n = fmt.num_layers, region.num_pages
+    """A function of a page id (region-wide: pool ``id // num_pages``'s page ``id % num_pages``): the (start, length)
+    byte ranges of that page in the region, in checksum order."""
+    fmt, n = region.format, region.num_pages
+    pools = [_pool_spans(fmt, k, n) for k in range(fmt.pools)]
+    if len(pools) == 1:
+        return pools[0]
+    return lambda page: pools[page // n](page % n)
+
+
+def _pool_spans(fmt: RegionFormat, pool: int, n: int):
+    start, _size = fmt.part(pool, n)
+    layers, sizes = fmt.parts()[pool]
+    offsets = [start + off for off in region_offsets(sizes, layers, n)[0]]
     if HostLayout(fmt.layout, layers, n).kind == "page_first":  # (each buffer's page is one run of its layers)
-        return lambda page: [(off + page * layers * pb, layers * pb) for off, pb in zip(offsets, fmt.buffer_page_bytes)]
-    return lambda page: [(off + (layer * n + page) * pb, pb) for off, pb in zip(offsets, fmt.buffer_page_bytes) for layer in range(layers)]
+        return lambda page: [(off + page * layers * pb, layers * pb) for off, pb in zip(offsets, sizes)]
+    return lambda page: [(off + (layer * n + page) * pb, pb) for off, pb in zip(offsets, sizes) for layer in range(layers)]

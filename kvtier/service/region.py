@@ -75,6 +75,26 @@ class RowObject:
     page_size: int
 
 
+@dataclass(frozen=True)
+class ObjectPool:
+    """A pool of a hybrid model's other KV group in the region beside the pages (:meth:`RegionFormat.with_objects`):
+    one object of ``spec`` (the group's :meth:`~kvtier.groups.KVGroup.object_spec`: a window page, a state snapshot)
+    per region page, laid out after the pages as a host pool of ``spec``, and named by the group's ``name``."""
+
+    name: str
+    spec: KVSpec
+
+
+def objects_fingerprint(page_fingerprint: str, objects: tuple[ObjectPool, ...]) -> str:
+    """The fingerprint of a region page with object pools: the page's and every pool's name and spec, bound."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(["objects", page_fingerprint, *[[o.name, o.spec.fingerprint()] for o in objects]]).encode())
+
+
+#: the most object pools a format may name (a hybrid model's groups beside full attention)
+MAX_OBJECT_POOLS = 8
+MAX_POOL_NAME = 64
+
+
 def rows_fingerprint(fingerprints: list[str]) -> str:
     """The fingerprint of a region page whose rows are pools of these fingerprints (SGLang's KV pool first, then
     the pools on its page ids): the format's identity, which binds every row's fingerprint (:meth:`RegionFormat.of_rows`)."""
@@ -88,7 +108,9 @@ class RegionFormat:
     ``spec``: the spec itself -- of each of the page's ``shards`` (a tensor-parallel rank's, :meth:`of_shards`)
     -- which a service with an L3 tier needs to write the page objects an engine's own L3 writes (not part of
     the format's identity: the fingerprint is, and it names the shards). ``rows``: where the page is not a
-    kvtier spec but an engine's own pools, one per buffer row (:meth:`of_rows`), how each row is an L3 object."""
+    kvtier spec but an engine's own pools, one per buffer row (:meth:`of_rows`), how each row is an L3 object.
+    ``objects``: a hybrid model's other groups (:meth:`with_objects`), each a pool of as many objects as the
+    region has pages, after the pages (part of the identity: the fingerprint binds them too)."""
 
     fingerprint: str
     layout: str
@@ -97,6 +119,7 @@ class RegionFormat:
     spec: KVSpec | None = field(default=None, compare=False)
     shards: int = field(default=1, compare=False)
     rows: tuple[RowObject, ...] | None = field(default=None, compare=False)
+    objects: tuple[ObjectPool, ...] = ()
 
     @classmethod
     def of(cls, spec: KVSpec, layout: str) -> RegionFormat:
@@ -129,6 +152,38 @@ class RegionFormat:
         (an SGLang pool's binds its page size: a service still refuses an engine whose rows differ from its region's)."""
         return cls(rows_fingerprint([r.fingerprint for r in rows]), "page_first", 1, tuple(payload_bytes), rows=tuple(rows))
 
+    def with_objects(self, objects: list[ObjectPool]) -> RegionFormat:
+        """This format (of one spec, not shards nor rows) with a pool per other KV group of a hybrid model: region
+        page ``p``'s objects of group ``g`` are object ``p`` of pool ``g`` (pools 1, 2, ...: ``objects``' order), each
+        pool laid out as a host pool of the group's object spec after the pages (:meth:`part`)."""
+        if not objects:
+            return self
+        if self.spec is None or self.shards != 1 or self.rows is not None:
+            raise ServiceError("object pools beside a region's pages are for a page of one kvtier spec (not shards, not rows)")
+        objects = tuple(objects)
+        return dataclasses.replace(self, fingerprint=objects_fingerprint(self.fingerprint, objects), objects=objects)
+
+    @property
+    def pools(self) -> int:
+        """How many pools the region holds: its pages (pool 0) and each object pool."""
+        return 1 + len(self.objects)
+
+    def parts(self) -> list[tuple[int, tuple[int, ...]]]:
+        """Each pool's (layers, buffer page bytes): the pages', then each object pool's."""
+        return [(self.num_layers, self.buffer_page_bytes)] + [(o.spec.num_layers, tuple(b.page_bytes for b in o.spec.buffers))
+                                                              for o in self.objects]
+
+    def part(self, pool: int, num_pages: int) -> tuple[int, int]:
+        """(offset, size) of pool ``pool``'s bytes in a region of ``num_pages`` pages: the pools one after another, each
+        laid out as a host pool (:func:`~kvtier.pools.host.region_offsets`), so each is mapped as a host pool of its own."""
+        start = 0
+        for k, (layers, sizes) in enumerate(self.parts()):
+            size = region_offsets(sizes, layers, num_pages)[1]
+            if k == pool:
+                return start, size
+            start += size
+        raise IndexError(f"pool {pool} of a region of {self.pools} pools")
+
     @property
     def stores_objects(self) -> bool:
         """Whether a service with an L3 tier can write this page's objects (it knows their spec, or its rows')."""
@@ -144,10 +199,11 @@ class RegionFormat:
 
     @property
     def page_bytes(self) -> int:
-        return self.num_layers * sum(self.buffer_page_bytes)
+        """Bytes one region page takes: its page's and, with object pools, one object of each."""
+        return sum(layers * sum(sizes) for layers, sizes in self.parts())
 
     def size(self, num_pages: int) -> int:
-        return region_offsets(self.buffer_page_bytes, self.num_layers, num_pages)[1]
+        return sum(region_offsets(sizes, layers, num_pages)[1] for layers, sizes in self.parts())
 
     def as_wire(self) -> dict:
         wire = {"fingerprint": self.fingerprint, "layout": self.layout, "num_layers": self.num_layers,
@@ -158,6 +214,8 @@ class RegionFormat:
             wire["spec"] = dataclasses.asdict(self.spec)
         if self.rows is not None:
             wire["row_objects"] = [[r.fingerprint, r.page_size] for r in self.rows]
+        if self.objects:  # (a service before them ignores the key, and its region's size refuses the engine: ServiceClient)
+            wire["object_pools"] = [[o.name, dataclasses.asdict(o.spec)] for o in self.objects]
         return wire
 
     @classmethod
@@ -174,6 +232,8 @@ class RegionFormat:
                                        "engine's own pools")
         if d.get("row_objects") is not None:
             return dataclasses.replace(fmt, rows=_rows_of(d["row_objects"], fmt))
+        if d.get("object_pools") is not None:
+            return _with_pools(d, fmt)
         if d.get("shard_spec") is not None:
             shards = d.get("shards")
             if type(shards) is not int or not 2 <= shards <= len(sizes):
@@ -204,6 +264,29 @@ def _rows_of(wire: object, fmt: RegionFormat) -> tuple[RowObject, ...]:
         raise ServiceProtocolError(f"hello's format names row objects that are not the format's ({fmt.fingerprint}): "
                                    f"{str(wire)[:120]}")
     return tuple(rows)
+
+
+def _with_pools(d: dict, fmt: RegionFormat) -> RegionFormat:
+    """The format a hello names with object pools, checked: a page of one spec (the format's fields are its page's), at
+    most :data:`MAX_OBJECT_POOLS` pools, each a distinct name and a spec, all bound by the format's fingerprint."""
+    wire = d.get("object_pools")
+    if d.get("spec") is None or type(wire) is not list or not 0 < len(wire) <= MAX_OBJECT_POOLS:
+        raise ServiceProtocolError(f"hello's format names object pools that are not 1 to {MAX_OBJECT_POOLS} pools beside a page of one "
+                                   f"spec: {str(wire)[:120]}")
+    try:
+        page = RegionFormat.of(KVSpec(**d["spec"]), fmt.layout) if type(d["spec"]) is dict else None
+        pools = []
+        for item in wire:
+            name, spec = item if type(item) is list and len(item) == 2 else (None, None)
+            if type(name) is not str or not 0 < len(name) <= MAX_POOL_NAME or "/" in name or type(spec) is not dict:
+                raise ValueError(item)
+            pools.append(ObjectPool(name, KVSpec(**spec)))
+        named = page.with_objects(pools) if page is not None and len({p.name for p in pools}) == len(pools) else None
+    except (TypeError, ValueError, OverflowError, KVTierError):
+        named = None
+    if named is None or dataclasses.replace(named, objects=()) != fmt:  # (the fields are the page's; the fingerprint binds all)
+        raise ServiceProtocolError(f"hello's format names object pools that are not the format's ({fmt.fingerprint}): {str(wire)[:120]}")
+    return named
 
 
 def _spec_of(wire: object, fmt: RegionFormat, shards: int) -> KVSpec:

@@ -40,7 +40,7 @@ from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.connections import Connection, Connections
 from kvtier.service.index import HostIndex
 from kvtier.service.metrics import namespace_label
-from kvtier.service.messages import MAX_WAIT_S, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers, parse_batch
+from kvtier.service.messages import MAX_WAIT_S, Find, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers, parse_batch
 from kvtier.service.peer import claim_socket_path, group_id, private_socket_dir, share_with_group
 from kvtier.service.records import QUARANTINE_S, PageRecords, session_digest
 from kvtier.service.region import (Owner, Region, RegionFormat, adoptable_region, claim_region, create_region, find_adoptable, map_region,
@@ -201,6 +201,8 @@ class NodeService:
             if self.storage is not None and not region.format.stores_objects:
                 raise ServiceError("its format names no spec nor its rows' objects, which this service's L3 tier (--storage-url) needs "
                                    "to store its pages")
+            if self.storage is not None and region.format.objects:
+                raise ServiceError("its format has object pools (a hybrid model's), which this service's L3 tier does not store yet")
             records = self._records(region, fresh=False)
             adopted = records.adopt()
         except (OSError, KVTierError) as e:
@@ -209,7 +211,7 @@ class NodeService:
             log.warning("removed %s, the region a service left on this socket, without adopting it: %s", folder, e)
             return
         self.region, self.records = region, records
-        self.index = HostIndex(region.num_pages, records)
+        self.index = HostIndex(region.num_pages, records, region.format.pools)
         self.index.adopt(adopted.pages, list(adopted.quarantined))
         self._parked = adopted.quarantined
         self._unpark_at = time.monotonic() + QUARANTINE_S
@@ -233,7 +235,7 @@ class NodeService:
         except (OSError, KVTierError) as e:
             remove_region(region)
             raise ServiceError(f"cannot map the region {region.path} the service made ({e}); restart kvtier serve") from None
-        self.region, self.records, self.index = region, records, HostIndex(region.num_pages, records)
+        self.region, self.records, self.index = region, records, HostIndex(region.num_pages, records, fmt.pools)
         self._bound(region)
         log.info("region %s: %d pages of %d bytes", region.path, region.num_pages, fmt.page_bytes)
 
@@ -427,6 +429,9 @@ class NodeService:
             raise ServiceError("hello's format names no spec nor its rows' objects, which this service's L3 tier (--storage-url) needs "
                                "to store its pages (an older kvtier, or an SGLang pool whose shard is not the engine's rank); attach "
                                "this engine to a service without --storage-url")
+        if self.storage is not None and fmt.objects:
+            raise ServiceError("hello's format has object pools (a hybrid model's other KV groups), which this service's L3 tier "
+                               "(--storage-url) does not store yet; attach this engine to a service without --storage-url")
         if self.storage is not None:
             shard_prefixes(op.namespace, fmt)  # (each shard's L3 namespace follows from it: else refused now)
         if self._adopted_unclaimed and not _same_pages(fmt, self.region.format):
@@ -472,7 +477,16 @@ class NodeService:
         return self.index.lookup(conn.id, op.keys)
 
     def _on_reserve(self, conn: Connection, op: Reserve) -> list[int]:
-        return self.index.reserve(conn.id, op.n)
+        return self.index.reserve(conn.id, op.n, self._pool(op.pool, "reserve"))
+
+    def _on_find(self, conn: Connection, op: Find) -> list[int]:
+        return self.index.find(conn.id, op.keys, self._pool(op.pool, "find"))
+
+    def _pool(self, pool: int, what: str) -> int:
+        if pool >= self.region.format.pools:
+            raise ServiceProtocolError(f"{what}: pool {pool} is not one of the region's {self.region.format.pools} (its pages, and "
+                                       f"{len(self.region.format.objects)} object pools)")
+        return pool
 
     def _on_publish(self, conn: Connection, op: Publish) -> None:
         indexed = self.index.publish(conn.id, op.pages, op.keys)
@@ -529,6 +543,9 @@ class NodeService:
             out["region_problem"] = self.region_problem
         if self.index is not None:
             out |= self.index.status().as_dict()
+            if self.region.format.objects:  # (the counts above are of every pool's ids: the pages', then each object pool's)
+                out["region_pages"] = self.region.num_pages
+                out["object_pools"] = [o.name for o in self.region.format.objects]
             # (a namespace names its salt, a secret of its engines: shown as a digest, as the metrics' labels do)
             out["pages_per_namespace"] = {namespace_label(ns): n for ns, n in out["pages_per_namespace"].items()}
             # (ready counts every written page; a page written again under a key published already is held by its

@@ -1,0 +1,298 @@
+"""A hybrid model on the node service (issue 54, item 1): the region holds, beside each page, one object of each of the
+model's other KV groups that keeps objects of its own (a window page, a state snapshot: an *object pool* per group);
+an engine publishes the objects a copy to host wrote under their group keys, and pages adopted from another engine
+bring the objects the service holds for them. Outputs equal a full recompute bit for bit; the objects verify across a
+service restart; a flipped byte is never handed out; an engine whose service dies goes on with misses.
+
+The format, the index's pools and the client's checks step by step; then real ``kvtier serve`` processes, the hybrid
+reference model's engines (``kvtier run --model hybrid`` in processes of their own, and in this process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from kvtier import DevicePool
+from kvtier.app.engine import HybridEngine
+from kvtier.app.model import ModelConfig
+from kvtier.app.model.hybrid import FULL, SLIDING, STATE, HybridConfig, HybridReferenceModel
+from kvtier.build import TierConfig, build_hybrid_cache
+from kvtier.config import CacheConfig
+from kvtier.core import NullCache
+from kvtier.core.plans import Tier
+from kvtier.errors import ServiceError, ServiceProtocolError
+from kvtier.hashing import group_object_key
+from kvtier.pools.host import HostPool
+from kvtier.service.client import check_found
+from kvtier.service.index import HostIndex
+from kvtier.service.records import _page_spans
+from kvtier.service.region import ObjectPool, Region, RegionFormat, map_region
+from support.cli import SMALL, kvtier
+from support.service import query_status_of, remove_regions, running_service, start_service, stop, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+BASE = ModelConfig(hidden=64, num_layers=3, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
+                   index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)
+CFG = HybridConfig(base=BASE, window=12, swa_heads=2, swa_head_dim=16, state_heads=2, state_dim=8, state_every=2)
+MODEL = CFG.model_spec()
+FULL_SPEC = MODEL.group(FULL).attention
+POOLS = [ObjectPool(SLIDING, MODEL.group(SLIDING).object_spec()), ObjectPool(STATE, MODEL.group(STATE).object_spec())]
+
+
+def _format(layout: str = "page_first") -> RegionFormat:
+    return RegionFormat.of(FULL_SPEC, layout).with_objects(POOLS)
+
+
+# ---- the region's format -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_a_format_with_object_pools_crosses_the_wire_whole_and_each_pool_is_a_host_pool_of_its_part(tmp_path, layout):
+    """Every pool's host pool over its part of the region writes exactly the bytes the service's records checksum as
+    that pool's page (region-wide id ``pool * num_pages + page``), and no other pool's."""
+    fmt = _format(layout)
+    assert RegionFormat.from_wire(json.loads(json.dumps(fmt.as_wire()))) == fmt
+    plain = RegionFormat.of(FULL_SPEC, layout)
+    assert fmt.fingerprint != plain.fingerprint and fmt.pools == 3  # (an engine of the same full group without them never shares)
+    assert fmt.page_bytes == FULL_SPEC.page_bytes + sum(p.spec.page_bytes for p in POOLS)
+    n = 5
+    memory = torch.zeros(fmt.size(n), dtype=torch.uint8)
+    pools = []
+    for k, spec in enumerate([FULL_SPEC, *[p.spec for p in POOLS]]):
+        start, size = fmt.part(k, n)
+        assert start % 4096 == 0
+        pools.append(HostPool(spec, n, layout, memory=memory[start : start + size]))
+    spans = _page_spans(Region(str(tmp_path / "region"), fmt, n, fmt.size(n)))
+    for k, pool in enumerate(pools):
+        for page in range(n):
+            before = memory.clone()
+            for b in pool.spec.buffers:
+                for layer in range(pool.spec.num_layers):
+                    pool.rows(b.name, layer)[page].view(torch.uint8).fill_(k * 16 + page + 1)
+            changed = (memory != before).nonzero().flatten().tolist()
+            covered = sorted(i for start, length in spans(k * n + page) for i in range(start, start + length))
+            assert changed == covered, f"pool {k} page {page}: its host pool and the records' spans disagree"
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda w: w["object_pools"].__setitem__(0, [SLIDING, {**w["object_pools"][0][1], "num_layers": 3}]), "not the format's"),
+    (lambda w: w["object_pools"].append(w["object_pools"][0]), "not the format's"),
+    (lambda w: w["object_pools"][0].__setitem__(0, "a/b"), "not the format's"),
+    (lambda w: w["object_pools"].clear(), "1 to 8 pools"),
+    (lambda w: w.pop("spec"), "beside a page of one spec"),
+    (lambda w: w.__setitem__("object_pools", "sliding"), "1 to 8 pools"),
+    (lambda w: w["object_pools"].__setitem__(1, [STATE, {"attention": "mha"}]), "not the format's"),
+])
+def test_a_hellos_object_pools_that_are_not_its_formats_are_refused_typed(change, message):
+    wire = json.loads(json.dumps(_format().as_wire()))
+    change(wire)
+    with pytest.raises(ServiceProtocolError, match=message):
+        RegionFormat.from_wire(wire)
+
+
+def test_object_pools_go_beside_a_page_of_one_spec_only():
+    with pytest.raises(ServiceError, match="one kvtier spec"):
+        RegionFormat.of_shards(FULL_SPEC, "page_first", 2).with_objects(POOLS)
+
+
+# ---- the index's pools ---------------------------------------------------------------------------------------------
+A, B = 1, 2
+KEYS = [bytes([i]) * 16 for i in range(1, 9)]
+
+
+def _index(pages: int = 3) -> HostIndex:
+    ix = HostIndex(pages, pools=3)
+    ix.attach(A, "m")
+    ix.attach(B, "m")
+    return ix
+
+
+def test_each_pool_hands_out_its_own_ids_and_makes_room_by_evicting_its_own_objects_only():
+    ix = _index()
+    assert ix.reserve(A, 3) == [0, 1, 2] and ix.reserve(A, 3, pool=1) == [3, 4, 5] and ix.reserve(A, 1, pool=2) == [6]
+    ix.publish(A, [0, 1, 2], KEYS[:3])
+    ix.publish(A, [3, 4, 5], [group_object_key(k, SLIDING) for k in KEYS[:3]])
+    ix.release(A, [5, 4, 3, 2, 1, 0])  # nobody holds anything now
+    ix.check_integrity()
+    got = ix.reserve(B, 2, pool=1)  # room in pool 1: its deepest objects go, never a page of pool 0
+    assert sorted(got) == [4, 5] and ix.status().evicted_pages == 2
+    assert ix.lookup(A, KEYS[:3]) == [0, 1, 2]  # every page is still there
+    assert ix.find(A, [group_object_key(k, SLIDING) for k in KEYS[:3]], 1) == [3, -1, -1]
+    ix.check_integrity()
+    with pytest.raises(ServiceProtocolError, match="pool 3"):
+        ix.reserve(A, 1, pool=3)
+
+
+def test_find_answers_key_by_key_in_its_pool_and_a_run_never_returns_an_object():
+    ix = _index()
+    obj = ix.reserve(A, 2, pool=1)
+    ix.publish(A, obj, [group_object_key(KEYS[0], SLIDING), KEYS[1]])  # the second under a page's key: a confused (or hostile) engine
+    assert ix.lookup(B, KEYS[1:2]) == []  # a run is of pages: an object under a page key ends it
+    keys = [KEYS[5], group_object_key(KEYS[0], SLIDING), KEYS[1]]
+    assert ix.find(B, keys, 2) == [-1, -1, -1]  # another pool's: never
+    assert ix.find(B, keys, 1) == [-1, 3, 4]  # each key on its own, held for B
+    assert ix.find(B, keys, 1) == [-1, -1, -1]  # (held by B already: its own tree has them)
+    assert ix.status().held == 2
+    ix.detach(B)
+    ix.check_integrity()
+
+
+def test_a_find_answer_of_another_pool_or_another_length_or_a_page_twice_is_a_protocol_error():
+    assert check_found([-1, 12, 10], 3, 5, 2) == [-1, 12, 10]
+    for bad, why in (([4, -1, -1], "not one of its region's 5 of pool 2"), ([-1, 10], "of 3 pages with 2"),
+                     ([10, 10, -1], "twice"), ([15, -1, -1], "of pool 2"), (["10", -1, -1], "not one of")):
+        with pytest.raises(ServiceProtocolError, match=why):
+            check_found(bad, 3, 5, 2)
+
+
+# ---- engines on a real service ---------------------------------------------------------------------------------------
+def _prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, BASE.vocab_size, (n,), generator=g).tolist()
+
+
+class Engine:
+    """A hybrid reference engine whose cache's host tier is the service at ``sock`` (its group objects too), beside a
+    recompute of the same model: :meth:`check` serves a prompt on both and asserts the outputs are equal."""
+
+    def __init__(self, sock: str, device_pages: int = 12, host_pages: int = 40):
+        self.model = HybridReferenceModel(CFG)
+        tiers = TierConfig(device_pages=device_pages, host_pages=host_pages, service=sock, service_required=True)
+        self.cache = build_hybrid_cache(MODEL, tiers, CacheConfig(write_policy="write_through"), state_every=CFG.state_every)
+        pools = {name: DevicePool(dev.spec, 64) for name, (dev, _h) in self.cache.group_pools.items()}
+        null = NullCache(DevicePool(FULL_SPEC, 64), pools)
+        self.base = HybridEngine(self.model, null, {FULL: null.device, **pools})
+        self.ours = HybridEngine(self.model, self.cache, {FULL: self.cache.device, **{n: d for n, (d, _h) in self.cache.group_pools.items()}})
+
+    def check(self, tokens: list[int]):
+        r = self.ours.prefill(tokens)
+        b = self.base.prefill(tokens)
+        assert torch.equal(r.logits, b.logits), "an output differs from recompute"
+        self.cache.wait_idle()
+        return r
+
+    def adopted(self) -> dict[str, int]:
+        return {c.name: c.adopted for c in self.cache.components}
+
+    def close(self) -> None:
+        self.cache.close()
+
+
+SYSTEM = _prompt(0, 6 * 8)  # six pages: snapshots at 2, 4, 6 (state_every=2), a window of two pages
+
+
+def test_a_second_engine_gets_the_first_ones_pages_with_their_window_pages_and_snapshots_bit_exact(tmp_path):
+    with running_service(tmp_path, 0.05, "--verify-sample", "1") as svc:
+        a, b = Engine(svc.socket), Engine(svc.socket)
+        try:
+            assert {c.name: type(c.alloc[Tier.HOST]).__name__ for c in a.cache.components} == {SLIDING: "ObjectLease",
+                                                                                                   STATE: "ObjectLease"}
+            a.check(SYSTEM + _prompt(1, 13))  # computed: its pages, window pages and snapshots backed up and published
+            st = query_status_of(svc.socket)()
+            assert st["object_pools"] == [SLIDING, STATE] and st["published_pages"] > 6
+            r = b.check(SYSTEM + _prompt(2, 11))  # another engine: the system prompt's pages are host hits with their objects
+            assert r.host_hit_tokens == len(SYSTEM)
+            assert b.adopted()[SLIDING] >= 2 and b.adopted()[STATE] >= 1  # the window's pages and the snapshot at 6, at least
+            assert query_status_of(svc.socket)()["verify"]["failed_pages"] == 0
+            for e in (a, b):
+                e.cache.check_integrity(idle=True)
+        finally:
+            a.close()
+            b.close()
+
+
+def test_an_objects_bytes_flipped_after_their_write_are_never_handed_out(tmp_path):
+    """Every window page in the region flipped after its publish: a second engine gets the pages and the snapshots, never
+    a window page (each a miss, dropped), and its outputs still equal recompute."""
+    with running_service(tmp_path, 0.05, "--verify-sample", "1") as svc:
+        a, b = Engine(svc.socket), Engine(svc.socket)
+        try:
+            a.check(SYSTEM + _prompt(1, 13))
+            st = query_status_of(svc.socket)()
+            fmt = _format()
+            start, size = fmt.part(1, st["region_pages"])
+            memory = map_region(st["region"], fmt.size(st["region_pages"]), pin=False)
+            memory[start : start + size] ^= 0x40  # every window page's bytes (and the pool's unused ones)
+            r = b.check(SYSTEM + _prompt(2, 11))
+            assert b.adopted()[SLIDING] == 0 and b.adopted()[STATE] >= 1
+            assert r.host_hit_tokens < len(SYSTEM)  # the prefix stops where the window pages are missing
+            st = query_status_of(svc.socket)()
+            assert st["corrupt_pages"] >= 2 and st["verify"]["failed_pages"] >= 2, st
+            b.cache.check_integrity(idle=True)
+        finally:
+            a.close()
+            b.close()
+
+
+def test_an_engine_whose_service_dies_goes_on_with_misses_and_gets_its_objects_back_from_the_next_one(tmp_path):
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock, 0.05)
+    regions = []
+    a = Engine(sock)
+    try:
+        a.check(SYSTEM + _prompt(1, 13))
+        regions.append(query_status_of(sock)()["region"])
+        os.kill(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait(30)
+        wait_until(lambda: a.cache.host.allocator.lost, 30)  # (its heartbeat notices the hang-up)
+        a.cache.evict_device(a.cache.device.num_pages)
+        r = a.check(SYSTEM + _prompt(3, 9))  # the service is gone: its pages and objects are forgotten, a miss
+        assert r.host_hit_tokens == 0
+        a.cache.check_integrity(idle=True)
+        assert all(len(c.at[Tier.HOST]) == 0 for c in a.cache.components)  # (no object of the old region left in the tree)
+        svc = start_service(sock, 0.05, "--fresh-region")
+        wait_until(lambda: not a.cache.host.allocator.lost, 30)  # (its heartbeat attaches it again)
+        a.check(SYSTEM + _prompt(4, 9))  # computed again, published to the new service
+        b = Engine(sock)
+        try:
+            r = b.check(SYSTEM + _prompt(5, 7))
+            assert r.host_hit_tokens == len(SYSTEM) and b.adopted()[SLIDING] >= 2 and b.adopted()[STATE] >= 1
+        finally:
+            b.close()
+        regions.append(query_status_of(sock)()["region"])
+        a.cache.check_integrity(idle=True)
+    finally:
+        a.close()
+        stop(svc.proc)
+        remove_regions(regions)
+
+
+def test_a_service_with_l3_refuses_a_hybrid_engine_at_hello_typed(tmp_path):
+    with running_service(tmp_path, 0.05, "--storage-url", f"file://{tmp_path / 'l3'}") as svc:
+        with pytest.raises(ServiceError, match="object pools"):
+            Engine(svc.socket)
+
+
+@pytest.mark.integration
+def test_kvtier_run_hybrid_through_a_service_killed_and_restarted_keeps_its_window_pages_and_snapshots(tmp_path):
+    """Two ``kvtier run --model hybrid`` processes, the service SIGKILLed and started again between them: the second
+    engine's host hits come with window pages and snapshots the restarted service verified and offers again, and both
+    runs' logits equal recompute."""
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock, 0.2, "--verify-sample", "1")
+    regions = []
+    try:
+        reports = []
+        for i in range(2):
+            r = kvtier("run", "--model", "hybrid", "--no-progress", "--json", "-", "--tiers-service", sock, *SMALL, timeout=600)
+            assert r.returncode == 0, r.stderr[-3000:]
+            reports.append(json.loads(r.stdout))
+            if i == 0:
+                regions.append(query_status_of(sock)()["region"])
+                os.kill(svc.proc.pid, signal.SIGKILL)
+                svc.proc.wait(30)
+                svc = start_service(sock, 0.2, "--verify-sample", "1")
+                adopted = query_status_of(sock)()["adopted"]
+                assert adopted["pages"] > 0 and adopted["dropped_pages"] == 0, adopted
+        for rep in reports:
+            assert rep["logits_bit_exact"], rep
+        second = reports[1]["groups"]
+        assert second["sliding"]["pages_from_service"] > 0 and second["linear"]["snapshots_from_service"] > 0, second
+        assert reports[1]["stats"]["host_hit_pages"] > reports[0]["stats"]["host_hit_pages"]
+    finally:
+        stop(svc.proc)
+        remove_regions(regions)
+
