@@ -21,7 +21,7 @@ from kvtier.app.engine import HybridEngine
 from kvtier.app.model import ModelConfig
 from kvtier.app.model.hybrid import FULL, SLIDING, STATE, HybridConfig, HybridReferenceModel
 from kvtier.build import TierConfig, build_hybrid_cache
-from kvtier.config import CacheConfig
+from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
 from kvtier.core.plans import Tier
 from kvtier.errors import ServiceError, ServiceProtocolError
@@ -32,7 +32,7 @@ from kvtier.service.index import HostIndex
 from kvtier.service.records import _page_spans
 from kvtier.service.region import ObjectPool, Region, RegionFormat, map_region
 from support.cli import SMALL, kvtier
-from support.service import query_status_of, remove_regions, running_service, start_service, stop, wait_until
+from support.service import query_status_of, remove_regions, running_service, start_service, stop, store_files, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -165,7 +165,8 @@ class Engine:
         pools = {name: DevicePool(dev.spec, 64) for name, (dev, _h) in self.cache.group_pools.items()}
         null = NullCache(DevicePool(FULL_SPEC, 64), pools)
         self.base = HybridEngine(self.model, null, {FULL: null.device, **pools})
-        self.ours = HybridEngine(self.model, self.cache, {FULL: self.cache.device, **{n: d for n, (d, _h) in self.cache.group_pools.items()}})
+        groups = {n: d for n, (d, _h) in self.cache.group_pools.items()}
+        self.ours = HybridEngine(self.model, self.cache, {FULL: self.cache.device, **groups})
 
     def check(self, tokens: list[int]):
         r = self.ours.prefill(tokens)
@@ -260,10 +261,47 @@ def test_an_engine_whose_service_dies_goes_on_with_misses_and_gets_its_objects_b
         remove_regions(regions)
 
 
-def test_a_service_with_l3_refuses_a_hybrid_engine_at_hello_typed(tmp_path):
-    with running_service(tmp_path, 0.05, "--storage-url", f"file://{tmp_path / 'l3'}") as svc:
-        with pytest.raises(ServiceError, match="object pools"):
-            Engine(svc.socket)
+def test_a_services_l3_keeps_the_window_pages_and_snapshots_as_an_engines_own_l3_does_and_brings_them_back(tmp_path):
+    """A service with ``--storage-url`` writes a hybrid engine's pages and group objects through to the store; a new
+    service on the same store (its region fresh) brings both back for another engine, whose outputs equal recompute.
+    Every object the service wrote is, name and bytes, the one an engine's own L3 writes for the same requests."""
+    l3, own_l3 = tmp_path / "l3", tmp_path / "own-l3"
+    prompts = [SYSTEM + _prompt(1, 13), SYSTEM + _prompt(2, 11)]
+    with running_service(tmp_path, 0.05, "--storage-url", f"file://{l3}") as svc:
+        a = Engine(svc.socket)
+        try:
+            for p in prompts:
+                a.check(p)
+        finally:
+            a.close()
+        wait_until(lambda: query_status_of(svc.socket)()["l3"]["saving_pages"] == 0, 30)
+    saved = store_files(l3)
+    sizes = {len(b) for b in saved.values()}
+    assert len(sizes) == 3, sizes  # pages, window pages and snapshots: three sizes of object
+    # the same requests on an engine with an L3 of its own, in the same namespace
+    model = HybridReferenceModel(CFG)
+    own = build_hybrid_cache(MODEL, TierConfig(device_pages=12, host_pages=40), CacheConfig(write_policy="write_through"),
+                             StorageConfig(url=f"file://{own_l3}", write_policy="write_through"), state_every=CFG.state_every)
+    try:
+        eng = HybridEngine(model, own, {FULL: own.device, **{n: d for n, (d, _h) in own.group_pools.items()}})
+        for p in prompts:
+            eng.prefill(p)
+        own.wait_idle()
+    finally:
+        own.close()
+    theirs = store_files(own_l3)
+    assert saved and all(theirs.get(name) == data for name, data in saved.items()), "an object the service wrote is not the engine's own"
+    with running_service(tmp_path, 0.05, "--storage-url", f"file://{l3}", "--fresh-region") as svc:  # (another region: L3 only)
+        b = Engine(svc.socket)
+        try:
+            r = b.check(SYSTEM + _prompt(3, 9))
+            assert r.host_hit_tokens == len(SYSTEM), r  # pages and objects came back from the store through the region
+            assert b.adopted()[SLIDING] >= 2 and b.adopted()[STATE] >= 1, b.adopted()
+            st = query_status_of(svc.socket)()["l3"]
+            assert st["fetched_pages"] > len(SYSTEM) // 8 and st["corrupt_pages"] == 0, st
+            b.cache.check_integrity(idle=True)
+        finally:
+            b.close()
 
 
 @pytest.mark.integration

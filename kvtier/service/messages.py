@@ -282,6 +282,8 @@ class Find(Message):
 
     keys: list[bytes] = wire(PAGE_KEYS)
     pool: int = wire(_count(MAX_POOLS - 1), 0)
+    #: how long a service with an L3 tier may hold the answer back while it fetches the keys it misses (:class:`Lookup`'s)
+    wait_s: float = wire(_seconds(MAX_WAIT_S), 0.0)
 
 
 @message("publish")

@@ -109,14 +109,14 @@ class ServeConfig:
 @dataclass(eq=False)
 class _Deferred:
     """A batch's answer held back while its lookups' L3 loads run, until they are done or ``deadline``;
-    ``waits``: (the op's index in the answer, its keys, the load)."""
+    ``waits``: (the op's index in the answer, the op -- a lookup or a find -- and the load)."""
 
     answer: dict
-    waits: list[tuple[int, list[bytes], Load]]
+    waits: list[tuple[int, Message, Load]]
     deadline: float
 
     def ready(self, now: float) -> bool:
-        return now >= self.deadline or all(load.done for _i, _keys, load in self.waits)
+        return now >= self.deadline or all(load.done for _i, _op, load in self.waits)
 
 
 class NodeService:
@@ -201,8 +201,6 @@ class NodeService:
             if self.storage is not None and not region.format.stores_objects:
                 raise ServiceError("its format names no spec nor its rows' objects, which this service's L3 tier (--storage-url) needs "
                                    "to store its pages")
-            if self.storage is not None and region.format.objects:
-                raise ServiceError("its format has object pools (a hybrid model's), which this service's L3 tier does not store yet")
             records = self._records(region, fresh=False)
             adopted = records.adopt()
         except (OSError, KVTierError) as e:
@@ -367,9 +365,10 @@ class NodeService:
             results = []
             for op in batch.ops:
                 results.append(self._apply(conn, op))
-                load = self._load_after(conn, op, results[-1]) if type(op) is Lookup else None
+                load = (self._load_after(conn, op, results[-1]) if type(op) is Lookup else
+                        self._objects_after(conn, op, results[-1]) if type(op) is Find else None)
                 if load is not None and op.wait_s > 0:
-                    waits.append((len(results) - 1, op.keys, load))
+                    waits.append((len(results) - 1, op, load))
                     wait_s = min(wait_s, op.wait_s)
         except ServiceError as e:  # (a protocol error is one)
             self.connections.refuse(conn, seq, e)
@@ -391,6 +390,12 @@ class NodeService:
             return None
         return self.storage.load(conn.namespace, op.keys[len(pages):], self._names(op.names, len(pages)))
 
+    def _objects_after(self, conn: Connection, op: Find, found: list[int]) -> Load | None:
+        """The L3 load of the objects a find missed in the region (None: no L3, or nothing to fetch)."""
+        if self.storage is None or -1 not in found:
+            return None
+        return self.storage.load_objects(conn.namespace, op.pool, [k for k, p in zip(op.keys, found) if p < 0])
+
     def _answer_deferred(self) -> None:
         """Send the deferred answers that are ready: each lookup's run extended by what its load brought
         into the region by now (held for the client as any lookup's pages)."""
@@ -403,8 +408,13 @@ class NodeService:
             try:
                 results = deferred.answer["results"]
                 if conn.attached:  # (a bye later in the batch detached it: nothing more is held for it)
-                    for i, keys, _load in deferred.waits:
-                        results[i] = results[i] + self.index.extend(conn.id, keys[len(results[i]):])
+                    for i, op, _load in deferred.waits:
+                        if type(op) is Find:  # (each key it missed, found again: what the load brought is held now)
+                            missed = [j for j, p in enumerate(results[i]) if p < 0]
+                            for j, p in zip(missed, self.index.find(conn.id, [op.keys[j] for j in missed], op.pool)):
+                                results[i][j] = p
+                        else:
+                            results[i] = results[i] + self.index.extend(conn.id, op.keys[len(results[i]):])
                 self.connections.send(conn, deferred.answer)
             except Exception:
                 self.connections.fault(conn)
@@ -429,9 +439,6 @@ class NodeService:
             raise ServiceError("hello's format names no spec nor its rows' objects, which this service's L3 tier (--storage-url) needs "
                                "to store its pages (an older kvtier, or an SGLang pool whose shard is not the engine's rank); attach "
                                "this engine to a service without --storage-url")
-        if self.storage is not None and fmt.objects:
-            raise ServiceError("hello's format has object pools (a hybrid model's other KV groups), which this service's L3 tier "
-                               "(--storage-url) does not store yet; attach this engine to a service without --storage-url")
         if self.storage is not None:
             shard_prefixes(op.namespace, fmt)  # (each shard's L3 namespace follows from it: else refused now)
         if self._adopted_unclaimed and not _same_pages(fmt, self.region.format):

@@ -17,6 +17,11 @@ the names.
 * **Write-through**: a page an engine publishes (the first page of its key) is saved. The service
   holds it in the index under a client of its own (one per namespace, negative ids) while the save
   reads its bytes, so it is neither evicted nor handed out to be rewritten.
+* **A hybrid model's objects** (a region with object pools, :meth:`~kvtier.service.region.RegionFormat.with_objects`)
+  are saved as its engine's own L3 saves them: under the engine's namespace, named by their group keys, framed by
+  the group's object spec. A find that misses in the region starts a load of the objects it asked for, each key on
+  its own (a boundary reads some of a prefix's objects, not a run): the ones the store holds are read into the
+  pool, checked, and published.
 * **Load**: a lookup whose run in the region ends before its keys starts a :class:`Load` of the keys
   after the run: the store's leading run of them (one batched ``exists``), region pages reserved for
   as many as there is room for (leased to the service's client: offered to nobody), the objects read
@@ -58,6 +63,8 @@ log = logging.getLogger(__name__)
 
 #: save jobs queued at most (one per publish that indexed pages, every engine's together: past it a save is skipped, counted)
 SAVE_QUEUE_DEPTH = 1024
+#: a find's objects one load reads in from the store at most (each key is asked of the store on its own)
+MAX_OBJECT_LOAD = 64
 
 
 @dataclass(eq=False)
@@ -69,7 +76,11 @@ class Load:
     namespace: str
     keys: list[bytes]
     names: list[str] | None = None
+    #: the region's pool it loads into (0: pages, a lookup's; k: object pool k's objects, a find's -- each key on its own)
+    pool: int = 0
     jobs: list[StorageJob] = field(default_factory=list)
+    #: the region pages (ids region-wide) its jobs read into
+    pages: list[int] = field(default_factory=list)
     #: a shard's job could not be queued: nothing of it is published (the other shards' jobs are cancelled)
     short: bool = False
     #: its jobs not back yet
@@ -95,9 +106,11 @@ class Tiers:
 
     saves: list[StorageTier]
     loads: list[StorageTier]
+    #: per object pool (1, 2, ...): its (saves, loads) pair, over that pool's part of the region
+    objects: dict[int, tuple[StorageTier, StorageTier]] = field(default_factory=dict)
 
     def __iter__(self):
-        return iter(self.saves + self.loads)
+        return iter(self.saves + self.loads + [t for pair in self.objects.values() for t in pair])
 
 
 @dataclass
@@ -184,7 +197,8 @@ class ServiceStorage:
     def bind(self, region: Region, index: HostIndex) -> None:
         """Map ``region`` (its format names the spec of each shard, or its rows' objects) as a host pool per shard, or
         a row's bytes per row; ``index`` is the service's."""
-        pools = _part_pages(region, map_region(region.path, region.size, pin=False))
+        memory = map_region(region.path, region.size, pin=False)
+        pools = _part_pages(region, memory)
         parts = len(pools) > 1
         self._region = region
         self.index = index
@@ -194,8 +208,18 @@ class ServiceStorage:
             name = f"kvtier-serve-{what}" + (f"{r}" if parts else "")
             return StorageTier(self.backend, pool, name, owns_backend=False, on_finished=self._notify, queue_depth=depth)
 
+        fmt = region.format
+        objects = {}
+        for k, pool in enumerate(fmt.objects, start=1):
+            start, size = fmt.part(k, region.num_pages)
+            host = HostPool(pool.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
+                            name=f"node service region (L3, KV group {pool.name!r})")
+            objects[k] = (StorageTier(self.backend, host, f"kvtier-serve-saves-{pool.name}", owns_backend=False, on_finished=self._notify,
+                                      queue_depth=SAVE_QUEUE_DEPTH),
+                          StorageTier(self.backend, host, f"kvtier-serve-loads-{pool.name}", owns_backend=False, on_finished=self._notify,
+                                      queue_depth=64))
         self._tiers = Tiers([tier(p, "saves", SAVE_QUEUE_DEPTH, r) for r, p in enumerate(pools)],
-                            [tier(p, "loads", 64, r) for r, p in enumerate(pools)])
+                            [tier(p, "loads", 64, r) for r, p in enumerate(pools)], objects)
 
     def prefixes(self, namespace: str) -> list[str]:
         """Each shard's object prefix for ``namespace`` (:func:`shard_prefixes`, of the bound region's format)."""
@@ -210,6 +234,19 @@ class ServiceStorage:
         and indexed: save them, held until saved. Pages of an engine that names its objects are saved only with the names."""
         if not pages or (names is None and self._region.format.rows is not None):
             return
+        n = self._region.num_pages
+        if max(pages) >= n:  # (objects: an engine publishes a pool's apart, but a publish may mix them)
+            by_pool: dict[int, tuple[list[int], list[bytes]]] = {}
+            for page, key in zip(pages, keys):
+                mine = by_pool.setdefault(page // n, ([], []))
+                mine[0].append(page)
+                mine[1].append(key)
+            for pool, (mine, mine_keys) in sorted(by_pool.items()):
+                if pool == 0:
+                    self.published(namespace, mine, mine_keys, None if names is None else [names[pages.index(p)] for p in mine])
+                else:
+                    self._save_objects(namespace, pool, mine, mine_keys)
+            return
         self.index.hold(self._client(namespace), pages)
         save = Save(namespace, pages, 0, [True] * len(pages))
         for tier, prefix in zip(self._tiers.saves, self.prefixes(namespace)):
@@ -221,6 +258,37 @@ class ServiceStorage:
             self._saving[job] = save
         if not save.left:
             self._saved(save)
+
+    def _save_objects(self, namespace: str, pool: int, pages: list[int], keys: list[bytes]) -> None:
+        """Object pool ``pool``'s ``pages`` (region-wide ids) saved under ``namespace`` as the engine's own L3 saves them."""
+        self.index.hold(self._client(namespace), pages)
+        save = Save(namespace, pages, 0, [True] * len(pages))
+        base = pool * self._region.num_pages
+        job = self._tiers.objects[pool][0].submit("save", keys, [p - base for p in pages], prefix=namespace)
+        if job is None:
+            save.ok = [False] * len(pages)
+            self._saved(save)
+            return
+        save.left = 1
+        self._saving[job] = save
+
+    def load_objects(self, namespace: str, pool: int, keys: list[bytes]) -> Load | None:
+        """The load of object pool ``pool``'s ``keys`` (a find's misses in the region), each on its own: started now,
+        or None when there is nothing to fetch (every key in the region or on its way, the store down)."""
+        keys = [k for k in keys if not self.index.has(namespace, k) and (namespace, k) not in self._fetching]
+        if not keys:
+            return None
+        first = (namespace, keys[0])
+        going = self._loads.get(first)
+        if going is not None:
+            return going
+        load_tier = self._tiers.objects[pool][1]
+        if not load_tier.available:
+            return None
+        load = Load(namespace, keys[: MAX_OBJECT_LOAD], pool=pool)
+        self._loads[first] = load
+        self._finder.submit(self._find_each, load_tier, load)
+        return load
 
     def load(self, namespace: str, keys: list[bytes], names: list[str] | None = None) -> Load | None:
         """The load of ``keys`` (those after a lookup's run in the region; ``names``: their objects', where the
@@ -252,7 +320,7 @@ class ServiceStorage:
                 load, found = self._found.get_nowait()
             except queue.Empty:
                 break
-            if not self._fetch(load, found):
+            if not (self._fetch_objects(load, found) if load.pool else self._fetch(load, found)):
                 done.append(self._end(load))
         for tier in self._every_tier():
             for job in tier.take_finished():
@@ -306,6 +374,18 @@ class ServiceStorage:
             if not self._closed:
                 os.eventfd_write(self._wake, 1)
 
+    def _find_each(self, tier: StorageTier, load: Load) -> None:
+        """(the exists thread) Which of an object load's keys the store has, each asked on its own (none if that failed)."""
+        present: list[bytes] = []
+        try:
+            present = [key for key in load.keys if tier.stored_prefix([key], load.namespace)]
+        except Exception as e:
+            log.warning("L3 lookup of %d objects failed: %s", len(load.keys), e)
+            present = []
+        finally:
+            self._found.put((load, present))
+            self._notify()
+
     def _find(self, shards: list[tuple[StorageTier, str]], load: Load) -> None:
         """(the exists thread) How many of the load's leading keys the store has, every shard's object (0 if that failed)."""
         found = 0
@@ -345,6 +425,7 @@ class ServiceStorage:
         pages = self.index.reserve(cid, len(keys))
         if not pages:
             return False
+        load.pages = pages
         keys = keys[: len(pages)]
         names = None if load.names is None else load.names[: len(keys)]
         for tier, prefix in zip(self._tiers.loads, self.prefixes(load.namespace)):
@@ -363,13 +444,35 @@ class ServiceStorage:
             self._fetching[(load.namespace, key)] = load
         return True
 
+    def _fetch_objects(self, load: Load, present: list[bytes]) -> bool:
+        """Reserve object pool pages for the keys the store holds (not in the region, nor on their way) and read them in."""
+        keys = [k for k in present if not self.index.has(load.namespace, k) and (load.namespace, k) not in self._fetching]
+        self.counters.found_pages += len(keys)
+        if not keys:
+            return False
+        cid = self._client(load.namespace)
+        pages = self.index.reserve(cid, len(keys), load.pool)
+        if not pages:
+            return False
+        keys = keys[: len(pages)]
+        base = load.pool * self._region.num_pages
+        job = self._tiers.objects[load.pool][1].submit("prefetch", keys, [p - base for p in pages], tag=load, prefix=load.namespace)
+        if job is None:
+            self.index.release(cid, pages)
+            return False
+        load.pages, load.jobs, load.left = pages, [job], 1
+        for key in keys:
+            self._fetching[(load.namespace, key)] = load
+        return True
+
     def _fetched(self, load: Load) -> Load:
         """Publish the pages that arrived verified in every shard (then let them go: READY, offered to lookups); free the rest."""
         cid = self._client(load.namespace)
         job = load.jobs[0]
         n = 0 if load.short else min(j.arrived for j in load.jobs)
-        self.index.publish(cid, job.host_pages[:n], job.keys[:n])
-        self.index.release(cid, job.host_pages)
+        pages = load.pages[: len(job.keys)]
+        self.index.publish(cid, pages[:n], job.keys[:n])
+        self.index.release(cid, pages)
         for key in job.keys:
             del self._fetching[(load.namespace, key)]
         self.counters.fetched_pages += n
