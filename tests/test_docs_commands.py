@@ -60,6 +60,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     "kvtier run --model hybrid --json -": RUN_HYBRID,
     "kvtier run --tiers-service PATH": (
         "tests/test_service.py::test_kvtier_run_through_the_service_twice_the_second_engine_starts_with_the_first_ones_host_tier",),
+    "kvtier run --model hybrid --tiers-service PATH": (
+        "tests/test_service_hybrid.py::test_kvtier_run_hybrid_through_a_service_killed_and_restarted_keeps_its_window_pages_and_snapshots",),
     "kvtier run --workload-kind trace": ("tests/test_docs_commands.py::test_kvtier_run_replays_the_shipped_trace",),
     "kvtier run --workload-tenants N": ("tests/test_tenants.py::test_kvtier_run_replays_a_multi_tenant_chat_whose_sessions_share_"
                                         "their_system_prompt_only_within_a_tenant",),

@@ -60,11 +60,13 @@ def test_a_format_with_object_pools_crosses_the_wire_whole_and_each_pool_is_a_ho
     assert fmt.page_bytes == FULL_SPEC.page_bytes + sum(p.spec.page_bytes for p in POOLS)
     n = 5
     memory = torch.zeros(fmt.size(n), dtype=torch.uint8)
-    pools = []
+    pools, end = [], 0
     for k, spec in enumerate([FULL_SPEC, *[p.spec for p in POOLS]]):
         start, size = fmt.part(k, n)
-        assert start % 4096 == 0
+        assert start % 4096 == 0 and start == end and size >= n * spec.page_bytes  # (one after another: no two overlap)
+        end = start + size
         pools.append(HostPool(spec, n, layout, memory=memory[start : start + size]))
+    assert end == fmt.size(n)
     spans = _page_spans(Region(str(tmp_path / "region"), fmt, n, fmt.size(n)))
     for k, pool in enumerate(pools):
         for page in range(n):
@@ -158,9 +160,9 @@ class Engine:
     """A hybrid reference engine whose cache's host tier is the service at ``sock`` (its group objects too), beside a
     recompute of the same model: :meth:`check` serves a prompt on both and asserts the outputs are equal."""
 
-    def __init__(self, sock: str, device_pages: int = 12, host_pages: int = 40):
+    def __init__(self, sock: str, device_pages: int = 12, host_pages: int = 40, required: bool = True):
         self.model = HybridReferenceModel(CFG)
-        tiers = TierConfig(device_pages=device_pages, host_pages=host_pages, service=sock, service_required=True)
+        tiers = TierConfig(device_pages=device_pages, host_pages=host_pages, service=sock, service_required=required)
         self.cache = build_hybrid_cache(MODEL, tiers, CacheConfig(write_policy="write_through"), state_every=CFG.state_every)
         pools = {name: DevicePool(dev.spec, 64) for name, (dev, _h) in self.cache.group_pools.items()}
         null = NullCache(DevicePool(FULL_SPEC, 64), pools)
@@ -259,6 +261,102 @@ def test_an_engine_whose_service_dies_goes_on_with_misses_and_gets_its_objects_b
         a.close()
         stop(svc.proc)
         remove_regions(regions)
+
+
+def test_an_engine_started_before_its_service_and_one_whose_service_came_back_larger_back_up_their_objects(tmp_path):
+    """The group pools over the region are remapped with its pages' -- from none (the engine started first) and to
+    another size (a service restarted with more --host-gb): every copy to host goes on, and another engine hits."""
+    sock = str(tmp_path / "run" / "node.sock")
+    os.makedirs(os.path.dirname(sock), mode=0o700)
+    a = Engine(sock, required=False)  # (no service yet: it starts with host misses, and attaches when one answers)
+    svc, regions = None, []
+    try:
+        assert a.cache.host.allocator.lost and a.cache.host.num_pages == 0
+        for host_gb in (0.02, 0.05):
+            if svc is not None:
+                os.kill(svc.proc.pid, signal.SIGKILL)
+                svc.proc.wait(30)
+                wait_until(lambda: a.cache.host.allocator.lost, 30)
+                a.check(_prompt(9, 17))  # (a request while lost: the old region's pages and objects are forgotten)
+            svc = start_service(sock, host_gb, "--fresh-region")
+            wait_until(lambda: not a.cache.host.allocator.lost, 30)
+            regions.append(query_status_of(sock)()["region"])
+            pages = query_status_of(sock)()["region_pages"]
+            assert a.cache.host.num_pages == pages and all(h.num_pages == pages for _d, h in a.cache.group_pools.values())
+            failures = a.cache.stats.transfer_failures
+            a.check(SYSTEM + _prompt(int(host_gb * 100), 13))
+            assert a.cache.stats.transfer_failures == failures
+            b = Engine(sock)
+            try:
+                r = b.check(SYSTEM + _prompt(5, 7))
+                assert r.host_hit_tokens == len(SYSTEM) and b.adopted()[SLIDING] >= 2 and b.adopted()[STATE] >= 1, (host_gb, b.adopted())
+            finally:
+                b.close()
+        a.cache.check_integrity(idle=True)
+    finally:
+        a.close()
+        if svc is not None:
+            stop(svc.proc)
+        remove_regions(regions)
+
+
+def test_an_attachment_lost_is_not_replaced_while_an_object_of_its_region_is_still_held(tmp_path):
+    """An object of the old region the core still holds (a copy may be writing it) keeps the attachment from being
+    replaced, as a page does: once it is freed, the next call attaches again."""
+    from kvtier.hashing import Namespace
+    from kvtier.service.attach import attach_host_pool
+
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock, 0.02)
+    regions = [None]
+    host = attach_host_pool(sock, FULL_SPEC, "page_first", Namespace(MODEL.name, MODEL.fingerprint()), 8,
+                            objects={p.name: p.spec for p in POOLS}, heartbeat_s=None)
+    leased = host.allocator
+    try:
+        regions[0] = query_status_of(sock)()["region"]
+        lease = leased.objects(1, SLIDING)
+        held = lease.alloc(1).pages  # an object being written
+        assert held and leased.num_used == 0
+        os.kill(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait(30)
+        svc = start_service(sock, 0.02, "--fresh-region")
+        assert leased.lookup(KEYS[:1]) == [] and leased.lost  # (the dead connection found)
+        wait_until(lambda: leased._backoff.due(), 5)
+        assert leased.lookup(KEYS[:1]) == [] and leased.lost  # the object of the old region is still held: not attached
+        lease.free(held)
+        wait_until(lambda: leased.lookup(KEYS[:1]) == [] and not leased.lost, 10)
+        regions.append(query_status_of(sock)()["region"])
+    finally:
+        leased.close(quiesced=True)
+        stop(svc.proc)
+        remove_regions([r for r in regions if r])
+
+
+def test_an_engine_told_there_is_no_room_asks_again_a_beat_later(tmp_path):
+    """A reservation the full region could not give leaves the engine's pages (and each object pool's) booked as having
+    no room; an engine that holds nothing would never give one back to learn otherwise: each heartbeat forgets it."""
+    from kvtier.hashing import Namespace
+    from kvtier.service.attach import attach_host_pool
+
+    fmt = _format()
+    sock = str(tmp_path / "run" / "node.sock")
+    with running_service(tmp_path, 4 * fmt.page_bytes / (1 << 30)) as svc:
+        ns = Namespace(MODEL.name, MODEL.fingerprint())
+        attach = {"objects": {p.name: p.spec for p in POOLS}}
+        first = attach_host_pool(sock, FULL_SPEC, "page_first", ns, None, heartbeat_s=None, **attach).allocator
+        second = attach_host_pool(svc.socket, FULL_SPEC, "page_first", ns, None, heartbeat_s=0.05, **attach).allocator
+        try:
+            pages, objects = first.alloc(4).pages, first.objects(1, SLIDING).alloc(4).pages
+            assert len(pages) == len(objects) == 4  # every page and window object of the region is the first engine's
+            assert second.alloc(1).pages == [] and second.objects(1, SLIDING).alloc(1).pages == []
+            assert second.num_free == second.objects(1, SLIDING).num_free == 0  # (no room, as the service said)
+            first.free(pages)
+            first.objects(1, SLIDING).free(objects)
+            wait_until(lambda: second.num_free > 0 and second.objects(1, SLIDING).num_free > 0, 10)
+            assert len(second.alloc(1).pages) == len(second.objects(1, SLIDING).alloc(1).pages) == 1
+        finally:
+            first.close(quiesced=True)
+            second.close(quiesced=True)
 
 
 def test_a_services_l3_keeps_the_window_pages_and_snapshots_as_an_engines_own_l3_does_and_brings_them_back(tmp_path):

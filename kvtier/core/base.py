@@ -137,9 +137,9 @@ class CoreBase(HostTier):
         """A copy of ``nodes`` to host completed: their host copies are readable, other engines sharing the
         host tier may have them, and they count."""
         self.tree.mark_host_ready(nodes)
-        if self.shared_host:
-            self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
+        if self.shared_host:  # (their objects first: an engine that finds the pages finds their objects with them)
             self.groups.publish(nodes)
+            self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
         self.stats.backed_up_pages += len(nodes)
         self.stats.backed_up_bytes += len(nodes) * self._page_bytes
 

@@ -30,7 +30,6 @@ class LocalExecutor:
         self.has_storage = storage is not None
         self.can_wait = True
         self._device_pages = engine.device.num_pages
-        self._group_pages = {name: (e.device.num_pages, e.host.num_pages) for name, e in self.groups.items()}
         #: which pools each group writes (its own, or the full pages' it shares): a plan writes each id of a pool once
         self._group_pools = pools_written((engine.device, engine.host), {name: (e.device, e.host) for name, e in self.groups.items()})
         self._jobs: dict[int, TransferJob | StorageJob] = {}
@@ -50,7 +49,10 @@ class LocalExecutor:
 
         ``layered`` (a copy out of device pages an engine is computing now): each layer
         is copied once :meth:`release_layer` says it is written (:meth:`release_rest`: all)."""
-        why = plan_error(plan, self._device_pages, self.engine.host.num_pages, self._group_pages, self.group_storage, self._group_pools)
+        # (host pools' sizes read now: a node service's region, pages and object pools alike, is mapped anew -- maybe of another
+        # size -- when its engine attaches again, or for the first time after starting without it)
+        group_pages = {name: (e.device.num_pages, e.host.num_pages) for name, e in self.groups.items()}
+        why = plan_error(plan, self._device_pages, self.engine.host.num_pages, group_pages, self.group_storage, self._group_pools)
         if why is not None:  # before any byte moves, whatever sent it
             self._ready.append(refused(plan, why))
             return

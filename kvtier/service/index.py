@@ -89,6 +89,8 @@ class IndexStatus:
     corrupt_pages: int
     parked_pages: int
     adoption_held: int  # of ``held``: pages held only by a restarted service's adoption (its grace period)
+    finds: int = 0
+    found_objects: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -172,6 +174,8 @@ class HostIndex:
         # READY, held by nobody, per pool: least recently released first
         self._unheld: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(pools)]
         self.lookups = self.hit_pages = self.published_pages = self.evicted_pages = self.dropped_writes = 0
+        #: finds answered, and the objects they offered (a hybrid model's: apart from the pages' lookups and hits)
+        self.finds = self.found_objects = 0
         #: of ``dropped_writes``: pages whose writer's process had died (its lease expired rather than being given up)
         self.expired_leases = 0
         #: READY pages the watcher refused to offer (their bytes changed after their write completed): dropped
@@ -241,6 +245,8 @@ class HostIndex:
                 found[page] = None
         self._hold(client, c, list(found))
         c.hit_pages += len(found)
+        self.finds += 1
+        self.found_objects += len(found)
         return out
 
     def _run(self, client: int, keys: list[bytes]) -> list[int]:
@@ -374,7 +380,8 @@ class HostIndex:
         return IndexStatus(self.alloc.num_pages, self.alloc.num_free, len(self._writer), len(self._key_of), len(self._holders),
                            len(self.clients), per_ns, self.lookups, self.hit_pages, self.published_pages, self.evicted_pages,
                            self.dropped_writes, self.expired_leases, self.corrupt_pages, len(self.alloc.parked),
-                           sum(len(h) == 1 and next(iter(h)) <= ADOPTION_CLIENTS for h in self._holders.values()))
+                           sum(len(h) == 1 and next(iter(h)) <= ADOPTION_CLIENTS for h in self._holders.values()),
+                           self.finds, self.found_objects)
 
     def pages_by_namespace(self) -> dict[str, NamespacePages]:
         """Every namespace's pages now, from the counts kept as they change (and one pass over the pages being

@@ -1,16 +1,20 @@
 """``kvtier bench service --soak N``: the node service under crashes, every output compared with recompute.
 
-One ``kvtier serve`` service (``--verify-sample 1``: every hit verified; ``--keep-region``: a SIGTERM
-leaves its region too) and three clients of it, each a process of its own:
+Two ``kvtier serve`` services (``--verify-sample 1``: every hit verified; ``--keep-region``: a SIGTERM
+leaves its region too) -- one for a full-attention model, one for a hybrid model (a service serves one page
+format) -- and five clients of them, each a process of its own:
 
 * two engines (:class:`~kvtier.app.engine.ReferenceEngine` over :class:`~kvtier.app.model.ReferenceModel`, an
   MLA+DSA model, the same model in both so that they share pages) serving a multi-turn chat workload with a
   device pool smaller than a conversation, so turns come back as host hits from the service -- each
   request's logits compared bit for bit with the same request recomputed with nothing cached;
+* two hybrid engines (:class:`~kvtier.app.engine.HybridEngine` over the hybrid reference model: MLA+DSA,
+  sliding-window and linear-attention layers) doing the same on the hybrid service, whose region keeps their
+  window pages and state snapshots beside the pages (object pools);
 * a raw writer (:class:`~kvtier.service.client.ServiceClient`) that writes pages layer by layer, slowly
   (a copy in flight), publishes them, and reads back what it published before, each byte checked.
 
-Each cycle, after a random time (``min_gap_s`` to ``max_gap_s``), one of them -- an engine, the service or
+Each cycle, after a random time (``min_gap_s`` to ``max_gap_s``), one of them -- an engine, a service or
 the writer (killed mid-copy, where it spends most of its time) -- gets SIGKILL or SIGTERM at random, and is
 started again. Reported: cycles, kills, requests, wrong outputs (logits that differ from recompute) and wrong
 writer pages (must be 0), stuck leases (pages still leased, held or parked once every client has exited and
@@ -46,9 +50,10 @@ from pathlib import Path
 import torch
 import xxhash
 
-from kvtier.app.engine import ReferenceEngine
+from kvtier.app.engine import HybridEngine, ReferenceEngine
 from kvtier.app.model import ModelConfig, ReferenceModel
-from kvtier.build import build_cache
+from kvtier.app.model.hybrid import FULL, HybridConfig, HybridReferenceModel
+from kvtier.build import build_cache, build_hybrid_cache
 from kvtier.config import TierConfig
 from kvtier.core import NullCache
 from kvtier.errors import ServiceError
@@ -77,7 +82,14 @@ RESTART_BOUND_S = 60.0
 #: how long the clients may take to exit cleanly at the end, the service to end their sessions, and a restart's
 #: grace to pass (s: past :data:`~kvtier.service.records.QUARANTINE_S`)
 EXIT_BOUND_S = 90.0
-VICTIMS = ("engine-a", "engine-b", "service", "writer")
+#: the hybrid engines' model: the soak model's full layers, with sliding-window (two pages) and linear-attention layers
+SOAK_HYBRID = HybridConfig(base=SOAK_MODEL, window=32, swa_heads=2, swa_head_dim=16, state_heads=2, state_dim=8, state_every=2)
+#: the engines of each service, the services, and every process a cycle may kill
+ENGINES = {"service": ("engine-a", "engine-b"), "hybrid-service": ("hybrid-a", "hybrid-b")}
+SERVICES = tuple(ENGINES)
+VICTIMS = ("engine-a", "engine-b", "hybrid-a", "hybrid-b", "service", "hybrid-service", "writer")
+#: every client: the engines and the writer (of the full-attention service)
+CLIENTS = (*ENGINES["service"], *ENGINES["hybrid-service"], "writer")
 SIGNALS = {"SIGKILL": signal.SIGKILL, "SIGTERM": signal.SIGTERM}
 
 
@@ -95,16 +107,18 @@ class SoakReport:
     cycles: int
     kills: dict[str, int]
     signals: dict[str, int]
-    requests: int
+    requests: int  # every engine's, the hybrid ones' among them
     host_hit_requests: int  # engine requests that took at least one page from the service
+    hybrid_requests: int
+    hybrid_host_hit_requests: int
     wrong_outputs: int  # requests whose logits differ from recompute (must be 0)
     writer_pages_checked: int
     writer_wrong_pages: int  # pages the writer read back that were not what it wrote under that key (must be 0)
     stuck_leases: int  # pages leased, held or parked once every client exited and a restart's grace passed (must be 0)
     failed_restarts: int  # processes that did not come back within the bound (must be 0)
     crashed: int  # processes that died without being killed, or exited uncleanly at the end (must be 0)
-    service_restarts: int
-    host_pages_before_kills: int  # pages the service held just before each of its kills (summed)
+    service_restarts: int  # of both services
+    host_pages_before_kills: int  # pages (and objects) a service held just before each of its kills (summed)
     host_pages_adopted: int  # of them, pages the restarted service offered again (verified)
     host_pages_kept: float  # adopted / before
     corrupt_pages: int  # pages a verified hit found changed (the last service's count)
@@ -130,10 +144,10 @@ def _orphaned(parent: int) -> bool:
     return os.getppid() != parent
 
 
-def _service_main(sock: str, workdir: str, host_gb: float) -> None:
+def _service_main(sock: str, workdir: str, host_gb: float, name: str = "service") -> None:
     from kvtier.service.server import NodeService, ServeConfig
 
-    _quiet(workdir, "service")
+    _quiet(workdir, name)
     stop: list[int] = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     service = NodeService(ServeConfig(host_gb=host_gb, socket=sock, verify_sample=1.0, keep_region=True))
@@ -163,6 +177,28 @@ def _engine_main(sock: str, workdir: str, name: str, seed: int) -> None:
     engine = ReferenceEngine(model, cache)
     pages = -(-(SYSTEM_TOKENS + TURN_TOKENS * TURNS) // spec.page_size) + 1
     baseline = ReferenceEngine(model, NullCache(DevicePool(spec, pages)))
+    _serve_chat(out, stop, seed, engine, baseline, cache)
+
+
+def _hybrid_engine_main(sock: str, workdir: str, name: str, seed: int) -> None:
+    """:func:`_engine_main` with the hybrid reference model on the hybrid service."""
+    _quiet(workdir, name)
+    torch.set_num_threads(1)
+    out, stop = os.path.join(workdir, f"{name}.jsonl"), os.path.join(workdir, "stop")
+    model, spec = HybridReferenceModel(SOAK_HYBRID), SOAK_HYBRID.model_spec()
+    cache = build_hybrid_cache(spec, TierConfig(device_pages=DEVICE_PAGES, host_pages=HOST_SHARE_PAGES, service=sock),
+                               state_every=SOAK_HYBRID.state_every)
+    groups = {n: d for n, (d, _h) in cache.group_pools.items()}
+    engine = HybridEngine(model, cache, {FULL: cache.device, **groups})
+    pages = -(-(SYSTEM_TOKENS + TURN_TOKENS * TURNS) // SOAK_MODEL.page_size) + 1
+    base_groups = {n: DevicePool(d.spec, pages) for n, d in groups.items()}
+    null = NullCache(DevicePool(spec.group(FULL).attention, pages), base_groups)
+    baseline = HybridEngine(model, null, {FULL: null.device, **base_groups})
+    _serve_chat(out, stop, seed, engine, baseline, cache)
+
+
+def _serve_chat(out: str, stop: str, seed: int, engine, baseline, cache) -> None:
+    """An engine's loop: random turns of the chat until told to stop, each output against recompute, one line each."""
     _log_line(out, {"ready": os.getpid()})
     rng = random.Random(seed * 7919 + os.getpid())
     parent = os.getppid()
@@ -225,11 +261,20 @@ def _writer_main(sock: str, workdir: str) -> None:
 
 # ---- the bench ------------------------------------------------------------------------------------
 class _Soak:
+    """The soak's processes: ``sock`` (default: in ``workdir``) is the full-attention service's; the hybrid service's is
+    beside it, its region as many pages of the hybrid format (``hybrid``: whether there is one)."""
+
     def __init__(self, workdir: str, rng: random.Random, sock: str | None = None, model: ModelConfig = SOAK_MODEL,
-                 region_pages: int = REGION_PAGES):
+                 region_pages: int = REGION_PAGES, hybrid: bool = True):
         self.workdir, self.rng = workdir, rng
         self.sock = sock or os.path.join(workdir, "run", "node.sock")
-        self.host_gb = region_pages * model.kv_spec().page_bytes / (1 << 30)
+        self.socks = {"service": self.sock}
+        self.host_gb = {"service": region_pages * model.kv_spec().page_bytes / (1 << 30)}
+        if hybrid:
+            self.socks["hybrid-service"] = os.path.join(os.path.dirname(self.sock), "hybrid.sock")
+            spec = SOAK_HYBRID.model_spec()
+            others = [g.object_spec().page_bytes for g in spec.groups if g.kind != "full"]
+            self.host_gb["hybrid-service"] = region_pages * (spec.group(FULL).attention.page_bytes + sum(others)) / (1 << 30)
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload([__name__])
         self.procs: dict[str, multiprocessing.Process] = {}
@@ -237,16 +282,18 @@ class _Soak:
 
     def start(self, name: str) -> bool:
         """Start ``name`` and wait until it is up; False if it did not come up within the bound."""
-        if name == "service":
-            target, args = _service_main, (self.sock, self.workdir, self.host_gb)
+        if name in SERVICES:
+            target, args = _service_main, (self.socks[name], self.workdir, self.host_gb[name], name)
         elif name == "writer":
             target, args = _writer_main, (self.sock, self.workdir)
+        elif name in ENGINES["hybrid-service"]:
+            target, args = _hybrid_engine_main, (self.socks["hybrid-service"], self.workdir, name, self.rng.randrange(1 << 30))
         else:
             target, args = _engine_main, (self.sock, self.workdir, name, self.rng.randrange(1 << 30))
         proc = self.procs[name] = self.ctx.Process(target=target, args=args, name=f"kvtier-soak-{name}", daemon=True)
         proc.start()
-        if name == "service":
-            return self._wait(lambda: self._status() is not None)
+        if name in SERVICES:
+            return self._wait(lambda: self._status(name) is not None)
         if name.startswith("engine"):
             return self._wait(lambda: any(r.get("ready") == proc.pid for r in self.records(name)))
         return True
@@ -259,9 +306,9 @@ class _Soak:
             time.sleep(0.02)
         return False
 
-    def _status(self) -> dict | None:
+    def _status(self, service: str = "service") -> dict | None:
         try:
-            return query_status(self.sock, deadline_s=2.0)
+            return query_status(self.socks[service], deadline_s=2.0)
         except ServiceError:
             return None
 
@@ -283,11 +330,14 @@ class _Soak:
             proc.join(RESTART_BOUND_S)
 
     def stop_service(self) -> None:
-        """SIGTERM the service and remove the region it keeps (``--keep-region``)."""
-        region = (self._status() or {}).get("region")
-        self.kill("service", signal.SIGTERM)
-        if region is not None:
-            shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+        """SIGTERM the services and remove the regions they keep (``--keep-region``)."""
+        for name in self.socks:
+            if name not in self.procs:
+                continue
+            region = (self._status(name) or {}).get("region")
+            self.kill(name, signal.SIGTERM)
+            if region is not None:
+                shutil.rmtree(os.path.dirname(region), ignore_errors=True)
 
     def revive_crashed(self) -> None:
         """Start again any process that died without being killed (counted)."""
@@ -306,71 +356,78 @@ def run_soak(config: SoakConfig) -> SoakReport:
     before = adopted = 0
     with tempfile.TemporaryDirectory(prefix="kvtier-soak-") as workdir:
         soak = _Soak(workdir, rng)
-        region = None
+        regions: dict[str, str | None] = dict.fromkeys(SERVICES)
         try:
-            for name in ("service", *VICTIMS[:2], "writer"):
+            for name in (*SERVICES, *CLIENTS):
                 if not soak.start(name):
                     raise RuntimeError(f"the soak's {name} did not start within {RESTART_BOUND_S:g} s; see {workdir}/{name}.log")
-            region = soak._status()["region"]
+            regions = {name: soak._status(name)["region"] for name in SERVICES}
             for _cycle in range(config.cycles):
                 time.sleep(rng.uniform(config.min_gap_s, config.max_gap_s))
                 soak.revive_crashed()
                 victim, sig = rng.choice(VICTIMS), rng.choice(list(SIGNALS))
                 kills[victim] += 1
                 signals[sig] += 1
-                held = soak._status() if victim == "service" else None
+                held = soak._status(victim) if victim in SERVICES else None
                 soak.kill(victim, SIGNALS[sig])
                 if not soak.start(victim):
                     soak.failed_restarts += 1
                     continue
-                if victim == "service":
-                    st = soak._status() or {}
+                if victim in SERVICES:
+                    st = soak._status(victim) or {}
                     before += (held or {}).get("ready", 0)
                     adopted += st.get("adopted", {}).get("pages", 0)
-                    region = st.get("region") or region
-                    # (back means its clients are back: both engines and the writer attached again on their own)
-                    if not soak._wait(lambda: (soak._status() or {}).get("clients", 0) >= len(VICTIMS) - 1):
+                    regions[victim] = st.get("region") or regions[victim]
+                    # (back means its clients are back: its engines (and the writer) attached again on their own)
+                    clients = len(ENGINES[victim]) + (victim == "service")
+                    if not soak._wait(lambda v=victim, n=clients: (soak._status(v) or {}).get("clients", 0) >= n):
                         soak.failed_restarts += 1
             report = _finish(soak, config, kills, signals, before, adopted)
         finally:
             Path(workdir, "stop").touch()
             for name, proc in soak.procs.items():
-                if name == "service" and proc.is_alive():
-                    region = (soak._status() or {}).get("region") or region
+                if name in SERVICES and proc.is_alive():
+                    regions[name] = (soak._status(name) or {}).get("region") or regions[name]
                     os.kill(proc.pid, signal.SIGTERM)
                 proc.join(EXIT_BOUND_S)
                 if proc.is_alive():
                     os.kill(proc.pid, signal.SIGKILL)
                     proc.join(10)
-            if region is not None:  # (the service keeps its region on SIGTERM here: removed with its directory)
-                shutil.rmtree(os.path.dirname(region), ignore_errors=True)
+            for region in regions.values():  # (the services keep their regions on SIGTERM here: removed with their directories)
+                if region is not None:
+                    shutil.rmtree(os.path.dirname(region), ignore_errors=True)
     report.seconds = round(time.monotonic() - started, 1)
     return report
 
 
 def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopted: int) -> SoakReport:
-    """Stop the clients cleanly, count what they logged and what the service still holds, then time restarts."""
+    """Stop the clients cleanly, count what they logged and what the services still hold, then time restarts."""
     Path(soak.workdir, "stop").touch()
-    for name in (*VICTIMS[:2], "writer"):
+    for name in CLIENTS:
         proc = soak.procs[name]
         proc.join(EXIT_BOUND_S)
         last = (soak.records(name) or [{}])[-1]
         if proc.is_alive() or last.get("exit") != "ok":
             soak.crashed += 1
     # (every client gone, and whatever a restart parked or held back: a page still leased, held or parked then is stuck)
-    status = None
-    deadline = time.monotonic() + EXIT_BOUND_S
-    while time.monotonic() < deadline:
-        status = soak._status()
-        if status is not None and status["clients"] == status["orphaned"] == status.get("parked_pages", 0) == 0 and not (
-                status.get("adoption_held")):
-            break
-        time.sleep(0.05)
-    status = status or {}
-    engine = [r for name in VICTIMS[:2] for r in soak.records(name) if "wrong" in r]
+    stuck = corrupt = 0
+    for service in SERVICES:
+        status = None
+        deadline = time.monotonic() + EXIT_BOUND_S
+        while time.monotonic() < deadline:
+            status = soak._status(service)
+            if status is not None and status["clients"] == status["orphaned"] == status.get("parked_pages", 0) == 0 and not (
+                    status.get("adoption_held")):
+                break
+            time.sleep(0.05)
+        status = status or {}
+        stuck += status.get("writing", -1) + status.get("held", 0) + status.get("parked_pages", 0)
+        corrupt += status.get("corrupt_pages", 0)
+    engine = [r for name in CLIENTS[:-1] for r in soak.records(name) if "wrong" in r]
+    hybrid = [r for name in ENGINES["hybrid-service"] for r in soak.records(name) if "wrong" in r]
     writer = [r for r in soak.records("writer") if "checked" in r]
     # (on a service of its own: the soaked one's region is full of pages its last restart holds for a while)
-    timing = _Soak(soak.workdir, soak.rng, os.path.join(soak.workdir, "ttft", "node.sock"), TTFT_MODEL, TTFT_REGION_PAGES)
+    timing = _Soak(soak.workdir, soak.rng, os.path.join(soak.workdir, "ttft", "node.sock"), TTFT_MODEL, TTFT_REGION_PAGES, hybrid=False)
     try:
         ttft = _restart_ttft(timing, config.ttft_trials) if timing.start("service") else {"trials": 0, "all_host_hits": False}
     finally:
@@ -378,12 +435,12 @@ def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopte
         soak.failed_restarts += timing.failed_restarts
     return SoakReport(
         cycles=config.cycles, kills=kills, signals=signals, requests=len(engine), host_hit_requests=sum(r["host"] > 0 for r in engine),
+        hybrid_requests=len(hybrid), hybrid_host_hit_requests=sum(r["host"] > 0 for r in hybrid),
         wrong_outputs=sum(r["wrong"] for r in engine), writer_pages_checked=sum(r["checked"] for r in writer),
-        writer_wrong_pages=sum(r["wrong"] for r in writer),
-        stuck_leases=status.get("writing", -1) + status.get("held", 0) + status.get("parked_pages", 0),
-        failed_restarts=soak.failed_restarts, crashed=soak.crashed, service_restarts=kills["service"],
-        host_pages_before_kills=before, host_pages_adopted=adopted, host_pages_kept=round(adopted / before, 3) if before else 0.0,
-        corrupt_pages=status.get("corrupt_pages", 0), restart_ttft=ttft)
+        writer_wrong_pages=sum(r["wrong"] for r in writer), stuck_leases=stuck, failed_restarts=soak.failed_restarts,
+        crashed=soak.crashed, service_restarts=kills["service"] + kills["hybrid-service"], host_pages_before_kills=before,
+        host_pages_adopted=adopted, host_pages_kept=round(adopted / before, 3) if before else 0.0, corrupt_pages=corrupt,
+        restart_ttft=ttft)
 
 
 def _restart_ttft(soak: _Soak, trials: int) -> dict:
