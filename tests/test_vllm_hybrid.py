@@ -14,6 +14,7 @@ sizes, other attention kinds) are refused at start-up: tested on vLLM's own spec
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -213,6 +214,36 @@ def test_sliding_window_model_restart_hits_l3_loads_only_the_window_and_answers_
     assert outputs(fourth) == outputs(baseline)
     (w,) = fourth["worker_stats"]
     assert w["load_failed_pages"] >= 1
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(2400)
+def test_sliding_window_model_on_the_node_service_a_restarted_engine_hits_its_pages_and_window_pages_and_answers_as_vllm(tmp_path,
+                                                                                                                      baseline):
+    """Two engine processes one after the other on one ``kvtier serve`` (no L3): the second's prompts are host hits
+    from the region -- pages and, in the window group's object pool, their window pages -- and every output equals
+    vLLM's own."""
+    from kvtier.service.client import query_status
+    from support.service import running_service
+
+    with running_service(tmp_path, 0.2) as svc:
+        attached = [*prompt_args(), "--storage-options", json.dumps({"service": f"unix://{svc.socket}", "service_lookup_timeout_s": 10.0})]
+        first = run_engine(*attached)
+        assert outputs(first) == outputs(baseline)
+        bs = first["block_size"]
+        offered = sum((n - 1) // bs for n in LENGTHS)
+        (w,) = first["worker_stats"]
+        assert w["group_objects_offloaded"]["window"] >= offered and w["saved_pages"] == 0  # (no L3: the service keeps them)
+        st = query_status(svc.socket)
+        assert st["object_pools"] == ["window"] and st["published_pages"] >= 2 * offered, st
+        second = run_engine(*attached)  # a new engine process: its own tree empty, the service the same
+        assert outputs(second) == outputs(baseline)
+        got = second["results"]
+        assert [r["external_hit_tokens"] for r in got] == [(n - 1) // bs * bs for n in LENGTHS]
+        assert [r["shared_host_pages"] for r in got] == [(n - 1) // bs for n in LENGTHS]
+        (w,) = second["worker_stats"]
+        assert w["load_failed_pages"] == 0 and w["group_objects_loaded"]["window"] > 0
+        assert query_status(svc.socket)["found_objects"] >= sum(window_pages(n, bs) for n in LENGTHS)
 
 
 @pytest.mark.integration

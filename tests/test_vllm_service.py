@@ -88,11 +88,13 @@ def test_parallel_configs_the_service_cannot_serve_are_config_errors(parallel, m
         check_parallel(config, ConnectorOptions.from_extra_config({}))
 
 
-def test_a_hybrid_model_is_refused_with_the_service_before_anything_attaches():
+def test_a_hybrid_model_above_one_rank_is_refused_with_the_service_before_anything_attaches():
+    """A hybrid model's groups go on the service at one rank (tests/test_vllm_hybrid.py); above it, refused naming the fix."""
     opts = ConnectorOptions.from_extra_config({"service": "/nowhere/node.sock"})
     groups = [VllmGroup(0, "full", "full", ("l0",), BS), VllmGroup(1, "window", "sliding_window", ("l1",), BS, window=8)]
-    with pytest.raises(ConfigError, match="serves models of full attention only.*window"):
-        ConnectorScheduler(opts, BS, 1, "tiny", groups)
+    with pytest.raises(ConfigError, match="hybrid model.*window.*tensor-parallel size 1 only so far, not 2: drop service"):
+        ConnectorScheduler(opts, BS, 2, "tiny", groups)
+    ConnectorScheduler(opts, BS, 1, "tiny", groups)  # (one rank: taken; it attaches at the handshake)
 
 
 def test_an_engine_started_before_the_service_serves_with_misses_then_attaches_on_its_own_and_its_workers_map_the_region(tmp_path,

@@ -227,7 +227,8 @@ class CoreBase(HostTier):
                 asked.update(keys[start:])
         answers = dict(zip((i for i, _s, _r in runs), self.shared_host.lookup_many([r for _i, _s, r in runs]))) if runs else {}
         starts = {i: start for i, start, _r in runs}
-        out = []
+        out: list[tuple[int, int]] = []
+        hung: list[PageNode] = []
         for i, keys in enumerate(key_lists):
             path = self.tree.walk(keys)
             pages = answers.get(i)
@@ -239,14 +240,19 @@ class CoreBase(HostTier):
                 self.shared_host.let_go(pages)
                 out.append((0, len(path)))
                 continue
-            nodes = self._hang_shared(keys[start:], pages, path[-1] if path else None)
+            nodes = self._hang_shared(keys[start:], pages, path[-1] if path else None, objects=False)
             self.tree.touch(path + nodes)  # (the next list's room is made from older pages first)
+            hung += nodes
             out.append((len(nodes), len(path) + len(nodes)))
+        if hung and self.groups:  # a hybrid model's objects of every list's pages: one find a group for the step (of the pages
+            nodes = self.tree.nodes  # still there: a later list's room may have been made from an earlier one's)
+            self.groups.adopt_shared([n for n in hung if nodes.get(n.key) is n and n.host_page != NO_PAGE])
         return out
 
-    def _hang_shared(self, rest: list[PageHash], pages: list[int], parent: PageNode | None) -> list[PageNode]:
+    def _hang_shared(self, rest: list[PageHash], pages: list[int], parent: PageNode | None, *, objects: bool = True) -> list[PageNode]:
         """``pages`` (the shared tier's, of the keys ``rest``) adopted below ``parent``, as many as the host
-        allocator makes room for (its LRU evicts for them); the rest let go."""
+        allocator makes room for (its LRU evicts for them); the rest let go. ``objects``: a hybrid model's objects
+        of them adopted too (else the caller does, for many runs at once)."""
         short = len(pages) - self.host_alloc.num_free
         if short > 0:
             self.tree.lock(parent)  # the path the adopted pages hang from stays
@@ -259,7 +265,8 @@ class CoreBase(HostTier):
         if not n:
             return []
         nodes = self.tree.add_host_chain(rest[:n], pages[:n], parent, ready=True)
-        self.groups.adopt_shared(nodes)
+        if objects:
+            self.groups.adopt_shared(nodes)
         return nodes
 
     def _check_host(self, caller_host_pages: set[int], idle: bool) -> None:

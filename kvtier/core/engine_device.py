@@ -194,18 +194,20 @@ class EngineDeviceCore(CoreBase):
     the engine allocates its device blocks itself. ``model``: a hybrid model whose full group is
     ``spec``; ``group_hosts``: each other group's host allocator; ``state_every``: the cadence
     of state snapshots, in pages; ``shared_host``: a host tier other engines share
-    (:mod:`~kvtier.core.shared_host`, ``host`` its allocator; a model of full attention only, no L3):
-    a lookup whose tree ends early asks it for the rest, a completed copy out is published to it."""
+    (:mod:`~kvtier.core.shared_host`, ``host`` its allocator, ``group_hosts`` its object pools' for a hybrid
+    model; no L3): a lookup whose tree ends early asks it for the rest, a completed copy out is published to it."""
 
     def __init__(self, spec: KVSpec, host: PageAllocator, port: ExecutorPort, config: CacheConfig = CacheConfig(),
                  storage_config: StorageConfig = StorageConfig(), *, namespace: Namespace | None = None, stats: CacheStats | None = None,
                  model: ModelSpec | None = None, group_hosts: dict[str, PageAllocator] | None = None, state_every: int = 1,
                  shared_host: SharedHost = NO_SHARED_HOST):
-        check_shared_host(shared_host, model, port)
+        check_shared_host(shared_host, model, port, hybrid=True)
         super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats)
         self.shared_host = shared_host
         pools = {name: (None, alloc) for name, alloc in (group_hosts or {}).items()}
         self.groups = groups_for(model, pools, spec, tree=self.tree, state_every=state_every, device=None, host=host)
+        if shared_host and self.groups:
+            self.groups.check_shared()
         self._on |= {OffloadCopy: self._offloaded, IntoEngine: self._finish_into_engine, VoidSave: self._applied_where_waited}
         #: planned offload copy -> the write-through save that follows it
         self._save_after: dict[int, int] = {}

@@ -70,7 +70,7 @@ from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler_port import SchedulerPort, StoreProbe
 from kvtier.service.attach import attach_pages
 from kvtier.service.leased import LeasedPages
-from kvtier.service.region import RegionFormat
+from kvtier.service.region import ObjectPool, RegionFormat
 from kvtier.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -176,9 +176,10 @@ class ConnectorScheduler:
         if options.storage.url and options.storage.write_policy != "write_through":
             raise ConfigError("kvtier connector: storage_write_policy must be write_through (a write_back save would make the "
                               "scheduler wait for a worker when host memory evicts)")
-        if options.tiers.service and groups is not None and len(groups) > 1:
-            raise ConfigError("kvtier connector: the node service (service=...) serves models of full attention only; this model has "
-                              f"KV cache groups {[g.name for g in groups]}: drop service (kvtier keeps a host tier of its own)")
+        if options.tiers.service and groups is not None and len(groups) > 1 and world_size > 1:
+            raise ConfigError("kvtier connector: the node service (service=...) serves a hybrid model (KV cache groups "
+                              f"{[g.name for g in groups]}) at tensor-parallel size 1 only so far, not {world_size}: drop service "
+                              "(kvtier keeps a host tier of its own), or serve it on one rank")
         self.options = options
         self.block_size = block_size
         self.world_size = world_size
@@ -238,21 +239,27 @@ class ConnectorScheduler:
         probe = StoreProbe(self.options.storage, prefixes) if self.options.storage.url and all(prefixes) else None
         self.port = SchedulerPort(self.world_size, probe, self.options.rank_timeout_s)
         cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
-        if self.options.tiers.service:
-            host = self.leased = self._attach_service(first.spec)
-        else:
-            host = PageAllocator(min(metas[r].host_pages for r in ranks), "host pages (every rank's shard)")
-        host_pages = host.capacity
-        fingerprint = first.spec.fingerprint()
         if self.groups:
             missing = [r for r in ranks if set(metas[r].group_pages) != {g.name for g in self._others}]
             if missing:
                 raise ConfigError(f"kvtier connector: rank {missing[0]} registered KV groups {sorted(metas[missing[0]].group_pages)}, the "
                                   f"scheduler has {[g.name for g in self._others]}")
+        if self.options.tiers.service:
+            objects = {g.name: first.group_pages[g.name][0] for g in self._others} if self.groups else {}
+            host = self.leased = self._attach_service(first.spec, objects)
+        else:
+            host = PageAllocator(min(metas[r].host_pages for r in ranks), "host pages (every rank's shard)")
+        host_pages = host.capacity
+        fingerprint = first.spec.fingerprint()
+        if self.groups:
             model = model_spec(self.model_name, self.groups, {"full": first.spec, **{n: sp for n, (sp, _) in first.group_pages.items()}})
-            group_hosts = {g.name: PageAllocator(min(metas[r].group_pages[g.name][1] for r in ranks), f"{g.name} host objects")
-                           for g in self._others}
-            self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, model=model, group_hosts=group_hosts)
+            if self.leased is not None:  # (each group's objects in an object pool of the region: the service's too)
+                group_hosts = {g.name: self.leased.objects(k, g.name) for k, g in enumerate(self._others, start=1)}
+            else:
+                group_hosts = {g.name: PageAllocator(min(metas[r].group_pages[g.name][1] for r in ranks), f"{g.name} host objects")
+                               for g in self._others}
+            self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, model=model, group_hosts=group_hosts,
+                                         shared_host=self.leased if self.leased is not None else NO_SHARED_HOST)
             fingerprint = model.fingerprint()
         else:
             shared = self.leased if self.leased is not None else NO_SHARED_HOST
@@ -267,15 +274,18 @@ class ConnectorScheduler:
         region = self.leased.region
         return f"region {region.path}" if region is not None else "not attached yet: host misses until it answers"
 
-    def _attach_service(self, spec: KVSpec) -> LeasedPages:
+    def _attach_service(self, spec: KVSpec, objects: dict[str, KVSpec]) -> LeasedPages:
         """Attach to the node service: its region's pages hold every rank's shard of a page
         (:meth:`~kvtier.service.region.RegionFormat.of_shards`) -- or, for MLA's latent, which every rank
         holds whole, the one shard rank 0 writes and every rank reads
         (:meth:`~kvtier.service.region.RegionFormat.of_ranks`) -- in a namespace of the model, the shards'
         fingerprint with the tensor-parallel size, and the salt. ``host_pages`` / ``host_gb`` size this
-        engine's share of the region (pages of every rank's shards); given neither, the share is the region."""
+        engine's share of the region (pages of every rank's shards); given neither, the share is the region.
+        ``objects``: a hybrid model's other groups (name -> the spec of one object): an object pool each in the region
+        (:meth:`~kvtier.service.region.RegionFormat.with_objects`), in the order the scheduler lists them."""
         tiers = self.options.tiers
         fmt, shards = RegionFormat.of_ranks(spec, tiers.host_layout, self.world_size)
+        fmt = fmt.with_objects([ObjectPool(name, ospec) for name, ospec in objects.items()])
         # (a replicated latent's page is one rank's: the namespace still names the split, whose numerics it is)
         fingerprint = fmt.fingerprint if shards == self.world_size else f"{fmt.fingerprint}-tp{self.world_size}"
         namespace = Namespace(self.model_name, fingerprint, 0, self.options.salt)

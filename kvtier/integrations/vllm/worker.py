@@ -62,7 +62,7 @@ from kvtier.pools import HostPool
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import SessionWriter
 from kvtier.service.peer import check_socket_dir
-from kvtier.service.region import REPLICATED_ATTENTION, Region, RegionFormat, map_region
+from kvtier.service.region import REPLICATED_ATTENTION, ObjectPool, Region, RegionFormat, map_region
 from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
 
@@ -159,6 +159,10 @@ class ConnectorWorker:
         self.interval = KVTierConnectorStats()
         self._page_tokens = self._page_bytes = 0
         self._group_page_bytes: dict[str, int] = {}
+        #: on the node service, a hybrid model's groups until the region is mapped (name -> (object spec, device pool)), and then
+        #: their host pools over the region's object pools
+        self._unmapped_groups: dict = {}
+        self._group_hosts: dict[str, HostPool] = {}
         self._load_started: float | None = None
 
     # ---- start-up --------------------------------------------------------------------------
@@ -180,10 +184,13 @@ class ConnectorWorker:
                 built[g.name] = (gspec, gdev)
                 self._layer_index.update({n: (None if g.kind == "full" else g.name, i) for n, i in index.items()})
             spec, device = built.pop("full")
-            # one host budget: as many objects of every other group as full pages
-            pages = tiers.host_pages_for(spec.page_bytes + sum(gspec.page_bytes for gspec, _ in built.values()))
-            host = HostPool(spec, pages, tiers.host_layout)
-            pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
+            if tiers.service:  # (each group's host objects: an object pool of the region, mapped with its pages -- use_region)
+                host, pools = None, {}
+                self._unmapped_groups = built
+            else:  # one host budget: as many objects of every other group as full pages
+                pages = tiers.host_pages_for(spec.page_bytes + sum(gspec.page_bytes for gspec, _ in built.values()))
+                host = HostPool(spec, pages, tiers.host_layout)
+                pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
             fingerprint = model_spec(self.model_name, self.groups, {"full": spec, **{n: sp for n, (sp, _) in built.items()}}).fingerprint()
         # (the split is in it: a rank's shard is another head at another split, see split_fingerprint). MLA's latent, the same
         # on every rank, is one L3 object a page, in rank 0's namespace: rank 0 saves it, every rank loads it -- not under
@@ -194,12 +201,13 @@ class ConnectorWorker:
                                                0 if replicated else self.tp_rank, self.options.salt)
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
         self._group_page_bytes = {name: hp.spec.page_bytes for name, (_, hp) in pools.items()}
+        self._group_page_bytes.update({name: gspec.page_bytes for name, (gspec, _d) in self._unmapped_groups.items()})
         self._num_layers = len(self._layer_index)
         if host is None:  # the node service's region: mapped when the first step names it (use_region)
             self._unmapped = (spec, device)
             log.info("kvtier worker rank %d of %d: %s, host tier on the node service %s", self.tp_rank, self.tp_size, spec.name,
                      tiers.service)
-            return KVTierHandshake(self.tp_rank, spec, 0, None)
+            return KVTierHandshake(self.tp_rank, spec, 0, None, {name: (gspec, 0) for name, (gspec, _d) in self._unmapped_groups.items()})
         self._start_executor(host, device, pools)
         log.info("kvtier worker rank %d: %s, %d host pages (%s)%s, L3 %s", self.tp_rank, spec.name, host.num_pages, host.layout.kind,
                  f", KV groups {sorted(pools)} beside full attention" if pools else "", redact_url(self.options.storage.url) or "off")
@@ -227,6 +235,8 @@ class ConnectorWorker:
                               "service=...; give every rank the same kv_connector_extra_config")
         spec = self._unmapped[0] if self._unmapped is not None else self._host.spec
         want, shards = RegionFormat.of_ranks(spec, self.options.tiers.host_layout, self.tp_size)
+        groups = self._unmapped_groups
+        want = want.with_objects([ObjectPool(name, gspec) for name, (gspec, _d) in groups.items()])
         if region.format != want:
             raise ConfigError(f"kvtier worker rank {self.tp_rank}: the node service's region holds pages of {region.format}, this rank's "
                               f"shards make {want}; every rank must register the same model, split {self.tp_size} ways")
@@ -238,15 +248,25 @@ class ConnectorWorker:
         # (of its uid, in its socket directory's group at most: the scheduler checked the service it names, this rank checks again)
         tiers = self.options.tiers
         trust = check_socket_dir(tiers.service, tiers.service_uid)
+        if groups:  # (a hybrid model's region: one rank, its pages and every object pool, mapped whole)
+            start, size = 0, region.size
         memory = map_region(region.path, region.size, trust=trust, offset=start, length=size, pin_in_background=self._host is not None)
+        parts = {k: memory[slice(*_span(region.format.part(k, region.num_pages)))] for k in range(region.format.pools)} if groups else {
+            0: memory}
         if self._host is None:
             spec, device = self._unmapped
             self._unmapped = None
-            host = HostPool(spec, region.num_pages, self.options.tiers.host_layout, memory=memory, name="node service region",
-                            pin_memory=memory.is_pinned())
-            self._start_executor(host, device, {})
+            layout = self.options.tiers.host_layout
+            host = HostPool(spec, region.num_pages, layout, memory=parts[0], name="node service region", pin_memory=memory.is_pinned())
+            pools = {name: (gdev, HostPool(gspec, region.num_pages, layout, memory=parts[k], name=f"node service region, KV group {name!r}",
+                                           pin_memory=memory.is_pinned()))
+                     for k, (name, (gspec, gdev)) in enumerate(groups.items(), start=1)}
+            self._group_hosts = {name: hp for name, (_d, hp) in pools.items()}
+            self._start_executor(host, device, pools)
         else:
-            self._host.remap(memory)
+            self._host.remap(parts[0], region.num_pages)
+            for k, name in enumerate(groups, start=1):
+                self._group_hosts[name].remap(parts[k], region.num_pages)
         self.region = region
         log.info("kvtier worker rank %d: host tier mapped from the node service's region %s (bytes %d..%d of %d pages)", self.tp_rank,
                  region.path, start, start + size, region.num_pages)
@@ -507,3 +527,8 @@ class ConnectorWorker:
         if self._writer is not None and drained:  # no copy of this rank writes into the session's pages any more (else its
             self._writer.close()                  # process's end says so)
             self._writer = None
+
+
+def _span(part: tuple[int, int]) -> tuple[int, int]:
+    start, size = part
+    return start, start + size
