@@ -402,6 +402,35 @@ def test_a_services_l3_keeps_the_window_pages_and_snapshots_as_an_engines_own_l3
             b.close()
 
 
+def test_a_find_or_a_lookup_that_names_a_key_twice_gets_it_once_and_the_service_with_l3_stays_up(tmp_path):
+    """A client's repeat (never a chain's, never kvtier's engines': a peer's) of keys the service misses in its region and
+    holds in its L3: one load reads each once, the answer names each page once, and the service serves on."""
+    from kvtier.hashing import Namespace
+    from kvtier.service.client import ServiceClient
+
+    l3 = f"file://{tmp_path / 'l3'}"
+    tokens = SYSTEM + _prompt(1, 13)
+    with running_service(tmp_path, 0.05, "--storage-url", l3) as svc:
+        a = Engine(svc.socket)
+        try:
+            a.check(tokens)
+            keys = a.cache.page_keys(tokens)
+        finally:
+            a.close()
+        wait_until(lambda: query_status_of(svc.socket)()["l3"]["saving_pages"] == 0, 30)
+    objects = [group_object_key(k, SLIDING) for k in keys]
+    with running_service(tmp_path, 0.05, "--storage-url", l3, "--fresh-region") as svc:  # (a fresh region: the store only)
+        client = ServiceClient(svc.socket, str(Namespace(MODEL.name, MODEL.fingerprint())), _format(), lookup_deadline_s=10.0)
+        try:
+            found = client.find([objects[4], objects[4], objects[5]], 1)
+            assert found[0] >= 0 and found[1] == -1 and found[2] >= 0, found
+            run = client.lookup([keys[0], keys[0], keys[1]])
+            assert len(run) == 1, run  # the run ends at the repeat (a chain never repeats)
+            assert svc.proc.poll() is None and query_status_of(svc.socket)()["l3"]["fetched_pages"] >= 3
+        finally:
+            client.close(quiesced=True)
+
+
 @pytest.mark.integration
 def test_kvtier_run_hybrid_through_a_service_killed_and_restarted_keeps_its_window_pages_and_snapshots(tmp_path):
     """Two ``kvtier run --model hybrid`` processes, the service SIGKILLed and started again between them: the second

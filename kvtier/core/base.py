@@ -246,7 +246,8 @@ class CoreBase(HostTier):
             out.append((len(nodes), len(path) + len(nodes)))
         if hung and self.groups:  # a hybrid model's objects of every list's pages: one find a group for the step (of the pages
             nodes = self.tree.nodes  # still there: a later list's room may have been made from an earlier one's)
-            self.groups.adopt_shared([n for n in hung if nodes.get(n.key) is n and n.host_page != NO_PAGE])
+            # (a node object made room for one list may be hung again for a later one: once, by what it holds now)
+            self.groups.adopt_shared([n for n in dict.fromkeys(hung) if nodes.get(n.key) is n and n.host_page != NO_PAGE])
         return out
 
     def _hang_shared(self, rest: list[PageHash], pages: list[int], parent: PageNode | None, *, objects: bool = True) -> list[PageNode]:

@@ -227,9 +227,10 @@ class HostIndex:
         self.miss_pages_of[self.clients[client].namespace] -= len(pages)
         return pages
 
-    def find(self, client: int, keys: list[bytes], pool: int) -> list[int]:
+    def find(self, client: int, keys: list[bytes], pool: int, *, again: bool = False) -> list[int]:
         """Each of ``keys`` published in the client's namespace in pool ``pool``: its page, now held for the client,
-        or -1 (absent, of another pool, or held by the client already)."""
+        or -1 (absent, of another pool, or held by the client already). ``again``: the same find's misses asked once
+        more (what an L3 load brought in since): not counted as another find."""
         c = self.clients[client]
         lo, hi = pool * self.num_pages, (pool + 1) * self.num_pages
         out, found = [], {}
@@ -245,18 +246,20 @@ class HostIndex:
                 found[page] = None
         self._hold(client, c, list(found))
         c.hit_pages += len(found)
-        self.finds += 1
+        self.finds += not again
         self.found_objects += len(found)
         return out
 
     def _run(self, client: int, keys: list[bytes]) -> list[int]:
         c = self.clients[client]
-        pages = []
+        pages: list[int] = []
+        seen: set[int] = set()
         n = self.num_pages
         for key in keys:
             page = self._page_of.get((c.namespace, key))
-            if page is None or page >= n or page in c.held:  # (a run is of pages: pool 0)
+            if page is None or page >= n or page in c.held or page in seen:  # (a run is of pages, of pool 0, each once)
                 break
+            seen.add(page)
             if self.watcher is not None and not self.watcher.offered(page):
                 self._drop(page)
                 break

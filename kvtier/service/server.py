@@ -411,7 +411,7 @@ class NodeService:
                     for i, op, _load in deferred.waits:
                         if type(op) is Find:  # (each key it missed, found again: what the load brought is held now)
                             missed = [j for j, p in enumerate(results[i]) if p < 0]
-                            for j, p in zip(missed, self.index.find(conn.id, [op.keys[j] for j in missed], op.pool)):
+                            for j, p in zip(missed, self.index.find(conn.id, [op.keys[j] for j in missed], op.pool, again=True)):
                                 results[i][j] = p
                         else:
                             results[i] = results[i] + self.index.extend(conn.id, op.keys[len(results[i]):])

@@ -275,7 +275,7 @@ class ServiceStorage:
     def load_objects(self, namespace: str, pool: int, keys: list[bytes]) -> Load | None:
         """The load of object pool ``pool``'s ``keys`` (a find's misses in the region), each on its own: started now,
         or None when there is nothing to fetch (every key in the region or on its way, the store down)."""
-        keys = [k for k in keys if not self.index.has(namespace, k) and (namespace, k) not in self._fetching]
+        keys = [k for k in dict.fromkeys(keys) if not self.index.has(namespace, k) and (namespace, k) not in self._fetching]
         if not keys:
             return None
         first = (namespace, keys[0])
@@ -414,11 +414,13 @@ class ServiceStorage:
         """Reserve pages for the found run (up to the first key in the region or on its way) and read
         them in; False when nothing is fetched."""
         self.counters.found_pages += found
-        keys = []
+        keys: list[bytes] = []
+        seen: set[bytes] = set()
         for key in load.keys[:found]:
-            if self.index.has(load.namespace, key) or (load.namespace, key) in self._fetching:
-                break
+            if self.index.has(load.namespace, key) or (load.namespace, key) in self._fetching or key in seen:
+                break  # (a key asked twice -- a client's repeat, never a chain's -- ends the run: each page is read once)
             keys.append(key)
+            seen.add(key)
         if not keys:
             return False
         cid = self._client(load.namespace)
@@ -446,7 +448,7 @@ class ServiceStorage:
 
     def _fetch_objects(self, load: Load, present: list[bytes]) -> bool:
         """Reserve object pool pages for the keys the store holds (not in the region, nor on their way) and read them in."""
-        keys = [k for k in present if not self.index.has(load.namespace, k) and (load.namespace, k) not in self._fetching]
+        keys = [k for k in dict.fromkeys(present) if not self.index.has(load.namespace, k) and (load.namespace, k) not in self._fetching]
         self.counters.found_pages += len(keys)
         if not keys:
             return False
@@ -474,7 +476,7 @@ class ServiceStorage:
         self.index.publish(cid, pages[:n], job.keys[:n])
         self.index.release(cid, pages)
         for key in job.keys:
-            del self._fetching[(load.namespace, key)]
+            self._fetching.pop((load.namespace, key), None)
         self.counters.fetched_pages += n
         self.counters.fetch_failed_pages += len(job.keys) - n
         return self._end(load)

@@ -158,6 +158,9 @@ class _RequestState:
     finish_steps: int = 0
     #: a hybrid model: each other group's block list (vLLM's null block 0 where it dropped one)
     group_blocks: dict[str, list[int]] = field(default_factory=dict)
+    #: tokens vLLM had computed when it last allocated this request's blocks -- and freed the window (and state) blocks it
+    #: no longer needs, handing them to other requests without a word in the scheduler output (:meth:`_live_group_ids`)
+    processed: int = 0
     #: a hybrid model's asynchronous load still running into this request's blocks
     async_op: int | None = None
     #: the steps' batches the node service was asked about this request in (:meth:`ConnectorScheduler._ask_service`)
@@ -388,6 +391,24 @@ class ConnectorScheduler:
             out[name] = [b or None for b in ids] + [None] * (pages - len(ids))
         return out
 
+    def _live_group_ids(self, state: _RequestState, pages: int) -> dict[str, list[int | None]]:
+        """:meth:`_group_ids` less the blocks vLLM may have freed (and given to another request) since they were written:
+        a window group's below the window of the tokens it had computed when it last allocated (its
+        ``remove_skipped_blocks``: ``processed - window`` tokens skipped), a state group's before the last two pages'
+        (its align mode frees the state block of two steps back). A copy out reads a block only while it holds its page."""
+        out = self._group_ids(state, pages)
+        bs = self.block_size
+        for g in self._others:
+            if g.kind == "sliding_window":
+                cut = max(0, state.processed - g.window) // bs
+            elif g.kind == "state":
+                cut = max(0, -(-state.processed // bs) - 1)
+            else:
+                continue
+            ids = out[g.name]
+            ids[: min(cut, len(ids))] = [None] * min(cut, len(ids))
+        return out
+
     def _plan_async_load(self, state: _RequestState) -> None:
         """A hybrid model's load, whole or nothing: what every group reads at the offered boundary, into
         the request's blocks; every worker reports the request when it is done, or failed."""
@@ -413,6 +434,7 @@ class ConnectorScheduler:
             if state is None:
                 continue
             self._set_blocks(state, new.block_ids)
+            state.processed = new.num_computed_tokens
             self._plan(state, new.num_computed_tokens + scheduled.get(new.req_id, 0))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -428,6 +450,7 @@ class ConnectorScheduler:
                 state.block_ids.extend(new_blocks[self._full_index])
                 for g in self._others:
                     state.group_blocks[g.name].extend(new_blocks[g.index])
+            state.processed = cached.num_computed_tokens[i]
             self._plan(state, cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
         for req_id, state in list(self._finishing.items()):
             self._offload(state)
@@ -535,7 +558,7 @@ class ConnectorScheduler:
         full, core = state.full, self.core
         if full > state.saved:
             self._extend_keys(state, full)
-            groups = self._group_ids(state, full) if self.groups else None
+            groups = self._live_group_ids(state, full) if self.groups else None
             result = core.offload(state.keys[:full], state.block_ids[:full], wait=False, groups=groups)
             have, end = result.already_held, result.already_held + result.saved
             # (the copy of the new pages, and of objects beside pages kvtier held without them: vLLM may free a
@@ -585,6 +608,7 @@ class ConnectorScheduler:
         if state is None:
             return False, None
         params = {"kvtier": asdict(state.hit)} if state.hit is not None else None
+        state.processed = request.num_computed_tokens  # (vLLM frees the blocks out of the window before it hands the table over)
         if state.async_op is not None and self.core is not None and self.core.in_flight(state.async_op):
             # aborted while its load runs into its blocks: vLLM frees them when the workers report the load ended
             return True, params
