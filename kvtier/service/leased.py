@@ -335,7 +335,7 @@ class LeasedPages(PageAllocator):
                 # an engine that holds none would otherwise never give one back, and never ask again)
                 self._room = None
                 for lease in self._objects.values():
-                    lease._room = None
+                    lease.room_unknown()
                 return
             if self._standby is not None and self._standby.hung_up():
                 self._standby.close()
@@ -481,6 +481,10 @@ class ObjectLease(PageAllocator):
     @property
     def lost(self) -> bool:
         return self.parent.lost
+
+    def room_unknown(self) -> None:
+        """Forget how much room the service last said its pool had (asked again at the next allocation)."""
+        self._room = None
 
     def _base(self) -> int:
         return self.pool * self.num_pages
