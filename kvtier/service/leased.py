@@ -62,7 +62,146 @@ log = logging.getLogger(__name__)
 Connect = Callable[[str | None], ServiceClient]
 
 
-class LeasedPages(PageAllocator):
+class _PoolLease(PageAllocator):
+    """One pool of the node service's region leased to this engine -- its pages (:class:`LeasedPages`, pool 0) or one
+    of its object pools (:class:`ObjectLease`) -- over an attachment (``_attachment``: the :class:`LeasedPages` whose
+    client, lock and lost state every pool of the region shares). Ids are the pool's own, ``0`` to ``num_pages - 1``;
+    on the wire they are region-wide, ``pool * num_pages`` on. The books (ownership bytes, holds for plans that timed
+    out) are :class:`PageAllocator`'s; ``alloc`` reserves ids to write, ``free`` releases them; ``find`` asks for what
+    other engines published under keys, ``adopt`` books it, ``let_go`` gives back what the core takes no place for,
+    and ``publish`` makes finished copies visible. A failure loses the attachment; no exception reaches the engine."""
+
+    #: which of the region's pools (0: its pages)
+    pool_id = 0
+    _attachment: LeasedPages
+
+    def _base(self) -> int:
+        return self.pool_id * self.num_pages
+
+    @property
+    def capacity(self) -> int:
+        return self._attachment.share
+
+    @property
+    def num_used(self) -> int:
+        return self._used
+
+    @property
+    def num_free(self) -> int:
+        at = self._attachment
+        if at.lost:
+            return 0
+        free = at.share - self._used
+        return free if self._room is None else min(free, self._room)
+
+    def alloc(self, n: int) -> Allocation:
+        """``n`` ids reserved for writing, or none: this engine's share is used up, or the service has
+        fewer to give (its pages are all held), or it is lost; then :attr:`num_free` says how many it had."""
+        if n < 0:
+            raise ValueError(f"{self.name}: cannot allocate {n} pages")
+        at = self._attachment
+        with at._lock:
+            if at.lost:
+                at._try_reattach()
+            free_before = self.num_free
+            if n > free_before:
+                return Allocation([], n, free_before)
+            if n == 0:
+                return Allocation([], 0, free_before)
+            base = self._base()
+            try:
+                pages = self._not_held([p - base for p in at.client.reserve(n, self.pool_id)], "reservation")
+            except ServiceError as e:
+                at._lose(e)
+                return Allocation([], n, 0)
+            if len(pages) < n:
+                if pages:
+                    at._tell(at.client.release, [base + p for p in pages])
+                self._room = len(pages)
+                return Allocation([], n, free_before)
+            self._book(pages)
+            return Allocation(pages, n, free_before)
+
+    def free(self, pages: list[int]) -> None:
+        with self._attachment._lock:
+            super().free(pages)  # checks them (a DoubleFreeError frees nothing); parks those a timed-out plan holds
+            self._give_back()
+
+    def hold(self, pages) -> None:
+        with self._attachment._lock:
+            super().hold(pages)
+
+    def release_hold(self, pages) -> None:
+        with self._attachment._lock:
+            super().release_hold(pages)
+            self._give_back()
+
+    def _give_back(self) -> None:
+        back, self._free = self._free, []
+        if back:
+            self._used -= len(back)
+            self._room = None  # the service may have room again
+            at = self._attachment
+            if not at.lost:
+                base = self._base()
+                at._tell(at.client.release, [base + p for p in back])
+
+    def _not_held(self, pages: list[int], what: str) -> list[int]:
+        """``pages`` (checked by the client: distinct, in the pool) are none of this engine's already; one it
+        holds given again would be booked twice (a :class:`~kvtier.errors.ServiceProtocolError`: the service is lost)."""
+        owned = self._owned
+        again = [p for p in pages if owned[p]]
+        if again:
+            raise ServiceProtocolError(f"the node service's {what} gave pages this engine holds already: {again[:8]}")
+        return pages
+
+    def _book(self, pages: list[int]) -> None:
+        owned = self._owned
+        for p in pages:
+            owned[p] = 1
+        self._used += len(pages)
+
+    def find(self, keys: list[bytes]) -> list[int | None]:
+        """Each of ``keys``' page in this pool, held for this engine until :meth:`adopt` or :meth:`let_go` (None: the
+        service has none, or the tier is lost): a hybrid model's objects, under their group's keys."""
+        at = self._attachment
+        with at._lock:
+            if at.lost or not keys:
+                return [None] * len(keys)
+            base = self._base()
+            try:
+                found = at.client.find(keys, self.pool_id)
+                self._not_held([p - base for p in found if p >= 0], "find")
+            except ServiceError as e:
+                at._lose(e)
+                return [None] * len(keys)
+            return [None if p < 0 else p - base for p in found]
+
+    def let_go(self, pages: list[int]) -> None:
+        """Ids a lookup or find gave that the core does not take (what it found no place for)."""
+        at = self._attachment
+        with at._lock:
+            if pages and not at.lost:
+                base = self._base()
+                at._tell(at.client.release, [base + p for p in pages])
+
+    def adopt(self, pages: list[int]) -> int:
+        """Book as many of ``pages`` (a lookup's or a find's) as this engine's share has room for; the rest go back."""
+        with self._attachment._lock:
+            n = max(0, min(len(pages), self._attachment.share - self._used))
+            self._book(pages[:n])
+            self.let_go(pages[n:])
+            return n
+
+    def publish(self, keys: list[bytes], pages: list[int]) -> None:
+        at = self._attachment
+        with at._lock:
+            if not at.lost:
+                base = self._base()
+                at._tell(at.client.publish, [base + p for p in pages], keys)
+
+
+class LeasedPages(_PoolLease):
     """The engine's pages of the service at ``socket_path``: ``client`` is attached already, or None (the
     service was not there at start: the tier starts lost). ``connect(previous)`` attaches anew, naming
     ``previous`` as quiesced (None: no session to name; default: the client's
@@ -75,6 +214,7 @@ class LeasedPages(PageAllocator):
         if client is None and connect is None:
             raise ValueError("LeasedPages: give a client, or how to connect one")
         self.name = "node service region"
+        self._attachment = self  # (the attachment every pool of the region shares: pool 0, its pages)
         self.reserve_padding_page = False
         self._held, self.parked = set(), set()
         self._free = []  # (page ids are the service's: none are free here)
@@ -137,84 +277,6 @@ class LeasedPages(PageAllocator):
                         "%d pages of prompts on host; give kvtier serve a larger --host-gb, or this engine a smaller host_gb / host_pages",
                         self.socket_path, num_pages, share, num_pages)
 
-    @property
-    def capacity(self) -> int:
-        return self.share
-
-    @property
-    def num_used(self) -> int:
-        return self._used
-
-    @property
-    def num_free(self) -> int:
-        if self.lost:
-            return 0
-        free = self.share - self._used
-        return free if self._room is None else min(free, self._room)
-
-    def alloc(self, n: int) -> Allocation:
-        """``n`` pages reserved for writing, or none: this engine's share is used up, or the service has
-        fewer to give (its pages are all held), or it is lost; then :attr:`num_free` says how many it had."""
-        if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} pages")
-        with self._lock:
-            if self.lost:
-                self._try_reattach()
-            free_before = self.num_free
-            if n > free_before:
-                return Allocation([], n, free_before)
-            if n == 0:
-                return Allocation([], 0, free_before)
-            try:
-                pages = self._not_held(self.client.reserve(n), "reservation")
-            except ServiceError as e:
-                self._lose(e)
-                return Allocation([], n, 0)
-            if len(pages) < n:
-                if pages:
-                    self._tell(self.client.release, pages)
-                self._room = len(pages)
-                return Allocation([], n, free_before)
-            self._book(pages)
-            return Allocation(pages, n, free_before)
-
-    def free(self, pages: list[int]) -> None:
-        with self._lock:
-            super().free(pages)  # checks them (a DoubleFreeError frees nothing); parks those a timed-out plan holds
-            self._give_back()
-
-    def hold(self, pages) -> None:
-        with self._lock:
-            super().hold(pages)
-
-    def release_hold(self, pages) -> None:
-        with self._lock:
-            super().release_hold(pages)
-            self._give_back()
-
-    def _give_back(self) -> None:
-        back, self._free = self._free, []
-        if back:
-            self._used -= len(back)
-            self._room = None  # the service may have room again
-            if not self.lost:
-                self._tell(self.client.release, back)
-
-    def _not_held(self, pages: list[int], what: str) -> list[int]:
-        """``pages`` (checked by the client: distinct, in the region) are none of this engine's already; a page it
-        holds given again would be booked twice (a :class:`~kvtier.errors.ServiceProtocolError`: the service is lost)."""
-        owned = self._owned
-        again = [p for p in pages if owned[p]]
-        if again:
-            raise ServiceProtocolError(f"the node service's {what} gave pages this engine holds already: {again[:8]}")
-        return pages
-
-    def _book(self, pages: list[int]) -> None:
-        owned = self._owned
-        for p in pages:
-            owned[p] = 1
-        self._used += len(pages)
-
     # ---- the shared host index (kvtier.core.shared_host.SharedHost) ---------------------------------
     def lookup(self, keys: list[bytes]) -> list[int]:
         with self._lock:
@@ -239,40 +301,6 @@ class LeasedPages(PageAllocator):
             except ServiceError as e:
                 self._lose(e)
                 return [[] for _ in runs]
-
-    def find(self, keys: list[bytes]) -> list[int | None]:
-        """Each of ``keys``' page in the region's own pool, held for this engine until :meth:`adopt` or :meth:`let_go`
-        (None: the service has none, or the tier is lost): a hybrid model's window pages that share the pages' pool,
-        under their group's keys (:meth:`ObjectLease.find` for a pool of their own)."""
-        with self._lock:
-            if self.lost or not keys:
-                return [None] * len(keys)
-            try:
-                found = self.client.find(keys, 0)
-                self._not_held([p for p in found if p >= 0], "find")
-            except ServiceError as e:
-                self._lose(e)
-                return [None] * len(keys)
-            return [None if p < 0 else p for p in found]
-
-    def let_go(self, pages: list[int]) -> None:
-        """Pages a lookup gave that the core does not take (what it found no place for)."""
-        with self._lock:
-            if pages and not self.lost:
-                self._tell(self.client.release, pages)
-
-    def adopt(self, pages: list[int]) -> int:
-        with self._lock:
-            n = min(len(pages), self.share - self._used)
-            self._book(pages[:n])
-            if n < len(pages) and not self.lost:
-                self._tell(self.client.release, pages[n:])
-            return n
-
-    def publish(self, keys: list[bytes], pages: list[int]) -> None:
-        with self._lock:
-            if not self.lost:
-                self._tell(self.client.publish, pages, keys)
 
     def set_pool(self, build: Callable[[torch.Tensor, int], HostPool],
                  objects: dict[int, Callable[[torch.Tensor, int], HostPool]] | None = None) -> HostPool:
@@ -437,19 +465,18 @@ def _span(part: tuple[int, int]) -> tuple[int, int]:
     return start, start + size
 
 
-class ObjectLease(PageAllocator):
+class ObjectLease(_PoolLease):
     """A hybrid model's group objects on the node service: object pool ``pool`` of the region (one object per region page,
     :meth:`RegionFormat.with_objects <kvtier.service.region.RegionFormat.with_objects>`) as that group's host allocator,
     over the attachment of ``parent`` (its client, lock, and lost state: the pages and their objects are lost together).
 
     Its ids are the pool's own, ``0`` to ``num_pages - 1`` (the group's host pool over that part of the region); on the wire
-    they are region-wide, ``pool * num_pages`` on. As :class:`LeasedPages`: ``alloc`` reserves objects to write, ``free``
-    releases them; ``find`` asks for the objects other engines published under keys, ``adopt`` books them, ``let_go``
-    gives back those the core takes no place for, and ``publish`` makes finished copies visible. No exception reaches the
-    engine: a failure loses the whole attachment (:meth:`LeasedPages._lose`)."""
+    they are region-wide, ``pool * num_pages`` on. Its calls are :class:`_PoolLease`'s, as the pages' are. No exception
+    reaches the engine: a failure loses the whole attachment (:meth:`LeasedPages._lose`)."""
 
     def __init__(self, parent: LeasedPages, pool: int, name: str):
-        self.parent, self.pool = parent, pool
+        self.parent, self.pool_id = parent, pool
+        self._attachment = parent
         self.name = f"node service region, KV group {name!r}"
         self.reserve_padding_page = False
         self._held, self.parked = set(), set()
@@ -464,133 +491,9 @@ class ObjectLease(PageAllocator):
         self._room: int | None = None
 
     @property
-    def capacity(self) -> int:
-        return self.parent.share
-
-    @property
-    def num_used(self) -> int:
-        return self._used
-
-    @property
-    def num_free(self) -> int:
-        if self.parent.lost:
-            return 0
-        free = self.parent.share - self._used
-        return free if self._room is None else min(free, self._room)
-
-    @property
     def lost(self) -> bool:
         return self.parent.lost
 
     def room_unknown(self) -> None:
         """Forget how much room the service last said its pool had (asked again at the next allocation)."""
         self._room = None
-
-    def _base(self) -> int:
-        return self.pool * self.num_pages
-
-    def alloc(self, n: int) -> Allocation:
-        if n < 0:
-            raise ValueError(f"{self.name}: cannot allocate {n} objects")
-        parent = self.parent
-        with parent._lock:
-            if parent.lost:
-                parent._try_reattach()
-            free_before = self.num_free
-            if n > free_before or n == 0:
-                return Allocation([], n, free_before)
-            try:
-                got = parent.client.reserve(n, self.pool)
-            except ServiceError as e:
-                parent._lose(e)
-                return Allocation([], n, 0)
-            pages = self._local(got, "reservation")
-            if pages is None:
-                return Allocation([], n, 0)
-            if len(pages) < n:
-                if pages:
-                    parent._tell(parent.client.release, got)
-                self._room = len(pages)
-                return Allocation([], n, free_before)
-            self._book(pages)
-            return Allocation(pages, n, free_before)
-
-    def _local(self, pages: list[int], what: str) -> list[int] | None:
-        """The pool's ids of region-wide ``pages`` (checked by the client to be of this pool), none held already; a
-        page held already loses the attachment (None)."""
-        base, owned = self._base(), self._owned
-        local = [p - base for p in pages]
-        again = [p for p in local if owned[p]]
-        if again:
-            self.parent._lose(ServiceProtocolError(f"the node service's {what} gave {self.name} objects this engine holds already: "
-                                                   f"{again[:8]}"))
-            return None
-        return local
-
-    def _book(self, pages: list[int]) -> None:
-        owned = self._owned
-        for p in pages:
-            owned[p] = 1
-        self._used += len(pages)
-
-    def free(self, pages: list[int]) -> None:
-        with self.parent._lock:
-            super().free(pages)
-            self._give_back()
-
-    def hold(self, pages) -> None:
-        with self.parent._lock:
-            super().hold(pages)
-
-    def release_hold(self, pages) -> None:
-        with self.parent._lock:
-            super().release_hold(pages)
-            self._give_back()
-
-    def _give_back(self) -> None:
-        back, self._free = self._free, []
-        if back:
-            self._used -= len(back)
-            self._room = None
-            if not self.parent.lost:
-                base = self._base()
-                self.parent._tell(self.parent.client.release, [base + p for p in back])
-
-    # ---- objects other engines published ----------------------------------------------------------
-    def find(self, keys: list[bytes]) -> list[int | None]:
-        """Each of ``keys``' object in this pool, held for this engine until :meth:`adopt` or :meth:`let_go` (None:
-        the service has none, or the tier is lost)."""
-        parent = self.parent
-        with parent._lock:
-            if parent.lost or not keys:
-                return [None] * len(keys)
-            try:
-                found = parent.client.find(keys, self.pool)
-            except ServiceError as e:
-                parent._lose(e)
-                return [None] * len(keys)
-            local = self._local([p for p in found if p >= 0], "find")
-            if local is None:
-                return [None] * len(keys)
-            base = self._base()
-            return [None if p < 0 else p - base for p in found]
-
-    def adopt(self, pages: list[int]) -> int:
-        """Book as many of ``pages`` (a :meth:`find`'s) as this engine's share has room for; the rest go back."""
-        with self.parent._lock:
-            n = max(0, min(len(pages), self.parent.share - self._used))
-            self._book(pages[:n])
-            self.let_go(pages[n:])
-            return n
-
-    def let_go(self, pages: list[int]) -> None:
-        with self.parent._lock:
-            if pages and not self.parent.lost:
-                base = self._base()
-                self.parent._tell(self.parent.client.release, [base + p for p in pages])
-
-    def publish(self, keys: list[bytes], pages: list[int]) -> None:
-        with self.parent._lock:
-            if pages and not self.parent.lost:
-                base = self._base()
-                self.parent._tell(self.parent.client.publish, [base + p for p in pages], keys)
