@@ -30,7 +30,7 @@ from kvtier.pools.host import HostPool
 from kvtier.service.client import check_found
 from kvtier.service.index import HostIndex
 from kvtier.service.records import _page_spans
-from kvtier.service.region import ObjectPool, Region, RegionFormat, map_region
+from kvtier.service.region import ObjectPool, Region, RegionFormat, RowObject, map_region
 from support.cli import SMALL, kvtier
 from support.service import query_status_of, remove_regions, running_service, start_service, stop, store_files, wait_until
 
@@ -98,6 +98,42 @@ def test_a_hellos_object_pools_that_are_not_its_formats_are_refused_typed(change
 def test_object_pools_go_beside_a_page_of_one_spec_only():
     with pytest.raises(ServiceError, match="one kvtier spec"):
         RegionFormat.of_shards(FULL_SPEC, "page_first", 2).with_objects(POOLS)
+
+
+def _rows_format() -> RegionFormat:
+    """SGLang's region page: its KV pool's row, and its SWA and Mamba pools (page ids of their own) as object pools of rows."""
+    rows = RegionFormat.of_rows([RowObject("0123456789abcdef", 4)], [256])
+    return rows.with_objects([ObjectPool.of_row("swa", RowObject("fedcba9876543210", 4), 128),
+                              ObjectPool.of_row("mamba", RowObject("00112233445566ff", 1), 1000)])
+
+
+def test_an_engines_own_pools_are_object_pools_of_rows_round_tripped_on_the_wire_and_bound_by_the_fingerprint():
+    fmt = _rows_format()
+    back = RegionFormat.from_wire(json.loads(json.dumps(fmt.as_wire())))
+    assert back == fmt and back.rows == fmt.rows and back.objects == fmt.objects
+    assert fmt.parts() == [(1, (256,)), (1, (128,)), (1, (1000,))] and fmt.page_bytes == 256 + 128 + 1000
+    assert fmt.fingerprint != RegionFormat.of_rows([RowObject("0123456789abcdef", 4)], [256]).fingerprint
+    # a page's key and its window page's differ (indexed apart), each bound to the pool's name
+    assert len({fmt.key_of(0, "h"), fmt.key_of(1, "h"), fmt.key_of(2, "h")}) == 3
+    with pytest.raises(ServiceError, match="pools of rows"):  # rows beside a spec, specs beside rows
+        RegionFormat.of(FULL_SPEC, "page_first").with_objects(fmt.objects[:1])
+    with pytest.raises(ServiceError, match="pools of rows"):
+        RegionFormat.of_rows([RowObject("0123456789abcdef", 4)], [256]).with_objects(POOLS)
+
+
+@pytest.mark.parametrize("change", [
+    lambda w: w["object_pools"][0].__setitem__(2, 64),  # another row's bytes
+    lambda w: w["object_pools"][0].__setitem__(1, ["fedcba9876543211", 4]),  # another row's fingerprint
+    lambda w: w["object_pools"][1].__setitem__(1, ["00112233445566ff", 2]),  # another page size
+    lambda w: w["object_pools"][0].pop(),  # a spec pool's shape beside rows
+    lambda w: w["row_objects"].__setitem__(0, ["0123456789abcdee", 4]),  # the page's own rows changed
+    lambda w: w["object_pools"][0].__setitem__(2, True),
+])
+def test_a_hellos_object_pools_of_rows_that_are_not_its_formats_are_refused_typed(change):
+    wire = json.loads(json.dumps(_rows_format().as_wire()))
+    change(wire)
+    with pytest.raises(ServiceProtocolError, match="not the format's|not 1 to"):
+        RegionFormat.from_wire(wire)
 
 
 # ---- the index's pools ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 
 from support.service import query_status_of, running_service, start_service, stop, wait_until
 from support.sglang_helpers import (
+    PoolHitPolicy,
     PoolName,
     PoolTransfer,
     StorageBackendFactory,
@@ -156,12 +157,95 @@ def test_bad_service_options_are_config_errors_naming_the_fix(tmp_path):
         StorageBackendFactory.create_backend("dynamic", cfg, mha_pool())
 
 
+def test_swa_window_pages_are_an_object_pool_shared_bit_exact_and_a_prefix_hits_only_with_its_window(service):
+    """SGLang's SWA host pool has page ids of its own: its pages are the region's object pool ``swa``, each under its
+    page hash's key in that pool. A second server sees a prefix restorable only where its trailing window pages are
+    in the service (SGLang's trailing-pages policy, as with an L3 store), and reads them back bit-exact."""
+    kv, swa = mha_pool(), mha_pool(heads=1)
+    fill(kv, seed=18)
+    fill(swa, seed=19)
+    keys = page_keys(list(range(24)), P)
+    idx = kv.alloc(24)
+    widx = swa.alloc(24)
+    writer = attach(service_config(service.socket), kv, (PoolName.SWA, swa))
+    assert writer.batch_set_v1(keys, idx) == [True] * 6
+    # the window's pages only for pages 1..3: windows of two end at page 3 (prefix 3) or page 4 (prefix 4)
+    assert writer.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=widx[P: 4 * P], keys=keys[1:4])]) == {"swa": [True] * 3}
+    status = query_status_of(service.socket)()
+    assert status["object_pools"] == ["swa"] and status["published_pages"] == 6 + 3 and status["held"] == 0
+    kv2, swa2 = mha_pool(), mha_pool(heads=1)
+    reader = attach(service_config(service.socket), kv2, (PoolName.SWA, swa2))
+    window = PoolTransfer(name=PoolName.SWA, keys=keys[:2], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    hit = reader.batch_exists_v2(keys, [window])
+    assert hit.restorable_prefix_pages == [3, 4] and hit.kv_hit_pages == 4 and hit.extra_pool_hit_pages["swa"] == 4
+    swa2.alloc(8)  # other slots than the writer's
+    into = swa2.alloc(2 * P)
+    got = reader.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=into, keys=keys[2:4])])
+    assert got == {"swa": [True, True]} and same_pages(swa, widx[2 * P: 4 * P], swa2, into)
+    # a window page the service does not have ends the read there; nothing is written into its slot
+    more = swa2.alloc(2 * P)
+    assert reader.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=more, keys=[keys[3], keys[4]])]) == {"swa": [True, False]}
+    assert not swa2.get_data_page(more[P].item()).any()
+    # a second backup writes nothing: the service has every page asked
+    assert writer.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=widx[P: 4 * P], keys=keys[1:4])]) == {"swa": [True] * 3}
+    assert writer.get_stats().pages_already_stored >= 3 and query_status_of(service.socket)()["published_pages"] == 9
+    assert query_status_of(service.socket)()["held"] == 0
+
+
+def test_mamba_state_pages_are_an_object_pool_read_back_bit_exact_into_the_requests_slot(service):
+    """SGLang's Mamba host pool (its pages are copies: kvtier copies them in and out whole) on the service: a state saved
+    by one server comes back bit-exact into another's slot, and nothing else of that pool is written."""
+    kv_src, mamba_src = mha_pool(), _mamba_pool(seed=41)
+    fill(kv_src, seed=40)
+    keys = page_keys(list(range(12)), P)
+    writer = attach(service_config(service.socket), kv_src, (PoolName.MAMBA, mamba_src))
+    assert writer.batch_set_v1(keys, kv_src.alloc(12)) == [True] * 3
+    slots = torch.tensor([3, 7, 11])
+    assert writer.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=keys)]) == {"mamba": [True] * 3}
+    mamba_dst = _mamba_pool()
+    reader = attach(service_config(service.socket), mha_pool(), (PoolName.MAMBA, mamba_dst))
+    last = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+    assert reader.batch_exists_v2(keys, [last]).restorable_prefix_pages == [1, 2, 3]
+    into = torch.tensor([0, 5, 16])
+    assert reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=into, keys=keys)]) == {"mamba": [True] * 3}
+    for s, d in zip(slots.tolist(), into.tolist()):
+        assert torch.equal(mamba_dst.get_data_page(d), mamba_src.get_data_page(s)), f"state slot {s} -> {d} differs"
+    assert all(not mamba_dst.get_data_page(i).any() for i in range(mamba_dst.size) if i not in into.tolist())
+    status = query_status_of(service.socket)()
+    assert status["object_pools"] == ["mamba"] and (status["held"], status["writing"]) == (0, 0)
+
+
+def test_an_object_pools_name_that_is_not_its_keys_is_a_protocol_error(service):
+    """An object pool's key is its name's group key: a publish or find naming another object than its key is refused
+    (the connection), before anything is indexed."""
+    from kvtier.errors import ServiceError
+    from kvtier.hashing import name_key
+
+    swa = mha_pool(heads=1)
+    backend = attach(service_config(service.socket), mha_pool(), (PoolName.SWA, swa))
+    pages = backend._service()
+    client = pages._session().client
+    fmt = pages.format
+    got = client.reserve(1, 1)
+    with pytest.raises(ServiceError, match="is not the one its key"):
+        client.publish_and_release(got, [name_key("a")], ["a"])  # (the page's key, not the object pool's)
+        client.lookup([name_key("a")])  # (a publish is not answered: the refusal comes with the next call)
+    client = pages._session().client
+    with pytest.raises(ServiceError, match="is not the one its key"):
+        client.find([fmt.key_of(1, "a")], 1, ["b"])
+    assert query_status_of(service.socket)()["published_pages"] == 0
+
+
 def test_a_pool_the_service_cannot_hold_is_refused_at_registration(service):
-    """A Mamba state pool has pages of its own (not on the KV pool's page ids): a ConfigError when it registers."""
-    backend = StorageBackendFactory.create_backend("dynamic", service_config(service.socket), mha_pool())
-    backend.register_mem_pool_host(mha_pool())
-    with pytest.raises(ConfigError, match="mamba.*L3 store"):
+    """Mamba state is each rank's own beside MLA KV every rank shares: one region per node holds one copy of a page's
+    pools, so at TP=2 that is a ConfigError when the pool registers; so is any pool registered after the region page was fixed."""
+    backend = StorageBackendFactory.create_backend("dynamic", service_config(service.socket, tp_rank=1, tp_size=2, mla=True), mla_pool())
+    backend.register_mem_pool_host(mla_pool())
+    with pytest.raises(ConfigError, match="mamba.*rank 1's own.*L3 store"):
         backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+    late = attach(service_config(service.socket), mha_pool())
+    with pytest.raises(ConfigError, match="registered after"):
+        late.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
 
 
 def test_partial_pages_are_refused_before_anything_reaches_the_service(service):

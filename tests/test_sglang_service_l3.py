@@ -201,3 +201,76 @@ def test_an_engine_whose_rows_are_framed_otherwise_than_the_regions_is_refused(t
         first.close()
     finally:
         assert stop(svc.proc) == 0
+
+
+def _own_pool_stack(kind: str) -> tuple:
+    """A server's KV pool and its pool with page ids of its own (SGLang's SWA host pool, or its Mamba state pool whose
+    pages are copies), filled; the pool's name, its slots for ``KEYS`` (a window page per KV page, or a state per page)."""
+    from support.sglang_helpers import _mamba_pool
+
+    kv = mha_pool()
+    fill(kv, seed=30)
+    kv.idx = kv.alloc(len(TOKENS))  # (the KV pages' slots, the same in every backup)
+    if kind == "swa":
+        own = mha_pool(heads=1)
+        fill(own, seed=31)
+        return kv, PoolName.SWA, own, own.alloc(len(TOKENS))[::P].tolist()
+    return kv, PoolName.MAMBA, _mamba_pool(seed=32), list(range(1, 1 + PAGES))
+
+
+def _write_pools(backend, kv, name, slots) -> dict:
+    from support.sglang_helpers import PoolTransfer
+
+    assert backend.batch_set_v1(KEYS, kv.idx) == [True] * PAGES
+    pages = backend._pool(name).pages
+    return backend.batch_set_v2([PoolTransfer(name=name, host_indices=pages_slots(pages, slots), keys=KEYS)])
+
+
+def pages_slots(pages, slots):
+    """Host indices of pool pages ``slots`` (first slots of each page, as SGLang passes them): a page's token slots."""
+    import torch
+
+    first = torch.as_tensor([int(s) for s in slots], dtype=torch.int64)
+    return (first[:, None] + torch.arange(pages.page_size)).flatten()
+
+
+@pytest.mark.parametrize("kind", ["swa", "mamba"])
+def test_a_pool_with_page_ids_of_its_own_is_saved_and_found_as_sglangs_own_l3_objects(tmp_path, kind):
+    """SGLang's SWA and Mamba host pools on a service with file L3: the service saves their pages (the region's object
+    pool) as exactly the files the backend's own L3 writes (the pool's namespace, its page hash, header and bytes), and a
+    service over what the backend's own L3 saved brings a window page / state into its object pool when a server asks
+    for it: bit-exact into the server's slot."""
+    from support.sglang_helpers import PoolTransfer
+
+    sock = str(tmp_path / "run" / "node.sock")
+    via_service, own = tmp_path / "l3-service", tmp_path / "l3-own"
+    service = {"service": f"unix://{sock}", "service_lookup_timeout_s": 4.0}
+    kv, name, pool, slots = _own_pool_stack(kind)
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{via_service}", "--drain-timeout-s", "30")
+    try:
+        backend = attach(storage_config(None, **service), kv, (name, pool))
+        assert _write_pools(backend, kv, name, slots) == {str(name): [True] * PAGES}
+        backend.close()
+        status = query_status_of(sock)()
+    finally:
+        assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
+    assert status["published_pages"] == 2 * PAGES and status["l3"]["save_failed_pages"] == 0
+    backend = attach(storage_config(f"file://{own}"), kv, (name, pool))
+    _write_pools(backend, kv, name, slots)
+    backend.close()
+    written = store_files(own)
+    assert len(written) == 2 * PAGES and store_files(via_service) == written  # a KV page and a pool page per key
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{own}")  # the backend's own objects, through a service
+    try:
+        _, _, fresh, _ = _own_pool_stack(kind)
+        reader = attach(storage_config(None, **service), mha_pool(), (name, fresh))
+        into = slots[::-1]  # other slots than the writer's, for each key
+        got = reader.batch_get_v2([PoolTransfer(name=name, host_indices=pages_slots(reader._pool(name).pages, into), keys=KEYS)])
+        assert got == {str(name): [True] * PAGES}
+        for s, d in zip(slots, into):
+            assert page_bytes(pool, int(s)) == page_bytes(fresh, int(d)), (s, d)
+        status = query_status_of(sock)()
+        assert status["l3"]["fetched_pages"] == PAGES and status["l3"]["corrupt_pages"] == 0 and status["held"] == 0
+        reader.close()
+    finally:
+        assert stop(svc.proc) == 0

@@ -176,9 +176,12 @@ def next_report(proc: subprocess.Popen, timeout_s: float = 300.0) -> dict:
             return json.loads(line)
 
 
-# (stack, prompt tokens, region pages stored, pool pages read): the DSA indexer's page is in its latent page's region
-# page, written once with it; SGLang reads it in a call of its own (the KV row, then the indexer row)
-SERVICE_STACKS = [("mha", 32, PAGES, PAGES), ("dsa", 8 * 64, PAGES, 2 * PAGES)]
+# (stack, prompt tokens, region pages and objects stored, pool pages read): the DSA indexer's page is in its latent
+# page's region page, written once with it; SGLang reads it in a call of its own (the KV row, then the indexer row).
+# SGLang's SWA and Mamba pools have page ids of their own: each of their pages is an object of the region's object pool
+# of that name (every window page stored, the window's last two read back; the prompt's state snapshot)
+SERVICE_STACKS = [("mha", 32, PAGES, PAGES), ("dsa", 8 * 64, PAGES, 2 * PAGES), ("swa", 32, 2 * PAGES, PAGES + 2),
+                  ("mamba", 32, 33, 33)]
 
 
 @pytest.mark.parametrize("kind,tokens,pages,read", SERVICE_STACKS, ids=[s[0] for s in SERVICE_STACKS])

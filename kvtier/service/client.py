@@ -309,17 +309,19 @@ class ServiceClient:
         pool, whose ids are ``k * num_pages`` on)."""
         return self._checked_pages(self._reserve_split(n, pool, time.monotonic() + self.lookup_deadline_s), n, "reservation", pool)
 
-    def find(self, keys: list[bytes], pool: int) -> list[int]:
+    def find(self, keys: list[bytes], pool: int, names: list[str] | None = None) -> list[int]:
         """Each of ``keys`` the service holds in object pool ``pool``: its page (region-wide, now held for this client),
         or -1; in as many frames as ``keys`` need, within one lookup deadline. A service with an L3 tier may take up to
-        half of it to fetch from L3 what its region misses (:data:`LOOKUP_WAIT_SHARE`)."""
+        half of it to fetch from L3 what its region misses (:data:`LOOKUP_WAIT_SHARE`). ``names``: the keys' L3 object
+        names, from an engine that names its objects (:meth:`lookup`'s)."""
         deadline = time.monotonic() + self.lookup_deadline_s
         found: list[int] = []
-        for part in _spans(_wire_sizes(keys, None)):
+        for part in _spans(_wire_sizes(keys, names)):
             chunk = keys[part]
             self.lookup_round_trips += 1
             wait_s = min(max(deadline - time.monotonic(), 0.0) * LOOKUP_WAIT_SHARE, MAX_WAIT_S)
-            got = self._call([Find(keys=chunk, pool=pool, wait_s=wait_s).wire()], deadline)[0]
+            find = Find(keys=chunk, pool=pool, wait_s=wait_s, names=None if names is None else names[part])
+            got = self._call([find.wire()], deadline)[0]
             try:
                 found += check_found(got, len(chunk), self.num_pages, pool)
             except ServiceProtocolError as e:

@@ -197,15 +197,18 @@ def _object_names(v: object) -> list[str]:
     return v
 
 
-def check_object_names(names: list[str] | None, keys: list[bytes], op: str) -> None:
+def check_object_names(names: list[str] | None, keys: list[bytes], op: str,
+                       key_of: Callable[[int, str], bytes] | None = lambda _i, name: name_key(name)) -> None:
     """An op's object names, where it gives them: one per key, each the name its key is the digest of (an engine
-    names its L3 objects itself -- SGLang by its page hashes -- and its page keys are their xxh3-128 digests)."""
+    names its L3 objects itself -- SGLang by its page hashes -- and its page keys are their xxh3-128 digests;
+    ``key_of(i, name)``: the ``i``-th key's where it is not that, as in an object pool; None: the count alone, the
+    keys checked where the pools are known)."""
     if names is None:
         return
     if len(names) != len(keys):
         raise ServiceProtocolError(f"{op} names {len(keys)} keys and {len(names)} objects; give one object name per key, or none")
-    for name, key in zip(names, keys):
-        if name_key(name) != key:
+    for i, (name, key) in enumerate(zip(names, keys)) if key_of is not None else ():
+        if key_of(i, name) != key:
             raise ServiceProtocolError(f"{op}'s object name {_show(name)} is not the one its key {key.hex()} is the digest of")
 
 
@@ -284,6 +287,12 @@ class Find(Message):
     pool: int = wire(_count(MAX_POOLS - 1), 0)
     #: how long a service with an L3 tier may hold the answer back while it fetches the keys it misses (:class:`Lookup`'s)
     wait_s: float = wire(_seconds(MAX_WAIT_S), 0.0)
+    #: the keys' L3 object names, from an engine that names its objects (:class:`Lookup`'s; an object pool's key is its
+    #: name's group key: :meth:`RegionFormat.key_of <kvtier.service.region.RegionFormat.key_of>`, checked by the service)
+    names: list[str] | None = wire(OBJECT_NAMES, None)
+
+    def check(self) -> None:
+        check_object_names(self.names, self.keys, "find", None)
 
 
 @message("publish")
@@ -298,7 +307,7 @@ class Publish(Message):
     def check(self) -> None:
         if len(self.pages) != len(self.keys):
             raise ServiceProtocolError(f"publish names {len(self.pages)} pages and {len(self.keys)} keys; give one key per page")
-        check_object_names(self.names, self.keys, "publish")
+        check_object_names(self.names, self.keys, "publish", None)  # (the keys against their pools' by the service)
 
 
 @message("release")

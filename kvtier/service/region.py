@@ -42,7 +42,7 @@ import torch
 import xxhash
 
 from kvtier.errors import KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
-from kvtier.hashing import split_fingerprint
+from kvtier.hashing import PageHash, group_object_key, name_key, split_fingerprint
 from kvtier.layout import LAYOUTS
 from kvtier.pools.host import ALIGN_BYTES, region_offsets
 from kvtier.service.peer import ServiceTrust
@@ -78,16 +78,35 @@ class RowObject:
 @dataclass(frozen=True)
 class ObjectPool:
     """A pool of a hybrid model's other KV group in the region beside the pages (:meth:`RegionFormat.with_objects`):
-    one object of ``spec`` (the group's :meth:`~kvtier.groups.KVGroup.object_spec`: a window page, a state snapshot)
-    per region page, laid out after the pages as a host pool of ``spec``, and named by the group's ``name``."""
+    one object per region page, laid out after the pages, named by the group's ``name``. Either of ``spec`` (the
+    group's :meth:`~kvtier.groups.KVGroup.object_spec`: a window page, a state snapshot), laid out as a host pool of
+    it; or, beside an engine's own pools (:meth:`RegionFormat.of_rows`: SGLang's SWA and Mamba host pools), one
+    ``row_bytes`` row of a pool framed as an L3 object by ``row`` (:meth:`of_row`)."""
 
     name: str
-    spec: KVSpec
+    spec: KVSpec | None = None
+    row: RowObject | None = None
+    row_bytes: int = 0
+
+    @classmethod
+    def of_row(cls, name: str, row: RowObject, row_bytes: int) -> ObjectPool:
+        return cls(name, row=row, row_bytes=row_bytes)
+
+    def part(self) -> tuple[int, tuple[int, ...]]:
+        """(layers, buffer page bytes) of one object: a host pool's of its spec, or one row."""
+        if self.spec is None:
+            return 1, (self.row_bytes,)
+        return self.spec.num_layers, tuple(b.page_bytes for b in self.spec.buffers)
+
+    def identity(self) -> list:
+        if self.spec is None:
+            return [self.name, "row", self.row.fingerprint, self.row.page_size, self.row_bytes]
+        return [self.name, self.spec.fingerprint()]
 
 
 def objects_fingerprint(page_fingerprint: str, objects: tuple[ObjectPool, ...]) -> str:
-    """The fingerprint of a region page with object pools: the page's and every pool's name and spec, bound."""
-    return xxhash.xxh3_64_hexdigest(json.dumps(["objects", page_fingerprint, *[[o.name, o.spec.fingerprint()] for o in objects]]).encode())
+    """The fingerprint of a region page with object pools: the page's and every pool's name and spec (or row), bound."""
+    return xxhash.xxh3_64_hexdigest(json.dumps(["objects", page_fingerprint, *[o.identity() for o in objects]]).encode())
 
 
 #: the most object pools a format may name (a hybrid model's groups beside full attention)
@@ -153,13 +172,15 @@ class RegionFormat:
         return cls(rows_fingerprint([r.fingerprint for r in rows]), "page_first", 1, tuple(payload_bytes), rows=tuple(rows))
 
     def with_objects(self, objects: list[ObjectPool]) -> RegionFormat:
-        """This format (of one spec, not shards nor rows) with a pool per other KV group of a hybrid model: region
-        page ``p``'s objects of group ``g`` are object ``p`` of pool ``g`` (pools 1, 2, ...: ``objects``' order), each
-        pool laid out as a host pool of the group's object spec after the pages (:meth:`part`)."""
+        """This format with a pool per other KV group of a hybrid model: region page ``p``'s objects of group ``g`` are
+        object ``p`` of pool ``g`` (pools 1, 2, ...: ``objects``' order), each pool after the pages (:meth:`part`). Pools
+        of a spec go beside a page of one kvtier spec (not shards), pools of rows beside an engine's own rows."""
         if not objects:
             return self
-        if self.spec is None or self.shards != 1 or self.rows is not None:
-            raise ServiceError("object pools beside a region's pages are for a page of one kvtier spec (not shards, not rows)")
+        of_rows = self.rows is not None
+        if self.objects or any((o.spec is None) != of_rows for o in objects) or (not of_rows and (self.spec is None or self.shards != 1)):
+            raise ServiceError("object pools beside a region's pages are for a page of one kvtier spec (not shards) with pools of "
+                               "a spec, or for an engine's own rows with pools of rows")
         objects = tuple(objects)
         return dataclasses.replace(self, fingerprint=objects_fingerprint(self.fingerprint, objects), objects=objects)
 
@@ -170,8 +191,7 @@ class RegionFormat:
 
     def parts(self) -> list[tuple[int, tuple[int, ...]]]:
         """Each pool's (layers, buffer page bytes): the pages', then each object pool's."""
-        return [(self.num_layers, self.buffer_page_bytes)] + [(o.spec.num_layers, tuple(b.page_bytes for b in o.spec.buffers))
-                                                              for o in self.objects]
+        return [(self.num_layers, self.buffer_page_bytes)] + [o.part() for o in self.objects]
 
     def part(self, pool: int, num_pages: int) -> tuple[int, int]:
         """(offset, size) of pool ``pool``'s bytes in a region of ``num_pages`` pages: the pools one after another, each
@@ -183,6 +203,12 @@ class RegionFormat:
                 return start, size
             start += size
         raise IndexError(f"pool {pool} of a region of {self.pools} pools")
+
+    def key_of(self, pool: int, name: str) -> PageHash:
+        """The key in the service's index of what an engine names ``name`` (SGLang's page hash) in pool ``pool``: the name's
+        digest for a page (its L3 object's header key), that digest's group key of the pool's name for an object pool's row
+        (a page and its objects are indexed apart, as a kvtier group's: :func:`~kvtier.hashing.group_object_key`)."""
+        return name_key(name) if pool == 0 else group_object_key(name_key(name), self.objects[pool - 1].name)
 
     @property
     def stores_objects(self) -> bool:
@@ -215,7 +241,8 @@ class RegionFormat:
         if self.rows is not None:
             wire["row_objects"] = [[r.fingerprint, r.page_size] for r in self.rows]
         if self.objects:  # (a service before them ignores the key, and its region's size refuses the engine: ServiceClient)
-            wire["object_pools"] = [[o.name, dataclasses.asdict(o.spec)] for o in self.objects]
+            wire["object_pools"] = [[o.name, dataclasses.asdict(o.spec)] if o.spec is not None else
+                                    [o.name, [o.row.fingerprint, o.row.page_size], o.row_bytes] for o in self.objects]
         return wire
 
     @classmethod
@@ -230,10 +257,10 @@ class RegionFormat:
         if len(named) > 1:
             raise ServiceProtocolError(f"hello's format names {' and '.join(named)}; a page is a spec, its shards', or rows of an "
                                        "engine's own pools")
-        if d.get("row_objects") is not None:
-            return dataclasses.replace(fmt, rows=_rows_of(d["row_objects"], fmt))
         if d.get("object_pools") is not None:
             return _with_pools(d, fmt)
+        if d.get("row_objects") is not None:
+            return dataclasses.replace(fmt, rows=_rows_of(d["row_objects"], fmt))
         if d.get("shard_spec") is not None:
             shards = d.get("shards")
             if type(shards) is not int or not 2 <= shards <= len(sizes):
@@ -242,19 +269,20 @@ class RegionFormat:
         return fmt if d.get("spec") is None else dataclasses.replace(fmt, spec=_spec_of(d["spec"], fmt, 1))
 
 
+def _row_object(item: object) -> RowObject | None:
+    """A row object on the wire, ``[16 hex digits, page size]``; None if it is not one."""
+    if type(item) is not list or len(item) != 2:
+        return None
+    fp, page_size = item
+    ok = (type(fp) is str and len(fp) == 16 and all(c in "0123456789abcdef" for c in fp) and type(page_size) is int
+          and 0 < page_size <= 1 << 24)
+    return RowObject(fp, page_size) if ok else None
+
+
 def _rows_of(wire: object, fmt: RegionFormat) -> tuple[RowObject, ...]:
     """The row objects a hello's format names, checked: one per buffer of a one-layer page_first format, each a
     16-hex-digit fingerprint and a page size, together the format's fingerprint (:func:`rows_fingerprint`)."""
-
-    def row(item: object) -> RowObject | None:
-        if type(item) is not list or len(item) != 2:
-            return None
-        fp, page_size = item
-        ok = (type(fp) is str and len(fp) == 16 and all(c in "0123456789abcdef" for c in fp) and type(page_size) is int
-              and 0 < page_size <= 1 << 24)
-        return RowObject(fp, page_size) if ok else None
-
-    rows = [row(item) for item in wire] if type(wire) is list and len(wire) == len(fmt.buffer_page_bytes) else [None]
+    rows = [_row_object(item) for item in wire] if type(wire) is list and len(wire) == len(fmt.buffer_page_bytes) else [None]
     if None in rows or fmt.layout != "page_first" or fmt.num_layers != 1:
         raise ServiceProtocolError(f"hello's format names row objects that are not one [16 hex digits, page size] per "
                                    f"buffer of a one-layer page_first page: {str(wire)[:120]}")
@@ -267,26 +295,53 @@ def _rows_of(wire: object, fmt: RegionFormat) -> tuple[RowObject, ...]:
 
 
 def _with_pools(d: dict, fmt: RegionFormat) -> RegionFormat:
-    """The format a hello names with object pools, checked: a page of one spec (the format's fields are its page's), at
-    most :data:`MAX_OBJECT_POOLS` pools, each a distinct name and a spec, all bound by the format's fingerprint."""
+    """The format a hello names with object pools, checked: a page of one spec or of an engine's rows (the format's
+    fields are its page's), at most :data:`MAX_OBJECT_POOLS` pools, each a distinct name and a spec (beside a spec) or a
+    row object and its bytes (beside rows), all bound by the format's fingerprint."""
     wire = d.get("object_pools")
-    if d.get("spec") is None or type(wire) is not list or not 0 < len(wire) <= MAX_OBJECT_POOLS:
+    of_rows = d.get("row_objects") is not None
+    if (d.get("spec") is None) == (not of_rows) or type(wire) is not list or not 0 < len(wire) <= MAX_OBJECT_POOLS:
         raise ServiceProtocolError(f"hello's format names object pools that are not 1 to {MAX_OBJECT_POOLS} pools beside a page of one "
-                                   f"spec: {str(wire)[:120]}")
+                                   f"spec or of rows: {str(wire)[:120]}")
     try:
-        page = RegionFormat.of(KVSpec(**d["spec"]), fmt.layout) if type(d["spec"]) is dict else None
-        pools = []
-        for item in wire:
-            name, spec = item if type(item) is list and len(item) == 2 else (None, None)
-            if type(name) is not str or not 0 < len(name) <= MAX_POOL_NAME or "/" in name or type(spec) is not dict:
-                raise ValueError(item)
-            pools.append(ObjectPool(name, KVSpec(**spec)))
+        page = _page_of(d, fmt, of_rows)
+        pools = [_object_pool(item, of_rows) for item in wire]
         named = page.with_objects(pools) if page is not None and len({p.name for p in pools}) == len(pools) else None
     except (TypeError, ValueError, OverflowError, KVTierError):
         named = None
-    if named is None or dataclasses.replace(named, objects=()) != fmt:  # (the fields are the page's; the fingerprint binds all)
+    # (the fields are the page's; the fingerprint binds all)
+    if named is None or dataclasses.replace(named, objects=(), rows=None) != fmt:
         raise ServiceProtocolError(f"hello's format names object pools that are not the format's ({fmt.fingerprint}): {str(wire)[:120]}")
     return named
+
+
+def _page_of(d: dict, fmt: RegionFormat, of_rows: bool) -> RegionFormat | None:
+    """The page format under a hello's object pools: of its spec, or of its rows (checked as :func:`_rows_of`)."""
+    if not of_rows:
+        return RegionFormat.of(KVSpec(**d["spec"]), fmt.layout) if type(d["spec"]) is dict else None
+    wire = d["row_objects"]
+    rows = [_row_object(item) for item in wire] if type(wire) is list else [None]
+    if None in rows:
+        return None
+    page = dataclasses.replace(fmt, fingerprint=rows_fingerprint([r.fingerprint for r in rows]))
+    return dataclasses.replace(page, rows=_rows_of(wire, page))
+
+
+def _object_pool(item: object, of_rows: bool) -> ObjectPool:
+    """One object pool on the wire: ``[name, spec]`` beside a spec, ``[name, [fingerprint, page size], row bytes]`` beside rows."""
+    if type(item) is not list or len(item) != (3 if of_rows else 2) or type(item[0]) is not str:
+        raise ValueError(item)
+    name = item[0]
+    if not 0 < len(name) <= MAX_POOL_NAME or "/" in name:
+        raise ValueError(item)
+    if not of_rows:
+        if type(item[1]) is not dict:
+            raise ValueError(item)
+        return ObjectPool(name, KVSpec(**item[1]))
+    row, row_bytes = _row_object(item[1]), item[2]
+    if row is None or type(row_bytes) is not int or not 0 < row_bytes <= 1 << 30:
+        raise ValueError(item)
+    return ObjectPool.of_row(name, row, row_bytes)
 
 
 def _spec_of(wire: object, fmt: RegionFormat, shards: int) -> KVSpec:

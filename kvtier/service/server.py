@@ -40,7 +40,8 @@ from kvtier.pools.memory import DEFAULT_RESERVE_BYTES, host_memory_available
 from kvtier.service.connections import Connection, Connections
 from kvtier.service.index import HostIndex
 from kvtier.service.metrics import namespace_label
-from kvtier.service.messages import MAX_WAIT_S, Find, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers, parse_batch
+from kvtier.service.messages import (MAX_WAIT_S, Find, Hello, Join, Lookup, Message, Publish, Release, Reserve, check_handlers,
+                                     check_object_names, parse_batch)
 from kvtier.service.peer import claim_socket_path, group_id, private_socket_dir, share_with_group
 from kvtier.service.records import QUARANTINE_S, PageRecords, session_digest
 from kvtier.service.region import (Owner, Region, RegionFormat, adoptable_region, claim_region, create_region, find_adoptable, map_region,
@@ -394,7 +395,10 @@ class NodeService:
         """The L3 load of the objects a find missed in the region (None: no L3, or nothing to fetch)."""
         if self.storage is None or -1 not in found:
             return None
-        return self.storage.load_objects(conn.namespace, op.pool, [k for k, p in zip(op.keys, found) if p < 0])
+        missed = [i for i, p in enumerate(found) if p < 0]
+        names = self._names(op.names, 0)
+        return self.storage.load_objects(conn.namespace, op.pool, [op.keys[i] for i in missed],
+                                         None if names is None else [names[i] for i in missed])
 
     def _answer_deferred(self) -> None:
         """Send the deferred answers that are ready: each lookup's run extended by what its load brought
@@ -487,7 +491,9 @@ class NodeService:
         return self.index.reserve(conn.id, op.n, self._pool(op.pool, "reserve"))
 
     def _on_find(self, conn: Connection, op: Find) -> list[int]:
-        return self.index.find(conn.id, op.keys, self._pool(op.pool, "find"))
+        pool = self._pool(op.pool, "find")
+        check_object_names(op.names, op.keys, "find", lambda _i, name: self.region.format.key_of(pool, name))
+        return self.index.find(conn.id, op.keys, pool)
 
     def _pool(self, pool: int, what: str) -> int:
         if pool >= self.region.format.pools:
@@ -496,6 +502,9 @@ class NodeService:
         return pool
 
     def _on_publish(self, conn: Connection, op: Publish) -> None:
+        fmt, n = self.region.format, self.region.num_pages
+        # (each name against its page's pool's key; a page out of the region is the index's error, next)
+        check_object_names(op.names, op.keys, "publish", lambda i, name: fmt.key_of(min(op.pages[i] // n, fmt.pools - 1), name))
         indexed = self.index.publish(conn.id, op.pages, op.keys)
         if self.storage is not None:  # write-through: what it indexed now is saved
             at = {p: i for i, p in enumerate(op.pages)}

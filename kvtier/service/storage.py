@@ -49,7 +49,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvtier.errors import KVTierError, ServiceError
-from kvtier.hashing import Namespace
+from kvtier.hashing import Namespace, name_key
 from kvtier.l3.base import KeyStatus, redact_url
 from kvtier.l3.registry import open_backend
 from kvtier.l3.page import PageCodec
@@ -78,6 +78,8 @@ class Load:
     names: list[str] | None = None
     #: the region's pool it loads into (0: pages, a lookup's; k: object pool k's objects, a find's -- each key on its own)
     pool: int = 0
+    #: an object load's keys whose objects are read in (their names: ``fetched_names``), in its job's order
+    fetched: list[bytes] = field(default_factory=list)
     jobs: list[StorageJob] = field(default_factory=list)
     #: the region pages (ids region-wide) its jobs read into
     pages: list[int] = field(default_factory=list)
@@ -212,8 +214,12 @@ class ServiceStorage:
         objects = {}
         for k, pool in enumerate(fmt.objects, start=1):
             start, size = fmt.part(k, region.num_pages)
-            host = HostPool(pool.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
-                            name=f"node service region (L3, KV group {pool.name!r})")
+            if pool.spec is None:  # (a row of an engine's own pool: SGLang's SWA or Mamba host pool)
+                host = RowBytes(memoryview(memory[start : start + size].numpy()).cast("B"), pool.row_bytes,
+                                PageCodec(pool.row.fingerprint, pool.row_bytes, pool.row.page_size))
+            else:
+                host = HostPool(pool.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
+                                name=f"node service region (L3, KV group {pool.name!r})")
             objects[k] = (StorageTier(self.backend, host, f"kvtier-serve-saves-{pool.name}", owns_backend=False, on_finished=self._notify,
                                       queue_depth=SAVE_QUEUE_DEPTH),
                           StorageTier(self.backend, host, f"kvtier-serve-loads-{pool.name}", owns_backend=False, on_finished=self._notify,
@@ -228,6 +234,19 @@ class ServiceStorage:
             got = self._prefixes[namespace] = shard_prefixes(namespace, self._region.format)
         return got
 
+    def _object_prefix(self, namespace: str, pool: int) -> str:
+        """Object pool ``pool``'s L3 prefix: the engine's namespace for a group of a spec (its objects are named by their
+        group keys), or the namespace of the row's pool (:func:`shard_prefixes`' rows') for an engine's own pool."""
+        row = self._region.format.objects[pool - 1].row
+        if row is None:
+            return namespace
+        ns = Namespace.parse(namespace)  # (checked at hello: shard_prefixes)
+        return str(Namespace(ns.model, row.fingerprint, ns.tp_rank, ns.salt))
+
+    def _names_object(self, pool: int) -> bool:
+        """Whether object pool ``pool``'s objects are named by the engine (its rows': saved and loaded only with names)."""
+        return self._region.format.objects[pool - 1].row is not None
+
     # ---- what the selector thread asks ---------------------------------------------------------
     def published(self, namespace: str, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
         """``pages`` (``keys[i]``'s, whose objects are ``names[i]`` where the engine names them) were just published
@@ -236,16 +255,16 @@ class ServiceStorage:
             return
         n = self._region.num_pages
         if max(pages) >= n:  # (objects: an engine publishes a pool's apart, but a publish may mix them)
-            by_pool: dict[int, tuple[list[int], list[bytes]]] = {}
-            for page, key in zip(pages, keys):
-                mine = by_pool.setdefault(page // n, ([], []))
-                mine[0].append(page)
-                mine[1].append(key)
-            for pool, (mine, mine_keys) in sorted(by_pool.items()):
+            by_pool: dict[int, list[int]] = {}
+            for i, page in enumerate(pages):
+                by_pool.setdefault(page // n, []).append(i)
+            for pool, at in sorted(by_pool.items()):
+                mine, mine_keys = [pages[i] for i in at], [keys[i] for i in at]
+                mine_names = None if names is None else [names[i] for i in at]
                 if pool == 0:
-                    self.published(namespace, mine, mine_keys, None if names is None else [names[pages.index(p)] for p in mine])
+                    self.published(namespace, mine, mine_keys, mine_names)
                 else:
-                    self._save_objects(namespace, pool, mine, mine_keys)
+                    self._save_objects(namespace, pool, mine, mine_keys, mine_names)
             return
         self.index.hold(self._client(namespace), pages)
         save = Save(namespace, pages, 0, [True] * len(pages))
@@ -259,12 +278,19 @@ class ServiceStorage:
         if not save.left:
             self._saved(save)
 
-    def _save_objects(self, namespace: str, pool: int, pages: list[int], keys: list[bytes]) -> None:
-        """Object pool ``pool``'s ``pages`` (region-wide ids) saved under ``namespace`` as the engine's own L3 saves them."""
+    def _save_objects(self, namespace: str, pool: int, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
+        """Object pool ``pool``'s ``pages`` (region-wide ids) saved as the engine's own L3 saves them: under ``namespace``
+        by their keys, or (an engine's own pool's rows) under that pool's namespace by their ``names``, whose digests
+        head the objects -- only where the names are given."""
+        if self._names_object(pool):
+            if names is None:
+                return
+            keys = [name_key(name) for name in names]  # (the index's keys are the pool's: group_object_key of these)
         self.index.hold(self._client(namespace), pages)
         save = Save(namespace, pages, 0, [True] * len(pages))
         base = pool * self._region.num_pages
-        job = self._tiers.objects[pool][0].submit("save", keys, [p - base for p in pages], prefix=namespace)
+        job = self._tiers.objects[pool][0].submit("save", keys, [p - base for p in pages], prefix=self._object_prefix(namespace, pool),
+                                                  names=names)
         if job is None:
             save.ok = [False] * len(pages)
             self._saved(save)
@@ -272,9 +298,13 @@ class ServiceStorage:
         save.left = 1
         self._saving[job] = save
 
-    def load_objects(self, namespace: str, pool: int, keys: list[bytes]) -> Load | None:
-        """The load of object pool ``pool``'s ``keys`` (a find's misses in the region), each on its own: started now,
-        or None when there is nothing to fetch (every key in the region or on its way, the store down)."""
+    def load_objects(self, namespace: str, pool: int, keys: list[bytes], names: list[str] | None = None) -> Load | None:
+        """The load of object pool ``pool``'s ``keys`` (a find's misses in the region; ``names``: their objects', where the
+        engine names them), each on its own: started now, or None when there is nothing to fetch (every key in the region
+        or on its way, the store down, the engine names its objects and gave no names)."""
+        if self._names_object(pool) and names is None:
+            return None
+        named = dict(zip(keys, names)) if names is not None else {}
         keys = [k for k in dict.fromkeys(keys) if not self.index.has(namespace, k) and (namespace, k) not in self._fetching]
         if not keys:
             return None
@@ -285,9 +315,10 @@ class ServiceStorage:
         load_tier = self._tiers.objects[pool][1]
         if not load_tier.available:
             return None
-        load = Load(namespace, keys[: MAX_OBJECT_LOAD], pool=pool)
+        keys = keys[:MAX_OBJECT_LOAD]
+        load = Load(namespace, keys, [named[k] for k in keys] if named else None, pool=pool)
         self._loads[first] = load
-        self._finder.submit(self._find_each, load_tier, load)
+        self._finder.submit(self._find_each, load_tier, load, self._object_prefix(namespace, pool))
         return load
 
     def load(self, namespace: str, keys: list[bytes], names: list[str] | None = None) -> Load | None:
@@ -353,11 +384,11 @@ class ServiceStorage:
                 job.cancel()  # (after the batch in flight: nobody waits for it any more)
         deadline = time.monotonic() + drain_timeout_s
         drained = True
-        if self._tiers is not None:
-            for tier in self._tiers.saves:
+        if self._tiers is not None:  # (the pages' saves and every object pool's)
+            for tier in self._tiers.saves + [saves for saves, _loads in self._tiers.objects.values()]:
                 drained = tier.drain(max(0.0, deadline - time.monotonic())) and drained
-            for tier in self._tiers.loads:  # (cancelled: at most the batch in flight, in what time is left)
-                tier.drain(max(0.0, deadline - time.monotonic()))
+            for tier in self._tiers.loads + [loads for _saves, loads in self._tiers.objects.values()]:
+                tier.drain(max(0.0, deadline - time.monotonic()))  # (cancelled: at most the batch in flight, in what time is left)
         self.poll()
         for tier in self._every_tier():
             tier.close(timeout_s=0.0)
@@ -374,11 +405,15 @@ class ServiceStorage:
             if not self._closed:
                 os.eventfd_write(self._wake, 1)
 
-    def _find_each(self, tier: StorageTier, load: Load) -> None:
-        """(the exists thread) Which of an object load's keys the store has, each asked on its own (none if that failed)."""
-        present: list[bytes] = []
+    def _find_each(self, tier: StorageTier, load: Load, prefix: str) -> None:
+        """(the exists thread) Which of an object load's keys the store has (their indices), each asked on its own (none if
+        that failed)."""
+        present: list[int] = []
         try:
-            present = [key for key in load.keys if tier.stored_prefix([key], load.namespace)]
+            for i, key in enumerate(load.keys):
+                store_keys, names = self._object_names(load, i, key)
+                if tier.stored_prefix(store_keys, prefix, names):
+                    present.append(i)
         except Exception as e:
             log.warning("L3 lookup of %d objects failed: %s", len(load.keys), e)
             present = []
@@ -446,22 +481,36 @@ class ServiceStorage:
             self._fetching[(load.namespace, key)] = load
         return True
 
-    def _fetch_objects(self, load: Load, present: list[bytes]) -> bool:
+    @staticmethod
+    def _object_names(load: Load, i: int, key: bytes) -> tuple[list[bytes], list[str] | None]:
+        """An object load's ``i``-th key as its store tier names it: the key (the engine's group key), or the digest of the
+        name the engine gives it (an engine's own pool's row) and that name."""
+        if load.names is None:
+            return [key], None
+        return [name_key(load.names[i])], [load.names[i]]
+
+    def _fetch_objects(self, load: Load, present: list[int]) -> bool:
         """Reserve object pool pages for the keys the store holds (not in the region, nor on their way) and read them in."""
-        keys = [k for k in dict.fromkeys(present) if not self.index.has(load.namespace, k) and (load.namespace, k) not in self._fetching]
-        self.counters.found_pages += len(keys)
-        if not keys:
+        ns = load.namespace
+        at = [i for i in present if not self.index.has(ns, load.keys[i]) and (ns, load.keys[i]) not in self._fetching]
+        self.counters.found_pages += len(at)
+        if not at:
             return False
         cid = self._client(load.namespace)
-        pages = self.index.reserve(cid, len(keys), load.pool)
+        pages = self.index.reserve(cid, len(at), load.pool)
         if not pages:
             return False
-        keys = keys[: len(pages)]
+        at = at[: len(pages)]
+        named = [self._object_names(load, i, load.keys[i]) for i in at]
+        store_keys = [k[0] for k, _n in named]
+        names = None if load.names is None else [n[0] for _k, n in named]
         base = load.pool * self._region.num_pages
-        job = self._tiers.objects[load.pool][1].submit("prefetch", keys, [p - base for p in pages], tag=load, prefix=load.namespace)
+        job = self._tiers.objects[load.pool][1].submit("prefetch", store_keys, [p - base for p in pages], tag=load,
+                                                       prefix=self._object_prefix(load.namespace, load.pool), names=names)
         if job is None:
             self.index.release(cid, pages)
             return False
+        keys = load.fetched = [load.keys[i] for i in at]
         load.pages, load.jobs, load.left = pages, [job], 1
         for key in keys:
             self._fetching[(load.namespace, key)] = load
@@ -472,10 +521,11 @@ class ServiceStorage:
         cid = self._client(load.namespace)
         job = load.jobs[0]
         n = 0 if load.short else min(j.arrived for j in load.jobs)
-        pages = load.pages[: len(job.keys)]
-        self.index.publish(cid, pages[:n], job.keys[:n])
+        keys = load.fetched if load.pool else job.keys  # (the index's keys: an object pool's store keys may be its names')
+        pages = load.pages[: len(keys)]
+        self.index.publish(cid, pages[:n], keys[:n])
         self.index.release(cid, pages)
-        for key in job.keys:
+        for key in keys:
             self._fetching.pop((load.namespace, key), None)
         self.counters.fetched_pages += n
         self.counters.fetch_failed_pages += len(job.keys) - n

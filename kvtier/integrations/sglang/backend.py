@@ -41,8 +41,9 @@ What it guarantees:
 region (:mod:`.service`): SGLang servers on one node attached to one service share
 them -- what one backs up, another prefetches -- in the same namespaces. The service
 holds the KV pool and the pools on its page ids (the DSA indexer: one region page
-holds a page and its indexer); any other pool (a sliding-window layer's, Mamba state)
-is a :class:`~kvtier.errors.ConfigError` when it is registered. A service with an L3 store of its own
+holds a page and its indexer), and each pool with page ids of its own (a sliding-window
+layer's, Mamba state) in an object pool of the region, each page under its key there
+(per key, as SGLang's trailing-pages policy asks). A service with an L3 store of its own
 (``kvtier serve --storage-url``) saves and loads the very objects this backend's own L3 writes (the page
 hashes travel beside their digests for it: :mod:`.service`). Faults stay misses:
 a service that is down, stalled past ``service_lookup_timeout_s`` or drops the
@@ -250,11 +251,13 @@ class KvtierStorage(HiCacheStorage):
 
     # ---- the node service -------------------------------------------------------------
     def _check_service_pool(self, name: str, pool, kv_derived: bool) -> None:
-        """The service holds the KV pool and the pools on its page ids, registered before its region page is fixed."""
-        if name != PoolName.KV and not kv_derived:
-            raise ConfigError(f"kvtier HiCache storage: the node service holds the KV pool and the pools on its page ids (the DSA "
-                              f"indexer); pool {name!r} ({type(pool).__name__}) has pages of its own. Use an L3 store "
-                              "(storage_url, no service) for this model")
+        """The service holds every pool (a pool with page ids of its own in an object pool of the region), registered before
+        its region page is fixed; a pool of this rank's own beside KV every rank shares (Mamba state beside MLA above one
+        rank) it does not: the region's object pools are the KV pool's namespace's, one copy per node."""
+        if name != PoolName.KV and not kv_derived and self._shard_rank(name) != self._shard_rank(PoolName.KV):
+            raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) is rank {self._shard_rank(name)}'s own, "
+                              f"beside KV pages every rank shares (MLA at TP={self.config.tp_size}); the node service keeps one copy "
+                              "of a page's pools per node. Use an L3 store (storage_url, no service) for this model above one rank")
         if self.service is not None:
             raise ConfigError(f"kvtier HiCache storage: pool {name!r} registered after the node service's region page was fixed "
                               f"(pools {', '.join(p.name for p in self.service.group)}); register every pool before the first transfer")
@@ -273,14 +276,16 @@ class KvtierStorage(HiCacheStorage):
             if self.service is None:
                 pools = [self._kv] + [p for p in self._pools.values() if p.kv_derived]
                 group = [p.pages for p in pools]
-                namespace = Namespace(self.model, region_format(group).fingerprint, self._shard_rank(PoolName.KV), self.options.salt)
+                own = [p.pages for p in self._pools.values() if p.name != PoolName.KV and not p.kv_derived]
+                namespace = Namespace(self.model, region_format(group, pools=own).fingerprint, self._shard_rank(PoolName.KV),
+                                      self.options.salt)
                 # (a service with L3 names each row's objects by the engine's rank: where a pool's shard is another, its
                 # objects would not be this backend's own L3's, so the format does not say how to store them)
                 objects = all(self._shard_rank(p.name) == namespace.tp_rank for p in pools)
                 o = self.options
                 self.service = ServicePages(o.socket_path, str(namespace), group, deadline_s=o.service_timeout_s,
                                             lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault,
-                                            service_uid=o.service_uid, objects=objects)
+                                            service_uid=o.service_uid, objects=objects, pools=own)
             return self.service
 
     def _pool(self, name) -> _Pool:
@@ -346,7 +351,10 @@ class KvtierStorage(HiCacheStorage):
         if not keys:
             return []
         t0 = time.perf_counter()
-        if self.options.service is not None:
+        if self.options.service is not None and not pool.kv_derived and pool.name != PoolName.KV:
+            got = self._service().read_objects(pool.pages, list(keys), list(pages))
+            run = got.index(False) if False in got else len(got)
+        elif self.options.service is not None:
             run = self._service().read(pool.pages, list(keys), list(pages))
         else:
             got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read")
@@ -400,6 +408,10 @@ class KvtierStorage(HiCacheStorage):
         """The region pages of ``pages`` (every pool on these page ids: a page goes with its indexer); the
         leading run the service has already is not written again."""
         service = self._service()
+        if service.object_pool_of(pool.pages) is not None:
+            objects = service.write_objects(pool.pages, list(keys), list(pages))
+            self._count_write(pool, objects.stored, objects.written, time.perf_counter() - t0)
+            return objects.done
         done = service.write(list(keys), list(pages))
         self._count_write(pool, done.stored, done.written, time.perf_counter() - t0, service.format.page_bytes)
         return [i < done.stored + done.written for i in range(len(keys))]
@@ -421,14 +433,29 @@ class KvtierStorage(HiCacheStorage):
     def _stored_prefix(self, pool: _Pool, keys: Sequence[str]) -> int:
         """Leading ``keys`` stored for ``pool`` (a fault, or a store marked down, counts as absent)."""
         keys = keys[: self._valid_prefix(keys)]
-        if self.options.service is not None:  # (one region page holds the pages of every pool the service holds)
-            return self._service().stored(list(keys))
+        if self.options.service is not None:
+            present = self._present(pool, keys)
+            return present.index(False) if False in present else len(present)
         if not keys or not self.breaker.available:
             return 0
         found = [0]
         with self._guard("exists", []):
             found[0] = self.breaker.call(self.backend.exists, pool.names(keys)) or 0
         return found[0]
+
+    def _present(self, pool: _Pool, keys: Sequence[str]) -> list[bool]:
+        """Whether each of ``keys`` is stored for ``pool``, each on its own: one call to the node service (the pages of a
+        pool on its own page ids in its object pool; a KV page and its indexer in one region page: their leading run), else
+        one existence query per key."""
+        keys = list(keys)
+        if self.options.service is None:
+            return [self._stored_prefix(pool, [k]) == 1 for k in keys]
+        service = self._service()
+        if service.object_pool_of(pool.pages) is not None:
+            valid = self._valid_prefix(keys)
+            return service.present(pool.pages, keys[:valid]) + [False] * (len(keys) - valid)
+        run = service.stored(keys[: self._valid_prefix(keys)])
+        return [i < run for i in range(len(keys))]
 
     def _kv_hits(self, keys: Sequence[str], checked: set[str] = frozenset()) -> int:
         """Leading KV pages stored, each with every KV-derived pool's page (the DSA indexer)."""
@@ -520,11 +547,11 @@ class KvtierStorage(HiCacheStorage):
                 break
             pool = self._pool(t.name)
             if t.hit_policy == PoolHitPolicy.ALL_PAGES:  # (the node service: on the KV pool's region pages)
-                boundary = kv_pages if self.options.service is not None else self._stored_prefix(pool, keys[:kv_pages])
+                boundary = kv_pages if self.options.service is not None and pool.kv_derived else self._stored_prefix(pool, keys[:kv_pages])
                 mine = set(range(1, boundary + 1))
             elif t.hit_policy == PoolHitPolicy.TRAILING_PAGES:
                 trailing = max(1, len(t.keys) if t.keys else 1)
-                present = [self._stored_prefix(pool, [k]) == 1 for k in keys[:kv_pages]]
+                present = self._present(pool, keys[:kv_pages])
                 mine = {n for n in range(1, kv_pages + 1) if all(present[max(0, n - trailing):n])}
                 boundary = max(mine, default=0)
             else:

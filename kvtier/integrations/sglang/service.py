@@ -10,6 +10,12 @@ between SGLang's host pool and the region whole, page by page (:class:`PoolPages
 copies every group pool's page before it is published, a read copies the one pool's row it is asked
 for.
 
+**Pools with page ids of their own** (SGLang's SWA window pool, its Mamba state pool) are the region's
+object pools (:meth:`~kvtier.service.region.RegionFormat.with_objects` with a row object each): a page
+of such a pool is one object, published under its page hash's key in that pool
+(:meth:`~kvtier.service.region.RegionFormat.key_of`), and found key by key (``find``), since SGLang's
+trailing-pages policy asks for some pages of a prefix (a window, one state), not a run.
+
 **The service's L3.** A row is the payload of its pool's L3 page object, and the format says how
 (:meth:`~kvtier.service.region.RegionFormat.of_rows`: each pool's fingerprint and page size). The
 pages' keys are the digests of SGLang's page hashes; the hashes themselves go beside them (the ops'
@@ -63,17 +69,20 @@ from kvtier.service.client import ServiceClient, lookup_deadline
 from kvtier.service.messages import MAX_OBJECT_NAME
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.heartbeat import HEARTBEAT_S, Heartbeat
-from kvtier.service.region import RegionFormat, RowObject
+from kvtier.service.region import ObjectPool, RegionFormat, RowObject
 
 log = logging.getLogger(__name__)
 
 
-def region_format(group: Sequence[PoolPages], *, objects: bool = True) -> RegionFormat:
+def region_format(group: Sequence[PoolPages], *, objects: bool = True, pools: Sequence[PoolPages] = ()) -> RegionFormat:
     """The region page of ``group`` (the KV pool first, then the pools on its page ids): one row per pool, each
     the payload of that pool's L3 page object. ``objects``: the format says how each row is an object (its pool's
-    fingerprint and page size), so a service with L3 can store the objects this engine's own L3 would."""
+    fingerprint and page size), so a service with L3 can store the objects this engine's own L3 would. ``pools``:
+    the pools with page ids of their own (SGLang's SWA and Mamba host pools), an object pool of the region each
+    (:meth:`~kvtier.service.region.RegionFormat.with_objects`), one of their pages per region page."""
     rows = [RowObject(p.fingerprint, p.page_size) for p in group]
     fmt = RegionFormat.of_rows(rows, [p.payload_bytes for p in group])
+    fmt = fmt.with_objects([ObjectPool.of_row(p.name, RowObject(p.fingerprint, p.page_size), p.payload_bytes) for p in pools])
     return fmt if objects else dataclasses.replace(fmt, rows=None)
 
 
@@ -82,6 +91,16 @@ class WriteResult:
     """A write's pages: ``stored`` were in the service already (its leading run), ``written`` were copied
     and published after them; the rest did not fit (every region page held) or the service was lost."""
 
+    stored: int
+    written: int
+
+
+@dataclass(frozen=True)
+class ObjectsWritten:
+    """A write of an object pool's pages: ``done`` per page (the service had it, or it was written now), ``stored`` were
+    there already, ``written`` were copied and published; the rest did not fit or the service was lost."""
+
+    done: list[bool]
     stored: int
     written: int
 
@@ -95,10 +114,18 @@ class _Session:
         self.bytes = memoryview(memory.numpy()).cast("B")
         self.row_offsets = region_offsets(fmt.buffer_page_bytes, fmt.num_layers, client.num_pages)[0]
         self.row_bytes = fmt.buffer_page_bytes
+        #: each object pool's (offset of its object 0 minus its first id's, its object's bytes): ids are region-wide
+        self.pool_rows = [(fmt.part(k, client.num_pages)[0] - k * client.num_pages * o.row_bytes, o.row_bytes)
+                          for k, o in enumerate(fmt.objects, start=1)]
 
     def row(self, row: int, page: int) -> memoryview:
         start = self.row_offsets[row] + page * self.row_bytes[row]
         return self.bytes[start : start + self.row_bytes[row]]
+
+    def object(self, pool: int, page: int) -> memoryview:
+        """Object pool ``pool``'s page ``page`` (its id region-wide)."""
+        base, size = self.pool_rows[pool - 1]
+        return self.bytes[base + page * size : base + (page + 1) * size]
 
 
 class _ThreadState(threading.local):
@@ -117,12 +144,14 @@ class ServicePages:
 
     def __init__(self, socket_path: str, namespace: str, group: Sequence[PoolPages], *, deadline_s: float,
                  lookup_deadline_s: float | None, on_fault: Callable[[], None] = lambda: None, service_uid: int | None = None,
-                 objects: bool = True):
+                 objects: bool = True, pools: Sequence[PoolPages] = ()):
         self.socket_path = socket_path
         self.service_uid = service_uid
         self.namespace = namespace
         self.group = list(group)
-        self.format = region_format(self.group, objects=objects)
+        #: the pools with page ids of their own (SGLang's SWA and Mamba host pools): the region's object pools 1, 2, ...
+        self.pools = list(pools)
+        self.format = region_format(self.group, objects=objects, pools=self.pools)
         self.deadline_s = deadline_s
         #: the deadline of every call from SGLang's threads, attaching again included
         self.lookup_deadline_s = lookup_deadline(deadline_s, lookup_deadline_s)
@@ -139,6 +168,10 @@ class ServicePages:
 
     def row_of(self, pool: PoolPages) -> int:
         return next(i for i, p in enumerate(self.group) if p is pool)
+
+    def object_pool_of(self, pool: PoolPages) -> int | None:
+        """The region's object pool (1, 2, ...) that holds ``pool``'s pages; None for a pool on the KV pool's page ids."""
+        return next((k for k, p in enumerate(self.pools, start=1) if p is pool), None)
 
     # ---- attaching ---------------------------------------------------------------------------------
     def attach_now(self, *, required: bool = False) -> bool:
@@ -308,6 +341,74 @@ class ServicePages:
             self._lose(session, e)
             return WriteResult(0, 0)
         return WriteResult(len(held), written)
+
+    # ---- objects: the pages of a pool with page ids of its own, each key on its own --------------------
+    def present(self, pool: PoolPages, names: list[str]) -> list[bool]:
+        """Which of the pages SGLang names ``names`` the service holds in ``pool``'s object pool, each on its own (held for
+        the answer, released at once); a service with L3 may bring them from it first."""
+        return self._found(pool, names, lambda _session, _found: None)
+
+    def read_objects(self, pool: PoolPages, names: list[str], into: list[int]) -> list[bool]:
+        """The pages ``names`` the service holds in ``pool``'s object pool, each copied into ``pool``'s page ``into[i]``."""
+        k = self.object_pool_of(pool)
+
+        def copy_in(session: _Session, found: list[int]) -> None:
+            for page, region_page in zip(into, found):
+                if region_page >= 0:
+                    _copy_in(pool, page, session.object(k, region_page))
+
+        return self._found(pool, names, copy_in)
+
+    def _found(self, pool: PoolPages, names: list[str], use: Callable[[_Session, list[int]], None]) -> list[bool]:
+        """Each of ``names`` the service holds in ``pool``'s object pool, held while ``use(session, found)`` runs (``found``: a
+        region id or -1 per name) and released after it; all False when the service is not attached or was lost on the way."""
+        session = self._session() if names else None
+        if session is None:
+            return [False] * len(names)
+        k = self.object_pool_of(pool)
+        try:
+            # (checked: one entry per key, ids of the pool or -1, none twice)
+            found = session.client.find([self.format.key_of(k, n) for n in names], k, self._names(names))
+            try:
+                use(session, found)
+            finally:
+                held = [p for p in found if p >= 0]
+                if held:
+                    session.client.release(held)
+        except ServiceError as e:
+            self._lose(session, e)
+            return [False] * len(names)
+        return [p >= 0 for p in found]
+
+    def write_objects(self, pool: PoolPages, names: list[str], pages: list[int]) -> ObjectsWritten:
+        """``pool``'s ``pages`` into its object pool as the pages SGLang names ``names``: those the service has are skipped,
+        the rest reserved, copied, then published (and released)."""
+        check_pages_in_range(torch.tensor(pages, dtype=torch.int64), pool.num_pages, pool=f"SGLang host pool {pool.name!r}", side="host")
+        session = self._session() if names else None
+        if session is None:
+            return ObjectsWritten([False] * len(names), 0, 0)
+        k = self.object_pool_of(pool)
+        keys = [self.format.key_of(k, n) for n in names]
+        try:
+            found = session.client.find(keys, k)  # (no names: nothing is fetched from L3 for objects about to be written)
+            held = [p for p in found if p >= 0]
+            if held:
+                session.client.release(held)
+            todo = [i for i, p in enumerate(found) if p < 0]
+            got = session.client.reserve(len(todo), k) if todo else []  # (checked: ids of the pool, none twice)
+            for region_page, i in zip(got, todo):
+                _copy_out(pool, pages[i], session.object(k, region_page))
+            wrote = todo[: len(got)]
+            session.client.publish_and_release(got, [keys[i] for i in wrote], self._names([names[i] for i in wrote]))
+            with self._lock:
+                self.skipped_pages += len(todo) - len(got)
+        except ServiceError as e:
+            self._lose(session, e)
+            return ObjectsWritten([False] * len(names), 0, 0)
+        done = [p >= 0 for p in found]
+        for i in wrote:
+            done[i] = True
+        return ObjectsWritten(done, len(held), len(wrote))
 
     def _names(self, names: list[str]) -> list[str] | None:
         """The object names an op carries: none where the format does not say how its rows are objects, or a name
