@@ -79,6 +79,38 @@ def test_a_format_with_object_pools_crosses_the_wire_whole_and_each_pool_is_a_ho
             assert changed == covered, f"pool {k} page {page}: its host pool and the records' spans disagree"
 
 
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_each_ranks_slice_of_a_sharded_pages_object_pools_is_a_host_pool_of_its_own_covered_by_the_records(tmp_path, layout):
+    """vLLM above one rank: every object pool holds each rank's shard of an object beside the others' (as the page does),
+    each rank's slice a host pool of the group's spec alone. Writing one rank's object of a page changes exactly bytes the
+    records checksum as that object's id, and no other rank's slice."""
+    tp, n = 2, 3
+    fmt = RegionFormat.of_shards(FULL_SPEC, layout, tp).with_objects(POOLS)
+    assert [o.shards for o in fmt.objects] == [tp, tp]
+    assert RegionFormat.from_wire(json.loads(json.dumps(fmt.as_wire()))) == fmt
+    assert fmt.fingerprint != RegionFormat.of(FULL_SPEC, layout).with_objects(POOLS).fingerprint  # (the split is in it)
+    assert fmt.page_bytes == tp * (FULL_SPEC.page_bytes + sum(p.spec.page_bytes for p in POOLS))
+    memory = torch.zeros(fmt.size(n), dtype=torch.uint8)
+    spans = _page_spans(Region(str(tmp_path / "region"), fmt, n, fmt.size(n)))
+    slices = []
+    for k, pool in enumerate(POOLS, start=1):
+        for rank in range(tp):
+            start, size = fmt.object_shard(k, n, rank)
+            slices.append((start, start + size))
+            host = HostPool(pool.spec, n, layout, memory=memory[start : start + size])
+            for page in range(n):
+                before = memory.clone()
+                for b in host.spec.buffers:
+                    for layer in range(host.spec.num_layers):
+                        host.rows(b.name, layer)[page].view(torch.uint8).fill_(16 * k + 4 * rank + page + 1)
+                changed = (memory != before).nonzero().flatten().tolist()
+                covered = {i for s, length in spans(k * n + page) for i in range(s, s + length)}
+                assert changed and set(changed) <= covered and all(start <= i < start + size for i in changed), (k, rank, page)
+    slices.sort()
+    assert all(a[1] <= b[0] for a, b in zip(slices, slices[1:]))  # no two ranks' slices overlap
+    assert fmt.object_shard(1, n, 0)[0] == fmt.part(1, n)[0]
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda w: w["object_pools"].__setitem__(0, [SLIDING, {**w["object_pools"][0][1], "num_layers": 3}]), "not the format's"),
     (lambda w: w["object_pools"].append(w["object_pools"][0]), "not the format's"),
@@ -95,9 +127,10 @@ def test_a_hellos_object_pools_that_are_not_its_formats_are_refused_typed(change
         RegionFormat.from_wire(wire)
 
 
-def test_object_pools_go_beside_a_page_of_one_spec_only():
-    with pytest.raises(ServiceError, match="one kvtier spec"):
-        RegionFormat.of_shards(FULL_SPEC, "page_first", 2).with_objects(POOLS)
+def test_object_pools_of_a_spec_go_beside_a_page_of_a_spec_only():
+    rows = RegionFormat.of_rows([RowObject("0123456789abcdef", 4)], [256])
+    with pytest.raises(ServiceError, match="a page of a kvtier spec"):
+        rows.with_objects(POOLS)
 
 
 def _rows_format() -> RegionFormat:

@@ -124,6 +124,12 @@ def baseline():
     return run_engine(*prompt_args(), "--no-kvtier")
 
 
+@pytest.fixture(scope="module")
+def tp2_baseline():
+    """vLLM without kvtier at TP=2 (each rank one of the 2 KV heads of both groups)."""
+    return outputs(run_engine("--tp", "2", *prompt_args(), "--no-kvtier"))
+
+
 def window_pages(tokens: int, block: int) -> int:
     """Pages of the window vLLM reads at the end of a prompt's offered full pages."""
     pages = (tokens - 1) // block
@@ -218,42 +224,12 @@ def test_sliding_window_model_restart_hits_l3_loads_only_the_window_and_answers_
 
 @pytest.mark.integration
 @pytest.mark.timeout(2400)
-def test_sliding_window_model_on_the_node_service_a_restarted_engine_hits_its_pages_and_window_pages_and_answers_as_vllm(tmp_path,
-                                                                                                                      baseline):
-    """Two engine processes one after the other on one ``kvtier serve`` (no L3): the second's prompts are host hits
-    from the region -- pages and, in the window group's object pool, their window pages -- and every output equals
-    vLLM's own."""
-    from kvtier.service.client import query_status
-    from support.service import running_service
-
-    with running_service(tmp_path, 0.2) as svc:
-        attached = [*prompt_args(), "--storage-options", json.dumps({"service": f"unix://{svc.socket}", "service_lookup_timeout_s": 10.0})]
-        first = run_engine(*attached)
-        assert outputs(first) == outputs(baseline)
-        bs = first["block_size"]
-        offered = sum((n - 1) // bs for n in LENGTHS)
-        (w,) = first["worker_stats"]
-        assert w["group_objects_offloaded"]["window"] >= offered and w["saved_pages"] == 0  # (no L3: the service keeps them)
-        st = query_status(svc.socket)
-        assert st["object_pools"] == ["window"] and st["published_pages"] >= 2 * offered, st
-        second = run_engine(*attached)  # a new engine process: its own tree empty, the service the same
-        assert outputs(second) == outputs(baseline)
-        got = second["results"]
-        assert [r["external_hit_tokens"] for r in got] == [(n - 1) // bs * bs for n in LENGTHS]
-        assert [r["shared_host_pages"] for r in got] == [(n - 1) // bs for n in LENGTHS]
-        (w,) = second["worker_stats"]
-        assert w["load_failed_pages"] == 0 and w["group_objects_loaded"]["window"] > 0
-        assert query_status(svc.socket)["found_objects"] >= sum(window_pages(n, bs) for n in LENGTHS)
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(2400)
-def test_sliding_window_model_tensor_parallel_two_ranks_hit_on_both(tmp_path):
+def test_sliding_window_model_tensor_parallel_two_ranks_hit_on_both(tmp_path, tp2_baseline):
     """TP=2 (each rank one of the 2 KV heads of both groups): both ranks store their shard of every
     group, a restarted engine loads them, and outputs equal TP=2 without kvtier."""
     url = f"file://{tmp_path / 'store'}"
     args = ["--tp", "2", *prompt_args()]
-    want = outputs(run_engine(*args, "--no-kvtier"))
+    want = tp2_baseline
     first = run_engine(*args, f"--storage-url={url}")
     assert outputs(first) == want
     bs = first["block_size"]  # asked for (32); read from the engine all the same
@@ -263,6 +239,42 @@ def test_sliding_window_model_tensor_parallel_two_ranks_hit_on_both(tmp_path):
     offered = sum((n - 1) // bs for n in LENGTHS)
     for w in second["worker_stats"]:
         assert w["fetched_pages"] == offered and w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n, bs) for n in LENGTHS)}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(2400)
+def test_sliding_window_model_tensor_parallel_two_ranks_on_the_node_service_share_their_shards_with_a_restarted_engine(tmp_path,
+                                                                                                                    tp2_baseline):
+    """TP=2 on one ``kvtier serve`` (with file L3 behind it): each region page holds both ranks' shards of a page, and each
+    object of the window group's pool both ranks' shards of a window page. A second engine process hits every page from
+    the region -- each rank loads its own shard of the pages and of the window pages -- and outputs equal TP=2 without
+    kvtier; the service saved every rank's objects through to its store."""
+    from kvtier.service.client import query_status
+    from support.service import running_service, wait_until
+
+    args = ["--tp", "2", *prompt_args()]
+    want = tp2_baseline
+    with running_service(tmp_path, 0.2, "--storage-url", f"file://{tmp_path / 'l3'}") as svc:
+        attached = [*args, "--storage-options", json.dumps({"service": f"unix://{svc.socket}", "service_lookup_timeout_s": 10.0})]
+        first = run_engine(*attached)
+        assert outputs(first) == want
+        bs = first["block_size"]
+        offered = sum((n - 1) // bs for n in LENGTHS)
+        for w in first["worker_stats"]:
+            assert w["group_objects_offloaded"]["window"] >= offered and w["saved_pages"] == 0  # (the service keeps and saves them)
+        st = query_status(svc.socket)
+        assert st["object_pools"] == ["window"] and st["published_pages"] >= 2 * offered, st
+        second = run_engine(*attached)
+        assert outputs(second) == want
+        assert [r["shared_host_pages"] for r in second["results"]] == [(n - 1) // bs for n in LENGTHS]
+        for w in second["worker_stats"]:
+            # (as at TP=2 from L3: the stats count each rank's shard)
+            assert w["load_failed_pages"] == 0 and w["group_objects_loaded"]["window"] == 2 * sum(window_pages(n, bs) for n in LENGTHS)
+        wait_until(lambda: query_status(svc.socket)["l3"]["saving_pages"] == 0, 60)
+        saved = query_status(svc.socket)["l3"]["saved_pages"]
+    # every page and window page once per rank: two shards of each (under each rank's namespace)
+    ranks = {p.relative_to(tmp_path / "l3").parts[0] for p in (tmp_path / "l3").rglob("*") if p.is_file()}
+    assert saved >= 2 * offered and len(ranks) == 2, (saved, ranks)
 
 
 def test_hybrid_kv_events_carry_vllms_group_fields():
@@ -343,6 +355,53 @@ def test_vllm_serve_hybrid_model_restart_hits_and_metrics(tmp_path, baseline):
         assert sample(metrics1, "vllm:kvtier_tokens_total", tier="host", direction="store") == LENGTHS[1] // BS * BS
         assert sample(metrics2, "vllm:kvtier_tokens_total", tier="storage", direction="load") == loaded
         assert sample(metrics2, "vllm:kvtier_tokens_total", tier="host", direction="load") == loaded
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1500)
+def test_vllm_serve_of_gemma3s_five_to_one_layout_on_the_node_service_restarted_hits_host_and_answers_as_vllm(tmp_path):
+    """``vllm serve`` of a tiny Gemma 3 with its own layout (five sliding-window layers to one full: a KV cache group per
+    layer, five of them windows, each an object pool of the region) on one ``kvtier serve``: a second server, started
+    after the first stopped, gets the prompt from the service's host tier -- its pages and every window group's pages
+    -- and every server answers as ``vllm serve`` of the model without kvtier."""
+    from kvtier.integrations.vllm.model import ensure_tiny_gemma3_5to1
+    from kvtier.integrations.vllm.session import prompt_ids
+    from kvtier.service.client import query_status
+    from support.service import running_service
+    from support.vllm_server import VllmServer
+
+    model = str(ensure_tiny_gemma3_5to1())
+    args = ("--dtype", "float32", "--block-size", str(BS), "--max-model-len", "4096", "--enforce-eager", "--seed", "0")
+    body = {"model": model, "prompt": prompt_ids(LENGTHS[0], seed=1), "max_tokens": 8, "temperature": 0.0}
+    servers = []
+
+    def answer(name: str, kv: dict | None) -> tuple[str, str]:
+        server = VllmServer(model, tmp_path / name, kv, args).start()
+        servers.append(server)
+        try:
+            return server.post("/v1/completions", body)["choices"][0]["text"], server.get_text("/metrics")
+        finally:
+            server.stop()  # SIGTERM
+
+    try:
+        want, _ = answer("alone", None)
+        with running_service(tmp_path, 0.5) as svc:
+            kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                  "kv_connector_extra_config": {"host_gb": 0.25, "service": f"unix://{svc.socket}", "service_lookup_timeout_s": 10.0}}
+            text1, _ = answer("first", kv)
+            status = query_status(svc.socket)
+            assert status["object_pools"] == [f"window{i}" for i in range(5)], status["object_pools"]
+            text2, metrics2 = answer("second", kv)
+            assert text1 == want and text2 == want
+            loaded = (LENGTHS[0] - 1) // BS * BS
+            host = [line for line in metrics2.splitlines() if line.startswith("vllm:kvtier_tokens_total{")
+                    and 'tier="host"' in line and 'direction="load"' in line]
+            assert host and float(host[0].rsplit(" ", 1)[1]) == loaded, host
+            assert query_status(svc.socket)["found_objects"] > 0
     finally:
         for s in servers:
             s.stop()

@@ -125,3 +125,26 @@ def test_a_window_page_whose_copy_out_waited_a_step_is_never_read_from_a_block_v
             if b is not None:
                 b.close()
             a.close()
+
+
+def test_two_ranks_share_their_shards_of_pages_and_window_pages_with_another_engine_bit_exact(tmp_path):
+    """vLLM above one rank: each region page holds both ranks' shards of a page, each object of the window pool both ranks'
+    shards of a window page. Another engine's ranks each get their own rank's shard back, bit-exact, never the other's."""
+    with running_service(tmp_path, 0.01, "--verify-sample", "1") as svc:
+        a, b = HybridEngine(svc.socket, seed=1, ranks=2), HybridEngine(svc.socket, seed=2, ranks=2)
+        try:
+            assert a.serve("a", X, range(1, 8), range(10, 17)) == (0, False)
+            a.settle()
+            status = query_status(svc.socket)
+            assert status["object_pools"] == ["window"]
+            assert a.block(FULL_LAYER, 10, 0) != a.block(FULL_LAYER, 10, 1)  # (each rank's heads differ)
+            assert b.serve("b", X, range(30, 37), range(40, 47)) == (24, False)
+            for rank in (0, 1):
+                for i in range(6):
+                    assert b.block(FULL_LAYER, 40 + i, rank) == a.block(FULL_LAYER, 10 + i, rank), f"rank {rank} page {i}"
+                for i in (4, 5):
+                    assert b.block(WINDOW_LAYER, 30 + i, rank) == a.block(WINDOW_LAYER, 1 + i, rank), f"rank {rank} window page {i}"
+            b.scheduler.core.check_integrity(idle=True)
+        finally:
+            a.close()
+            b.close()

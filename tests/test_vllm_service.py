@@ -88,13 +88,19 @@ def test_parallel_configs_the_service_cannot_serve_are_config_errors(parallel, m
         check_parallel(config, ConnectorOptions.from_extra_config({}))
 
 
-def test_a_hybrid_model_above_one_rank_is_refused_with_the_service_before_anything_attaches():
-    """A hybrid model's groups go on the service at one rank (tests/test_vllm_hybrid.py); above it, refused naming the fix."""
+def test_a_hybrid_model_whose_latent_every_rank_shares_is_refused_above_one_rank_with_the_service_before_anything_attaches():
+    """Above one rank a hybrid model's object pools hold each rank's shard beside the others' (tests/test_vllm_hybrid.py);
+    an MLA page is one shard every rank shares, so a hybrid model of one is refused at the handshake, naming the fix."""
+    from kvtier.integrations.vllm.messages import KVTierHandshake
+    from kvtier.spec import KVSpec
+
     opts = ConnectorOptions.from_extra_config({"service": "/nowhere/node.sock"})
     groups = [VllmGroup(0, "full", "full", ("l0",), BS), VllmGroup(1, "window", "sliding_window", ("l1",), BS, window=8)]
-    with pytest.raises(ConfigError, match="hybrid model.*window.*tensor-parallel size 1 only so far, not 2: drop service"):
-        ConnectorScheduler(opts, BS, 2, "tiny", groups)
-    ConnectorScheduler(opts, BS, 1, "tiny", groups)  # (one rank: taken; it attaches at the handshake)
+    scheduler = ConnectorScheduler(opts, BS, 2, "tiny", groups)  # (an MHA hybrid above one rank: taken)
+    latent, window = KVSpec.mla("tiny-mla", 1, 12, 4, BS), KVSpec.mha("tiny-window", 1, 1, 8, BS)
+    shakes = {r: KVTierHandshake(r, latent, 0, None, {"window": (window, 0)}) for r in range(2)}
+    with pytest.raises(ConfigError, match="mla page is one shard every rank shares at tensor-parallel size 2: drop service"):
+        scheduler.handshake(shakes)
 
 
 def test_an_engine_started_before_the_service_serves_with_misses_then_attaches_on_its_own_and_its_workers_map_the_region(tmp_path,

@@ -87,6 +87,9 @@ class ObjectPool:
     spec: KVSpec | None = None
     row: RowObject | None = None
     row_bytes: int = 0
+    #: tensor-parallel ranks whose shards of an object each make ``spec``, one after another as the page's
+    #: (:meth:`RegionFormat.of_shards`): set by :meth:`RegionFormat.with_objects` to the page's
+    shards: int = 1
 
     @classmethod
     def of_row(cls, name: str, row: RowObject, row_bytes: int) -> ObjectPool:
@@ -96,12 +99,12 @@ class ObjectPool:
         """(layers, buffer page bytes) of one object: a host pool's of its spec, or one row."""
         if self.spec is None:
             return 1, (self.row_bytes,)
-        return self.spec.num_layers, tuple(b.page_bytes for b in self.spec.buffers)
+        return self.spec.num_layers, tuple(b.page_bytes for b in self.spec.buffers) * self.shards
 
     def identity(self) -> list:
         if self.spec is None:
             return [self.name, "row", self.row.fingerprint, self.row.page_size, self.row_bytes]
-        return [self.name, self.spec.fingerprint()]
+        return [self.name, self.spec.fingerprint()] + ([self.shards] if self.shards > 1 else [])
 
 
 def objects_fingerprint(page_fingerprint: str, objects: tuple[ObjectPool, ...]) -> str:
@@ -174,14 +177,15 @@ class RegionFormat:
     def with_objects(self, objects: list[ObjectPool]) -> RegionFormat:
         """This format with a pool per other KV group of a hybrid model: region page ``p``'s objects of group ``g`` are
         object ``p`` of pool ``g`` (pools 1, 2, ...: ``objects``' order), each pool after the pages (:meth:`part`). Pools
-        of a spec go beside a page of one kvtier spec (not shards), pools of rows beside an engine's own rows."""
+        of a spec go beside a page of a kvtier spec -- each object the page's shards' (a tensor-parallel rank's slice of the
+        pool: :meth:`object_shard`) --, pools of rows beside an engine's own rows."""
         if not objects:
             return self
         of_rows = self.rows is not None
-        if self.objects or any((o.spec is None) != of_rows for o in objects) or (not of_rows and (self.spec is None or self.shards != 1)):
-            raise ServiceError("object pools beside a region's pages are for a page of one kvtier spec (not shards) with pools of "
-                               "a spec, or for an engine's own rows with pools of rows")
-        objects = tuple(objects)
+        if self.objects or any((o.spec is None) != of_rows for o in objects) or (not of_rows and self.spec is None):
+            raise ServiceError("object pools beside a region's pages are for a page of a kvtier spec with pools of a spec, or for "
+                               "an engine's own rows with pools of rows")
+        objects = tuple(o if of_rows else dataclasses.replace(o, shards=self.shards) for o in objects)
         return dataclasses.replace(self, fingerprint=objects_fingerprint(self.fingerprint, objects), objects=objects)
 
     @property
@@ -222,6 +226,16 @@ class RegionFormat:
         start = offsets[rank * per]
         stop = offsets[(rank + 1) * per] if rank + 1 < tp_size else end
         return start, stop - start
+
+    def object_shard(self, pool: int, num_pages: int, rank: int) -> tuple[int, int]:
+        """(offset, size) of rank ``rank``'s slice of object pool ``pool`` in a region of ``num_pages`` pages: laid out as a
+        host pool of the pool's spec alone, as :meth:`shard` is of the page's."""
+        start, _size = self.part(pool, num_pages)
+        layers, sizes = self.parts()[pool]
+        offsets, end = region_offsets(sizes, layers, num_pages)
+        per = len(sizes) // self.shards
+        stop = offsets[(rank + 1) * per] if rank + 1 < self.shards else end
+        return start + offsets[rank * per], stop - offsets[rank * per]
 
     @property
     def page_bytes(self) -> int:
@@ -300,7 +314,8 @@ def _with_pools(d: dict, fmt: RegionFormat) -> RegionFormat:
     row object and its bytes (beside rows), all bound by the format's fingerprint."""
     wire = d.get("object_pools")
     of_rows = d.get("row_objects") is not None
-    if (d.get("spec") is None) == (not of_rows) or type(wire) is not list or not 0 < len(wire) <= MAX_OBJECT_POOLS:
+    of_spec = d.get("spec") is not None or d.get("shard_spec") is not None
+    if of_spec == of_rows or type(wire) is not list or not 0 < len(wire) <= MAX_OBJECT_POOLS:
         raise ServiceProtocolError(f"hello's format names object pools that are not 1 to {MAX_OBJECT_POOLS} pools beside a page of one "
                                    f"spec or of rows: {str(wire)[:120]}")
     try:
@@ -318,6 +333,11 @@ def _with_pools(d: dict, fmt: RegionFormat) -> RegionFormat:
 def _page_of(d: dict, fmt: RegionFormat, of_rows: bool) -> RegionFormat | None:
     """The page format under a hello's object pools: of its spec, or of its rows (checked as :func:`_rows_of`)."""
     if not of_rows:
+        if d.get("shard_spec") is not None:
+            shards = d.get("shards")
+            if type(d["shard_spec"]) is not dict or type(shards) is not int or not 2 <= shards <= len(fmt.buffer_page_bytes):
+                return None
+            return RegionFormat.of_shards(KVSpec(**d["shard_spec"]), fmt.layout, shards)
         return RegionFormat.of(KVSpec(**d["spec"]), fmt.layout) if type(d["spec"]) is dict else None
     wire = d["row_objects"]
     rows = [_row_object(item) for item in wire] if type(wire) is list else [None]

@@ -108,11 +108,17 @@ class Tiers:
 
     saves: list[StorageTier]
     loads: list[StorageTier]
-    #: per object pool (1, 2, ...): its (saves, loads) pair, over that pool's part of the region
-    objects: dict[int, tuple[StorageTier, StorageTier]] = field(default_factory=dict)
+    #: per object pool (1, 2, ...): its (saves, loads) tiers per shard, over each shard's slice of that pool's part
+    objects: dict[int, tuple[list[StorageTier], list[StorageTier]]] = field(default_factory=dict)
 
     def __iter__(self):
-        return iter(self.saves + self.loads + [t for pair in self.objects.values() for t in pair])
+        return iter(self.saves + self.loads + [t for saves, loads in self.objects.values() for t in saves + loads])
+
+    def object_saves(self) -> list[StorageTier]:
+        return [t for saves, _loads in self.objects.values() for t in saves]
+
+    def object_loads(self) -> list[StorageTier]:
+        return [t for _saves, loads in self.objects.values() for t in loads]
 
 
 @dataclass
@@ -213,17 +219,19 @@ class ServiceStorage:
         fmt = region.format
         objects = {}
         for k, pool in enumerate(fmt.objects, start=1):
-            start, size = fmt.part(k, region.num_pages)
+            hosts = []
             if pool.spec is None:  # (a row of an engine's own pool: SGLang's SWA or Mamba host pool)
-                host = RowBytes(memoryview(memory[start : start + size].numpy()).cast("B"), pool.row_bytes,
-                                PageCodec(pool.row.fingerprint, pool.row_bytes, pool.row.page_size))
-            else:
-                host = HostPool(pool.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
-                                name=f"node service region (L3, KV group {pool.name!r})")
-            objects[k] = (StorageTier(self.backend, host, f"kvtier-serve-saves-{pool.name}", owns_backend=False, on_finished=self._notify,
-                                      queue_depth=SAVE_QUEUE_DEPTH),
-                          StorageTier(self.backend, host, f"kvtier-serve-loads-{pool.name}", owns_backend=False, on_finished=self._notify,
-                                      queue_depth=64))
+                start, size = fmt.part(k, region.num_pages)
+                hosts.append(RowBytes(memoryview(memory[start : start + size].numpy()).cast("B"), pool.row_bytes,
+                                      PageCodec(pool.row.fingerprint, pool.row_bytes, pool.row.page_size)))
+            for r in range(pool.shards if pool.spec is not None else 0):  # (each rank's slice: a host pool of the group's spec)
+                start, size = fmt.object_shard(k, region.num_pages, r)
+                hosts.append(HostPool(pool.spec, region.num_pages, fmt.layout, memory=memory[start : start + size],
+                                      name=f"node service region (L3, KV group {pool.name!r}{f', shard {r}' if pool.shards > 1 else ''})"))
+
+            objects[k] = tuple([StorageTier(self.backend, h, f"kvtier-serve-{what}-{pool.name}" + (f"{r}" if len(hosts) > 1 else ""),
+                                            owns_backend=False, on_finished=self._notify, queue_depth=depth) for r, h in enumerate(hosts)]
+                               for what, depth in (("saves", SAVE_QUEUE_DEPTH), ("loads", 64)))
         self._tiers = Tiers([tier(p, "saves", SAVE_QUEUE_DEPTH, r) for r, p in enumerate(pools)],
                             [tier(p, "loads", 64, r) for r, p in enumerate(pools)], objects)
 
@@ -234,14 +242,15 @@ class ServiceStorage:
             got = self._prefixes[namespace] = shard_prefixes(namespace, self._region.format)
         return got
 
-    def _object_prefix(self, namespace: str, pool: int) -> str:
-        """Object pool ``pool``'s L3 prefix: the engine's namespace for a group of a spec (its objects are named by their
-        group keys), or the namespace of the row's pool (:func:`shard_prefixes`' rows') for an engine's own pool."""
+    def _object_prefixes(self, namespace: str, pool: int) -> list[str]:
+        """Object pool ``pool``'s L3 prefix per shard: each shard's page prefix for a group of a spec (:meth:`prefixes`: its
+        objects are named by their group keys under each rank's namespace, as each rank's own L3 names them), or the
+        namespace of the row's pool (as :func:`shard_prefixes` names a row's) for an engine's own pool."""
         row = self._region.format.objects[pool - 1].row
         if row is None:
-            return namespace
+            return self.prefixes(namespace)
         ns = Namespace.parse(namespace)  # (checked at hello: shard_prefixes)
-        return str(Namespace(ns.model, row.fingerprint, ns.tp_rank, ns.salt))
+        return [str(Namespace(ns.model, row.fingerprint, ns.tp_rank, ns.salt))]
 
     def _names_object(self, pool: int) -> bool:
         """Whether object pool ``pool``'s objects are named by the engine (its rows': saved and loaded only with names)."""
@@ -289,14 +298,15 @@ class ServiceStorage:
         self.index.hold(self._client(namespace), pages)
         save = Save(namespace, pages, 0, [True] * len(pages))
         base = pool * self._region.num_pages
-        job = self._tiers.objects[pool][0].submit("save", keys, [p - base for p in pages], prefix=self._object_prefix(namespace, pool),
-                                                  names=names)
-        if job is None:
-            save.ok = [False] * len(pages)
+        for tier, prefix in zip(self._tiers.objects[pool][0], self._object_prefixes(namespace, pool)):  # (every shard's object)
+            job = tier.submit("save", keys, [p - base for p in pages], prefix=prefix, names=names)
+            if job is None:  # the tier's queue is full: not saved (counted by the tier too)
+                save.ok = [False] * len(pages)
+                continue
+            save.left += 1
+            self._saving[job] = save
+        if not save.left:
             self._saved(save)
-            return
-        save.left = 1
-        self._saving[job] = save
 
     def load_objects(self, namespace: str, pool: int, keys: list[bytes], names: list[str] | None = None) -> Load | None:
         """The load of object pool ``pool``'s ``keys`` (a find's misses in the region; ``names``: their objects', where the
@@ -312,13 +322,13 @@ class ServiceStorage:
         going = self._loads.get(first)
         if going is not None:
             return going
-        load_tier = self._tiers.objects[pool][1]
-        if not load_tier.available:
+        load_tiers = self._tiers.objects[pool][1]
+        if not all(t.available for t in load_tiers):
             return None
         keys = keys[:MAX_OBJECT_LOAD]
         load = Load(namespace, keys, [named[k] for k in keys] if named else None, pool=pool)
         self._loads[first] = load
-        self._finder.submit(self._find_each, load_tier, load, self._object_prefix(namespace, pool))
+        self._finder.submit(self._find_each, list(zip(load_tiers, self._object_prefixes(namespace, pool))), load)
         return load
 
     def load(self, namespace: str, keys: list[bytes], names: list[str] | None = None) -> Load | None:
@@ -385,9 +395,9 @@ class ServiceStorage:
         deadline = time.monotonic() + drain_timeout_s
         drained = True
         if self._tiers is not None:  # (the pages' saves and every object pool's)
-            for tier in self._tiers.saves + [saves for saves, _loads in self._tiers.objects.values()]:
+            for tier in self._tiers.saves + self._tiers.object_saves():
                 drained = tier.drain(max(0.0, deadline - time.monotonic())) and drained
-            for tier in self._tiers.loads + [loads for _saves, loads in self._tiers.objects.values()]:
+            for tier in self._tiers.loads + self._tiers.object_loads():
                 tier.drain(max(0.0, deadline - time.monotonic()))  # (cancelled: at most the batch in flight, in what time is left)
         self.poll()
         for tier in self._every_tier():
@@ -405,14 +415,14 @@ class ServiceStorage:
             if not self._closed:
                 os.eventfd_write(self._wake, 1)
 
-    def _find_each(self, tier: StorageTier, load: Load, prefix: str) -> None:
-        """(the exists thread) Which of an object load's keys the store has (their indices), each asked on its own (none if
-        that failed)."""
+    def _find_each(self, shards: list[tuple[StorageTier, str]], load: Load) -> None:
+        """(the exists thread) Which of an object load's keys the store has, every shard's object (their indices), each asked
+        on its own (none if that failed)."""
         present: list[int] = []
         try:
             for i, key in enumerate(load.keys):
                 store_keys, names = self._object_names(load, i, key)
-                if tier.stored_prefix(store_keys, prefix, names):
+                if all(tier.stored_prefix(store_keys, prefix, names) for tier, prefix in shards):
                     present.append(i)
         except Exception as e:
             log.warning("L3 lookup of %d objects failed: %s", len(load.keys), e)
@@ -505,13 +515,20 @@ class ServiceStorage:
         store_keys = [k[0] for k, _n in named]
         names = None if load.names is None else [n[0] for _k, n in named]
         base = load.pool * self._region.num_pages
-        job = self._tiers.objects[load.pool][1].submit("prefetch", store_keys, [p - base for p in pages], tag=load,
-                                                       prefix=self._object_prefix(load.namespace, load.pool), names=names)
-        if job is None:
-            self.index.release(cid, pages)
-            return False
+        load.pages = pages
+        for tier, prefix in zip(self._tiers.objects[load.pool][1], self._object_prefixes(load.namespace, load.pool)):
+            job = tier.submit("prefetch", store_keys, [p - base for p in pages], tag=load, prefix=prefix, names=names)
+            if job is None:
+                for j in load.jobs:  # (the shards' jobs already queued read into objects nobody is offered, then stop)
+                    j.cancel()
+                if not load.jobs:
+                    self.index.release(cid, pages)
+                    return False
+                load.short = True
+                break
+            load.jobs.append(job)
+            load.left += 1
         keys = load.fetched = [load.keys[i] for i in at]
-        load.pages, load.jobs, load.left = pages, [job], 1
         for key in keys:
             self._fetching[(load.namespace, key)] = load
         return True

@@ -27,18 +27,22 @@ GROUPS = [VllmGroup(0, "window", "sliding_window", (WINDOW_LAYER,), BS, window=7
 
 
 class HybridEngine:
-    """One engine of one rank on the node service at ``socket``: the scheduler side and its worker, vLLM's step protocol
-    in between; the KV of each layer random (``seed``)."""
+    """One engine of ``ranks`` tensor-parallel ranks on the node service at ``socket``: the scheduler side and a worker per
+    rank, vLLM's step protocol in between; the KV of each layer random (``seed``), each rank's its own (its heads)."""
 
-    def __init__(self, socket: str, seed: int, host_pages: int = 32, **options):
+    def __init__(self, socket: str, seed: int, host_pages: int = 32, ranks: int = 1, **options):
         self.options = ConnectorOptions.from_extra_config({"host_pages": host_pages, "service": socket, **options})
         g = torch.Generator().manual_seed(seed)
-        self.kv = {n: torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16) for n in LAYERS}
-        self.worker = ConnectorWorker(self.options, SHAPE, "tiny", 0, GROUPS, tp_size=1)
-        shake = pickle.loads(pickle.dumps(self.worker.register(self.kv)))  # (it crosses a process boundary in vLLM)
-        self.scheduler = ConnectorScheduler(self.options, BS, 1, "tiny", GROUPS)
-        self.scheduler.handshake({0: shake})
+        self.kvs = [{n: torch.randn(BLOCKS, HEADS, BS, 2 * HEAD, generator=g).to(torch.bfloat16) for n in LAYERS} for _ in range(ranks)]
+        self.kv = self.kvs[0]
+        self.workers = [ConnectorWorker(self.options, SHAPE, "tiny", r, GROUPS, tp_size=ranks) for r in range(ranks)]
+        self.worker = self.workers[0]
+        # (a handshake crosses a process boundary in vLLM)
+        shakes = {r: pickle.loads(pickle.dumps(w.register(self.kvs[r]))) for r, w in enumerate(self.workers)}
+        self.scheduler = ConnectorScheduler(self.options, BS, ranks, "tiny", GROUPS)
+        self.scheduler.handshake(shakes)
         self.received: set[str] = set()
+        self._received: list[set[str]] = [set() for _ in self.workers]
         self.failed: set[str] = set()
         self.sending: list[set[str]] = []
 
@@ -57,22 +61,28 @@ class HybridEngine:
                                                   num_computed_tokens=[r.num_computed_tokens for r, _b, _n in cached]),
             preempted_req_ids=set())
         meta = pickle.loads(pickle.dumps(self.scheduler.build_meta(out)))
-        w = self.worker
-        w.wait_copies(meta.preempted_copies)
-        w.begin_step(meta)
-        for layer in LAYERS:
-            w.wait_layer(layer)
-            if forward is not None:
-                forward(layer)
-            w.save_layer(layer)
-        w.finish_step()
-        self.sending.append(w.finished_sending())
-        done, failed = w.finished_recving()
-        self.received |= done
+        agg, sending, failed = None, set(), set()
+        for r, w in enumerate(self.workers):
+            w.wait_copies(meta.preempted_copies)
+            w.begin_step(meta)
+            for layer in LAYERS:
+                w.wait_layer(layer)
+                if forward is not None:
+                    forward(layer)
+                w.save_layer(layer)
+            w.finish_step()
+            sending |= w.finished_sending()
+            done, bad = w.finished_recving()
+            self._received[r] |= done
+            failed |= bad
+            w.take_load_errors()
+            m = w.take_results()
+            m = pickle.loads(pickle.dumps(m)) if m is not None else None
+            agg = m if agg is None else (agg.aggregate(m) if m is not None else agg)  # (vLLM's KVOutputAggregator)
+        self.sending.append(sending)
+        self.received = set.intersection(*self._received)  # (vLLM: a load is finished once every rank said so)
         self.failed |= failed
-        w.take_load_errors()
-        results = w.take_results()
-        self.scheduler.update_connector_output(pickle.loads(pickle.dumps(results)) if results is not None else None)
+        self.scheduler.update_connector_output(agg)
         for r, _b, n in [*new, *cached]:
             r.num_computed_tokens += n
 
@@ -80,7 +90,8 @@ class HybridEngine:
         """Steps until no plan is in flight (bounded)."""
         deadline = time.monotonic() + bound_s
         while True:
-            self.worker.drained_stats()
+            for w in self.workers:
+                w.drained_stats()
             self.step()
             if not self.scheduler.core.plans_in_flight:
                 return
@@ -102,7 +113,8 @@ class HybridEngine:
             deadline = time.monotonic() + 30
             while rid not in self.received:
                 assert time.monotonic() < deadline, "the load never finished"
-                self.worker.drained_stats()
+                for w in self.workers:
+                    w.drained_stats()
                 self.step()
             failed = rid in self.failed
             external = 0 if failed else external
@@ -113,9 +125,10 @@ class HybridEngine:
             self.settle()
         return external, failed
 
-    def block(self, layer: str, block: int) -> bytes:
-        return self.kv[layer][block].view(torch.uint8).numpy().tobytes()
+    def block(self, layer: str, block: int, rank: int = 0) -> bytes:
+        return self.kvs[rank][layer][block].view(torch.uint8).numpy().tobytes()
 
     def close(self) -> None:
-        self.worker.close()
+        for w in self.workers:
+            w.close()
         self.scheduler.shutdown()

@@ -145,6 +145,17 @@ def ensure_tiny_gemma3(cache_dir: str | os.PathLike | None = None) -> Path:
         "tie_word_embeddings": True}, cache_dir, weights=True)
 
 
+def ensure_tiny_gemma3_5to1(cache_dir: str | os.PathLike | None = None) -> Path:
+    """:func:`ensure_tiny_gemma3` with Gemma 3's own layout: five sliding-window layers to one full-attention layer (6
+    layers): vLLM's hybrid KV cache manager gives it a KV cache group per layer, five of them sliding-window."""
+    return _tiny_config("tiny-gemma3-5to1", {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "layer_types": ["sliding_attention"] * 5 + ["full_attention"], "sliding_window": TINY_GEMMA3_WINDOW,
+        "max_position_embeddings": 4096, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "query_pre_attn_scalar": 64,
+        "tie_word_embeddings": True}, cache_dir, weights=True)
+
+
 def ensure_small_gemma3(cache_dir: str | os.PathLike | None = None) -> Path:
     """The benchmark's hybrid: an 8-layer Gemma 3 text model, 1024 wide (8 query / 4 KV heads of 128,
     window 512 tokens, sliding and full layers alternating), seeded random weights -- enough compute per

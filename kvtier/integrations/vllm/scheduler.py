@@ -179,10 +179,6 @@ class ConnectorScheduler:
         if options.storage.url and options.storage.write_policy != "write_through":
             raise ConfigError("kvtier connector: storage_write_policy must be write_through (a write_back save would make the "
                               "scheduler wait for a worker when host memory evicts)")
-        if options.tiers.service and groups is not None and len(groups) > 1 and world_size > 1:
-            raise ConfigError("kvtier connector: the node service (service=...) serves a hybrid model (KV cache groups "
-                              f"{[g.name for g in groups]}) at tensor-parallel size 1 only so far, not {world_size}: drop service "
-                              "(kvtier keeps a host tier of its own), or serve it on one rank")
         self.options = options
         self.block_size = block_size
         self.world_size = world_size
@@ -288,6 +284,12 @@ class ConnectorScheduler:
         (:meth:`~kvtier.service.region.RegionFormat.with_objects`), in the order the scheduler lists them."""
         tiers = self.options.tiers
         fmt, shards = RegionFormat.of_ranks(spec, tiers.host_layout, self.world_size)
+        if objects and shards != self.world_size:
+            raise ConfigError(f"kvtier connector: the node service (service=...) keeps a hybrid model's group objects as each rank's "
+                              f"shards beside the page's, but this model's {spec.attention} page is one shard every rank shares at "
+                              f"tensor-parallel size {self.world_size}: drop service (kvtier keeps a host tier of its own), or serve "
+                              "it on one rank")
+        # (each object pool holds every rank's shard of an object, as the page does: RegionFormat.object_shard)
         fmt = fmt.with_objects([ObjectPool(name, ospec) for name, ospec in objects.items()])
         # (a replicated latent's page is one rank's: the namespace still names the split, whose numerics it is)
         fingerprint = fmt.fingerprint if shards == self.world_size else f"{fmt.fingerprint}-tp{self.world_size}"

@@ -248,11 +248,12 @@ class ConnectorWorker:
         # (of its uid, in its socket directory's group at most: the scheduler checked the service it names, this rank checks again)
         tiers = self.options.tiers
         trust = check_socket_dir(tiers.service, tiers.service_uid)
-        if groups:  # (a hybrid model's region: one rank, its pages and every object pool, mapped whole)
+        parts = {0: (start, size)}
+        if groups:  # (a hybrid model's region: mapped whole, this rank's slice of its pages and of every object pool used)
+            parts.update({k: region.format.object_shard(k, region.num_pages, self.tp_rank) for k in range(1, region.format.pools)})
             start, size = 0, region.size
         memory = map_region(region.path, region.size, trust=trust, offset=start, length=size, pin_in_background=self._host is not None)
-        parts = {k: memory[slice(*_span(region.format.part(k, region.num_pages)))] for k in range(region.format.pools)} if groups else {
-            0: memory}
+        parts = {k: memory[slice(*_span(span))] for k, span in parts.items()} if groups else {0: memory}
         if self._host is None:
             spec, device = self._unmapped
             self._unmapped = None
