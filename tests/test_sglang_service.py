@@ -241,7 +241,7 @@ def test_a_pool_the_service_cannot_hold_is_refused_at_registration(service):
     pools, so at TP=2 that is a ConfigError when the pool registers; so is any pool registered after the region page was fixed."""
     backend = StorageBackendFactory.create_backend("dynamic", service_config(service.socket, tp_rank=1, tp_size=2, mla=True), mla_pool())
     backend.register_mem_pool_host(mla_pool())
-    with pytest.raises(ConfigError, match="mamba.*rank 1's own.*L3 store"):
+    with pytest.raises(ConfigError, match="mamba.*each rank's own.*L3 store"):
         backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
     late = attach(service_config(service.socket), mha_pool())
     with pytest.raises(ConfigError, match="registered after"):
@@ -326,3 +326,118 @@ def test_no_service_listening_at_start_is_misses_not_an_error(tmp_path):
     keys = page_keys(list(range(8)), P)
     assert backend.batch_exists(keys) == 0 and backend.batch_set_v1(keys, src.alloc(8)) == [False] * 2
     assert isinstance(backend, KvtierStorage) and torch.is_tensor(src.kv_buffer)
+
+
+# ---- found by a review: object pools beside SGLang's rows --------------------------------------------------------
+def test_swa_and_mamba_beside_kv_two_object_pools_of_other_row_sizes_read_back_bit_exact(tmp_path):
+    from support.sglang_helpers import PoolName, PoolTransfer, _mamba_pool, attach, fill, mha_pool, page_bytes, page_keys, storage_config
+
+    P = 4
+    with running_service(tmp_path) as svc:
+        def cfg():
+            return storage_config(None, service=f"unix://{svc.socket}")
+        kv, swa, mamba = mha_pool(), mha_pool(heads=1, head_dim=4), _mamba_pool(seed=7)
+        fill(kv, seed=5)
+        fill(swa, seed=6)
+        keys = page_keys(list(range(12)), P)
+        writer = attach(cfg(), kv, (PoolName.SWA, swa), (PoolName.MAMBA, mamba))
+        assert writer._service().format.objects[0].row_bytes != writer._service().format.objects[1].row_bytes
+        assert writer.batch_set_v1(keys, kv.alloc(12)) == [True] * 3
+        widx = swa.alloc(12)
+        slots = torch.tensor([2, 4, 6])
+        assert writer.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=widx, keys=keys),
+                                    PoolTransfer(name=PoolName.MAMBA, host_indices=slots, keys=keys)]) == \
+            {"swa": [True] * 3, "mamba": [True] * 3}
+        kv2, swa2, mamba2 = mha_pool(), mha_pool(heads=1, head_dim=4), _mamba_pool()
+        reader = attach(cfg(), kv2, (PoolName.SWA, swa2), (PoolName.MAMBA, mamba2))
+        swa2.alloc(8)
+        into_swa, into_m = swa2.alloc(12), torch.tensor([1, 3, 5])
+        got = reader.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=into_swa, keys=keys),
+                                   PoolTransfer(name=PoolName.MAMBA, host_indices=into_m, keys=keys)])
+        assert got == {"swa": [True] * 3, "mamba": [True] * 3}
+        assert all(page_bytes(swa, i) == page_bytes(swa2, j) for i, j in zip(widx[::P].tolist(), into_swa[::P].tolist()))
+        assert all(torch.equal(mamba.get_data_page(s), mamba2.get_data_page(d)) for s, d in zip(slots.tolist(), into_m.tolist()))
+        # a find whose keys are absent (-1s), and one of a pool's names never written: nothing held after
+        assert reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([7]),
+                                                 keys=page_keys(list(range(100, 104)), P))]) == {"mamba": [False]}
+        st = query_status_of(svc.socket)()
+        assert (st["held"], st["writing"]) == (0, 0) and st["object_pools"] == ["swa", "mamba"]
+
+
+def test_mamba_beside_mla_at_tp2_is_refused_on_every_rank(tmp_path):
+    """Mamba beside MLA above one rank is refused on rank 0 as on rank 1 (each rank's state beside a latent they share)."""
+    from kvtier.errors import ConfigError
+    from support.sglang_helpers import PoolName, StorageBackendFactory, _mamba_pool, mla_pool, storage_config
+
+    with running_service(tmp_path) as svc:
+        cfg = storage_config(None, service=f"unix://{svc.socket}", tp_rank=0, tp_size=2, mla=True)
+        backend = StorageBackendFactory.create_backend("dynamic", cfg, mla_pool())
+        backend.register_mem_pool_host(mla_pool())
+        with pytest.raises(ConfigError, match="rank"):
+            backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+
+
+def test_a_backup_of_more_window_pages_than_the_object_pool_holds_leaves_nothing_held(tmp_path):
+    from support.sglang_helpers import PoolName, PoolTransfer, attach, fill, mha_pool, page_keys, storage_config
+
+    P = 4
+    with running_service(tmp_path, 0.00004) as svc:
+        kv, swa = mha_pool(), mha_pool(heads=1, device_tokens=512)
+        fill(kv, seed=1)
+        fill(swa, seed=2)
+        writer = attach(storage_config(None, service=f"unix://{svc.socket}"), kv, (PoolName.SWA, swa))
+        n = writer._service()._session().client.num_pages
+        pages = min(2 * n, swa.size // P - 1)
+        assert pages > n, (pages, n)
+        keys = page_keys(list(range(pages * P)), P)
+        done = writer.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=swa.alloc(pages * P), keys=keys)])["swa"]
+        assert sum(done) == n and done == [True] * n + [False] * (pages - n), (n, done)
+        st = query_status_of(svc.socket)()
+        assert (st["held"], st["writing"]) == (0, 0)
+
+
+def test_more_own_pools_than_a_region_holds_are_a_config_error_at_registration(tmp_path):
+    """A hello's format holds at most MAX_OBJECT_POOLS (8) object pools: an SGLang model with 9 pools of page ids of their
+    own is a ConfigError naming the ninth when it registers (it attached before, then every hello was refused: misses)."""
+    from kvtier.errors import ConfigError
+    from support.sglang_helpers import PoolName, StorageBackendFactory, mha_pool, storage_config
+
+    names = [PoolName.SWA, PoolName.MAMBA, PoolName.AUXILIARY_SWA, PoolName.DRAFT_SWA, PoolName.DEEPSEEK_V4_C4_STATE,
+             PoolName.DEEPSEEK_V4_C128_STATE, PoolName.DEEPSEEK_V4_C4_INDEXER_STATE, PoolName.DEEPSEEK_V4_C128,
+             PoolName.DEEPSEEK_V4_C4]
+    with running_service(tmp_path) as svc:
+        kv = mha_pool()
+        backend = StorageBackendFactory.create_backend("dynamic", storage_config(None, service=f"unix://{svc.socket}"), kv)
+        backend.register_mem_pool_host(kv)
+        pools = {}
+        try:
+            for name in names:
+                pools[name] = mha_pool(heads=1)
+                backend.register_mem_host_pool_v2(pools[name], name)
+            backend.on_host_pools_registered()
+        except ConfigError as e:
+            assert "deepseek_v4_c4" in str(e).lower() and "at most 8" in str(e), e  # the ninth, named
+            assert list(pools) == names  # (every pool was offered; the ninth refused)
+            return
+        pytest.fail("9 own pools registered without a ConfigError")
+
+
+def test_at_tp2_a_rank_never_reads_another_ranks_window_page(tmp_path):
+    from support.sglang_helpers import PoolName, PoolTransfer, attach, fill, mha_pool, page_keys, storage_config
+
+    with running_service(tmp_path) as svc:
+        def cfg(r):
+            return storage_config(None, service=f"unix://{svc.socket}", tp_rank=r, tp_size=2)
+        kv0, swa0 = mha_pool(), mha_pool(heads=1)
+        fill(kv0, seed=1)
+        fill(swa0, seed=2)
+        keys = page_keys(list(range(8)), 4)
+        rank0 = attach(cfg(0), kv0, (PoolName.SWA, swa0))
+        assert rank0.batch_set_v2([PoolTransfer(name=PoolName.SWA, host_indices=swa0.alloc(8), keys=keys)]) == {"swa": [True, True]}
+        kv1, swa1 = mha_pool(), mha_pool(heads=1)
+        rank1 = attach(cfg(1), kv1, (PoolName.SWA, swa1))
+        into = swa1.alloc(8)
+        assert rank1.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=into, keys=keys)]) == {"swa": [False, False]}
+        assert not any(swa1.get_data_page(i).any() for i in into[::4].tolist())
+        st = query_status_of(svc.socket)()
+        assert (st["held"], st["writing"]) == (0, 0)

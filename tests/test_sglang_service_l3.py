@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from support.service import query_status_of, start_service, stop, store_files
+from support.service import query_status_of, raw_connection, read_answer, running_service, start_service, stop, store_files
 from support.sglang_helpers import (
     PoolName,
     attach,
@@ -30,10 +30,11 @@ from support.sglang_helpers import (
     storage_config,
 )
 from kvtier.errors import ServiceError
-from kvtier.hashing import Namespace
+from kvtier.hashing import Namespace, name_key
 from kvtier.service.client import ServiceClient
 from kvtier.service.messages import MAX_OBJECT_NAME
-from kvtier.service.region import RegionFormat, RowObject
+from kvtier.service.region import ObjectPool, RegionFormat, RowObject
+from kvtier.service.wire import encode
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -274,3 +275,59 @@ def test_a_pool_with_page_ids_of_its_own_is_saved_and_found_as_sglangs_own_l3_ob
         reader.close()
     finally:
         assert stop(svc.proc) == 0
+
+
+# ---- a hostile client's names and pools, against a service of SGLang's rows ----------------------------------------
+ROWS = RegionFormat.of_rows([RowObject("0123456789abcdef", 4)], [256])
+WITH_POOL = ROWS.with_objects([ObjectPool.of_row("swa", RowObject("00112233445566aa", 4), 128)])
+
+
+def _ops(s, seq: int, *ops: dict) -> dict | None:
+    s.sendall(encode({"seq": seq, "ops": list(ops)}))
+    return read_answer(s)
+
+
+def _hello(fmt: RegionFormat, namespace: str = "m-ns-tp0") -> dict:
+    return {"op": "hello", "version": 1, "namespace": namespace, "format": fmt.as_wire()}
+
+
+@pytest.mark.parametrize("fmt", [ROWS, WITH_POOL], ids=["rows", "rows+swa"])
+def test_a_publish_of_a_negative_page_with_names_is_a_typed_protocol_error(tmp_path, fmt):
+    """Before this commit Publish.check compared each name with its key and the index refused page -1 typed; now the
+    server's key check computes the page's pool as ``min(-1 // n, pools - 1)`` = -1 and ``key_of(-1, name)`` indexes
+    ``objects[-2]``: IndexError, the connection faulted as a service bug (no answer)."""
+    with running_service(tmp_path) as svc:
+        s = raw_connection(svc.socket)
+        try:
+            assert "results" in _ops(s, 1, _hello(fmt))
+            answer = _ops(s, 2, {"op": "publish", "pages": [-1], "keys": [name_key("a").hex()], "names": ["a"]},
+                          {"op": "lookup", "keys": [name_key("a").hex()]})
+            assert answer is not None, "the service closed the connection without an answer (an internal error)"
+            assert answer["error"]["type"] == "ServiceProtocolError", answer
+        finally:
+            s.close()
+    log = svc.proc.stderr.read()
+    assert "an internal error serving it" not in log, log[-2000:]
+
+
+@pytest.mark.parametrize("fmt", [ROWS, WITH_POOL], ids=["rows", "rows+swa"])
+def test_a_find_of_pool_0_with_names_on_an_l3_service_is_answered_or_refused_typed(tmp_path, fmt):
+    """``Find`` takes pool 0 and (new) ``names``; the server's ``_objects_after`` hands pool 0 to
+    ``ServiceStorage.load_objects``, whose ``_names_object(0)`` reads ``objects[-1]`` (IndexError with no object pool)
+    and then ``self._tiers.objects[0]`` (KeyError): the connection is faulted as a service bug."""
+    sock = str(tmp_path / "run" / "node.sock")
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{tmp_path / 'l3'}")
+    try:
+        s = raw_connection(sock)
+        try:
+            ns = str(Namespace("m", fmt.fingerprint, 0))
+            assert "results" in _ops(s, 1, _hello(fmt, ns)), "hello refused"
+            answer = _ops(s, 2, {"op": "find", "keys": [name_key("a").hex()], "pool": 0, "names": ["a"]})
+            assert answer is not None, "the service closed the connection without an answer (an internal error)"
+            assert "results" in answer or answer["error"]["type"] == "ServiceProtocolError", answer
+        finally:
+            s.close()
+    finally:
+        assert stop(svc.proc) == 0
+    log = svc.proc.stderr.read()
+    assert "an internal error serving it" not in log, log[-2000:]

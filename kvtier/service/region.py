@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import xxhash
 
-from kvtier.errors import KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
+from kvtier.errors import ConfigError, KVTierError, ServiceAccessError, ServiceError, ServiceProtocolError
 from kvtier.hashing import PageHash, group_object_key, name_key, split_fingerprint
 from kvtier.layout import LAYOUTS
 from kvtier.pools.host import ALIGN_BYTES, region_offsets
@@ -182,6 +182,9 @@ class RegionFormat:
         if not objects:
             return self
         of_rows = self.rows is not None
+        if len(objects) > MAX_OBJECT_POOLS:
+            raise ConfigError(f"a region holds at most {MAX_OBJECT_POOLS} object pools beside its pages; {len(objects)} were asked "
+                              f"({', '.join(o.name for o in objects)}): serve this model without the node service")
         if self.objects or any((o.spec is None) != of_rows for o in objects) or (not of_rows and self.spec is None):
             raise ServiceError("object pools beside a region's pages are for a page of a kvtier spec with pools of a spec, or for "
                                "an engine's own rows with pools of rows")

@@ -393,7 +393,7 @@ class NodeService:
 
     def _objects_after(self, conn: Connection, op: Find, found: list[int]) -> Load | None:
         """The L3 load of the objects a find missed in the region (None: no L3, or nothing to fetch)."""
-        if self.storage is None or -1 not in found:
+        if self.storage is None or op.pool == 0 or -1 not in found:  # (pool 0's pages come from L3 by a lookup's run)
             return None
         missed = [i for i, p in enumerate(found) if p < 0]
         names = self._names(op.names, 0)
@@ -503,8 +503,12 @@ class NodeService:
 
     def _on_publish(self, conn: Connection, op: Publish) -> None:
         fmt, n = self.region.format, self.region.num_pages
-        # (each name against its page's pool's key; a page out of the region is the index's error, next)
-        check_object_names(op.names, op.keys, "publish", lambda i, name: fmt.key_of(min(op.pages[i] // n, fmt.pools - 1), name))
+
+        def key_of(i: int, name: str) -> bytes:  # (each name against its page's pool's key; a page out of the region -- a
+            pool = op.pages[i] // n  # negative one too -- is checked as a page's, then refused by the index, next)
+            return fmt.key_of(pool if 0 <= pool < fmt.pools else 0, name)
+
+        check_object_names(op.names, op.keys, "publish", key_of)
         indexed = self.index.publish(conn.id, op.pages, op.keys)
         if self.storage is not None:  # write-through: what it indexed now is saved
             at = {p: i for i, p in enumerate(op.pages)}

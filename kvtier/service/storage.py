@@ -78,7 +78,7 @@ class Load:
     names: list[str] | None = None
     #: the region's pool it loads into (0: pages, a lookup's; k: object pool k's objects, a find's -- each key on its own)
     pool: int = 0
-    #: an object load's keys whose objects are read in (their names: ``fetched_names``), in its job's order
+    #: an object load's keys (the index's) whose objects are read in, in its jobs' order
     fetched: list[bytes] = field(default_factory=list)
     jobs: list[StorageJob] = field(default_factory=list)
     #: the region pages (ids region-wide) its jobs read into

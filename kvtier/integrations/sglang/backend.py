@@ -78,6 +78,7 @@ from kvtier.hashing import Namespace, name_key
 from kvtier.integrations.sglang.options import SGLangStorageOptions
 from kvtier.integrations.sglang.pool_pages import PoolPages
 from kvtier.integrations.sglang.service import ServicePages, region_format
+from kvtier.service.region import MAX_OBJECT_POOLS
 from kvtier.l3.base import KeyStatus, redact_url
 from kvtier.l3.breaker import CircuitBreaker
 from kvtier.l3.mover import PageMover, in_order
@@ -254,10 +255,17 @@ class KvtierStorage(HiCacheStorage):
         """The service holds every pool (a pool with page ids of its own in an object pool of the region), registered before
         its region page is fixed; a pool of this rank's own beside KV every rank shares (Mamba state beside MLA above one
         rank) it does not: the region's object pools are the KV pool's namespace's, one copy per node."""
-        if name != PoolName.KV and not kv_derived and self._shard_rank(name) != self._shard_rank(PoolName.KV):
-            raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) is rank {self._shard_rank(name)}'s own, "
-                              f"beside KV pages every rank shares (MLA at TP={self.config.tp_size}); the node service keeps one copy "
-                              "of a page's pools per node. Use an L3 store (storage_url, no service) for this model above one rank")
+        c = self.config
+        own = name != PoolName.KV and not kv_derived
+        if own and c.is_mla_model and c.tp_size > 1 and name not in _KV_SHAPED:
+            raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) is each rank's own, beside KV pages "
+                              f"every rank shares (MLA at TP={c.tp_size}); the node service keeps one copy of a page's pools per "
+                              "node. Use an L3 store (storage_url, no service) for this model above one rank")
+        held = sum(p.name != PoolName.KV and not p.kv_derived for p in self._pools.values())
+        if own and held >= MAX_OBJECT_POOLS:
+            raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) would be pool {held + 1} with page ids "
+                              f"of its own; the node service's region holds at most {MAX_OBJECT_POOLS} beside its pages. Use an L3 "
+                              "store (storage_url, no service) for this model")
         if self.service is not None:
             raise ConfigError(f"kvtier HiCache storage: pool {name!r} registered after the node service's region page was fixed "
                               f"(pools {', '.join(p.name for p in self.service.group)}); register every pool before the first transfer")
