@@ -88,6 +88,11 @@ class BufferSpec:
         return dtype_of(self.dtype)
 
 
+#: :class:`KVSpec`'s fields that hold whole numbers
+_INT_FIELDS = ("num_layers", "page_size", "kv_heads", "head_dim", "kv_lora_rank", "qk_rope_dim", "index_head_dim", "quant_block_size",
+               "state_bytes")
+
+
 @dataclass(frozen=True)
 class KVSpec:
     """Per-token KV cost of a model, per layer and buffer. Immutable; validated on creation.
@@ -120,6 +125,9 @@ class KVSpec:
             if not cond:
                 raise SpecError(f"KVSpec {self.name!r}: {field} {msg}")
 
+        for f in _INT_FIELDS:  # (a float or a bool that equals a whole number would pass every check below, then size memory)
+            v = getattr(self, f)
+            need(type(v) is int, f, f"must be a whole number (an int), got {v!r} of type {type(v).__name__}")
         need(self.attention in ("mha", "mla", "dsa", "state"), "attention", f"must be mha, mla, dsa or state, got {self.attention!r}")
         need((self.attention == "state") == (self.state_bytes > 0), "state_bytes", "is set for (and only for) a state spec, positive")
         need(self.num_layers > 0, "num_layers", f"must be positive, got {self.num_layers}")

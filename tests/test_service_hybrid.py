@@ -127,6 +127,22 @@ def test_a_hellos_object_pools_that_are_not_its_formats_are_refused_typed(change
         RegionFormat.from_wire(wire)
 
 
+@pytest.mark.parametrize("where", ["shard_spec", "object pool"])
+def test_a_sharded_hellos_spec_with_a_float_field_is_refused_typed(where):
+    """A float equal to a whole number in a hello's spec (its fingerprint the sender's to compute) never makes a region:
+    the service sized one with it (an internal error, a directory left behind)."""
+    import copy
+
+    full, window = copy.copy(FULL_SPEC), copy.copy(POOLS[0].spec)
+    bad = full if where == "shard_spec" else window  # (made past KVSpec's own checks, as a hostile sender's would be)
+    object.__setattr__(bad, "num_layers", float(bad.num_layers))
+    fmt = RegionFormat.of_shards(full, "layer_first", 2).with_objects([ObjectPool(POOLS[0].name, window)])
+    wire = json.loads(json.dumps(fmt.as_wire()))  # (its fingerprint the float spec's: only the spec's own check is left)
+    wire["num_layers"] = int(wire["num_layers"])
+    with pytest.raises(ServiceProtocolError, match="not the format's|not a spec"):
+        RegionFormat.from_wire(wire)
+
+
 def test_object_pools_of_a_spec_go_beside_a_page_of_a_spec_only():
     rows = RegionFormat.of_rows([RowObject("0123456789abcdef", 4)], [256])
     with pytest.raises(ServiceError, match="a page of a kvtier spec"):

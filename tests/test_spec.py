@@ -69,3 +69,15 @@ def test_fingerprint_binds_bytes_not_display_name():
     assert s.fingerprint() != s.with_(page_size=32).fingerprint()
     assert s.fingerprint() != KVSpec.preset("deepseek-v3").fingerprint()
     assert s.fingerprint() != s.with_(dtype="float16").fingerprint()
+
+
+@pytest.mark.parametrize("field, value", [("num_layers", 3.0), ("page_size", 64.0), ("kv_heads", True), ("head_dim", 8.5),
+                                          ("state_bytes", "8")])
+def test_a_whole_number_field_given_another_type_is_a_spec_error_naming_it(field, value):
+    """A float or a bool equal to a whole number would pass every range check, then size memory with it (a hello's spec
+    reaches here from another process): a SpecError naming the field and its type."""
+    kw = dict(name="x", attention="mha", num_layers=2, page_size=64, kv_heads=2, head_dim=8)
+    if field == "state_bytes":
+        kw = dict(name="x", attention="state", num_layers=2, page_size=1, dtype="uint8", state_bytes=8)
+    with pytest.raises(SpecError, match=f"{field} must be a whole number .*{type(value).__name__}"):
+        KVSpec(**{**kw, field: value})

@@ -148,3 +148,118 @@ def test_two_ranks_share_their_shards_of_pages_and_window_pages_with_another_eng
         finally:
             a.close()
             b.close()
+
+
+def test_a_services_l3_names_each_ranks_objects_as_that_ranks_own_l3_does(tmp_path):
+    """A hybrid's L3 objects are named by its region format (the split, the object pools): the prefixes the service's L3
+    gives each rank are the namespaces each rank's own L3 uses, at TP=1 and TP=2 -- one store serves both, either way."""
+    from kvtier.service.storage import shard_prefixes
+
+    for ranks in (1, 2):
+        (tmp_path / f"tp{ranks}").mkdir()
+        with running_service(tmp_path / f"tp{ranks}", 0.01) as svc:  # (one page format per service)
+            a = HybridEngine(svc.socket, seed=1, ranks=ranks)
+            try:
+                client = a.scheduler.leased.client
+                assert shard_prefixes(client.namespace, client.fmt) == [str(w.namespace) for w in a.workers], ranks
+            finally:
+                a.close()
+
+
+def test_two_ranks_pages_and_window_pages_come_back_from_the_services_l3_each_ranks_own_bit_exact(tmp_path):
+    """TP=2 through the in-process harness, the service with --storage-url: engine a's pages and window pages are saved
+    per rank; a service on a fresh region brings them back for engine b, each rank its own shard, bit-exact; nothing held."""
+    from support.service import store_files
+    sock = str(tmp_path / "run" / "node.sock")
+    l3 = tmp_path / "l3"
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{l3}")
+    b = None
+    try:
+        a = HybridEngine(sock, seed=1, ranks=2)
+        try:
+            assert a.serve("a", X, range(1, 8), range(10, 17)) == (0, False)
+            a.settle()
+        finally:
+            a.close()
+        wait_until(lambda: query_status(sock)["l3"]["saving_pages"] == 0 and query_status(sock)["clients"] == 0, 30)
+        st = query_status(sock)
+        files = store_files(l3)
+        stop(svc.proc)
+        svc = start_service(sock, 0.01, "--storage-url", f"file://{l3}", "--fresh-region")
+        b = HybridEngine(sock, seed=2, ranks=2, service_lookup_timeout_s=10.0)
+        external, failed = b.serve("b", X, range(30, 37), range(40, 47))
+        b.settle()
+        after = query_status(sock)
+        assert (external, failed) == (24, False), (external, failed, after["l3"], sorted(files)[:20], st["l3"])
+        for rank in (0, 1):
+            for i in range(6):
+                assert b.block(FULL_LAYER, 40 + i, rank) == a.block(FULL_LAYER, 10 + i, rank), f"rank {rank} page {i}"
+            for i in (4, 5):
+                assert b.block(WINDOW_LAYER, 30 + i, rank) == a.block(WINDOW_LAYER, 1 + i, rank), f"rank {rank} window page {i}"
+        b.scheduler.core.check_integrity(idle=True)
+        assert after["held"] == 12 and st["l3"]["saved_pages"] == 12 and len(files) == 24  # (6 pages + 6 window pages, x2 ranks)
+    finally:
+        if b is not None:
+            b.close()
+        stop(svc.proc)
+
+
+@pytest.mark.parametrize("damage", ["delete", "corrupt"])
+def test_a_window_object_missing_or_corrupt_on_one_rank_is_never_published(tmp_path, damage):
+    """Rank 1's window objects of the boundary's pages gone (or corrupt) in the store: a fresh region never offers those
+    window pages (rank 0's alone would be half an object); what b loads is each rank's own, and nothing stays held."""
+    from support.vllm_hybrid_split import request
+
+    from kvtier.hashing import group_object_key, page_keys
+    sock = str(tmp_path / "run" / "node.sock")
+    l3 = tmp_path / "l3"
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{l3}")
+    b = None
+    try:
+        a = HybridEngine(sock, seed=1, ranks=2)
+        try:
+            assert a.serve("a", X, range(1, 8), range(10, 17)) == (0, False)
+            a.settle()
+            root = a.scheduler._request_root(request("k", X))
+            keys = page_keys(X[:24], 4, root, a.options.cache.hash_algo)
+        finally:
+            a.close()
+        wait_until(lambda: query_status(sock)["l3"]["saving_pages"] == 0 and query_status(sock)["clients"] == 0, 30)
+        stop(svc.proc)
+        rank1 = [d for d in l3.iterdir() if "_tp1-" in d.name]
+        assert len(rank1) == 1
+        hit = 0
+        for i in (4, 5):
+            h = group_object_key(keys[i], "window").hex()
+            path = rank1[0] / h[:2] / h
+            assert path.is_file(), path
+            hit += 1
+            if damage == "delete":
+                path.unlink()
+            else:
+                data = bytearray(path.read_bytes())
+                data[-3] ^= 0xFF
+                path.write_bytes(bytes(data))
+        assert hit == 2
+        svc = start_service(sock, 0.01, "--storage-url", f"file://{l3}", "--fresh-region")
+        b = HybridEngine(sock, seed=2, ranks=2, service_lookup_timeout_s=10.0)
+        external, failed = b.serve("b", X, range(30, 37), range(40, 47))
+        b.settle()
+        assert not failed
+        pages = external // 4
+        for rank in (0, 1):
+            for i in range(pages):
+                assert b.block(FULL_LAYER, 40 + i, rank) == a.block(FULL_LAYER, 10 + i, rank), f"rank {rank} page {i}"
+            for i in range(max(0, pages - 2), pages):
+                assert b.block(WINDOW_LAYER, 30 + i, rank) == a.block(WINDOW_LAYER, 1 + i, rank), f"rank {rank} window page {i}"
+        assert pages < 6, external  # (the boundary at page 6 reads window pages 4 and 5: rank 1's are gone)
+        b.close()
+        b = None
+        wait_until(lambda: query_status(sock)["clients"] == 0, 30)
+        wait_until(lambda: query_status(sock)["l3"]["saving_pages"] == 0, 30)  # (b's own window pages, published: saved)
+        st = query_status(sock)
+        assert st["held"] == 0 and st["writing"] == 0 and st["l3"]["fetching_pages"] == 0, st
+    finally:
+        if b is not None:
+            b.close()
+        stop(svc.proc)

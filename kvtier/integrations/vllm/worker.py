@@ -52,7 +52,7 @@ from kvtier.errors import ConfigError, ServiceError
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace, split_fingerprint
-from kvtier.integrations.vllm.groups import VllmGroup, model_spec
+from kvtier.integrations.vllm.groups import VllmGroup
 from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches, map_state_caches
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta, RankResult
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats
@@ -191,14 +191,17 @@ class ConnectorWorker:
                 pages = tiers.host_pages_for(spec.page_bytes + sum(gspec.page_bytes for gspec, _ in built.values()))
                 host = HostPool(spec, pages, tiers.host_layout)
                 pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
-            fingerprint = model_spec(self.model_name, self.groups, {"full": spec, **{n: sp for n, (sp, _) in built.items()}}).fingerprint()
+            # (a hybrid's L3 objects are named by its node service region's format -- the page's spec split over the ranks, an
+            # object pool per other group --, so its own L3 and a service's over one store keep one set of objects)
+            region = RegionFormat.of_shards(spec, tiers.host_layout, self.tp_size)
+            fingerprint = region.with_objects([ObjectPool(name, gspec) for name, (gspec, _d) in built.items()]).fingerprint
         # (the split is in it: a rank's shard is another head at another split, see split_fingerprint). MLA's latent, the same
         # on every rank, is one L3 object a page, in rank 0's namespace: rank 0 saves it, every rank loads it -- not under
         # context parallelism (each rank's latent is other tokens'), nor for a hybrid model (one object a rank, every group's)
         replicated = (self.groups is None and spec.attention in REPLICATED_ATTENTION and self.tp_size > 1 and self.shared_latent)
         self._leaves_saves = replicated and self.tp_rank > 0
-        namespace = self.namespace = Namespace(self.model_name, split_fingerprint(fingerprint, self.tp_size),
-                                               0 if replicated else self.tp_rank, self.options.salt)
+        split = fingerprint if self.groups else split_fingerprint(fingerprint, self.tp_size)  # (a hybrid's region format has it)
+        namespace = self.namespace = Namespace(self.model_name, split, 0 if replicated else self.tp_rank, self.options.salt)
         self._page_tokens, self._page_bytes = spec.page_size, spec.page_bytes
         self._group_page_bytes = {name: hp.spec.page_bytes for name, (_, hp) in pools.items()}
         self._group_page_bytes.update({name: gspec.page_bytes for name, (gspec, _d) in self._unmapped_groups.items()})
