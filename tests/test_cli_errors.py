@@ -86,11 +86,16 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("bench-service-scheduler-waiting", ["bench", "service", "--scheduler-waiting", "1,many"], "--scheduler-waiting '1,many'"),
         ("bench-service-scheduler-waiting-0", ["bench", "service", "--scheduler-waiting", "0"], "counts from 1 to 100000"),
         ("bench-storage-backend-unknown", ["bench", "storage", "--backends", "nosuch"], "nosuch"),
-        ("bench-storage-backends-empty", ["bench", "storage", "--backends", ","], "names no backend"),
+        ("bench-storage-backends-empty", ["bench", "storage", "--backends", ","], "names none"),
         ("bench-storage-pages-0", ["bench", "storage", "--pages", "0"], "--pages"),
         ("bench-storage-reps-0", ["bench", "storage", "--reps", "0"], "--reps"),
         ("bench-storage-page-size-0", ["bench", "storage", "--page-size", "0"], "--page-size"),
         ("bench-sglang-reps-0", ["bench", "sglang", "--reps", "0"], "--reps"),
+        ("audit-tiers-unknown", ["audit", "timing", "--tiers", "device,gpu"], "'gpu'"),
+        ("audit-tiers-empty", ["audit", "timing", "--tiers", ","], "--tiers ',' names none"),
+        ("audit-samples-few", ["audit", "timing", "--samples", "3"], "at least 8"),
+        ("audit-prompt-one-page", ["audit", "timing", "--prompt-tokens", "32"], "more than one page"),
+        ("audit-alpha-2", ["audit", "timing", "--alpha", "2"], "between 0 and 1"),
         ("bench-sglang-pages-0", ["bench", "sglang", "--pages", "0"], "--pages"),
         ("bench-sglang-backend-unknown", ["bench", "sglang", "--backends", "redis"], "'redis'"),
         ("bench-plan-reps-0", ["bench", "plan", "--reps", "0"], "--reps"),
@@ -167,7 +172,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 58 + 14 + 5 + 2
+    assert len(table) == 58 + 14 + 5 + 2 + 5  # (+5: kvtier audit timing)
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

@@ -35,6 +35,7 @@ VLLM_SERVE = ("tests/test_vllm_connector.py::test_vllm_serve_over_http_restart_h
               "tests/test_vllm_connector.py::_serve_twice_over_http", "tests/support/vllm_server.py::VllmServer.start")
 RUN_HYBRID = ("tests/test_hybrid_run.py::test_kvtier_run_model_hybrid_is_bit_exact_with_hits_from_every_tier",)
 SOAK = ("tests/test_service_soak.py::test_fifty_crash_cycles_give_no_wrong_output_no_stuck_lease_and_no_failed_restart",)
+AUDIT = ("tests/test_audit.py::test_the_command_prints_its_verdicts_as_json_and_exits_1_unless_every_tier_passes",)
 PLAN_HYBRID = ("tests/test_docs_commands.py::test_kvtier_plan_of_a_hybrid_preset_with_its_window_pages_in_a_pool_of_their_own",)
 
 #: every command docs/ shows that a test runs -> that code (a file alone: it holds the command as it is written)
@@ -99,6 +100,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
         "tests/test_bench_service.py::test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service",),
     "kvtier bench service --json [--vllm]": (
         "tests/test_bench_service.py::test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service",),
+    "kvtier audit timing": AUDIT,
+    "kvtier audit timing --json": AUDIT,
     "kvtier bench service --soak N": SOAK,
     "kvtier bench service --soak 1000 --json": SOAK,
     "kvtier serve": SERVE,

@@ -175,6 +175,45 @@ def bench_service(
     _emit(to_json(bench), as_json)
 
 
+audit_app = typer.Typer(no_args_is_help=True, help="Audits that print measured verdicts as JSON.")
+app.add_typer(audit_app, name="audit")
+
+
+@audit_app.command("timing")
+def audit_timing(
+    tiers: str = typer.Option(",".join(("device", "host", "service", "file", "redis")),
+                              help="the tiers to audit, comma-separated: device, host, service (a kvtier serve it starts), file, "
+                                   "redis (a redis-server it starts)"),
+    samples: int = typer.Option(250, min=1, help="rounds per tier: each a victim prompt, then a probe, a miss and a control"),
+    prompt_tokens: int = typer.Option(128, min=1, help="tokens per prompt (kvtier run's reference model: 32-token pages)"),
+    alpha: float = typer.Option(0.01, help="the probes pass when the KS test's p >= alpha (Gu et al.'s 0.01)"),
+    control_alpha: float = typer.Option(0.001, help="the audit of a tier is void unless the control's p < this"),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar per tier"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Whether one tenant can tell by time to first token that another sent a prompt (Gu et al., ICML 2025), through each
+    tier, on kvtier run's engine: two-sample KS tests of a second tenant's probes against fresh misses, and of the first
+    tenant's own hits (the control). Exit 1 when a tier fails or is void."""
+    names = _backend_list(tiers, ("device", "host", "service", "file", "redis"), "--tiers")
+    from kvtier.app.audit import run_timing_audit
+
+    def bar(tier: str):
+        if not progress:
+            return lambda: None
+        from tqdm import tqdm
+
+        t = tqdm(total=samples, desc=f"audit {tier}", leave=False, file=sys.stderr)
+        return lambda: t.update(1) if t.n + 1 < samples else t.close()
+
+    audit = run_timing_audit(list(names), samples, prompt_tokens, alpha, control_alpha, progress=bar)
+    _emit(audit.as_dict() if as_json else [{"tier": t.tier, "verdict": t.verdict, "samples": t.samples,
+                                            **{f"{k}_ms": v for k, v in t.median_ms.items()},
+                                            "probe_p": t.probe_vs_miss.pvalue, "control_p": t.control_vs_miss.pvalue,
+                                            "probe_hit_tokens": t.hit_tokens["probe"]} for t in audit.tiers], as_json)
+    if not audit.passed:
+        raise typer.Exit(1)
+
+
 def _counts(text: str, option: str) -> tuple[int, ...]:
     """``option``'s comma-separated positive counts, or a :class:`ConfigError` naming what is wrong."""
     from kvtier.errors import ConfigError
@@ -185,16 +224,16 @@ def _counts(text: str, option: str) -> tuple[int, ...]:
     return tuple(dict.fromkeys(int(p) for p in parts))
 
 
-def _backend_list(backends: str, valid: tuple[str, ...]) -> tuple[str, ...]:
-    """``--backends``: names from ``valid``, comma-separated, at least one, each once."""
+def _backend_list(backends: str, valid: tuple[str, ...], option: str = "--backends") -> tuple[str, ...]:
+    """``option`` (``--backends``): names from ``valid``, comma-separated, at least one, each once."""
     from kvtier.errors import ConfigError, UnknownNameError
 
     names = tuple(dict.fromkeys(b.strip() for b in backends.split(",") if b.strip()))
     if not names:
-        raise ConfigError(f"--backends {backends!r} names no backend; give one or more of {', '.join(valid)}, comma-separated")
+        raise ConfigError(f"{option} {backends!r} names none; give one or more of {', '.join(valid)}, comma-separated")
     for b in names:
         if b not in valid:
-            raise UnknownNameError("--backends entry", b, valid)
+            raise UnknownNameError(f"{option} entry", b, valid)
     return names
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 #: inline code that is a command (not a path like ``kvtier/app/`` or a line of output like ``kvtier serve: listening``)
-COMMAND_START = re.compile(r"(\./run\.sh|\.venv/bin/|python3? |pip install|vllm serve|kvtier (run|plan|bench|serve|spec)(\s|$))")
+COMMAND_START = re.compile(r"(\./run\.sh|\.venv/bin/|python3? |pip install|vllm serve|kvtier (run|plan|bench|serve|spec|audit)(\s|$))")
 #: languages of fenced blocks whose lines are commands
 SHELL = ("bash", "sh", "shell", "console")
 #: a quoted argument longer than this shows as ``'...'`` in a command's key (a JSON config is checked on its own)
