@@ -88,19 +88,28 @@ def test_parallel_configs_the_service_cannot_serve_are_config_errors(parallel, m
         check_parallel(config, ConnectorOptions.from_extra_config({}))
 
 
-def test_a_hybrid_model_whose_latent_every_rank_shares_is_refused_above_one_rank_with_the_service_before_anything_attaches():
-    """Above one rank a hybrid model's object pools hold each rank's shard beside the others' (tests/test_vllm_hybrid.py);
-    an MLA page is one shard every rank shares, so a hybrid model of one is refused at the handshake, naming the fix."""
+def test_a_hybrid_models_mla_latent_goes_beside_its_objects_a_copy_per_rank_above_one_rank(tmp_path):
+    """Above one rank a hybrid model's object pools hold each rank's shard beside the others' (tests/test_vllm_hybrid.py),
+    published with its page once every rank wrote: an MLA latent, the same on every rank, is then stored a copy per rank
+    beside them (as each rank's own L3 keeps a hybrid's), never one shard that rank 0 alone writes."""
     from kvtier.integrations.vllm.messages import KVTierHandshake
+    from kvtier.service.region import RegionFormat
     from kvtier.spec import KVSpec
+    from support.service import running_service
 
-    opts = ConnectorOptions.from_extra_config({"service": "/nowhere/node.sock"})
     groups = [VllmGroup(0, "full", "full", ("l0",), BS), VllmGroup(1, "window", "sliding_window", ("l1",), BS, window=8)]
-    scheduler = ConnectorScheduler(opts, BS, 2, "tiny", groups)  # (an MHA hybrid above one rank: taken)
     latent, window = KVSpec.mla("tiny-mla", 1, 12, 4, BS), KVSpec.mha("tiny-window", 1, 1, 8, BS)
-    shakes = {r: KVTierHandshake(r, latent, 0, None, {"window": (window, 0)}) for r in range(2)}
-    with pytest.raises(ConfigError, match="mla page is one shard every rank shares at tensor-parallel size 2: drop service"):
-        scheduler.handshake(shakes)
+    with running_service(tmp_path, 0.01) as svc:
+        opts = ConnectorOptions.from_extra_config({"service": svc.socket, "host_pages": 8})
+        scheduler = ConnectorScheduler(opts, BS, 2, "tiny", groups)
+        scheduler.handshake({r: KVTierHandshake(r, latent, 0, None, {"window": (window, 0)}) for r in range(2)})
+        try:
+            fmt = scheduler.leased.client.fmt
+            assert fmt.shards == 2 and [o.shards for o in fmt.objects] == [2]
+            assert fmt.buffer_page_bytes == RegionFormat.of_shards(latent, fmt.layout, 2).buffer_page_bytes  # (two latents a page)
+            assert RegionFormat.of_ranks(latent, fmt.layout, 2)[1] == 1  # (without objects: one, rank 0's)
+        finally:
+            scheduler.shutdown()
 
 
 def test_an_engine_started_before_the_service_serves_with_misses_then_attaches_on_its_own_and_its_workers_map_the_region(tmp_path,

@@ -296,6 +296,16 @@ def _row_object(item: object) -> RowObject | None:
     return RowObject(fp, page_size) if ok else None
 
 
+def region_format_of(spec: KVSpec, layout: str, tp_size: int, *, hybrid: bool) -> tuple[RegionFormat, int]:
+    """The region page of an engine of ``tp_size`` ranks whose shards each make ``spec``, and how many shards it holds
+    (:meth:`RegionFormat.of_ranks`) -- but a hybrid model's page holds every rank's shard even of MLA's latent: its other
+    groups' objects are each rank's own (a state, a window of its heads), and a page is published with its objects once
+    every rank wrote them, so the latent goes beside them a copy per rank, as each rank's own L3 keeps it."""
+    if hybrid:
+        return RegionFormat.of_shards(spec, layout, tp_size), tp_size
+    return RegionFormat.of_ranks(spec, layout, tp_size)
+
+
 def _rows_of(wire: object, fmt: RegionFormat) -> tuple[RowObject, ...]:
     """The row objects a hello's format names, checked: one per buffer of a one-layer page_first format, each a
     16-hex-digit fingerprint and a page size, together the format's fingerprint (:func:`rows_fingerprint`)."""

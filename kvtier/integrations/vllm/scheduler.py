@@ -70,7 +70,7 @@ from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler_port import SchedulerPort, StoreProbe
 from kvtier.service.attach import attach_pages
 from kvtier.service.leased import LeasedPages
-from kvtier.service.region import ObjectPool, RegionFormat
+from kvtier.service.region import ObjectPool, region_format_of
 from kvtier.spec import KVSpec
 
 if TYPE_CHECKING:
@@ -277,18 +277,14 @@ class ConnectorScheduler:
         """Attach to the node service: its region's pages hold every rank's shard of a page
         (:meth:`~kvtier.service.region.RegionFormat.of_shards`) -- or, for MLA's latent, which every rank
         holds whole, the one shard rank 0 writes and every rank reads
-        (:meth:`~kvtier.service.region.RegionFormat.of_ranks`) -- in a namespace of the model, the shards'
+        (:meth:`~kvtier.service.region.RegionFormat.of_ranks`; not beside a hybrid model's objects, each rank's own:
+        :func:`~kvtier.service.region.region_format_of`) -- in a namespace of the model, the shards'
         fingerprint with the tensor-parallel size, and the salt. ``host_pages`` / ``host_gb`` size this
         engine's share of the region (pages of every rank's shards); given neither, the share is the region.
         ``objects``: a hybrid model's other groups (name -> the spec of one object): an object pool each in the region
         (:meth:`~kvtier.service.region.RegionFormat.with_objects`), in the order the scheduler lists them."""
         tiers = self.options.tiers
-        fmt, shards = RegionFormat.of_ranks(spec, tiers.host_layout, self.world_size)
-        if objects and shards != self.world_size:
-            raise ConfigError(f"kvtier connector: the node service (service=...) keeps a hybrid model's group objects as each rank's "
-                              f"shards beside the page's, but this model's {spec.attention} page is one shard every rank shares at "
-                              f"tensor-parallel size {self.world_size}: drop service (kvtier keeps a host tier of its own), or serve "
-                              "it on one rank")
+        fmt, shards = region_format_of(spec, tiers.host_layout, self.world_size, hybrid=bool(objects))
         # (each object pool holds every rank's shard of an object, as the page does: RegionFormat.object_shard)
         fmt = fmt.with_objects([ObjectPool(name, ospec) for name, ospec in objects.items()])
         # (a replicated latent's page is one rank's: the namespace still names the split, whose numerics it is)

@@ -62,7 +62,7 @@ from kvtier.pools import HostPool
 from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import SessionWriter
 from kvtier.service.peer import check_socket_dir
-from kvtier.service.region import REPLICATED_ATTENTION, ObjectPool, Region, RegionFormat, map_region
+from kvtier.service.region import REPLICATED_ATTENTION, ObjectPool, Region, map_region, region_format_of
 from kvtier.spec import KVSpec
 from kvtier.transfer.engine import TransferEngine
 
@@ -193,7 +193,7 @@ class ConnectorWorker:
                 pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
             # (a hybrid's L3 objects are named by its node service region's format -- the page's spec split over the ranks, an
             # object pool per other group --, so its own L3 and a service's over one store keep one set of objects)
-            region = RegionFormat.of_shards(spec, tiers.host_layout, self.tp_size)
+            region, _shards = region_format_of(spec, tiers.host_layout, self.tp_size, hybrid=True)
             fingerprint = region.with_objects([ObjectPool(name, gspec) for name, (gspec, _d) in built.items()]).fingerprint
         # (the split is in it: a rank's shard is another head at another split, see split_fingerprint). MLA's latent, the same
         # on every rank, is one L3 object a page, in rank 0's namespace: rank 0 saves it, every rank loads it -- not under
@@ -237,8 +237,8 @@ class ConnectorWorker:
             raise ConfigError("kvtier worker: the scheduler names a node service region, but this worker was not configured with "
                               "service=...; give every rank the same kv_connector_extra_config")
         spec = self._unmapped[0] if self._unmapped is not None else self._host.spec
-        want, shards = RegionFormat.of_ranks(spec, self.options.tiers.host_layout, self.tp_size)
         groups = self._unmapped_groups
+        want, shards = region_format_of(spec, self.options.tiers.host_layout, self.tp_size, hybrid=bool(groups))
         want = want.with_objects([ObjectPool(name, gspec) for name, (gspec, _d) in groups.items()])
         if region.format != want:
             raise ConfigError(f"kvtier worker rank {self.tp_rank}: the node service's region holds pages of {region.format}, this rank's "
