@@ -236,13 +236,7 @@ def test_an_object_pools_name_that_is_not_its_keys_is_a_protocol_error(service):
     assert query_status_of(service.socket)()["published_pages"] == 0
 
 
-def test_a_pool_the_service_cannot_hold_is_refused_at_registration(service):
-    """Mamba state is each rank's own beside MLA KV every rank shares: one region per node holds one copy of a page's
-    pools, so at TP=2 that is a ConfigError when the pool registers; so is any pool registered after the region page was fixed."""
-    backend = StorageBackendFactory.create_backend("dynamic", service_config(service.socket, tp_rank=1, tp_size=2, mla=True), mla_pool())
-    backend.register_mem_pool_host(mla_pool())
-    with pytest.raises(ConfigError, match="mamba.*each rank's own.*L3 store"):
-        backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+def test_a_pool_registered_after_the_region_page_was_fixed_is_refused(service):
     late = attach(service_config(service.socket), mha_pool())
     with pytest.raises(ConfigError, match="registered after"):
         late.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
@@ -364,17 +358,34 @@ def test_swa_and_mamba_beside_kv_two_object_pools_of_other_row_sizes_read_back_b
         assert (st["held"], st["writing"]) == (0, 0) and st["object_pools"] == ["swa", "mamba"]
 
 
-def test_mamba_beside_mla_at_tp2_is_refused_on_every_rank(tmp_path):
-    """Mamba beside MLA above one rank is refused on rank 0 as on rank 1 (each rank's state beside a latent they share)."""
-    from kvtier.errors import ConfigError
-    from support.sglang_helpers import PoolName, StorageBackendFactory, _mamba_pool, mla_pool, storage_config
-
+def test_mamba_state_beside_mla_at_tp2_is_each_ranks_own_in_one_region_beside_the_latent_stored_once(tmp_path):
+    """MLA's latent is the same on both ranks (SGLang's storage writer, rank 0, writes it once); each rank's Mamba state is
+    its own, published in that rank's namespace: each rank reads back its own state bit-exact, never the other's."""
+    P = 4
+    keys = page_keys(list(range(16)), P)
     with running_service(tmp_path) as svc:
-        cfg = storage_config(None, service=f"unix://{svc.socket}", tp_rank=0, tp_size=2, mla=True)
-        backend = StorageBackendFactory.create_backend("dynamic", cfg, mla_pool())
-        backend.register_mem_pool_host(mla_pool())
-        with pytest.raises(ConfigError, match="rank"):
-            backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+        latent = mla_pool()
+        fill(latent, seed=52)
+        idx = latent.alloc(16)
+        states = [_mamba_pool(seed=50 + r) for r in range(2)]
+        ranks = [attach(service_config(svc.socket, tp_rank=r, tp_size=2, mla=True), latent, (PoolName.MAMBA, states[r])) for r in range(2)]
+        assert [b.own_service is not None for b in ranks] == [False, True]  # (rank 0's state is in the KV pool's namespace)
+        assert [b.batch_set_v1(keys, idx) for b in ranks] == [[True] * 4] * 2  # (rank 1 finds rank 0's latent stored)
+        for b in ranks:
+            assert b.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=keys[-1:])]) == {"mamba": [True]}
+        status = query_status_of(svc.socket)()
+        assert sorted(status["pages_per_namespace"].values()) == [1, 4 + 1]  # the latent once; a state per rank
+        for r in range(2):
+            back = _mamba_pool()
+            reader = attach(service_config(svc.socket, tp_rank=r, tp_size=2, mla=True), mla_pool(), (PoolName.MAMBA, back))
+            last = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            assert reader.batch_exists_v2(keys, [last]).restorable_prefix_pages == [4]
+            assert reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([4]), keys=keys[-1:])]) == \
+                {"mamba": [True]}
+            assert torch.equal(back.get_data_page(4), states[r].get_data_page(2)), f"rank {r} read another rank's state"
+            assert not torch.equal(back.get_data_page(4), states[1 - r].get_data_page(2))
+            reader.close()
+        assert query_status_of(svc.socket)()["held"] == 0
 
 
 def test_a_backup_of_more_window_pages_than_the_object_pool_holds_leaves_nothing_held(tmp_path):

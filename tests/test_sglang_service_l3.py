@@ -331,3 +331,49 @@ def test_a_find_of_pool_0_with_names_on_an_l3_service_is_answered_or_refused_typ
         assert stop(svc.proc) == 0
     log = svc.proc.stderr.read()
     assert "an internal error serving it" not in log, log[-2000:]
+
+
+def test_mamba_state_beside_mla_at_tp2_is_saved_by_the_service_as_each_ranks_own_l3_saves_it(tmp_path):
+    """MLA's latent once (SGLang's storage writer), each rank's Mamba state under that rank's namespace: the files a
+    service with L3 saves are the ones each rank's own L3 writes of the same pages."""
+    import torch
+
+    from support.sglang_helpers import PoolHitPolicy, PoolTransfer, _mamba_pool
+
+    sock = str(tmp_path / "run" / "node.sock")
+    via_service, own = tmp_path / "l3-service", tmp_path / "l3-own"
+    latent = mla_pool()
+    fill(latent, seed=52)
+    idx = latent.alloc(len(TOKENS))
+    states = [_mamba_pool(seed=60 + r) for r in range(2)]
+
+    def back_up(url: str | None = None, **service) -> None:
+        for r in range(2):
+            backend = attach(storage_config(url, tp_rank=r, tp_size=2, mla=True, **service), latent, (PoolName.MAMBA, states[r]))
+            backend.batch_set_v1(KEYS, idx)
+            assert backend.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([3]), keys=KEYS[-1:])]) == \
+                {"mamba": [True]}
+            backend.close()
+
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{via_service}", "--drain-timeout-s", "30")
+    try:
+        back_up(service=f"unix://{sock}")
+    finally:
+        assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
+    back_up(url=f"file://{own}")
+    written = store_files(own)
+    assert len(written) == PAGES + 2 and store_files(via_service) == written  # the latent once, a state per rank
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{own}")  # each rank's own state, through a service
+    try:
+        for r in range(2):
+            back = _mamba_pool()
+            reader = attach(storage_config(None, service=f"unix://{sock}", service_lookup_timeout_s=4.0, tp_rank=r, tp_size=2, mla=True),
+                            mla_pool(), (PoolName.MAMBA, back))
+            last = PoolTransfer(name=PoolName.MAMBA, keys=KEYS[-1:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+            assert reader.batch_exists_v2(KEYS, [last]).restorable_prefix_pages == [PAGES]
+            assert reader.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([5]), keys=KEYS[-1:])]) == \
+                {"mamba": [True]}
+            assert torch.equal(back.get_data_page(5), states[r].get_data_page(3)), r
+            reader.close()
+    finally:
+        assert stop(svc.proc) == 0

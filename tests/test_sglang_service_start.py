@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from support.service import start_service, stop, wait_until
-from support.sglang_helpers import (PoolName, StorageBackendFactory, _mamba_pool, attach, fill, mha_pool, mla_pool, page_bytes, page_keys,
+from support.sglang_helpers import (PoolName, StorageBackendFactory, _mamba_pool, attach, fill, mha_pool, page_bytes, page_keys,
                                     storage_config)
 from kvtier.errors import ConfigError, ServiceError
 from kvtier.service.client import query_status
@@ -135,11 +135,14 @@ def test_service_required_without_a_service_names_the_fix(caplog):
 
 
 def test_a_pool_the_service_cannot_hold_is_one_error_line_before_the_raise(tmp_path, caplog):
-    """(Mamba state is each rank's own beside MLA KV every rank shares: one region per node cannot hold it at TP=2.)"""
-    cfg = service_config(str(tmp_path / "node.sock"), tp_rank=1, tp_size=2, mla=True)
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, mla_pool())
-    backend.register_mem_pool_host(mla_pool())
+    """(A ninth pool with page ids of its own: the region holds at most eight beside its pages.)"""
+    backend = StorageBackendFactory.create_backend("dynamic", service_config(str(tmp_path / "node.sock")), mha_pool())
+    backend.register_mem_pool_host(mha_pool())
+    names = [PoolName.SWA, PoolName.MAMBA, PoolName.AUXILIARY_SWA, PoolName.DRAFT_SWA, PoolName.DEEPSEEK_V4_C4_STATE,
+             PoolName.DEEPSEEK_V4_C128_STATE, PoolName.DEEPSEEK_V4_C4_INDEXER_STATE, PoolName.DEEPSEEK_V4_C128]
+    for name in names:
+        backend.register_mem_host_pool_v2(mha_pool(heads=1), name)
     with pytest.raises(ConfigError, match="L3 store"):
-        backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+        backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.DEEPSEEK_V4_C4)
     (error,) = kvtier_records(caplog, logging.ERROR)
-    assert "mamba" in error.getMessage() and "kvtier HiCache storage: " not in error.getMessage()
+    assert "deepseek_v4_c4" in error.getMessage().lower() and "kvtier HiCache storage: " not in error.getMessage()

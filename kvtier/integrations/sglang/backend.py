@@ -183,6 +183,8 @@ class KvtierStorage(HiCacheStorage):
         self.mem_pool_host = None
         #: the node service's pages (options.service), made once the pools are known; None: an L3 store
         self.service: ServicePages | None = None
+        #: this rank's own pools' pages where their namespace is not the KV pool's (Mamba state beside MLA above one rank)
+        self.own_service: ServicePages | None = None
         self._service_lock = threading.Lock()
         self.backend = self.breaker = self.mover = self._io = None
         self.io_threads = 1
@@ -252,15 +254,9 @@ class KvtierStorage(HiCacheStorage):
 
     # ---- the node service -------------------------------------------------------------
     def _check_service_pool(self, name: str, pool, kv_derived: bool) -> None:
-        """The service holds every pool (a pool with page ids of its own in an object pool of the region), registered before
-        its region page is fixed; a pool of this rank's own beside KV every rank shares (Mamba state beside MLA above one
-        rank) it does not: the region's object pools are the KV pool's namespace's, one copy per node."""
-        c = self.config
+        """The service holds every pool (a pool with page ids of its own in an object pool of the region), at most
+        :data:`MAX_OBJECT_POOLS` of those, registered before its region page is fixed."""
         own = name != PoolName.KV and not kv_derived
-        if own and c.is_mla_model and c.tp_size > 1 and name not in _KV_SHAPED:
-            raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) is each rank's own, beside KV pages "
-                              f"every rank shares (MLA at TP={c.tp_size}); the node service keeps one copy of a page's pools per "
-                              "node. Use an L3 store (storage_url, no service) for this model above one rank")
         held = sum(p.name != PoolName.KV and not p.kv_derived for p in self._pools.values())
         if own and held >= MAX_OBJECT_POOLS:
             raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) would be pool {held + 1} with page ids "
@@ -278,6 +274,16 @@ class KvtierStorage(HiCacheStorage):
         if self.options.service is not None:
             with _refusing_start():
                 self._service().attach_now(required=self.options.service_required)
+                if self.own_service is not None:
+                    self.own_service.attach_now(required=self.options.service_required)
+
+    def _service_of(self, pool: _Pool) -> ServicePages:
+        """The service's pages ``pool`` goes through: this rank's own pools' namespace where it is not the KV pool's
+        (Mamba state beside MLA above one rank), else the KV pool's."""
+        service = self._service()
+        if self.own_service is not None and service.object_pool_of(pool.pages) is not None:
+            return self.own_service
+        return service
 
     def _service(self) -> ServicePages:
         with self._service_lock:
@@ -291,9 +297,19 @@ class KvtierStorage(HiCacheStorage):
                 # objects would not be this backend's own L3's, so the format does not say how to store them)
                 objects = all(self._shard_rank(p.name) == namespace.tp_rank for p in pools)
                 o = self.options
-                self.service = ServicePages(o.socket_path, str(namespace), group, deadline_s=o.service_timeout_s,
-                                            lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault,
-                                            service_uid=o.service_uid, objects=objects, pools=own)
+
+                def pages(ns: Namespace) -> ServicePages:
+                    return ServicePages(o.socket_path, str(ns), group, deadline_s=o.service_timeout_s,
+                                        lookup_deadline_s=o.service_lookup_timeout_s, on_fault=self._count_fault,
+                                        service_uid=o.service_uid, objects=objects, pools=own)
+
+                self.service = pages(namespace)
+                # (each rank's own pools beside KV every rank shares -- Mamba state beside MLA above one rank -- are published in
+                # the namespace of this rank: its keys are its own, and a service with L3 saves them as this rank's own L3 would)
+                ranks = {self._shard_rank(p.name) for p in self._pools.values() if p.name != PoolName.KV and not p.kv_derived}
+                if ranks - {namespace.tp_rank}:
+                    (rank,) = ranks
+                    self.own_service = pages(Namespace(self.model, namespace.spec_fingerprint, rank, self.options.salt))
             return self.service
 
     def _pool(self, name) -> _Pool:
@@ -360,7 +376,7 @@ class KvtierStorage(HiCacheStorage):
             return []
         t0 = time.perf_counter()
         if self.options.service is not None and not pool.kv_derived and pool.name != PoolName.KV:
-            got = self._service().read_objects(pool.pages, list(keys), list(pages))
+            got = self._service_of(pool).read_objects(pool.pages, list(keys), list(pages))
             run = got.index(False) if False in got else len(got)
         elif self.options.service is not None:
             run = self._service().read(pool.pages, list(keys), list(pages))
@@ -415,7 +431,7 @@ class KvtierStorage(HiCacheStorage):
     def _write_to_service(self, pool: _Pool, keys: Sequence[str], pages: Sequence[int], t0: float) -> list[bool]:
         """The region pages of ``pages`` (every pool on these page ids: a page goes with its indexer); the
         leading run the service has already is not written again."""
-        service = self._service()
+        service = self._service_of(pool)
         if service.object_pool_of(pool.pages) is not None:
             objects = service.write_objects(pool.pages, list(keys), list(pages))
             self._count_write(pool, objects.stored, objects.written, time.perf_counter() - t0)
@@ -458,7 +474,7 @@ class KvtierStorage(HiCacheStorage):
         keys = list(keys)
         if self.options.service is None:
             return [self._stored_prefix(pool, [k]) == 1 for k in keys]
-        service = self._service()
+        service = self._service_of(pool)
         if service.object_pool_of(pool.pages) is not None:
             valid = self._valid_prefix(keys)
             return service.present(pool.pages, keys[:valid]) + [False] * (len(keys) - valid)
@@ -679,8 +695,9 @@ class KvtierStorage(HiCacheStorage):
         return ok
 
     def close(self) -> None:
-        if self.service is not None:
-            self.service.close()
+        for service in (self.service, self.own_service):
+            if service is not None:
+                service.close()
         for io in (self._io or {}).values():
             io.shutdown(wait=True)
         if self.backend is not None:
