@@ -369,7 +369,7 @@ def test_mamba_state_beside_mla_at_tp2_is_each_ranks_own_in_one_region_beside_th
         idx = latent.alloc(16)
         states = [_mamba_pool(seed=50 + r) for r in range(2)]
         ranks = [attach(service_config(svc.socket, tp_rank=r, tp_size=2, mla=True), latent, (PoolName.MAMBA, states[r])) for r in range(2)]
-        assert [b.own_service is not None for b in ranks] == [False, True]  # (rank 0's state is in the KV pool's namespace)
+        assert [sorted(b.own_services) for b in ranks] == [[], [1]]  # (rank 0's state is in the KV pool's namespace)
         assert [b.batch_set_v1(keys, idx) for b in ranks] == [[True] * 4] * 2  # (rank 1 finds rank 0's latent stored)
         for b in ranks:
             assert b.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=torch.tensor([2]), keys=keys[-1:])]) == {"mamba": [True]}

@@ -16,7 +16,7 @@ import signal
 import pytest
 
 from support.service import start_service, stop, wait_until
-from support.sglang_helpers import (PoolName, StorageBackendFactory, _mamba_pool, attach, fill, mha_pool, page_bytes, page_keys,
+from support.sglang_helpers import (PoolName, StorageBackendFactory, _mamba_pool, attach, fill, mha_pool, mla_pool, page_bytes, page_keys,
                                     storage_config)
 from kvtier.errors import ConfigError, ServiceError
 from kvtier.service.client import query_status
@@ -146,3 +146,46 @@ def test_a_pool_the_service_cannot_hold_is_one_error_line_before_the_raise(tmp_p
         backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.DEEPSEEK_V4_C4)
     (error,) = kvtier_records(caplog, logging.ERROR)
     assert "deepseek_v4_c4" in error.getMessage().lower() and "kvtier HiCache storage: " not in error.getMessage()
+
+
+def test_mla_with_a_draft_pool_and_mamba_above_one_rank_starts_each_pool_in_its_shards_namespace(tmp_path):
+    """SGLang's draft KV host pool (an MLATokenToKVPoolHost: no ``decl``) is one of kvtier's own pools, sharded as the KV
+    under MLA; Mamba state is sharded by the TP rank. On rank 1 the draft stays in the KV pool's namespace and the state
+    goes in rank 1's (a review found a ValueError at start here)."""
+    sock = str(tmp_path / "run" / "node.sock")  # (no service needed: the failure is before any hello)
+    backend = StorageBackendFactory.create_backend("dynamic", service_config(sock, tp_rank=1, tp_size=2, mla=True), mla_pool())
+    backend.register_mem_pool_host(mla_pool())
+    backend.register_mem_host_pool_v2(mla_pool(), PoolName.DRAFT)  # (MTP draft KV: an MLA host pool, as SGLang builds it)
+    backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+    try:
+        backend.on_host_pools_registered()  # (no service there: a warning, misses until it appears)
+        assert sorted(backend.own_services) == [1]
+        assert backend._service_of(backend._pool(PoolName.DRAFT)) is backend.service
+        assert backend._service_of(backend._pool(PoolName.MAMBA)) is backend.own_services[1]
+    finally:
+        backend.close()
+
+
+def test_a_required_service_that_is_not_there_leaves_no_rank_pages_attaching_behind(tmp_path):
+    """service_required and no service: the failed start closes the KV pool's pages and rank 1's own pool pages alike
+    (SGLang's hybrid controller keeps a backend whose on_host_pools_registered raised: a heartbeat left running would
+    attach an engine whose start failed once the service came up, as a review found)."""
+    sock = str(tmp_path / "run" / "node.sock")
+    backend = StorageBackendFactory.create_backend("dynamic", service_config(sock, tp_rank=1, tp_size=2, mla=True,
+                                                                             service_required=True), mla_pool())
+    backend.register_mem_pool_host(mla_pool())
+    backend.register_mem_host_pool_v2(_mamba_pool(), PoolName.MAMBA)
+    with pytest.raises(ServiceError, match="service_required"):
+        backend.on_host_pools_registered()
+    assert backend.service._closed and all(s._closed for s in backend.own_services.values()) and backend.own_services
+    svc = start_service(sock, 0.01)
+    try:
+        try:
+            wait_until(lambda: any(e["pid"] == os.getpid() for e in query_status(sock).get("engines", [])), 6.0)
+        except AssertionError:
+            return  # nothing attached: fine
+        pytest.fail(f"a backend whose required start failed attached to the service: "
+                    f"engines {[e.get('namespace', e) for e in query_status(sock)['engines']]}")
+    finally:
+        backend.close()
+        stop(svc.proc)

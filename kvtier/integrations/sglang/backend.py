@@ -183,8 +183,9 @@ class KvtierStorage(HiCacheStorage):
         self.mem_pool_host = None
         #: the node service's pages (options.service), made once the pools are known; None: an L3 store
         self.service: ServicePages | None = None
-        #: this rank's own pools' pages where their namespace is not the KV pool's (Mamba state beside MLA above one rank)
-        self.own_service: ServicePages | None = None
+        #: by shard rank, the pages of this rank's own pools whose namespace is not the KV pool's (Mamba state beside MLA
+        #: above one rank)
+        self.own_services: dict[int, ServicePages] = {}
         self._service_lock = threading.Lock()
         self.backend = self.breaker = self.mover = self._io = None
         self.io_threads = 1
@@ -273,17 +274,20 @@ class KvtierStorage(HiCacheStorage):
         super().on_host_pools_registered()
         if self.options.service is not None:
             with _refusing_start():
-                self._service().attach_now(required=self.options.service_required)
-                if self.own_service is not None:
-                    self.own_service.attach_now(required=self.options.service_required)
+                services = [self._service(), *self.own_services.values()]
+                try:
+                    for service in services:
+                        service.attach_now(required=self.options.service_required)
+                except BaseException:  # (a start that fails leaves nothing attached, nor a heartbeat that would attach)
+                    for service in services:
+                        service.close()
+                    raise
 
     def _service_of(self, pool: _Pool) -> ServicePages:
-        """The service's pages ``pool`` goes through: this rank's own pools' namespace where it is not the KV pool's
-        (Mamba state beside MLA above one rank), else the KV pool's."""
+        """The service's pages ``pool`` goes through: the namespace of its shard's rank where that is not the KV pool's
+        (a rank's Mamba state beside MLA above one rank), else the KV pool's."""
         service = self._service()
-        if self.own_service is not None and service.object_pool_of(pool.pages) is not None:
-            return self.own_service
-        return service
+        return self.own_services.get(self._shard_rank(pool.name), service) if service.object_pool_of(pool.pages) is not None else service
 
     def _service(self) -> ServicePages:
         with self._service_lock:
@@ -305,11 +309,11 @@ class KvtierStorage(HiCacheStorage):
 
                 self.service = pages(namespace)
                 # (each rank's own pools beside KV every rank shares -- Mamba state beside MLA above one rank -- are published in
-                # the namespace of this rank: its keys are its own, and a service with L3 saves them as this rank's own L3 would)
+                # the namespace of their shard's rank: its keys are its own, and a service with L3 saves them as that rank's own
+                # L3 would; a pool sharded as the KV -- a draft's -- stays in the KV pool's)
                 ranks = {self._shard_rank(p.name) for p in self._pools.values() if p.name != PoolName.KV and not p.kv_derived}
-                if ranks - {namespace.tp_rank}:
-                    (rank,) = ranks
-                    self.own_service = pages(Namespace(self.model, namespace.spec_fingerprint, rank, self.options.salt))
+                self.own_services = {rank: pages(Namespace(self.model, namespace.spec_fingerprint, rank, self.options.salt))
+                                     for rank in sorted(ranks - {namespace.tp_rank})}
             return self.service
 
     def _pool(self, name) -> _Pool:
@@ -695,7 +699,7 @@ class KvtierStorage(HiCacheStorage):
         return ok
 
     def close(self) -> None:
-        for service in (self.service, self.own_service):
+        for service in (self.service, *self.own_services.values()):
             if service is not None:
                 service.close()
         for io in (self._io or {}).values():
