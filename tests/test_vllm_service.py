@@ -591,8 +591,9 @@ def test_an_engine_attached_beside_another_and_one_restarted_after_both_get_the_
         assert outputs(first) == outputs(baseline)
         assert [r["external_hit_tokens"] for r in first["results"]] == [0, 0]  # an empty service
         stored = sum(n // first["block_size"] for n in LENGTHS)
-        assert first["worker_stats"][0]["offloaded_pages"] == stored and first["worker_stats"][0]["saved_pages"] == 0  # no L3
-        assert query_status(svc.socket)["ready"] == stored  # published, and kept after the engines are gone
+        # (copied out again where a prompt's second run asked before its first run's copies were published: a loaded machine)
+        assert first["worker_stats"][0]["offloaded_pages"] >= stored and first["worker_stats"][0]["saved_pages"] == 0  # no L3
+        assert sum(query_status(svc.socket)["pages_per_namespace"].values()) == stored  # indexed once, kept after the engines are gone
 
         [second] = seconds
         assert outputs(second) == outputs(baseline)[:1]
@@ -712,9 +713,11 @@ def test_tensor_parallel_two_ranks_each_keep_their_shard_in_the_region_and_a_res
         assert [r["external_hit_tokens"] for r in first["results"]] == [0, 0]
         want = outputs(first)
         stored = sum(n // first["block_size"] for n in LENGTHS)
-        # every full block copied out once by each rank (its shard), and each page published once, with both shards
-        assert [w["offloaded_pages"] for w in first["worker_stats"]] == [stored, stored], first["worker_stats"]
-        assert query_status(svc.socket)["ready"] == stored
+        # every full block copied out by each rank (its shard) -- again, where a prompt's second run asked before its first
+        # run's copies were published (a loaded machine) -- and each page indexed once, with both shards
+        offloaded = [w["offloaded_pages"] for w in first["worker_stats"]]
+        assert offloaded[0] == offloaded[1] >= stored, first["worker_stats"]
+        assert sum(query_status(svc.socket)["pages_per_namespace"].values()) == stored
         r0, r1 = first["regions"]
         assert r0["path"] == r1["path"] and r0["offset"] + r0["size"] == r1["offset"]  # one region, disjoint slices
         with open(r0["path"], "rb") as f:

@@ -130,3 +130,14 @@ def model_spec(name: str, groups: list[VllmGroup], specs: dict[str, KVSpec]) -> 
                KVGroup(g.name, g.kind, tuple(order[n] for n in g.layer_names), attention=specs[g.name], window=g.window)
                for g in groups)
     return ModelSpec(name, len(all_names), kv)
+
+
+def hybrid_fingerprint(spec: KVSpec, objects: list[tuple[str, KVSpec]], layout: str, tp_size: int) -> str:
+    """A hybrid model's identity under vLLM: its node-service region format's fingerprint (the full group's page ``spec``
+    split over ``tp_size`` ranks, and an object pool per other group, ``objects`` in vLLM's group order). It roots the
+    model's page keys and names every rank's L3 objects, so an engine's own L3 and a service's L3 over one store hold one
+    set of objects."""
+    from kvtier.service.region import ObjectPool, region_format_of
+
+    fmt, _shards = region_format_of(spec, layout, tp_size, hybrid=True)
+    return fmt.with_objects([ObjectPool(name, ospec) for name, ospec in objects]).fingerprint

@@ -64,7 +64,7 @@ from kvtier.core.shared_host import NO_SHARED_HOST
 from kvtier.errors import ConfigError
 from kvtier.hashing import Namespace, PageHash, hasher, page_keys, request_scope, scoped_root
 from kvtier.integrations.vllm.events import TierEvents
-from kvtier.integrations.vllm.groups import VllmGroup, model_spec
+from kvtier.integrations.vllm.groups import VllmGroup, hybrid_fingerprint, model_spec
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
 from kvtier.integrations.vllm.options import ConnectorOptions
 from kvtier.integrations.vllm.scheduler_port import SchedulerPort, StoreProbe
@@ -259,7 +259,8 @@ class ConnectorScheduler:
                                for g in self._others}
             self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, model=model, group_hosts=group_hosts,
                                          shared_host=self.leased if self.leased is not None else NO_SHARED_HOST)
-            fingerprint = model.fingerprint()
+            fingerprint = hybrid_fingerprint(first.spec, [(g.name, first.group_pages[g.name][0]) for g in self._others],
+                                             self.options.tiers.host_layout, self.world_size)
         else:
             shared = self.leased if self.leased is not None else NO_SHARED_HOST
             self.core = EngineDeviceCore(first.spec, host, self.port, cache, self.options.storage, shared_host=shared)

@@ -52,7 +52,7 @@ from kvtier.errors import ConfigError, ServiceError
 from kvtier.executors.chain import ChainedExecutor
 from kvtier.executors.local import LocalExecutor, group_movers
 from kvtier.hashing import Namespace, split_fingerprint
-from kvtier.integrations.vllm.groups import VllmGroup
+from kvtier.integrations.vllm.groups import VllmGroup, hybrid_fingerprint
 from kvtier.integrations.vllm.layout import ModelShape, map_kv_caches, map_state_caches
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta, RankResult
 from kvtier.integrations.vllm.metrics import KVTierConnectorStats
@@ -191,10 +191,7 @@ class ConnectorWorker:
                 pages = tiers.host_pages_for(spec.page_bytes + sum(gspec.page_bytes for gspec, _ in built.values()))
                 host = HostPool(spec, pages, tiers.host_layout)
                 pools = {name: (gdev, HostPool(gspec, pages, tiers.host_layout)) for name, (gspec, gdev) in built.items()}
-            # (a hybrid's L3 objects are named by its node service region's format -- the page's spec split over the ranks, an
-            # object pool per other group --, so its own L3 and a service's over one store keep one set of objects)
-            region, _shards = region_format_of(spec, tiers.host_layout, self.tp_size, hybrid=True)
-            fingerprint = region.with_objects([ObjectPool(name, gspec) for name, (gspec, _d) in built.items()]).fingerprint
+            fingerprint = hybrid_fingerprint(spec, [(name, gspec) for name, (gspec, _d) in built.items()], tiers.host_layout, self.tp_size)
         # (the split is in it: a rank's shard is another head at another split, see split_fingerprint). MLA's latent, the same
         # on every rank, is one L3 object a page, in rank 0's namespace: rank 0 saves it, every rank loads it -- not under
         # context parallelism (each rank's latent is other tokens'), nor for a hybrid model (one object a rank, every group's)
