@@ -166,22 +166,38 @@ def test_a_services_l3_names_each_ranks_objects_as_that_ranks_own_l3_does(tmp_pa
                 a.close()
 
 
+def _served_by_two_ranks_through_l3(sock: str, l3) -> tuple[HybridEngine, list[bytes], object]:
+    """Engine a (TP=2) serves ``X`` on a service at ``sock`` with file L3 at ``l3``, closes, and its saves drain: a (closed),
+    the keys of X's pages, and the service (still up)."""
+    from support.vllm_hybrid_split import request
+
+    from kvtier.hashing import page_keys
+
+    svc = start_service(sock, 0.01, "--storage-url", f"file://{l3}")
+    try:
+        a = HybridEngine(sock, seed=1, ranks=2)
+        try:
+            assert a.serve("a", X, range(1, 8), range(10, 17)) == (0, False)
+            a.settle()
+            keys = page_keys(X[:24], 4, a.scheduler._request_root(request("k", X)), a.options.cache.hash_algo)
+        finally:
+            a.close()
+        wait_until(lambda: query_status(sock)["l3"]["saving_pages"] == 0 and query_status(sock)["clients"] == 0, 30)
+    except BaseException:
+        stop(svc.proc)
+        raise
+    return a, keys, svc
+
+
 def test_two_ranks_pages_and_window_pages_come_back_from_the_services_l3_each_ranks_own_bit_exact(tmp_path):
     """TP=2 through the in-process harness, the service with --storage-url: engine a's pages and window pages are saved
     per rank; a service on a fresh region brings them back for engine b, each rank its own shard, bit-exact; nothing held."""
     from support.service import store_files
     sock = str(tmp_path / "run" / "node.sock")
     l3 = tmp_path / "l3"
-    svc = start_service(sock, 0.01, "--storage-url", f"file://{l3}")
+    a, _keys, svc = _served_by_two_ranks_through_l3(sock, l3)
     b = None
     try:
-        a = HybridEngine(sock, seed=1, ranks=2)
-        try:
-            assert a.serve("a", X, range(1, 8), range(10, 17)) == (0, False)
-            a.settle()
-        finally:
-            a.close()
-        wait_until(lambda: query_status(sock)["l3"]["saving_pages"] == 0 and query_status(sock)["clients"] == 0, 30)
         st = query_status(sock)
         files = store_files(l3)
         stop(svc.proc)
@@ -208,23 +224,13 @@ def test_two_ranks_pages_and_window_pages_come_back_from_the_services_l3_each_ra
 def test_a_window_object_missing_or_corrupt_on_one_rank_is_never_published(tmp_path, damage):
     """Rank 1's window objects of the boundary's pages gone (or corrupt) in the store: a fresh region never offers those
     window pages (rank 0's alone would be half an object); what b loads is each rank's own, and nothing stays held."""
-    from support.vllm_hybrid_split import request
+    from kvtier.hashing import group_object_key
 
-    from kvtier.hashing import group_object_key, page_keys
     sock = str(tmp_path / "run" / "node.sock")
     l3 = tmp_path / "l3"
-    svc = start_service(sock, 0.01, "--storage-url", f"file://{l3}")
+    a, keys, svc = _served_by_two_ranks_through_l3(sock, l3)
     b = None
     try:
-        a = HybridEngine(sock, seed=1, ranks=2)
-        try:
-            assert a.serve("a", X, range(1, 8), range(10, 17)) == (0, False)
-            a.settle()
-            root = a.scheduler._request_root(request("k", X))
-            keys = page_keys(X[:24], 4, root, a.options.cache.hash_algo)
-        finally:
-            a.close()
-        wait_until(lambda: query_status(sock)["l3"]["saving_pages"] == 0 and query_status(sock)["clients"] == 0, 30)
         stop(svc.proc)
         rank1 = [d for d in l3.iterdir() if "_tp1-" in d.name]
         assert len(rank1) == 1

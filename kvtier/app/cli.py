@@ -203,7 +203,13 @@ def audit_timing(
         from tqdm import tqdm
 
         t = tqdm(total=samples, desc=f"audit {tier}", leave=False, file=sys.stderr)
-        return lambda: t.update(1) if t.n + 1 < samples else t.close()
+
+        def tick() -> None:
+            t.update(1)
+            if t.n >= samples:
+                t.close()
+
+        return tick
 
     audit = run_timing_audit(list(names), samples, prompt_tokens, alpha, control_alpha, progress=bar)
     _emit(audit.as_dict() if as_json else [{"tier": t.tier, "verdict": t.verdict, "samples": t.samples,

@@ -275,10 +275,16 @@ class ServiceStorage:
                 else:
                     self._save_objects(namespace, pool, mine, mine_keys, mine_names)
             return
+        self._queue_save(namespace, pages, zip(self._tiers.saves, self.prefixes(namespace)), keys, pages, names)
+
+    def _queue_save(self, namespace: str, pages: list[int], shards, keys: list[bytes], host_pages: list[int],
+                    names: list[str] | None) -> None:
+        """Save ``pages`` (region-wide ids, held until saved) under ``namespace``: a job on each shard's (tier, prefix) of
+        ``shards``, reading the tier's ``host_pages``; saved where every shard's job saved it."""
         self.index.hold(self._client(namespace), pages)
         save = Save(namespace, pages, 0, [True] * len(pages))
-        for tier, prefix in zip(self._tiers.saves, self.prefixes(namespace)):
-            job = tier.submit("save", keys, pages, prefix=prefix, names=names)
+        for tier, prefix in shards:
+            job = tier.submit("save", keys, host_pages, prefix=prefix, names=names)
             if job is None:  # the tier's queue is full: not saved (counted by the tier too)
                 save.ok = [False] * len(pages)
                 continue
@@ -295,18 +301,9 @@ class ServiceStorage:
             if names is None:
                 return
             keys = [name_key(name) for name in names]  # (the index's keys are the pool's: group_object_key of these)
-        self.index.hold(self._client(namespace), pages)
-        save = Save(namespace, pages, 0, [True] * len(pages))
         base = pool * self._region.num_pages
-        for tier, prefix in zip(self._tiers.objects[pool][0], self._object_prefixes(namespace, pool)):  # (every shard's object)
-            job = tier.submit("save", keys, [p - base for p in pages], prefix=prefix, names=names)
-            if job is None:  # the tier's queue is full: not saved (counted by the tier too)
-                save.ok = [False] * len(pages)
-                continue
-            save.left += 1
-            self._saving[job] = save
-        if not save.left:
-            self._saved(save)
+        shards = zip(self._tiers.objects[pool][0], self._object_prefixes(namespace, pool))  # (every shard's object)
+        self._queue_save(namespace, pages, shards, keys, [p - base for p in pages], names)
 
     def load_objects(self, namespace: str, pool: int, keys: list[bytes], names: list[str] | None = None) -> Load | None:
         """The load of object pool ``pool``'s ``keys`` (a find's misses in the region; ``names``: their objects', where the
@@ -420,8 +417,8 @@ class ServiceStorage:
         on its own (none if that failed)."""
         present: list[int] = []
         try:
-            for i, key in enumerate(load.keys):
-                store_keys, names = self._object_names(load, i, key)
+            for i in range(len(load.keys)):
+                store_keys, names = self._store_names(load, [i])
                 if all(tier.stored_prefix(store_keys, prefix, names) for tier, prefix in shards):
                     present.append(i)
         except Exception as e:
@@ -475,29 +472,38 @@ class ServiceStorage:
         load.pages = pages
         keys = keys[: len(pages)]
         names = None if load.names is None else load.names[: len(keys)]
-        for tier, prefix in zip(self._tiers.loads, self.prefixes(load.namespace)):
-            job = tier.submit("prefetch", keys, pages, tag=load, prefix=prefix, names=names)
+        if not self._queue_fetch(load, zip(self._tiers.loads, self.prefixes(load.namespace)), keys, pages, names, cid):
+            return False
+        for key in keys:
+            self._fetching[(load.namespace, key)] = load
+        return True
+
+    def _queue_fetch(self, load: Load, shards, keys: list[bytes], host_pages: list[int], names: list[str] | None, cid: int) -> bool:
+        """Read ``load``'s reserved pages in: a job on each shard's (tier, prefix) of ``shards``, into the tier's
+        ``host_pages``. False (its pages released) when no shard's job could queue; a load some shard's job could not
+        join is short (nothing of it is published, the others' jobs cancelled)."""
+        for tier, prefix in shards:
+            job = tier.submit("prefetch", keys, host_pages, tag=load, prefix=prefix, names=names)
             if job is None:
                 for j in load.jobs:  # (the shards' jobs already queued read into pages nobody is offered, then stop)
                     j.cancel()
                 if not load.jobs:
-                    self.index.release(cid, pages)
+                    self.index.release(cid, load.pages)
                     return False
                 load.short = True
                 break
             load.jobs.append(job)
             load.left += 1
-        for key in keys:
-            self._fetching[(load.namespace, key)] = load
         return True
 
     @staticmethod
-    def _object_names(load: Load, i: int, key: bytes) -> tuple[list[bytes], list[str] | None]:
-        """An object load's ``i``-th key as its store tier names it: the key (the engine's group key), or the digest of the
-        name the engine gives it (an engine's own pool's row) and that name."""
+    def _store_names(load: Load, at: list[int]) -> tuple[list[bytes], list[str] | None]:
+        """An object load's keys ``at`` as its store tiers name them: the keys (the engine's group keys), or the digests of
+        the names the engine gives them (an engine's own pool's rows) and those names."""
         if load.names is None:
-            return [key], None
-        return [name_key(load.names[i])], [load.names[i]]
+            return [load.keys[i] for i in at], None
+        names = [load.names[i] for i in at]
+        return [name_key(name) for name in names], names
 
     def _fetch_objects(self, load: Load, present: list[int]) -> bool:
         """Reserve object pool pages for the keys the store holds (not in the region, nor on their way) and read them in."""
@@ -511,23 +517,12 @@ class ServiceStorage:
         if not pages:
             return False
         at = at[: len(pages)]
-        named = [self._object_names(load, i, load.keys[i]) for i in at]
-        store_keys = [k[0] for k, _n in named]
-        names = None if load.names is None else [n[0] for _k, n in named]
+        store_keys, names = self._store_names(load, at)
         base = load.pool * self._region.num_pages
         load.pages = pages
-        for tier, prefix in zip(self._tiers.objects[load.pool][1], self._object_prefixes(load.namespace, load.pool)):
-            job = tier.submit("prefetch", store_keys, [p - base for p in pages], tag=load, prefix=prefix, names=names)
-            if job is None:
-                for j in load.jobs:  # (the shards' jobs already queued read into objects nobody is offered, then stop)
-                    j.cancel()
-                if not load.jobs:
-                    self.index.release(cid, pages)
-                    return False
-                load.short = True
-                break
-            load.jobs.append(job)
-            load.left += 1
+        shards = zip(self._tiers.objects[load.pool][1], self._object_prefixes(load.namespace, load.pool))
+        if not self._queue_fetch(load, shards, store_keys, [p - base for p in pages], names, cid):
+            return False
         keys = load.fetched = [load.keys[i] for i in at]
         for key in keys:
             self._fetching[(load.namespace, key)] = load

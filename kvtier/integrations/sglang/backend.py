@@ -97,6 +97,11 @@ def _encodes(key: str) -> bool:
     return True
 
 
+def _leading(done: list[bool]) -> int:
+    """How many of ``done`` lead before the first False."""
+    return done.index(False) if False in done else len(done)
+
+
 def _refusing_start():
     """A start kvtier refuses (a bad option, a pool the service cannot hold, a required service that is not
     there) is one ERROR line first -- the message names the fix -- so it stands above SGLang's traceback."""
@@ -150,6 +155,11 @@ class _Pool:
     kv_derived: bool
     #: this rank writes the pool's shard (MLA KV: SGLang's storage writer only; per-rank state: every rank)
     writer: bool = True
+
+    @property
+    def own_ids(self) -> bool:
+        """Whether the pool's pages have ids of their own (SGLang's SWA and Mamba pools), not the KV pool's page ids."""
+        return self.name != PoolName.KV and not self.kv_derived
 
     def names(self, keys: Sequence[str]) -> list[str]:
         return [f"{self.prefix}/{k}" for k in keys]
@@ -258,7 +268,7 @@ class KvtierStorage(HiCacheStorage):
         """The service holds every pool (a pool with page ids of its own in an object pool of the region), at most
         :data:`MAX_OBJECT_POOLS` of those, registered before its region page is fixed."""
         own = name != PoolName.KV and not kv_derived
-        held = sum(p.name != PoolName.KV and not p.kv_derived for p in self._pools.values())
+        held = sum(p.own_ids for p in self._pools.values())
         if own and held >= MAX_OBJECT_POOLS:
             raise ConfigError(f"kvtier HiCache storage: pool {name!r} ({type(pool).__name__}) would be pool {held + 1} with page ids "
                               f"of its own; the node service's region holds at most {MAX_OBJECT_POOLS} beside its pages. Use an L3 "
@@ -287,14 +297,14 @@ class KvtierStorage(HiCacheStorage):
         """The service's pages ``pool`` goes through: the namespace of its shard's rank where that is not the KV pool's
         (a rank's Mamba state beside MLA above one rank), else the KV pool's."""
         service = self._service()
-        return self.own_services.get(self._shard_rank(pool.name), service) if service.object_pool_of(pool.pages) is not None else service
+        return self.own_services.get(self._shard_rank(pool.name), service) if pool.own_ids else service
 
     def _service(self) -> ServicePages:
         with self._service_lock:
             if self.service is None:
                 pools = [self._kv] + [p for p in self._pools.values() if p.kv_derived]
                 group = [p.pages for p in pools]
-                own = [p.pages for p in self._pools.values() if p.name != PoolName.KV and not p.kv_derived]
+                own = [p.pages for p in self._pools.values() if p.own_ids]
                 namespace = Namespace(self.model, region_format(group, pools=own).fingerprint, self._shard_rank(PoolName.KV),
                                       self.options.salt)
                 # (a service with L3 names each row's objects by the engine's rank: where a pool's shard is another, its
@@ -311,7 +321,7 @@ class KvtierStorage(HiCacheStorage):
                 # (each rank's own pools beside KV every rank shares -- Mamba state beside MLA above one rank -- are published in
                 # the namespace of their shard's rank: its keys are its own, and a service with L3 saves them as that rank's own
                 # L3 would; a pool sharded as the KV -- a draft's -- stays in the KV pool's)
-                ranks = {self._shard_rank(p.name) for p in self._pools.values() if p.name != PoolName.KV and not p.kv_derived}
+                ranks = {self._shard_rank(p.name) for p in self._pools.values() if p.own_ids}
                 self.own_services = {rank: pages(Namespace(self.model, namespace.spec_fingerprint, rank, self.options.salt))
                                      for rank in sorted(ranks - {namespace.tp_rank})}
             return self.service
@@ -379,14 +389,12 @@ class KvtierStorage(HiCacheStorage):
         if not keys:
             return []
         t0 = time.perf_counter()
-        if self.options.service is not None and not pool.kv_derived and pool.name != PoolName.KV:
-            got = self._service_of(pool).read_objects(pool.pages, list(keys), list(pages))
-            run = got.index(False) if False in got else len(got)
+        if self.options.service is not None and pool.own_ids:
+            run = _leading(self._service_of(pool).read_objects(pool.pages, list(keys), list(pages)))
         elif self.options.service is not None:
             run = self._service().read(pool.pages, list(keys), list(pages))
         else:
-            got = self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read")
-            run = got.index(False) if False in got else len(got)
+            run = _leading(self._chunked(pool, len(keys), 0, lambda a, b: self._read_chunk(pool, keys[a:b], pages[a:b]), "read"))
         self._count_read(pool, run, len(keys), time.perf_counter() - t0)
         return [True] * run + [False] * (len(keys) - run)
 
@@ -436,7 +444,7 @@ class KvtierStorage(HiCacheStorage):
         """The region pages of ``pages`` (every pool on these page ids: a page goes with its indexer); the
         leading run the service has already is not written again."""
         service = self._service_of(pool)
-        if service.object_pool_of(pool.pages) is not None:
+        if pool.own_ids:
             objects = service.write_objects(pool.pages, list(keys), list(pages))
             self._count_write(pool, objects.stored, objects.written, time.perf_counter() - t0)
             return objects.done
@@ -462,8 +470,7 @@ class KvtierStorage(HiCacheStorage):
         """Leading ``keys`` stored for ``pool`` (a fault, or a store marked down, counts as absent)."""
         keys = keys[: self._valid_prefix(keys)]
         if self.options.service is not None:
-            present = self._present(pool, keys)
-            return present.index(False) if False in present else len(present)
+            return _leading(self._present(pool, keys))
         if not keys or not self.breaker.available:
             return 0
         found = [0]
@@ -479,7 +486,7 @@ class KvtierStorage(HiCacheStorage):
         if self.options.service is None:
             return [self._stored_prefix(pool, [k]) == 1 for k in keys]
         service = self._service_of(pool)
-        if service.object_pool_of(pool.pages) is not None:
+        if pool.own_ids:
             valid = self._valid_prefix(keys)
             return service.present(pool.pages, keys[:valid]) + [False] * (len(keys) - valid)
         run = service.stored(keys[: self._valid_prefix(keys)])
