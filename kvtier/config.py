@@ -139,12 +139,16 @@ class CacheConfig:
     hash_algo: Literal["xxh3_128", "blake3"] = _help("page key hash (128-bit, chained)", "xxh3_128")
     io_backend: str = _help("page copy backend (see kvtier.transfer.backends)", "direct")
     preallocate_nodes: bool = _help("build one tree node per device+host page at startup, so serving creates no GC-tracked objects", True)
+    min_hit_tokens: int = _help(
+        "a request's cached prefix counts only from this many tokens: a shorter one is served as a miss and recomputed, so a "
+        "probe of a short guess learns nothing by its time (the Early Bird mitigation; docs/tenants.md); 0: every hit counts", 0)
 
     def __post_init__(self) -> None:
         _choice(self, "write_policy", ("write_through", "write_through_selective", "write_back"))
         _choice(self, "on_device_evict", ("backup", "drop"))
         _choice(self, "hash_algo", ("xxh3_128", "blake3"))
         check_number(self, "write_through_threshold", at_least=1, integer=True)
+        check_number(self, "min_hit_tokens", at_least=0, integer=True)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,8 @@ class CacheStats:
     device_hit_pages: int = 0
     host_hit_pages: int = 0
     storage_hit_pages: int = 0
+    #: requests whose cached prefix was shorter than ``min_hit_tokens``: served as a miss, recomputed
+    hits_below_minimum: int = 0
     inserted_pages: int = 0
     duplicate_pages: int = 0
     device_evicted_pages: int = 0

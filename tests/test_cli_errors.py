@@ -85,6 +85,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("bench-transfer-reps-0", ["bench", "transfer", "--reps", "0"], "--reps"),
         ("bench-service-scheduler-waiting", ["bench", "service", "--scheduler-waiting", "1,many"], "--scheduler-waiting '1,many'"),
         ("bench-service-scheduler-waiting-0", ["bench", "service", "--scheduler-waiting", "0"], "counts from 1 to 100000"),
+        ("bench-service-vllm-soak-model", ["bench", "service", "--vllm-soak", "1", "--vllm-soak-model", "gpt-7"],
+         "--vllm-soak-model 'gpt-7': choose one of tiny-gemma3-5to1, smollm2"),
         ("bench-storage-backend-unknown", ["bench", "storage", "--backends", "nosuch"], "nosuch"),
         ("bench-storage-backends-empty", ["bench", "storage", "--backends", ","], "names none"),
         ("bench-storage-pages-0", ["bench", "storage", "--pages", "0"], "--pages"),
@@ -172,7 +174,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 58 + 14 + 5 + 2 + 5  # (+5: kvtier audit timing)
+    assert len(table) == 58 + 14 + 5 + 2 + 5 + 1  # (+5: kvtier audit timing; +1: the vLLM soak's model)
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

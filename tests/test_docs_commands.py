@@ -32,9 +32,11 @@ SERVE = ("tests/test_service.py::test_sigterm_removes_the_socket_and_the_region_
          "tests/support/service.py::running_service", "tests/support/service.py::start_service")
 STATUS = ("tests/test_docs_commands.py::test_the_deploy_pages_service_command_serves_the_status_and_metrics_the_page_names",)
 VLLM_SERVE = ("tests/test_vllm_connector.py::test_vllm_serve_over_http_restart_hits_and_metrics",
-              "tests/test_vllm_connector.py::_serve_twice_over_http", "tests/support/vllm_server.py::VllmServer.start")
+              "tests/test_vllm_connector.py::_serve_twice_over_http", "kvtier/app/devservers.py::VllmServer.start")
 RUN_HYBRID = ("tests/test_hybrid_run.py::test_kvtier_run_model_hybrid_is_bit_exact_with_hits_from_every_tier",)
 SOAK = ("tests/test_service_soak.py::test_fifty_crash_cycles_give_no_wrong_output_no_stuck_lease_and_no_failed_restart",)
+VLLM_SOAK = ("tests/test_vllm_hybrid.py::test_vllm_serve_of_gemma3s_five_to_one_layout_on_the_node_service_through_two_crashes_"
+             "answers_as_vllm_alone",)
 AUDIT = ("tests/test_audit.py::test_the_command_prints_its_verdicts_as_json_and_exits_1_unless_every_tier_passes",)
 PLAN_HYBRID = ("tests/test_docs_commands.py::test_kvtier_plan_of_a_hybrid_preset_with_its_window_pages_in_a_pool_of_their_own",)
 
@@ -46,6 +48,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     ".venv/bin/ruff check kvtier peers tests examples": ("tests/test_lint.py::test_ruff_check_passes_on_the_whole_project",),
     "python examples/vllm_restart.py": ("tests/test_examples.py::test_vllm_restart_example_hits_l3_after_the_restart",),
     ".venv/bin/python examples/vllm_restart.py": ("tests/test_examples.py::test_vllm_restart_example_hits_l3_after_the_restart",),
+    "python -m kvtier.app.bench.calls": (
+        "tests/test_core_polls.py::test_the_call_counts_of_a_host_hit_and_of_bench_caches_request_are_reported_per_file",),
     "python -m kvtier.app.bench.gpu_check": ("tests/test_gpu_check.py::test_gpu_check_on_cpu_round_trips_bit_exact_and_measures",),
     "python -m kvtier.integrations.vllm.session": ("tests/test_vllm_connector.py::test_chat_turn_two_hits_the_previous_answer",
                                                    "tests/test_vllm_connector.py::run_engine",
@@ -64,6 +68,10 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     "kvtier run --model hybrid --tiers-service PATH": (
         "tests/test_service_hybrid.py::test_kvtier_run_hybrid_through_a_service_killed_and_restarted_keeps_its_window_pages_and_snapshots",),
     "kvtier run --workload-kind trace": ("tests/test_docs_commands.py::test_kvtier_run_replays_the_shipped_trace",),
+    "kvtier run --workload-tenants 4 --workload-share-system-prompts": (
+        "tests/test_shared_prefixes.py::test_kvtier_run_with_shared_system_prompts_computes_each_once_for_every_tenant",),
+    "kvtier plan --json --cache-min-hit-tokens K": ("tests/test_min_hit_tokens.py::test_kvtier_plan_says_what_a_minimum_costs_in_hits_on_"
+                                                    "the_trace",),
     "kvtier run --workload-tenants N": ("tests/test_tenants.py::test_kvtier_run_replays_a_multi_tenant_chat_whose_sessions_share_"
                                         "their_system_prompt_only_within_a_tenant",),
     "kvtier plan --tenants N": ("tests/test_tenants.py::test_kvtier_plan_spreads_the_trace_over_tenants_that_share_no_block",),
@@ -103,6 +111,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     "kvtier audit timing": AUDIT,
     "kvtier audit timing --json": AUDIT,
     "kvtier bench service --soak N": SOAK,
+    "kvtier bench service --vllm-soak N": VLLM_SOAK,
+    "kvtier bench service --vllm-soak 20 --json": VLLM_SOAK,
     "kvtier bench service --soak 1000 --json": SOAK,
     "kvtier serve": SERVE,
     "kvtier serve --metrics-port PORT": ("tests/test_service_ops.py::test_metrics_scraped_over_http_are_what_happened_with_real_engines_"

@@ -35,6 +35,8 @@ RUN_BY = {
                                     "test_bench_service_prints_every_row_with_both_sides_measured_in_the_run"),
     "kvtier bench service --soak 1000 --json": ("tests/test_service_soak.py",
                                                 "test_fifty_crash_cycles_give_no_wrong_output_no_stuck_lease_and_no_failed_restart"),
+    "kvtier bench service --vllm-soak 20 --json": ("tests/test_vllm_hybrid.py", "test_vllm_serve_of_gemma3s_five_to_one_layout_on_the_"
+                                                   "node_service_through_two_crashes_answers_as_vllm_alone"),
     "kvtier bench service --json --vllm": ("tests/test_bench_service.py",
                                            "test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service"),
     "kvtier plan --validate run --profile P.json --workload chat --json": ("tests/test_plan_validate.py",

@@ -237,7 +237,7 @@ def test_vllm_serve_over_http_restart_hits_and_metrics(tmp_path, baseline, below
 
 def _serve_twice_over_http(tmp_path, baseline, below: dict) -> None:
     """Two ``vllm serve`` processes one after the other, ``below`` in their extra config (see the test above)."""
-    from support.vllm_server import VllmServer
+    from kvtier.app.devservers import VllmServer
     from kvtier.integrations.vllm.model import ensure_model
     from kvtier.integrations.vllm.session import prompt_ids
 

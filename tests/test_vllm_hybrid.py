@@ -322,7 +322,7 @@ def test_vllm_serve_hybrid_model_restart_hits_and_metrics(tmp_path, baseline):
     """``vllm serve`` of the sliding-window model with the connector, over HTTP: a second server on the
     same store gets the prompt from L3, both answer as vLLM without kvtier (the module's baseline engine),
     and ``/metrics`` shows kvtier's per-tier counters."""
-    from support.vllm_server import VllmServer
+    from kvtier.app.devservers import VllmServer
     from kvtier.integrations.vllm.model import ensure_tiny_gemma3
     from kvtier.integrations.vllm.session import prompt_ids
 
@@ -361,50 +361,34 @@ def test_vllm_serve_hybrid_model_restart_hits_and_metrics(tmp_path, baseline):
 
 
 @pytest.mark.integration
-@pytest.mark.timeout(1500)
-def test_vllm_serve_of_gemma3s_five_to_one_layout_on_the_node_service_restarted_hits_host_and_answers_as_vllm(tmp_path):
-    """``vllm serve`` of a tiny Gemma 3 with its own layout (five sliding-window layers to one full: a KV cache group per
-    layer, five of them windows, each an object pool of the region) on one ``kvtier serve``: a second server, started
-    after the first stopped, gets the prompt from the service's host tier -- its pages and every window group's pages
-    -- and every server answers as ``vllm serve`` of the model without kvtier."""
-    from kvtier.integrations.vllm.model import ensure_tiny_gemma3_5to1
-    from kvtier.integrations.vllm.session import prompt_ids
-    from kvtier.service.client import query_status
-    from support.service import running_service
-    from support.vllm_server import VllmServer
+@pytest.mark.timeout(1800)
+def test_vllm_serve_of_gemma3s_five_to_one_layout_on_the_node_service_through_two_crashes_answers_as_vllm_alone():
+    """The vLLM soak's short version (``kvtier bench service --vllm-soak 2 --soak-seed 3``): ``vllm serve`` of a tiny
+    Gemma 3 with its own layout (five sliding-window layers to one full: a KV cache group per layer, five of them
+    windows, each an object pool of the region) on one ``kvtier serve``. The server's whole process group is SIGKILLed
+    mid-request and started again, then the service is SIGKILLed and started again on the region it left. Every answer
+    -- while the service is down too -- equals ``vllm serve`` of the model without kvtier; the pass after each restart
+    (vLLM's own prefix cache emptied) takes a prompt's whole prefix, pages and window pages, from the service's host
+    tier, verified; nothing is left leased once the server stopped."""
+    import subprocess
+    import sys
 
-    model = str(ensure_tiny_gemma3_5to1())
-    args = ("--dtype", "float32", "--block-size", str(BS), "--max-model-len", "4096", "--enforce-eager", "--seed", "0")
-    body = {"model": model, "prompt": prompt_ids(LENGTHS[0], seed=1), "max_tokens": 8, "temperature": 0.0}
-    servers = []
+    from kvtier.app.bench.vllm_soak import BLOCK_SIZE, SYSTEM_TOKENS, TURN_TOKENS, VllmSoakConfig, schedule, workload
+    from support.service import ENV, ROOT
 
-    def answer(name: str, kv: dict | None) -> tuple[str, str]:
-        server = VllmServer(model, tmp_path / name, kv, args).start()
-        servers.append(server)
-        try:
-            return server.post("/v1/completions", body)["choices"][0]["text"], server.get_text("/metrics")
-        finally:
-            server.stop()  # SIGTERM
-
-    try:
-        want, _ = answer("alone", None)
-        with running_service(tmp_path, 0.5) as svc:
-            kv = {"kv_connector": "KVTierConnector", "kv_connector_module_path": "kvtier.integrations.vllm.connector",
-                  "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
-                  "kv_connector_extra_config": {"host_gb": 0.25, "service": f"unix://{svc.socket}", "service_lookup_timeout_s": 10.0}}
-            text1, _ = answer("first", kv)
-            status = query_status(svc.socket)
-            assert status["object_pools"] == [f"window{i}" for i in range(5)], status["object_pools"]
-            text2, metrics2 = answer("second", kv)
-            assert text1 == want and text2 == want
-            loaded = (LENGTHS[0] - 1) // BS * BS
-            host = [line for line in metrics2.splitlines() if line.startswith("vllm:kvtier_tokens_total{")
-                    and 'tier="host"' in line and 'direction="load"' in line]
-            assert host and float(host[0].rsplit(" ", 1)[1]) == loaded, host
-            assert query_status(svc.socket)["found_objects"] > 0
-    finally:
-        for s in servers:
-            s.stop()
+    config = VllmSoakConfig(2, seed=3)
+    assert [(victim, sig) for victim, sig, _ in schedule(config)] == [("vllm", "SIGKILL"), ("service", "SIGKILL")]
+    r = subprocess.run([sys.executable, "-m", "kvtier.app.cli", "bench", "service", "--vllm-soak", "2", "--soak-seed", "3", "--json"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=1700)
+    assert r.returncode == 0, r.stderr[-3000:]
+    soak = json.loads(r.stdout)["vllm_soak"]
+    assert soak["kills"] == {"vllm": 1, "service": 1} and soak["signals"] == {"SIGKILL": 2, "SIGTERM": 0}, soak
+    assert (soak["wrong_answers"], soak["failed_requests"], soak["failed_restarts"], soak["stuck_leases"]) == (0, 0, 0, 0), soak
+    assert soak["corrupt_pages"] == 0 and soak["requests"] >= 2 * len(workload(config.seed)), soak
+    first_prefix = (SYSTEM_TOKENS + TURN_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # (the pass's first prompt: nothing on the device)
+    assert soak["host_hit_passes"] == {"vllm": 1, "service": 1}, soak
+    assert min(soak["host_tokens_after"].values()) >= first_prefix, soak
+    assert soak["object_pools"] == [f"window{i}" for i in range(5)] and soak["found_objects"] > 0, soak
 
 
 # ---- linear attention (Qwen3-Next) ----------------------------------------------------------

@@ -158,6 +158,11 @@ def bench_service(
                                                                   "engine, the service or a writer mid-copy and starting it again, every "
                                                                   "output compared with recompute (kvtier.app.bench.soak)"),
     soak_seed: int = typer.Option(0, "--soak-seed", help="the soak's random seed (which victim, which signal, when)"),
+    vllm_soak: Optional[int] = typer.Option(None, "--vllm-soak", min=1, help="instead of the rows: N cycles of `vllm serve` on the "
+                                            "service, each killing the server or the service (SIGKILL or SIGTERM) and starting it "
+                                            "again, every answer compared with vLLM alone (kvtier.app.bench.vllm_soak)"),
+    vllm_soak_model: str = typer.Option("tiny-gemma3-5to1", "--vllm-soak-model", help="the vLLM soak's model: tiny-gemma3-5to1 "
+                                        "(five sliding-window layers to one full) or smollm2"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """The node service (kvtier serve) against an in-process host tier: lookup cost, copy bandwidth, two engines sharing, an
@@ -166,6 +171,11 @@ def bench_service(
         from kvtier.app.bench.soak import SoakConfig, as_json as soak_json, run_soak
 
         _emit(soak_json(run_soak(SoakConfig(soak, seed=soak_seed))), as_json)
+        return
+    if vllm_soak is not None:
+        from kvtier.app.bench.vllm_soak import VllmSoakConfig, as_json as vllm_soak_json, run_vllm_soak
+
+        _emit(vllm_soak_json(run_vllm_soak(VllmSoakConfig(vllm_soak, seed=soak_seed, model=vllm_soak_model))), as_json)
         return
     waiting = _counts(scheduler_waiting, "--scheduler-waiting")  # (before the bench's imports: one line, nothing else)
     from kvtier.app.bench.service import as_json as to_json, run_service_bench

@@ -223,6 +223,8 @@ class NodeServiceProcess:
 
     workdir: Path
     host_gb: float
+    #: more of ``kvtier serve``'s options (``--keep-region``, ``--verify-sample 1``, ...)
+    args: tuple[str, ...] = ()
     proc: subprocess.Popen | None = None
 
     @property
@@ -233,8 +235,8 @@ class NodeServiceProcess:
         import selectors
 
         self.workdir.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(self.host_gb), "--socket", self.socket]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=(self.workdir / "serve.log").open("w"), text=True)
+        argv = [sys.executable, "-m", "kvtier.app.cli", "serve", "--host-gb", str(self.host_gb), "--socket", self.socket, *self.args]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=(self.workdir / "serve.log").open("a"), text=True)
         with selectors.DefaultSelector() as sel:
             sel.register(self.proc.stdout, selectors.EVENT_READ)
             banner = self.proc.stdout.readline() if sel.select(timeout_s) else ""
@@ -244,12 +246,118 @@ class NodeServiceProcess:
             raise RuntimeError(f"kvtier serve did not start within {timeout_s:g} s: {(banner + error).strip()!r}")
         return self
 
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+    def kill(self, sig: int, grace_s: float = 30.0) -> None:
+        """Send ``sig`` and wait for the service to exit (SIGKILL after ``grace_s``)."""
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.send_signal(sig)
+                try:
+                    self.proc.wait(grace_s)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait(10)
+            self.proc.stdout.close()
         self.proc = None
+
+    def stop(self) -> None:
+        import signal
+
+        self.kill(signal.SIGTERM)
+
+
+@dataclass
+class VllmServer:
+    """``vllm serve`` (vLLM's OpenAI-compatible server, its default multi-process engine) on 127.0.0.1, in a
+    process group of its own (its engine core and workers with it).
+
+    ``kv_transfer`` is the ``--kv-transfer-config`` object (None: no connector); ``env``: more of its environment.
+    :meth:`stop` asks the server to shut down (SIGTERM: the engine and its workers close, the connector drains its
+    L3 writes), and kills the group if it has not exited within ``grace_s``; :meth:`kill` sends the whole group
+    a signal (a crash, or an operator's stop) and waits for the server to exit."""
+
+    model: str
+    workdir: Path
+    kv_transfer: dict | None = None
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+    _log: object = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> VllmServer:
+        import json
+        import signal
+        import urllib.request
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # vLLM's own ``vllm serve`` (kvtier.app.vllm_cli: the CPU wheel's command needs its version answered)
+        cmd = [sys.executable, "-m", "kvtier.app.vllm_cli", "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+               *self.args]
+        if self.kv_transfer is not None:
+            cmd += ["--kv-transfer-config", json.dumps(self.kv_transfer)]
+        self._log = open(self.workdir / f"vllm-{self.port}.log", "ab")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), "HF_HUB_OFFLINE": "1",
+               **self.env}
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+        def healthy() -> bool:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited {self.proc.returncode} at startup; log: {self.workdir}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    return r.status == 200
+            except OSError:
+                return False
+
+        try:
+            wait_until(healthy, timeout=timeout_s, what=f"vllm serve on port {self.port}")
+        except BaseException:
+            self.kill(signal.SIGKILL)
+            raise
+        return self
+
+    def post(self, path: str, body: dict | None = None, timeout_s: float = 300.0) -> dict:
+        import json
+        import urllib.request
+
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(f"{self.url}{path}", data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            text = r.read()
+        return json.loads(text) if text.strip() else {}
+
+    def get_text(self, path: str, timeout_s: float = 30.0) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout_s) as r:
+            return r.read().decode()
+
+    def kill(self, sig: int, grace_s: float = 60.0) -> None:
+        """Send ``sig`` to the server's process group and wait for it to exit (SIGKILL after ``grace_s``)."""
+        import signal
+
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                try:
+                    os.killpg(self.proc.pid, sig)
+                    self.proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(timeout=10)
+            try:  # (what is left of the group: an engine core or worker the signal found between two steps)
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        import signal
+
+        self.kill(signal.SIGTERM, grace_s)

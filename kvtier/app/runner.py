@@ -46,6 +46,8 @@ class WorkloadConfig:
     seed: int = _help("workload seed", 0)
     tenants: int = _help("requests of this many tenants, none of them a hit for another's pages (chat: session s is tenant "
                          "s mod N; trace: request i is tenant i mod N); 1: one tenant, the cache's own scope", 1)
+    share_system_prompts: bool = _help("chat: declare the system prompts shareable across tenants (the cache's share_prefix): "
+                                       "every tenant's sessions share their pages, and nothing after them", False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("chat", "trace"):
@@ -65,11 +67,17 @@ class WorkloadConfig:
         owner = i % self.sessions if self.kind == "chat" else i
         return f"tenant-{owner % self.tenants}"
 
+    def chat(self, vocab: int) -> ChatWorkload:
+        return ChatWorkload(self.sessions, self.turns, self.system_prompts, self.system_tokens, self.user_tokens, self.reply_tokens,
+                            vocab, self.seed)
+
+    def shared_prefixes(self, vocab: int) -> list[list[int]]:
+        """The prefixes to declare shareable across tenants before the replay (``share_system_prompts``)."""
+        return self.chat(vocab).system_texts() if self.share_system_prompts and self.kind == "chat" else []
+
     def requests(self, vocab: int) -> list[list[int]]:
         if self.kind == "chat":
-            return ChatWorkload(
-                self.sessions, self.turns, self.system_prompts, self.system_tokens, self.user_tokens, self.reply_tokens, vocab, self.seed
-            ).requests()
+            return self.chat(vocab).requests()
         from kvtier.app.workloads.mooncake import default_trace_path, load_mooncake_trace, trace_tokens
 
         reqs = load_mooncake_trace(self.trace or default_trace_path(), self.limit)
@@ -119,6 +127,8 @@ class RunReport:
     groups: dict | None = None
     #: the tenants the requests came from (none a hit for another's pages)
     tenants: int = 1
+    #: prefixes declared shareable across tenants (``share_system_prompts``: the chat workload's system prompts)
+    shared_prefixes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -161,6 +171,8 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
             cache = build_hybrid_cache(model_spec, cfg.tiers, cfg.cache, storage, state_every=hcfg.state_every)
         else:
             cache = build_cache(spec, cfg.tiers, cfg.cache, storage)
+        for prefix in cfg.workload.shared_prefixes(cfg.model.vocab_size):
+            cache.share_prefix(prefix)
         if progress:
             from tqdm import tqdm
 
@@ -204,6 +216,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
             tmp.cleanup()
     report = _report(requests, base, ours, stats, busy, sbusy, storage.url if cfg.storage.url else None)
     report.model, report.groups, report.tenants = cfg.model_kind, groups, cfg.workload.tenants
+    report.shared_prefixes = len(cfg.workload.shared_prefixes(cfg.model.vocab_size))
     return report
 
 

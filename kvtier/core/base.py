@@ -30,6 +30,7 @@ from kvtier.hashing import Namespace, PageHash, hasher, page_keys, scoped_root, 
 from kvtier.metrics import CacheStats
 from kvtier.pages import is_ordered_sequence
 from kvtier.radix import NO_PAGE, SAVING, PageNode
+from kvtier.shared_prefixes import DEFAULT_SCOPE, SharedPrefixes
 from kvtier.spec import KVSpec
 
 
@@ -43,6 +44,8 @@ class CoreBase(HostTier):
                  stats: CacheStats | None = None, device_pages: int = 0):
         super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats, device_pages=device_pages)
         self._on[GroupBackup] = self._finish_group_backup
+        #: prefixes declared shareable across tenants (:meth:`share_prefix`; None: none declared)
+        self.shared_prefixes: SharedPrefixes | None = None
 
     @property
     def has_storage(self) -> bool:
@@ -60,9 +63,24 @@ class CoreBase(HostTier):
 
     def page_keys(self, token_ids: Sequence[int], tenant: object = None) -> list[PageHash]:
         """The page keys of ``token_ids``' full pages, in ``tenant``'s scope (:func:`~kvtier.hashing.tenant_scope`: a str,
-        bytes or int; None or "": the namespace's own): two tenants' keys of one prompt never meet, in any tier."""
-        root = self.root_key if tenant is None else scoped_root(self.root_key, tenant_scope(tenant), hasher(self.config.hash_algo))
+        bytes or int; None or "": the namespace's own): two tenants' keys of one prompt never meet, in any tier -- but
+        for a prefix declared shareable (:meth:`share_prefix`), whose pages every tenant's request starting with it shares."""
+        scope = b"" if tenant is None else tenant_scope(tenant)
+        if self.shared_prefixes is not None:
+            keys = self.shared_prefixes.keys(token_ids, scope)
+            if keys is not None:
+                return keys
+        root = scoped_root(self.root_key, scope, hasher(self.config.hash_algo)) if scope else self.root_key
         return page_keys(token_ids, self.spec.page_size, root, self.config.hash_algo)
+
+    def share_prefix(self, token_ids: Sequence[int], scope: str = DEFAULT_SCOPE) -> int:
+        """Declare the full pages of ``token_ids`` (a system prompt) shareable across tenants in ``scope``
+        (:mod:`kvtier.shared_prefixes`): a request of any tenant that starts with exactly these tokens shares their
+        pages, and keeps what follows in its own scope. Returns the pages declared. Keys change for requests that
+        start with the prefix, so declare it before serving (pages cached under the old keys are misses)."""
+        if self.shared_prefixes is None:
+            self.shared_prefixes = SharedPrefixes(self.root_key, self.spec.page_size, self.config.hash_algo)
+        return self.shared_prefixes.declare(token_ids, scope)
 
     def _keys(self, tokens_or_keys, tenant: object = None) -> list[PageHash]:
         if type(tokens_or_keys) is not list and not is_ordered_sequence(tokens_or_keys):

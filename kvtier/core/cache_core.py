@@ -166,8 +166,18 @@ class CacheCore(DeviceSpace):
             hybrid = groups.prefix(path, n_dev, len(matched), fill=fills)
             matched, limited_by, filled = matched[: hybrid.pages], hybrid.limited_by, fills[0]
             n_dev = min(n_dev, hybrid.pages)
+        n_storage = 0
+        if count and self.port.has_storage and len(matched) == len(path) < end:
+            n_storage = self._ask(self.port.stored_prefix, keys[len(path) : end])
+            if n_storage and groups:  # a hybrid model: as far as every group's objects are there too
+                n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
+        if self.min_hit_pages and 0 < len(matched) + n_storage < self.min_hit_pages:
+            # shorter than the minimum a hit may be: a miss, recomputed (its time says nothing of what was cached)
+            matched, n_dev, n_storage, limited_by, filled = [], 0, 0, None, False
+            if count:
+                self.stats.hits_below_minimum += 1
         pending: tuple[int, ...] = ()
-        if self._loading:
+        if self._loading and n_dev:
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
@@ -186,12 +196,7 @@ class CacheCore(DeviceSpace):
             due = [n for n in path[:n_dev] if n.host_page == NO_PAGE and n.hit_count >= self.config.write_through_threshold]
             if due:
                 self._backup(due)
-        n_storage = 0
-        if self.port.has_storage and len(matched) == len(path) < end:
-            n_storage = self._ask(self.port.stored_prefix, keys[len(path) : end])
-            if n_storage and groups:  # a hybrid model: as far as every group's objects are there too
-                n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
-            st.storage_hit_pages += n_storage
+        st.storage_hit_pages += n_storage
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
@@ -208,7 +213,7 @@ class CacheCore(DeviceSpace):
         host_before = len(m.nodes) - len(m.device_pages)
         if prefetch and m.num_storage_pages and len(m.nodes) < want:
             try:
-                handle = self.prefetch(m)
+                handle = self._prefetch(m)
                 if handle is not None:
                     self.resolve_prefetch(handle, prefetch_policy)
                     again = self._match(keys, False, want)
@@ -222,13 +227,13 @@ class CacheCore(DeviceSpace):
         quarantine = self.quarantine
         if not self.groups:  # full attention: the device prefix, then every host page loaded back
             # (the match's fields read directly, not through its properties: this runs once per request)
-            ld = self.load_back(m) if len(m.nodes) > len(m.device_pages) else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+            ld = self._load_back(m) if len(m.nodes) > len(m.device_pages) else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
             host_hit = min(ld.loaded, host_before)
             # the nodes of ld.device_pages: locked until commit
             return CacheRequest(self, keys, len(keys), len(m.device_pages), host_hit, ld.loaded - host_hit, ld.device_pages, ld,
                                 m.nodes[-1] if m.nodes else None, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
                                 failure_gen=self.load_failure_gen)
-        ld = self.load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
+        ld = self._load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
         # what the loads could bring: the prefix every group continues from, its objects held
         if ld.op is not None or len(nodes) < len(m.nodes) or m.fills:  # (else the match's answer stands: all on device)
@@ -250,6 +255,10 @@ class CacheCore(DeviceSpace):
         "fills": the plan brings their objects alone, and they count as loading until it is done).
         """
         self.poll()
+        return self._load_back(match)
+
+    def _load_back(self, match: MatchResult) -> LoadResult:
+        """:meth:`load_back` inside a call that polled already (``begin``: one poll per entry)."""
         # the match may be stale: keep the leading run that still directly follows the device prefix
         host_nodes = match.host_nodes
         valid = host_nodes[: self.tree.loadable_run(host_nodes)]
@@ -274,7 +283,7 @@ class CacheCore(DeviceSpace):
         many as the device holds after eviction; None when the prefix they follow changed meanwhile."""
         self.tree.lock(valid[-1])  # pins the matched path while we make room
         try:
-            got = self.alloc_device(len(valid))
+            got = self._alloc_device(len(valid))
             if not got.ok:
                 take = min(len(valid), self.dev_alloc.num_free)
                 got = self.dev_alloc.alloc(take)

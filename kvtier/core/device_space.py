@@ -86,6 +86,10 @@ class DeviceSpace(CoreBase):
     def alloc_device(self, n: int) -> Allocation:
         """``n`` device pages, evicting LRU device pages if needed; ``ok`` False if impossible."""
         self.poll()
+        return self._alloc_device(n)
+
+    def _alloc_device(self, n: int) -> Allocation:
+        """:meth:`alloc_device` inside a call that polled already (one poll per entry)."""
         got = self.dev_alloc.alloc(n)
         if got.ok:
             return got

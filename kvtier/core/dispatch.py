@@ -61,10 +61,14 @@ class PlanDispatch(CoreState):
 
     def poll(self) -> int:
         """Apply the completions of finished plans. Returns how many were applied. Every public call of
-        the core polls first, so on a closed cache every one of them is an :class:`InvalidStateError`."""
+        the core polls first, so on a closed cache every one of them is an :class:`InvalidStateError`.
+        With no plan in flight, none held for a late answer and none deferred, nothing can complete:
+        the port is not asked (a trip through the executor, a round trip for a pipe's)."""
         if self._closed:
             raise InvalidStateError("the cache is closed: begin, match, insert and the other calls need an open cache; build a new one")
         if self._lost is None:  # (the hot path, inlined: this runs on every call)
+            if not self._inflight and not self._held_for and not self._deferred:
+                return 0
             try:
                 done = self.port.poll()
             except ExecutorError as e:

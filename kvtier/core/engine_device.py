@@ -227,7 +227,7 @@ class EngineDeviceCore(CoreBase):
         (a hybrid model: the longest prefix every group can continue from). ``shared=False``: the shared
         host tier is not asked (:meth:`prefetch_shared` asked it for these keys already)."""
         self.poll()
-        path, host, stored, limited_by, probed = self._usable(list(keys), shared)
+        path, host, stored, limited_by, probed = self._usable(list(keys), shared, count=True)
         self.tree.touch(path[:host])
         st = self.stats
         st.requests += 1
@@ -238,11 +238,12 @@ class EngineDeviceCore(CoreBase):
             self.groups.component(limited_by).limited += 1
         return HostLookup(host, stored, probed, limited_by)
 
-    def _usable(self, keys: list[PageHash], shared: bool = True) -> tuple[list[PageNode], int, int, str | None, bool]:
+    def _usable(self, keys: list[PageHash], shared: bool = True, count: bool = False) -> tuple[list[PageNode], int, int, str | None, bool]:
         """(the tree's path of ``keys``, leading pages usable from host, pages after them usable from L3,
         the group that cut the host prefix short, whether L3 was asked). L3 is asked only where every
         page of the path is readable on host; a hybrid model's prefix from L3 needs every group's
-        objects, in the tree before the path's end, in L3 after it."""
+        objects, in the tree before the path's end, in L3 after it. A prefix shorter than ``min_hit_tokens``
+        is none (``count``: the lookup counts it)."""
         if not self.shared_host:
             path = self.tree.walk(keys)
         elif shared:
@@ -260,6 +261,9 @@ class EngineDeviceCore(CoreBase):
         stored = self._ask(self.port.stored_prefix, keys[host:]) if probed else 0
         if stored and self.groups:
             stored = self.groups.stored_usable(path, 0, keys[: host + stored], stored, self._stored_prefix)
+        if self.min_hit_pages and 0 < (host + stored if stored else usable) < self.min_hit_pages:
+            self.stats.hits_below_minimum += count  # (shorter than a hit may be: a miss, recomputed)
+            return path, 0, 0, None, probed
         if stored:
             return path, host, stored, None, probed
         return path, usable, 0, limited_by, probed
@@ -434,7 +438,7 @@ class EngineDeviceCore(CoreBase):
         self.tree.lock(locked)
         handle = None
         if stored >= max(1, self.storage_config.min_prefetch_pages):  # (L3 counts only after every path page: host == run)
-            handle = self.prefetch(MatchResult(keys, [], path, (), stored))
+            handle = self._prefetch(MatchResult(keys, [], path, (), stored))
         return keys, path, host, locked, handle
 
     def _engine_load(self, keys: list[PageHash], engine_pages: Sequence[int], nodes: list[PageNode], host: int, first: int,

@@ -38,6 +38,10 @@ class HostTier(PlanDispatch):
         readable, locked); :meth:`resolve_prefetch` makes the arrived ones usable.
         """
         self.poll()
+        return self._prefetch(match)
+
+    def _prefetch(self, match: MatchResult) -> PrefetchHandle | None:
+        """:meth:`prefetch` inside a call that polled already (``begin``, a load: one poll per entry)."""
         n = match.num_storage_pages
         if not self.port.has_storage or n == 0:
             return None

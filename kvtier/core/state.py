@@ -52,6 +52,8 @@ class CoreState:
         self.storage_config = storage_config
         self.namespace = namespace or Namespace("default", spec.fingerprint())
         self.root_key = self.namespace.root(config.hash_algo)
+        #: a cached prefix shorter than this many pages is served as a miss (``min_hit_tokens``; 0: off)
+        self.min_hit_pages = -(-config.min_hit_tokens // spec.page_size)
         self.stats = stats or CacheStats()
         self.port = port
         self.host_alloc = host

@@ -23,13 +23,20 @@ class ChatWorkload:
     vocab_size: int = 2048
     seed: int = 0
 
+    def system_texts(self) -> list[list[int]]:
+        """The system prompts the sessions open with (session ``s``: prompt ``s mod system_prompts``)."""
+        return self._systems(random.Random(self.seed))
+
+    def _systems(self, rng: random.Random) -> list[list[int]]:
+        return [[rng.randrange(self.vocab_size) for _ in range(self.system_tokens)] for _ in range(self.system_prompts)]
+
     def requests(self) -> list[list[int]]:
         rng = random.Random(self.seed)
 
         def text(n: int) -> list[int]:
             return [rng.randrange(self.vocab_size) for _ in range(n)]
 
-        systems = [text(self.system_tokens) for _ in range(self.system_prompts)]
+        systems = self._systems(rng)
         histories = [list(systems[s % self.system_prompts]) for s in range(self.sessions)]
         out = []
         for _turn in range(self.turns):

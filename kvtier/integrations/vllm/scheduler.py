@@ -53,11 +53,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from kvtier.alloc import PageAllocator
-from kvtier.config import CacheConfig
 from kvtier.core.engine_device import EngineDeviceCore
 from kvtier.core.plans import completed_pages
 from kvtier.core.shared_host import NO_SHARED_HOST
@@ -237,7 +236,7 @@ class ConnectorScheduler:
         prefixes = [metas[r].storage_prefix for r in ranks]
         probe = StoreProbe(self.options.storage, prefixes) if self.options.storage.url and all(prefixes) else None
         self.port = SchedulerPort(self.world_size, probe, self.options.rank_timeout_s)
-        cache = CacheConfig(io_backend=self.options.cache.io_backend, hash_algo=self.options.cache.hash_algo, preallocate_nodes=False)
+        cache = replace(self.options.cache, preallocate_nodes=False)
         if self.groups:
             missing = [r for r in ranks if set(metas[r].group_pages) != {g.name for g in self._others}]
             if missing:
