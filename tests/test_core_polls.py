@@ -111,7 +111,7 @@ def test_a_port_lost_with_nothing_in_flight_raises_at_the_next_call_that_submits
         cache.close()
 
 
-def test_the_call_counts_of_a_host_hit_and_of_bench_caches_request_are_reported_per_file():
+def test_the_call_counts_of_a_host_hit_a_hybrid_one_and_bench_caches_request_are_reported_per_file():
     """``python -m kvtier.app.bench.calls``: per scenario, kvtier's Python calls, file switches and calls into the
     executors, each counted only in kvtier's library (not in the application, not in this test)."""
     import json
@@ -122,10 +122,11 @@ def test_the_call_counts_of_a_host_hit_and_of_bench_caches_request_are_reported_
 
     r = subprocess.run([sys.executable, "-m", "kvtier.app.bench.calls"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
-    hit, book = json.loads(r.stdout)
-    for count in (hit, book):
+    hit, book, hybrid = json.loads(r.stdout)
+    for count in (hit, book, hybrid):
         assert count["calls"] == sum(count["per_file"].values()) and 0 < count["file_switches"] < count["calls"], count
         assert not any(f.startswith("app/") for f in count["per_file"]), count
     assert hit["port_polls"] > 0 and "radix.py" in hit["per_file"]  # (a load went through the local executor)
+    assert hybrid["calls"] > hit["calls"] and "core/group_objects.py" in hybrid["per_file"]  # (its groups' objects: calls of their own)
     assert book["port_polls"] == 0  # (the bookkeeping core's plans: none in flight, so its port is never asked)
     assert host_hit(8).calls == hit["calls"]  # (a count, not a timing: the same in any process, at any request size)

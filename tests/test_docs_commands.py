@@ -49,7 +49,7 @@ RUN_BY: dict[str, tuple[str, ...]] = {
     "python examples/vllm_restart.py": ("tests/test_examples.py::test_vllm_restart_example_hits_l3_after_the_restart",),
     ".venv/bin/python examples/vllm_restart.py": ("tests/test_examples.py::test_vllm_restart_example_hits_l3_after_the_restart",),
     "python -m kvtier.app.bench.calls": (
-        "tests/test_core_polls.py::test_the_call_counts_of_a_host_hit_and_of_bench_caches_request_are_reported_per_file",),
+        "tests/test_core_polls.py::test_the_call_counts_of_a_host_hit_a_hybrid_one_and_bench_caches_request_are_reported_per_file",),
     "python -m kvtier.app.bench.gpu_check": ("tests/test_gpu_check.py::test_gpu_check_on_cpu_round_trips_bit_exact_and_measures",),
     "python -m kvtier.integrations.vllm.session": ("tests/test_vllm_connector.py::test_chat_turn_two_hits_the_previous_answer",
                                                    "tests/test_vllm_connector.py::run_engine",

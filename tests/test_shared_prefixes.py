@@ -185,3 +185,5 @@ def test_kvtier_run_with_shared_system_prompts_computes_each_once_for_every_tena
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert report["tenants"] == 4 and report["shared_prefixes"] == 2 and report["logits_equal"]
+    with pytest.raises(ConfigError, match="a trace has none"):
+        WorkloadConfig(kind="trace", share_system_prompts=True)

@@ -58,6 +58,9 @@ class WorkloadConfig:
         check_number(self, "scale", above=0)
         if self.scale > 1:
             raise ConfigError(f"WorkloadConfig.scale shrinks trace lengths for the small model: it must be in (0, 1]; got {self.scale}")
+        if self.share_system_prompts and self.kind != "chat":
+            raise ConfigError("WorkloadConfig.share_system_prompts declares the chat workload's system prompts shareable; a trace has "
+                              "none: drop it, or replay --workload-kind chat")
 
     def tenant_of(self, i: int) -> str | None:
         """Request ``i``'s tenant (None: one tenant, the cache's own scope). The chat workload's requests go turn by turn

@@ -171,8 +171,8 @@ class CacheCore(DeviceSpace):
             n_storage = self._ask(self.port.stored_prefix, keys[len(path) : end])
             if n_storage and groups:  # a hybrid model: as far as every group's objects are there too
                 n_storage = groups.stored_usable(path, n_dev, keys[:end], n_storage, self._stored_prefix)
-        if self.min_hit_pages and 0 < len(matched) + n_storage < self.min_hit_pages:
-            # shorter than the minimum a hit may be: a miss, recomputed (its time says nothing of what was cached)
+        below = bool(self.min_hit_pages) and 0 < len(matched) + n_storage < self.min_hit_pages
+        if below:  # shorter than the minimum a hit may be: a miss, recomputed (its time says nothing of what was cached)
             matched, n_dev, n_storage, limited_by, filled = [], 0, 0, None, False
             if count:
                 self.stats.hits_below_minimum += 1
@@ -181,7 +181,7 @@ class CacheCore(DeviceSpace):
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, filled)
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, filled, below)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -223,7 +223,13 @@ class CacheCore(DeviceSpace):
             if handle is not None:
                 self.lock(again.last_node)
                 self.unlock(m.last_node)
+                self.stats.hits_below_minimum += again.below_minimum  # (the prefetch came back short of the minimum)
                 m = again
+        if self.min_hit_pages and 0 < len(m.nodes) < self.min_hit_pages:
+            # what is readable is shorter than the minimum (L3 pages that made it up were not fetched): a miss
+            self.unlock(m.last_node)
+            self.stats.hits_below_minimum += 1
+            m, host_before = MatchResult(keys, [], [], (), 0), 0
         quarantine = self.quarantine
         if not self.groups:  # full attention: the device prefix, then every host page loaded back
             # (the match's fields read directly, not through its properties: this runs once per request)

@@ -478,6 +478,10 @@ class EngineDeviceCore(CoreBase):
                 tree.lock(path[arrived - 1])
                 tree.unlock(locked)
                 locked, n = path[arrived - 1], arrived
+        if self.min_hit_pages and 0 < n < self.min_hit_pages:
+            # what arrived is shorter than the minimum (L3 pages that made it up were not fetched, or came back short)
+            self.stats.hits_below_minimum += 1
+            n = 0
         return self._engine_load(keys, engine_pages, path[:n], host, 0, groups, locked, planned=False)
 
     def plan_load(self, keys: Sequence[PageHash], engine_pages: Sequence[int], *, first: int = 0,

@@ -44,6 +44,8 @@ class MatchResult:
     #: a hybrid model: the prefix counts objects of device pages that only a host copy holds (the load
     #: back brings them: :meth:`CacheCore.load_back`'s fills)
     fills: bool = False
+    #: the prefix found was shorter than ``min_hit_tokens``: this match is a miss because of it
+    below_minimum: bool = False
 
     @property
     def host_nodes(self) -> list[PageNode]:

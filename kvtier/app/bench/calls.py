@@ -95,6 +95,34 @@ def host_hit(pages: int = 32) -> CallCount:
     return count
 
 
+def hybrid_host_hit(pages: int = 16) -> CallCount:
+    """A hybrid request (MLA+DSA beside sliding-window and linear-attention layers: ``kvtier run --model hybrid``'s
+    reference model, small) whose every usable page, window page and snapshot is a host hit, served by
+    :class:`~kvtier.app.engine.HybridEngine` -- its model's calls are the application's, not counted."""
+    from kvtier.app.engine import HybridEngine
+    from kvtier.app.model.hybrid import FULL, HybridReferenceModel
+    from kvtier.build import build_hybrid_cache
+    from kvtier.config import TierConfig
+    from kvtier.app.bench.soak import SOAK_HYBRID
+
+    model, spec = HybridReferenceModel(SOAK_HYBRID), SOAK_HYBRID.model_spec()
+    ps = SOAK_HYBRID.base.page_size
+    cache = build_hybrid_cache(spec, TierConfig(device_pages=4 * pages, host_pages=4 * pages), state_every=SOAK_HYBRID.state_every)
+    engine = HybridEngine(model, cache, {FULL: cache.device, **{n: d for n, (d, _h) in cache.group_pools.items()}})
+    tokens = [(7 * i + 3) % SOAK_HYBRID.base.vocab_size for i in range(pages * ps + 1)]
+    try:
+        engine.prefill(tokens)
+        cache.wait_idle()
+        cache.evict_device(4 * pages)
+        served = []
+        count = _count(lambda: served.append(engine.prefill(tokens)))
+        assert served[0].host_hit_tokens == pages * ps, served[0]  # (every usable page from host)
+    finally:
+        cache.close()
+    count.scenario = f"hybrid (window and state groups), {pages}-page host hit"
+    return count
+
+
 def bookkeeping(pages: int = 32) -> CallCount:
     """``kvtier bench cache``'s request: keys, match and lock, allocation, insert and unlock on the policy core with an
     executor that moves no bytes -- half the request's pages a device hit (a request before it had them)."""
@@ -125,7 +153,7 @@ def bookkeeping(pages: int = 32) -> CallCount:
 
 
 def main() -> None:
-    print(json.dumps([asdict(host_hit()), asdict(bookkeeping())], indent=1))
+    print(json.dumps([asdict(host_hit()), asdict(bookkeeping()), asdict(hybrid_host_hit())], indent=1))
 
 
 if __name__ == "__main__":
