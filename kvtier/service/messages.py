@@ -212,7 +212,21 @@ def check_object_names(names: list[str] | None, keys: list[bytes], op: str,
             raise ServiceProtocolError(f"{op}'s object name {_show(name)} is not the one its key {key.hex()} is the digest of")
 
 
-NAMESPACE = _text(MAX_NAMESPACE)
+def _printable(codec: Codec) -> Codec:
+    """``codec``'s text with no control character (a namespace goes into the service's logs, ``--status`` and labels:
+    a newline or a terminal escape there would forge an operator's view; kvtier's own namespaces are percent-encoded)."""
+
+    def parse(v: object) -> str:
+        text = codec.parse(v)
+        bad = next((c for c in text if ord(c) < 32 or 127 <= ord(c) < 160), None)
+        if bad is not None:
+            raise Invalid(f"{_show(text)} holds a control character ({ord(bad):#04x}); percent-encode it, as kvtier's namespaces are")
+        return text
+
+    return Codec(f"{codec.expected}, without control characters", parse)
+
+
+NAMESPACE = _printable(_text(MAX_NAMESPACE))
 SESSION = Codec(f"a session id (a string of 1 to {MAX_SESSION} characters)", _text(MAX_SESSION).parse)
 PAGE_IDS = Codec(f"a list of at most {MAX_PAGES} integer page ids", _page_ids, list, len)
 PAGE_KEYS = Codec(f"a list of at most {MAX_PAGES} hex page keys", _page_keys, lambda keys: [k.hex() for k in keys], len)

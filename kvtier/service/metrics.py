@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -79,13 +79,20 @@ _HELP = {
 }
 
 
+def _decoded(field: str) -> str:
+    """A percent-encoded field decoded where that gives printable text; else encoded (``%0A`` stays ``%0A``, a bidi
+    override shows as ``%E2%80%AE``): a label, a log line or ``--status`` never shows a control character a client sent."""
+    text = unquote(field)
+    return text if text.isprintable() else quote(text, safe="")
+
+
 def namespace_label(namespace: str) -> str:
     """``namespace`` as a person reads it in a label or ``--status``: a :class:`~kvtier.hashing.Namespace`'s string is
     ``model-fingerprint-tpN`` and, if salted, ``-salt``, each field percent-encoded (so ``-`` only joins them);
     the first three are shown decoded (``smollm2-135m-instruct``, not ``smollm2%2D135m%2Dinstruct``), and what
     follows the third ``-`` as ``#`` and 8 hex digits of its BLAKE2b digest, never as it is."""
     head = namespace.split("-", 3)
-    shown = "-".join(unquote(field) for field in head[:3])
+    shown = "-".join(_decoded(field) for field in head[:3])
     if len(head) < 4:
         return shown
     return shown + "-#" + hashlib.blake2b(head[3].encode(), digest_size=4).hexdigest()
