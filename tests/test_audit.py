@@ -68,3 +68,21 @@ def test_the_command_prints_its_verdicts_as_json_and_exits_1_unless_every_tier_p
     assert got["passed"] == all(t["verdict"] == "pass" for t in got["tiers"])
     assert all(t["hit_tokens"]["probe"] == 0 and t["hit_tokens"]["control"] == 8 * 4 * 32 for t in got["tiers"])
     assert {"date", "machine", "alpha", "control_alpha", "model", "engine", "samples", "prompt_tokens"} <= set(got)
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(1200)
+def test_vllms_engine_with_the_connector_passes_the_audit_through_kvtiers_host_tier():
+    """``kvtier audit timing --engine vllm``: vLLM's CPU engine (a tiny Llama), a tenant its ``cache_salt``, the victim's
+    pages in kvtier's host tier (vLLM's own prefix cache emptied before each request). Another tenant's probe is never a
+    hit and not told from a miss; the victim's repeat is a hit from host the test sees."""
+    samples, tokens = 30, 512
+    out = kvtier("audit", "timing", "--engine", "vllm", "--tiers", "host", "--samples", str(samples), "--prompt-tokens", str(tokens),
+                 "--alpha", "1e-4", "--no-progress", "--json", timeout=1100)
+    got = json.loads(out.stdout)
+    assert out.returncode == (0 if got["passed"] else 1), out.stderr[-2000:]
+    (t,) = got["tiers"]
+    assert got["engine"].startswith("vLLM") and t["tier"] == "host"
+    assert t["hit_tokens"]["probe"] == 0 and t["hit_tokens"]["miss"] == 0, t
+    assert t["hit_tokens"]["control"] == samples * (tokens - 32), t  # (every full block but the last: vLLM computes that one)
+    assert t["control_vs_miss"]["pvalue"] < 1e-3 and t["verdict"] == "pass", t

@@ -98,6 +98,8 @@ def cases(tmp: Path) -> list[tuple[str, list[str], str]]:
         ("audit-samples-few", ["audit", "timing", "--samples", "3"], "at least 8"),
         ("audit-prompt-one-page", ["audit", "timing", "--prompt-tokens", "32"], "more than one page"),
         ("audit-alpha-2", ["audit", "timing", "--alpha", "2"], "between 0 and 1"),
+        ("audit-engine", ["audit", "timing", "--engine", "tgi"], "--engine 'tgi': choose run or vllm"),
+        ("audit-vllm-model", ["audit", "timing", "--engine", "vllm", "--vllm-model", "gpt-7"], "--vllm-model 'gpt-7': choose one of"),
         ("bench-sglang-pages-0", ["bench", "sglang", "--pages", "0"], "--pages"),
         ("bench-sglang-backend-unknown", ["bench", "sglang", "--backends", "redis"], "'redis'"),
         ("bench-plan-reps-0", ["bench", "plan", "--reps", "0"], "--reps"),
@@ -174,7 +176,7 @@ def test_every_bad_input_is_one_line_exit_2(tmp_path):
     with ThreadPoolExecutor(3) as pool:  # each case is a fresh interpreter importing torch: overlap them
         failures = [f for f in pool.map(check, table) if f]
     assert not failures, "\n".join(failures)
-    assert len(table) == 58 + 14 + 5 + 2 + 5 + 1  # (+5: kvtier audit timing; +1: the vLLM soak's model)
+    assert len(table) == 58 + 14 + 5 + 2 + 7 + 1  # (+7: kvtier audit timing; +1: the vLLM soak's model)
     # nothing created outside the paths given: not in the working directory, not at the filesystem root
     assert list(work.iterdir()) == []
     assert set(os.listdir("/")) == root_before and not Path("/relative").exists()

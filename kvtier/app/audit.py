@@ -164,6 +164,12 @@ def audit_tier(tier: str, model: ReferenceModel, samples: int, prompt_tokens: in
                 hits[kind] += r.hit_tokens
                 push_down()
             on_round()
+    return tier_result(tier, samples, times, hits, alpha, control_alpha)
+
+
+def tier_result(tier: str, samples: int, times: dict[str, list[float]], hits: dict[str, int], alpha: float,
+                control_alpha: float) -> TierAudit:
+    """A tier's rounds tested: each kind's median, both KS tests and the verdict."""
     probe, control = ks_test(times["probe"], times["miss"]), ks_test(times["control"], times["miss"])
     return TierAudit(tier, samples, {k: round(statistics.median(v), 3) for k, v in times.items()}, hits, probe, control,
                      verdict(hits, probe, control, alpha, control_alpha))
@@ -171,19 +177,32 @@ def audit_tier(tier: str, model: ReferenceModel, samples: int, prompt_tokens: in
 
 def run_timing_audit(tiers: tuple[str, ...] | list[str] = TIERS, samples: int = 250, prompt_tokens: int = 128, alpha: float = 0.01,
                      control_alpha: float = 0.001, model_cfg: ModelConfig = ModelConfig(),
-                     progress: Callable[[str], Callable[[], None]] | None = None) -> TimingAudit:
-    """The audit through each of ``tiers`` on ``kvtier run``'s engine (its reference model of ``model_cfg``)."""
+                     progress: Callable[[str], Callable[[], None]] | None = None, engine: str = "run",
+                     vllm_model: str = "tiny-llama") -> TimingAudit:
+    """The audit through each of ``tiers`` on ``kvtier run``'s engine (its reference model of ``model_cfg``), or on vLLM's
+    (``engine="vllm"``: :mod:`kvtier.app.audit_vllm`, ``vllm_model``)."""
     tiers = list(tiers)
     unknown = [t for t in tiers if t not in TIERS]
     if unknown or not tiers:
         raise ConfigError(f"--tiers {','.join(tiers)}: choose one or more of {', '.join(TIERS)}")
     if samples < 8:
         raise ConfigError(f"--samples {samples}: a two-sample test needs at least 8 a side (Gu et al. use 250)")
-    if prompt_tokens <= model_cfg.page_size:
+    if engine == "vllm":
+        from kvtier.app.audit_vllm import BLOCK
+        from kvtier.integrations.vllm.session import MODELS
+
+        if vllm_model not in MODELS:
+            raise ConfigError(f"--vllm-model {vllm_model!r}: choose one of {', '.join(MODELS)}")
+        if prompt_tokens <= BLOCK:
+            raise ConfigError(f"--prompt-tokens {prompt_tokens}: a prompt needs more than one block ({BLOCK} tokens) to have a "
+                              "prefix that can hit")
+    elif prompt_tokens <= model_cfg.page_size:
         raise ConfigError(f"--prompt-tokens {prompt_tokens}: a prompt needs more than one page ({model_cfg.page_size} tokens) to "
                           "have a prefix that can hit")
     if not (0 < alpha < 1 and 0 < control_alpha < 1):
         raise ConfigError(f"--alpha {alpha:g} and --control-alpha {control_alpha:g} must be between 0 and 1")
+    if engine == "vllm":
+        return _audit_vllm(tiers, samples, prompt_tokens, alpha, control_alpha, vllm_model, progress)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # (one torch thread, as the benches: a request's time is its own work, not the threads' contention)
     try:
@@ -202,4 +221,20 @@ def _audit(tiers: list[str], model: ReferenceModel, samples: int, prompt_tokens:
             tick = progress(tier) if progress is not None else (lambda: None)
             audit.tiers.append(audit_tier(tier, model, samples, prompt_tokens, Path(tmp) / tier, alpha=alpha,
                                           control_alpha=control_alpha, on_round=tick))
+    return audit
+
+
+def _audit_vllm(tiers: list[str], samples: int, prompt_tokens: int, alpha: float, control_alpha: float, model: str,
+                progress: Callable[[str], Callable[[], None]] | None) -> TimingAudit:
+    from kvtier.app.audit_vllm import audit_vllm_tier
+
+    audit = TimingAudit(f"vLLM's CPU engine with kvtier's connector ({model}, float32)", {"model": model}, prompt_tokens, samples,
+                        alpha, control_alpha)
+    with tempfile.TemporaryDirectory(prefix="kvtier-audit-vllm-") as tmp:
+        for tier in tiers:
+            tick = progress(tier) if progress is not None else (lambda: None)
+            got = audit_vllm_tier(tier, samples, prompt_tokens, Path(tmp) / tier, model=model)
+            for _ in range(samples):
+                tick()
+            audit.tiers.append(tier_result(tier, samples, got["times"], got["hits"], alpha, control_alpha))
     return audit

@@ -199,12 +199,21 @@ def audit_timing(
     alpha: float = typer.Option(0.01, help="the probes pass when the KS test's p >= alpha (Gu et al.'s 0.01)"),
     control_alpha: float = typer.Option(0.001, help="the audit of a tier is void unless the control's p < this"),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="show a progress bar per tier"),
+    engine: str = typer.Option("run", "--engine", help="run (kvtier run's reference engine) or vllm (vLLM's CPU engine with "
+                                                        "kvtier's connector, a tenant its cache_salt; each tier a fresh engine)"),
+    vllm_model: str = typer.Option("tiny-llama", "--vllm-model",
+                                   help="--engine vllm's model (kvtier.integrations.vllm.session's MODELS; tiny-llama: a tiny Llama "
+                                        "with dummy weights, fast enough for 250 rounds)"),
     as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ) -> None:
     """Whether one tenant can tell by time to first token that another sent a prompt (Gu et al., ICML 2025), through each
-    tier, on kvtier run's engine: two-sample KS tests of a second tenant's probes against fresh misses, and of the first
-    tenant's own hits (the control). Exit 1 when a tier fails or is void."""
+    tier, on kvtier run's engine or vLLM's: two-sample KS tests of a second tenant's probes against fresh misses, and of
+    the first tenant's own hits (the control). Exit 1 when a tier fails or is void."""
     names = _backend_list(tiers, ("device", "host", "service", "file", "redis"), "--tiers")
+    if engine not in ("run", "vllm"):
+        from kvtier.errors import ConfigError
+
+        raise ConfigError(f"--engine {engine!r}: choose run or vllm")
     from kvtier.app.audit import run_timing_audit
 
     def bar(tier: str):
@@ -221,7 +230,8 @@ def audit_timing(
 
         return tick
 
-    audit = run_timing_audit(list(names), samples, prompt_tokens, alpha, control_alpha, progress=bar)
+    audit = run_timing_audit(list(names), samples, prompt_tokens, alpha, control_alpha, progress=bar, engine=engine,
+                             vllm_model=vllm_model)
     _emit(audit.as_dict() if as_json else [{"tier": t.tier, "verdict": t.verdict, "samples": t.samples,
                                             **{f"{k}_ms": v for k, v in t.median_ms.items()},
                                             "probe_p": t.probe_vs_miss.pvalue, "control_p": t.control_vs_miss.pvalue,
