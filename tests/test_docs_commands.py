@@ -108,6 +108,8 @@ RUN_BY: dict[str, tuple[str, ...]] = {
         "tests/test_bench_service.py::test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service",),
     "kvtier bench service --json [--vllm]": (
         "tests/test_bench_service.py::test_bench_service_vllm_row_times_a_restarted_engine_served_from_the_service",),
+    "kvtier audit timing --engine vllm --prompt-tokens 512 --json": (
+        "tests/test_audit.py::test_vllms_engine_with_the_connector_passes_the_audit_through_kvtiers_host_tier",),
     "kvtier audit timing": AUDIT,
     "kvtier audit timing --json": AUDIT,
     "kvtier bench service --soak N": SOAK,

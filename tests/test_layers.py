@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS = [
     ("spec", ("kvtier.errors", "kvtier.spec", "kvtier.groups", "kvtier.layout", "kvtier.config", "kvtier.metrics", "kvtier.hashing",
-              "kvtier.logs", "kvtier._chainkeys")),
+              "kvtier.logs", "kvtier._chainkeys", "kvtier.shared_prefixes")),
     ("pages", ("kvtier.pages", "kvtier.alloc", "kvtier.jobs")),
     ("radix", ("kvtier.radix",)),
     ("core", ("kvtier.core",)),

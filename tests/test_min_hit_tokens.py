@@ -18,7 +18,7 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
 from kvtier.errors import ConfigError
 from support.cli import kvtier
-from test_tenants import MODEL, PS, SPEC, prompt, same_as_recompute
+from support.tenants import MODEL, PS, SPEC, prompt, same_as_recompute
 
 
 @pytest.mark.parametrize("tier", ["device", "host", "storage"])

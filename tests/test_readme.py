@@ -29,6 +29,9 @@ RUN_BY = {
     "kvtier bench cache --json": ("tests/test_bench_cache.py", "test_bench_cache_replays_through_sglangs_trees_in_the_same_run"),
     "kvtier bench sglang --json": ("tests/test_sglang_storage.py", "test_bench_sglang_prints_both_sides_as_json"),
     "kvtier plan --json": ("tests/test_fresh_clone.py", "test_plan_from_a_fresh_clone"),
+    "kvtier audit timing --engine vllm --prompt-tokens 512 --json": ("tests/test_audit.py",
+                                                                      "test_vllms_engine_with_the_connector_passes_the_audit_through_"
+                                                                      "kvtiers_host_tier"),
     "kvtier audit timing --json": ("tests/test_audit.py",
                                    "test_the_command_prints_its_verdicts_as_json_and_exits_1_unless_every_tier_passes"),
     "kvtier bench service --json": ("tests/test_bench_service.py",

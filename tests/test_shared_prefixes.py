@@ -17,7 +17,7 @@ from kvtier.core import NullCache
 from kvtier.errors import ConfigError
 from kvtier.shared_prefixes import MAX_DECLARED
 from support.service import running_service
-from test_tenants import MODEL, PS, SPEC, prompt, same_as_recompute
+from support.tenants import MODEL, PS, SPEC, prompt, same_as_recompute
 
 SYSTEM = prompt(100, 3 * PS + 5)  # (three full pages are declared; the five tokens after them are not)
 
@@ -166,7 +166,7 @@ def test_kvtier_run_with_shared_system_prompts_computes_each_once_for_every_tena
 
     from kvtier.app.runner import RunConfig, WorkloadConfig, run_workload
     from support.cli import SMALL, kvtier
-    from test_tenants import CFG
+    from support.tenants import CFG
 
     def run(tenants: int, share: bool):
         workload = WorkloadConfig(sessions=4, turns=2, system_prompts=1, system_tokens=4 * PS, user_tokens=PS, reply_tokens=PS,

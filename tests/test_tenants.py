@@ -15,31 +15,14 @@ from hypothesis import strategies as st
 
 from support.cli import SMALL, kvtier
 from support.service import running_service
+from support.tenants import CFG, MODEL, PS, SPEC, prompt, same_as_recompute
 from kvtier import DevicePool
 from kvtier.app.engine import ReferenceEngine
-from kvtier.app.model import ModelConfig, ReferenceModel
 from kvtier.build import TierConfig, build_cache
 from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
 from kvtier.errors import IndexTypeError
 from kvtier.hashing import request_scope
-
-CFG = ModelConfig(hidden=64, num_layers=2, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
-                  index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)
-MODEL = ReferenceModel(CFG)
-SPEC = CFG.kv_spec()
-PS = CFG.page_size
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
-
-
-def same_as_recompute(base: ReferenceEngine, tokens: list[int], got) -> None:
-    want = base.prefill(tokens)
-    assert torch.equal(want.logits, got.logits)
-
 
 @pytest.mark.parametrize("tier", ["device", "host", "storage", "service"])
 def test_a_tenants_pages_are_a_hit_for_that_tenant_only_in_every_tier(tmp_path, tier):

@@ -241,42 +241,6 @@ def test_sliding_window_model_tensor_parallel_two_ranks_hit_on_both(tmp_path, tp
         assert w["fetched_pages"] == offered and w["group_objects_loaded"] == {"window": 2 * sum(window_pages(n, bs) for n in LENGTHS)}
 
 
-@pytest.mark.integration
-@pytest.mark.timeout(2400)
-def test_sliding_window_model_tensor_parallel_two_ranks_on_the_node_service_share_their_shards_with_a_restarted_engine(tmp_path,
-                                                                                                                    tp2_baseline):
-    """TP=2 on one ``kvtier serve`` (with file L3 behind it): each region page holds both ranks' shards of a page, and each
-    object of the window group's pool both ranks' shards of a window page. A second engine process hits every page from
-    the region -- each rank loads its own shard of the pages and of the window pages -- and outputs equal TP=2 without
-    kvtier; the service saved every rank's objects through to its store."""
-    from kvtier.service.client import query_status
-    from support.service import running_service, wait_until
-
-    args = ["--tp", "2", *prompt_args()]
-    want = tp2_baseline
-    with running_service(tmp_path, 0.2, "--storage-url", f"file://{tmp_path / 'l3'}") as svc:
-        attached = [*args, "--storage-options", json.dumps({"service": f"unix://{svc.socket}", "service_lookup_timeout_s": 10.0})]
-        first = run_engine(*attached)
-        assert outputs(first) == want
-        bs = first["block_size"]
-        offered = sum((n - 1) // bs for n in LENGTHS)
-        for w in first["worker_stats"]:
-            assert w["group_objects_offloaded"]["window"] >= offered and w["saved_pages"] == 0  # (the service keeps and saves them)
-        st = query_status(svc.socket)
-        assert st["object_pools"] == ["window"] and st["published_pages"] >= 2 * offered, st
-        second = run_engine(*attached)
-        assert outputs(second) == want
-        assert [r["shared_host_pages"] for r in second["results"]] == [(n - 1) // bs for n in LENGTHS]
-        for w in second["worker_stats"]:
-            # (as at TP=2 from L3: the stats count each rank's shard)
-            assert w["load_failed_pages"] == 0 and w["group_objects_loaded"]["window"] == 2 * sum(window_pages(n, bs) for n in LENGTHS)
-        wait_until(lambda: query_status(svc.socket)["l3"]["saving_pages"] == 0, 60)
-        saved = query_status(svc.socket)["l3"]["saved_pages"]
-    # every page and window page once per rank: two shards of each (under each rank's namespace)
-    ranks = {p.relative_to(tmp_path / "l3").parts[0] for p in (tmp_path / "l3").rglob("*") if p.is_file()}
-    assert saved >= 2 * offered and len(ranks) == 2, (saved, ranks)
-
-
 def test_hybrid_kv_events_carry_vllms_group_fields():
     """A hybrid model's blocks reach vLLM's KV event stream per group: the full group's for every block, a
     window group's for the blocks whose window page went out (one event per contiguous run), both with
@@ -388,7 +352,8 @@ def test_vllm_serve_of_gemma3s_five_to_one_layout_on_the_node_service_through_tw
     first_prefix = (SYSTEM_TOKENS + TURN_TOKENS - 1) // BLOCK_SIZE * BLOCK_SIZE  # (the pass's first prompt: nothing on the device)
     assert soak["host_hit_passes"] == {"vllm": 1, "service": 1}, soak
     assert min(soak["host_tokens_after"].values()) >= first_prefix, soak
-    assert soak["object_pools"] == [f"window{i}" for i in range(5)] and soak["found_objects"] > 0, soak
+    # (a hybrid model's hit needs every group's objects at its boundary: the host tokens above came with window pages)
+    assert soak["object_pools"] == [f"window{i}" for i in range(5)], soak
 
 
 # ---- linear attention (Qwen3-Next) ----------------------------------------------------------

@@ -21,9 +21,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import kvtier
-
-ROOT = str(Path(kvtier.__file__).parent) + "/"
+ROOT = str(Path(__file__).resolve().parents[2]) + "/"  # (kvtier/: this file is kvtier/app/bench/calls.py)
 APP = ROOT + "app/"
 
 
