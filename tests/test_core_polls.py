@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.app.bench.calls import _serve, host_hit
+from kvtier.app.bench.calls import host_hit, serve_request
 from kvtier.build import build_cache
 from kvtier.config import TierConfig
 from kvtier.errors import ExecutorError
@@ -42,12 +42,18 @@ def _tokens() -> list[int]:
     return list(range(500, 500 + PAGES * SPEC.page_size + 1))
 
 
-def test_a_host_hit_polls_once_while_its_load_is_in_flight_and_never_when_nothing_is():
+def _on_host_only():
+    """A cache whose every page of :func:`_tokens` is on host and none on the device (a host hit waits)."""
     cache = build_cache(SPEC, TierConfig(device_pages=4 * PAGES, host_pages=4 * PAGES))
+    serve_request(cache, _tokens(), SPEC.page_size)
+    cache.wait_idle()
+    cache.evict_device(4 * PAGES)
+    return cache
+
+
+def test_a_host_hit_polls_once_while_its_load_is_in_flight_and_never_when_nothing_is():
+    cache = _on_host_only()
     try:
-        _serve(cache, _tokens(), SPEC.page_size)
-        cache.wait_idle()
-        cache.evict_device(4 * PAGES)
         calls = _counted(cache)
         n = len(_tokens())
         req = cache.begin(_tokens(), usable_pages=(n - 1) // SPEC.page_size)
@@ -66,13 +72,10 @@ def test_a_host_hit_polls_once_while_its_load_is_in_flight_and_never_when_nothin
 
 
 def test_a_begin_with_a_backup_in_flight_polls_once_though_it_loads_and_allocates_inside():
-    cache = build_cache(SPEC, TierConfig(device_pages=4 * PAGES, host_pages=4 * PAGES))
+    cache = _on_host_only()
     try:
-        _serve(cache, _tokens(), SPEC.page_size)
-        cache.wait_idle()
-        cache.evict_device(4 * PAGES)
         other = list(range(9000, 9000 + 2 * SPEC.page_size + 1))
-        _serve(cache, other, SPEC.page_size)  # (its write-through backup: a plan in flight at the next entry)
+        serve_request(cache, other, SPEC.page_size)  # (its write-through backup: a plan in flight at the next entry)
         assert cache.plans_in_flight >= 1
         calls = _counted(cache)
         cache.begin(_tokens(), usable_pages=PAGES).abort()
@@ -94,7 +97,7 @@ def test_a_port_lost_with_nothing_in_flight_raises_at_the_next_call_that_submits
     lost and the call after it raises, as a loss found by a poll does."""
     cache = build_cache(SPEC, TierConfig(device_pages=4 * PAGES, host_pages=4 * PAGES))
     try:
-        _serve(cache, _tokens(), SPEC.page_size)
+        serve_request(cache, _tokens(), SPEC.page_size)
         cache.wait_idle()
 
         def gone(*_args):

@@ -18,43 +18,31 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
 from kvtier.errors import ConfigError
 from support.cli import kvtier
-from support.tenants import MODEL, PS, SPEC, prompt, same_as_recompute
+from support.tenants import MODEL, PS, SPEC, prompt, push_down, same_as_recompute, tier_cache
 
 
 @pytest.mark.parametrize("tier", ["device", "host", "storage"])
 def test_a_prefix_shorter_than_the_minimum_is_recomputed_and_a_longer_one_hits_from_every_tier(tmp_path, tier):
     base = ReferenceEngine(MODEL, NullCache(DevicePool(SPEC, 64)))
-    cache = build_cache(SPEC, TierConfig(device_pages=64, host_pages=64), CacheConfig(min_hit_tokens=4 * PS),
-                        StorageConfig(url=f"file://{tmp_path}"))
-    eng = ReferenceEngine(MODEL, cache)
-
-    def push_down() -> None:
-        cache.wait_idle()
-        if tier != "device":
-            cache.evict_device(cache.device.num_pages)
-        if tier == "storage":
-            cache.evict_host(cache.host.num_pages)
-
-    try:
+    with tier_cache(tmp_path, tier, CacheConfig(min_hit_tokens=4 * PS)) as cache:
+        eng = ReferenceEngine(MODEL, cache)
         short, long = prompt(1, 3 * PS + 2), prompt(2, 5 * PS + 2)  # (3 cached pages: below 4; 5: above)
         for tokens in (short, long):
             eng.prefill(tokens)
         for tokens, want_hit in ((short, 0), (long, 5 * PS)):
-            push_down()
+            push_down(cache, tier)
             r = eng.prefill(tokens)
             same_as_recompute(base, tokens, r)
             assert r.hit_tokens == want_hit, (tier, r)
         assert cache.stats.hits_below_minimum == 1
         # a request that shares only 3 pages with the long prompt: a 3-page prefix, recomputed too
-        push_down()
+        push_down(cache, tier)
         partial = long[: 3 * PS] + prompt(3, 2 * PS)
         r = eng.prefill(partial)
         same_as_recompute(base, partial, r)
         assert r.hit_tokens == 0 and cache.stats.hits_below_minimum == 2
         cache.wait_idle()
         cache.check_integrity()
-    finally:
-        cache.close()
 
 
 def test_an_engine_owned_devices_lookup_offers_nothing_shorter_than_the_minimum():

@@ -16,61 +16,35 @@ from kvtier.config import CacheConfig, StorageConfig
 from kvtier.core import NullCache
 from kvtier.errors import ConfigError
 from kvtier.shared_prefixes import MAX_DECLARED
-from support.service import running_service
-from support.tenants import MODEL, PS, SPEC, prompt, same_as_recompute
+from support.tenants import MODEL, PS, SPEC, prompt, push_down, same_as_recompute, tier_cache, tier_hit
 
 SYSTEM = prompt(100, 3 * PS + 5)  # (three full pages are declared; the five tokens after them are not)
-
-
-def _push_down(cache, tier: str) -> None:
-    cache.wait_idle()
-    if tier != "device":
-        cache.evict_device(cache.device.num_pages)
-    if tier == "storage":
-        cache.evict_host(cache.host.num_pages)
 
 
 @pytest.mark.parametrize("tier", ["device", "host", "storage", "service"])
 def test_a_declared_system_prompt_is_a_hit_for_every_tenant_and_what_follows_it_for_its_own_alone(tmp_path, tier):
     base = ReferenceEngine(MODEL, NullCache(DevicePool(SPEC, 64)))
-
-    def run(cache) -> None:
+    with tier_cache(tmp_path, tier) as cache:
         assert cache.share_prefix(SYSTEM) == 3
         eng = ReferenceEngine(MODEL, cache)
         a_prompt, b_prompt = SYSTEM + prompt(1, 2 * PS), SYSTEM + prompt(2, 2 * PS)
         first = eng.prefill(a_prompt, tenant="a")
         same_as_recompute(base, a_prompt, first)
         assert first.hit_tokens == 0
-        _push_down(cache, tier)
+        push_down(cache, tier)
         other = eng.prefill(b_prompt, tenant="b")  # another tenant, the same system prompt: its three pages hit
         same_as_recompute(base, b_prompt, other)
         assert other.hit_tokens == 3 * PS
-        _push_down(cache, tier)
+        push_down(cache, tier)
         probe = eng.prefill(a_prompt, tenant="c")  # a's whole prompt as tenant c: the system prompt, nothing of a's own
         same_as_recompute(base, a_prompt, probe)
         assert probe.hit_tokens == 3 * PS
-        _push_down(cache, tier)
+        push_down(cache, tier)
         again = eng.prefill(a_prompt, tenant="a")  # a itself: everything (its own tail after the shared pages)
         same_as_recompute(base, a_prompt, again)
-        tier_hit = {"device": again.device_hit_tokens, "host": again.host_hit_tokens, "storage": again.storage_hit_tokens,
-                    "service": again.host_hit_tokens}[tier]
-        assert again.hit_tokens == tier_hit == (len(a_prompt) - 1) // PS * PS
+        assert again.hit_tokens == tier_hit(again, tier) == (len(a_prompt) - 1) // PS * PS
         cache.wait_idle()
         cache.check_integrity()
-
-    if tier == "service":
-        with running_service(tmp_path) as svc:
-            cache = build_cache(SPEC, TierConfig(device_pages=64, service=svc.socket), CacheConfig())
-            try:
-                run(cache)
-            finally:
-                cache.close()
-        return
-    cache = build_cache(SPEC, TierConfig(device_pages=64, host_pages=64), CacheConfig(), StorageConfig(url=f"file://{tmp_path}"))
-    try:
-        run(cache)
-    finally:
-        cache.close()
 
 
 def test_an_undeclared_prefix_a_part_of_one_or_one_further_in_is_never_shared():

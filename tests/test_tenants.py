@@ -14,8 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from support.cli import SMALL, kvtier
-from support.service import running_service
-from support.tenants import CFG, MODEL, PS, SPEC, prompt, same_as_recompute
+from support.tenants import CFG, MODEL, PS, SPEC, prompt, push_down, same_as_recompute, tier_cache, tier_hit
 from kvtier import DevicePool
 from kvtier.app.engine import ReferenceEngine
 from kvtier.build import TierConfig, build_cache
@@ -30,48 +29,23 @@ def test_a_tenants_pages_are_a_hit_for_that_tenant_only_in_every_tier(tmp_path, 
     ``tier`` before each: B and the namespace's own scope miss (everything computed), A hits from that tier; every
     output equals a recompute."""
     base = ReferenceEngine(MODEL, NullCache(DevicePool(SPEC, 64)))
-
-    def run(cache) -> None:
+    with tier_cache(tmp_path, tier) as cache:
         eng = ReferenceEngine(MODEL, cache)
         tokens = prompt(1, 5 * PS + 3)
-
-        def push_down() -> None:
-            cache.wait_idle()
-            if tier != "device":
-                cache.evict_device(cache.device.num_pages)
-            if tier == "storage":
-                cache.evict_host(cache.host.num_pages)
-
         first = eng.prefill(tokens, tenant="a")
         same_as_recompute(base, tokens, first)
         assert first.computed_tokens == len(tokens)
         for who in ("b", None, "A", b"a"):  # (another tenant; no tenant; case and type are part of a tenant)
-            push_down()
+            push_down(cache, tier)
             r = eng.prefill(tokens, tenant=who)
             same_as_recompute(base, tokens, r)
             assert r.hit_tokens == 0, (who, r)
-        push_down()
+        push_down(cache, tier)
         again = eng.prefill(tokens, tenant="a")
         same_as_recompute(base, tokens, again)
-        hit = {"device": again.device_hit_tokens, "host": again.host_hit_tokens, "storage": again.storage_hit_tokens,
-               "service": again.host_hit_tokens}[tier]
-        assert hit == 5 * PS and again.hit_tokens == 5 * PS
+        assert tier_hit(again, tier) == 5 * PS and again.hit_tokens == 5 * PS
         cache.wait_idle()
         cache.check_integrity()
-
-    if tier == "service":  # the host tier is the node service's region, shared with every engine of the namespace
-        with running_service(tmp_path) as svc:
-            cache = build_cache(SPEC, TierConfig(device_pages=64, service=svc.socket), CacheConfig())
-            try:
-                run(cache)
-            finally:
-                cache.close()
-        return
-    cache = build_cache(SPEC, TierConfig(device_pages=64, host_pages=64), CacheConfig(), StorageConfig(url=f"file://{tmp_path}"))
-    try:
-        run(cache)
-    finally:
-        cache.close()
 
 
 #: tenant values: any text (lone surrogates included), bytes, integers of any size, None

@@ -197,7 +197,7 @@ class CacheCore(DeviceSpace):
             if due:
                 self._backup(due)
         st.storage_hit_pages += n_storage
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled)
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled, below)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None, tenant: object = None) -> CacheRequest:

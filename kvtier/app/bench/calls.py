@@ -60,7 +60,7 @@ def _count(fn) -> CallCount:
     return CallCount("", calls, switches, polls, dict(per_file.most_common()))
 
 
-def _serve(cache, tokens: list[int], ps: int) -> tuple[int, int, int]:
+def serve_request(cache, tokens: list[int], ps: int) -> tuple[int, int, int]:
     """One request as ``kvtier run``'s engine serves it, its prefill left out."""
     n = len(tokens)
     req = cache.begin(tokens, usable_pages=(n - 1) // ps)
@@ -81,11 +81,11 @@ def host_hit(pages: int = 32) -> CallCount:
     cache = build_cache(spec, TierConfig(device_pages=4 * pages, host_pages=4 * pages))  # (write-through: the default)
     tokens = list(range(1000, 1000 + pages * spec.page_size + 1))
     try:
-        _serve(cache, tokens, spec.page_size)
+        serve_request(cache, tokens, spec.page_size)
         cache.wait_idle()
         cache.evict_device(4 * pages)
         served = []
-        count = _count(lambda: served.append(_serve(cache, tokens, spec.page_size)))
+        count = _count(lambda: served.append(serve_request(cache, tokens, spec.page_size)))
         assert served[0][1] == pages, served  # (every usable page from host)
     finally:
         cache.close()

@@ -400,6 +400,22 @@ def run_soak(config: SoakConfig) -> SoakReport:
     return report
 
 
+def stuck_leases(status_of, bound_s: float) -> tuple[int, dict]:
+    """Once a service's clients are gone: the pages it still has leased, held or parked (stuck; -1 for a service that never
+    answered), and its last status. ``status_of()`` is its status (None: no answer); waited for, up to ``bound_s``, until
+    it has no client, no orphaned session, nothing parked and no adoption held back."""
+    status = None
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        status = status_of()
+        if status is not None and status["clients"] == status["orphaned"] == status.get("parked_pages", 0) == 0 and not (
+                status.get("adoption_held")):
+            break
+        time.sleep(0.05)
+    status = status or {}
+    return status.get("writing", -1) + status.get("held", 0) + status.get("parked_pages", 0), status
+
+
 def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopted: int) -> SoakReport:
     """Stop the clients cleanly, count what they logged and what the services still hold, then time restarts."""
     Path(soak.workdir, "stop").touch()
@@ -412,16 +428,8 @@ def _finish(soak: _Soak, config: SoakConfig, kills, signals, before: int, adopte
     # (every client gone, and whatever a restart parked or held back: a page still leased, held or parked then is stuck)
     stuck = corrupt = 0
     for service in SERVICES:
-        status = None
-        deadline = time.monotonic() + EXIT_BOUND_S
-        while time.monotonic() < deadline:
-            status = soak._status(service)
-            if status is not None and status["clients"] == status["orphaned"] == status.get("parked_pages", 0) == 0 and not (
-                    status.get("adoption_held")):
-                break
-            time.sleep(0.05)
-        status = status or {}
-        stuck += status.get("writing", -1) + status.get("held", 0) + status.get("parked_pages", 0)
+        held, status = stuck_leases(lambda s=service: soak._status(s), EXIT_BOUND_S)
+        stuck += held
         corrupt += status.get("corrupt_pages", 0)
     engine = [r for name in CLIENTS[:-1] for r in soak.records(name) if "wrong" in r]
     hybrid = [r for name in ENGINES["hybrid-service"] for r in soak.records(name) if "wrong" in r]

@@ -35,6 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvtier.app.bench.soak import stuck_leases
 from kvtier.app.devservers import NodeServiceProcess, VllmServer
 from kvtier.errors import ServiceError
 from kvtier.service.client import query_status
@@ -260,7 +261,7 @@ def run_vllm_soak(config: VllmSoakConfig) -> VllmSoakReport:
                 hit_passes[victim] += loaded > 0
             pools = (soak.status() or {}).get("object_pools", [])
             soak.server.stop()
-            stuck, status = _stuck_leases(soak)
+            stuck, status = stuck_leases(soak.status, EXIT_BOUND_S)
         finally:
             if soak.server is not None:
                 soak.server.stop()
@@ -274,20 +275,6 @@ def run_vllm_soak(config: VllmSoakConfig) -> VllmSoakReport:
         restart_s={v: round(statistics.median(s), 2) for v, s in restart_s.items() if s}, object_pools=pools,
         found_objects=status.get("found_objects", 0), corrupt_pages=status.get("corrupt_pages", 0),
         seconds=round(time.monotonic() - started, 1))
-
-
-def _stuck_leases(soak: _Soak) -> tuple[int, dict]:
-    """Once the engine stopped: pages the service still has leased, held or parked (and its status then)."""
-    deadline = time.monotonic() + EXIT_BOUND_S
-    status = None
-    while time.monotonic() < deadline:
-        status = soak.status()
-        if status is not None and status["clients"] == status["orphaned"] == status.get("parked_pages", 0) == 0 and not (
-                status.get("adoption_held")):
-            break
-        time.sleep(0.1)
-    status = status or {}
-    return status.get("writing", -1) + status.get("held", 0) + status.get("parked_pages", 0), status
 
 
 def as_json(report: VllmSoakReport) -> dict:
