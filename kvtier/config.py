@@ -142,6 +142,16 @@ class CacheConfig:
     min_hit_tokens: int = _help(
         "a request's cached prefix counts only from this many tokens: a shorter one is served as a miss and recomputed, so a "
         "probe of a short guess learns nothing by its time (the Early Bird mitigation; docs/tenants.md); 0: every hit counts", 0)
+    tenant_host_pages: int = _help(
+        "each tenant's guaranteed host pages: another tenant's writes never evict its host pages below this (docs/tenants.md)", 0)
+    tenant_max_host_pages: int | None = _help(
+        "each tenant's cap on host pages: at it, a tenant's new host copies replace its own least recently used ones; None: no cap",
+        None)
+    tenant_ttl_s: float | None = _help(
+        "seconds a tenant's host page may go unused before it leaves the host tier (not written back to L3); None: no lifetime", None)
+    tenant_accounting: bool = _help(
+        "count host pages, hits, evictions and expiries per tenant (a digest, never its name); on whenever a tenant_* bound is set",
+        False)
 
     def __post_init__(self) -> None:
         _choice(self, "write_policy", ("write_through", "write_through_selective", "write_back"))
@@ -149,6 +159,20 @@ class CacheConfig:
         _choice(self, "hash_algo", ("xxh3_128", "blake3"))
         check_number(self, "write_through_threshold", at_least=1, integer=True)
         check_number(self, "min_hit_tokens", at_least=0, integer=True)
+        check_number(self, "tenant_host_pages", at_least=0, integer=True)
+        check_number(self, "tenant_max_host_pages", at_least=0, integer=True)
+        check_number(self, "tenant_ttl_s", above=0)
+        if not isinstance(self.tenant_accounting, bool):
+            raise ConfigError(f"CacheConfig.tenant_accounting must be true or false; got {self.tenant_accounting!r}")
+        if self.tenant_max_host_pages is not None and self.tenant_host_pages > self.tenant_max_host_pages:
+            raise ConfigError(f"CacheConfig.tenant_host_pages={self.tenant_host_pages} is above tenant_max_host_pages="
+                              f"{self.tenant_max_host_pages}: a tenant cannot be guaranteed more than it may hold")
+
+    @property
+    def accounts_tenants(self) -> bool:
+        """Whether the cache keeps a ledger per tenant (:mod:`kvtier.core.tenants`)."""
+        return (self.tenant_accounting or self.tenant_host_pages > 0 or self.tenant_max_host_pages is not None
+                or self.tenant_ttl_s is not None)
 
 
 @dataclass(frozen=True)

@@ -94,3 +94,31 @@ class PrometheusCollector:
             fam = CounterMetricFamily(f"{self.prefix}_{name}", f"kvtier cache counter {name}", labels=list(self.labels))
             fam.add_metric(list(self.labels.values()), value)
             yield fam
+
+
+class TenantCollector:
+    """Exports a cache's per-tenant rows (:meth:`~kvtier.core.base.CoreBase.tenant_usage`) with a ``tenant`` label, the
+    tenant's digest (never its name): ``kvtier_tenant_host_pages`` (a gauge) and ``kvtier_tenant_<counter>_total``::
+
+        registry.register(TenantCollector(cache.tenant_usage))
+    """
+
+    COUNTERS = ("lookup_pages", "hit_pages", "evicted_pages", "expired_pages", "capped_pages")
+
+    def __init__(self, source, prefix: str = "kvtier"):
+        self.source = source
+        self.prefix = prefix
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        rows = self.source()
+        held = GaugeMetricFamily(f"{self.prefix}_tenant_host_pages", "host pages a tenant holds", labels=["tenant"])
+        for row in rows:
+            held.add_metric([row.tenant], row.host_pages)
+        yield held
+        for name in self.COUNTERS:
+            fam = CounterMetricFamily(f"{self.prefix}_tenant_{name}", f"kvtier per-tenant counter {name}", labels=["tenant"])
+            for row in rows:
+                fam.add_metric([row.tenant], getattr(row, name))
+            yield fam

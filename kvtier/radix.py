@@ -97,6 +97,7 @@ class PageNode:
         "hit_count",
         "last_access",
         "flags",
+        "owner",
     )
 
     #: slots a subclass adds (:func:`node_type_with`), None in every node the tree makes
@@ -118,6 +119,7 @@ class PageNode:
         self.hit_count = 0
         self.last_access = stamp
         self.flags = 0
+        self.owner = 0
 
     @property
     def host_ready(self) -> bool:
@@ -263,6 +265,12 @@ class PrefixTree:
         self.device_heap = _LeafHeap(_device_leaf, PageNode.on_device.fget, seq)
         self.host_heap = _LeafHeap(_host_leaf, PageNode.on_host.fget, seq)
         self._clock = 0
+        #: whose pages the nodes made now are (a tenant's id, :mod:`kvtier.core.tenants`; 0: the namespace's own)
+        self.current_owner = 0
+        #: keys whose nodes are always one owner's, whoever makes them (a declared shared prefix's pages)
+        self.fixed_owners: dict[PageHash, int] = {}
+        #: host pages held per owner id, kept while tenants are accounted (None: not counted)
+        self.host_by_owner: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.nodes)
@@ -310,8 +318,25 @@ class PrefixTree:
         if self._spare:
             node = self._spare.pop()
             node.reset(key, parent, stamp, device_page, children)
-            return node
-        return self.node_type(key, parent, stamp, device_page, children)
+        else:
+            node = self.node_type(key, parent, stamp, device_page, children)
+        node.owner = self.fixed_owners.get(key, self.current_owner) if self.fixed_owners else self.current_owner
+        return node
+
+    def count_host(self, nodes, sign: int = 1) -> None:
+        """Host pages per owner: ``nodes`` gained (``sign`` 1) or lost (-1) their host pages (while counted)."""
+        counts = self.host_by_owner
+        if counts is not None:
+            for node in nodes:
+                counts[node.owner] += sign
+
+    def set_owner(self, node: PageNode, owner: int) -> None:
+        """``node``'s pages are ``owner``'s from now on (its host page counted under it)."""
+        if node.owner != owner:
+            if self.host_by_owner is not None and node.host_page != NO_PAGE:
+                self.host_by_owner[node.owner] -= 1
+                self.host_by_owner[owner] += 1
+            node.owner = owner
 
     @property
     def now(self) -> int:
@@ -401,6 +426,7 @@ class PrefixTree:
             chain += self._blank_nodes(n - take)
         stamp = self._clock
         prev = parent
+        owner = self.current_owner
         for node, key, page in zip(chain, keys, pages):
             node.key = key
             node.parent = prev
@@ -409,7 +435,12 @@ class PrefixTree:
             node.host_page = NO_PAGE
             node.lock_ref = node.hit_count = node.flags = 0
             node.last_access = stamp
+            node.owner = owner
             prev = node
+        if self.fixed_owners:  # (a declared shared prefix's pages are its scope's, whichever request makes them)
+            fixed = self.fixed_owners
+            for node in chain:
+                node.owner = fixed.get(node.key, owner)
         if self._windows:  # (a hybrid tree: the new nodes' window pages are as recent as their pages)
             for node in chain:
                 node.window_used = stamp
@@ -449,6 +480,8 @@ class PrefixTree:
         if parent is not None:
             parent.num_children += 1
         self.hosted.update(chain)
+        if self.host_by_owner is not None:
+            self.count_host(chain)
         self.host_heap.push(prev)
         return chain
 
@@ -484,6 +517,8 @@ class PrefixTree:
                     parent.last_access = node.last_access
             node.parent = None  # a recycled node must not keep its old ancestors alive
         self.hosted.difference_update(nodes)
+        if self.host_by_owner is not None:
+            self.count_host(nodes, -1)
         spare.extend(nodes)
         return pages
 
@@ -590,6 +625,8 @@ class PrefixTree:
             if node.num_children == 0:
                 push(node)
         self.hosted.update(nodes)
+        if self.host_by_owner is not None:
+            self.count_host(nodes)
 
     def set_host(self, node: PageNode, page: int, ready: bool) -> None:
         self.set_hosts((node,), (page,), ready)
@@ -641,6 +678,8 @@ class PrefixTree:
         page, node.host_page = node.host_page, NO_PAGE
         node.host_ready = False
         self.hosted.discard(node)
+        if self.host_by_owner is not None and page != NO_PAGE:
+            self.host_by_owner[node.owner] -= 1
         return page
 
     def _maybe_compact(self) -> None:
@@ -830,15 +869,17 @@ class PrefixTree:
             push(entries, entry)
         return pages
 
-    def host_victims(self, limit: int, older_than: int | None = None) -> list[PageNode]:
+    def host_victims(self, limit: int, older_than: int | None = None, allowed: Callable[[PageNode], bool] | None = None) -> list[PageNode]:
         """Up to ``limit`` unlocked, ready host copies with no device copy whose children all leave too,
-        LRU leaves first (descendants before their ancestors).
+        LRU leaves first (descendants before their ancestors). ``allowed``: asked of each one that could
+        go, in the order taken (a tenant's quota, :mod:`kvtier.core.tenants`); False keeps it.
 
         Pages being saved to L3 (``SAVING``) are skipped: the storage worker is reading them."""
+        eligible = _host_evictable if allowed is None else (lambda n: _host_evictable(n) and allowed(n))
         return self._victims(
             self.host_heap,
             limit,
-            _host_evictable,
+            eligible,
             lambda n: n.num_children,
             older_than,
         )
@@ -921,6 +962,11 @@ class PrefixTree:
                     dchildren[id(node.parent)] = dchildren.get(id(node.parent), 0) + 1
             assert node.lock_ref >= 0
         assert self.hosted == {n for n in self.nodes.values() if n.on_host}, "host-resident index drift"
+        if self.host_by_owner is not None:
+            counted = [0] * len(self.host_by_owner)
+            for n in self.hosted:
+                counted[n.owner] += 1
+            assert counted == self.host_by_owner, f"host pages per owner drift: {self.host_by_owner} counted, {counted} held"
         for node in self.nodes.values():
             assert node.num_children == children.get(id(node), 0), f"child count drift at {node!r}"
             assert node.device_children == dchildren.get(id(node), 0), f"device child count drift at {node!r}"

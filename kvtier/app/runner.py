@@ -132,6 +132,9 @@ class RunReport:
     tenants: int = 1
     #: prefixes declared shareable across tenants (``share_system_prompts``: the chat workload's system prompts)
     shared_prefixes: int = 0
+    #: per tenant (a digest), with tenants accounted (a ``--cache-tenant-*`` bound): host pages held, bounds, lookups,
+    #: hits, evictions, expiries, host copies refused at its cap (:meth:`~kvtier.core.base.CoreBase.tenant_usage`)
+    tenant_usage: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -207,6 +210,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
         cache.wait_idle()
         cache.check_integrity(idle=True)
         stats = cache.stats.snapshot()
+        usage = [asdict(u) for u in cache.tenant_usage() if u.lookup_pages or u.host_pages]
         groups = _group_report(cache, hcfg) if hybrid else None
         busy = dict(cache.engine.busy_s)
         sbusy = dict(cache.storage.busy_s) if cache.storage else {}
@@ -220,6 +224,7 @@ def run_workload(cfg: RunConfig, progress: bool = True) -> RunReport:
     report = _report(requests, base, ours, stats, busy, sbusy, storage.url if cfg.storage.url else None)
     report.model, report.groups, report.tenants = cfg.model_kind, groups, cfg.workload.tenants
     report.shared_prefixes = len(cfg.workload.shared_prefixes(cfg.model.vocab_size))
+    report.tenant_usage = usage
     return report
 
 

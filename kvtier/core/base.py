@@ -24,8 +24,9 @@ from kvtier.core.plans import Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.host_tier import HostTier
 from kvtier.core.shared_host import NO_SHARED_HOST, SharedHost
+from kvtier.core.tenants import NAMESPACE_OWNER, SHARED_OWNER, TenantLedger, TenantQuota, TenantUsage
 from kvtier.core.tags import GroupBackup
-from kvtier.errors import IndexTypeError
+from kvtier.errors import ConfigError, IndexTypeError
 from kvtier.hashing import Namespace, PageHash, hasher, page_keys, scoped_root, tenant_scope
 from kvtier.metrics import CacheStats
 from kvtier.pages import is_ordered_sequence
@@ -46,6 +47,42 @@ class CoreBase(HostTier):
         self._on[GroupBackup] = self._finish_group_backup
         #: prefixes declared shareable across tenants (:meth:`share_prefix`; None: none declared)
         self.shared_prefixes: SharedPrefixes | None = None
+        #: host pages, quotas and counters per tenant (:mod:`kvtier.core.tenants`; None: not accounted)
+        self.tenants: TenantLedger | None = None
+        if config.accounts_tenants:
+            self.tenants = TenantLedger(TenantQuota.from_config(config), self._tenant_label)
+            self.tree.host_by_owner = self.tenants.host
+
+    def _tenant_label(self, scope: bytes) -> str:
+        """A tenant's label in reports and metrics: a digest of its scope under the namespace (never its name)."""
+        return scoped_root(self.root_key, scope, hasher(self.config.hash_algo))[:8].hex()
+
+    def act_for(self, scope: bytes) -> None:
+        """The calls that follow serve a request of ``scope`` (:func:`~kvtier.hashing.request_scope`, a tenant's
+        scope): the pages they make are its, counted and bounded by its quota. For an engine that gives page keys
+        (vLLM's connector, per request), where token ids with a ``tenant`` do this themselves. Nothing when tenants
+        are not accounted."""
+        if self.tenants is not None:
+            self.tree.current_owner = self.tenants.owner(scope)
+
+    def tenant_label(self, tenant: object) -> str:
+        """``tenant``'s label in :meth:`tenant_usage` and metrics (a digest of its scope; "namespace" for None)."""
+        scope = b"" if tenant is None else tenant_scope(tenant)
+        return "namespace" if not scope else self._tenant_label(scope)
+
+    def set_tenant_quota(self, tenant: object, quota: TenantQuota) -> None:
+        """``tenant``'s own bounds in the host tier (:class:`~kvtier.core.tenants.TenantQuota`), in place of the
+        config's ``tenant_*`` defaults. Needs a cache that accounts tenants (``CacheConfig.tenant_accounting`` or a
+        ``tenant_*`` bound)."""
+        if self.tenants is None:
+            raise ConfigError("this cache does not account tenants: set CacheConfig.tenant_accounting=True (or a tenant_* bound) "
+                              "when it is made, then give tenants their quotas")
+        self.tenants.set_quota(b"" if tenant is None else tenant_scope(tenant), quota)
+
+    def tenant_usage(self) -> list[TenantUsage]:
+        """Per tenant (a digest): host pages held, bounds, lookups, hits, evictions, expiries, copies refused at
+        its cap. Empty when tenants are not accounted."""
+        return [] if self.tenants is None else self.tenants.usage()
 
     @property
     def has_storage(self) -> bool:
@@ -66,6 +103,8 @@ class CoreBase(HostTier):
         bytes or int; None or "": the namespace's own): two tenants' keys of one prompt never meet, in any tier -- but
         for a prefix declared shareable (:meth:`share_prefix`), whose pages every tenant's request starting with it shares."""
         scope = b"" if tenant is None else tenant_scope(tenant)
+        if self.tenants is not None:  # (the nodes this call makes are this tenant's)
+            self.tree.current_owner = self.tenants.owner(scope)
         if self.shared_prefixes is not None:
             keys = self.shared_prefixes.keys(token_ids, scope)
             if keys is not None:
@@ -80,7 +119,11 @@ class CoreBase(HostTier):
         start with the prefix, so declare it before serving (pages cached under the old keys are misses)."""
         if self.shared_prefixes is None:
             self.shared_prefixes = SharedPrefixes(self.root_key, self.spec.page_size, self.config.hash_algo)
-        return self.shared_prefixes.declare(token_ids, scope)
+        pages = self.shared_prefixes.declare(token_ids, scope)
+        if self.tenants is not None:  # the declared pages are the shared scope's, whichever tenant's request makes them
+            keys = self.shared_prefixes.keys(token_ids, b"")
+            self.tree.fixed_owners.update(dict.fromkeys(keys[:pages], SHARED_OWNER))
+        return pages
 
     def _keys(self, tokens_or_keys, tenant: object = None) -> list[PageHash]:
         if type(tokens_or_keys) is not list and not is_ordered_sequence(tokens_or_keys):
@@ -92,6 +135,7 @@ class CoreBase(HostTier):
             if tenant_scope(tenant):
                 raise IndexTypeError("a tenant scopes token ids; page keys are scoped already (page_keys(tokens, tenant) made them): "
                                      "give the token ids with the tenant, or the keys alone")
+            self.tree.current_owner = NAMESPACE_OWNER  # (keys alone: the namespace's own, for a tenant's ledger)
             return list(tokens_or_keys)
         return self.page_keys(tokens_or_keys, tenant)
 

@@ -149,6 +149,8 @@ class CacheCore(DeviceSpace):
     def _match(self, keys: list[PageHash], count: bool = True, limit: int | None = None) -> MatchResult:
         """:meth:`match` of page keys (``begin`` has them already)."""
         self.poll()
+        if self.tenants is not None:
+            self.expire_host()
         tree = self.tree
         path = self._shared_walk(keys, limit) if self.shared_host else tree.walk(keys)
         tree.touch(path)
@@ -197,6 +199,11 @@ class CacheCore(DeviceSpace):
             if due:
                 self._backup(due)
         st.storage_hit_pages += n_storage
+        if self.tenants is not None:
+            owner = tree.current_owner
+            self.tenants.count("lookup_pages", owner, len(keys))
+            self.tenants.count("hit_pages", owner, len(matched) + n_storage)
+            self.tenants.note_use(tree.now)
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled, below)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
@@ -238,7 +245,7 @@ class CacheCore(DeviceSpace):
             # the nodes of ld.device_pages: locked until commit
             return CacheRequest(self, keys, len(keys), len(m.device_pages), host_hit, ld.loaded - host_hit, ld.device_pages, ld,
                                 m.nodes[-1] if m.nodes else None, m.nodes[: len(ld.device_pages)], serial=quarantine.request_opened(),
-                                failure_gen=self.load_failure_gen)
+                                failure_gen=self.load_failure_gen, owner=self.tree.current_owner)
         ld = self._load_back(m) if m.num_host_pages or m.fills else LoadResult(None, list(m.device_pages), 0, 0, m.pending, self)
         nodes, cached = m.nodes[: len(ld.device_pages)], ld.device_pages
         # what the loads could bring: the prefix every group continues from, its objects held
@@ -249,7 +256,8 @@ class CacheCore(DeviceSpace):
         device_hit = min(m.num_device_pages, len(cached))
         host_hit = min(ld.loaded, host_before, len(cached) - device_hit)
         return CacheRequest(self, keys, len(keys), device_hit, host_hit, len(cached) - device_hit - host_hit, cached, ld, m.last_node,
-                            nodes, serial=quarantine.request_opened(), failure_gen=self.load_failure_gen, groups=given, held=held)
+                            nodes, serial=quarantine.request_opened(), failure_gen=self.load_failure_gen, groups=given, held=held,
+                            owner=self.tree.current_owner)
 
     def load_back(self, match: MatchResult) -> LoadResult:
         """Allocate device pages for ``match.host_nodes`` and start their per-layer load.
@@ -429,10 +437,12 @@ class CacheCore(DeviceSpace):
         return self._insert(keys, device_pages, check=True, groups=groups)
 
     def commit_request(self, keys: list[PageHash], device_pages: list[int], prefix: list[PageNode] | None,
-                       groups: dict[str, list[int | None]] | None = None) -> InsertResult:
+                       groups: dict[str, list[int | None]] | None = None, owner: int = 0) -> InsertResult:
         """:meth:`insert` for a :class:`~kvtier.core.request.CacheRequest`, which has proven (more strictly
         than insert's own check) that ``device_pages`` and ``groups`` are its own. ``prefix``: the nodes of
-        its cached pages, locked since its match and so still exactly where they were, not looked up again."""
+        its cached pages, locked since its match and so still exactly where they were, not looked up again.
+        ``owner``: its tenant's id in the ledger (:mod:`kvtier.core.tenants`), whose its new pages are."""
+        self.tree.current_owner = owner
         return self._insert(keys, device_pages, check=False, known=prefix, groups=groups)
 
     def _computed_under_prefetch(self, nodes: list[PageNode]) -> None:
@@ -491,6 +501,8 @@ class CacheCore(DeviceSpace):
                 self._backup(due)
             if gained:  # objects new to pages whose host copies are made already: copied alone
                 self._backup_objects([n for n in gained if n.host_page != NO_PAGE and n.host_ready])
+        if self.tenants is not None:
+            self.tenants.note_use(tree.now)
         return InsertResult(canonical, len(fresh), freed, last)
 
     def _check_caller_pages(self, pages: list[int], canonical: list[int]) -> None:

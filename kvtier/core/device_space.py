@@ -119,19 +119,18 @@ class DeviceSpace(CoreBase):
 
     def _backup(self, nodes: list[PageNode]) -> int:
         """Start async device->host backups of ``nodes`` (one root-to-leaf path). Returns pages started."""
-        got = self._alloc_host(len(nodes))
-        if not got.ok:
-            # (a shared host tier -- the node service's -- may give fewer than its num_free said: another engine took
-            # them meanwhile; then the allocation is empty, and so is the backup)
-            got = self.host_alloc.alloc(min(len(nodes), self.host_alloc.num_free))
-            self.stats.backup_skipped_pages += len(nodes) - len(got.pages)
-            nodes = nodes[: len(got.pages)]
+        # (a shared host tier -- the node service's -- may give fewer than its num_free said: another engine took
+        # them meanwhile; then the allocation is empty, and so is the backup)
+        pages = self._host_pages(len(nodes), nodes[-1].owner)
+        if len(pages) < len(nodes):
+            self.stats.backup_skipped_pages += len(nodes) - len(pages)
+            nodes = nodes[: len(pages)]
         if not nodes:
             return 0
-        self.tree.set_hosts(nodes, got.pages, ready=False)
+        self.tree.set_hosts(nodes, pages, ready=False)
         self.tree.lock(nodes[-1])  # deepest: pins every node of the path until the bytes land
         groups = self.groups.runs(nodes, DEVICE, HOST) if self.groups else ()
-        self._submit(copy_plan, Backup(nodes), DEVICE, list(map(device_page_of, nodes)), HOST, got.pages, 0, groups)
+        self._submit(copy_plan, Backup(nodes), DEVICE, list(map(device_page_of, nodes)), HOST, pages, 0, groups)
         return len(nodes)
 
     def _finish_backup(self, c: Completion, tag: Backup) -> None:
@@ -227,16 +226,14 @@ class DeviceSpace(CoreBase):
 
     def _backup_for_eviction(self, victims: list[PageNode]) -> int:
         """Synchronous backup of eviction victims (write_back): they are freed right after."""
-        got = self._alloc_host(len(victims))
-        if not got.ok:
-            got = self.host_alloc.alloc(min(len(victims), self.host_alloc.num_free))
-        victims = victims[: len(got.pages)]
+        pages = self._host_pages(len(victims))
+        victims = victims[: len(pages)]
         if not victims:
             return 0
-        self.tree.set_hosts(victims, got.pages, ready=False)  # victims are LRU-ordered, descendants first
+        self.tree.set_hosts(victims, pages, ready=False)  # victims are LRU-ordered, descendants first
         self.tree.pin(victims)  # on device: each lock covers its node alone
         groups = self.groups.runs(victims, Tier.DEVICE, Tier.HOST) if self.groups else ()
-        op = self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, got.pages, 0,
+        op = self._submit(copy_plan, EvictionBackup(victims), Tier.DEVICE, list(map(device_page_of, victims)), Tier.HOST, pages, 0,
                           groups)
         c = self._await(op)
         self.tree.unpin(victims)

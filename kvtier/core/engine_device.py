@@ -227,6 +227,8 @@ class EngineDeviceCore(CoreBase):
         (a hybrid model: the longest prefix every group can continue from). ``shared=False``: the shared
         host tier is not asked (:meth:`prefetch_shared` asked it for these keys already)."""
         self.poll()
+        if self.tenants is not None:
+            self.expire_host()
         path, host, stored, limited_by, probed = self._usable(list(keys), shared, count=True)
         self.tree.touch(path[:host])
         st = self.stats
@@ -236,6 +238,11 @@ class EngineDeviceCore(CoreBase):
         st.storage_hit_pages += stored
         if limited_by is not None:
             self.groups.component(limited_by).limited += 1
+        if self.tenants is not None:
+            owner = self.tree.current_owner
+            self.tenants.count("lookup_pages", owner, len(keys))
+            self.tenants.count("hit_pages", owner, host + stored)
+            self.tenants.note_use(self.tree.now)
         return HostLookup(host, stored, probed, limited_by)
 
     def _usable(self, keys: list[PageHash], shared: bool = True, count: bool = False) -> tuple[list[PageNode], int, int, str | None, bool]:
@@ -311,21 +318,21 @@ class EngineDeviceCore(CoreBase):
         if path:
             tree.lock(path[-1])  # room for the new pages must not come from this prefix's own pages
         try:
-            got = self._alloc_host(want)
-            if not got.ok:
-                got = self.host_alloc.alloc(min(want, self.host_alloc.num_free))
+            pages = self._host_pages(want)
         finally:
             if path:
                 tree.unlock(path[-1])
-        n = len(got.pages)
+        n = len(pages)
         failed, save_op = 0, None
         if n:
-            nodes = tree.add_host_chain(keys[have : have + n], got.pages, path[-1] if path else None, ready=False)
+            nodes = tree.add_host_chain(keys[have : have + n], pages, path[-1] if path else None, ready=False)
             tree.lock(nodes[-1])  # released when the copy completes
             tree.touch(path + nodes)
+            if self.tenants is not None:
+                self.tenants.note_use(tree.now)
             tag = OffloadCopy(nodes)
             runs = self._objects_out(nodes, groups, have) if groups and self.groups else ()
-            op = self._submit(copy_plan, tag, Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, got.pages, 0, runs)
+            op = self._submit(copy_plan, tag, Tier.DEVICE, list(engine_pages[have : have + n]), Tier.HOST, pages, 0, runs)
             if not wait:  # the engine keeps its blocks until this op completes (a connector's get_finished)
                 if self.port.has_storage and self.storage_config.write_policy == "write_through":
                     # planned now, behind the copy: an executor elsewhere gets both in one batch

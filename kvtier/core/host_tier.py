@@ -27,6 +27,9 @@ from kvtier.radix import NO_PAGE, NOT_STORED, SAVING, STORED, PageNode, host_pag
 class HostTier(PlanDispatch):
     """Host pages and L3 (the layer above :class:`~kvtier.core.dispatch.PlanDispatch`)."""
 
+    #: host pages and quotas per tenant (:mod:`kvtier.core.tenants`; set by :class:`~kvtier.core.base.CoreBase`)
+    tenants = None
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._on |= {Save: self._finish_save, EvictionSave: self._applied_where_waited, PrefetchHandle: self._finish_prefetch}
@@ -53,20 +56,18 @@ class HostTier(PlanDispatch):
             return None  # stale match: the tree changed under it
         if parent is not None:
             self.tree.lock(parent)
-        got = self._alloc_host(n)
-        if not got.ok:
-            got = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
+        pages = self._host_pages(n)
         if parent is not None:
             self.tree.unlock(parent)
-        keys = keys[: len(got.pages)]
+        keys = keys[: len(pages)]
         if not keys:
             return None
-        nodes = self.tree.add_host_chain(keys, got.pages, parent, ready=False, stored=STORED)
+        nodes = self.tree.add_host_chain(keys, pages, parent, ready=False, stored=STORED)
         self.tree.touch(nodes)
         self.tree.lock(nodes[-1])  # released when the plan completes
         handle = PrefetchHandle(nodes)
         groups = self.groups.prefetch_runs(len(match.nodes), nodes) if self.groups else ()
-        handle.op = self._submit(fetch_plan, handle, keys, got.pages, groups)
+        handle.op = self._submit(fetch_plan, handle, keys, pages, groups)
         return handle
 
     def resolve_prefetch(self, handle: PrefetchHandle | None, policy: str | None = None) -> int:
@@ -188,6 +189,26 @@ class HostTier(PlanDispatch):
         self._apply_saved(c, victims)
 
     # ---- host pages ------------------------------------------------------------------------------
+    def _host_pages(self, n: int, owner: int | None = None) -> list[int]:
+        """Up to ``n`` host pages for ``owner``'s pages (default: the request's, the tree's current owner), evicting
+        as the tiers' LRU and the tenants' quotas allow: as many as could be had, the leading ones of a run."""
+        tenants = self.tenants
+        if tenants is not None:
+            owner = self.tree.current_owner if owner is None else owner
+            over = tenants.over_cap(owner, n)
+            if over:  # at its cap: its own least recently used pages make room first, and what still does not fit gets none
+                self._evict_victims(self.tree.host_victims(over, allowed=lambda node: node.owner == owner))
+                room = tenants.room_under_cap(owner)
+                if room < n:
+                    tenants.count("capped_pages", owner, n - room)
+                    n = room
+                if not n:
+                    return []
+        got = self._alloc_host(n)
+        if not got.ok:
+            got = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
+        return got.pages
+
     def _alloc_host(self, n: int) -> Allocation:
         got = self.host_alloc.alloc(n)
         if got.ok:
@@ -215,15 +236,40 @@ class HostTier(PlanDispatch):
     def evict_host(self, n: int, older_than: int | None = None) -> EvictResult:
         """Free at least ``n`` host pages whose device copy is gone, LRU leaves first (``older_than``:
         only pages last used before that stamp)."""
-        victims = self.tree.host_victims(n, older_than)
-        if victims and self.on_host_evicted is not None:
+        tenants = self.tenants
+        allowed = None if tenants is None else tenants.allowed_for(self.tree.current_owner)  # (no guaranteed share taken)
+        victims = self.tree.host_victims(n, older_than, allowed)
+        self._evict_victims(victims)
+        return EvictResult(n, len(victims))
+
+    def _evict_victims(self, victims: list[PageNode], *, save: bool = True) -> None:
+        """Host eviction of ``victims`` (:meth:`~kvtier.radix.PrefixTree.host_victims`' answer), saved to L3 first
+        under write_back when ``save``."""
+        if not victims:
+            return
+        if self.on_host_evicted is not None:
             self.on_host_evicted([v.key for v in victims])
-        if self.port.has_storage and self.storage_config.write_policy == "write_back":
+        if save and self.port.has_storage and self.storage_config.write_policy == "write_back":
             unsaved = self.tree.not_stored(victims)
             if unsaved:
                 self._save_for_eviction(unsaved)
+        if self.tenants is not None:
+            self.tenants.count_nodes("evicted_pages" if save else "expired_pages", victims)
         self.stats.host_evicted_pages += self._forget_host_only(victims)
-        return EvictResult(n, len(victims))
+
+    def expire_host(self) -> int:
+        """Host pages that outlived their tenant's ``ttl_s`` leave now (not written back to L3); returns how many.
+        Every lookup calls it; a sweep runs at most every eighth of the shortest TTL."""
+        tenants = self.tenants
+        if tenants is None or not tenants.has_ttl:
+            return 0
+        due = tenants.expiry(self.tree.now)
+        if due is None:
+            return 0
+        expired, before = due
+        victims = self.tree.host_victims(len(self.tree.hosted), before, expired)
+        self._evict_victims(victims, save=False)
+        return len(victims)
 
     def _forget_host_only(self, nodes: list[PageNode]) -> int:
         """Remove host-only ``nodes`` (deepest first: each is a leaf when it goes) and free their host

@@ -86,7 +86,7 @@ class NullCache:
     def free_device(self, pages: list[int]) -> None:
         self.dev_alloc.free(pages)
 
-    def commit_request(self, keys, device_pages: Sequence[int], prefix, groups=None) -> InsertResult:
+    def commit_request(self, keys, device_pages: Sequence[int], prefix, groups=None, owner: int = 0) -> InsertResult:
         for name, ids in (groups or {}).items():
             self.free_group(name, [i for i in ids if i is not None])
         self.dev_alloc.free(list(device_pages))

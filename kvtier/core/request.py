@@ -76,7 +76,7 @@ class RequestCache(Protocol):
     def free_group(self, name: str, ids: list[int]) -> None: ...
 
     def commit_request(self, keys: Sequence[PageHash], device_pages: list[int], prefix: list[PageNode] | None,
-                       groups: dict[str, list[int | None]] | None = None) -> InsertResult: ...
+                       groups: dict[str, list[int | None]] | None = None, owner: int = 0) -> InsertResult: ...
 
     def unlock(self, node: PageNode | None) -> None: ...
 
@@ -114,12 +114,13 @@ class CacheRequest:
     the cached prefix continues from, held for it on the nodes ``held``."""
 
     __slots__ = ("cache", "keys", "full_pages", "device_hit", "host_hit", "storage_hit", "cached_pages", "load", "_locked", "_prefix",
-                 "_allocated", "state", "serial", "failure_gen", "failed", "groups", "_held", "_group_alloc")
+                 "_allocated", "state", "serial", "failure_gen", "failed", "groups", "_held", "_group_alloc",
+                 "owner")
 
     def __init__(self, cache: RequestCache, keys: Sequence[PageHash], full_pages: int, device_hit: int, host_hit: int,
                  storage_hit: int, cached_pages: list[int], load: LoadResult, locked: PageNode | None,
                  prefix: list[PageNode] | None = None, *, serial: int = 0, failure_gen: int = 0,
-                 groups: dict[str, dict[int, int]] | None = None, held: list[PageNode] | None = None):
+                 groups: dict[str, dict[int, int]] | None = None, held: list[PageNode] | None = None, owner: int = 0):
         self.cache = cache
         self.keys = keys
         self.full_pages = full_pages
@@ -141,6 +142,8 @@ class CacheRequest:
         self._held = held if held is not None else ()
         #: group -> device ids this request allocated (alloc_group) and not yet handed over
         self._group_alloc: dict[str, list[int]] = {}
+        #: its tenant's id in the cache's ledger (:mod:`kvtier.core.tenants`): whose the pages it commits are
+        self.owner = owner
 
     def __repr__(self) -> str:
         return (f"CacheRequest({self.state.value}, {self.full_pages} pages, cached {self.num_cached}: device {self.device_hit}, "
@@ -235,7 +238,8 @@ class CacheRequest:
             rest = [p for p in alloc if p not in handed]
             known = None
         handed = self._check_groups(groups or {}, full) if (groups or self._group_alloc) else None
-        result = cache.commit_request(self.keys, pages[:full], known, handed)  # ownership proven above, more strictly than insert's
+        # ownership proven above, more strictly than insert's
+        result = cache.commit_request(self.keys, pages[:full], known, handed, self.owner)
         if rest:
             cache.free_device(rest)
         if self._group_alloc:

@@ -108,11 +108,12 @@ class Served:
 
 
 def serve(cache: CacheCore, tokens: list[int], check_bytes: bool = True, *, prefetch: bool = False, policy: str | None = None,
-          on_begin: Callable[[CacheRequest], None] | None = None) -> Served:
+          on_begin: Callable[[CacheRequest], None] | None = None, tenant: object = None) -> Served:
     """begin -> compute the rest -> verify every page's bytes -> commit (kvtier's request protocol).
-    ``on_begin(request)``: called once the request began (its prefetch resolved), before anything is computed."""
+    ``on_begin(request)``: called once the request began (its prefetch resolved), before anything is computed.
+    ``tenant``: whose request it is."""
     spec = cache.spec
-    req = cache.begin(tokens, prefetch=prefetch, prefetch_policy=policy)
+    req = cache.begin(tokens, prefetch=prefetch, prefetch_policy=policy, tenant=tenant)
     if on_begin is not None:
         on_begin(req)
     have = req.num_cached

@@ -29,7 +29,8 @@ from kvtier.service.peer import service_socket_path
 #: flat keys -> (section, field); the device side of TierConfig is vLLM's, not ours
 _TIER_KEYS = ("host_pages", "host_gb", "host_layout", "service", "service_timeout_s", "service_lookup_timeout_s", "service_uid",
               "service_required")
-_CACHE_KEYS = ("hash_algo", "io_backend", "min_hit_tokens")
+_CACHE_KEYS = ("hash_algo", "io_backend", "min_hit_tokens", "tenant_host_pages", "tenant_max_host_pages", "tenant_ttl_s",
+               "tenant_accounting")
 #: the host size when neither host_pages nor host_gb is given
 DEFAULT_HOST_GB = 1.0
 #: how the scheduler asks the node service: once per step for all the step's requests, or once per request

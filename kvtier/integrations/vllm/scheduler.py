@@ -141,6 +141,8 @@ class RecentFailures:
 class _RequestState:
     request: Any
     root: PageHash
+    #: its scope (``cache_salt`` and LoRA adapter, :func:`request_scope`): whose pages it makes, for the tenants' ledger
+    scope: bytes = b""
     keys: list[PageHash] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     #: leading pages the core holds or has planned to copy
@@ -301,8 +303,12 @@ class ConnectorScheduler:
         (:func:`request_scope`); None where tokens alone do not determine the KV."""
         if request.mm_features or getattr(request, "prompt_embeds", None) is not None:
             return None
+        return scoped_root(self._root, self._request_scope(request), self._hash)
+
+    @staticmethod
+    def _request_scope(request: Request) -> bytes:
         lora = request.lora_request.lora_name if request.lora_request else None
-        return scoped_root(self._root, request_scope(getattr(request, "cache_salt", None), lora), self._hash)
+        return request_scope(getattr(request, "cache_salt", None), lora)
 
     def _extend_keys(self, state: _RequestState, pages: int) -> None:
         """Keys of the request's first ``pages`` full blocks (prompt, then decoded tokens), chained."""
@@ -324,7 +330,7 @@ class ConnectorScheduler:
             return 0, False
         state = self._requests.get(request.request_id)
         if state is None:
-            state = self._requests[request.request_id] = _RequestState(request, root)
+            state = self._requests[request.request_id] = _RequestState(request, root, self._request_scope(request))
         bs = self.block_size
         usable = (request.num_prompt_tokens - 1) // bs
         self._extend_keys(state, usable)
@@ -338,6 +344,7 @@ class ConnectorScheduler:
                 self._batch.append(state)
                 return None, False
         shared_before = self.core.stats.shared_host_pages
+        self.core.act_for(state.scope)  # (its tenant's ledger: hits counted, pages it makes owned, TTLs swept)
         found = self.core.lookup(asked, shared=shared)
         if found.probed and found.pages < len(asked):
             self.events.missing_from_storage(asked[found.pages])
@@ -557,6 +564,7 @@ class ConnectorScheduler:
         if full > state.saved:
             self._extend_keys(state, full)
             groups = self._live_group_ids(state, full) if self.groups else None
+            core.act_for(state.scope)
             result = core.offload(state.keys[:full], state.block_ids[:full], wait=False, groups=groups)
             have, end = result.already_held, result.already_held + result.saved
             # (the copy of the new pages, and of objects beside pages kvtier held without them: vLLM may free a
