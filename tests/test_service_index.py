@@ -118,6 +118,7 @@ class Watcher:
         self.got: list[int] = []
         self.recorded: list[tuple[int, str, bytes]] = []
         self.freed: list[int] = []
+        self.vacated_pages: list[int] = []
 
     def reserved(self, pages, client):
         self.got += pages
@@ -130,6 +131,9 @@ class Watcher:
 
     def cleared(self, page):
         self.freed.append(page)
+
+    def vacated(self, pages):
+        self.vacated_pages += pages
 
 
 def watched(pages: int = 4) -> tuple[HostIndex, Watcher]:

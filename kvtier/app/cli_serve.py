@@ -31,6 +31,8 @@ def serve(
     fresh_region: bool = typer.Option(False, "--fresh-region", help="start with an empty host tier even where a killed service left "
                                                                     "its region on this socket (default: adopt it, offering again "
                                                                     "the pages whose bytes verify)"),
+    zero_evicted_pages: bool = typer.Option(False, "--zero-evicted-pages", help="zero a region page's bytes when it is evicted "
+                                            "(or its write dropped), before another engine -- another tenant's -- reserves it"),
     keep_region: bool = typer.Option(False, "--keep-region", help="on SIGTERM, leave the region for the next service on this socket "
                                                                   "to adopt (an upgrade keeps the host tier) instead of removing it"),
     status: bool = typer.Option(False, "--status", help="print the running service's status as JSON (pages per namespace, clients, "
@@ -68,7 +70,8 @@ def serve(
 
     service = NodeService(ServeConfig(host_gb=host_gb, socket=path, storage_url=storage_url, drain_timeout_s=drain_timeout_s,
                                       allow_group=allow_group, metrics_port=metrics_port, metrics_host=metrics_host,
-                                      verify_sample=verify_sample, fresh_region=fresh_region, keep_region=keep_region))
+                                      verify_sample=verify_sample, fresh_region=fresh_region, keep_region=keep_region,
+                                      zero_evicted_pages=zero_evicted_pages))
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))

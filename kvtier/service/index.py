@@ -58,6 +58,8 @@ class PageWatcher(Protocol):
 
     def cleared(self, page: int) -> None: ...
 
+    def vacated(self, pages: list[int]) -> None: ...
+
 
 @dataclass
 class Client:
@@ -343,13 +345,20 @@ class HostIndex:
 
     def unpark(self, pages: list[int]) -> None:
         """Return parked ``pages`` to the free list."""
+        self._vacated(pages)
         self.alloc.release_hold(pages)
         self._cleared(pages)
 
     def _free(self, pages: list[int]) -> None:
         """Free pages nobody will write or read now (not an evicted one: its bytes are still its key's)."""
+        self._vacated(pages)
         self.alloc.free(pages)
         self._cleared(pages)
+
+    def _vacated(self, pages: list[int]) -> None:
+        """Tell the watcher: ``pages``' bytes are nobody's now (it may zero them before another writer gets them)."""
+        if self.watcher is not None and pages:
+            self.watcher.vacated(pages)
 
     def _cleared(self, pages: list[int]) -> None:
         """Tell the watcher: a restarted service must not take these for pages mid-write (their writers are done)."""
@@ -470,6 +479,7 @@ class HostIndex:
         key = self._key_of.pop(page)
         del self._page_of[key]
         self._published_of[key[0]] -= 1
+        self._vacated([page])
         self.alloc.free([page])
         self.evicted_pages += 1
 

@@ -96,7 +96,7 @@ class PageRecords:
     empty (a new region); else they are the ones a killed service left (:meth:`adopt` reads them)."""
 
     def __init__(self, region: Region, memory: np.ndarray, *, verify_sample: float, fresh: bool, seed: int | None = None,
-                 keep: object = None, writer_of=lambda client: None):
+                 keep: object = None, writer_of=lambda client: None, zero_freed: bool = False):
         self.region = region
         #: the writer behind an index client: (its process's pid, its session), or None (the service's own)
         self.writer_of = writer_of
@@ -125,6 +125,9 @@ class PageRecords:
         self._spans = _page_spans(region)
         #: hits verified (sampled), and of them the pages whose bytes did not match (dropped: misses)
         self.verified_pages = self.verify_failed_pages = 0
+        #: zero a page's bytes when it is evicted or freed (``kvtier serve --zero-evicted-pages``), and how many were
+        self.zero_freed = zero_freed
+        self.zeroed_pages = 0
 
     # ---- what the index tells (kvtier.service.index.PageWatcher) --------------------------------
     def reserved(self, pages: list[int], client: int) -> None:
@@ -161,6 +164,17 @@ class PageRecords:
 
     def cleared(self, page: int) -> None:
         self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = bytes(RECORD_BYTES)
+
+    def vacated(self, pages: list[int]) -> None:
+        """``pages`` left the index (evicted, or their write dropped): with ``zero_freed``, their bytes are zeroed now, so
+        the next engine to reserve one -- another tenant's, perhaps -- never reads what it held."""
+        if not self.zero_freed:
+            return
+        memory = self.memory
+        for page in pages:
+            for start, length in self._spans(page):
+                memory[start : start + length] = 0
+        self.zeroed_pages += len(pages)
 
     # ---- bytes ---------------------------------------------------------------------------------
     def checksum(self, page: int) -> int:

@@ -80,6 +80,9 @@ class ServeConfig:
     fresh_region: bool = field(default=False, metadata={
         "help": "start with an empty region even where a killed service left one on this socket (default: adopt it, offering "
                 "again the pages whose bytes verify)"})
+    zero_evicted_pages: bool = field(default=False, metadata={
+        "help": "zero a region page's bytes when it is evicted or its write is dropped, before any engine reserves it again: "
+                "an engine never reads a page another engine (another tenant) wrote there"})
     keep_region: bool = field(default=False, metadata={
         "help": "on SIGTERM, leave the region (and its page records) for the next service on this socket to adopt -- an "
                 "upgrade keeps the host tier -- instead of removing it"})
@@ -224,7 +227,7 @@ class NodeService:
     def _records(self, region: Region, *, fresh: bool) -> PageRecords:
         memory = map_region(region.path, region.size, pin=False)
         return PageRecords(region, memory.numpy(), verify_sample=self.config.verify_sample, fresh=fresh, keep=memory,
-                           writer_of=self.sessions.writer_of)
+                           writer_of=self.sessions.writer_of, zero_freed=self.config.zero_evicted_pages)
 
     def _make_region(self, fmt: RegionFormat) -> None:
         """A fresh region for the first engine's format, with its records and index; nothing is kept of a failure."""
@@ -575,6 +578,7 @@ class NodeService:
         if self.records is not None:
             out["verify"] = {"sample": self.records.verify_sample, "verified_pages": self.records.verified_pages,
                              "failed_pages": self.records.verify_failed_pages}
+            out["zeroed_pages"] = self.records.zeroed_pages if self.records.zero_freed else None
         if self.adopted is not None:
             out["adopted"] = self.adopted
         if self.storage is not None:
