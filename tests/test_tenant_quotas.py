@@ -263,3 +263,40 @@ def test_vllms_connector_keeps_each_cache_salt_within_its_quota():
         core.check_integrity()
     finally:
         eng.close()
+
+
+def test_vllms_connector_shares_a_declared_system_prompt_across_cache_salts_and_nothing_after_it():
+    """``shared_prefixes`` in vLLM's kv_connector_extra_config: salt "b"'s request that starts with the system prompt salt
+    "a" computed is offered the system prompt's pages from kvtier's host tier -- the bytes "a"'s blocks held -- and
+    not "a"'s turn after it; a salt's own prompt without the system prompt is offered nothing of another's."""
+    from support.vllm_split import BS, Engine, finish, request
+
+    system = list(range(500, 500 + 2 * BS))  # two blocks
+    turn_a, turn_b = list(range(600, 600 + BS + 2)), list(range(700, 700 + BS + 2))
+    eng = Engine(None, ranks=2, host_pages=32, shared_prefixes=[system], tenant_accounting=True)
+    core = eng.scheduler.core
+
+    def run(rid: str, toks: list[int], salt: str, blocks: list[int]) -> int:
+        req = request(rid, toks)
+        req.cache_salt = salt
+        external, _ = eng.scheduler.get_num_new_matched_tokens(req, 0)
+        eng.scheduler.update_state_after_alloc(req, external)
+        eng.step(new=[(req, blocks, len(toks) - external)])
+        req.num_computed_tokens = len(toks)
+        finish(eng, req)
+        eng.settle()
+        return external
+
+    try:
+        assert run("a", system + turn_a, "a", [0, 1, 2, 3]) == 0
+        assert run("b", system + turn_b, "b", [4, 5, 6, 7]) == 2 * BS  # the system prompt, loaded into b's blocks 4 and 5
+        assert [[eng.page(r, blk) for blk in (4, 5)] for r in range(2)] == [[eng.page(r, blk) for blk in (0, 1)] for r in range(2)]
+        assert run("b2", system + turn_a, "b", [8, 9, 10, 11]) == 2 * BS  # a's turn after it stays a's
+        assert run("c", turn_a + system, "c", [12, 13, 14, 15]) == 0  # starting elsewhere: nothing shared
+        shared = _usage(core, "shared")
+        assert shared.host_pages == 2  # the system prompt's pages, once, the shared scope's
+    finally:
+        eng.close()
+
+    with pytest.raises(ConfigError, match="shared_prefixes must be a list of token-id lists"):
+        Engine(None, ranks=1, shared_prefixes=["You are a helpful assistant"])

@@ -120,10 +120,14 @@ class CoreBase(HostTier):
         if self.shared_prefixes is None:
             self.shared_prefixes = SharedPrefixes(self.root_key, self.spec.page_size, self.config.hash_algo)
         pages = self.shared_prefixes.declare(token_ids, scope)
-        if self.tenants is not None:  # the declared pages are the shared scope's, whichever tenant's request makes them
-            keys = self.shared_prefixes.keys(token_ids, b"")
-            self.tree.fixed_owners.update(dict.fromkeys(keys[:pages], SHARED_OWNER))
+        self.own_shared(self.shared_prefixes.keys(token_ids, b"")[:pages])
         return pages
+
+    def own_shared(self, keys: Sequence[PageHash]) -> None:
+        """``keys`` are a declared shared prefix's pages: in a tenants' ledger, the shared scope's, whichever tenant's
+        request makes them (an engine that keys its own requests, vLLM's connector, declares them here)."""
+        if self.tenants is not None:
+            self.tree.fixed_owners.update(dict.fromkeys(keys, SHARED_OWNER))
 
     def _keys(self, tokens_or_keys, tenant: object = None) -> list[PageHash]:
         if type(tokens_or_keys) is not list and not is_ordered_sequence(tokens_or_keys):

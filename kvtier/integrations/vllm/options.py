@@ -48,6 +48,9 @@ class ConnectorOptions:
     service_lookups: str = _help("with service: 'step' asks the service once per scheduler step about every request the step "
                                  "asked about (a request the engine does not hold whole waits one step for its answer); "
                                  "'request' asks as vLLM asks, a round trip for each request", "step")
+    shared_prefixes: tuple[tuple[int, ...], ...] = _help(
+        "token ids of prefixes (system prompts) declared shareable across cache_salts: a request of any salt that starts with "
+        "one shares its full pages in kvtier's tiers, and keeps what follows its own (docs/tenants.md)", ())
     tiers: TierConfig = field(default_factory=lambda: TierConfig(host_gb=DEFAULT_HOST_GB))
     #: with ``service`` and neither ``host_pages`` nor ``host_gb``: this engine's share is the whole region (the
     #: service's --host-gb sizes the host tier; the service evicts among the pages no engine holds)
@@ -58,6 +61,12 @@ class ConnectorOptions:
     def __post_init__(self) -> None:
         check_number(self, "load_retry_s", at_least=0)
         check_number(self, "rank_timeout_s", above=0)
+        prefixes = self.shared_prefixes
+        if not isinstance(prefixes, (list, tuple)) or not all(
+                isinstance(p, (list, tuple)) and all(type(t) is int for t in p) for p in prefixes):
+            raise ConfigError("kvtier connector: shared_prefixes must be a list of token-id lists (each a system prompt's "
+                              f"tokens, as the model's tokenizer gives them); got {str(prefixes)[:80]}")
+        object.__setattr__(self, "shared_prefixes", tuple(tuple(p) for p in prefixes))
         if self.service_lookups not in SERVICE_LOOKUPS:
             raise ConfigError(f"kvtier connector: service_lookups must be one of {', '.join(SERVICE_LOOKUPS)}, "
                               f"got {self.service_lookups!r}")
@@ -65,7 +74,7 @@ class ConnectorOptions:
     @classmethod
     def valid_keys(cls) -> list[str]:
         return sorted(
-            {"model_name", "salt", "load_retry_s", "rank_timeout_s", "service_lookups", *_TIER_KEYS, *_CACHE_KEYS}
+            {"model_name", "salt", "load_retry_s", "rank_timeout_s", "service_lookups", "shared_prefixes", *_TIER_KEYS, *_CACHE_KEYS}
             | {f"storage_{f.name}" for f in fields(StorageConfig)}
         )
 
@@ -89,7 +98,7 @@ class ConnectorOptions:
             service_share_from_region=share_from_region,
             model_name=extra.get("model_name"),
             salt=extra.get("salt", ""),
-            **{k: extra[k] for k in ("load_retry_s", "rank_timeout_s", "service_lookups") if k in extra},
+            **{k: extra[k] for k in ("load_retry_s", "rank_timeout_s", "service_lookups", "shared_prefixes") if k in extra},
             tiers=TierConfig(**tier),
             cache=CacheConfig(**{k: extra[k] for k in _CACHE_KEYS if k in extra}),
             storage=StorageConfig(**{f.name: extra[f"storage_{f.name}"] for f in fields(StorageConfig) if f"storage_{f.name}" in extra}),

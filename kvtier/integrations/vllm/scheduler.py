@@ -62,6 +62,7 @@ from kvtier.core.plans import completed_pages
 from kvtier.core.shared_host import NO_SHARED_HOST
 from kvtier.errors import ConfigError
 from kvtier.hashing import Namespace, PageHash, hasher, page_keys, request_scope, scoped_root
+from kvtier.shared_prefixes import SharedPrefixes
 from kvtier.integrations.vllm.events import TierEvents
 from kvtier.integrations.vllm.groups import VllmGroup, hybrid_fingerprint, model_spec
 from kvtier.integrations.vllm.messages import KVTierConnectorMetadata, KVTierHandshake, KVTierWorkerMeta
@@ -268,6 +269,12 @@ class ConnectorScheduler:
         self.core.on_host_evicted = self.events.evicted
         # page keys are the same on every rank (rank 0's namespace); L3 keys add each rank's prefix
         self._root = Namespace(self.model_name, fingerprint, 0, self.options.salt).root(self.options.cache.hash_algo)
+        self._shared: SharedPrefixes | None = None
+        if self.options.shared_prefixes:  # (declared before the first request: every request's keys follow them)
+            self._shared = SharedPrefixes(self._root, self.block_size, self.options.cache.hash_algo)
+            for tokens in self.options.shared_prefixes:
+                pages = self._shared.declare(list(tokens))
+                self.core.own_shared(self._shared.keys(list(tokens), b"")[:pages])
         log.info("kvtier scheduler: %d ranks, %d host pages each, L3 %s%s", self.world_size, host_pages, "on" if probe else "off",
                  f", node service {self.options.tiers.service} ({self._region_said()})" if self.leased else "")
 
@@ -331,6 +338,8 @@ class ConnectorScheduler:
         state = self._requests.get(request.request_id)
         if state is None:
             state = self._requests[request.request_id] = _RequestState(request, root, self._request_scope(request))
+            if self._shared is not None:  # a declared shared prefix: its pages' keys the shared scope's, the rest this salt's
+                state.keys = self._shared.keys(request.prompt_token_ids, state.scope) or []
         bs = self.block_size
         usable = (request.num_prompt_tokens - 1) // bs
         self._extend_keys(state, usable)
