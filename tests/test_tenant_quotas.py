@@ -300,3 +300,118 @@ def test_vllms_connector_shares_a_declared_system_prompt_across_cache_salts_and_
 
     with pytest.raises(ConfigError, match="shared_prefixes must be a list of token-id lists"):
         Engine(None, ranks=1, shared_prefixes=["You are a helpful assistant"])
+
+
+# ---- what a review found (each failed before its fix) ------------------------------------------------------------------
+def _row(cache, tenant):
+    return _usage(cache, cache.tenant_label(tenant))
+
+
+def test_a_device_eviction_backup_keeps_the_pages_owner_within_its_cap_and_copies_the_pages_nearest_the_root():
+    """B's request evicts A's device-only pages (write_back): their host copies count against A's cap of 4, not B's, and
+    the four copies made are of A's first four pages (a copy of a page whose parent gets none would be dropped with it);
+    A's prompt then comes back: four pages from host, bit-exact, four recomputed."""
+    cache = make_cache(SPEC, 8, 64, write_policy="write_back", tenant_accounting=True)
+    try:
+        cache.set_tenant_quota("A", TenantQuota(max_host_pages=4))
+        serve(cache, _prompt(0, 8), tenant="A")
+        serve(cache, _prompt(1, 8), tenant="B")
+        cache.wait_idle()
+        a = _row(cache, "A")
+        assert (a.host_pages, a.capped_pages) == (4, 4)
+        again = serve(cache, _prompt(0, 8), tenant="A")
+        assert (again.host_hit, again.computed) == (4, 4)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_interleaved_requests_make_room_as_the_tenant_whose_pages_move():
+    """begin(A), begin(B), then A's allocation evicts A's device pages to host: the room is A's, and B's host pages at
+    its guarantee stay."""
+    from support.cache_helpers import write_pages
+
+    cache = make_cache(SPEC, 8, 4, write_policy="write_back", tenant_host_pages=4)
+    try:
+        serve(cache, _prompt(10, 4), tenant="B")
+        serve(cache, _prompt(0, 8), tenant="A")  # evicts B's device pages: backed up, B holds the host tier
+        cache.wait_idle()
+        assert _row(cache, "B").host_pages == 4
+        ra = cache.begin(_prompt(1, 4), tenant="A")
+        rb = cache.begin(_prompt(11, 1), tenant="B")
+        new = ra.alloc(4)
+        write_pages(cache, new.pages, _prompt(1, 4), 0)
+        ra.commit(new.pages)
+        rb.abort()
+        cache.wait_idle()
+        b = _row(cache, "B")
+        assert (b.host_pages, b.evicted_pages) == (4, 0)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_a_prefetch_and_a_keyed_call_are_their_tenants_whoever_asked_since(tmp_path):
+    """A match of A's, then B's lookup, then the prefetch of A's match: the fetched pages are A's. ``act_for(scope)``
+    then a call with page keys: its pages are that tenant's, within its cap."""
+    from kvtier.hashing import tenant_scope
+    from support.cache_helpers import write_pages
+
+    url = f"file://{tmp_path}"
+    w = make_tiered_cache(SPEC, 16, 16, url)
+    serve(w, _prompt(0, 4), tenant="A")
+    w.wait_idle()
+    w.close()
+    cache = make_tiered_cache(SPEC, 16, 16, url, tenant_accounting=True)
+    try:
+        m = cache.match(_prompt(0, 4), tenant="A")
+        cache.match(_prompt(5, 4), tenant="B")
+        assert cache.resolve_prefetch(cache.prefetch(m)) == 4
+        assert (_row(cache, "A").host_pages, _row(cache, "B").host_pages) == (4, 0)
+        cache.set_tenant_quota("C", TenantQuota(max_host_pages=2))
+        toks = _prompt(7, 4)
+        cache.act_for(tenant_scope("C"))
+        req = cache.begin(cache.page_keys(toks, "C"))
+        new = req.alloc(4)
+        write_pages(cache, new.pages, toks, 0)
+        req.commit(new.pages)
+        cache.wait_idle()
+        assert (_row(cache, "C").host_pages, _row(cache, None).host_pages) == (2, 0)
+        cache.check_integrity()
+    finally:
+        cache.close()
+
+
+def test_the_namespaces_own_quota_is_not_every_new_tenants():
+    cache = make_cache(SPEC, 16, 64, tenant_accounting=True)
+    try:
+        cache.set_tenant_quota(None, TenantQuota(max_host_pages=0))
+        serve(cache, _prompt(0, 4))
+        serve(cache, _prompt(1, 4), tenant="A")
+        cache.wait_idle()
+        assert (_row(cache, None).host_pages, _row(cache, None).capped_pages) == (0, 4)
+        a = _row(cache, "A")
+        assert (a.max_host_pages, a.host_pages) == (None, 4)
+    finally:
+        cache.close()
+
+
+def test_the_ttl_clock_stays_small_with_a_day_long_ttl_beside_an_8_ms_one():
+    """Pairs are kept about a step apart, thinned to a sixteenth of their age: 20,000 lookups over 40 s keep a few
+    hundred, not one per lookup; the short TTL still expires its tenant's pages."""
+    cache = make_cache(SPEC, 16, 64, tenant_accounting=True)
+    try:
+        clock = _Clock()
+        cache.tenants._clock = clock
+        cache.set_tenant_quota("A", TenantQuota(ttl_s=0.008))
+        cache.set_tenant_quota("B", TenantQuota(ttl_s=86400.0))
+        serve(cache, _prompt(0, 2), tenant="A")
+        cache.wait_idle()
+        cache.evict_device(cache.device.num_pages)
+        for _ in range(20_000):
+            clock.t += 0.002
+            cache.match(_prompt(1, 1), tenant="B")
+        assert len(cache.tenants._times) < 400
+        assert _row(cache, "A").expired_pages == 2
+    finally:
+        cache.close()

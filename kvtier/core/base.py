@@ -63,7 +63,10 @@ class CoreBase(HostTier):
         (vLLM's connector, per request), where token ids with a ``tenant`` do this themselves. Nothing when tenants
         are not accounted."""
         if self.tenants is not None:
-            self.tree.current_owner = self.tenants.owner(scope)
+            self.tree.current_owner = self._keys_owner = self.tenants.owner(scope)
+
+    #: whose the pages of calls that give page keys are (:meth:`act_for`; the namespace's own by default)
+    _keys_owner = NAMESPACE_OWNER
 
     def tenant_label(self, tenant: object) -> str:
         """``tenant``'s label in :meth:`tenant_usage` and metrics (a digest of its scope; "namespace" for None)."""
@@ -139,7 +142,7 @@ class CoreBase(HostTier):
             if tenant_scope(tenant):
                 raise IndexTypeError("a tenant scopes token ids; page keys are scoped already (page_keys(tokens, tenant) made them): "
                                      "give the token ids with the tenant, or the keys alone")
-            self.tree.current_owner = NAMESPACE_OWNER  # (keys alone: the namespace's own, for a tenant's ledger)
+            self.tree.current_owner = self._keys_owner  # (keys alone: the namespace's own, or act_for's tenant)
             return list(tokens_or_keys)
         return self.page_keys(tokens_or_keys, tenant)
 
@@ -271,13 +274,14 @@ class CoreBase(HostTier):
         path = self.tree.walk(keys)
         return len(path) if len(path) < len(keys) and self._may_adopt_below(path) else None
 
-    def prefetch_shared(self, key_lists: Sequence[list[PageHash]]) -> list[tuple[int, int]]:
+    def prefetch_shared(self, key_lists: Sequence[list[PageHash]], scopes: Sequence[bytes] | None = None) -> list[tuple[int, int]]:
         """Ask the shared host tier, in one round trip, for what it holds after this core's own pages of each
         of ``key_lists`` (a step's requests), and hang what it gives in the tree: a lookup of those keys
         then finds them here without asking (``lookup(keys, shared=False)``). A key two lists share is
         asked once, in the first; pages whose place in the tree is gone by the time they are hung (the
         list's earlier pages were not found, or made room for the others) are let go. Returns, for each
-        list, the pages adopted for it and the tree's run of it right after."""
+        list, the pages adopted for it and the tree's run of it right after. ``scopes``: each list's request scope (its
+        tenant, :meth:`act_for`), whose the pages hung for it are."""
         self._forget_if_lost()
         asked: set[PageHash] = set()
         runs: list[tuple[int, int, list[PageHash]]] = []  # (list, where its run starts, the run)
@@ -306,6 +310,8 @@ class CoreBase(HostTier):
                 self.shared_host.let_go(pages)
                 out.append((0, len(path)))
                 continue
+            if scopes is not None:
+                self.act_for(scopes[i])
             nodes = self._hang_shared(keys[start:], pages, path[-1] if path else None, objects=False)
             self.tree.touch(path + nodes)  # (the next list's room is made from older pages first)
             hung += nodes
@@ -320,13 +326,20 @@ class CoreBase(HostTier):
         """``pages`` (the shared tier's, of the keys ``rest``) adopted below ``parent``, as many as the host
         allocator makes room for (its LRU evicts for them); the rest let go. ``objects``: a hybrid model's objects
         of them adopted too (else the caller does, for many runs at once)."""
-        short = len(pages) - self.host_alloc.num_free
-        if short > 0:
-            self.tree.lock(parent)  # the path the adopted pages hang from stays
-            try:
-                self.evict_host(short)
-            finally:
-                self.tree.unlock(parent)
+        self.tree.lock(parent)  # the path the adopted pages hang from stays
+        try:
+            if self.tenants is not None:  # (within its tenant's cap: what does not fit is let go)
+                keep = self._room_under_cap(self.tree.current_owner, len(pages))
+                if keep < len(pages):
+                    self.shared_host.let_go(pages[keep:])
+                    pages = pages[:keep]
+            short = len(pages) - self.host_alloc.num_free
+            if short > 0:
+                self._evict_host_for_room(short)
+        finally:
+            self.tree.unlock(parent)
+        if not pages:
+            return []
         n = self.shared_host.adopt(pages)
         self.stats.shared_host_pages += n
         if not n:

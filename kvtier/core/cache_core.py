@@ -183,7 +183,8 @@ class CacheCore(DeviceSpace):
             loading = self._loading
             pending = tuple(dict.fromkeys(op for op in (loading.get(n) for n in path[:n_dev]) if op is not None))
         if not count:
-            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, filled, below)
+            return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, 0, limited_by, filled, below,
+                               tree.current_owner)
         if self.config.write_policy == "write_through_selective":  # the one policy that reads hit counts
             for node in matched:
                 node.hit_count += 1
@@ -204,7 +205,8 @@ class CacheCore(DeviceSpace):
             self.tenants.count("lookup_pages", owner, len(keys))
             self.tenants.count("hit_pages", owner, len(matched) + n_storage)
             self.tenants.note_use(tree.now)
-        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled, below)
+        return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled, below,
+                           tree.current_owner)
 
     def begin(self, tokens_or_keys: Sequence[int] | list[PageHash], *, usable_pages: int | None = None,
               prefetch: bool = True, prefetch_policy: str | None = None, tenant: object = None) -> CacheRequest:

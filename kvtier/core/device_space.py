@@ -15,7 +15,7 @@ from kvtier.core.base import CoreBase
 from kvtier.core.plans import DEVICE, HOST, Completion, Done, Tier, copy_plan
 from kvtier.core.port import ExecutorPort
 from kvtier.core.results import EvictResult
-from kvtier.core.tags import Backup, EvictionBackup, GroupBackup, LoadBack
+from kvtier.core.tags import Backup, EvictionBackup, GroupBackup, LoadBack, Save
 from kvtier.hashing import Namespace
 from kvtier.metrics import CacheStats
 from kvtier.radix import NO_PAGE, SAVING, PageNode, device_page_of
@@ -62,7 +62,7 @@ class DeviceSpace(CoreBase):
         page of equal recency: window objects no newer than the oldest page that could go, then pages
         older than the oldest window object that could go, and again."""
         device = tier is Tier.DEVICE
-        evict_pages = self.evict_device if device else self.evict_host
+        evict_pages = self.evict_device if device else self._evict_host_for_room
         sharing = self.groups.sharing
         if not sharing:
             evict_pages(n)
@@ -100,6 +100,11 @@ class DeviceSpace(CoreBase):
         got = self.dev_alloc.alloc(n)
         if not got.ok and self.poll_inflight():
             # pages pinned only by transfers in flight: wait for them, then try once more
+            self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
+            got = self.dev_alloc.alloc(n)
+        if not got.ok and self.port.has_storage and self.port.can_wait and self.wait_for(self._ops_for(Save)) > 0:
+            # a device page that can get no host copy leaves with the host pages below it, which L3 saves still read
+            # (a tenant at its cap, a full host tier): once saved, they may go
             self._make_room(Tier.DEVICE, n - self.dev_alloc.num_free)
             got = self.dev_alloc.alloc(n)
         return got
@@ -217,6 +222,11 @@ class DeviceSpace(CoreBase):
         below = self.tree.host_only_below(v)
         if any(n.lock_ref or n.device_page != NO_PAGE or not n.host_ready or n.stored == SAVING for n in below):
             return False
+        room = self._room_filter()
+        if room is not None:  # (host pages of a tenant at its guarantee stay, and so does the page they hang from)
+            if not all([room(n) for n in below]):
+                return False
+            self.tenants.count_nodes("evicted_pages", below)
         tree = self.tree
         self.stats.host_evicted_pages += self._forget_host_only(below)
         self.groups.left(Tier.DEVICE, (v,))
@@ -226,8 +236,12 @@ class DeviceSpace(CoreBase):
 
     def _backup_for_eviction(self, victims: list[PageNode]) -> int:
         """Synchronous backup of eviction victims (write_back): they are freed right after."""
-        pages = self._host_pages(len(victims))
-        victims = victims[: len(pages)]
+        owners = None
+        if self.tenants is not None:
+            victims = self._within_caps(victims)
+            owners = frozenset(v.owner for v in victims)
+        pages = self._host_pages(len(victims), owners=owners) if victims else []
+        victims = victims[len(victims) - len(pages) :]  # (descendants first: the ones nearest the root get the copies)
         if not victims:
             return 0
         self.tree.set_hosts(victims, pages, ready=False)  # victims are LRU-ordered, descendants first

@@ -445,7 +445,7 @@ class EngineDeviceCore(CoreBase):
         self.tree.lock(locked)
         handle = None
         if stored >= max(1, self.storage_config.min_prefetch_pages):  # (L3 counts only after every path page: host == run)
-            handle = self._prefetch(MatchResult(keys, [], path, (), stored))
+            handle = self._prefetch(MatchResult(keys, [], path, (), stored, owner=self.tree.current_owner))
         return keys, path, host, locked, handle
 
     def _engine_load(self, keys: list[PageHash], engine_pages: Sequence[int], nodes: list[PageNode], host: int, first: int,

@@ -29,6 +29,8 @@ class HostTier(PlanDispatch):
 
     #: host pages and quotas per tenant (:mod:`kvtier.core.tenants`; set by :class:`~kvtier.core.base.CoreBase`)
     tenants = None
+    #: while host room is made for a run of pages: their owners (None: the request's, the tree's current owner)
+    _room_owners: frozenset[int] | None = None
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -54,6 +56,7 @@ class HostTier(PlanDispatch):
         keys = match.keys[match.num_device_pages + match.num_host_pages :][:n]
         if (parent is not None and self.tree.nodes.get(parent.key) is not parent) or any(k in self.tree.nodes for k in keys[:1]):
             return None  # stale match: the tree changed under it
+        self.tree.current_owner = match.owner  # (its pages are the matching request's, whoever asked since)
         if parent is not None:
             self.tree.lock(parent)
         pages = self._host_pages(n)
@@ -189,25 +192,58 @@ class HostTier(PlanDispatch):
         self._apply_saved(c, victims)
 
     # ---- host pages ------------------------------------------------------------------------------
-    def _host_pages(self, n: int, owner: int | None = None) -> list[int]:
+    def _host_pages(self, n: int, owner: int | None = None, *, owners: frozenset[int] | None = None) -> list[int]:
         """Up to ``n`` host pages for ``owner``'s pages (default: the request's, the tree's current owner), evicting
-        as the tiers' LRU and the tenants' quotas allow: as many as could be had, the leading ones of a run."""
+        as the tiers' LRU and the tenants' quotas allow: as many as could be had, the leading ones of a run.
+        ``owners``: the pages are of several tenants, each within its cap already (:meth:`_within_caps`)."""
         tenants = self.tenants
-        if tenants is not None:
+        if tenants is None:
+            got = self._alloc_host(n)
+            return got.pages if got.ok else self.host_alloc.alloc(min(n, self.host_alloc.num_free)).pages
+        if owners is None:
             owner = self.tree.current_owner if owner is None else owner
-            over = tenants.over_cap(owner, n)
-            if over:  # at its cap: its own least recently used pages make room first, and what still does not fit gets none
-                self._evict_victims(self.tree.host_victims(over, allowed=lambda node: node.owner == owner))
-                room = tenants.room_under_cap(owner)
-                if room < n:
-                    tenants.count("capped_pages", owner, n - room)
-                    n = room
-                if not n:
-                    return []
-        got = self._alloc_host(n)
-        if not got.ok:
-            got = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
+            owners = frozenset((owner,))
+            n = self._room_under_cap(owner, n)
+            if not n:
+                return []
+        self._room_owners = owners
+        try:
+            got = self._alloc_host(n)
+            if not got.ok:
+                got = self.host_alloc.alloc(min(n, self.host_alloc.num_free))
+        finally:
+            self._room_owners = None
         return got.pages
+
+    def _room_under_cap(self, owner: int, n: int) -> int:
+        """How many of ``n`` more host pages ``owner`` may have: at its cap its own least recently used pages make room
+        first, and what still does not fit gets none (counted)."""
+        tenants = self.tenants
+        over = tenants.over_cap(owner, n)
+        if not over:
+            return n
+        self._evict_victims(self.tree.host_victims(over, allowed=lambda node: node.owner == owner))
+        room = tenants.room_under_cap(owner)
+        if room < n:
+            tenants.count("capped_pages", owner, n - room)
+        return min(n, room)
+
+    def _within_caps(self, victims: list[PageNode]) -> list[PageNode]:
+        """Of device eviction ``victims`` (descendants first) to back up to host, those their owners' caps let in:
+        per owner, the ones nearest the root (a copy of a page whose parent gets none would be dropped with it)."""
+        need: dict[int, int] = {}
+        for v in victims:
+            need[v.owner] = need.get(v.owner, 0) + 1
+        cut = {o: k - self._room_under_cap(o, k) for o, k in need.items()}
+        if not any(cut.values()):
+            return victims
+        kept = []
+        for v in victims:
+            if cut[v.owner]:
+                cut[v.owner] -= 1
+            else:
+                kept.append(v)
+        return kept
 
     def _alloc_host(self, n: int) -> Allocation:
         got = self.host_alloc.alloc(n)
@@ -216,7 +252,7 @@ class HostTier(PlanDispatch):
         if self.groups.sharing:  # pages and window pages in one pool: weighed together
             self._make_room(Tier.HOST, n - self.host_alloc.num_free)
         else:
-            self.evict_host(n - self.host_alloc.num_free)
+            self._evict_host_for_room(n - self.host_alloc.num_free)
         got = self.host_alloc.alloc(n)
         if not got.ok and self.port.has_storage and self.port.can_wait:
             # host pages being saved to L3 (or fetched into) cannot go yet: wait for them, then try once more
@@ -231,14 +267,26 @@ class HostTier(PlanDispatch):
         pools shared with other groups' objects, weighs those too
         (:meth:`~kvtier.core.device_space.DeviceSpace._make_room`)."""
         assert tier is Tier.HOST, f"a core without device pages has no {tier.name.lower()} room to make"
-        self.evict_host(n)
+        self._evict_host_for_room(n)
 
     def evict_host(self, n: int, older_than: int | None = None) -> EvictResult:
         """Free at least ``n`` host pages whose device copy is gone, LRU leaves first (``older_than``:
-        only pages last used before that stamp)."""
-        tenants = self.tenants
-        allowed = None if tenants is None else tenants.allowed_for(self.tree.current_owner)  # (no guaranteed share taken)
-        victims = self.tree.host_victims(n, older_than, allowed)
+        only pages last used before that stamp). An operator's call: every tenant's pages may go (room made for a
+        request's pages keeps other tenants' guaranteed shares, :meth:`_evict_host_for_room`)."""
+        victims = self.tree.host_victims(n, older_than)
+        self._evict_victims(victims)
+        return EvictResult(n, len(victims))
+
+    def _room_filter(self):
+        """What room for the pages being placed may take (:meth:`~kvtier.core.tenants.TenantLedger.allowed_for` of their
+        owners: another tenant's pages only above its guarantee); None without a ledger."""
+        if self.tenants is None:
+            return None
+        return self.tenants.allowed_for(self.tree.current_owner if self._room_owners is None else self._room_owners)
+
+    def _evict_host_for_room(self, n: int, older_than: int | None = None) -> EvictResult:
+        """:meth:`evict_host` for room a request's pages need: no other tenant's guaranteed share is taken."""
+        victims = self.tree.host_victims(n, older_than, self._room_filter())
         self._evict_victims(victims)
         return EvictResult(n, len(victims))
 

@@ -203,6 +203,9 @@ class CacheRequest:
         """``n`` device pages for this request (evicting unlocked LRU pages if needed); owned by the
         request until :meth:`commit` hands them over or :meth:`abort` frees them."""
         self._check_open("alloc")
+        tree = getattr(self.cache, "tree", None)
+        if tree is not None:  # (room it makes backs up pages to host: its tenant's room, whichever request began last)
+            tree.current_owner = self.owner
         got = self.cache.alloc_device(n)
         self._allocated += got.pages
         return got

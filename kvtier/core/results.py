@@ -46,6 +46,8 @@ class MatchResult:
     fills: bool = False
     #: the prefix found was shorter than ``min_hit_tokens``: this match is a miss because of it
     below_minimum: bool = False
+    #: the matching request's tenant in the cache's ledger (:mod:`kvtier.core.tenants`): whose pages a prefetch of it makes
+    owner: int = 0
 
     @property
     def host_nodes(self) -> list[PageNode]:

@@ -95,6 +95,7 @@ class TenantLedger:
         self._times: list[float] = []
         self._stamps: list[int] = []
         self._next_sweep = 0.0
+        self._thin_at = 64
         #: how many tenants have each TTL (a few distinct values: the shortest and longest read per lookup)
         self._ttls: dict[float, int] = {}
         self._with_ttl(default, 1)
@@ -133,9 +134,7 @@ class TenantLedger:
         """``quota`` for the tenant of ``scope`` from now on (its pages held already stay until evicted)."""
         if not isinstance(quota, TenantQuota):
             raise ConfigError(f"a tenant's quota is a TenantQuota; got {type(quota).__name__}")
-        self._overrides[scope] = quota
-        if scope == b"":
-            self.default = quota
+        self._overrides[scope] = quota  # (the namespace's own scope too: a tenant of its own, never every new one's default)
         got = self._ids.get(scope)
         if got is not None:
             self._with_ttl(self.quotas[got], -1)
@@ -151,14 +150,15 @@ class TenantLedger:
             values[node.owner] += 1
 
     # ---- the quotas ----------------------------------------------------------------------------
-    def allowed_for(self, writer: int) -> Callable[[object], bool]:
-        """The victims room for ``writer``'s pages may take, asked in the order they are taken: its own, and
-        another tenant's only while that one stays above its guarantee."""
+    def allowed_for(self, writers: int | frozenset[int]) -> Callable[[object], bool]:
+        """The victims room for ``writers``' pages (an owner id, or several: a run of pages of several tenants) may take,
+        asked in the order they are taken: theirs, and another tenant's only while it stays above its guarantee."""
         host, quotas, taken = self.host, self.quotas, {}
+        mine = writers if isinstance(writers, frozenset) else frozenset((writers,))
 
         def allowed(node) -> bool:
             o = node.owner
-            if o == writer:
+            if o in mine:
                 return True
             t = taken.get(o, 0)
             if host[o] - t <= quotas[o].guaranteed_host_pages:
@@ -188,17 +188,33 @@ class TenantLedger:
             self._record(self._clock(), stamp)
 
     def _record(self, now: float, stamp: int) -> None:
-        """Keep a (time, stamp) pair about every ``_ttl_step`` seconds, the newest always current (it moves forward
-        until it is a step past the one before)."""
+        """Keep a (time, stamp) pair about every ``_ttl_step`` seconds, the newest always current: it moves forward
+        while it stays within a step of the one before, else a new one starts. Older pairs are thinned to a spacing of
+        a sixteenth of their age (:meth:`_thin`): a pair is needed near ``now - ttl`` to a fraction of that TTL."""
         times, stamps = self._times, self._stamps
         if len(times) >= 2 and now - times[-2] < self._ttl_step:
             times[-1], stamps[-1] = now, stamp
-        else:
-            times.append(now)
-            stamps.append(stamp)
-            cut = bisect_right(times, now - self._longest_ttl) - 1  # keep the newest pair older than every TTL
-            if cut > 0:
-                del times[:cut], stamps[:cut]
+            return
+        times.append(now)
+        stamps.append(stamp)
+        cut = bisect_right(times, now - self._longest_ttl) - 1  # keep the newest pair older than every TTL
+        if cut > 0:
+            del times[:cut], stamps[:cut]
+        if len(times) > self._thin_at:
+            self._thin(now)
+
+    def _thin(self, now: float) -> None:
+        """Drop pairs closer to a newer kept one than a sixteenth of their age (the oldest and newest always stay).
+        Fewer pairs only make an expiry later, never earlier: a page's bound is the newest pair at least a TTL old."""
+        times, stamps = self._times, self._stamps
+        keep = [len(times) - 1]
+        for i in range(len(times) - 2, 0, -1):
+            if times[keep[-1]] - times[i] >= max(self._ttl_step, (now - times[i]) / 16):
+                keep.append(i)
+        keep.append(0)
+        keep.reverse()
+        self._times, self._stamps = [times[i] for i in keep], [stamps[i] for i in keep]
+        self._thin_at = max(64, 2 * len(keep))
 
     @property
     def _ttl_step(self) -> float | None:

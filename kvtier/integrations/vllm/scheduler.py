@@ -428,6 +428,7 @@ class ConnectorScheduler:
         the request's blocks; every worker reports the request when it is done, or failed."""
         self._extend_keys(state, state.load_end)
         e, first = state.load_end, state.load_start
+        self.core.act_for(state.scope)  # (a prefetch from L3 makes its tenant's pages)
         load = self.core.plan_load(state.keys[:e], state.block_ids[:e], first=first, groups=self._group_ids(state, e))
         state.load_pending = False
         req_id = state.request.request_id
@@ -519,7 +520,8 @@ class ConnectorScheduler:
         live = [s for s in batch if self._requests.get(s.request.request_id) is s]  # (not finished since)
         if not live:
             return
-        for state, (adopted, covered) in zip(live, self.core.prefetch_shared([s.keys[: s.asked_pages] for s in live])):
+        for state, (adopted, covered) in zip(live, self.core.prefetch_shared([s.keys[: s.asked_pages] for s in live],
+                                                                                   [s.scope for s in live])):
             state.prefetched, state.covered, state.batch_step = adopted, covered, self._steps
         self.lookup_batches += 1
         self.batched_requests += len(live)
@@ -556,6 +558,7 @@ class ConnectorScheduler:
         if state.load_pending:  # vLLM computed the first blocks itself: kvtier fills blocks load_start:load_end
             self._extend_keys(state, state.load_end)
             e = state.load_end
+            core.act_for(state.scope)
             load = core.plan_load(state.keys[:e], state.block_ids[:e], first=state.load_start)
             if load.loaded < e:  # evicted or gone from the store since the lookup: vLLM recomputes these
                 self._unavailable += state.block_ids[max(load.loaded, state.load_start) : e]
