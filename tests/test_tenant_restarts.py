@@ -132,7 +132,7 @@ def _service(sock: str):
         stop(holder["svc"].proc)
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 @given(ops=st.lists(st.one_of(_OP, st.tuples(st.just("restart service"))), min_size=4, max_size=14))
 def test_tenants_stay_apart_on_the_node_service_across_its_restarts_and_the_engines(tmp_path_factory, ops):
     """The host tier is a ``kvtier serve``'s region, shared with every engine of the namespace: killed (SIGKILL) and

@@ -103,29 +103,6 @@ def check_first_engine(first, baseline, stored_pages):
     assert w1["offload_layers_in_forward"] > 0 and w1["offload_layers_at_step_end"] == 0  # vLLM announced every layer
 
 
-def check_restart(url, baseline, stored_pages):
-    first = session(f"--storage-url={url}")
-    check_first_engine(first, baseline, stored_pages)
-    second = session(f"--storage-url={url}")  # a new engine: empty host tier, same store
-    want = [r["output_token_ids"] for r in baseline["results"]]
-    assert [r["output_token_ids"] for r in second["results"]] == want
-    bs = block_of(second)
-    # every full block before the last prompt token, all from L3 (the host tier is new)
-    assert [r["external_hit_tokens"] for r in second["results"]] == [(n - 1) // bs * bs for n in LENGTHS]
-    assert [r["storage_hit_pages"] for r in second["results"]] == [(n - 1) // bs for n in LENGTHS]
-    [w2] = second["worker_stats"]
-    # each prompt runs twice (TTFT, then the full generation): from L3 first, from host memory after
-    assert (w2["fetched_pages"], w2["loaded_pages"]) == (sum((n - 1) // bs for n in LENGTHS), 2 * sum((n - 1) // bs for n in LENGTHS))
-    assert w2["load_failed_pages"] == 0
-
-
-@pytest.mark.integration
-@pytest.mark.timeout(900)  # three engine processes (the first run also converts the model once)
-def test_restart_with_file_store_hits_and_matches(tmp_path, baseline):
-    store = tmp_path / "store"
-    check_restart(f"file://{store}", baseline, lambda: sum(1 for p in store.rglob("*") if p.is_file() and not p.name.startswith(".")))
-
-
 @pytest.mark.integration
 @pytest.mark.timeout(900)
 def test_restart_with_redis_store_hits_then_redis_killed_mid_run_matches(tmp_path, baseline):
