@@ -330,14 +330,6 @@ class PrefixTree:
             for node in nodes:
                 counts[node.owner] += sign
 
-    def set_owner(self, node: PageNode, owner: int) -> None:
-        """``node``'s pages are ``owner``'s from now on (its host page counted under it)."""
-        if node.owner != owner:
-            if self.host_by_owner is not None and node.host_page != NO_PAGE:
-                self.host_by_owner[node.owner] -= 1
-                self.host_by_owner[owner] += 1
-            node.owner = owner
-
     @property
     def now(self) -> int:
         """The clock's current stamp (what a page used now gets)."""

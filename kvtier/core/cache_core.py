@@ -201,10 +201,7 @@ class CacheCore(DeviceSpace):
                 self._backup(due)
         st.storage_hit_pages += n_storage
         if self.tenants is not None:
-            owner = tree.current_owner
-            self.tenants.count("lookup_pages", owner, len(keys))
-            self.tenants.count("hit_pages", owner, len(matched) + n_storage)
-            self.tenants.note_use(tree.now)
+            self.tenants.looked_up(tree.current_owner, len(keys), len(matched) + n_storage, tree.now)
         return MatchResult(keys, list(map(device_page_of, path[:n_dev])), matched, pending, n_storage, limited_by, filled, below,
                            tree.current_owner)
 

@@ -239,10 +239,7 @@ class EngineDeviceCore(CoreBase):
         if limited_by is not None:
             self.groups.component(limited_by).limited += 1
         if self.tenants is not None:
-            owner = self.tree.current_owner
-            self.tenants.count("lookup_pages", owner, len(keys))
-            self.tenants.count("hit_pages", owner, host + stored)
-            self.tenants.note_use(self.tree.now)
+            self.tenants.looked_up(self.tree.current_owner, len(keys), host + stored, self.tree.now)
         return HostLookup(host, stored, probed, limited_by)
 
     def _usable(self, keys: list[PageHash], shared: bool = True, count: bool = False) -> tuple[list[PageNode], int, int, str | None, bool]:

@@ -196,11 +196,7 @@ class HostTier(PlanDispatch):
         """Up to ``n`` host pages for ``owner``'s pages (default: the request's, the tree's current owner), evicting
         as the tiers' LRU and the tenants' quotas allow: as many as could be had, the leading ones of a run.
         ``owners``: the pages are of several tenants, each within its cap already (:meth:`_within_caps`)."""
-        tenants = self.tenants
-        if tenants is None:
-            got = self._alloc_host(n)
-            return got.pages if got.ok else self.host_alloc.alloc(min(n, self.host_alloc.num_free)).pages
-        if owners is None:
+        if self.tenants is not None and owners is None:
             owner = self.tree.current_owner if owner is None else owner
             owners = frozenset((owner,))
             n = self._room_under_cap(owner, n)

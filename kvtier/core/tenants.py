@@ -144,6 +144,12 @@ class TenantLedger:
     def count(self, name: str, owner: int, n: int) -> None:
         self.counters[name][owner] += n
 
+    def looked_up(self, owner: int, pages: int, hit: int, stamp: int) -> None:
+        """A lookup of ``owner``'s: ``pages`` asked, ``hit`` of them found; ``stamp``: the tree's clock after its touch."""
+        self.counters["lookup_pages"][owner] += pages
+        self.counters["hit_pages"][owner] += hit
+        self.note_use(stamp)
+
     def count_nodes(self, name: str, nodes) -> None:
         values = self.counters[name]
         for node in nodes:
