@@ -14,6 +14,7 @@ import pytest
 
 from support.cli import kvtier
 from kvtier.app import audit as audit_mod
+from kvtier.app import audit_rounds
 from kvtier.app.audit import KsResult, run_timing_audit, verdict
 from kvtier.app.engine import ReferenceEngine
 from kvtier.app.model import ModelConfig
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.timeout(900)
 
 CFG = ModelConfig(hidden=64, num_layers=2, num_heads=2, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=16, kv_lora_rank=32,
                   index_heads=2, index_head_dim=32, quant_block_size=16, index_topk=24, mlp_hidden=128, page_size=8)
-SAMPLES = 40
+SAMPLES = 42  # (seven rounds of each order)
 TOKENS = 6 * CFG.page_size + 3  # (the hit: the 6 full pages)
 
 
@@ -35,6 +36,17 @@ def test_no_tier_lets_another_tenant_tell_a_victims_prompt_from_a_fresh_one_and_
         assert t.control_vs_miss.pvalue < 1e-3, t  # the test sees a hit where there is one
         assert t.probe_vs_miss.pvalue >= 1e-4 and t.verdict == "pass", t
     assert audit.passed and audit.as_dict()["passed"]
+
+
+def test_each_kind_follows_each_other_and_the_victim_equally_often():
+    """A request's time depends on the one before it; an order that put the control's hit before the probe more often
+    than before the miss made the probes time faster on that alone."""
+    follows = {(kind, before): 0 for kind in audit_rounds.KINDS for before in audit_rounds.KINDS + ("victim",) if kind != before}
+    orders = [audit_rounds.round_order(i) for i in range(len(audit_rounds.ORDERS))]
+    for order in orders:
+        for before, kind in zip(("victim",) + order, order):
+            follows[kind, before] += 1
+    assert len(set(orders)) == 6 and set(follows.values()) == {2}, follows
 
 
 def test_the_audit_catches_a_cache_that_ignores_tenants(monkeypatch):

@@ -13,9 +13,11 @@ would see it, by time alone, in each tier the victim's pages can sit in:
 3. tenant B sends a fresh prompt of the same length nobody sent: the *miss*;
 4. tenant A sends its prompt again: the *control*, a hit from that tier.
 
-Each round runs a new victim prompt, the three requests in a rotating order (so a drift of the machine's speed
-falls on all three alike), and pushes the pages down again after each. Two two-sample Kolmogorov-Smirnov tests
-on the times to first token (Gu et al.'s; ``scipy.stats.ks_2samp``):
+Each round runs a new victim prompt, the three requests in each of their six orders in turn (so a drift of the
+machine's speed falls on all three alike, and each follows each of the others, and the victim, equally often: a
+request's time depends on the one before it, and a hit leaves less work behind than a miss), and pushes the pages
+down again after each. Two two-sample Kolmogorov-Smirnov tests on the times to first token (Gu et al.'s;
+``scipy.stats.ks_2samp``):
 
 * **pass**: the probes and the misses are not told apart, p >= ``alpha`` (0.01), and no probe hit a token;
 * **control**: the same test tells A's hits from the misses, p < ``control_alpha`` (0.001) -- else the audit could
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.app.audit_rounds import KINDS, round_order
 from kvtier.app.engine import ReferenceEngine
 from kvtier.app.model import ModelConfig, ReferenceModel
 from kvtier.build import build_cache
@@ -44,8 +47,6 @@ from kvtier.errors import ConfigError
 
 #: every tier the audit can put the victim's pages in, in the order it runs them
 TIERS = ("device", "host", "service", "file", "redis")
-#: the three requests of a round
-KINDS = ("probe", "miss", "control")
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,7 @@ def audit_tier(tier: str, model: ReferenceModel, samples: int, prompt_tokens: in
             engine.prefill(victim, tenant="a")
             push_down()
             requests = {"probe": (victim, "b"), "miss": (fresh, "b"), "control": (victim, "a")}
-            for kind in KINDS[i % 3:] + KINDS[: i % 3]:
+            for kind in round_order(i):
                 tokens, tenant = requests[kind]
                 r = engine.prefill(tokens, tenant=tenant)
                 times[kind].append(r.ttft_s * 1e3)

@@ -3,8 +3,8 @@
 vLLM's CPU engine (its engine core and worker in processes of their own, ``LLM``), kvtier's connector below it, a
 request's tenant its ``cache_salt``. Each tier runs in a fresh engine process (``python -m kvtier.app.audit_vllm
 JOB.json``), the same rounds as ``kvtier run``'s engine -- the victim (tenant A) sends a prompt, then the probe
-(tenant B, the same prompt), the miss (tenant B, a fresh prompt) and the control (tenant A again) in a rotating order
--- with the victim's pages pushed down to the tier before each request:
+(tenant B, the same prompt), the miss (tenant B, a fresh prompt) and the control (tenant A again) in each of their six
+orders in turn -- with the victim's pages pushed down to the tier before each request:
 
 * ``device``: nothing moves; vLLM's own prefix cache holds them (vLLM scopes its block hashes by the salt);
 * ``host``: vLLM's prefix cache is emptied, so a hit can come only from kvtier's host tier;
@@ -22,6 +22,8 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+from kvtier.app.audit_rounds import KINDS, round_order
 
 #: what marks the job's result line on stdout (vLLM logs to it too)
 MARKER = "KVTIER_AUDIT "
@@ -75,15 +77,14 @@ def run_job(job: dict) -> dict:
 
     send(prompt(), "warmup")  # (first-call costs belong to no kind)
     push_down()
-    kinds = ("probe", "miss", "control")
-    times: dict[str, list[float]] = {k: [] for k in kinds}
-    hits = dict.fromkeys(kinds, 0)
+    times: dict[str, list[float]] = {k: [] for k in KINDS}
+    hits = dict.fromkeys(KINDS, 0)
     for i in range(job["samples"]):
         victim, fresh = prompt(), prompt()
         send(victim, "tenant-a")
         push_down()
         requests = {"probe": (victim, "tenant-b"), "miss": (fresh, "tenant-b"), "control": (victim, "tenant-a")}
-        for kind in kinds[i % 3:] + kinds[: i % 3]:
+        for kind in round_order(i):
             ms, hit = send(*requests[kind])
             times[kind].append(ms)
             hits[kind] += hit
