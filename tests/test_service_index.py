@@ -123,7 +123,7 @@ class Watcher:
     def reserved(self, pages, client):
         self.got += pages
 
-    def indexed(self, page, namespace, key):
+    def indexed(self, page, namespace, key, owner=0):
         self.recorded.append((page, namespace, key))
 
     def offered(self, page):

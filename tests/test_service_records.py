@@ -14,6 +14,7 @@ from support.pools import tiny_specs
 from kvtier.pools.host import HostPool
 from kvtier.service.records import RECORD_BYTES, PageRecords, Writer, session_digest
 from kvtier.service.region import Owner, RegionFormat, create_region, map_region, remove_region
+from kvtier.service.tenants import NAMESPACE_OWNER, owner_id
 
 SPEC = tiny_specs()["dsa"]
 
@@ -59,10 +60,11 @@ def test_every_byte_of_a_page_in_every_buffer_and_layer_is_covered_and_no_byte_o
 
 def test_adopting_keeps_whole_matching_records_and_parks_writing_and_torn_ones(region):
     records, pool = _records(region, fresh=True)
+    tenant = owner_id("0123456789abcdef")
     for page, ns in ((0, "a"), (1, "b"), (2, "a"), (3, "a")):
         _write(pool, page, seed=page)
         records.reserved([page], 1)
-        records.indexed(page, ns, bytes([page]) * 16)
+        records.indexed(page, ns, bytes([page]) * 16, tenant if page == 1 else NAMESPACE_OWNER)
     records.indexed(5, "a", bytes([0]) * 16)  # the same key again on another page (its first page evicted, not rewritten)
     records.writer_of = lambda client: (os.getpid(), "session-4")
     records.reserved([4], 1)  # mid-write at the kill, by this process
@@ -73,7 +75,8 @@ def test_adopting_keeps_whole_matching_records_and_parks_writing_and_torn_ones(r
         f.write(b'"half-writ')  # a line torn by the kill
     again, _pool = _records(region, fresh=False)
     adopted = again.adopt()
-    assert [(p, ns, key) for p, ns, key in adopted.pages] == [(0, "a", bytes([0]) * 16), (1, "b", bytes([1]) * 16)]
+    # (each with its owner: a tenant's bounds hold across the restart)
+    assert adopted.pages == [(0, "a", bytes([0]) * 16, NAMESPACE_OWNER), (1, "b", bytes([1]) * 16, tenant)]
     writer = Writer(Owner.of(os.getpid()), session_digest("session-4"))
     assert adopted.quarantined == {3: None, 4: writer} and adopted.dropped == 1  # (the torn one's writer unknown)
     second = again.adopt()  # a second adopter finds the same: the dropped page's record cleared, the parked ones kept
@@ -83,5 +86,5 @@ def test_adopting_keeps_whole_matching_records_and_parks_writing_and_torn_ones(r
     again.indexed(6, "c", b"x")
     again.close()
     third, _pool = _records(region, fresh=False)
-    assert (6, "c", b"x") in third.adopt().pages
+    assert (6, "c", b"x", NAMESPACE_OWNER) in third.adopt().pages
     third.close()

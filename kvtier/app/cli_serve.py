@@ -33,6 +33,14 @@ def serve(
                                                                     "the pages whose bytes verify)"),
     zero_evicted_pages: bool = typer.Option(False, "--zero-evicted-pages", help="zero a region page's bytes when it is evicted "
                                             "(or its write dropped), before another engine -- another tenant's -- reserves it"),
+    tenant_host_pages: int = typer.Option(0, "--tenant-host-pages", help="region pages guaranteed to each tenant (engines label "
+                                          "their pages by tenant): no engine's reservation evicts a tenant's pages below this"),
+    tenant_max_host_pages: Optional[int] = typer.Option(None, "--tenant-max-host-pages", help="the most region pages one tenant may "
+                                                        "hold: at it, its own least recently released pages make room"),
+    tenant_ttl_s: Optional[float] = typer.Option(None, "--tenant-ttl-s", help="a region page nobody has held this long leaves "
+                                                 "the region (zeroed with --zero-evicted-pages)"),
+    tenant_accounting: bool = typer.Option(False, "--tenant-accounting", help="count each tenant's pages, hits and losses (in "
+                                           "--status and the metrics, by digest) with no --tenant-* bound set"),
     keep_region: bool = typer.Option(False, "--keep-region", help="on SIGTERM, leave the region for the next service on this socket "
                                                                   "to adopt (an upgrade keeps the host tier) instead of removing it"),
     status: bool = typer.Option(False, "--status", help="print the running service's status as JSON (pages per namespace, clients, "
@@ -71,7 +79,9 @@ def serve(
     service = NodeService(ServeConfig(host_gb=host_gb, socket=path, storage_url=storage_url, drain_timeout_s=drain_timeout_s,
                                       allow_group=allow_group, metrics_port=metrics_port, metrics_host=metrics_host,
                                       verify_sample=verify_sample, fresh_region=fresh_region, keep_region=keep_region,
-                                      zero_evicted_pages=zero_evicted_pages))
+                                      zero_evicted_pages=zero_evicted_pages, tenant_host_pages=tenant_host_pages,
+                                      tenant_max_host_pages=tenant_max_host_pages, tenant_ttl_s=tenant_ttl_s,
+                                      tenant_accounting=tenant_accounting))
     stop: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: stop.append(signum))

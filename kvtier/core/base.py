@@ -193,7 +193,7 @@ class CoreBase(HostTier):
         ok = type(c) is Done
         self.groups.copied(tag.moved, ok)
         if ok:
-            self.groups.publish((), tag.moved)
+            self.groups.publish((), tag.moved, None if self.tenants is None else self.tenants.labels)
         else:
             self.stats.transfer_failures += 1
 
@@ -202,13 +202,22 @@ class CoreBase(HostTier):
     #: finished backup, asked where a walk ends early
     shared_host: SharedHost = NO_SHARED_HOST
 
+    def _share_host(self, shared_host: SharedHost) -> None:
+        """Use ``shared_host`` (at construction). A core on the node service accounts tenants: it labels each page it
+        publishes with its tenant's digest, by which the service bounds and counts them (``kvtier serve --tenant-*``)."""
+        self.shared_host = shared_host
+        if shared_host and self.tenants is None:
+            self.tenants = TenantLedger(TenantQuota.from_config(self.config), self._tenant_label)
+            self.tree.host_by_owner = self.tenants.host
+
     def _backed_up(self, nodes: list[PageNode]) -> None:
         """A copy of ``nodes`` to host completed: their host copies are readable, other engines sharing the
         host tier may have them, and they count."""
         self.tree.mark_host_ready(nodes)
         if self.shared_host:  # (their objects first: an engine that finds the pages finds their objects with them)
-            self.groups.publish(nodes)
-            self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes])
+            labels = self.tenants.labels
+            self.groups.publish(nodes, labels=labels)
+            self.shared_host.publish([n.key for n in nodes], [n.host_page for n in nodes], [labels[n.owner] for n in nodes])
         self.stats.backed_up_pages += len(nodes)
         self.stats.backed_up_bytes += len(nodes) * self._page_bytes
 

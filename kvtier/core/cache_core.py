@@ -102,7 +102,7 @@ class CacheCore(DeviceSpace):
         #: a request that ended (its quarantine entry bound once: one call per request, not two)
         self.request_finished = self.quarantine.request_finished
         self._on |= {LoadBack: self._finish_load}
-        self.shared_host = shared_host
+        self._share_host(shared_host)
 
     def _free_objects(self, ids: dict[str, list[int]]) -> None:
         self.groups.free_ids(Tier.DEVICE, ids)

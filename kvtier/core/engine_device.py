@@ -203,7 +203,7 @@ class EngineDeviceCore(CoreBase):
                  shared_host: SharedHost = NO_SHARED_HOST):
         check_shared_host(shared_host, model, port, hybrid=True)
         super().__init__(spec, host, port, config, storage_config, namespace=namespace, stats=stats)
-        self.shared_host = shared_host
+        self._share_host(shared_host)
         pools = {name: (None, alloc) for name, alloc in (group_hosts or {}).items()}
         self.groups = groups_for(model, pools, spec, tree=self.tree, state_every=state_every, device=None, host=host)
         if shared_host and self.groups:

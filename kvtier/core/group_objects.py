@@ -91,7 +91,8 @@ class NoGroups(tuple):
     def left(self, tier: Tier, nodes: Iterable[PageNode]) -> None:
         """(Pages left ``tier``: no objects beside them.)"""
 
-    def publish(self, nodes: Iterable[PageNode], moved: Mapping[str, Sequence[PageNode]] | None = None) -> None:
+    def publish(self, nodes: Iterable[PageNode], moved: Mapping[str, Sequence[PageNode]] | None = None,
+                labels: Sequence[str] | None = None) -> None:
         """(No objects to publish.)"""
 
     def adopt_shared(self, nodes: Sequence[PageNode]) -> None:
@@ -169,9 +170,11 @@ class Groups:
                                   "build_hybrid_cache and TierConfig.service")
         self.shared_host = True
 
-    def publish(self, nodes: Iterable[PageNode], moved: Mapping[str, Sequence[PageNode]] | None = None) -> None:
+    def publish(self, nodes: Iterable[PageNode], moved: Mapping[str, Sequence[PageNode]] | None = None,
+                labels: Sequence[str] | None = None) -> None:
         """Copies to host completed: the host objects they wrote are offered to other engines -- every object ``nodes``
-        hold on host (a backup of their pages brought them all), or ``moved``'s alone (a copy of objects on their own)."""
+        hold on host (a backup of their pages brought them all), or ``moved``'s alone (a copy of objects on their own).
+        ``labels``: the tenants' labels by owner id (each object is its page's tenant's)."""
         if not self.shared_host:
             return
         nodes = list(nodes)
@@ -181,7 +184,8 @@ class Groups:
             at = [(n, host(n)) for n in mine]
             at = [(n, i) for n, i in at if i is not None]
             if at:
-                c.alloc[Tier.HOST].publish([group_object_key(n.key, c.name) for n, _ in at], [i for _, i in at])
+                c.alloc[Tier.HOST].publish([group_object_key(n.key, c.name) for n, _ in at], [i for _, i in at],
+                                           None if labels is None else [labels[n.owner] for n, _ in at])
 
     def adopt_shared(self, nodes: Sequence[PageNode]) -> None:
         """``nodes`` are pages just adopted from other engines (readable host pages): their objects the service holds

@@ -11,8 +11,9 @@ holds the region pages it holds, its host LRU gives them back. Three calls join 
   for those of its pages the core finds no place for;
 * ``adopt(pages)`` -- book as many of them as the host allocator has room for (the rest are let go);
   the core adds them to its tree as readable host pages, so a match counts them as host hits;
-* ``publish(keys, pages)`` -- a backup into ``pages`` completed: other engines may have them now
-  (never before: a page still being written is offered to nobody).
+* ``publish(keys, pages, owners)`` -- a backup into ``pages`` completed: other engines may have them now
+  (never before: a page still being written is offered to nobody); ``owners``: each page's tenant label
+  (a core on a shared host tier accounts tenants: the service bounds them, :mod:`kvtier.service.tenants`).
 
 A tier that fails (its service died, or dropped this engine) says so with ``lost``: it finds nothing,
 gives no pages and takes none back, and the core's next match forgets every host page it holds (they
@@ -46,7 +47,7 @@ class SharedHost(Protocol):
 
     def adopt(self, pages: list[int]) -> int: ...
 
-    def publish(self, keys: list[PageHash], pages: list[int]) -> None: ...
+    def publish(self, keys: list[PageHash], pages: list[int], owners: list[str] | None = None) -> None: ...
 
 
 class NoSharedHost(tuple):
@@ -69,7 +70,7 @@ class NoSharedHost(tuple):
     def adopt(self, pages: list[int]) -> int:
         return 0
 
-    def publish(self, keys: list[PageHash], pages: list[int]) -> None:
+    def publish(self, keys: list[PageHash], pages: list[int], owners: list[str] | None = None) -> None:
         pass
 
 

@@ -337,16 +337,18 @@ class ServiceClient:
         except ServiceProtocolError as e:
             raise self._break(e) from None
 
-    def publish(self, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
-        self._notes_split(pages, keys, names, lambda p, k, n: [Publish(pages=p, keys=k, names=n)], 1)
+    def publish(self, pages: list[int], keys: list[bytes], names: list[str] | None = None, owners: list[int] | None = None) -> None:
+        """``pages`` written under ``keys`` (their L3 objects ``names``, where the engine names them; ``owners``: each page's
+        tenant, :func:`~kvtier.service.tenants.owner_id`, where the engine accounts tenants)."""
+        self._notes_split(pages, keys, names, owners, lambda p, k, n, o: [Publish(pages=p, keys=k, names=n, owners=o)], 1)
 
     def release(self, pages: list[int]) -> None:
-        self._notes_split(pages, None, None, lambda p, _k, _n: [Release(pages=p)], 1)
+        self._notes_split(pages, None, None, None, lambda p, _k, _n, _o: [Release(pages=p)], 1)
 
-    def publish_and_release(self, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
-        """``pages`` written under ``keys`` (their L3 objects ``names``, where the engine names them), and no longer
-        held by this client (the service may evict them)."""
-        self._notes_split(pages, keys, names, lambda p, k, n: [Publish(pages=p, keys=k, names=n), Release(pages=p)], 2)
+    def publish_and_release(self, pages: list[int], keys: list[bytes], names: list[str] | None = None,
+                            owners: list[int] | None = None) -> None:
+        """:meth:`publish`, and ``pages`` no longer held by this client (the service may evict them)."""
+        self._notes_split(pages, keys, names, owners, lambda p, k, n, o: [Publish(pages=p, keys=k, names=n, owners=o), Release(pages=p)], 2)
 
     # ---- calls longer than one frame (the service's bounds: wire.MAX_FRAME, messages.MAX_PAGES) --------------
     def _lookup_split(self, keys: list[bytes], names: list[str] | None, deadline: float) -> list[int]:
@@ -375,16 +377,21 @@ class ServiceClient:
             if len(got) < ask or len(pages) >= n:
                 return pages
 
-    def _notes_split(self, pages: list[int], keys: list[bytes] | None, names: list[str] | None,
-                     ops: Callable[[list[int], list[bytes] | None, list[str] | None], list[Message]], times: int) -> None:
-        """Notes of ``ops(pages[span], keys[span], names[span])`` (which name each page ``times`` times) over spans of
-        ``pages`` that each fit a frame, all sent within one lookup deadline."""
+    def _notes_split(self, pages: list[int], keys: list[bytes] | None, names: list[str] | None, owners: list[int] | None,
+                     ops: Callable[[list[int], list[bytes] | None, list[str] | None, list[int] | None], list[Message]],
+                     times: int) -> None:
+        """Notes of ``ops(pages[span], keys[span], names[span], owners[span])`` (which name each page ``times`` times) over
+        spans of ``pages`` that each fit a frame, all sent within one lookup deadline."""
         deadline = time.monotonic() + self.lookup_deadline_s
         named = [0] * len(pages) if keys is None else _wire_sizes(keys, names)
-        sizes = [times * (len(str(p)) + 1) + named[i] for i, p in enumerate(pages)]
+        owned = OWNER_WIRE_BYTES if owners is not None else 0
+        sizes = [times * (len(str(p)) + 1) + named[i] + owned for i, p in enumerate(pages)]
+
+        def span(values, part):
+            return None if values is None else values[part]
+
         for part in _spans(sizes, MAX_PAGES // times):
-            self.note([op.wire() for op in ops(pages[part], None if keys is None else keys[part], None if names is None else names[part])],
-                      deadline)
+            self.note([op.wire() for op in ops(pages[part], span(keys, part), span(names, part), span(owners, part))], deadline)
 
     def status(self) -> dict:
         (status,) = self.call([Status().wire()])
@@ -448,6 +455,10 @@ def _fitting(keys: list[bytes], start: int, room: int, pages: int) -> tuple[int,
             break
         n, used = n + 1, used + size
     return n, used
+
+
+#: an owner label's bytes on the wire, at most (16 hex digits, quoted, and a comma)
+OWNER_WIRE_BYTES = 16 + 3
 
 
 def _wire_sizes(keys: list[bytes], names: list[str] | None) -> list[int]:

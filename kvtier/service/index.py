@@ -34,12 +34,16 @@ until :meth:`HostIndex.unpark`.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Protocol
 
 from kvtier.alloc import PageAllocator
 from kvtier.errors import ServiceProtocolError
+from kvtier.service.tenants import NAMESPACE_OWNER, RegionTenants
 
 Key = tuple[str, bytes]  # (namespace, page key)
 #: the index clients that hold an adopted region's pages for a while (this id and below; the service's L3
@@ -52,7 +56,7 @@ class PageWatcher(Protocol):
 
     def reserved(self, pages: list[int], client: int) -> None: ...
 
-    def indexed(self, page: int, namespace: str, key: bytes) -> None: ...
+    def indexed(self, page: int, namespace: str, key: bytes, owner: int = NAMESPACE_OWNER) -> None: ...
 
     def offered(self, page: int) -> bool: ...
 
@@ -93,6 +97,8 @@ class IndexStatus:
     adoption_held: int  # of ``held``: pages held only by a restarted service's adoption (its grace period)
     finds: int = 0
     found_objects: int = 0
+    #: unheld pages evicted past the tenants' TTL (apart from ``evicted_pages``)
+    expired_pages: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -162,9 +168,11 @@ class RegionPages:
 
 class HostIndex:
     """See the module docstring. Clients are named by the caller's ids (the server's connection ids).
-    ``num_pages``: the region's pages; ``pools``: its pools, each of that many ids (pool 0 the pages)."""
+    ``num_pages``: the region's pages; ``pools``: its pools, each of that many ids (pool 0 the pages); ``tenants``:
+    the tenants' rows and bounds (:mod:`kvtier.service.tenants`; None: not accounted); ``clock``: seconds, for TTLs."""
 
-    def __init__(self, num_pages: int, watcher: PageWatcher | None = None, pools: int = 1):
+    def __init__(self, num_pages: int, watcher: PageWatcher | None = None, pools: int = 1, *,
+                 tenants: RegionTenants | None = None, clock: Callable[[], float] = time.monotonic):
         self.alloc = RegionPages(num_pages, pools)
         self.num_pages = num_pages
         self.watcher = watcher
@@ -173,9 +181,13 @@ class HostIndex:
         self._key_of: dict[int, Key | None] = {}  # READY page -> its key (None: a duplicate, its publisher's alone)
         self._page_of: dict[Key, int] = {}
         self._holders: dict[int, set[int]] = {}  # READY page -> clients holding it (absent: nobody)
-        # READY, held by nobody, per pool: least recently released first
-        self._unheld: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(pools)]
+        # READY, held by nobody, per pool: least recently released first (-> when it was released)
+        self._unheld: list[OrderedDict[int, float]] = [OrderedDict() for _ in range(pools)]
+        self.tenants = tenants
+        self._clock = clock
         self.lookups = self.hit_pages = self.published_pages = self.evicted_pages = self.dropped_writes = 0
+        #: of the pages evicted, those nobody had held for the tenants' TTL (counted apart from ``evicted_pages``)
+        self.expired_pages = 0
         #: finds answered, and the objects they offered (a hybrid model's: apart from the pages' lookups and hits)
         self.finds = self.found_objects = 0
         #: of ``dropped_writes``: pages whose writer's process had died (its lease expired rather than being given up)
@@ -248,6 +260,8 @@ class HostIndex:
                 found[page] = None
         self._hold(client, c, list(found))
         c.hit_pages += len(found)
+        if self.tenants is not None:
+            self.tenants.hit(list(found))
         self.finds += not again
         self.found_objects += len(found)
         return out
@@ -269,6 +283,8 @@ class HostIndex:
         self._hold(client, c, pages)
         c.hit_pages += len(pages)
         self.hit_pages += len(pages)
+        if self.tenants is not None:
+            self.tenants.hit(pages)
         self.hit_pages_of[c.namespace] += len(pages)
         return pages
 
@@ -279,9 +295,14 @@ class HostIndex:
         c = self.clients[client]
         short = n - self.alloc.num_free_in(pool)
         unheld = self._unheld[pool]
-        while short > 0 and unheld:
-            self._evict(next(iter(unheld)))
-            short -= 1
+        if short > 0 and self.tenants is not None and self.tenants.bounds.guaranteed_pages:
+            allowed = self.tenants.evictable()
+            for page in list(islice((p for p in unheld if allowed(p)), short)):  # (in order: the filter counts what it lets go)
+                self._evict(page, "evicted_pages")
+        else:
+            while short > 0 and unheld:
+                self._evict(next(iter(unheld)), "evicted_pages")
+                short -= 1
         got = self.alloc.alloc(min(n, self.alloc.num_free_in(pool)), pool)
         if self.watcher is not None:
             self.watcher.reserved(got, client)
@@ -290,24 +311,32 @@ class HostIndex:
         c.writing.update(got)
         return got
 
-    def publish(self, client: int, pages: list[int], keys: list[bytes]) -> list[int]:
+    def publish(self, client: int, pages: list[int], keys: list[bytes], owners: list[int] | None = None) -> list[int]:
         """The client wrote ``pages``: each is READY under ``keys[i]``, held by the client. Checked whole
         before anything changes: every page must be one it is writing. Returns the pages now indexed
-        (not duplicates of a key published before)."""
+        (not duplicates of a key published before, nor pages past their tenant's cap). ``owners``: each
+        page's tenant (:func:`~kvtier.service.tenants.owner_id`; None: the namespace's own)."""
         c = self.clients[client]
         self._check_pages(client, pages, c.writing, "publish", "it is not writing (reserve it first)")
+        tenants = self.tenants
         indexed_pages = []
-        for page, key in zip(pages, keys):
+        for i, (page, key) in enumerate(zip(pages, keys)):
             c.writing.discard(page)
             del self._writer[page]
             k = (c.namespace, key)
             indexed = k not in self._page_of
+            if indexed and tenants is not None:
+                owner = NAMESPACE_OWNER if owners is None else owners[i]
+                row = tenants.row(c.namespace, owner)
+                indexed = self._room_for(row)
+                if indexed:
+                    tenants.indexed(page, row)
             if indexed:
                 self._page_of[k] = page
                 self._published_of[c.namespace] += 1
                 indexed_pages.append(page)
                 if self.watcher is not None:
-                    self.watcher.indexed(page, c.namespace, key)
+                    self.watcher.indexed(page, c.namespace, key, NAMESPACE_OWNER if owners is None else owners[i])
             self._key_of[page] = k if indexed else None
             self._holders[page] = {client}
             self._held_of[c.namespace] += 1
@@ -315,19 +344,50 @@ class HostIndex:
         self.published_pages += len(pages)
         return indexed_pages
 
-    def adopt(self, pages: list[tuple[int, str, bytes]], parked: list[int]) -> None:
-        """Start from a region a killed service left: ``pages`` (page, namespace, key; one page per key) READY,
+    def _room_for(self, row: int) -> bool:
+        """Whether a page of tenant ``row`` may be indexed: below its cap, or once its oldest unheld page is evicted."""
+        tenants = self.tenants
+        if not tenants.at_cap(row):
+            return True
+        victim = tenants.oldest_unheld(row)
+        if victim is None:
+            tenants.rows[row].capped_pages += 1
+            return False
+        self._evict(victim, "evicted_pages")
+        return True
+
+    def expire(self) -> int:
+        """Evict the pages nobody has held for the tenants' TTL (``kvtier serve --tenant-ttl-s``); how many."""
+        ttl = None if self.tenants is None else self.tenants.bounds.ttl_s
+        if ttl is None:
+            return 0
+        before, n = self._clock() - ttl, 0
+        for unheld in self._unheld:
+            while unheld:
+                page, released = next(iter(unheld.items()))
+                if released > before:
+                    break
+                self._evict(page, "expired_pages")
+                n += 1
+        self.evicted_pages -= n  # (counted as expired)
+        self.expired_pages += n
+        return n
+
+    def adopt(self, pages: list[tuple[int, str, bytes]] | list[tuple[int, str, bytes, int]], parked: list[int]) -> None:
+        """Start from a region a killed service left: ``pages`` (page, namespace, key[, owner]; one page per key) READY,
         offered to lookups, but held (by a client of the adoption's, one per namespace) so that none is evicted
         and rewritten while an engine of the old service may still be reading it, until :meth:`release_adopted`;
         ``parked`` out of circulation until :meth:`unpark`. Only on a fresh index."""
         assert not self.clients and self.alloc.num_free == self.alloc.num_pages, "adopt() is for a fresh index"
-        self.alloc.take([page for page, _ns, _key in pages] + parked)
+        self.alloc.take([page for page, *_rest in pages] + parked)
         by_namespace: dict[str, list[int]] = {}
-        for page, ns, key in pages:
+        for page, ns, key, *owner in pages:
             self._key_of[page] = (ns, key)
             self._page_of[(ns, key)] = page
             self._published_of[ns] += 1
             by_namespace.setdefault(ns, []).append(page)
+            if self.tenants is not None:  # (above a cap now lowered: evicted by the next publishes, as they come)
+                self.tenants.indexed(page, self.tenants.row(ns, owner[0] if owner else NAMESPACE_OWNER))
         for i, (ns, held) in enumerate(sorted(by_namespace.items())):
             cid = ADOPTION_CLIENTS - i
             self.attach(cid, ns)
@@ -393,7 +453,7 @@ class HostIndex:
                            len(self.clients), per_ns, self.lookups, self.hit_pages, self.published_pages, self.evicted_pages,
                            self.dropped_writes, self.expired_leases, self.corrupt_pages, len(self.alloc.parked),
                            sum(len(h) == 1 and next(iter(h)) <= ADOPTION_CLIENTS for h in self._holders.values()),
-                           self.finds, self.found_objects)
+                           self.finds, self.found_objects, self.expired_pages)
 
     def pages_by_namespace(self) -> dict[str, NamespacePages]:
         """Every namespace's pages now, from the counts kept as they change (and one pass over the pages being
@@ -430,8 +490,10 @@ class HostIndex:
 
     def _hold(self, client: int, c: Client, pages: list[int]) -> None:
         unheld, n = self._unheld, self.num_pages
+        tenants = self.tenants
         for page in pages:
-            unheld[page // n].pop(page, None)
+            if unheld[page // n].pop(page, None) is not None and tenants is not None:
+                tenants.held(page)
             holders = self._holders.get(page)
             if holders is None:
                 holders = self._holders[page] = set()
@@ -457,7 +519,9 @@ class HostIndex:
             del self._key_of[page]
             self._free([page])
         else:
-            self._unheld[page // self.num_pages][page] = None
+            self._unheld[page // self.num_pages][page] = self._clock()
+            if self.tenants is not None:
+                self.tenants.unheld(page)
 
     def _drop(self, page: int) -> None:
         """A READY page the watcher refused: unindexed now; freed now if nobody holds it, else once its holders
@@ -473,12 +537,17 @@ class HostIndex:
         del self._page_of[key]
         self._published_of[key[0]] -= 1
         self._key_of[page] = None
+        if self.tenants is not None:
+            self.tenants.unindexed(page)
 
-    def _evict(self, page: int) -> None:
+    def _evict(self, page: int, counter: str | None = None) -> None:
+        """Evict an unheld page (``counter``: the tenant's counter it counts in: evicted_pages, expired_pages; none: corrupt)."""
         del self._unheld[page // self.num_pages][page]
         key = self._key_of.pop(page)
         del self._page_of[key]
         self._published_of[key[0]] -= 1
+        if self.tenants is not None:
+            self.tenants.unindexed(page, counter)
         self._vacated([page])
         self.alloc.free([page])
         self.evicted_pages += 1
@@ -501,3 +570,5 @@ class HostIndex:
         assert sum(len(h) for h in self._holders.values()) == sum(len(c.held) for c in self.clients.values())
         published, held = self._walk_namespaces()
         assert +self._published_of == published and +self._held_of == held, "the per-namespace counts drifted from the maps"
+        if self.tenants is not None:
+            self.tenants.check(set(self._page_of.values()), unheld)

@@ -41,6 +41,7 @@ interleave.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -55,6 +56,7 @@ from kvtier.service.backoff import AttachBackoff
 from kvtier.service.client import ServiceClient
 from kvtier.service.heartbeat import Heartbeat
 from kvtier.service.region import Region
+from kvtier.service.tenants import owner_id
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +195,15 @@ class _PoolLease(PageAllocator):
             self.let_go(pages[n:])
             return n
 
-    def publish(self, keys: list[bytes], pages: list[int]) -> None:
+    def publish(self, keys: list[bytes], pages: list[int], owners: list[str] | None = None) -> None:
+        """``pages`` hold ``keys`` now; ``owners``: each page's tenant label (:mod:`kvtier.core.tenants`), where the engine
+        accounts tenants (the service bounds and counts its pages by them)."""
         at = self._attachment
         with at._lock:
             if not at.lost:
                 base = self._base()
-                at._tell(at.client.publish, [base + p for p in pages], keys)
+                ids = None if owners is None else [_owner_id(label) for label in owners]
+                at._tell(at.client.publish, [base + p for p in pages], keys, None, ids)
 
 
 class LeasedPages(_PoolLease):
@@ -497,3 +502,8 @@ class ObjectLease(_PoolLease):
     def room_unknown(self) -> None:
         """Forget how much room the service last said its pool had (asked again at the next allocation)."""
         self._room = None
+
+
+@functools.lru_cache(maxsize=4096)
+def _owner_id(label: str) -> int:
+    return owner_id(label)

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 from kvtier.errors import ServiceProtocolError
 from kvtier.hashing import name_key
+from kvtier.service.tenants import WORDS, owner_id, owner_label
 
 #: the protocol's version (a hello of another is refused)
 VERSION = 1
@@ -197,6 +198,18 @@ def _object_names(v: object) -> list[str]:
     return v
 
 
+def _owners(v: object) -> list[int]:
+    if type(v) is not list or len(v) > MAX_PAGES:
+        raise Invalid
+    out = []
+    for label in v:
+        try:
+            out.append(owner_id(label))
+        except ValueError:
+            raise Invalid(f"{_show(label)} is not an owner label (16 lowercase hex digits, or one of {', '.join(WORDS)})") from None
+    return out
+
+
 def check_object_names(names: list[str] | None, keys: list[bytes], op: str,
                        key_of: Callable[[int, str], bytes] | None = lambda _i, name: name_key(name)) -> None:
     """An op's object names, where it gives them: one per key, each the name its key is the digest of (an engine
@@ -231,6 +244,8 @@ SESSION = Codec(f"a session id (a string of 1 to {MAX_SESSION} characters)", _te
 PAGE_IDS = Codec(f"a list of at most {MAX_PAGES} integer page ids", _page_ids, list, len)
 PAGE_KEYS = Codec(f"a list of at most {MAX_PAGES} hex page keys", _page_keys, lambda keys: [k.hex() for k in keys], len)
 OBJECT_NAMES = Codec(f"a list of at most {MAX_PAGES} object names, or absent", lambda v: None if v is None else _object_names(v))
+OWNERS = Codec(f"a list of at most {MAX_PAGES} owner labels (16 hex digits, or {', '.join(WORDS)}), or absent",
+               lambda v: None if v is None else _owners(v), lambda owners: [owner_label(o) for o in owners])
 
 
 # ---- the messages --------------------------------------------------------------------------------
@@ -317,10 +332,15 @@ class Publish(Message):
     pages: list[int] = wire(PAGE_IDS)
     keys: list[bytes] = wire(PAGE_KEYS)
     names: list[str] | None = wire(OBJECT_NAMES, None)
+    #: each page's tenant (its engine's label for it: :mod:`kvtier.service.tenants`), where the engine accounts tenants
+    owners: list[int] | None = wire(OWNERS, None)
 
     def check(self) -> None:
         if len(self.pages) != len(self.keys):
             raise ServiceProtocolError(f"publish names {len(self.pages)} pages and {len(self.keys)} keys; give one key per page")
+        if self.owners is not None and len(self.owners) != len(self.pages):
+            raise ServiceProtocolError(f"publish names {len(self.pages)} pages and {len(self.owners)} owners; give one owner per "
+                                       "page, or none")
         check_object_names(self.names, self.keys, "publish", None)  # (the keys against their pools' by the service)
 
 

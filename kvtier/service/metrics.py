@@ -47,6 +47,8 @@ class ServiceSnapshot:
     l3: dict | None = field(default=None)
     #: the per-engine view (``NodeService.engines()``)
     engines: list[dict] = field(default_factory=list)
+    #: the per-tenant rows (:meth:`RegionTenants.usage <kvtier.service.tenants.RegionTenants.usage>`), where tenants are counted
+    tenants: list[dict] = field(default_factory=list)
 
     @classmethod
     def of(cls, service: NodeService) -> ServiceSnapshot:
@@ -60,11 +62,12 @@ class ServiceSnapshot:
             counters |= {name: getattr(index, name) for name in _INDEX_COUNTERS}
             return cls(region.format.page_bytes // region.format.pools, index.alloc.num_pages, index.alloc.num_free,
                        index.pages_by_namespace(),
-                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3, service.engines())
+                       dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3, service.engines(),
+                       [] if index.tenants is None else index.tenants.usage(namespace_label))
 
 
 #: the index's counters exported as ``kvtier_service_<name>_total``
-_INDEX_COUNTERS = ("lookups", "published_pages", "evicted_pages", "dropped_writes", "expired_leases", "corrupt_pages")
+_INDEX_COUNTERS = ("lookups", "published_pages", "evicted_pages", "expired_pages", "dropped_writes", "expired_leases", "corrupt_pages")
 
 _HELP = {
     "refused_peers": "peers refused when they connected (another uid, not of --allow-group)",
@@ -73,6 +76,7 @@ _HELP = {
     "lookups": "lookup ops answered",
     "published_pages": "pages published (written and offered to lookups of their namespace)",
     "evicted_pages": "pages nobody held evicted to make room",
+    "expired_pages": "pages nobody held for --tenant-ttl-s, evicted",
     "dropped_writes": "pages reserved and never published, freed when their writer detached",
     "expired_leases": "of dropped_writes: pages whose writer's process died (its lease expired)",
     "corrupt_pages": "published pages whose bytes failed their checksum when a lookup verified them (dropped: misses)",
@@ -136,6 +140,8 @@ class ServiceCollector:
         if snap.l3 is not None:
             yield from _l3_families(snap.l3)
         yield from _engine_families(snap.engines)
+        if snap.tenants:
+            yield from _tenant_families(snap.tenants)
 
 
 #: the L3 tier's counters (``StorageCounters``) as ``kvtier_service_l3_<name>_total``
@@ -170,6 +176,32 @@ def _engine_families(engines: list[dict]):
         short.add_metric(who, e["share_short_pages"])
         hits.add_metric(who, e["hit_pages"])
     yield from (pages, share, short, hits)
+
+
+#: the per-tenant counters, as ``kvtier_service_tenant_<name>_total``
+_TENANT_COUNTERS = {
+    "hit_pages": "pages of a tenant's a lookup was offered",
+    "evicted_pages": "pages of a tenant's evicted to make room (a reservation's, above its guarantee, or its own at its cap)",
+    "expired_pages": "pages of a tenant's nobody held for --tenant-ttl-s, evicted",
+    "capped_pages": "pages a tenant published at its cap with none of its own to evict (not offered)",
+}
+
+
+def _tenant_families(rows: list[dict]):
+    """The per-tenant view (kvtier serve --tenant-*), labelled by the namespace (as every label shows it) and the tenant's
+    digest (the engine's label: never a tenant's name)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    labels = ["namespace", "tenant"]
+    pages = GaugeMetricFamily(f"{PREFIX}_tenant_pages", "region pages a tenant's requests wrote, offered to lookups", labels=labels)
+    counters = {name: CounterMetricFamily(f"{PREFIX}_tenant_{name}", text, labels=labels) for name, text in _TENANT_COUNTERS.items()}
+    for row in rows:
+        who = [row["namespace"], row["tenant"]]
+        pages.add_metric(who, row["pages"])
+        for name, fam in counters.items():
+            fam.add_metric(who, row[name])
+    yield pages
+    yield from counters.values()
 
 
 def _l3_families(l3: dict):

@@ -10,6 +10,7 @@ Files in the region's directory (the service's alone, 0600; engines never map th
                  8   u64  xxh3_64 of the page's bytes (each buffer in the spec's order, each layer in order)
                  16  u8   key length, then the key (at most 64 bytes), then zeros
                  88  i32, i64, u64  a WRITING record's writer: its pid, start time and session's digest (0: not known)
+                 88  u64  a WRITTEN record's owner (:func:`kvtier.service.tenants.owner_id`; 0: the namespace's own)
                  120 u64  xxh3_64 of bytes 0..119 (a record torn by a kill mid-write fails it)
     namespaces   one JSON string per line, appended as namespaces first publish (a torn last line is ignored)
 
@@ -60,6 +61,7 @@ EMPTY, WRITING, WRITTEN = 0, 0x6B767477, 0x6B767472  # ('kvtw', 'kvtr')
 _HEAD = struct.Struct("<IIQB")  # state, namespace id, checksum, key length
 _WRITER = struct.Struct("<iqQ")  # a WRITING record's writer: pid, start time, its session's digest (at byte 88)
 _WRITER_AT = 88
+_OWNER = struct.Struct("<Q")  # a WRITTEN record's owner (at byte 88)
 
 
 @dataclass(frozen=True)
@@ -81,11 +83,11 @@ QUARANTINE_S = 30.0
 
 @dataclass(frozen=True)
 class Adopted:
-    """What a restarted service takes over from a region: ``pages`` (page, namespace, key) whose bytes verify
+    """What a restarted service takes over from a region: ``pages`` (page, namespace, key, owner) whose bytes verify
     (one page per key), ``quarantined`` pages (being written at the crash, or with a torn record) and ``dropped``: recorded pages
     whose bytes no longer match their checksum (or whose namespace is unknown)."""
 
-    pages: list[tuple[int, str, bytes]]
+    pages: list[tuple[int, str, bytes, int]]
     quarantined: dict[int, Writer | None]  # page -> who was writing it (None: not known)
     dropped: int
 
@@ -138,15 +140,16 @@ class PageRecords:
         for page in pages:
             self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = rec
 
-    def indexed(self, page: int, namespace: str, key: bytes) -> None:
-        """``page``'s write is complete and it holds ``key`` of ``namespace``: WRITTEN, with its bytes' checksum.
+    def indexed(self, page: int, namespace: str, key: bytes, owner: int = 0) -> None:
+        """``page``'s write is complete and it holds ``key`` of ``namespace``, ``owner``'s (a tenant's, for its bounds
+        after a restart): WRITTEN, with its bytes' checksum.
         (A namespace that cannot be written down leaves the record WRITING: logged, the page never adopted.)"""
         try:
             ns_id = self._namespace_id(namespace)
         except OSError as e:
             log.warning("page %d's record not written (the namespaces file: %s): a restarted service will not adopt it", page, e)
             return
-        self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = _record(WRITTEN, ns_id, self.checksum(page), key)
+        self._map[page * RECORD_BYTES : (page + 1) * RECORD_BYTES] = _record(WRITTEN, ns_id, self.checksum(page), key, owner=owner)
 
     def offered(self, page: int) -> bool:
         """Whether ``page`` may be offered to a lookup: always, unless it is sampled for verification
@@ -208,7 +211,7 @@ class PageRecords:
                     self.cleared(page)
                     continue
                 seen.add((ns_id, key))
-                pages.append((page, self._namespaces[ns_id], key))
+                pages.append((page, self._namespaces[ns_id], key, _OWNER.unpack_from(bytes(raw), _WRITER_AT)[0]))
             else:
                 dropped += 1
                 self.cleared(page)
@@ -250,11 +253,13 @@ class PageRecords:
         return out
 
 
-def _record(state: int, ns_id: int, checksum: int, key: bytes, writer: Writer | None = None) -> bytes:
+def _record(state: int, ns_id: int, checksum: int, key: bytes, writer: Writer | None = None, owner: int = 0) -> bytes:
     assert len(key) <= _MAX_KEY, len(key)
     body = bytearray((_HEAD.pack(state, ns_id, checksum, len(key)) + key).ljust(_BODY_BYTES, b"\0"))
     if writer is not None:
         _WRITER.pack_into(body, _WRITER_AT, writer.process.pid, writer.process.start, writer.session)
+    elif owner:
+        _OWNER.pack_into(body, _WRITER_AT, owner)
     return bytes(body) + xxhash.xxh3_64_intdigest(bytes(body)).to_bytes(8, "little")
 
 

@@ -48,6 +48,7 @@ from kvtier.service.region import (Owner, Region, RegionFormat, adoptable_region
                                    release_region, remove_region, remove_stale_regions, write_format)
 from kvtier.service.sessions import Orphan, Sessions
 from kvtier.service.storage import Load, ServiceStorage, shard_prefixes
+from kvtier.service.tenants import RegionBounds, RegionTenants
 from kvtier.service.wire import decode
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,16 @@ class ServeConfig:
     zero_evicted_pages: bool = field(default=False, metadata={
         "help": "zero a region page's bytes when it is evicted or its write is dropped, before any engine reserves it again: "
                 "an engine never reads a page another engine (another tenant) wrote there"})
+    tenant_host_pages: int = field(default=0, metadata={
+        "help": "pages of the region guaranteed to each tenant (an engine labels its pages by tenant): no reservation "
+                "evicts a tenant's pages below this"})
+    tenant_max_host_pages: int | None = field(default=None, metadata={
+        "help": "the most pages of the region a tenant may hold: at it, its own least recently released pages make room; "
+                "None: no cap"})
+    tenant_ttl_s: float | None = field(default=None, metadata={
+        "help": "a page nobody has held this long leaves the region (zeroed with --zero-evicted-pages); None: no lifetime"})
+    tenant_accounting: bool = field(default=False, metadata={
+        "help": "count each tenant's pages, hits and losses in --status and the metrics even with no tenant bound set"})
     keep_region: bool = field(default=False, metadata={
         "help": "on SIGTERM, leave the region (and its page records) for the next service on this socket to adopt -- an "
                 "upgrade keeps the host tier -- instead of removing it"})
@@ -102,12 +113,20 @@ class ServeConfig:
             raise ConfigError(f"ServeConfig.metrics_host must be an address; got {self.metrics_host!r}")
         if self.allow_group is not None and (not isinstance(self.allow_group, str) or not self.allow_group):
             raise ConfigError(f"ServeConfig.allow_group must be a group name or gid; got {self.allow_group!r}")
+        check_number(self, "tenant_host_pages", at_least=0, integer=True)
+        check_number(self, "tenant_max_host_pages", at_least=1, integer=True)
+        check_number(self, "tenant_ttl_s", above=0)
+        RegionBounds(self.tenant_host_pages, self.tenant_max_host_pages)  # (the guarantee within the cap)
         if self.storage_url is not None and (not isinstance(self.storage_url, str) or not self.storage_url):
             raise ConfigError(f"ServeConfig.storage_url must be a storage URL (e.g. file:///var/cache/kvtier); got {self.storage_url!r}")
 
     @property
     def host_bytes(self) -> int:
         return int(self.host_gb * (1 << 30))
+
+    @property
+    def tenant_bounds(self) -> RegionBounds:
+        return RegionBounds(self.tenant_host_pages, self.tenant_max_host_pages, self.tenant_ttl_s, self.tenant_accounting)
 
 
 @dataclass(eq=False)
@@ -213,7 +232,7 @@ class NodeService:
             log.warning("removed %s, the region a service left on this socket, without adopting it: %s", folder, e)
             return
         self.region, self.records = region, records
-        self.index = HostIndex(region.num_pages, records, region.format.pools)
+        self.index = self._index(region.num_pages, records, region.format.pools)
         self.index.adopt(adopted.pages, list(adopted.quarantined))
         self._parked = adopted.quarantined
         self._unpark_at = time.monotonic() + QUARANTINE_S
@@ -237,9 +256,13 @@ class NodeService:
         except (OSError, KVTierError) as e:
             remove_region(region)
             raise ServiceError(f"cannot map the region {region.path} the service made ({e}); restart kvtier serve") from None
-        self.region, self.records, self.index = region, records, HostIndex(region.num_pages, records, fmt.pools)
+        self.region, self.records, self.index = region, records, self._index(region.num_pages, records, fmt.pools)
         self._bound(region)
         log.info("region %s: %d pages of %d bytes", region.path, region.num_pages, fmt.page_bytes)
+
+    def _index(self, num_pages: int, records: PageRecords, pools: int) -> HostIndex:
+        bounds = self.config.tenant_bounds
+        return HostIndex(num_pages, records, pools, tenants=RegionTenants(bounds) if bounds.enabled else None)
 
     def _bound(self, region: Region) -> None:
         """The parts that follow the region: the sessions' index, the file's identity (and the L3 tier's mapping,
@@ -335,6 +358,8 @@ class NodeService:
                     self._check_region()
                 if self._unpark_at is not None and time.monotonic() >= self._unpark_at:
                     self._unpark_due()
+                if self.index is not None and self.config.tenant_ttl_s is not None:
+                    self.index.expire()
                 self.connections.drop_unfinished_frames()
 
     def _handle(self, events: list) -> None:
@@ -512,7 +537,7 @@ class NodeService:
             return fmt.key_of(pool if 0 <= pool < fmt.pools else 0, name)
 
         check_object_names(op.names, op.keys, "publish", key_of)
-        indexed = self.index.publish(conn.id, op.pages, op.keys)
+        indexed = self.index.publish(conn.id, op.pages, op.keys, op.owners)
         if self.storage is not None:  # write-through: what it indexed now is saved
             at = {p: i for i, p in enumerate(op.pages)}
             names = self._names(op.names, 0)
@@ -575,6 +600,8 @@ class NodeService:
             # writer but offered to nobody: ready == sum(pages_per_namespace) + duplicates)
             out["duplicates"] = out["ready"] - sum(out["pages_per_namespace"].values())
             out["engines"] = self.engines()
+            if self.index.tenants is not None:  # (each tenant a digest, each namespace as the engines' rows show it)
+                out["tenants"] = self.index.tenants.usage(namespace_label)
         if self.records is not None:
             out["verify"] = {"sample": self.records.verify_sample, "verified_pages": self.records.verified_pages,
                              "failed_pages": self.records.verify_failed_pages}
