@@ -90,7 +90,8 @@ def test_a_tenant_at_its_cap_replaces_its_own_oldest_pages_and_a_page_past_it_wi
     assert indexed == [] and _row(index, A).capped_pages == 2 and not index.has("ns", _keys(3, 1)[0])
     assert index.alloc.num_free == free and _row(index, A).pages == 4  # (the two pages freed at release: nothing leaked)
     shared = _write(index, 1, SHARED_OWNER, _keys(4, 6))  # the shared scope is never capped
-    assert len(shared) == 6
+    unlabelled = _write(index, 1, NAMESPACE_OWNER, _keys(5, 6))  # nor the namespace's own (no tenant's, an L3 load's)
+    assert len(shared) == len(unlabelled) == 6
 
 
 def test_a_page_nobody_holds_for_the_ttl_leaves_and_a_held_one_stays():
@@ -108,17 +109,45 @@ def test_a_page_nobody_holds_for_the_ttl_leaves_and_a_held_one_stays():
     index.check_integrity()
 
 
-def test_hits_are_counted_per_tenant_and_rows_past_the_limit_share_one_overflow_row():
-    index = HostIndex(64, tenants=RegionTenants(RegionBounds(accounting=True), max_rows=3))
-    index.attach(1, "ns")
+def test_hits_are_counted_per_tenant_and_rows_past_the_limit_share_their_namespaces_unbounded_overflow_row():
+    index = HostIndex(64, tenants=RegionTenants(RegionBounds(max_pages=3), max_rows=3))
+    for client, ns in ((1, "y"), (2, "z")):
+        index.attach(client, ns)
     owners = [owner_id(f"{i:016x}") for i in range(3, 9)]
     for i, owner in enumerate(owners):
         _write(index, 1, owner, _keys(i, 2))
+    for i, owner in enumerate(owners[:2]):
+        _write(index, 2, owner, _keys(10 + i, 4))  # another namespace's tenants: its own overflow row
     rows = index.tenants.rows
-    assert [owner_label(r.owner) for r in rows] == [f"{3:016x}", f"{4:016x}", f"{5:016x}", "overflow"]
-    assert [r.pages for r in rows] == [2, 2, 2, 6]
+    assert [(r.namespace, owner_label(r.owner)) for r in rows] == \
+        [("y", f"{3:016x}"), ("y", f"{4:016x}"), ("y", f"{5:016x}"), ("y", "overflow"), ("z", "overflow")]
+    # (an overflow row is many tenants': no cap, so no tenant there evicts another's pages)
+    assert [r.pages for r in rows] == [2, 2, 2, 6, 8] and not any(r.evicted_pages for r in rows)
     index.lookup(1, _keys(0, 2))
     assert rows[0].hit_pages == 2 and sum(r.hit_pages for r in rows) == 2
+    shown, rest = index.tenants.usage(str, limit=2)  # (--status and the metrics: the rows holding the most pages)
+    assert [(r["namespace"], r["tenant"], r["pages"]) for r in shown] == [("z", "overflow", 8), ("y", "overflow", 6)]
+    assert rest == 3 and shown[0]["max_pages"] is None and index.tenants.usage(str)[0][0]["max_pages"] == 3
+
+
+def test_a_cap_lowered_across_a_restart_is_reached_at_the_tenants_next_publish():
+    index = HostIndex(32, tenants=RegionTenants(RegionBounds(max_pages=4)))
+    index.adopt([(p, "ns", k, A) for p, k in enumerate(_keys(1, 8))], [])  # (the killed service's cap was higher)
+    index.release_adopted()
+    index.attach(1, "ns")
+    assert _write(index, 1, A, _keys(2, 1)) and _row(index, A).pages == 4
+    assert sum(index.has("ns", k) for k in _keys(1, 8)) == 3
+
+
+def test_a_finds_objects_are_not_counted_as_the_tenants_hit_pages():
+    index = HostIndex(8, pools=2, tenants=RegionTenants(RegionBounds(accounting=True)))
+    index.attach(1, "ns")
+    index.attach(2, "ns")
+    pages = index.reserve(1, 3, 1)
+    index.publish(1, pages, _keys(2, 3), [A] * 3)
+    index.release(1, pages)
+    assert sum(p >= 0 for p in index.find(2, _keys(2, 3), 1)) == 3
+    assert index.found_objects == 3 and _row(index, A).hit_pages == 0
 
 
 def test_an_owner_label_crosses_the_wire_only_as_an_engine_makes_one():
@@ -160,7 +189,8 @@ class IndexWithTenants(RuleBasedStateMachine):
         before = {r.owner: r.pages for r in self.index.tenants.rows}
         pages = self.index.reserve(c, n)
         after = {r.owner: r.pages for r in self.index.tenants.rows}
-        assert all(after[o] >= min(p, self.GUARANTEE) for o, p in before.items()), (before, after)  # the guarantee
+        tenants = [o for o in before if o not in (NAMESPACE_OWNER, SHARED_OWNER)]  # (the namespace's own: no tenant's, unbounded)
+        assert all(after[o] >= min(before[o], self.GUARANTEE) for o in tenants), (before, after)  # the guarantee
         keys = [(self.next_key + i).to_bytes(8, "big") for i in range(len(pages))]
         self.next_key += len(pages)
         self.index.publish(c, pages, keys, [owner] * len(pages))
@@ -196,7 +226,7 @@ class IndexWithTenants(RuleBasedStateMachine):
     @invariant()
     def rows_match_pages_and_bounds_hold(self):
         self.index.check_integrity()
-        assert all(r.pages <= self.CAP for r in self.index.tenants.rows if r.owner != SHARED_OWNER)
+        assert all(r.pages <= self.CAP for r in self.index.tenants.rows if r.owner not in (SHARED_OWNER, NAMESPACE_OWNER))
 
 
 IndexWithTenants.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
@@ -259,6 +289,7 @@ def test_engines_on_one_service_keep_a_tenants_guaranteed_pages_through_another_
         status = query_status_of(svc.socket)()
         rows = {r["tenant"]: r for r in status["tenants"]}
         assert "alice" not in str(status["tenants"]) and "bob" not in str(status["tenants"])  # digests, never names
+        assert status["tenants_not_shown"] == 0
         if guarantee:
             assert hits == 12 * PS, "every one of alice's pages must come back from the region"
             assert rows[label]["pages"] >= 12 and rows[label]["evicted_pages"] == 0, rows
@@ -304,6 +335,31 @@ def test_a_tenants_cap_holds_and_its_pages_keep_their_owner_across_a_service_kil
             cache.close()
     finally:
         stop(svc.proc)
+
+
+def test_pages_a_tenants_cap_leaves_out_of_the_region_are_still_written_through_to_the_services_l3(tmp_path):
+    base = ReferenceEngine(MODEL, NullCache(DevicePool(SPEC, 64)))
+    store = tmp_path / "l3"
+    with running_service(tmp_path, 0.01, "--tenant-max-host-pages", "2", "--storage-url", f"file://{store}") as svc:
+        cache, engine = _engine(svc.socket)
+        try:
+            for p in _alice_prompts():  # 12 pages against a cap of 2, all held by alice's engine
+                _prefill(cache, engine, base, p, "alice")
+            label = cache.tenant_label("alice")
+        finally:
+            cache.close()
+        status, _s = wait_until(lambda: _saved(query_status_of(svc.socket)(), 12), 30.0)
+        row = {r["tenant"]: r for r in status["tenants"]}[label]
+        assert row["capped_pages"] >= 10 and status["l3"]["saved_pages"] == status["published_pages"] == 12
+        cache, engine = _engine(svc.socket)
+        try:  # (the service loads them back from its L3 into the region)
+            assert _prefill(cache, engine, base, _alice_prompts()[3], "alice") == 3 * PS
+        finally:
+            cache.close()
+
+
+def _saved(status: dict, n: int) -> dict | None:
+    return status if status["l3"]["saved_pages"] >= n else None
 
 
 def _with_expired(status: dict, n: int) -> dict | None:

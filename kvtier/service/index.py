@@ -260,8 +260,6 @@ class HostIndex:
                 found[page] = None
         self._hold(client, c, list(found))
         c.hit_pages += len(found)
-        if self.tenants is not None:
-            self.tenants.hit(list(found))
         self.finds += not again
         self.found_objects += len(found)
         return out
@@ -345,15 +343,15 @@ class HostIndex:
         return indexed_pages
 
     def _room_for(self, row: int) -> bool:
-        """Whether a page of tenant ``row`` may be indexed: below its cap, or once its oldest unheld page is evicted."""
+        """Whether a page of tenant ``row`` may be indexed: below its cap, once its oldest unheld pages are evicted (as
+        many as put it at or past its cap: one, or more where the cap was lowered across a restart)."""
         tenants = self.tenants
-        if not tenants.at_cap(row):
-            return True
-        victim = tenants.oldest_unheld(row)
-        if victim is None:
-            tenants.rows[row].capped_pages += 1
-            return False
-        self._evict(victim, "evicted_pages")
+        while tenants.at_cap(row):
+            victim = tenants.oldest_unheld(row)
+            if victim is None:
+                tenants.rows[row].capped_pages += 1
+                return False
+            self._evict(victim, "evicted_pages")
         return True
 
     def expire(self) -> int:

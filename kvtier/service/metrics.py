@@ -63,7 +63,7 @@ class ServiceSnapshot:
             return cls(region.format.page_bytes // region.format.pools, index.alloc.num_pages, index.alloc.num_free,
                        index.pages_by_namespace(),
                        dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3, service.engines(),
-                       [] if index.tenants is None else index.tenants.usage(namespace_label))
+                       [] if index.tenants is None else index.tenants.usage(namespace_label)[0])
 
 
 #: the index's counters exported as ``kvtier_service_<name>_total``

@@ -538,7 +538,10 @@ class NodeService:
 
         check_object_names(op.names, op.keys, "publish", key_of)
         indexed = self.index.publish(conn.id, op.pages, op.keys, op.owners)
-        if self.storage is not None:  # write-through: what it indexed now is saved
+        if self.storage is not None:  # write-through: what it indexed now is saved, and what its tenant's cap left unindexed
+            if len(indexed) < len(op.pages):  # (a duplicate's key is indexed, on its first page; a capped page's is not)
+                done = set(indexed)
+                indexed += [p for p, k in zip(op.pages, op.keys) if p not in done and not self.index.has(conn.namespace, k)]
             at = {p: i for i, p in enumerate(op.pages)}
             names = self._names(op.names, 0)
             self.storage.published(conn.namespace, indexed, [op.keys[at[p]] for p in indexed],
@@ -601,7 +604,7 @@ class NodeService:
             out["duplicates"] = out["ready"] - sum(out["pages_per_namespace"].values())
             out["engines"] = self.engines()
             if self.index.tenants is not None:  # (each tenant a digest, each namespace as the engines' rows show it)
-                out["tenants"] = self.index.tenants.usage(namespace_label)
+                out["tenants"], out["tenants_not_shown"] = self.index.tenants.usage(namespace_label)
         if self.records is not None:
             out["verify"] = {"sample": self.records.verify_sample, "verified_pages": self.records.verified_pages,
                              "failed_pages": self.records.verify_failed_pages}

@@ -15,14 +15,20 @@ bounds are the service's (``kvtier serve --tenant-*``), the same for every tenan
   ``--zero-evicted-pages``), checked on the service's tick.
 
 Labels cross a process boundary: the service takes a label only in the form an engine makes one, and
-counts at most :data:`MAX_TENANTS` (namespace, owner) rows, the rest in one "overflow" row per service.
-A label is the engine's claim: engines attached to one service trust each other's pages (they publish
-bytes others read), and so their labels. The shared scope is never bounded. A page the service loads
-from its own L3 is the namespace's (a lookup does not say whose it is).
+counts at most :data:`MAX_TENANTS` (namespace, owner) rows; a tenant past them is counted in its
+namespace's "overflow" row (rows are kept for their counters, never reclaimed), and ``--status`` and the
+metrics show the :data:`SHOWN_TENANTS` rows holding the most pages. A label is the engine's claim:
+engines attached to one service trust each other's pages (they publish bytes others read), and so their
+labels. Bounds apply to a tenant's row alone: not to the namespace's own pages (no tenant's -- requests
+without one, an engine that does not label, a page the service loads from its own L3, since a lookup
+does not say whose it is), nor to the shared scope, nor to an overflow row (many tenants': a cap there
+would let one evict another's pages). A cap never stops the service's L3 write-through: a page past it is
+saved, then freed.
 """
 
 from __future__ import annotations
 
+import heapq
 import re
 from collections import OrderedDict
 from collections.abc import Callable
@@ -35,8 +41,10 @@ from kvtier.errors import ConfigError
 WORDS = ("namespace", "shared", "overflow")
 NAMESPACE_OWNER, SHARED_OWNER, OVERFLOW_OWNER = 0, 1, 2
 _DIGEST = re.compile(r"[0-9a-f]{16}")
-#: (namespace, owner) rows counted apart; more share one "overflow" row
+#: (namespace, owner) rows counted apart; a tenant past them shares its namespace's "overflow" row
 MAX_TENANTS = 1 << 16
+#: the rows ``--status`` and the metrics show (those holding the most pages; the rest counted)
+SHOWN_TENANTS = 1000
 
 
 def owner_id(label: str) -> int:
@@ -92,10 +100,16 @@ class TenantRow:
     #: published at its cap with none of its own to evict: not indexed
     capped_pages: int = 0
 
+    @property
+    def bounded(self) -> bool:
+        """Whether the tenants' bounds apply: to a tenant's row, not to the namespace's own pages (no tenant's: requests
+        without one, engines that do not label, the service's L3 loads), the shared scope or an overflow row."""
+        return self.owner not in (NAMESPACE_OWNER, SHARED_OWNER, OVERFLOW_OWNER)
+
     def as_dict(self, bounds: RegionBounds, label: Callable[[str], str]) -> dict:
-        shared = self.owner == SHARED_OWNER
         return {"namespace": label(self.namespace), "tenant": owner_label(self.owner), "pages": self.pages,
-                "guaranteed_pages": 0 if shared else bounds.guaranteed_pages, "max_pages": None if shared else bounds.max_pages,
+                "guaranteed_pages": bounds.guaranteed_pages if self.bounded else 0,
+                "max_pages": bounds.max_pages if self.bounded else None,
                 "ttl_s": bounds.ttl_s, "hit_pages": self.hit_pages, "evicted_pages": self.evicted_pages,
                 "expired_pages": self.expired_pages, "capped_pages": self.capped_pages}
 
@@ -115,13 +129,14 @@ class RegionTenants:
         self.unheld_of: list[OrderedDict[int, None]] = []
 
     def row(self, namespace: str, owner: int) -> int:
-        """The row of ``owner``'s pages in ``namespace`` (a new one the first time; past :data:`MAX_TENANTS`, "overflow")."""
+        """The row of ``owner``'s pages in ``namespace`` (a new one the first time; past :data:`MAX_TENANTS`, the
+        namespace's "overflow" row)."""
         key = (namespace, owner)
         got = self._ids.get(key)
         if got is not None:
             return got
         if len(self.rows) >= self._max_rows:
-            key = ("", OVERFLOW_OWNER)
+            key = (namespace, OVERFLOW_OWNER)
             got = self._ids.get(key)
             if got is not None:
                 return got
@@ -172,7 +187,7 @@ class RegionTenants:
 
         def allowed(page: int) -> bool:
             row = row_of.get(page)
-            if row is None or rows[row].owner == SHARED_OWNER:
+            if row is None or not rows[row].bounded:
                 return True
             t = taken.get(row, 0)
             if rows[row].pages - t <= guarantee:
@@ -184,15 +199,17 @@ class RegionTenants:
 
     def at_cap(self, row: int) -> bool:
         cap = self.bounds.max_pages
-        return cap is not None and self.rows[row].owner != SHARED_OWNER and self.rows[row].pages >= cap
+        return cap is not None and self.rows[row].bounded and self.rows[row].pages >= cap
 
     def oldest_unheld(self, row: int) -> int | None:
         return next(iter(self.unheld_of[row]), None)
 
-    def usage(self, label: Callable[[str], str]) -> list[dict]:
-        """Every row with pages or counts, as ``--status`` and the metrics show it (the namespace through ``label``)."""
-        return [r.as_dict(self.bounds, label) for r in self.rows
-                if r.pages or r.hit_pages or r.evicted_pages or r.expired_pages or r.capped_pages]
+    def usage(self, label: Callable[[str], str], limit: int = SHOWN_TENANTS) -> tuple[list[dict], int]:
+        """The ``limit`` rows holding the most pages (of those with pages or counts), as ``--status`` and the metrics
+        show them (the namespace through ``label``), and how many more there are."""
+        live = [r for r in self.rows if r.pages or r.hit_pages or r.evicted_pages or r.expired_pages or r.capped_pages]
+        shown = heapq.nlargest(limit, live, key=lambda r: r.pages) if len(live) > limit else live
+        return [r.as_dict(self.bounds, label) for r in shown], len(live) - len(shown)
 
     def check(self, indexed: set[int], unheld: set[int]) -> None:
         """The rows agree with the index: every indexed page has one row, the counts and unheld orders are its pages'."""
