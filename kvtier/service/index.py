@@ -323,8 +323,8 @@ class HostIndex:
             del self._writer[page]
             k = (c.namespace, key)
             indexed = k not in self._page_of
+            owner = NAMESPACE_OWNER if owners is None else owners[i]
             if indexed and tenants is not None:
-                owner = NAMESPACE_OWNER if owners is None else owners[i]
                 row = tenants.row(c.namespace, owner)
                 indexed = self._room_for(row)
                 if indexed:
@@ -334,7 +334,7 @@ class HostIndex:
                 self._published_of[c.namespace] += 1
                 indexed_pages.append(page)
                 if self.watcher is not None:
-                    self.watcher.indexed(page, c.namespace, key, NAMESPACE_OWNER if owners is None else owners[i])
+                    self.watcher.indexed(page, c.namespace, key, owner)
             self._key_of[page] = k if indexed else None
             self._holders[page] = {client}
             self._held_of[c.namespace] += 1
