@@ -367,8 +367,6 @@ class HostIndex:
                     break
                 self._evict(page, "expired_pages")
                 n += 1
-        self.evicted_pages -= n  # (counted as expired)
-        self.expired_pages += n
         return n
 
     def adopt(self, pages: list[tuple[int, str, bytes]] | list[tuple[int, str, bytes, int]], parked: list[int]) -> None:
@@ -529,8 +527,7 @@ class HostIndex:
             return
         self.corrupt_pages += 1
         if page in self._unheld[page // self.num_pages]:
-            self._evict(page)
-            self.evicted_pages -= 1  # (counted as corrupt, not as evicted)
+            self._evict(page)  # (counted as corrupt, not as evicted)
             return
         del self._page_of[key]
         self._published_of[key[0]] -= 1
@@ -539,7 +536,8 @@ class HostIndex:
             self.tenants.unindexed(page)
 
     def _evict(self, page: int, counter: str | None = None) -> None:
-        """Evict an unheld page (``counter``: the tenant's counter it counts in: evicted_pages, expired_pages; none: corrupt)."""
+        """Evict an unheld page. ``counter``: why, counted in the index and in its tenant's row alike -- "evicted_pages"
+        (room made), "expired_pages" (past the TTL); None: its caller counts it (a corrupt page)."""
         del self._unheld[page // self.num_pages][page]
         key = self._key_of.pop(page)
         del self._page_of[key]
@@ -548,7 +546,8 @@ class HostIndex:
             self.tenants.unindexed(page, counter)
         self._vacated([page])
         self.alloc.free([page])
-        self.evicted_pages += 1
+        if counter is not None:
+            setattr(self, counter, getattr(self, counter) + 1)
 
     def check_integrity(self) -> None:
         """Every page is in exactly one state, and the maps agree with the clients' own books."""
