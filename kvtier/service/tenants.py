@@ -146,11 +146,10 @@ class RegionTenants:
         return got
 
     # ---- what the index tells ------------------------------------------------------------------
-    def indexed(self, page: int, row: int, *, unheld: bool = False) -> None:
+    def indexed(self, page: int, row: int) -> None:
+        """``page`` is indexed as ``row``'s (held: by its publisher, or by a restarted service's adoption)."""
         self.row_of[page] = row
         self.rows[row].pages += 1
-        if unheld:
-            self.unheld_of[row][page] = None
 
     def unindexed(self, page: int, counter: str | None = None) -> None:
         """``page`` left the index (``counter``: why, counted for its row: evicted_pages or expired_pages)."""
