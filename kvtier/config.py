@@ -220,3 +220,10 @@ class StorageConfig:
 
     def prefetch_budget_s(self, pages: int) -> float:
         return self.prefetch_timeout_base_s + self.prefetch_timeout_per_page_s * pages
+
+    @property
+    def bounds_tenants(self) -> bool:
+        """Whether the URL bounds tenants in the store (a ``tenant_*`` option, :mod:`kvtier.l3.tenant_bounds`): the core
+        then keeps a tenants' ledger, by which it tags each page object it saves with its owner."""
+        query = self.url.partition("?")[2] if self.url else ""
+        return any(part.startswith("tenant_") for part in query.split("&"))

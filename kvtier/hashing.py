@@ -183,6 +183,23 @@ def tenant_scope(tenant: object) -> bytes:
     return _scope_field(b"salt", kind, raw)
 
 
+#: owner tags of pages no tenant owns alone: the namespace's own (no tenant), a declared shared prefix's, and the
+#: pages of tenants past a ledger's table (``kvtier.core.tenants.MAX_TENANTS``); a tenant's tag is above them
+NAMESPACE_TAG, SHARED_TAG, OVERFLOW_TAG = 0, 1, 2
+_WORD_TAGS = {"namespace": NAMESPACE_TAG, "shared": SHARED_TAG, "overflow": OVERFLOW_TAG}
+_TAG_SPAN = (1 << 32) - (OVERFLOW_TAG + 1)
+
+
+def owner_tag(label: str) -> int:
+    """The 32-bit owner tag an L3 page object carries (:mod:`kvtier.l3.page`) for a tenants' ledger label
+    (:attr:`kvtier.core.tenants.TenantLedger.labels`): its word's, or a tenant's digest (16 lowercase hex digits)
+    reduced to the tags above the words'."""
+    got = _WORD_TAGS.get(label)
+    if got is not None:
+        return got
+    return OVERFLOW_TAG + 1 + int(label, 16) % _TAG_SPAN
+
+
 def name_key(name: str) -> PageHash:
     """The 16-byte key of a page an engine names by a string of its own (SGLang's page hashes): its xxh3-128 -- the key in
     the page's L3 object header and in the node service's index."""

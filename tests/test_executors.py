@@ -264,7 +264,8 @@ def _malformed_plans(keys):
 
     def forged(**fields):  # what an unpickled plan can hold: __post_init__ never ran
         t = object.__new__(Transfer)
-        base = dict(op=fields.pop("op", 90), src=Tier.HOST, dst=Tier.DEVICE, src_pages=(0,), dst_pages=(1,), keys=(), after=0, groups=())
+        base = dict(op=fields.pop("op", 90), src=Tier.HOST, dst=Tier.DEVICE, src_pages=(0,), dst_pages=(1,), keys=(), after=0, groups=(),
+                    owners=())
         for f in dataclasses.fields(Transfer):
             object.__setattr__(t, f.name, fields.get(f.name, base[f.name]))
         return t
@@ -283,6 +284,13 @@ def _malformed_plans(keys):
         "device to storage": forged(op=81, src=Tier.DEVICE, dst=Tier.STORAGE, dst_pages=(), keys=(keys[0],)),
         "groups that are not group runs": forged(op=82, groups=("swa",)),
         "another KV group's objects": copy_plan(83, Tier.HOST, [0], Tier.DEVICE, [1], 0, (GroupRun("swa", (0,), (0,), (1,)),)),
+        "owners on a copy": forged(op=84, owners=(3,)),
+        "owners one short": forged(op=85, src=Tier.HOST, dst=Tier.STORAGE, src_pages=(0, 1), dst_pages=(), keys=tuple(keys[:2]),
+                                   owners=(3,)),
+        "an owner past 32 bits": forged(op=86, src=Tier.HOST, dst=Tier.STORAGE, src_pages=(0,), dst_pages=(), keys=(keys[0],),
+                                        owners=(1 << 32,)),
+        "an owner that is a str": forged(op=87, src=Tier.HOST, dst=Tier.STORAGE, src_pages=(0,), dst_pages=(), keys=(keys[0],),
+                                         owners=("3",)),
     }
 
 

@@ -19,6 +19,8 @@ from kvtier.build import TierConfig, build_cache
 from kvtier.config import CacheConfig
 from kvtier.core import NullCache
 from kvtier.errors import ConfigError, ServiceProtocolError
+from kvtier.hashing import owner_tag
+from kvtier.l3.page import tag_of
 from kvtier.pools.device import DevicePool
 from kvtier.service.index import HostIndex
 from kvtier.service.messages import parse_op
@@ -351,11 +353,35 @@ def test_pages_a_tenants_cap_leaves_out_of_the_region_are_still_written_through_
         status, _s = wait_until(lambda: _saved(query_status_of(svc.socket)(), 12), 30.0)
         row = {r["tenant"]: r for r in status["tenants"]}[label]
         assert row["capped_pages"] >= 10 and status["l3"]["saved_pages"] == status["published_pages"] == 12
+        tags = [tag_of(f.read_bytes()[:16]) for f in store.rglob("*") if f.is_file() and not f.name.startswith(".")]
+        assert tags == [owner_tag(label)] * 12, "the service's L3 objects must carry their tenant's owner tag"
         cache, engine = _engine(svc.socket)
         try:  # (the service loads them back from its L3 into the region)
             assert _prefill(cache, engine, base, _alice_prompts()[3], "alice") == 3 * PS
         finally:
             cache.close()
+
+
+def test_the_services_file_l3_keeps_a_tenants_cap_by_the_tags_it_writes_and_says_so_in_its_status(tmp_path):
+    from kvtier.l3.page import PageCodec
+
+    base = ReferenceEngine(MODEL, NullCache(DevicePool(SPEC, 64)))
+    store = tmp_path / "l3"
+    cap = 6 * PageCodec.for_spec(SPEC).object_bytes
+    with running_service(tmp_path, 0.01, "--storage-url", f"file://{store}?tenant_max_bytes={cap}", "--metrics-port", "0") as svc:
+        cache, engine = _engine(svc.socket)
+        try:
+            for p in _alice_prompts():  # 12 pages through the service's L3, against a cap of 6 objects there
+                _prefill(cache, engine, base, p, "alice")
+            label = cache.tenant_label("alice")
+        finally:
+            cache.close()
+        status, _s = wait_until(lambda: _saved(query_status_of(svc.socket)(), 12), 30.0)
+        tags = [tag_of(f.read_bytes()[:16]) for f in store.rglob("*") if f.is_file() and not f.name.startswith(".")]
+        assert tags == [owner_tag(label)] * len(tags) and len(tags) <= 6
+        assert status["l3"]["capped_objects"] == 12 - len(tags) and status["l3"]["evicted_objects"] == 0
+        m = scrape_metrics(re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", svc.banner).group(1))
+        assert m[("kvtier_service_l3_store_capped_objects_total", ())] == status["l3"]["capped_objects"]
 
 
 def _saved(status: dict, n: int) -> dict | None:

@@ -49,7 +49,7 @@ class CoreBase(HostTier):
         self.shared_prefixes: SharedPrefixes | None = None
         #: host pages, quotas and counters per tenant (:mod:`kvtier.core.tenants`; None: not accounted)
         self.tenants: TenantLedger | None = None
-        if config.accounts_tenants:
+        if config.accounts_tenants or storage_config.bounds_tenants:
             self.tenants = TenantLedger(TenantQuota.from_config(config), self._tenant_label)
             self.tree.host_by_owner = self.tenants.host
 

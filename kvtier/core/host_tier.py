@@ -165,7 +165,15 @@ class HostTier(PlanDispatch):
             return None
         self.tree.set_stored(nodes, SAVING)
         groups = self.groups.runs(nodes, HOST, STORAGE) if self.groups else ()
-        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after, groups)
+        return self._submit(save_plan, Save(nodes), [n.key for n in nodes], list(map(host_page_of, nodes)), after, groups,
+                            self._owner_tags(nodes))
+
+    def _owner_tags(self, nodes: list[PageNode]) -> tuple[int, ...]:
+        """The L3 owner tags of ``nodes``' pages (none without a tenants' ledger: every page the namespace's)."""
+        if self.tenants is None:
+            return ()
+        tags = self.tenants.tags
+        return tuple(tags[n.owner] for n in nodes)
 
     def _apply_saved(self, c: Completion, nodes: list[PageNode]) -> None:
         """The leading pages the store holds now are STORED; the rest may be saved again later."""
@@ -188,7 +196,8 @@ class HostTier(PlanDispatch):
         rest unstored (they are freed all the same: write_back is best effort)."""
         self.tree.set_stored(victims, SAVING)
         groups = self.groups.runs(victims, Tier.HOST, Tier.STORAGE) if self.groups else ()
-        c = self._await(self._submit(save_plan, EvictionSave(victims), [v.key for v in victims], [v.host_page for v in victims], 0, groups))
+        c = self._await(self._submit(save_plan, EvictionSave(victims), [v.key for v in victims], [v.host_page for v in victims], 0, groups,
+                                     self._owner_tags(victims)))
         self._apply_saved(c, victims)
 
     # ---- host pages ------------------------------------------------------------------------------

@@ -70,6 +70,9 @@ class Transfer:
     after: int = 0
     #: hybrid models: the other groups' objects that move with these pages (:class:`GroupRun`)
     groups: tuple[GroupRun, ...] = ()
+    #: a save's owner tags, one per key (:func:`~kvtier.l3.page.owner_tag`): whose each page is, for a store's
+    #: per-tenant bounds; empty: every page the namespace's own. A group's objects carry their page's tag
+    owners: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         src, dst, storage = self.src, self.dst, Tier.STORAGE
@@ -98,8 +101,8 @@ def copy_plan(op: int, src: Tier, src_pages, dst: Tier, dst_pages, after: int = 
     return Transfer(op, src, dst, tuple(src_pages), tuple(dst_pages), after=after, groups=groups)
 
 
-def save_plan(op: int, keys, host_pages, after: int = 0, groups: tuple[GroupRun, ...] = ()) -> Transfer:
-    return Transfer(op, HOST, STORAGE, tuple(host_pages), (), tuple(keys), after, groups)
+def save_plan(op: int, keys, host_pages, after: int = 0, groups: tuple[GroupRun, ...] = (), owners=()) -> Transfer:
+    return Transfer(op, HOST, STORAGE, tuple(host_pages), (), tuple(keys), after, groups, tuple(owners))
 
 
 def fetch_plan(op: int, keys, host_pages, groups: tuple[GroupRun, ...] = ()) -> Transfer:
@@ -230,6 +233,11 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
             return f"plan {op}: {len(keys)} keys for {n} host pages"
     elif keys:
         return f"plan {op}: a device<->host copy names {len(keys)} storage keys"
+    owners = plan.owners
+    if owners and (dst is not Tier.STORAGE or type(owners) is not tuple or len(owners) != len(keys)
+                   or not set(map(type, owners)) <= _INT or min(owners) < 0 or max(owners) >= 1 << 32):
+        return (f"plan {op}: owners must be empty or, on a save, one owner tag (an int in [0, 2**32)) per key; "
+                f"got {type(owners).__name__} of {len(owners) if isinstance(owners, tuple) else '?'} for {len(keys)} keys")
     return _written_twice(plan, group_pools or {}) if plan.groups else None
 
 

@@ -13,7 +13,8 @@ The tree counts host pages per owner (:attr:`~kvtier.radix.PrefixTree.host_by_ow
   request, within an eighth of the TTL), never written back to L3 on the way.
 
 Host pages other engines share (the node service's region) are counted as this engine holds them.
-A page's lifetime in L3 and zeroing of freed host bytes are not part of this module (docs/tenants.md).
+Each owner's L3 tag (:attr:`TenantLedger.tags`) marks the page objects it saves, so a store that evicts on its own
+(the file store) can bound each tenant there (docs/tenants.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 
 from kvtier.config import CacheConfig, check_number
 from kvtier.errors import ConfigError
+from kvtier.hashing import NAMESPACE_TAG, SHARED_TAG, owner_tag
 
 #: the owner id of pages keyed in the namespace's own scope (no tenant), and of a declared shared prefix's pages
 NAMESPACE_OWNER, SHARED_OWNER = 0, 1
@@ -86,6 +88,8 @@ class TenantLedger:
         self._clock = clock
         self._ids: dict[object, int] = {b"": NAMESPACE_OWNER, _SHARED_SCOPE: SHARED_OWNER}
         self.labels: list[str] = ["namespace", "shared"]
+        #: each owner's tag in its L3 page objects (:func:`~kvtier.hashing.owner_tag`)
+        self.tags: list[int] = [NAMESPACE_TAG, SHARED_TAG]
         self.quotas: list[TenantQuota] = [default, TenantQuota()]
         #: host pages per owner: the tree's :attr:`~kvtier.radix.PrefixTree.host_by_owner` (one list)
         self.host: list[int] = [0, 0]
@@ -124,6 +128,7 @@ class TenantLedger:
     def _add(self, label: str, quota: TenantQuota) -> int:
         self._with_ttl(quota, 1)
         self.labels.append(label)
+        self.tags.append(owner_tag(label))
         self.quotas.append(quota)
         self.host.append(0)
         for values in self.counters.values():

@@ -66,11 +66,13 @@ class LocalExecutor:
             job = None
             if self.storage is not None:
                 kind = "save" if plan.dst is Tier.STORAGE else "prefetch"
-                job = self.storage.submit(kind, list(plan.keys), list(plan.host_pages), tag=plan.op)
+                job = self.storage.submit(kind, list(plan.keys), list(plan.host_pages), tag=plan.op, owners=list(plan.owners))
             if job is None:
                 self._ready.append(Failed(plan.op, Reason.SKIPPED, "storage queue full" if self.storage is not None else "no storage tier"))
                 return
-            parts = [(run, self.group_storage[run.group].submit(kind, list(run.keys), list(run.src_pages or run.dst_pages), tag=plan.op))
+            owners = plan.owners  # (a group's objects: their page's owner)
+            parts = [(run, self.group_storage[run.group].submit(kind, list(run.keys), list(run.src_pages or run.dst_pages), tag=plan.op,
+                                                                owners=[owners[i] for i in run.at] if owners else None))
                      for run in plan.groups]
         else:
             src, dst = plan.src, plan.dst

@@ -19,11 +19,16 @@
   directory). Writes and deletes go through directory file descriptors opened
   with ``O_NOFOLLOW`` from the root, so a symlink planted in place of a
   namespace or shard directory is refused, never followed.
+* Per tenant (:mod:`kvtier.l3.tenant_bounds`): ``tenant_min_gb`` (a tenant's objects the store's
+  cap never deletes), ``tenant_max_gb`` (a tenant's cap: its own least recently used objects go) and
+  ``tenant_ttl_s`` (a tenant's objects unused that long are deleted; a sweeper thread looks every
+  eighth of it), by the owner tag in each object's header. A store whose cap holds only guaranteed
+  bytes refuses new objects until a sweep finds room.
 * Several writers on one capped store: each process re-scans the directory
   after writing ``rescan_fraction`` (5%) of the cap since its last scan, so the
   store stays within ``cap * (1 + rescan_fraction * writers)`` plus one object.
 
-URL: ``file:///abs/path?max_gb=100``.
+URL: ``file:///abs/path?max_gb=100`` (per tenant: ``&tenant_min_gb=1&tenant_max_gb=10&tenant_ttl_s=86400``).
 """
 
 from __future__ import annotations
@@ -42,7 +47,8 @@ import xxhash
 
 from kvtier.errors import StorageError
 from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors, redact_url
-from kvtier.l3.page import MAGIC
+from kvtier.l3.page import MAGIC, tag_of
+from kvtier.l3.tenant_bounds import StoredObject, Sweep, TenantBounds, is_tenant, plan_sweep
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +95,33 @@ def _scandir(path: str) -> list[os.DirEntry]:
         return []
 
 
-def _is_page_object(path: str, allow_empty: bool = False) -> bool:
-    """The file starts with the page object's magic (:mod:`kvtier.l3.page`); never follows a link."""
+_HEAD_BYTES = 16  # the magic to the owner tag (:mod:`kvtier.l3.page`)
+
+
+def _page_head(path: str, allow_empty: bool = False) -> bytes | None:
+    """The first 16 bytes of a file that starts with the page object's magic (:mod:`kvtier.l3.page`), else None (with
+    ``allow_empty``, an empty file's b""); never follows a link."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
     except OSError:
-        return False
+        return None
     try:
-        head = os.pread(fd, len(MAGIC), 0)
+        head = os.pread(fd, _HEAD_BYTES, 0)
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
-    return head == MAGIC or (allow_empty and head == b"")
+    return head if head[: len(MAGIC)] == MAGIC or (allow_empty and head == b"") else None
+
+
+def _object_head(parts: Sequence[memoryview]) -> bytes:
+    """The first 16 bytes of the object ``parts`` hold back to back."""
+    head = b""
+    for p in parts:
+        head += bytes(memoryview(p).cast("B")[: _HEAD_BYTES - len(head)])
+        if len(head) >= _HEAD_BYTES:
+            break
+    return head
 
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -114,7 +134,8 @@ class FileBackend:
     #: overhead. Threads: the kernel copies in the calling thread, so two keep two cores copying
     capabilities = Capabilities(scattered=True, batch_bytes=4 << 20, io_threads=2)
 
-    def __init__(self, root: str | Path, max_bytes: int | None = None, stale_temp_s: float = 600.0, rescan_fraction: float = 0.05):
+    def __init__(self, root: str | Path, max_bytes: int | None = None, stale_temp_s: float = 600.0, rescan_fraction: float = 0.05,
+                 tenants: TenantBounds | None = None):
         self.root = Path(root)
         self.stale_temp_s = stale_temp_s  # far above any write's lifetime (ms), so never a live one
         if max_bytes is not None and max_bytes <= 0:
@@ -141,6 +162,28 @@ class FileBackend:
         self.stale_temps_removed = 0
         #: times the root was found removed and made again (an operator wiped the store under a running engine)
         self.roots_recreated = 0
+        self.tenants = tenants if tenants is not None and tenants.any else None
+        if self.tenants is not None and self.tenants.guaranteed_bytes and max_bytes is None:
+            raise StorageError("file store: tenant_min_gb keeps a tenant's objects from the store's cap, and there is none; "
+                               "set max_gb too (or leave tenant_min_gb out)")
+        #: objects deleted by each bound (:mod:`kvtier.l3.tenant_bounds`), and writes refused while only guaranteed bytes
+        #: were left above the cap
+        self.evicted_objects = 0
+        self.expired_objects = 0
+        self.capped_objects = 0
+        self.refused_full = 0
+        #: bytes per owner tag at the last sweep, plus this process's writes since (tenant bounds only)
+        self.tag_bytes: dict[int, int] = {}
+        self._full = False
+        self._tenant_over = False
+        self._swept_at = 0.0
+        self._sweep_lock = threading.Lock()
+        self._closing = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        if self.tenants is not None and self.tenants.ttl_s is not None:
+            self._sweeper = threading.Thread(target=self._sweep_every, args=(self.tenants.ttl_s / 8,), name="kvtier-file-sweeper",
+                                             daemon=True)
+            self._sweeper.start()
 
     @classmethod
     def from_url(cls, u: StorageURL) -> FileBackend:
@@ -164,7 +207,7 @@ class FileBackend:
                     raise StorageError(f"file URL option {name}={u.query[name]!r} must be a number > 0 (e.g. max_gb=100)")
                 cap = int(value)
                 break
-        return cls(u.path, cap)
+        return cls(u.path, cap, tenants=TenantBounds.from_query(u.query, "file"))
 
     def _names(self, key: str) -> tuple[str, str, str]:
         """(namespace directory, shard directory, file name) of a key: never the raw strings."""
@@ -285,6 +328,9 @@ class FileBackend:
 
     def set_scattered(self, keys: Sequence[str], parts: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
         """Write each object from its buffers (one ``writev``), to a temp name, then rename it into place."""
+        if self._full and not self._room_after_sweep():  # only guaranteed bytes above the cap: nothing may make room
+            self.refused_full += len(keys)
+            return [KeyStatus.ERROR] * len(keys)
         result = []
         for key, bufs in zip(keys, parts):
             status = [KeyStatus.ERROR]
@@ -318,9 +364,17 @@ class FileBackend:
                 self._written_since_scan += size
                 if self._approx_bytes is not None:
                     self._approx_bytes += size
+                if self.tenants is not None:
+                    self._count_tag(tag_of(_object_head(bufs)), size)
             result.append(status[0])
         self._enforce_cap()
         return result
+
+    def _count_tag(self, tag: int, size: int) -> None:
+        n = self.tag_bytes[tag] = self.tag_bytes.get(tag, 0) + size
+        cap = self.tenants.max_bytes
+        if cap is not None and n > cap and is_tenant(tag):
+            self._tenant_over = True
 
     def delete(self, keys: Sequence[str]) -> None:
         for k in keys:
@@ -366,10 +420,10 @@ class FileBackend:
         return removed
 
     def usage_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self._files())
+        return sum(os.stat(path).st_size for path, _head in self._files())
 
     def _files(self, sweep_temps: bool = False):
-        """This store's committed page objects; with ``sweep_temps``, its stale temp files met on the
+        """This store's committed page objects (path, first 16 bytes); with ``sweep_temps``, its stale temp files met on the
         way are deleted. Only what this store writes is ever looked at: ``<root>/<namespace dir>/
         <shard>/<page file>`` with every name in the store's own pattern and the object's magic at
         its start. A directory the user shares with the store keeps everything else, whatever its age
@@ -384,10 +438,12 @@ class FileBackend:
                 for f in _scandir(shard.path):
                     name = f.name
                     if name.startswith(".tmp-"):
-                        if sweep_temps and _TEMP.fullmatch(name) and _is_page_object(f.path, allow_empty=True):
+                        if sweep_temps and _TEMP.fullmatch(name) and _page_head(f.path, allow_empty=True) is not None:
                             self._remove_if_stale(f.path, stale_before)
-                    elif name[:2] == shard.name and _PAGE_FILE.fullmatch(name) and _is_page_object(f.path):
-                        yield Path(f.path)
+                    elif name[:2] == shard.name and _PAGE_FILE.fullmatch(name):
+                        head = _page_head(f.path)
+                        if head is not None:
+                            yield f.path, head
 
     def _remove_if_stale(self, tmp: str, stale_before_ns: int) -> None:
         try:
@@ -398,29 +454,63 @@ class FileBackend:
             pass  # renamed into place or swept by another process meanwhile
 
     def _enforce_cap(self) -> None:
-        if self.max_bytes is None:
-            return
-        rescan = self._written_since_scan > self.rescan_fraction * self.max_bytes
-        if self._approx_bytes is None or self._approx_bytes > self.max_bytes or rescan:
+        """After writes: sweep when this process's count says a cap is passed, or others may have passed it (every
+        ``rescan_fraction`` of the smallest cap written; the first write scans)."""
+        caps = [c for c in (self.max_bytes, None if self.tenants is None else self.tenants.max_bytes) if c is not None]
+        if not caps:
+            return  # (a TTL alone: the sweeper's)
+        if (self._approx_bytes is None or self._written_since_scan > self.rescan_fraction * min(caps) or self._tenant_over
+                or self.max_bytes is not None and self._approx_bytes > self.max_bytes):
+            self.sweep()
+
+    def _room_after_sweep(self) -> bool:
+        """A full store looks again at most once a second (another process, an expiry or an operator may have made room)."""
+        if time.monotonic() - self._swept_at >= 1.0:
+            self.sweep()
+        return not self._full
+
+    def sweep(self) -> Sweep:
+        """Scan the store once: delete stale temp files, then what the store's cap and the tenants' bounds say
+        (:func:`~kvtier.l3.tenant_bounds.plan_sweep`), and count it."""
+        with self._sweep_lock:
             self._written_since_scan = 0
-            entries = []
-            for p in self._files(sweep_temps=True):
+            self._tenant_over = False
+            objects = []
+            for path, head in self._files(sweep_temps=True):
                 try:
-                    st = p.stat()
+                    st = os.stat(path, follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                entries.append((st.st_mtime_ns, st.st_size, p))
-            total = sum(e[1] for e in entries)
-            if total > self.max_bytes:
-                target = int(self.max_bytes * 0.9)
-                for _mtime, size, p in sorted(entries, key=lambda e: e[0]):
-                    if total <= target:
-                        break
-                    p.unlink(missing_ok=True)
-                    total -= size
-            self._approx_bytes = total
+                objects.append(StoredObject(st.st_mtime_ns, st.st_size, tag_of(head), path))
+            plan = plan_sweep(objects, self.tenants or TenantBounds(), self.max_bytes, time.time_ns())
+            for o in plan.deleted:
+                try:
+                    os.unlink(o.ref)
+                except FileNotFoundError:
+                    pass
+            self.expired_objects += len(plan.expired)
+            self.capped_objects += len(plan.capped)
+            self.evicted_objects += len(plan.evicted)
+            self._approx_bytes = plan.total
+            self.tag_bytes = plan.by_tag if self.tenants is not None else {}
+            self._full = plan.full
+            self._swept_at = time.monotonic()
+            if plan.full:
+                log.warning("file store %s: %d bytes above its cap of %d are tenants' guaranteed bytes; new objects are refused "
+                            "until a sweep finds room", self._root, plan.total - self.max_bytes, self.max_bytes)
+            return plan
+
+    def _sweep_every(self, step_s: float) -> None:
+        while not self._closing.wait(step_s):
+            try:
+                self.sweep()
+            except Exception as e:  # never kill the sweeper: the next step tries again
+                log.warning("file store %s: sweep failed: %s", self._root, e)
 
     def close(self) -> None:
+        self._closing.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=10.0)
         with self._fd_lock:
             for fd in self._ns_fds.values():
                 os.close(fd)

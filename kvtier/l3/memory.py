@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL
+from kvtier.l3.tenant_bounds import refuse_unkept
 
 
 class MemoryBackend:
@@ -26,6 +27,7 @@ class MemoryBackend:
 
     @classmethod
     def from_url(cls, u: StorageURL) -> MemoryBackend:
+        refuse_unkept(u.query, "memory")
         cap = u.query.get("max_objects")
         return cls(int(cap) if cap is not None else None)
 

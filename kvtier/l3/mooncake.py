@@ -25,6 +25,7 @@ import numpy as np
 
 from kvtier.errors import StorageError
 from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, scatter_into
+from kvtier.l3.tenant_bounds import refuse_unkept
 
 #: Mooncake's OBJECT_NOT_FOUND error code: a plain miss.
 _NOT_FOUND = -704
@@ -66,6 +67,7 @@ class MooncakeBackend:
                 f"the mooncake backend needs the Mooncake wheel: pip install 'kvtier[mooncake]' (and Debian libibverbs1): {e}"
             ) from None
         q = u.query
+        refuse_unkept(q, "mooncake")
         master = f"{u.host or '127.0.0.1'}:{u.port or 50051}"
         metadata = q.get("metadata", f"http://{u.host or '127.0.0.1'}:8080/metadata")
         store = MooncakeDistributedStore()

@@ -104,16 +104,17 @@ class PageMover:
 
     # ---- write -------------------------------------------------------------------------
     def write(self, codec: PageCodec, names: Sequence[str], keys: Sequence[bytes],
-              payloads: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
-        """Store each page: ``names[i]`` gets a header for ``keys[i]`` hashed over ``payloads[i]``, then
-        the payload as it is. A status per page (an empty list: the store is marked down); from the
-        first page on a node marked down, ERROR without a call."""
+              payloads: Sequence[Sequence[memoryview]], owners: Sequence[int] | None = None) -> list[KeyStatus]:
+        """Store each page: ``names[i]`` gets a header for ``keys[i]`` hashed over ``payloads[i]`` (with owner tag
+        ``owners[i]``, :func:`~kvtier.hashing.owner_tag`; none: the namespace's), then the payload as it is. A status
+        per page (an empty list: the store is marked down); from the first page on a node marked down, ERROR without
+        a call."""
         if not self.breaker.available:
             return []
         with self._heads(len(names)) as heads:
             parts = []
             for j, (k, payload) in enumerate(zip(keys, payloads)):
-                heads[j] = np.frombuffer(codec.header_for_parts(k, payload), dtype=np.uint8)
+                heads[j] = np.frombuffer(codec.header_for_parts(k, payload, owner=owners[j] if owners else 0), dtype=np.uint8)
                 parts.append([memoryview(heads[j]), *payload])
             if self.scattered:
                 statuses = self.breaker.call(self.backend.set_scattered, list(names), parts)

@@ -31,6 +31,13 @@ URLs::
 
     timeout=2           seconds each whole call may take (a read or write of a batch)
     lookup_timeout=0.25 seconds a lookup may take (default: the smaller of 0.25 and ``timeout``)
+    tenant_ttl_s=3600   a tenant's objects (by the owner tag in their header, :mod:`kvtier.l3.page`) are
+                        SET with this expiry, and each read moves it on (``PEXPIRE ... XX``, in the
+                        GET's round trip: only keys that have an expiry, so never the namespace's or a
+                        shared prefix's): Redis deletes what no tenant used for that long. Redis before
+                        7.0 refuses ``XX``, and a tenant's object then lives that long from its write.
+                        Redis evicts by its own ``maxmemory-policy``: a tenant's share or cap needs a
+                        store kvtier evicts itself (file://), and this URL refuses them.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ from kvtier.l3.base import (
     redact_url,
     scatter_into,
 )
+from kvtier.l3.page import tag_of
+from kvtier.l3.tenant_bounds import is_tenant, refuse_unkept
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,13 @@ _REDIRECTS = (b"-MOVED ", b"-ASK ", b"-TRYAGAIN", b"-CLUSTERDOWN")
 def _key_commands(cmd: bytes, keys: Sequence[str]) -> list[bytes]:
     """``cmd key`` for each key, framed in RESP and joined: one send for the whole batch."""
     return [b"".join(b"*2\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n" % (len(cmd), cmd, len(kb), kb) for kb in (k.encode() for k in keys))]
+
+
+def _get_and_refresh(key: str, ttl_ms: int) -> bytes:
+    """``GET key`` then ``PEXPIRE key ttl_ms XX``, framed in RESP."""
+    kb, tb = key.encode(), b"%d" % ttl_ms
+    return (b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n*4\r\n$7\r\nPEXPIRE\r\n$%d\r\n%s\r\n$%d\r\n%s\r\n$2\r\nXX\r\n"
+            % (len(kb), kb, len(kb), kb, len(tb), tb))
 
 
 def _settimeout_left(sock, deadline: float) -> None:
@@ -165,8 +181,12 @@ class _BulkReader:
 class RedisBackend:
     name = "redis"
 
-    def __init__(self, client, *, cluster: bool = False, timeout: float = 2.0, lookup_timeout: float | None = None):
+    def __init__(self, client, *, cluster: bool = False, timeout: float = 2.0, lookup_timeout: float | None = None,
+                 tenant_ttl_s: float | None = None):
         self.client = client
+        #: a tenant's objects expire this long after their last write or read (None: never); see the module docstring
+        self.tenant_ttl_ms = None if tenant_ttl_s is None else max(1, round(tenant_ttl_s * 1000))
+        self._told_no_refresh = False
         self.cluster = cluster
         #: seconds each whole call may take (connect, send and every reply): not per receive
         self.timeout = timeout
@@ -195,6 +215,7 @@ class RedisBackend:
         from redis.backoff import ConstantBackoff
         from redis.retry import Retry
 
+        tenant_ttl_s = refuse_unkept(u.query, "redis", keeps=("ttl_s",)).ttl_s
         timeout = query_number(u, "timeout", 2.0, minimum=0.001)
         lookup_timeout = query_number(u, "lookup_timeout", min(timeout, DEFAULT_LOOKUP_TIMEOUT_S), minimum=0.001)
         # one quick retry, not redis-py's default exponential backoff (seconds per failed call):
@@ -215,13 +236,15 @@ class RedisBackend:
         host, port = u.host or "127.0.0.1", u.port or 6379
         try:
             if u.scheme == "redis+cluster":
-                backend = cls(RedisCluster(host=host, port=port, **common), cluster=True, timeout=timeout, lookup_timeout=lookup_timeout)
+                backend = cls(RedisCluster(host=host, port=port, **common), cluster=True, timeout=timeout, lookup_timeout=lookup_timeout,
+                              tenant_ttl_s=tenant_ttl_s)
             else:
                 db_text = u.path.strip("/") or "0"
                 if not db_text.isdigit():
                     raise StorageError(f"redis URL {redact_url(u.url)!r}: the database must be a number (redis://host:6379/0), "
                                        f"got {db_text!r}")
-                backend = cls(redis.Redis(host=host, port=port, db=int(db_text), **common), timeout=timeout, lookup_timeout=lookup_timeout)
+                backend = cls(redis.Redis(host=host, port=port, db=int(db_text), **common), timeout=timeout, lookup_timeout=lookup_timeout,
+                              tenant_ttl_s=tenant_ttl_s)
             backend.client.ping()  # at start-up: a wrong password or a dead server is an error now, not silent misses
         except redis.AuthenticationError:
             if "password" not in common:
@@ -437,8 +460,16 @@ class RedisBackend:
             raise TimeoutError("redis connect passed the call's deadline") from None
 
     def _get_direct(self, pool, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus | None]:
-        with self._direct(pool, _key_commands(b"GET", keys)) as reader:
-            statuses = [reader.get_into(parts) for parts in outs]
+        ttl = self.tenant_ttl_ms
+        if ttl is None:
+            with self._direct(pool, _key_commands(b"GET", keys)) as reader:
+                statuses = [reader.get_into(parts) for parts in outs]
+        else:  # each GET with a PEXPIRE XX: a tenant's object (the keys with an expiry) lives on from this use
+            with self._direct(pool, [b"".join(_get_and_refresh(k, ttl) for k in keys)]) as reader:
+                statuses = []
+                for parts in outs:
+                    statuses.append(reader.get_into(parts))
+                    self._refreshed(reader.line())
         for st, parts in zip(statuses, outs):
             if st is KeyStatus.OK:
                 self.stats.get_hits += 1
@@ -449,9 +480,10 @@ class RedisBackend:
         chunks: list = []
         for k, ps in zip(keys, parts):
             kb = k.encode()
-            chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(kb), kb, sum(len(p) for p in ps)))
+            ttl = self._ttl_of(ps)
+            chunks.append(b"*%d\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (3 if ttl is None else 5, len(kb), kb, sum(len(p) for p in ps)))
             chunks.extend(ps)
-            chunks.append(b"\r\n")
+            chunks.append(b"\r\n" if ttl is None else b"\r\n$2\r\nPX\r\n$%d\r\n%s\r\n" % (len(ttl), ttl))
         with self._direct(pool, chunks) as reader:  # framed here: redis-py would copy each value
             replies = [reader.line() for _ in keys]
             for reply in replies:
@@ -463,10 +495,31 @@ class RedisBackend:
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]:
         return self.set_scattered(keys, [(v,) for v in values])
 
+    def _ttl_of(self, parts: Sequence[memoryview]) -> bytes | None:
+        """The PX argument of an object's SET: the TTL in ms for a tenant's object, else None (no expiry)."""
+        if self.tenant_ttl_ms is None:
+            return None
+        head = b""
+        for p in parts:
+            head += bytes(memoryview(p).cast("B")[: 16 - len(head)])
+            if len(head) >= 16:
+                break
+        return b"%d" % self.tenant_ttl_ms if len(head) == 16 and is_tenant(tag_of(head)) else None
+
+    def _refreshed(self, reply: bytes) -> None:
+        """A PEXPIRE XX's reply (``:1`` moved on, ``:0`` no expiry to move, a redirect as its GET's); Redis before 7.0
+        refuses XX: said once, and its objects then expire a TTL after their write."""
+        if reply[:1] == b"-" and not reply.startswith(_REDIRECTS) and not self._told_no_refresh:
+            self._told_no_refresh = True
+            log.warning("redis refused PEXPIRE ... XX (%s): a tenant's objects expire tenant_ttl_s after their write, "
+                        "not after their last read (Redis 7.0 or later moves it on)", reply[:80].decode(errors="replace"))
+
     def _set_via_client(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]:
         """SETs through redis-py's pipeline (cluster redirects and failed nodes only); ``values`` are
         the caller's copies, so a SET that lands after the deadline still stores a whole object."""
-        replies = self._cluster_pipeline(lambda pipe: [pipe.set(k, v) for k, v in zip(keys, values)])
+        ttls = [self._ttl_of((v,)) for v in values]
+        replies = self._cluster_pipeline(lambda pipe: [pipe.set(k, v, px=None if t is None else int(t))
+                                                       for k, v, t in zip(keys, values, ttls)])
         statuses = [KeyStatus.OK if ok else KeyStatus.ERROR for ok in replies]
         self.stats.bytes_written += sum(len(v) for v, st in zip(values, statuses) if st is KeyStatus.OK)
         return statuses

@@ -81,6 +81,8 @@ class StorageJob:
     prefix: str | None = None
     #: its objects' names after the prefix, one per key (None: the keys in hex; SGLang names its objects by its page hashes)
     names: list[str] | None = None
+    #: a save's owner tags, one per key (:func:`~kvtier.hashing.owner_tag`; None: every page the namespace's own)
+    owners: list[int] | None = None
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -259,11 +261,12 @@ class StorageTier:
     # ---- submission ------------------------------------------------------------------
     def submit(
         self, kind: Literal["save", "prefetch"], keys: list[PageHash], host_pages: list[int], tag: object = None,
-        prefix: str | None = None, names: list[str] | None = None,
+        prefix: str | None = None, names: list[str] | None = None, owners: list[int] | None = None,
     ) -> StorageJob | None:
         """Queue a job (``prefix``: the namespace its keys are stored under, if not the tier's; ``names``: its objects'
-        names, where not the keys in hex); None when the queue is full."""
-        job = StorageJob(kind, list(keys), list(host_pages), tag, prefix=prefix, names=None if names is None else list(names))
+        names, where not the keys in hex; ``owners``: a save's owner tags, one per key); None when the queue is full."""
+        job = StorageJob(kind, list(keys), list(host_pages), tag, prefix=prefix, names=None if names is None else list(names),
+                         owners=list(owners) if owners else None)
         if self._closed:
             return None
         try:
@@ -314,6 +317,10 @@ class StorageTier:
         return (self.keys(keys, job.prefix, None if job.names is None else job.names[start:stop]), [bytes(k) for k in keys],
                 [self.pages.views(p) for p in job.host_pages[start:stop]])
 
+    def _write(self, job: StorageJob, start: int) -> list[KeyStatus]:
+        owners = None if job.owners is None else job.owners[start : start + self._step]
+        return self.mover.write(self.codec, *self._batch(job, start), owners)
+
     def _save(self, job: StorageJob) -> None:
         """Keys the store already has (its leading run) are skipped; each I/O thread hashes a batch's
         headers over the host pages' own bytes and stores them."""
@@ -321,7 +328,7 @@ class StorageTier:
         job.skipped_existing = have
         job.statuses = [KeyStatus.OK] * have
 
-        self._batches(job, have, lambda start: self.mover.write(self.codec, *self._batch(job, start)),
+        self._batches(job, have, lambda start: self._write(job, start),
                       lambda statuses: self._record_saved(job, statuses))
         job.statuses += [KeyStatus.ERROR] * (len(job.keys) - len(job.statuses))
 

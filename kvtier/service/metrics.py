@@ -153,6 +153,13 @@ _L3_COUNTERS = {
     "fetch_failed_pages": "pages whose load from the L3 store failed (a miss)",
     "corrupt_pages": "pages the L3 store gave back that failed their checksum (a miss; deleted so the next save rewrites them)",
 }
+#: what a store that evicts by itself (the file store) deleted, by bound, and refused (kvtier.l3.tenant_bounds)
+_STORE_COUNTERS = {
+    "evicted_objects": "objects the L3 store's cap deleted (least recently used, never a tenant's below its guarantee)",
+    "expired_objects": "tenants' objects the L3 store deleted, unused past tenant_ttl_s",
+    "capped_objects": "tenants' objects the L3 store deleted past tenant_max_gb (the tenant's least recently used)",
+    "refused_full": "objects the L3 store refused: only tenants' guaranteed bytes were left above its cap",
+}
 
 
 def _engine_families(engines: list[dict]):
@@ -209,6 +216,9 @@ def _l3_families(l3: dict):
 
     for name, help_text in _L3_COUNTERS.items():
         yield CounterMetricFamily(f"{PREFIX}_l3_{name}", help_text, value=l3[name])
+    for name, help_text in _STORE_COUNTERS.items():
+        if name in l3:  # (a store that keeps them)
+            yield CounterMetricFamily(f"{PREFIX}_l3_store_{name}", help_text, value=l3[name])
     queue = GaugeMetricFamily(f"{PREFIX}_l3_queue_pages", "pages waiting for or in an L3 save, or an L3 load", labels=["op"])
     queue.add_metric(["save"], l3["saving_pages"])
     queue.add_metric(["load"], l3["fetching_pages"])

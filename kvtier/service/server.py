@@ -48,7 +48,7 @@ from kvtier.service.region import (Owner, Region, RegionFormat, adoptable_region
                                    release_region, remove_region, remove_stale_regions, write_format)
 from kvtier.service.sessions import Orphan, Sessions
 from kvtier.service.storage import Load, ServiceStorage, shard_prefixes
-from kvtier.service.tenants import RegionBounds, RegionTenants
+from kvtier.service.tenants import RegionBounds, RegionTenants, l3_tag
 from kvtier.service.wire import decode
 
 log = logging.getLogger(__name__)
@@ -544,8 +544,9 @@ class NodeService:
                 indexed += [p for p, k in zip(op.pages, op.keys) if p not in done and not self.index.has(conn.namespace, k)]
             at = {p: i for i, p in enumerate(op.pages)}
             names = self._names(op.names, 0)
+            tags = None if op.owners is None else [l3_tag(op.owners[at[p]]) for p in indexed]
             self.storage.published(conn.namespace, indexed, [op.keys[at[p]] for p in indexed],
-                                   None if names is None else [names[at[p]] for p in indexed])
+                                   None if names is None else [names[at[p]] for p in indexed], tags)
 
     def _names(self, names: list[str] | None, start: int) -> list[str] | None:
         """An op's object names from ``start`` on, where the region's format names its objects by them (else the

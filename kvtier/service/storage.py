@@ -257,9 +257,11 @@ class ServiceStorage:
         return self._region.format.objects[pool - 1].row is not None
 
     # ---- what the selector thread asks ---------------------------------------------------------
-    def published(self, namespace: str, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
-        """``pages`` (``keys[i]``'s, whose objects are ``names[i]`` where the engine names them) were just published
-        and indexed: save them, held until saved. Pages of an engine that names its objects are saved only with the names."""
+    def published(self, namespace: str, pages: list[int], keys: list[bytes], names: list[str] | None = None,
+                  owners: list[int] | None = None) -> None:
+        """``pages`` (``keys[i]``'s, whose objects are ``names[i]`` where the engine names them, with owner tags
+        ``owners[i]``) were just published and indexed: save them, held until saved. Pages of an engine that names its
+        objects are saved only with the names."""
         if not pages or (names is None and self._region.format.rows is not None):
             return
         n = self._region.num_pages
@@ -270,21 +272,22 @@ class ServiceStorage:
             for pool, at in sorted(by_pool.items()):
                 mine, mine_keys = [pages[i] for i in at], [keys[i] for i in at]
                 mine_names = None if names is None else [names[i] for i in at]
+                mine_owners = None if owners is None else [owners[i] for i in at]
                 if pool == 0:
-                    self.published(namespace, mine, mine_keys, mine_names)
+                    self.published(namespace, mine, mine_keys, mine_names, mine_owners)
                 else:
-                    self._save_objects(namespace, pool, mine, mine_keys, mine_names)
+                    self._save_objects(namespace, pool, mine, mine_keys, mine_names, mine_owners)
             return
-        self._queue_save(namespace, pages, zip(self._tiers.saves, self.prefixes(namespace)), keys, pages, names)
+        self._queue_save(namespace, pages, zip(self._tiers.saves, self.prefixes(namespace)), keys, pages, names, owners)
 
     def _queue_save(self, namespace: str, pages: list[int], shards, keys: list[bytes], host_pages: list[int],
-                    names: list[str] | None) -> None:
+                    names: list[str] | None, owners: list[int] | None = None) -> None:
         """Save ``pages`` (region-wide ids, held until saved) under ``namespace``: a job on each shard's (tier, prefix) of
         ``shards``, reading the tier's ``host_pages``; saved where every shard's job saved it."""
         self.index.hold(self._client(namespace), pages)
         save = Save(namespace, pages, 0, [True] * len(pages))
         for tier, prefix in shards:
-            job = tier.submit("save", keys, host_pages, prefix=prefix, names=names)
+            job = tier.submit("save", keys, host_pages, prefix=prefix, names=names, owners=owners)
             if job is None:  # the tier's queue is full: not saved (counted by the tier too)
                 save.ok = [False] * len(pages)
                 continue
@@ -293,7 +296,8 @@ class ServiceStorage:
         if not save.left:
             self._saved(save)
 
-    def _save_objects(self, namespace: str, pool: int, pages: list[int], keys: list[bytes], names: list[str] | None = None) -> None:
+    def _save_objects(self, namespace: str, pool: int, pages: list[int], keys: list[bytes], names: list[str] | None = None,
+                      owners: list[int] | None = None) -> None:
         """Object pool ``pool``'s ``pages`` (region-wide ids) saved as the engine's own L3 saves them: under ``namespace``
         by their keys, or (an engine's own pool's rows) under that pool's namespace by their ``names``, whose digests
         head the objects -- only where the names are given."""
@@ -303,7 +307,7 @@ class ServiceStorage:
             keys = [name_key(name) for name in names]  # (the index's keys are the pool's: group_object_key of these)
         base = pool * self._region.num_pages
         shards = zip(self._tiers.objects[pool][0], self._object_prefixes(namespace, pool))  # (every shard's object)
-        self._queue_save(namespace, pages, shards, keys, [p - base for p in pages], names)
+        self._queue_save(namespace, pages, shards, keys, [p - base for p in pages], names, owners)
 
     def load_objects(self, namespace: str, pool: int, keys: list[bytes], names: list[str] | None = None) -> Load | None:
         """The load of object pool ``pool``'s ``keys`` (a find's misses in the region; ``names``: their objects', where the
@@ -381,7 +385,16 @@ class ServiceStorage:
         available = all(t.available for t in self._every_tier()) if self._tiers is not None else None
         return {"url": redact_url(self.url), "available": available,
                 "saving_pages": sum(len(s.pages) for s in set(self._saving.values())), "fetching_pages": len(self._fetching),
-                **self.counters.as_dict()}
+                **self.counters.as_dict(), **self._store_deletions()}
+
+    #: what a store that evicts by itself (the file store) counts it deleted, by bound (:mod:`kvtier.l3.tenant_bounds`)
+    STORE_COUNTERS = ("evicted_objects", "expired_objects", "capped_objects", "refused_full")
+
+    def _store_deletions(self) -> dict[str, int]:
+        """The store's own counts, over its backends (one per shard), where it keeps them; nothing for Redis or Mooncake."""
+        backends = {id(t.backend): t.backend for t in self._every_tier()}.values()
+        return {name: sum(getattr(b, name) for b in backends if hasattr(b, name)) for name in self.STORE_COUNTERS
+                if any(hasattr(b, name) for b in backends)}
 
     def close(self, drain_timeout_s: float) -> bool:
         """Wait up to ``drain_timeout_s`` for the saves queued and under way, stop the loads, and close

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 from kvtier.config import check_number
 from kvtier.errors import ConfigError
+from kvtier.hashing import owner_tag
 
 #: owners that are not a tenant's digest, as the engine's ledger names them (and their ids in page records)
 WORDS = ("namespace", "shared", "overflow")
@@ -60,6 +61,11 @@ def owner_id(label: str) -> int:
 
 def owner_label(owner: int) -> str:
     return WORDS[owner] if owner < len(WORDS) else f"{owner:016x}"
+
+
+def l3_tag(owner: int) -> int:
+    """The owner tag of ``owner``'s pages in the service's L3 objects: the engine's own for the same tenant."""
+    return owner_tag(owner_label(owner))
 
 
 @dataclass(frozen=True)
