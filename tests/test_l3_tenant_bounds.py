@@ -379,3 +379,41 @@ def test_vllms_connector_saves_each_cache_salts_objects_with_its_tag_on_every_ra
         assert tags and sorted(set(tags)) == sorted({a, b}) and tags.count(a) == tags.count(b) and len(tags) % 2 == 0
     finally:
         eng.close()
+
+
+@pytest.mark.integration
+def test_a_redis_cluster_sets_moves_on_and_ends_a_tenants_ttl_on_each_node(tmp_path):
+    import redis
+
+    from kvtier.app.devservers import start_redis_cluster
+
+    servers = start_redis_cluster(tmp_path / "cluster")
+    try:
+        url = f"redis+cluster://127.0.0.1:{servers[0].port}?timeout=2&tenant_ttl_s=30"
+        cache = make_tiered_cache(SPEC, 4, 8, url, tenant_accounting=True)
+        try:
+            for i in range(4):
+                serve(cache, tokens(100 * i, 3 * PS), tenant="alice")
+            serve(cache, tokens(9000, 2 * PS))
+            cache.wait_idle()
+            alice = owner_tag(cache.tenant_label("alice"))
+        finally:
+            cache.close()
+        nodes = [redis.Redis(port=s.port) for s in servers]
+        ttls = {(n, k): (n.pttl(k), tag_of(n.getrange(k, 0, 15))) for n in nodes for k in n.keys("*")}
+        assert sorted(t for _ttl, t in ttls.values()) == sorted([alice] * 12 + [NAMESPACE_TAG] * 2)
+        assert sum(1 for n in nodes if any(m is n and t == alice for (m, _k), (_ttl, t) in ttls.items())) >= 2  # spread over nodes
+        assert all((25_000 < ttl <= 30_000) if t == alice else ttl == -1 for ttl, t in ttls.values())
+        for (n, k), (_ttl, t) in ttls.items():
+            if t == alice:
+                n.pexpire(k, 10_000)
+        cache = make_tiered_cache(SPEC, 4, 8, url, tenant_accounting=True)
+        try:
+            assert serve(cache, tokens(300, 3 * PS), prefetch=True, tenant="alice").storage_hit == 3
+        finally:
+            cache.close()
+        moved = [n.pttl(k) > 25_000 for (n, k), (_ttl, t) in ttls.items() if t == alice]
+        assert sum(moved) == 3, "each read must move on its own object's expiry, and no other's"
+    finally:
+        for s in servers:
+            s.stop()
