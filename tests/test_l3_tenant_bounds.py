@@ -157,9 +157,16 @@ def test_a_tenants_cap_in_the_file_store_cuts_only_its_own_oldest(tmp_path):
             mine.append(_put(store, ALICE, 100 + i))
             _age(store, mine[-1], 100 - i)  # each older than the next
         assert store.exists(others[:1]) == 1 and all(os.path.isfile(store._path(n)) for n in others)
+        assert store.sweeps <= 2, "a tenant at its cap must not make every write scan the whole store"
+        store.sweep()  # (the next one due: within a second of writes, she may be past her cap by what she wrote in it)
         kept = [os.path.isfile(store._path(n)) for n in mine]
         assert sum(kept) <= 5 and kept[-1] and kept == sorted(kept), kept  # her newest kept, her oldest gone
         assert store.capped_objects == 12 - sum(kept)
+        store._swept_at -= 2  # a second later, a write past her cap sweeps at once
+        before = store.sweeps
+        for i in range(3):
+            mine.append(_put(store, ALICE, 200 + i))
+        assert store.sweeps == before + 1 and sum(os.path.isfile(store._path(n)) for n in mine) <= 5
     finally:
         store.close()
 

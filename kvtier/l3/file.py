@@ -23,7 +23,8 @@
   cap never deletes), ``tenant_max_gb`` (a tenant's cap: its own least recently used objects go) and
   ``tenant_ttl_s`` (a tenant's objects unused that long are deleted; a sweeper thread looks every
   eighth of it), by the owner tag in each object's header. A store whose cap holds only guaranteed
-  bytes refuses new objects until a sweep finds room.
+  bytes refuses new objects until a sweep finds room. A sweep scans the whole store, so a tenant's
+  bound sweeps at most once a second, or ten times as seldom as a scan takes.
 * Several writers on one capped store: each process re-scans the directory
   after writing ``rescan_fraction`` (5%) of the cap since its last scan, so the
   store stays within ``cap * (1 + rescan_fraction * writers)`` plus one object.
@@ -172,11 +173,14 @@ class FileBackend:
         self.expired_objects = 0
         self.capped_objects = 0
         self.refused_full = 0
+        #: scans of the whole store (each a stat and a 16-byte read per object)
+        self.sweeps = 0
         #: bytes per owner tag at the last sweep, plus this process's writes since (tenant bounds only)
         self.tag_bytes: dict[int, int] = {}
         self._full = False
         self._tenant_over = False
         self._swept_at = 0.0
+        self._scan_s = 0.0  # how long the last sweep took
         self._sweep_lock = threading.Lock()
         self._closing = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -454,14 +458,21 @@ class FileBackend:
             pass  # renamed into place or swept by another process meanwhile
 
     def _enforce_cap(self) -> None:
-        """After writes: sweep when this process's count says a cap is passed, or others may have passed it (every
-        ``rescan_fraction`` of the smallest cap written; the first write scans)."""
-        caps = [c for c in (self.max_bytes, None if self.tenants is None else self.tenants.max_bytes) if c is not None]
-        if not caps:
-            return  # (a TTL alone: the sweeper's)
-        if (self._approx_bytes is None or self._written_since_scan > self.rescan_fraction * min(caps) or self._tenant_over
-                or self.max_bytes is not None and self._approx_bytes > self.max_bytes):
+        """After writes: sweep when this process's count passes the store's cap, when others may have passed it (every
+        ``rescan_fraction`` of it written since the last scan; the first write scans), or when its count passes a
+        tenant's cap -- at most as often as :meth:`_sweep_spacing_s` allows: a sweep scans the whole store."""
+        cap = self.max_bytes
+        if cap is not None and (self._approx_bytes is None or self._approx_bytes > cap
+                                or self._written_since_scan > self.rescan_fraction * cap):
             self.sweep()
+        elif self._tenant_over and time.monotonic() - self._swept_at >= self._sweep_spacing_s():
+            self.sweep()
+
+    def _sweep_spacing_s(self) -> float:
+        """The least time between sweeps a tenant's cap or lifetime asks for: a second, or ten times the last sweep's
+        scan, so that sweeping takes at most a tenth of one thread however large the store (a tenant passes its cap by
+        at most what it writes meanwhile, on every writer)."""
+        return max(1.0, 10.0 * self._scan_s)
 
     def _room_after_sweep(self) -> bool:
         """A full store looks again at most once a second (another process, an expiry or an operator may have made room)."""
@@ -473,6 +484,7 @@ class FileBackend:
         """Scan the store once: delete stale temp files, then what the store's cap and the tenants' bounds say
         (:func:`~kvtier.l3.tenant_bounds.plan_sweep`), and count it."""
         with self._sweep_lock:
+            started = time.monotonic()
             self._written_since_scan = 0
             self._tenant_over = False
             objects = []
@@ -488,6 +500,7 @@ class FileBackend:
                     os.unlink(o.ref)
                 except FileNotFoundError:
                     pass
+            self.sweeps += 1
             self.expired_objects += len(plan.expired)
             self.capped_objects += len(plan.capped)
             self.evicted_objects += len(plan.evicted)
@@ -495,13 +508,14 @@ class FileBackend:
             self.tag_bytes = plan.by_tag if self.tenants is not None else {}
             self._full = plan.full
             self._swept_at = time.monotonic()
+            self._scan_s = self._swept_at - started
             if plan.full:
                 log.warning("file store %s: %d bytes above its cap of %d are tenants' guaranteed bytes; new objects are refused "
                             "until a sweep finds room", self._root, plan.total - self.max_bytes, self.max_bytes)
             return plan
 
     def _sweep_every(self, step_s: float) -> None:
-        while not self._closing.wait(step_s):
+        while not self._closing.wait(max(step_s, 10.0 * self._scan_s)):
             try:
                 self.sweep()
             except Exception as e:  # never kill the sweeper: the next step tries again
