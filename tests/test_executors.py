@@ -10,6 +10,7 @@ import os
 import signal
 import time
 
+import numpy as np
 import pytest
 
 from kvtier.config import StorageConfig
@@ -291,6 +292,9 @@ def _malformed_plans(keys):
                                         owners=(1 << 32,)),
         "an owner that is a str": forged(op=87, src=Tier.HOST, dst=Tier.STORAGE, src_pages=(0,), dst_pages=(), keys=(keys[0],),
                                          owners=("3",)),
+        **{f"owners {what}": forged(op=88 + i, src=Tier.HOST, dst=Tier.STORAGE, src_pages=(0,), dst_pages=(), keys=(keys[0],),
+                                    owners=owners)
+           for i, (what, owners) in enumerate([("an array", np.array([3])), ("None", None), ("an int", 3)])},
     }
 
 

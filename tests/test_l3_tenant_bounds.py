@@ -171,6 +171,22 @@ def test_a_tenants_cap_in_the_file_store_cuts_only_its_own_oldest(tmp_path):
         store.close()
 
 
+def test_a_tenants_cap_never_makes_the_namespaces_writes_scan_the_store(tmp_path):
+    store = FileBackend(tmp_path, max_bytes=10_000 * OBJECT, tenants=TenantBounds(max_bytes=4 * OBJECT))
+    try:
+        for i in range(300):
+            _put(store, NAMESPACE_TAG, i)
+        assert store.sweeps == 1  # (the first write's: the store's rescans follow its own cap, every 5% of it)
+    finally:
+        store.close()
+
+
+def test_a_tenants_cap_never_cuts_it_below_its_guarantee():
+    objs = _objects([(ALICE, t) for t in range(11)])  # 110 bytes
+    assert plan_sweep(objs, TenantBounds(guaranteed_bytes=100, max_bytes=100), None, now_ns=1000).by_tag[ALICE] == 100
+    assert plan_sweep(objs, TenantBounds(guaranteed_bytes=50, max_bytes=100), None, now_ns=1000).by_tag[ALICE] == 90
+
+
 def test_the_file_stores_sweeper_deletes_a_tenants_objects_unused_past_its_ttl(tmp_path):
     store = FileBackend(tmp_path, tenants=TenantBounds(ttl_s=0.4))
     try:
@@ -197,11 +213,16 @@ def test_the_file_stores_sweeper_deletes_a_tenants_objects_unused_past_its_ttl(t
     ("tenant_min_gb=1&tenant_min_bytes=5&max_gb=3", "sets both tenant_min_bytes and tenant_min_gb"),
     ("tenant_min_gb=2&tenant_max_gb=1", "guaranteed 2147483648 bytes are above its cap"),
     ("tenant_min_gb=1", "set max_gb too"),
+    ("max_gb=1&tenant_min_gb=0.95", "above 90% of the store's cap"),  # (one tenant would fill it, and every write be refused)
+    ("tenant_min_bytes=0.5&max_gb=1", "less than one byte"),
+    ("tenant_ttl_s=1e11", "longer than ten years"),  # (past what the sweeper's wait and the sweep's clock hold)
+    ("tenant_ttl_s=1e300", "longer than ten years"),
 ])
-def test_bad_tenant_bounds_in_a_file_url_are_typed_errors(tmp_path, query, why):
+def test_bad_tenant_bounds_in_a_file_url_are_typed_errors_and_make_nothing(tmp_path, query, why):
+    root = tmp_path / "store"
     with pytest.raises(StorageError, match=why.replace("(", r"\(")):
-        FileBackend.from_url(parse_url(f"file://{tmp_path}?{query}"))
-    assert not any(Path(tmp_path).iterdir())
+        FileBackend.from_url(parse_url(f"file://{root}?{query}"))
+    assert not root.exists()
 
 
 def test_a_file_url_sets_every_tenant_bound(tmp_path):
@@ -327,6 +348,7 @@ def test_redis_deletes_a_tenants_objects_once_their_ttl_passes(redis_server, tmp
     ("redis://127.0.0.1:1/0?tenant_max_bytes=100&tenant_ttl_s=5", "sets tenant_max_gb, which redis cannot keep"),
     ("memory://?tenant_ttl_s=5", "memory URL sets tenant_ttl_s, which memory cannot keep"),
     ("redis://127.0.0.1:1/0?tenant_ttl_s=-1", "tenant_ttl_s='-1' must be a number > 0"),
+    ("redis://127.0.0.1:1/0?tenant_ttl_s=1e16", "longer than ten years"),  # (a PX Redis refuses: every tenant's SET would fail)
 ])
 def test_a_store_that_evicts_on_its_own_refuses_tenant_bounds_it_cannot_keep(url, why):
     from kvtier.l3.registry import open_backend
@@ -424,3 +446,27 @@ def test_a_redis_cluster_sets_moves_on_and_ends_a_tenants_ttl_on_each_node(tmp_p
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.integration
+def test_a_read_through_redis_pys_cluster_pipeline_moves_a_tenants_expiry_on_too(redis_server):
+    """A cluster's redirected keys, a failed node or a missing slot map go through redis-py's pipeline: its reads move a
+    tenant's expiry on as the direct path's do."""
+    import redis
+
+    from kvtier.l3.redis import RedisBackend
+
+    client = redis.Redis(port=redis_server.port)
+    backend = RedisBackend(redis.Redis(port=redis_server.port), cluster=True, tenant_ttl_s=30)  # (no slot map: every key there)
+    codec = PageCodec.for_spec(SPEC)
+    payload = memoryview(b"y" * codec.payload_bytes)
+    try:
+        for key, tag in (("mine", ALICE), ("namespace", NAMESPACE_TAG)):
+            head = codec.header_for_parts(PageHash(b"\x01" * 16), (payload,), owner=tag)
+            assert backend._set_via_client([key], [memoryview(head + bytes(payload))]) == [KeyStatus.OK]
+        client.pexpire("mine", 5000)
+        outs = [[memoryview(bytearray(codec.object_bytes))] for _ in range(3)]
+        assert backend.get_scattered(["mine", "namespace", "absent"], outs) == [KeyStatus.OK, KeyStatus.OK, KeyStatus.MISS]
+        assert client.pttl("mine") > 25_000 and client.pttl("namespace") == -1
+    finally:
+        backend.close()

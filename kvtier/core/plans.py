@@ -234,10 +234,10 @@ def plan_error(plan: object, device_pages: int, host_pages: int, group_pages: di
     elif keys:
         return f"plan {op}: a device<->host copy names {len(keys)} storage keys"
     owners = plan.owners
-    if owners and (dst is not Tier.STORAGE or type(owners) is not tuple or len(owners) != len(keys)
-                   or not set(map(type, owners)) <= _INT or min(owners) < 0 or max(owners) >= 1 << 32):
+    if type(owners) is not tuple or owners and (dst is not Tier.STORAGE or len(owners) != len(keys)
+                                                or not set(map(type, owners)) <= _INT or min(owners) < 0 or max(owners) >= 1 << 32):
         return (f"plan {op}: owners must be empty or, on a save, one owner tag (an int in [0, 2**32)) per key; "
-                f"got {type(owners).__name__} of {len(owners) if isinstance(owners, tuple) else '?'} for {len(keys)} keys")
+                f"got {type(owners).__name__}{f' of {len(owners)}' if type(owners) is tuple else ''} for {len(keys)} keys")
     return _written_twice(plan, group_pools or {}) if plan.groups else None
 
 

@@ -141,6 +141,9 @@ class FileBackend:
         self.stale_temp_s = stale_temp_s  # far above any write's lifetime (ms), so never a live one
         if max_bytes is not None and max_bytes <= 0:
             raise StorageError(f"file store cap must be > 0 bytes, got {max_bytes}; leave max_gb out for no cap")
+        self.tenants = tenants if tenants is not None and tenants.any else None
+        if self.tenants is not None:  # (before anything is made)
+            self.tenants.check_store_cap(max_bytes, "file")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             self._root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
@@ -163,10 +166,6 @@ class FileBackend:
         self.stale_temps_removed = 0
         #: times the root was found removed and made again (an operator wiped the store under a running engine)
         self.roots_recreated = 0
-        self.tenants = tenants if tenants is not None and tenants.any else None
-        if self.tenants is not None and self.tenants.guaranteed_bytes and max_bytes is None:
-            raise StorageError("file store: tenant_min_gb keeps a tenant's objects from the store's cap, and there is none; "
-                               "set max_gb too (or leave tenant_min_gb out)")
         #: objects deleted by each bound (:mod:`kvtier.l3.tenant_bounds`), and writes refused while only guaranteed bytes
         #: were left above the cap
         self.evicted_objects = 0
@@ -461,12 +460,12 @@ class FileBackend:
         """After writes: sweep when this process's count passes the store's cap, when others may have passed it (every
         ``rescan_fraction`` of it written since the last scan; the first write scans), or when its count passes a
         tenant's cap -- at most as often as :meth:`_sweep_spacing_s` allows: a sweep scans the whole store."""
-        cap = self.max_bytes
+        cap, seen = self.max_bytes, self._swept_at
         if cap is not None and (self._approx_bytes is None or self._approx_bytes > cap
                                 or self._written_since_scan > self.rescan_fraction * cap):
-            self.sweep()
-        elif self._tenant_over and time.monotonic() - self._swept_at >= self._sweep_spacing_s():
-            self.sweep()
+            self.sweep(unless_since=seen)
+        elif self._tenant_over and time.monotonic() - seen >= self._sweep_spacing_s():
+            self.sweep(unless_since=seen)
 
     def _sweep_spacing_s(self) -> float:
         """The least time between sweeps a tenant's cap or lifetime asks for: a second, or ten times the last sweep's
@@ -476,14 +475,18 @@ class FileBackend:
 
     def _room_after_sweep(self) -> bool:
         """A full store looks again at most once a second (another process, an expiry or an operator may have made room)."""
-        if time.monotonic() - self._swept_at >= 1.0:
-            self.sweep()
+        seen = self._swept_at
+        if time.monotonic() - seen >= 1.0:
+            self.sweep(unless_since=seen)
         return not self._full
 
-    def sweep(self) -> Sweep:
+    def sweep(self, unless_since: float | None = None) -> Sweep | None:
         """Scan the store once: delete stale temp files, then what the store's cap and the tenants' bounds say
-        (:func:`~kvtier.l3.tenant_bounds.plan_sweep`), and count it."""
+        (:func:`~kvtier.l3.tenant_bounds.plan_sweep`), and count it. ``unless_since``: skip it (None) if another
+        thread swept since that :attr:`_swept_at` (a writer that waited for the sweeper's lock needs no second scan)."""
         with self._sweep_lock:
+            if unless_since is not None and self._swept_at != unless_since:
+                return None
             started = time.monotonic()
             self._written_since_scan = 0
             self._tenant_over = False
@@ -506,10 +509,10 @@ class FileBackend:
             self.evicted_objects += len(plan.evicted)
             self._approx_bytes = plan.total
             self.tag_bytes = plan.by_tag if self.tenants is not None else {}
-            self._full = plan.full
+            was_full, self._full = self._full, plan.full
             self._swept_at = time.monotonic()
             self._scan_s = self._swept_at - started
-            if plan.full:
+            if plan.full and not was_full:  # (said once as it fills, not at each look while full)
                 log.warning("file store %s: %d bytes above its cap of %d are tenants' guaranteed bytes; new objects are refused "
                             "until a sweep finds room", self._root, plan.total - self.max_bytes, self.max_bytes)
             return plan

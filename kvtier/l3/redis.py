@@ -187,6 +187,7 @@ class RedisBackend:
         #: a tenant's objects expire this long after their last write or read (None: never); see the module docstring
         self.tenant_ttl_ms = None if tenant_ttl_s is None else max(1, round(tenant_ttl_s * 1000))
         self._told_no_refresh = False
+        self._told_refused_set = False
         self.cluster = cluster
         #: seconds each whole call may take (connect, send and every reply): not per receive
         self.timeout = timeout
@@ -260,7 +261,7 @@ class RedisBackend:
             raise StorageError(f"cannot reach redis at {host}:{port} ({type(e).__name__}: {e}); start it or fix the storage URL") from None
         return backend
 
-    def _cluster_pipeline(self, queue: Callable[[object], object], timeout: float | None = None) -> list:
+    def _cluster_pipeline(self, queue: Callable[[object], object], timeout: float | None = None, raise_on_error: bool = True) -> list:
         """The replies of a redis-py cluster pipeline that ``queue(pipe)`` filled, within ``timeout``
         (None: the URL's).
 
@@ -272,7 +273,7 @@ class RedisBackend:
         redirects and its failures are errors."""
         pipe = self.client.pipeline()
         queue(pipe)
-        future = self._pipelines.submit(pipe.execute)
+        future = self._pipelines.submit(pipe.execute, raise_on_error)
         try:
             return future.result(timeout=self.timeout if timeout is None else timeout)
         except FutureTimeout:
@@ -401,7 +402,19 @@ class RedisBackend:
     def _get_via_client(self, keys: Sequence[str], outs: Sequence[Sequence[memoryview]]) -> list[KeyStatus]:
         """GETs through redis-py's pipeline, each value copied once into its buffers."""
         statuses = [KeyStatus.ERROR] * len(keys)
-        values = self._cluster_pipeline(lambda pipe: [pipe.get(k) for k in keys])
+        ttl = self.tenant_ttl_ms
+        if ttl is None:
+            values = self._cluster_pipeline(lambda pipe: [pipe.get(k) for k in keys])
+        else:  # each GET with its PEXPIRE XX, as on the direct path (a refused XX fails that PEXPIRE alone)
+            replies = self._cluster_pipeline(lambda pipe: [c for k in keys for c in (pipe.get(k), pipe.pexpire(k, ttl, xx=True))],
+                                             raise_on_error=False)
+            values = replies[0::2]
+            for value in values:
+                if isinstance(value, Exception):
+                    raise value  # (what the pipeline raises without raise_on_error)
+            for reply in replies[1::2]:
+                if isinstance(reply, Exception):
+                    self._refreshed(b"-" + str(reply).encode(errors="replace"))
         for i, (value, parts) in enumerate(zip(values, outs)):
             if value is None:
                 statuses[i] = KeyStatus.MISS
@@ -490,6 +503,10 @@ class RedisBackend:
                 if reply[:1] not in (b"+", b"-"):
                     raise ConnectionError(f"unexpected redis reply to SET: {reply[:40]!r}")
         self.stats.bytes_written += sum(len(p) for ps, r in zip(parts, replies) if r == b"+OK" for p in ps)
+        refused = next((r for r in replies if r[:1] == b"-" and not r.startswith(_REDIRECTS)), None)
+        if refused is not None and not self._told_refused_set:
+            self._told_refused_set = True  # (each such page is a failed save, counted by the tier: said once here, with why)
+            log.warning("redis refused a SET: %s", refused[:120].decode(errors="replace"))
         return [KeyStatus.OK if r == b"+OK" else None if r.startswith(_REDIRECTS) else KeyStatus.ERROR for r in replies]
 
     def set(self, keys: Sequence[str], values: Sequence[memoryview]) -> list[KeyStatus]:

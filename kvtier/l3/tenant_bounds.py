@@ -9,7 +9,8 @@ left to the store's LRU, as in the host tier and the node service:
 * ``guaranteed_bytes``: the store's cap never deletes a tenant's objects below this. Where only
   guaranteed bytes are left above the cap, the store is *full*: it refuses new objects until a sweep
   finds room (a write that would delete a guaranteed page is refused instead);
-* ``max_bytes``: a tenant past it loses its own least recently used objects, down to 90% of it;
+* ``max_bytes``: a tenant past it loses its own least recently used objects, down to 90% of it (or its
+  guarantee, if more);
 * ``ttl_s``: an object of a tenant's that nobody read or wrote for this long is deleted (the store's
   sweeper runs every eighth of it).
 
@@ -27,6 +28,8 @@ from kvtier.config import check_number
 from kvtier.errors import ConfigError, StorageError
 from kvtier.hashing import OVERFLOW_TAG
 
+#: the longest lifetime a URL may give (ten years): what a store's clocks and Redis's expiry hold with room to spare
+MAX_TTL_S = 10 * 365 * 86400.0
 #: URL options, each with its scale to bytes (``*_gb``: GiB); a bound takes one spelling
 _BYTE_OPTIONS = {"guaranteed_bytes": (("tenant_min_bytes", 1), ("tenant_min_gb", 1 << 30)),
                  "max_bytes": (("tenant_max_bytes", 1), ("tenant_max_gb", 1 << 30))}
@@ -48,10 +51,23 @@ class TenantBounds:
     def __post_init__(self) -> None:
         check_number(self, "guaranteed_bytes", at_least=0, integer=True)
         check_number(self, "max_bytes", above=0, integer=True)
-        check_number(self, "ttl_s", above=0)
+        check_number(self, "ttl_s", above=0, at_most=MAX_TTL_S)
         if self.max_bytes is not None and self.guaranteed_bytes > self.max_bytes:
             raise ConfigError(f"a tenant's guaranteed {self.guaranteed_bytes} bytes are above its cap of {self.max_bytes}; "
                               "lower tenant_min_gb or raise tenant_max_gb")
+
+    def check_store_cap(self, store_cap: int | None, store: str) -> None:
+        """A StorageError where these bounds cannot hold under a store's cap: a guarantee with no cap to keep it from,
+        or one above what a sweep leaves (90% of the cap: a single tenant would fill the store and every write but an
+        expiry's room would be refused for good)."""
+        if not self.guaranteed_bytes:
+            return
+        if store_cap is None:
+            raise StorageError(f"{store} store: tenant_min_gb keeps a tenant's objects from the store's cap, and there is none; "
+                               "set max_gb too (or leave tenant_min_gb out)")
+        if self.guaranteed_bytes > 0.9 * store_cap:
+            raise StorageError(f"{store} store: a tenant's guaranteed {self.guaranteed_bytes} bytes are above 90% of the store's cap "
+                               f"of {store_cap} (what a sweep leaves); lower tenant_min_gb or raise max_gb")
 
     @property
     def any(self) -> bool:
@@ -67,8 +83,14 @@ class TenantBounds:
                 raise StorageError(f"{store} URL sets both {given[0][0]} and {given[1][0]}; give one")
             for name, scale in given:
                 got[bound] = int(_positive(query, name, store, "tenant_max_gb=10") * scale)
+                if got[bound] < 1:
+                    raise StorageError(f"{store} URL option {name}={query[name]!r} is less than one byte; give at least 1 byte "
+                                       "(or leave it out)")
         if "tenant_ttl_s" in query:
             got["ttl_s"] = _positive(query, "tenant_ttl_s", store, "tenant_ttl_s=3600")
+            if got["ttl_s"] > MAX_TTL_S:
+                raise StorageError(f"{store} URL option tenant_ttl_s={query['tenant_ttl_s']!r} is longer than ten years "
+                                   f"({MAX_TTL_S:.0f} s); leave it out for no lifetime")
         try:
             return cls(**got)
         except ConfigError as e:
@@ -146,8 +168,8 @@ def plan_sweep(objects: Iterable[StoredObject], bounds: TenantBounds, store_cap:
     for o in live:
         by_tag[o.tag] = by_tag.get(o.tag, 0) + o.size
     deleted: set[int] = set()
-    if bounds.max_bytes is not None:  # a tenant past its cap is cut to 90% of it: the next cut is a tenth of a cap of writes away
-        target = int(bounds.max_bytes * 0.9)
+    if bounds.max_bytes is not None:  # a tenant past its cap is cut to 90% of it (never below its guarantee): the next cut is
+        target = max(int(bounds.max_bytes * 0.9), bounds.guaranteed_bytes)  # a tenth of a cap of writes away
         over = {tag for tag, n in by_tag.items() if is_tenant(tag) and n > bounds.max_bytes}
         for i, o in enumerate(live):
             if o.tag in over and by_tag[o.tag] > target:
