@@ -368,7 +368,8 @@ def test_the_services_file_l3_keeps_a_tenants_cap_by_the_tags_it_writes_and_says
     base = ReferenceEngine(MODEL, NullCache(DevicePool(SPEC, 64)))
     store = tmp_path / "l3"
     cap = 6 * PageCodec.for_spec(SPEC).object_bytes
-    with running_service(tmp_path, 0.01, "--storage-url", f"file://{store}?tenant_max_bytes={cap}", "--metrics-port", "0") as svc:
+    with running_service(tmp_path, 0.01, "--storage-url", f"file://{store}?tenant_max_bytes={cap}", "--metrics-port", "0",
+                         "--tenant-accounting") as svc:
         cache, engine = _engine(svc.socket)
         try:
             for p in _alice_prompts():  # 12 pages through the service's L3, against a cap of 6 objects there
@@ -376,12 +377,22 @@ def test_the_services_file_l3_keeps_a_tenants_cap_by_the_tags_it_writes_and_says
             label = cache.tenant_label("alice")
         finally:
             cache.close()
-        status, _s = wait_until(lambda: _saved(query_status_of(svc.socket)(), 12), 30.0)
-        tags = [tag_of(f.read_bytes()[:16]) for f in store.rglob("*") if f.is_file() and not f.name.startswith(".")]
-        assert tags == [owner_tag(label)] * len(tags) and len(tags) <= 6
+        wait_until(lambda: _saved(query_status_of(svc.socket)(), 12), 30.0)
+
+        def objects() -> list[int]:
+            return [tag_of(f.read_bytes()[:16]) for f in store.rglob("*") if f.is_file() and not f.name.startswith(".")]
+
+        # (a sweep for a cap waits a second after the last one: the store's sweeper brings her under it once she stops)
+        tags, _s = wait_until(lambda: (lambda t: t if len(t) <= 6 else None)(objects()), 10.0)
+        assert tags == [owner_tag(label)] * len(tags)
+        status = query_status_of(svc.socket)()
         assert status["l3"]["capped_objects"] == 12 - len(tags) and status["l3"]["evicted_objects"] == 0
+        row = {r["tenant"]: r for r in status["tenants"]}[label]
+        assert row["l3_bytes"] == len(tags) * PageCodec.for_spec(SPEC).object_bytes  # (her bytes in L3, under her digest)
         m = scrape_metrics(re.search(r"metrics on (http://127\.0\.0\.1:\d+/metrics)", svc.banner).group(1))
         assert m[("kvtier_service_l3_store_capped_objects_total", ())] == status["l3"]["capped_objects"]
+        who = tuple(sorted({"namespace": row["namespace"], "tenant": label}.items()))
+        assert m[("kvtier_service_tenant_l3_bytes", who)] == row["l3_bytes"]
 
 
 def _saved(status: dict, n: int) -> dict | None:

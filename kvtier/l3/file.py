@@ -22,7 +22,8 @@
 * Per tenant (:mod:`kvtier.l3.tenant_bounds`): ``tenant_min_gb`` (a tenant's objects the store's
   cap never deletes), ``tenant_max_gb`` (a tenant's cap: its own least recently used objects go) and
   ``tenant_ttl_s`` (a tenant's objects unused that long are deleted; a sweeper thread looks every
-  eighth of it), by the owner tag in each object's header. A store whose cap holds only guaranteed
+  eighth of it, and within a second for a cap a write passed while its sweep had to wait), by the
+  owner tag in each object's header. A store whose cap holds only guaranteed
   bytes refuses new objects until a sweep finds room. A sweep scans the whole store, so a tenant's
   bound sweeps at most once a second, or ten times as seldom as a scan takes.
 * Several writers on one capped store: each process re-scans the directory
@@ -183,9 +184,10 @@ class FileBackend:
         self._sweep_lock = threading.Lock()
         self._closing = threading.Event()
         self._sweeper: threading.Thread | None = None
-        if self.tenants is not None and self.tenants.ttl_s is not None:
-            self._sweeper = threading.Thread(target=self._sweep_every, args=(self.tenants.ttl_s / 8,), name="kvtier-file-sweeper",
-                                             daemon=True)
+        if self.tenants is not None and (self.tenants.ttl_s is not None or self.tenants.max_bytes is not None):
+            ttl, cap = self.tenants.ttl_s, self.tenants.max_bytes
+            step = min(ttl / 8 if ttl is not None else 1.0, 1.0 if cap is not None else ttl / 8)
+            self._sweeper = threading.Thread(target=self._sweep_every, args=(step,), name="kvtier-file-sweeper", daemon=True)
             self._sweeper.start()
 
     @classmethod
@@ -518,7 +520,12 @@ class FileBackend:
             return plan
 
     def _sweep_every(self, step_s: float) -> None:
+        """Sweep every ``step_s`` (or ten times the last scan's time, if longer) while a lifetime is set; with a tenants'
+        cap alone, only when a write passed it and its own sweep had to wait (a tenant that stops writing past its
+        cap is still brought under it)."""
         while not self._closing.wait(max(step_s, 10.0 * self._scan_s)):
+            if self.tenants.ttl_s is None and not self._tenant_over:
+                continue
             try:
                 self.sweep()
             except Exception as e:  # never kill the sweeper: the next step tries again

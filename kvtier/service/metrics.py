@@ -63,7 +63,7 @@ class ServiceSnapshot:
             return cls(region.format.page_bytes // region.format.pools, index.alloc.num_pages, index.alloc.num_free,
                        index.pages_by_namespace(),
                        dict(index.hit_pages_of), dict(index.miss_pages_of), counters, clients, orphaned, writers, l3, service.engines(),
-                       [] if index.tenants is None else index.tenants.usage(namespace_label)[0])
+                       [] if index.tenants is None else service.tenant_usage()[0])
 
 
 #: the index's counters exported as ``kvtier_service_<name>_total``
@@ -202,13 +202,19 @@ def _tenant_families(rows: list[dict]):
     labels = ["namespace", "tenant"]
     pages = GaugeMetricFamily(f"{PREFIX}_tenant_pages", "region pages a tenant's requests wrote, offered to lookups", labels=labels)
     counters = {name: CounterMetricFamily(f"{PREFIX}_tenant_{name}", text, labels=labels) for name, text in _TENANT_COUNTERS.items()}
+    l3 = GaugeMetricFamily(f"{PREFIX}_tenant_l3_bytes", "bytes of a tenant's objects in the service's L3 store (a file store with "
+                           "tenant bounds: at its last sweep, plus what the service wrote since)", labels=labels)
     for row in rows:
         who = [row["namespace"], row["tenant"]]
         pages.add_metric(who, row["pages"])
         for name, fam in counters.items():
             fam.add_metric(who, row[name])
+        if "l3_bytes" in row:
+            l3.add_metric(who, row["l3_bytes"])
     yield pages
     yield from counters.values()
+    if l3.samples:
+        yield l3
 
 
 def _l3_families(l3: dict):

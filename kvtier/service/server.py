@@ -48,7 +48,7 @@ from kvtier.service.region import (Owner, Region, RegionFormat, adoptable_region
                                    release_region, remove_region, remove_stale_regions, write_format)
 from kvtier.service.sessions import Orphan, Sessions
 from kvtier.service.storage import Load, ServiceStorage, shard_prefixes
-from kvtier.service.tenants import RegionBounds, RegionTenants, l3_tag
+from kvtier.service.tenants import WORDS, RegionBounds, RegionTenants, l3_tag, owner_id
 from kvtier.service.wire import decode
 
 log = logging.getLogger(__name__)
@@ -605,7 +605,7 @@ class NodeService:
             out["duplicates"] = out["ready"] - sum(out["pages_per_namespace"].values())
             out["engines"] = self.engines()
             if self.index.tenants is not None:  # (each tenant a digest, each namespace as the engines' rows show it)
-                out["tenants"], out["tenants_not_shown"] = self.index.tenants.usage(namespace_label)
+                out["tenants"], out["tenants_not_shown"] = self.tenant_usage()
         if self.records is not None:
             out["verify"] = {"sample": self.records.verify_sample, "verified_pages": self.records.verified_pages,
                              "failed_pages": self.records.verify_failed_pages}
@@ -617,6 +617,18 @@ class NodeService:
         # (the index counts an orphaned session as a client: here, the attached ones and the orphans apart)
         return out | {"clients": self.attached_clients, "orphaned": self.orphaned_clients, "protocol_errors": self.protocol_errors,
                       "unread_drops": self.unread_drops, "fd_limit_hits": self.fd_limit_hits}
+
+    def tenant_usage(self) -> tuple[list[dict], int]:
+        """The tenant rows ``--status`` and the metrics show, and how many more there are. Where the service's L3 keeps
+        bytes per owner tag (a file store with tenant bounds), a tenant's row has ``l3_bytes``: what the store held of
+        its objects at its last sweep, plus what this service wrote since."""
+        rows, more = self.index.tenants.usage(namespace_label)
+        held = self.storage.tag_bytes() if self.storage is not None else None
+        if held is not None:
+            for row in rows:
+                if row["tenant"] not in WORDS:
+                    row["l3_bytes"] = held.get(l3_tag(owner_id(row["tenant"])), 0)
+        return rows, more
 
     def engines(self) -> list[dict]:
         """The per-engine view: each attached session's process, namespace (as :func:`namespace_label` shows it),

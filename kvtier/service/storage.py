@@ -390,6 +390,17 @@ class ServiceStorage:
     #: what a store that evicts by itself (the file store) counts it deleted, by bound (:mod:`kvtier.l3.tenant_bounds`)
     STORE_COUNTERS = ("evicted_objects", "expired_objects", "capped_objects", "refused_full")
 
+    def tag_bytes(self) -> dict[int, int] | None:
+        """Bytes per owner tag in the store, over its backends, where it keeps them (a file store with tenant bounds)."""
+        backends = [b for b in {id(t.backend): t.backend for t in self._every_tier()}.values() if getattr(b, "tenants", None)]
+        if not backends:
+            return None
+        out: dict[int, int] = {}
+        for b in backends:
+            for tag, n in dict(b.tag_bytes).items():  # (a copy: I/O threads count into it)
+                out[tag] = out.get(tag, 0) + n
+        return out
+
     def _store_deletions(self) -> dict[str, int]:
         """The store's own counts, over its backends (one per shard), where it keeps them; nothing for Redis or Mooncake."""
         backends = {id(t.backend): t.backend for t in self._every_tier()}.values()
