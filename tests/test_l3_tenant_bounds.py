@@ -153,11 +153,14 @@ def test_a_tenants_cap_in_the_file_store_cuts_only_its_own_oldest(tmp_path):
     try:
         others = [_put(store, t, i) for i, t in enumerate([BOB, NAMESPACE_TAG, SHARED_TAG] * 3)]
         mine = []
+        t0 = time.monotonic()
         for i in range(12):
             mine.append(_put(store, ALICE, 100 + i))
             _age(store, mine[-1], 100 - i)  # each older than the next
+        elapsed = time.monotonic() - t0
         assert store.exists(others[:1]) == 1 and all(os.path.isfile(store._path(n)) for n in others)
-        assert store.sweeps <= 2, "a tenant at its cap must not make every write scan the whole store"
+        # (at most one sweep a second from the writes, and one from the sweeper: however slow the machine, not one a write)
+        assert store.sweeps <= 2 + 2 * int(elapsed), "a tenant at its cap must not make every write scan the whole store"
         store.sweep()  # (the next one due: within a second of writes, she may be past her cap by what she wrote in it)
         kept = [os.path.isfile(store._path(n)) for n in mine]
         assert sum(kept) <= 5 and kept[-1] and kept == sorted(kept), kept  # her newest kept, her oldest gone
@@ -318,7 +321,7 @@ def test_redis_sets_a_tenants_objects_with_its_ttl_moves_it_on_at_each_read_and_
     ttls = {k: client.pttl(k) for k in client.keys("*")}
     tagged = {k: tag_of(client.getrange(k, 0, 15)) for k in ttls}
     assert sorted(tagged.values()) == sorted([owner_tag(alice)] * 3 + [NAMESPACE_TAG] * 2)
-    assert all(25_000 < ttls[k] <= 30_000 for k, t in tagged.items() if t != NAMESPACE_TAG)
+    assert all(15_000 < ttls[k] <= 30_000 for k, t in tagged.items() if t != NAMESPACE_TAG)
     assert all(ttls[k] == -1 for k, t in tagged.items() if t == NAMESPACE_TAG)  # never an expiry on an unowned object
     mine = [k for k, t in tagged.items() if t != NAMESPACE_TAG]
     for k in mine:
@@ -330,7 +333,7 @@ def test_redis_sets_a_tenants_objects_with_its_ttl_moves_it_on_at_each_read_and_
         serve(cache, tokens(2, 2 * PS), prefetch=True)
     finally:
         cache.close()
-    assert all(client.pttl(k) > 25_000 for k in mine)
+    assert all(client.pttl(k) > 15_000 for k in mine)  # (set back to 10 s before the read)
     assert all(client.pttl(k) == -1 for k, t in tagged.items() if t == NAMESPACE_TAG)
 
 
@@ -432,7 +435,7 @@ def test_a_redis_cluster_sets_moves_on_and_ends_a_tenants_ttl_on_each_node(tmp_p
         ttls = {(n, k): (n.pttl(k), tag_of(n.getrange(k, 0, 15))) for n in nodes for k in n.keys("*")}
         assert sorted(t for _ttl, t in ttls.values()) == sorted([alice] * 12 + [NAMESPACE_TAG] * 2)
         assert sum(1 for n in nodes if any(m is n and t == alice for (m, _k), (_ttl, t) in ttls.items())) >= 2  # spread over nodes
-        assert all((25_000 < ttl <= 30_000) if t == alice else ttl == -1 for ttl, t in ttls.values())
+        assert all((15_000 < ttl <= 30_000) if t == alice else ttl == -1 for ttl, t in ttls.values())
         for (n, k), (_ttl, t) in ttls.items():
             if t == alice:
                 n.pexpire(k, 10_000)
@@ -441,7 +444,7 @@ def test_a_redis_cluster_sets_moves_on_and_ends_a_tenants_ttl_on_each_node(tmp_p
             assert serve(cache, tokens(300, 3 * PS), prefetch=True, tenant="alice").storage_hit == 3
         finally:
             cache.close()
-        moved = [n.pttl(k) > 25_000 for (n, k), (_ttl, t) in ttls.items() if t == alice]
+        moved = [n.pttl(k) > 15_000 for (n, k), (_ttl, t) in ttls.items() if t == alice]
         assert sum(moved) == 3, "each read must move on its own object's expiry, and no other's"
     finally:
         for s in servers:
@@ -467,6 +470,6 @@ def test_a_read_through_redis_pys_cluster_pipeline_moves_a_tenants_expiry_on_too
         client.pexpire("mine", 5000)
         outs = [[memoryview(bytearray(codec.object_bytes))] for _ in range(3)]
         assert backend.get_scattered(["mine", "namespace", "absent"], outs) == [KeyStatus.OK, KeyStatus.OK, KeyStatus.MISS]
-        assert client.pttl("mine") > 25_000 and client.pttl("namespace") == -1
+        assert client.pttl("mine") > 15_000 and client.pttl("namespace") == -1
     finally:
         backend.close()
