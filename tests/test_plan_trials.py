@@ -121,6 +121,26 @@ def test_the_service_error_is_per_request_and_signed(chat_slice):
     assert none.service is none.queue is None and none.end_to_end.error_pct == {"p50": 0.0, "p90": 0.0} and none.note
 
 
+def test_each_parts_median_per_trial_is_judged_against_the_prediction(chat_slice):
+    """The drain's level moves from one replay to the next: each trial's median is reported, and the prediction is
+    judged inside, below or above their range."""
+    _eng, _requests, _profile, costs, _setup, work, pred = chat_slice
+    timing = predicted_timing(work, pred, costs)
+    after = timing.per_request_after_s
+    trials = [after * 0.9, after * 1.3, after * 1.1]  # a machine that drifted
+    split = split_error(work.requests, work.time_scale, timing, [timing.per_request_ttft_s] * 3, [timing.per_request_service_s] * 3,
+                        trials)
+    level = float(np.median(after)) * 1e3
+    d = split.drain_trials
+    assert d.predicted_ms == pytest.approx(level, abs=1e-3) and d.verdict == "inside"
+    assert d.trial_medians_ms == pytest.approx([0.9 * level, 1.3 * level, 1.1 * level], abs=1e-3)
+    slower = split_error(work.requests, work.time_scale, timing, [timing.per_request_ttft_s] * 2, [timing.per_request_service_s] * 2,
+                         [after * 1.2, after * 1.5])
+    assert slower.drain_trials.verdict == "below" and slower.service_trials.verdict == "inside"  # (service: exact, one value)
+    none = split_error(work.requests, work.time_scale, timing, [timing.per_request_ttft_s], [[]], [[]])
+    assert none.drain_trials is None and none.service_trials is None
+
+
 # ---- trials against kvtier run's engine ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trials_report(chat_slice):

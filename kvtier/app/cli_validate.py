@@ -205,6 +205,11 @@ def split_table(c):
 
     per_request("service", "per request, median |error| / signed", sp["service"])
     per_request("drain after it", "per request, median |error| / signed", sp["drain"])
+    for name, spread in (("service", sp.get("service_trials")), ("drain after it", sp.get("drain_trials"))):
+        if spread is not None:  # (its median per trial: a bias inside the trials' own drift says little)
+            medians = spread["trial_medians_ms"]
+            t.add_row(name, "median per request, trials' range", f"{spread['predicted_ms']:.2f} ms",
+                      f"{min(medians):.2f}..{max(medians):.2f} ms", spread["verdict"])
     for name, row in (("queue, on measured service", sp["queue"]), ("end to end", sp["end_to_end"])):
         if row is None:
             continue

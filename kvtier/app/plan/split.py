@@ -8,7 +8,9 @@ checked on its own against what the engine measured, pooled over the trials:
   wake-up of an idle engine where the planner's queue finds it idle) against the same request's
   measured service (the engine's own seconds from its start to the first token: no queueing); and
   the drain after it (the commit, backups and L3 saves that hold the engine before the next
-  request) against the measured drain. Per request: median absolute and median signed error;
+  request) against the measured drain. Per request: median absolute and median signed error; and each
+  part's median per trial, judged against the predicted median (:class:`TrialSpread`): the drain's level
+  moves from one replay to the next on a busy machine by as much as its bias (docs/planner.md);
 * **queue model**: the planner's own queue (:func:`~kvtier.app.plan.timing.simulate`) run on the
   *measured* service and drain times at the same arrivals, against the measured TTFT (p50, p90):
   what the queue model alone gets wrong;
@@ -26,7 +28,7 @@ import numpy as np
 
 from kvtier.app.plan.config import PlanConfig
 from kvtier.app.plan.timing import Timing, simulate
-from kvtier.app.plan.trials import rounded_pct
+from kvtier.app.plan.trials import Verdict, judge, rounded_pct
 from kvtier.app.workloads.mooncake import TraceRequest
 
 PERCENTILES = ("p50", "p90")
@@ -75,6 +77,22 @@ def percentile_error(predicted: np.ndarray, measured: np.ndarray, trials: int = 
 
 
 @dataclass(frozen=True)
+class TrialSpread:
+    """One part's median per request, predicted and in each trial (ms), and where the prediction falls against the
+    trials' range: a bias smaller than the trials' own spread is not told apart from the machine's drift."""
+
+    predicted_ms: float
+    trial_medians_ms: list[float]
+    verdict: Verdict
+
+
+def trial_spread(predicted: np.ndarray, per_trial: Sequence[Sequence[float]]) -> TrialSpread:
+    medians = [round(float(np.median(np.asarray(t, dtype=float))) * 1e3, 4) for t in per_trial]
+    p = round(float(np.median(np.asarray(predicted, dtype=float))) * 1e3, 4)
+    return TrialSpread(p, medians, judge(p, min(medians), max(medians)))
+
+
+@dataclass(frozen=True)
 class ErrorSplit:
     """The TTFT error by cause (see the module); ``None`` where the engine does not time its service."""
 
@@ -83,6 +101,9 @@ class ErrorSplit:
     queue: PercentileError | None
     end_to_end: PercentileError
     note: str = ""
+    #: the service's and the drain's medians per trial against the predicted ones
+    service_trials: TrialSpread | None = None
+    drain_trials: TrialSpread | None = None
 
 
 class MeasuredCosts:
@@ -124,4 +145,6 @@ def split_error(requests: Sequence[TraceRequest], time_scale: float, predicted: 
                                for s, d in zip(measured_service, measured_drain)])
     return ErrorSplit(per_request_error(tile(predicted.per_request_service_s), service),
                       per_request_error(tile(predicted.per_request_after_s), drain),
-                      percentile_error(replayed, ttft), e2e)
+                      percentile_error(replayed, ttft), e2e,
+                      service_trials=trial_spread(predicted.per_request_service_s, measured_service),
+                      drain_trials=trial_spread(predicted.per_request_after_s, measured_drain))
