@@ -14,7 +14,7 @@ import signal
 
 import pytest
 
-from support.service import query_status_of, raw_connection, read_answer, running_service, start_service, stop, store_files
+from support.service import query_status_of, raw_connection, read_answer, running_service, start_service, stop, store_files, wait_until
 from support.sglang_helpers import (
     PoolName,
     attach,
@@ -171,6 +171,8 @@ def test_a_service_killed_and_started_again_adopts_sglangs_region_and_saves_what
         reader = attach(storage_config(None, **rank["opts"], **service), mha_pool())
         assert reader.batch_exists(KEYS) == PAGES // 2  # the adopted pages (the rest is in no tier yet)
         reader.close()
+        # (its lookup asked the service's L3 for the rest: that load, a miss, is over before the rest is backed up)
+        wait_until(lambda: query_status_of(sock)()["l3"]["fetching_pages"] == 0, 30.0)
         assert _back_up(None, rank, **service) == PAGES
     finally:
         assert stop(svc.proc) == 0  # SIGTERM: its saves drain first
