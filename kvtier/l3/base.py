@@ -44,7 +44,7 @@ module imports no backend.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
@@ -179,4 +179,16 @@ def query_number(u: StorageURL, name: str, default: float, *, integer: bool = Fa
     if value is None or value != value or value in (float("inf"), float("-inf")) or value < minimum:
         kind = "an integer" if integer else "a number"
         raise StorageError(f"storage URL option {name}={raw!r} must be {kind} >= {minimum:g} (in {redact_url(u.url)!r})")
+    return value
+
+
+def positive_option(query: Mapping[str, str], name: str, store: str, example: str, scale: float = 1) -> float:
+    """URL option ``name`` times ``scale`` (e.g. GiB to bytes): a finite number > 0, or a :class:`StorageError` naming the
+    option and an ``example``."""
+    try:
+        value = float(query[name]) * scale
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise StorageError(f"{store} URL option {name}={query[name]!r} must be a number > 0 (e.g. {example})")
     return value

@@ -48,8 +48,8 @@ from pathlib import Path
 import xxhash
 
 from kvtier.errors import StorageError
-from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors, redact_url
-from kvtier.l3.page import MAGIC, tag_of
+from kvtier.l3.base import BackendStats, Capabilities, KeyStatus, StorageURL, map_storage_errors, positive_option, redact_url
+from kvtier.l3.page import MAGIC, tag_of, tag_of_parts
 from kvtier.l3.tenant_bounds import StoredObject, Sweep, TenantBounds, is_tenant, plan_sweep
 
 log = logging.getLogger(__name__)
@@ -114,16 +114,6 @@ def _page_head(path: str, allow_empty: bool = False) -> bytes | None:
     finally:
         os.close(fd)
     return head if head[: len(MAGIC)] == MAGIC or (allow_empty and head == b"") else None
-
-
-def _object_head(parts: Sequence[memoryview]) -> bytes:
-    """The first 16 bytes of the object ``parts`` hold back to back."""
-    head = b""
-    for p in parts:
-        head += bytes(memoryview(p).cast("B")[: _HEAD_BYTES - len(head)])
-        if len(head) >= _HEAD_BYTES:
-            break
-    return head
 
 
 _CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
@@ -204,13 +194,7 @@ class FileBackend:
         cap = None
         for name, scale in (("max_bytes", 1), ("max_gb", 1 << 30)):
             if name in u.query:
-                try:
-                    value = float(u.query[name]) * scale
-                except ValueError:
-                    value = float("nan")
-                if not value > 0 or value == float("inf"):
-                    raise StorageError(f"file URL option {name}={u.query[name]!r} must be a number > 0 (e.g. max_gb=100)")
-                cap = int(value)
+                cap = int(positive_option(u.query, name, "file", "max_gb=100", scale))
                 break
         return cls(u.path, cap, tenants=TenantBounds.from_query(u.query, "file"))
 
@@ -370,7 +354,7 @@ class FileBackend:
                 if self._approx_bytes is not None:
                     self._approx_bytes += size
                 if self.tenants is not None:
-                    self._count_tag(tag_of(_object_head(bufs)), size)
+                    self._count_tag(tag_of_parts(bufs), size)
             result.append(status[0])
         self._enforce_cap()
         return result

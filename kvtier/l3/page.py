@@ -55,6 +55,17 @@ def tag_of(head: bytes | memoryview) -> int:
     return int.from_bytes(bytes(head[12:16]), "little")
 
 
+def tag_of_parts(parts: Sequence[memoryview]) -> int:
+    """The owner tag of an object held by ``parts`` back to back (a writer's header and payload buffers); 0 (the
+    namespace's) where they hold fewer than 16 bytes."""
+    head = b""
+    for p in parts:
+        head += bytes(memoryview(p).cast("B")[: 16 - len(head)])
+        if len(head) >= 16:
+            break
+    return tag_of(head)
+
+
 Verdict = Literal["ok", "magic", "version", "fingerprint", "key", "size", "valid_tokens", "checksum"]
 
 

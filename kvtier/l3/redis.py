@@ -63,7 +63,7 @@ from kvtier.l3.base import (
     redact_url,
     scatter_into,
 )
-from kvtier.l3.page import tag_of
+from kvtier.l3.page import tag_of_parts
 from kvtier.l3.tenant_bounds import is_tenant, refuse_unkept
 
 log = logging.getLogger(__name__)
@@ -516,12 +516,7 @@ class RedisBackend:
         """The PX argument of an object's SET: the TTL in ms for a tenant's object, else None (no expiry)."""
         if self.tenant_ttl_ms is None:
             return None
-        head = b""
-        for p in parts:
-            head += bytes(memoryview(p).cast("B")[: 16 - len(head)])
-            if len(head) >= 16:
-                break
-        return b"%d" % self.tenant_ttl_ms if len(head) == 16 and is_tenant(tag_of(head)) else None
+        return b"%d" % self.tenant_ttl_ms if is_tenant(tag_of_parts(parts)) else None
 
     def _refreshed(self, reply: bytes) -> None:
         """A PEXPIRE XX's reply (``:1`` moved on, ``:0`` no expiry to move, a redirect as its GET's); Redis before 7.0

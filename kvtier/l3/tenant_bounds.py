@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from kvtier.config import check_number
 from kvtier.errors import ConfigError, StorageError
 from kvtier.hashing import OVERFLOW_TAG
+from kvtier.l3.base import positive_option
 
 #: the longest lifetime a URL may give (ten years): what a store's clocks and Redis's expiry hold with room to spare
 MAX_TTL_S = 10 * 365 * 86400.0
@@ -82,12 +83,12 @@ class TenantBounds:
             if len(given) > 1:
                 raise StorageError(f"{store} URL sets both {given[0][0]} and {given[1][0]}; give one")
             for name, scale in given:
-                got[bound] = int(_positive(query, name, store, "tenant_max_gb=10") * scale)
+                got[bound] = int(positive_option(query, name, store, "tenant_max_gb=10", scale))
                 if got[bound] < 1:
                     raise StorageError(f"{store} URL option {name}={query[name]!r} is less than one byte; give at least 1 byte "
                                        "(or leave it out)")
         if "tenant_ttl_s" in query:
-            got["ttl_s"] = _positive(query, "tenant_ttl_s", store, "tenant_ttl_s=3600")
+            got["ttl_s"] = positive_option(query, "tenant_ttl_s", store, "tenant_ttl_s=3600")
             if got["ttl_s"] > MAX_TTL_S:
                 raise StorageError(f"{store} URL option tenant_ttl_s={query['tenant_ttl_s']!r} is longer than ten years "
                                    f"({MAX_TTL_S:.0f} s); leave it out for no lifetime")
@@ -109,16 +110,6 @@ def refuse_unkept(query: Mapping[str, str], store: str, keeps: tuple[str, ...] =
                            f"policy, and only a store kvtier evicts itself (file://) bounds each tenant"
                            + (f"; {store} keeps {', '.join(options[n] for n in keeps)}" if keeps else ""))
     return bounds
-
-
-def _positive(query: Mapping[str, str], name: str, store: str, example: str) -> float:
-    try:
-        value = float(query[name])
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise StorageError(f"{store} URL option {name}={query[name]!r} must be a number > 0 (e.g. {example})")
-    return value
 
 
 @dataclass(frozen=True, slots=True)

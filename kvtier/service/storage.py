@@ -390,9 +390,13 @@ class ServiceStorage:
     #: what a store that evicts by itself (the file store) counts it deleted, by bound (:mod:`kvtier.l3.tenant_bounds`)
     STORE_COUNTERS = ("evicted_objects", "expired_objects", "capped_objects", "refused_full")
 
+    def _backends(self) -> list:
+        """The stores behind the tiers, each once (shards and object pools may share one)."""
+        return list({id(t.backend): t.backend for t in self._every_tier()}.values())
+
     def tag_bytes(self) -> dict[int, int] | None:
         """Bytes per owner tag in the store, over its backends, where it keeps them (a file store with tenant bounds)."""
-        backends = [b for b in {id(t.backend): t.backend for t in self._every_tier()}.values() if getattr(b, "tenants", None)]
+        backends = [b for b in self._backends() if getattr(b, "tenants", None)]
         if not backends:
             return None
         out: dict[int, int] = {}
@@ -403,7 +407,7 @@ class ServiceStorage:
 
     def _store_deletions(self) -> dict[str, int]:
         """The store's own counts, over its backends (one per shard), where it keeps them; nothing for Redis or Mooncake."""
-        backends = {id(t.backend): t.backend for t in self._every_tier()}.values()
+        backends = self._backends()
         return {name: sum(getattr(b, name) for b in backends if hasattr(b, name)) for name in self.STORE_COUNTERS
                 if any(hasattr(b, name) for b in backends)}
 
